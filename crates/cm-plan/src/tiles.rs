@@ -1,0 +1,292 @@
+//! The tile descriptor: exact full / partial classification of every non-empty
+//! `block_m x block_n` tile, in forward (per query block) and transposed (per key block) CSR
+//! lists, plus the per-row form a kernel uses on partial tiles.
+//!
+//! Invariants owned here: a tile is *full* exactly when every in-range pair in it is visible
+//! (edge tiles count only rows `< q_len` and keys `< kv_len`), *empty* exactly when none is,
+//! and *partial* otherwise; empty tiles are never stored; index lists are ascending; the
+//! transposed lists hold exactly the same tiles. Memory is O(rows x intervals + non-empty
+//! tiles x block_m), never O(num_m_blocks x num_n_blocks).
+
+use crate::rows::{KeyInterval, RowIntervals};
+use serde::Serialize;
+
+/// A tile shape in tokens: `block_m` query rows by `block_n` keys. Any positive sizes are
+/// accepted for planning and exports; the GPU kernels use their own multiples of 16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct TileShape {
+    pub block_m: u32,
+    pub block_n: u32,
+}
+
+impl Default for TileShape {
+    fn default() -> Self {
+        TileShape { block_m: 128, block_n: 128 }
+    }
+}
+
+/// Counts of tiles by class. `empty` counts every tile of the grid that no row sees into.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TileCounts {
+    pub full: u64,
+    pub partial: u64,
+    pub empty: u64,
+}
+
+/// The compiled tile descriptor of one mask at one tile shape.
+///
+/// Forward lists are CSR over query blocks (`m_block`): the partial key blocks of `m_block`
+/// are `kv_indices[kv_offsets[m_block]..kv_offsets[m_block + 1]]`, ascending, and likewise
+/// `full_kv_*`. Transposed lists are CSR over key blocks (`n_block`): `q_indices` /
+/// `full_q_indices`, with `q_partial_ids[i]` the position of that tile in the forward
+/// partial list (so the backward pass finds the same per-row data).
+///
+/// Per-row form of partial tiles: `partial_row_first` is `[num_partial, block_m]`. For the
+/// `p`-th partial tile `(m_block, n_block)` and local row `r` (query row
+/// `q = m_block * block_m + r < q_len`), it holds the absolute index into
+/// `RowIntervals::intervals()` of that row's first interval ending after the tile's first
+/// key `n_block * block_n`. A kernel applies the row by walking intervals from there while
+/// `i < row_ptr[q + 1]` and `intervals[i].start < (n_block + 1) * block_n`, so several
+/// intervals per row inside one tile need no special case. Rows `>= q_len` hold
+/// `row_ptr[q_len]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TileDescriptor {
+    pub tile: TileShape,
+    pub q_len: u32,
+    pub kv_len: u32,
+    pub num_m_blocks: u32,
+    pub num_n_blocks: u32,
+    pub kv_offsets: Vec<u32>,
+    pub kv_indices: Vec<u32>,
+    pub full_kv_offsets: Vec<u32>,
+    pub full_kv_indices: Vec<u32>,
+    pub partial_row_first: Vec<u32>,
+    pub q_offsets: Vec<u32>,
+    pub q_indices: Vec<u32>,
+    pub q_partial_ids: Vec<u32>,
+    pub full_q_offsets: Vec<u32>,
+    pub full_q_indices: Vec<u32>,
+    /// In-range (q, k) pairs inside full and partial tiles: the work a tile kernel does.
+    pub computed_pairs: u64,
+}
+
+fn ceil_div(a: u32, b: u32) -> u32 {
+    a.div_ceil(b)
+}
+
+/// Merges sorted-by-start intervals in place into maximal ones (touching runs join).
+fn merge_sorted(v: &mut Vec<KeyInterval>) {
+    let mut w = 0usize;
+    for i in 0..v.len() {
+        if w > 0 && v[i].start <= v[w - 1].end {
+            v[w - 1].end = v[w - 1].end.max(v[i].end);
+        } else {
+            v[w] = v[i];
+            w += 1;
+        }
+    }
+    v.truncate(w);
+}
+
+fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterval>) {
+    out.clear();
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let lo = a[i].start.max(b[j].start);
+        let hi = a[i].end.min(b[j].end);
+        if lo < hi {
+            out.push(KeyInterval { start: lo, end: hi });
+        }
+        if a[i].end < b[j].end {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+}
+
+impl TileDescriptor {
+    /// Classifies every tile of `rows` at `tile`. Cost O(rows x intervals x log + non-empty
+    /// tiles x block_m).
+    ///
+    /// # Panics
+    /// If a block size is zero (the facade validates tile shapes first).
+    pub fn build(rows: &RowIntervals, tile: TileShape) -> TileDescriptor {
+        assert!(tile.block_m > 0 && tile.block_n > 0, "tile sizes are validated by the caller");
+        let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+        let (bm, bn) = (tile.block_m, tile.block_n);
+        let num_m = ceil_div(q_len, bm);
+        let num_n = ceil_div(kv_len, bn);
+        let row_ptr = rows.row_ptr();
+        let all = rows.intervals();
+        let mut d = TileDescriptor {
+            tile,
+            q_len,
+            kv_len,
+            num_m_blocks: num_m,
+            num_n_blocks: num_n,
+            kv_offsets: Vec::with_capacity(num_m as usize + 1),
+            kv_indices: Vec::new(),
+            full_kv_offsets: Vec::with_capacity(num_m as usize + 1),
+            full_kv_indices: Vec::new(),
+            partial_row_first: Vec::new(),
+            q_offsets: Vec::new(),
+            q_indices: Vec::new(),
+            q_partial_ids: Vec::new(),
+            full_q_offsets: Vec::new(),
+            full_q_indices: Vec::new(),
+            computed_pairs: 0,
+        };
+        d.kv_offsets.push(0);
+        d.full_kv_offsets.push(0);
+        let mut union: Vec<KeyInterval> = Vec::new();
+        let mut inter: Vec<KeyInterval> = Vec::new();
+        let mut scratch: Vec<KeyInterval> = Vec::new();
+        let mut touched: Vec<u32> = Vec::new();
+        let mut full: Vec<u32> = Vec::new();
+        for m in 0..num_m {
+            let r0 = m * bm;
+            let r1 = (r0 + bm).min(q_len);
+            union.clear();
+            union.extend_from_slice(&all[row_ptr[r0 as usize] as usize..row_ptr[r1 as usize] as usize]);
+            union.sort_unstable_by_key(|iv| iv.start);
+            merge_sorted(&mut union);
+            inter.clear();
+            inter.extend_from_slice(rows.row(r0));
+            for q in r0 + 1..r1 {
+                if inter.is_empty() {
+                    break;
+                }
+                intersect_into(&inter, rows.row(q), &mut scratch);
+                std::mem::swap(&mut inter, &mut scratch);
+            }
+            touched.clear();
+            for iv in &union {
+                let first = iv.start / bn;
+                let last = (iv.end - 1) / bn;
+                let from = match touched.last() {
+                    Some(&t) if t >= first => t + 1,
+                    _ => first,
+                };
+                touched.extend(from..=last);
+            }
+            full.clear();
+            for iv in &inter {
+                let first = ceil_div(iv.start, bn);
+                let last_excl = if iv.end == kv_len { num_n } else { iv.end / bn };
+                full.extend(first..last_excl.max(first));
+            }
+            let rows_in = u64::from(r1 - r0);
+            let mut fi = 0usize;
+            for &n in &touched {
+                let cols_in = u64::from((n * bn + bn).min(kv_len) - n * bn);
+                d.computed_pairs += rows_in * cols_in;
+                while fi < full.len() && full[fi] < n {
+                    fi += 1;
+                }
+                if fi < full.len() && full[fi] == n {
+                    d.full_kv_indices.push(n);
+                } else {
+                    d.kv_indices.push(n);
+                }
+            }
+            let partial_start = d.kv_offsets[m as usize] as usize;
+            d.kv_offsets.push(d.kv_indices.len() as u32);
+            d.full_kv_offsets.push(d.full_kv_indices.len() as u32);
+            let partial = &d.kv_indices[partial_start..];
+            let base = d.partial_row_first.len();
+            d.partial_row_first.resize(base + partial.len() * bm as usize, row_ptr[q_len as usize]);
+            for q in r0..r1 {
+                let row = rows.row(q);
+                let mut j = 0usize;
+                for (p, &n) in partial.iter().enumerate() {
+                    let tile_start = n * bn;
+                    while j < row.len() && row[j].end <= tile_start {
+                        j += 1;
+                    }
+                    d.partial_row_first[base + p * bm as usize + (q - r0) as usize] = row_ptr[q as usize] + j as u32;
+                }
+            }
+        }
+        d.build_transpose();
+        d
+    }
+
+    fn build_transpose(&mut self) {
+        let num_n = self.num_n_blocks as usize;
+        let (q_offsets, ids) = transpose_csr(&self.kv_offsets, &self.kv_indices, num_n);
+        self.q_indices = ids.iter().map(|&(m, _)| m).collect();
+        self.q_partial_ids = ids.iter().map(|&(_, p)| p).collect();
+        self.q_offsets = q_offsets;
+        let (full_offsets, full_ids) = transpose_csr(&self.full_kv_offsets, &self.full_kv_indices, num_n);
+        self.full_q_offsets = full_offsets;
+        self.full_q_indices = full_ids.iter().map(|&(m, _)| m).collect();
+    }
+
+    /// Tile counts by class over the whole `num_m_blocks x num_n_blocks` grid.
+    pub fn counts(&self) -> TileCounts {
+        let full = self.full_kv_indices.len() as u64;
+        let partial = self.kv_indices.len() as u64;
+        let grid = u64::from(self.num_m_blocks) * u64::from(self.num_n_blocks);
+        TileCounts { full, partial, empty: grid - full - partial }
+    }
+
+    /// Flex's `kv_num_blocks[m_block]`: partial key blocks of a query block.
+    pub fn kv_num_blocks(&self) -> Vec<u32> {
+        self.kv_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// Flex's `full_kv_num_blocks[m_block]`.
+    pub fn full_kv_num_blocks(&self) -> Vec<u32> {
+        self.full_kv_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// Flex's `q_num_blocks[n_block]`.
+    pub fn q_num_blocks(&self) -> Vec<u32> {
+        self.q_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// Flex's `full_q_num_blocks[n_block]`.
+    pub fn full_q_num_blocks(&self) -> Vec<u32> {
+        self.full_q_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// Bytes of every array a kernel reads, this descriptor's lists plus the row intervals.
+    pub fn bytes(&self, rows: &RowIntervals) -> usize {
+        let lists = [
+            &self.kv_offsets,
+            &self.kv_indices,
+            &self.full_kv_offsets,
+            &self.full_kv_indices,
+            &self.partial_row_first,
+            &self.q_offsets,
+            &self.q_indices,
+            &self.q_partial_ids,
+            &self.full_q_offsets,
+            &self.full_q_indices,
+        ];
+        lists.iter().map(|v| v.len() * 4).sum::<usize>() + rows.bytes()
+    }
+}
+
+/// Transposes a CSR (rows -> ascending column ids) into columns -> ascending (row, entry id).
+fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, Vec<(u32, u32)>) {
+    let mut counts = vec![0u32; num_cols + 1];
+    for &c in cols {
+        counts[c as usize + 1] += 1;
+    }
+    for i in 0..num_cols {
+        counts[i + 1] += counts[i];
+    }
+    let out_offsets = counts.clone();
+    let mut fill = counts;
+    let mut out = vec![(0u32, 0u32); cols.len()];
+    for (row, w) in offsets.windows(2).enumerate() {
+        for e in w[0]..w[1] {
+            let c = cols[e as usize] as usize;
+            out[fill[c] as usize] = (row as u32, e);
+            fill[c] += 1;
+        }
+    }
+    (out_offsets, out)
+}
