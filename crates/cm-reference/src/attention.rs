@@ -1,0 +1,325 @@
+//! Forward and backward masked attention that visits only the visible `(query, key)` pairs.
+//!
+//! Softmax is computed per row in `f64` from the row's own maximum, so no sentinel value ever
+//! competes with real logits and `-inf - -inf` can never occur: empty rows are detected before
+//! any exponent is taken and follow the empty-row contract of the crate docs.
+
+use cm_plan::RowIntervals;
+
+use crate::error::ReferenceError;
+use crate::float::Float;
+use crate::masks::Masks;
+use crate::shape::{check_len, AttentionShape, Sizes};
+
+const Q_DIMS: &str = "[batch, num_heads, q_len, head_dim]";
+const K_DIMS: &str = "[batch, num_kv_heads, kv_len, head_dim]";
+const V_DIMS: &str = "[batch, num_kv_heads, kv_len, head_dim_v]";
+const OUT_DIMS: &str = "[batch, num_heads, q_len, head_dim_v]";
+
+/// Result of [`attention_forward`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForwardOutput<T> {
+    /// Attention output, `[batch, num_heads, q_len, head_dim_v]`, row-major. Rows with no
+    /// visible key are exactly 0.
+    pub out: Vec<T>,
+    /// Natural-log log-sum-exp of each row's scaled logits (`softmax_scale * q . k` over the
+    /// visible keys), `[batch, num_heads, q_len]`, row-major. `-inf` for rows with no visible key.
+    pub lse: Vec<T>,
+}
+
+/// Result of [`attention_backward`]: gradients of `sum(out * dout)` with respect to the inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gradients<T> {
+    /// Gradient of `q`, `[batch, num_heads, q_len, head_dim]`; 0 for rows with no visible key.
+    pub dq: Vec<T>,
+    /// Gradient of `k`, `[batch, num_kv_heads, kv_len, head_dim]`, summed over the query heads
+    /// of each GQA group; exactly 0 for keys no row of the group sees.
+    pub dk: Vec<T>,
+    /// Gradient of `v`, `[batch, num_kv_heads, kv_len, head_dim_v]`, summed like `dk`; exactly 0
+    /// for keys no row of the group sees.
+    pub dv: Vec<T>,
+}
+
+/// Validated inputs shared by both passes.
+struct Ctx<'a, T> {
+    shape: AttentionShape,
+    sizes: Sizes,
+    k: &'a [T],
+    v: &'a [T],
+    masks: Vec<&'a RowIntervals>,
+    scale: f64,
+}
+
+fn check_finite<T: Float>(tensor: &'static str, data: &[T]) -> Result<(), ReferenceError> {
+    match data.iter().position(|x| !x.to_f64().is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(ReferenceError::NonFiniteInput {
+            tensor,
+            index,
+            value: data[index].to_f64(),
+        }),
+    }
+}
+
+fn dot<T: Float>(a: &[f64], b: &[T]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y.to_f64()).sum()
+}
+
+fn widen_into<T: Float>(dst: &mut Vec<f64>, src: &[T]) {
+    dst.clear();
+    dst.extend(src.iter().map(|x| x.to_f64()));
+}
+
+/// Softmax statistics of one non-empty row.
+struct RowStats {
+    max: f64,
+    sum: f64,
+}
+
+impl<'a, T: Float> Ctx<'a, T> {
+    fn new(
+        shape: &AttentionShape,
+        q: &'a [T],
+        k: &'a [T],
+        v: &'a [T],
+        masks: &Masks<'a>,
+        softmax_scale: T,
+    ) -> Result<Self, ReferenceError> {
+        let sizes = shape.sizes()?;
+        check_len("q", Q_DIMS, q.len(), sizes.q)?;
+        check_len("k", K_DIMS, k.len(), sizes.k)?;
+        check_len("v", V_DIMS, v.len(), sizes.v)?;
+        let scale = softmax_scale.to_f64();
+        if !scale.is_finite() {
+            return Err(ReferenceError::NonFiniteScale { value: scale });
+        }
+        check_finite("q", q)?;
+        check_finite("k", k)?;
+        check_finite("v", v)?;
+        let masks = masks.resolve(shape)?;
+        Ok(Ctx {
+            shape: *shape,
+            sizes,
+            k,
+            v,
+            masks,
+            scale,
+        })
+    }
+
+    /// Flat index of query row `(b, h, i)`, i.e. the row's offset divided by its width.
+    fn q_row(&self, b: usize, h: usize, i: usize) -> usize {
+        (b * self.shape.num_heads + h) * self.shape.q_len + i
+    }
+
+    /// Flat index of key row `(b, kv_head, j)`.
+    fn kv_row(&self, b: usize, kv_head: usize, j: usize) -> usize {
+        (b * self.shape.num_kv_heads + kv_head) * self.shape.kv_len + j
+    }
+
+    fn k_vec(&self, row: usize) -> &'a [T] {
+        let d = self.shape.head_dim;
+        &self.k[row * d..(row + 1) * d]
+    }
+
+    fn v_vec(&self, row: usize) -> &'a [T] {
+        let d = self.shape.head_dim_v;
+        &self.v[row * d..(row + 1) * d]
+    }
+
+    /// Fills `logits` with the scaled logits of the visible keys of row `i`, in interval order,
+    /// and returns their max and exp-sum; `None` for a row with no visible key.
+    fn row_logits(
+        &self,
+        b: usize,
+        h: usize,
+        i: usize,
+        qf: &[f64],
+        logits: &mut Vec<f64>,
+    ) -> Result<Option<RowStats>, ReferenceError> {
+        let kv_head = h / self.sizes.group;
+        let mask = self.masks[b * self.shape.num_heads + h];
+        logits.clear();
+        let mut max = f64::NEG_INFINITY;
+        // `i < q_len == mask.q_len()`, which is a u32, so the narrowing is lossless.
+        for iv in mask.row(i as u32) {
+            for j in iv.start as usize..iv.end as usize {
+                let s = self.scale * dot(qf, self.k_vec(self.kv_row(b, kv_head, j)));
+                if !s.is_finite() {
+                    return Err(ReferenceError::LogitOverflow {
+                        batch: b,
+                        head: h,
+                        row: i,
+                    });
+                }
+                max = max.max(s);
+                logits.push(s);
+            }
+        }
+        if logits.is_empty() {
+            return Ok(None);
+        }
+        // Every exponent is <= 0 and the max itself contributes exp(0) = 1, so sum >= 1:
+        // no overflow, no division by zero, and ln(sum) is finite.
+        let sum = logits.iter().map(|&s| (s - max).exp()).sum();
+        Ok(Some(RowStats { max, sum }))
+    }
+}
+
+/// Masked scaled-dot-product attention, forward.
+///
+/// For batch `b`, query head `h` and query row `i` (0-based), with `kvh = h / (num_heads /
+/// num_kv_heads)` and `V(i)` the keys in the half-open intervals `masks[b, h].row(i)`:
+/// `s_j = softmax_scale * q[b, h, i, :] . k[b, kvh, j, :]`,
+/// `lse[b, h, i] = ln(sum_{j in V(i)} exp(s_j))` and
+/// `out[b, h, i, :] = sum_{j in V(i)} exp(s_j - lse) * v[b, kvh, j, :]`.
+/// If `V(i)` is empty, `out` is exactly 0 and `lse` is `-inf`.
+///
+/// Inputs are contiguous row-major slices shaped as in [`AttentionShape`]; `softmax_scale` is a
+/// plain multiplier of the logits (commonly `1 / sqrt(head_dim)`). Cost is
+/// `O(visible_pairs * (head_dim + head_dim_v))` per `(batch, head)`.
+///
+/// # Errors
+/// [`ReferenceError`] when the head counts are 0 or not divisible, a slice length does not match
+/// the shape, a mask is missing, mis-indexed, planned for other lengths or invalid,
+/// `softmax_scale` or an input element is not finite, or a logit overflows `f64`.
+pub fn attention_forward<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    masks: &Masks<'_>,
+    softmax_scale: T,
+) -> Result<ForwardOutput<T>, ReferenceError> {
+    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale)?;
+    let (d, dv) = (shape.head_dim, shape.head_dim_v);
+    let zero = T::from_f64(0.0);
+    let mut out = vec![zero; ctx.sizes.out];
+    let mut lse = vec![T::from_f64(f64::NEG_INFINITY); ctx.sizes.lse];
+    let (mut qf, mut logits, mut acc) = (Vec::with_capacity(d), Vec::new(), vec![0.0f64; dv]);
+
+    for b in 0..shape.batch {
+        for h in 0..shape.num_heads {
+            let kv_head = h / ctx.sizes.group;
+            let mask = ctx.masks[b * shape.num_heads + h];
+            for i in 0..shape.q_len {
+                let row = ctx.q_row(b, h, i);
+                widen_into(&mut qf, &q[row * d..(row + 1) * d]);
+                let Some(stats) = ctx.row_logits(b, h, i, &qf, &mut logits)? else {
+                    continue; // `out` is already 0 and `lse` already -inf.
+                };
+                acc.fill(0.0);
+                let mut t = 0;
+                for iv in mask.row(i as u32) {
+                    for j in iv.start as usize..iv.end as usize {
+                        let p = (logits[t] - stats.max).exp();
+                        t += 1;
+                        for (a, x) in acc.iter_mut().zip(ctx.v_vec(ctx.kv_row(b, kv_head, j))) {
+                            *a += p * x.to_f64();
+                        }
+                    }
+                }
+                for (o, a) in out[row * dv..(row + 1) * dv].iter_mut().zip(&acc) {
+                    *o = T::from_f64(a / stats.sum);
+                }
+                lse[row] = T::from_f64(stats.max + stats.sum.ln());
+            }
+        }
+    }
+    Ok(ForwardOutput { out, lse })
+}
+
+/// Masked scaled-dot-product attention, backward: the gradients of `sum(out * dout)` for the
+/// forward of [`attention_forward`] on the same inputs.
+///
+/// The forward statistics are recomputed in `f64` rather than taken from the caller, so the
+/// result does not inherit the rounding of an `f32` `out` or `lse`. With `P` the row softmax and
+/// `D_i = sum_j P_ij * (dout_i . v_j)`: `dv_j += P_ij * dout_i`,
+/// `dS_ij = P_ij * (dout_i . v_j - D_i)`, `dq_i = softmax_scale * sum_j dS_ij * k_j` and
+/// `dk_j += softmax_scale * dS_ij * q_i`, with `dk`/`dv` summed over the query heads of each
+/// GQA group. Rows with no visible key get `dq = 0` and add nothing; keys no row sees get
+/// `dk = dv = 0` exactly.
+///
+/// `dout` is `[batch, num_heads, q_len, head_dim_v]`; the other arguments are as in
+/// [`attention_forward`]. Cost is `O(visible_pairs * (head_dim + head_dim_v))` per
+/// `(batch, head)`.
+///
+/// # Errors
+/// Those of [`attention_forward`], plus a wrong length or a non-finite element of `dout`.
+pub fn attention_backward<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+    masks: &Masks<'_>,
+    softmax_scale: T,
+) -> Result<Gradients<T>, ReferenceError> {
+    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale)?;
+    check_len("dout", OUT_DIMS, dout.len(), ctx.sizes.out)?;
+    check_finite("dout", dout)?;
+    let (d, dvw, scale) = (shape.head_dim, shape.head_dim_v, ctx.scale);
+    let mut dq = vec![T::from_f64(0.0); ctx.sizes.q];
+    // dk/dv receive contributions from many rows and heads, so they stay in f64 until the end.
+    let mut dk_acc = vec![0.0f64; ctx.sizes.k];
+    let mut dv_acc = vec![0.0f64; ctx.sizes.v];
+    let (mut qf, mut dof, mut logits) =
+        (Vec::with_capacity(d), Vec::with_capacity(dvw), Vec::new());
+    let (mut probs, mut dps, mut dq_row) = (Vec::new(), Vec::new(), vec![0.0f64; d]);
+
+    for b in 0..shape.batch {
+        for h in 0..shape.num_heads {
+            let kv_head = h / ctx.sizes.group;
+            let mask = ctx.masks[b * shape.num_heads + h];
+            for i in 0..shape.q_len {
+                let row = ctx.q_row(b, h, i);
+                widen_into(&mut qf, &q[row * d..(row + 1) * d]);
+                let Some(stats) = ctx.row_logits(b, h, i, &qf, &mut logits)? else {
+                    continue; // dq is already 0; the row touches no key.
+                };
+                widen_into(&mut dof, &dout[row * dvw..(row + 1) * dvw]);
+                probs.clear();
+                dps.clear();
+                let mut delta = 0.0;
+                let mut t = 0;
+                for iv in mask.row(i as u32) {
+                    for j in iv.start as usize..iv.end as usize {
+                        let p = (logits[t] - stats.max).exp() / stats.sum;
+                        t += 1;
+                        let dp = dot(&dof, ctx.v_vec(ctx.kv_row(b, kv_head, j)));
+                        delta += p * dp;
+                        probs.push(p);
+                        dps.push(dp);
+                    }
+                }
+                dq_row.fill(0.0);
+                let mut t = 0;
+                for iv in mask.row(i as u32) {
+                    for j in iv.start as usize..iv.end as usize {
+                        let (p, dp) = (probs[t], dps[t]);
+                        t += 1;
+                        let kv = ctx.kv_row(b, kv_head, j);
+                        let ds = scale * p * (dp - delta);
+                        for (g, x) in dq_row.iter_mut().zip(ctx.k_vec(kv)) {
+                            *g += ds * x.to_f64();
+                        }
+                        for (g, x) in dk_acc[kv * d..(kv + 1) * d].iter_mut().zip(&qf) {
+                            *g += ds * x;
+                        }
+                        for (g, x) in dv_acc[kv * dvw..(kv + 1) * dvw].iter_mut().zip(&dof) {
+                            *g += p * x;
+                        }
+                    }
+                }
+                for (o, g) in dq[row * d..(row + 1) * d].iter_mut().zip(&dq_row) {
+                    *o = T::from_f64(*g);
+                }
+            }
+        }
+    }
+    Ok(Gradients {
+        dq,
+        dk: dk_acc.into_iter().map(T::from_f64).collect(),
+        dv: dv_acc.into_iter().map(T::from_f64).collect(),
+    })
+}
