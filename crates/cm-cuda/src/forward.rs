@@ -1,0 +1,208 @@
+//! Forward attention: argument checking and the launch.
+
+use crate::layout::VECTOR_BYTES;
+use crate::{DType, DevicePlan, Error, LseLayout, TensorLayout};
+use cm_kernels::{KernelKind, Variant};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+
+/// A forward launch over Rust-owned device buffers ([`crate::Runtime::forward`]).
+///
+/// Q and the output are `[batch, num_heads, q_len, head_dim]`, K and V
+/// `[batch, num_kv_heads, kv_len, head_dim]` (`num_heads % num_kv_heads == 0`; query head `h`
+/// reads KV head `h / (num_heads / num_kv_heads)`), elements of `dtype` stored as raw 16-bit
+/// words. `lse`, when given, receives the natural-log log-sum-exp of every row's scaled scores,
+/// `[batch, num_heads, q_len]` fp32, `-inf` for a row with no visible key (whose output is 0).
+pub struct Forward<'a> {
+    pub dtype: DType,
+    pub q: (&'a CudaSlice<u16>, TensorLayout),
+    pub k: (&'a CudaSlice<u16>, TensorLayout),
+    pub v: (&'a CudaSlice<u16>, TensorLayout),
+    pub out: (&'a mut CudaSlice<u16>, TensorLayout),
+    pub lse: Option<(&'a mut CudaSlice<f32>, LseLayout)>,
+    /// Multiplies `q . k` before the softmax; usually `1 / sqrt(head_dim)`.
+    pub softmax_scale: f32,
+}
+
+/// A forward launch over device addresses owned by someone else (e.g. torch's `data_ptr()`),
+/// for [`crate::Runtime::forward_raw`]. Same shapes and meaning as [`Forward`]; each address
+/// is the element at index `[0, 0, 0, 0]` (`[0, 0, 0]` for `lse`).
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardRaw {
+    pub dtype: DType,
+    pub q: u64,
+    pub q_layout: TensorLayout,
+    pub k: u64,
+    pub k_layout: TensorLayout,
+    pub v: u64,
+    pub v_layout: TensorLayout,
+    pub out: u64,
+    pub out_layout: TensorLayout,
+    pub lse: Option<(u64, LseLayout)>,
+    pub softmax_scale: f32,
+}
+
+/// Kernel parameters; mirrors `CmFwdParams` in `kernels/common.cuh` field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    q_strides: [i64; 3],
+    k_strides: [i64; 3],
+    v_strides: [i64; 3],
+    o_strides: [i64; 3],
+    lse_strides: [i64; 2],
+    m_block_order: u64,
+    kv_offsets: u64,
+    kv_indices: u64,
+    full_kv_offsets: u64,
+    full_kv_indices: u64,
+    partial_row_first: u64,
+    row_ptr: u64,
+    intervals: u64,
+    q_len: u32,
+    kv_len: u32,
+    heads_per_kv_head: u32,
+    scale_log2: f32,
+}
+
+const _: () = assert!(std::mem::size_of::<FwdParams>() == 232, "must match sizeof(CmFwdParams)");
+
+// SAFETY: FwdParams is #[repr(C)], Copy, holds only integers and floats, and has the exact
+// layout of CmFwdParams (8-byte fields first, no padding; size checked above), so the driver
+// may copy its bytes as the kernel's by-value parameter.
+#[allow(unsafe_code)]
+unsafe impl DeviceRepr for FwdParams {}
+
+/// What a validated launch needs: the kernel, the grid and the parameters; `None` when the
+/// launch has no work (an empty batch, no heads or no query rows).
+pub(crate) struct Launch {
+    pub(crate) variant: usize,
+    pub(crate) config: LaunchConfig,
+    pub(crate) params: FwdParams,
+}
+
+const MAX_GRID_YZ: usize = 65535;
+
+fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error> {
+    if addr % align != 0 {
+        return Err(Error::invalid(format!(
+            "{name}: address {addr:#x} is not {align}-byte aligned, which the kernels' vector accesses need"
+        )));
+    }
+    Ok(())
+}
+
+/// Every host-side check of a forward launch; no device work and no synchronisation.
+pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch>, Error> {
+    let [b, h, sq, d] = a.q_layout.shape;
+    let [kb, h_kv, skv, kd] = a.k_layout.shape;
+    let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
+    let variant = cm_kernels::find_variant(KernelKind::FwdSimple, a.dtype, head_dim).ok_or_else(|| {
+        let dims: Vec<String> = cm_kernels::VARIANTS
+            .iter()
+            .filter(|v| v.dtype == a.dtype)
+            .map(|v| v.head_dim.to_string())
+            .collect();
+        Error::invalid(format!(
+            "q: head_dim = {d} is not supported for {}; built head dims: {}",
+            a.dtype,
+            dims.join(", ")
+        ))
+    })?;
+    let kernel: &Variant = &cm_kernels::VARIANTS[variant];
+    if (kb, kd) != (b, d) {
+        return Err(Error::invalid(format!(
+            "k: shape {:?} does not match q's batch = {b} and head_dim = {d}",
+            a.k_layout.shape
+        )));
+    }
+    if a.v_layout.shape != a.k_layout.shape {
+        return Err(Error::invalid(format!("v: shape {:?} differs from k's shape {:?}", a.v_layout.shape, a.k_layout.shape)));
+    }
+    if a.out_layout.shape != a.q_layout.shape {
+        return Err(Error::invalid(format!("out: shape {:?} differs from q's shape {:?}", a.out_layout.shape, a.q_layout.shape)));
+    }
+    if sq != plan.q_len as usize || skv != plan.kv_len as usize {
+        return Err(Error::invalid(format!(
+            "q_len = {sq} and kv_len = {skv} (from q and k) do not match the plan's q_len = {} and kv_len = {}",
+            plan.q_len, plan.kv_len
+        )));
+    }
+    if h_kv == 0 && h > 0 || h_kv > 0 && h % h_kv != 0 {
+        return Err(Error::invalid(format!(
+            "k: num_kv_heads = {h_kv} must divide q's num_heads = {h} (MHA, GQA and MQA need num_heads % num_kv_heads == 0)"
+        )));
+    }
+    if let Some((_, lse)) = &a.lse {
+        if lse.shape != [b, h, sq] {
+            return Err(Error::invalid(format!("lse: shape {:?}, expected [batch, num_heads, q_len] = {:?}", lse.shape, [b, h, sq])));
+        }
+    }
+    if !a.softmax_scale.is_finite() {
+        return Err(Error::invalid(format!("softmax_scale = {} must be finite", a.softmax_scale)));
+    }
+    let (tile_m, tile_n) = kernel.kernel.tile();
+    if (plan.tile.block_m, plan.tile.block_n) != (tile_m, tile_n) {
+        return Err(Error::invalid(format!(
+            "the plan was built at tile {}x{}, the kernel needs {tile_m}x{tile_n}; upload it with Runtime::upload_plan",
+            plan.tile.block_m, plan.tile.block_n
+        )));
+    }
+    let elem = a.dtype.size_bytes() as u64;
+    a.q_layout.validate("q", elem, false)?;
+    a.k_layout.validate("k", elem, false)?;
+    a.v_layout.validate("v", elem, false)?;
+    a.out_layout.validate("out", elem, true)?;
+    for (name, addr) in [("q", a.q), ("k", a.k), ("v", a.v), ("out", a.out)] {
+        check_addr(name, addr, VECTOR_BYTES)?;
+    }
+    if let Some((addr, lse)) = &a.lse {
+        lse.validate()?;
+        check_addr("lse", *addr, 4)?;
+    }
+    if b > MAX_GRID_YZ || h > MAX_GRID_YZ {
+        return Err(Error::invalid(format!(
+            "batch = {b} and num_heads = {h} must each be at most {MAX_GRID_YZ} (CUDA grid limits)"
+        )));
+    }
+    if b == 0 || h == 0 || sq == 0 {
+        return Ok(None);
+    }
+
+    let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
+    let o = &plan.offsets;
+    let params = FwdParams {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.out,
+        lse: a.lse.map_or(0, |(addr, _)| addr),
+        q_strides: s3(&a.q_layout),
+        k_strides: s3(&a.k_layout),
+        v_strides: s3(&a.v_layout),
+        o_strides: s3(&a.out_layout),
+        lse_strides: a.lse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
+        m_block_order: plan.addr(o.m_block_order),
+        kv_offsets: plan.addr(o.kv_offsets),
+        kv_indices: plan.addr(o.kv_indices),
+        full_kv_offsets: plan.addr(o.full_kv_offsets),
+        full_kv_indices: plan.addr(o.full_kv_indices),
+        partial_row_first: plan.addr(o.partial_row_first),
+        row_ptr: plan.addr(o.row_ptr),
+        intervals: plan.addr(o.intervals),
+        q_len: plan.q_len,
+        kv_len: plan.kv_len,
+        heads_per_kv_head: (h / h_kv) as u32,
+        scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
+    };
+    let config = LaunchConfig {
+        grid_dim: (plan.num_m_blocks, h as u32, b as u32),
+        block_dim: (kernel.kernel.threads(), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok(Some(Launch { variant, config, params }))
+}

@@ -1,0 +1,48 @@
+//! The CompileMask CUDA runtime: loads the sm_90a CUBINs that the build embedded, uploads a
+//! plan's tile descriptor and row intervals once ([`DevicePlan`]), and launches attention on a
+//! caller-given stream over caller-owned device memory, with no host synchronisation in the
+//! launch path (so a launch can be captured in a CUDA graph).
+//!
+//! This is the only crate of the workspace with `unsafe` code: the CUDA driver calls of the
+//! launch path and the NVRTC calls of the build script. Every `unsafe` block says why it holds.
+//!
+//! Tensors are described by [`TensorLayout`] / [`LseLayout`] (shapes and strides in elements,
+//! dims `[batch, heads, seq_len, head_dim]` and `[batch, num_heads, q_len]`).
+//!
+//! ```no_run
+//! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
+//! use cm_cuda::{DType, Forward, Runtime, TensorLayout};
+//! let rt = Runtime::new_on_device(0)?;
+//! let stream = rt.context().default_stream();
+//! let plan = rt.upload_plan(rows, &stream)?;
+//! let (b, h, h_kv, d) = (1, 16, 16, 128);
+//! let (sq, skv) = (rows.q_len() as usize, rows.kv_len() as usize);
+//! let alloc = |n| stream.alloc_zeros::<u16>(n).map_err(|e| cm_cuda::Error::driver("alloc", e));
+//! let (q, k, v) = (alloc(b * h * sq * d)?, alloc(b * h_kv * skv * d)?, alloc(b * h_kv * skv * d)?);
+//! let mut out = alloc(b * h * sq * d)?;
+//! rt.forward(&stream, &plan, Forward {
+//!     dtype: DType::Bf16,
+//!     q: (&q, TensorLayout::contiguous([b, h, sq, d])),
+//!     k: (&k, TensorLayout::contiguous([b, h_kv, skv, d])),
+//!     v: (&v, TensorLayout::contiguous([b, h_kv, skv, d])),
+//!     out: (&mut out, TensorLayout::contiguous([b, h, sq, d])),
+//!     lse: None,
+//!     softmax_scale: 1.0 / (d as f32).sqrt(),
+//! })?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod forward;
+mod kernels;
+mod layout;
+mod plan;
+mod runtime;
+
+pub use cm_kernels::DType;
+pub use error::Error;
+pub use forward::{Forward, ForwardRaw};
+pub use kernels::{embedded_kernels, KernelInfo};
+pub use layout::{LseLayout, TensorLayout};
+pub use plan::DevicePlan;
+pub use runtime::Runtime;

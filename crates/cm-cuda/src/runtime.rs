@@ -1,0 +1,197 @@
+//! The loaded kernels of one CUDA context and the launch entry points.
+
+use crate::forward::{prepare, Launch};
+use crate::{DevicePlan, Error, Forward, ForwardRaw};
+use cm_kernels::{KernelKind, VARIANTS};
+use cm_plan::rows::RowIntervals;
+use cm_plan::tiles::TileShape;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use std::sync::Arc;
+
+/// The embedded kernels loaded into one CUDA context. Cheap to share (`&Runtime` is all a
+/// launch needs); create one per context.
+pub struct Runtime {
+    ctx: Arc<CudaContext>,
+    /// One function per entry of `cm_kernels::VARIANTS`.
+    functions: Vec<CudaFunction>,
+}
+
+impl Runtime {
+    /// Opens device `ordinal` (its primary context) and loads the kernels.
+    ///
+    /// # Errors
+    /// [`Error::KernelsUnavailable`] when built without NVRTC, [`Error::DriverUnavailable`]
+    /// with no libcuda, [`Error::UnsupportedDevice`] for anything but compute capability 9.0,
+    /// [`Error::Driver`] when the driver refuses.
+    pub fn new_on_device(ordinal: usize) -> Result<Runtime, Error> {
+        crate::kernels::embedded()?;
+        if !driver_present() {
+            return Err(Error::DriverUnavailable);
+        }
+        let count = CudaContext::device_count().map_err(|e| Error::driver("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::UnsupportedDevice(format!("device ordinal {ordinal}, but this machine has {count} CUDA device(s)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::driver("context creation", e))?;
+        Runtime::new(ctx)
+    }
+
+    /// Loads the kernels into an existing context (e.g. the one torch uses).
+    ///
+    /// # Errors
+    /// As [`Runtime::new_on_device`].
+    pub fn new(ctx: Arc<CudaContext>) -> Result<Runtime, Error> {
+        let table = crate::kernels::embedded()?;
+        let cc = ctx.compute_capability().map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        if cc != (9, 0) {
+            let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+            return Err(Error::UnsupportedDevice(format!(
+                "device {} ({name}) has compute capability {}.{}; the kernels are built for sm_90a and run \
+                 only on compute capability 9.0 (H100, H200)",
+                ctx.ordinal(),
+                cc.0,
+                cc.1
+            )));
+        }
+        let functions = VARIANTS
+            .iter()
+            .zip(table)
+            .map(|(v, k)| {
+                let module = ctx.load_module(Ptx::from_binary(k.bytes.to_vec())).map_err(|e| Error::driver("cuModuleLoadData", e))?;
+                module.load_function(v.kernel.entry_point()).map_err(|e| Error::driver("cuModuleGetFunction", e))
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok(Runtime { ctx, functions })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Builds the tile descriptor of `rows` at the forward kernel's tile shape and uploads it
+    /// with the row intervals. Waits for the copy (once per plan, never per launch).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` belongs to another context; [`Error::Driver`].
+    pub fn upload_plan(&self, rows: &RowIntervals, stream: &Arc<CudaStream>) -> Result<DevicePlan, Error> {
+        self.check_stream(stream)?;
+        let (block_m, block_n) = KernelKind::FwdSimple.tile();
+        DevicePlan::upload(rows, TileShape { block_m, block_n }, stream)
+    }
+
+    /// Forward attention over Rust-owned buffers, enqueued on `stream`; returns without
+    /// waiting for the GPU.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first check that fails (shapes against each other
+    /// and the plan, strides, alignment, a buffer shorter than its layout spans, GQA
+    /// divisibility, head_dim, grid limits); [`Error::Driver`] if the launch is refused.
+    pub fn forward(&self, stream: &Arc<CudaStream>, plan: &DevicePlan, args: Forward<'_>) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.check_plan(plan)?;
+        let check_len = |name: &str, len: usize, span: usize| {
+            if span > len {
+                return Err(Error::invalid(format!("{name}: the layout spans {span} elements but the buffer holds {len}")));
+            }
+            Ok(())
+        };
+        check_len("q", args.q.0.len(), args.q.1.span_elements())?;
+        check_len("k", args.k.0.len(), args.k.1.span_elements())?;
+        check_len("v", args.v.0.len(), args.v.1.span_elements())?;
+        check_len("out", args.out.0.len(), args.out.1.span_elements())?;
+        if let Some((buf, layout)) = &args.lse {
+            check_len("lse", buf.len(), layout.span_elements())?;
+        }
+        // The guards record the buffers' use on `stream` (when the context tracks events), so
+        // freeing one waits for this launch; they must live until the launch is enqueued.
+        let (q, _gq) = args.q.0.device_ptr(stream);
+        let (k, _gk) = args.k.0.device_ptr(stream);
+        let (v, _gv) = args.v.0.device_ptr(stream);
+        let (_, _gp) = plan.buffer.device_ptr(stream);
+        let (out, _go) = args.out.0.device_ptr_mut(stream);
+        let (lse, _gl) = match args.lse {
+            Some((buf, layout)) => {
+                let (ptr, guard) = buf.device_ptr_mut(stream);
+                (Some((ptr, layout)), Some(guard))
+            }
+            None => (None, None),
+        };
+        let raw = ForwardRaw {
+            dtype: args.dtype,
+            q,
+            q_layout: args.q.1,
+            k,
+            k_layout: args.k.1,
+            v,
+            v_layout: args.v.1,
+            out,
+            out_layout: args.out.1,
+            lse,
+            softmax_scale: args.softmax_scale,
+        };
+        match prepare(plan, &raw)? {
+            Some(launch) => self.launch(stream, launch),
+            None => Ok(()),
+        }
+    }
+
+    /// Forward attention over device addresses owned by the caller, enqueued on `stream`;
+    /// returns without waiting for the GPU. Performs every check of [`Runtime::forward`]
+    /// except the buffer lengths, which it cannot know.
+    ///
+    /// # Safety
+    /// Each address must point to device memory of this runtime's context that holds at least
+    /// the elements its layout spans ([`crate::TensorLayout::span_elements`]), stays allocated
+    /// until the launch has finished on `stream`, and is not written by other work meanwhile;
+    /// `out` and `lse` must not overlap each other or the inputs. `plan` must likewise outlive
+    /// the launch.
+    ///
+    /// # Errors
+    /// As [`Runtime::forward`].
+    #[allow(unsafe_code)]
+    pub unsafe fn forward_raw(&self, stream: &CudaStream, plan: &DevicePlan, args: &ForwardRaw) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.check_plan(plan)?;
+        match prepare(plan, args)? {
+            Some(launch) => self.launch(stream, launch),
+            None => Ok(()),
+        }
+    }
+
+    #[allow(unsafe_code)]
+    fn launch(&self, stream: &CudaStream, launch: Launch) -> Result<(), Error> {
+        let func = &self.functions[launch.variant];
+        let mut builder = stream.launch_builder(func);
+        builder.arg(&launch.params);
+        // SAFETY: `func` is the variant `prepare` chose for these arguments, and its only
+        // parameter is a by-value CmFwdParams, which `params` mirrors. `prepare` checked that
+        // every address is aligned and that the grid, shapes and strides match the plan and
+        // each other, so the kernel touches only elements inside each layout's span; the
+        // callers guarantee the spans are allocated and live (checked lengths in `forward`,
+        // the caller's contract in `forward_raw`).
+        unsafe { builder.launch(launch.config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<(), Error> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::invalid("the stream belongs to another CUDA context than this runtime's"));
+        }
+        Ok(())
+    }
+
+    fn check_plan(&self, plan: &DevicePlan) -> Result<(), Error> {
+        if plan.ctx.cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::invalid("the plan was uploaded to another CUDA context than this runtime's"));
+        }
+        Ok(())
+    }
+}
+
+#[allow(unsafe_code)]
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda under its usual names; loading the NVIDIA driver
+    // library has no preconditions.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}

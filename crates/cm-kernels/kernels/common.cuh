@@ -1,0 +1,112 @@
+// Shared definitions for the CompileMask kernels. Compiled by NVRTC with no CUDA headers, so
+// everything the kernels need (fixed-width types, conversions, tensor-core instructions) is
+// spelled out here with inline PTX for sm_90a.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// One visible run of keys, half-open [start, end); matches cm_plan::KeyInterval.
+struct CmKeyInterval {
+    u32 start;
+    u32 end;
+};
+
+// Kernel parameters, passed by value. Must match cm_cuda::launch::FwdParams field for field
+// (#[repr(C)]): 8-byte fields first so that neither side inserts padding.
+// Tensors are [batch, heads, seq, head_dim] with a contiguous last dim; strides in elements.
+struct CmFwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    u16* o;
+    float* lse;  // [batch, num_heads, q_len], seq stride 1; null when not requested
+    i64 q_stride_batch, q_stride_head, q_stride_row;
+    i64 k_stride_batch, k_stride_head, k_stride_row;
+    i64 v_stride_batch, v_stride_head, v_stride_row;
+    i64 o_stride_batch, o_stride_head, o_stride_row;
+    i64 lse_stride_batch, lse_stride_head;
+    // Tile descriptor at the kernel's tile shape (see cm_plan::TileDescriptor).
+    const u32* m_block_order;  // [num_m_blocks] query blocks, heaviest first
+    const u32* kv_offsets;     // [num_m_blocks + 1]
+    const u32* kv_indices;     // [num_partial]
+    const u32* full_kv_offsets;  // [num_m_blocks + 1]
+    const u32* full_kv_indices;  // [num_full]
+    const u32* partial_row_first;  // [num_partial, BLOCK_M]
+    const u32* row_ptr;            // [q_len + 1]
+    const CmKeyInterval* intervals;  // [num_intervals]
+    u32 q_len;
+    u32 kv_len;
+    u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
+    float scale_log2;       // softmax_scale * log2(e): scores are exponentiated with exp2
+};
+
+static_assert(sizeof(CmFwdParams) == 232, "must match cm_cuda::forward::FwdParams");
+
+__device__ __forceinline__ float cm_neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ u32 cm_smem_addr(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 zero-fills, which is how rows past the
+// end of a sequence become zeros (never garbage that could turn into NaN through 0 * NaN).
+__device__ __forceinline__ void cm_cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cm_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cm_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void cm_ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void cm_ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// D = A * B + D for one m16n8k16 tile, fp32 accumulators.
+__device__ __forceinline__ void cm_mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if CM_DTYPE_BF16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats to a packed pair of 16-bit values, round to nearest even; `lo` lands in the low
+// half, which is the lower column for mma fragments and the lower address in memory.
+__device__ __forceinline__ u32 cm_pack2(float lo, float hi) {
+    u32 r;
+#if CM_DTYPE_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// 2^x with ex2(-inf) = +0, which the NaN-free softmax relies on.
+__device__ __forceinline__ float cm_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}

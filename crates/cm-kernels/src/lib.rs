@@ -1,0 +1,303 @@
+//! The CompileMask CUDA kernels: CUDA C++ sources for sm_90a, the table of compiled variants,
+//! the NVRTC options they are built with, the cache key of each build, and the policy a build
+//! must pass (no register spills in forward kernels).
+//!
+//! This crate holds no unsafe code and calls no compiler: `cm-cuda`'s build script runs NVRTC
+//! over [`VARIANTS`] (the FFI lives there, the only crate allowed `unsafe`) and embeds the
+//! CUBINs; this crate is what both sides agree on.
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// Element type of Q, K, V and the output. Accumulation is always fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    Bf16,
+    F16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_bytes(self) -> usize {
+        2
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F16 => "fp16",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which kernel a variant instantiates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelKind {
+    /// `kernels/fwd_simple.cu`: mma.sync forward, the reference GPU path and fallback.
+    FwdSimple,
+}
+
+impl KernelKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelKind::FwdSimple => "fwd_simple",
+        }
+    }
+
+    /// The `.cu` file compiled for this kernel (a key of [`SOURCES`]).
+    pub const fn source_file(self) -> &'static str {
+        match self {
+            KernelKind::FwdSimple => "fwd_simple.cu",
+        }
+    }
+
+    /// The `extern "C"` entry point in the CUBIN.
+    pub const fn entry_point(self) -> &'static str {
+        match self {
+            KernelKind::FwdSimple => "cm_fwd_simple",
+        }
+    }
+
+    /// Forward kernels must compile with no register spills.
+    pub const fn is_forward(self) -> bool {
+        match self {
+            KernelKind::FwdSimple => true,
+        }
+    }
+
+    /// The tile shape (`block_m` query rows x `block_n` keys) the kernel's descriptor must be
+    /// built at.
+    pub const fn tile(self) -> (u32, u32) {
+        match self {
+            KernelKind::FwdSimple => (64, 64),
+        }
+    }
+
+    /// Threads per CTA.
+    pub const fn threads(self) -> u32 {
+        match self {
+            KernelKind::FwdSimple => 128,
+        }
+    }
+}
+
+/// One compiled instantiation: a kernel at a dtype and head dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub kernel: KernelKind,
+    pub dtype: DType,
+    pub head_dim: u32,
+}
+
+impl Variant {
+    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`.
+    pub fn name(&self) -> String {
+        format!("{}_{}_d{}", self.kernel.name(), self.dtype.name(), self.head_dim)
+    }
+
+    /// The preprocessor definitions that select this variant in the kernel source.
+    pub fn defines(&self) -> Vec<String> {
+        let bf16 = u8::from(self.dtype == DType::Bf16);
+        vec![format!("-DCM_DTYPE_BF16={bf16}"), format!("-DCM_HEAD_DIM={}", self.head_dim)]
+    }
+}
+
+/// Every variant the project ships; the build compiles all of them and the runtime finds a
+/// launch's kernel here by index.
+pub const VARIANTS: [Variant; 4] = [
+    Variant { kernel: KernelKind::FwdSimple, dtype: DType::Bf16, head_dim: 64 },
+    Variant { kernel: KernelKind::FwdSimple, dtype: DType::Bf16, head_dim: 128 },
+    Variant { kernel: KernelKind::FwdSimple, dtype: DType::F16, head_dim: 64 },
+    Variant { kernel: KernelKind::FwdSimple, dtype: DType::F16, head_dim: 128 },
+];
+
+/// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
+pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<usize> {
+    VARIANTS.iter().position(|v| v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim)
+}
+
+/// Every kernel source file by the name it is included as (`#include "common.cuh"`). The
+/// build hands these to NVRTC as in-memory headers, so what is hashed is exactly what is
+/// compiled.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("fwd_simple.cu", include_str!("../kernels/fwd_simple.cu")),
+];
+
+/// The target every CUBIN is built for: a real architecture, so NVRTC runs ptxas (which
+/// catches inline-PTX errors and reports registers and spills), with the `a` features that
+/// wgmma and TMA need.
+pub const GPU_ARCH: &str = "sm_90a";
+
+/// Source text of a file in [`SOURCES`].
+pub fn source(name: &str) -> Option<&'static str> {
+    SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
+}
+
+/// The headers of [`SOURCES`] (every file but the `.cu` ones), as `(include name, text)`.
+pub fn headers() -> impl Iterator<Item = (&'static str, &'static str)> {
+    SOURCES.iter().copied().filter(|(n, _)| n.ends_with(".cuh"))
+}
+
+/// NVRTC options for `variant`.
+pub fn nvrtc_options(variant: &Variant) -> Vec<String> {
+    let mut opts = vec![
+        format!("--gpu-architecture={GPU_ARCH}"),
+        "--ptxas-options=-v".to_string(),
+        "-std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    opts.extend(variant.defines());
+    opts
+}
+
+/// Cache key of one variant's CUBIN, lowercase hex SHA-256 over every source, the options and
+/// the compiler's identity (`compiler_id`: its version and anything else that changes its
+/// output). Equal keys mean byte-identical inputs to the same compiler.
+pub fn cache_key(variant: &Variant, compiler_id: &str) -> String {
+    let mut h = Sha256::new();
+    let mut field = |bytes: &[u8]| {
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    field(compiler_id.as_bytes());
+    for (name, text) in SOURCES {
+        field(name.as_bytes());
+        field(text.as_bytes());
+    }
+    for opt in nvrtc_options(variant) {
+        field(opt.as_bytes());
+    }
+    field(variant.kernel.entry_point().as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What ptxas reported for one entry point.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PtxasReport {
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of register spills stored to local memory, per thread.
+    pub spill_store_bytes: u32,
+    /// Bytes of register spills loaded from local memory, per thread.
+    pub spill_load_bytes: u32,
+    /// Bytes of the stack frame (local memory), per thread.
+    pub stack_frame_bytes: u32,
+    /// Bytes of static shared memory per CTA.
+    pub shared_bytes: u32,
+}
+
+/// Extracts the report of `entry` from an NVRTC log compiled with `--ptxas-options=-v`.
+///
+/// ptxas prints, per function, `Compiling entry function 'NAME'`, then
+/// `N bytes stack frame, N bytes spill stores, N bytes spill loads` and
+/// `Used N registers, ... N bytes smem, ...`.
+///
+/// # Errors
+/// A message when the log has no report for `entry` (e.g. `-v` was dropped).
+pub fn parse_ptxas_log(log: &str, entry: &str) -> Result<PtxasReport, String> {
+    let marker = format!("Compiling entry function '{entry}'");
+    let start = log
+        .find(&marker)
+        .ok_or_else(|| format!("the ptxas log has no report for entry function '{entry}'"))?;
+    let section = &log[start + marker.len()..];
+    let section = section.find("Compiling entry function").map_or(section, |end| &section[..end]);
+    let number_before = |text: &str, unit: &str| -> Option<u32> {
+        let at = text.find(unit)?;
+        text[..at].split_whitespace().last()?.parse().ok()
+    };
+    let used = section
+        .find("Used ")
+        .ok_or_else(|| format!("the ptxas log for '{entry}' has no 'Used N registers' line"))?;
+    let registers = section[used + 5..]
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("the ptxas log for '{entry}' has an unreadable register count"))?;
+    let used_line = section[used..].lines().next().unwrap_or("");
+    Ok(PtxasReport {
+        registers,
+        spill_store_bytes: number_before(section, "bytes spill stores").unwrap_or(0),
+        spill_load_bytes: number_before(section, "bytes spill loads").unwrap_or(0),
+        stack_frame_bytes: number_before(section, "bytes stack frame").unwrap_or(0),
+        shared_bytes: number_before(used_line, "bytes smem").unwrap_or(0),
+    })
+}
+
+/// The build policy: forward kernels must not spill registers.
+///
+/// # Errors
+/// A message naming the variant and the spill sizes.
+pub fn check_report(variant: &Variant, report: &PtxasReport) -> Result<(), String> {
+    let spills = report.spill_store_bytes + report.spill_load_bytes;
+    if variant.kernel.is_forward() && spills > 0 {
+        return Err(format!(
+            "forward kernel {} spills registers ({} bytes stores, {} bytes loads at {} registers); \
+             forward kernels must compile with no spills",
+            variant.name(),
+            report.spill_store_bytes,
+            report.spill_load_bytes,
+            report.registers
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG: &str = "ptxas info    : 0 bytes gmem\n\
+        ptxas info    : Compiling entry function 'cm_other' for 'sm_90a'\n\
+        ptxas info    : Function properties for cm_other\n\
+        \x20   8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+        ptxas info    : Used 255 registers, used 0 barriers, 8 bytes cumulative stack size\n\
+        ptxas info    : Compiling entry function 'cm_fwd_simple' for 'sm_90a'\n\
+        ptxas info    : Function properties for cm_fwd_simple\n\
+        \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+        ptxas info    : Used 168 registers, used 1 barriers, 34816 bytes smem, 544 bytes cmem[0]\n";
+
+    #[test]
+    fn parses_the_named_entry_only() {
+        let r = parse_ptxas_log(LOG, "cm_fwd_simple").unwrap();
+        assert_eq!(
+            r,
+            PtxasReport {
+                registers: 168,
+                spill_store_bytes: 0,
+                spill_load_bytes: 0,
+                stack_frame_bytes: 0,
+                shared_bytes: 34816
+            }
+        );
+        let other = parse_ptxas_log(LOG, "cm_other").unwrap();
+        assert_eq!((other.registers, other.spill_store_bytes, other.spill_load_bytes), (255, 4, 4));
+        assert!(parse_ptxas_log(LOG, "missing").unwrap_err().contains("'missing'"));
+    }
+
+    #[test]
+    fn forward_spills_fail_the_build() {
+        let v = VARIANTS[0];
+        let spilled = PtxasReport { registers: 255, spill_store_bytes: 4, ..Default::default() };
+        let err = check_report(&v, &spilled).unwrap_err();
+        assert!(err.contains(&v.name()) && err.contains("4 bytes stores"), "{err}");
+        assert!(check_report(&v, &PtxasReport { registers: 128, ..Default::default() }).is_ok());
+    }
+
+    #[test]
+    fn variants_are_distinct_and_sources_resolve() {
+        for (i, v) in VARIANTS.iter().enumerate() {
+            assert_eq!(find_variant(v.kernel, v.dtype, v.head_dim), Some(i));
+            assert!(source(v.kernel.source_file()).is_some());
+        }
+        let keys: std::collections::HashSet<_> = VARIANTS.iter().map(|v| cache_key(v, "nvrtc 13.0")).collect();
+        assert_eq!(keys.len(), VARIANTS.len());
+        assert_ne!(cache_key(&VARIANTS[0], "nvrtc 13.0"), cache_key(&VARIANTS[0], "nvrtc 13.1"));
+    }
+}
