@@ -1,1 +1,30 @@
-//! placeholder
+//! The checked, shape-agnostic mask IR and its reference semantics.
+//!
+//! Pipeline position: `cm_syntax::parse` -> [`check`] -> [`Program`] -> [`Program::bind`]
+//! (lengths and parameters) -> [`Bound`], which `cm-plan` compiles analytically and which
+//! [`Bound::visible`] defines pair by pair.
+//!
+//! Invariants owned here: a `Program` only exists when checking found no error; outside
+//! `elementwise`, `k` occurs only in the solvable atoms of [`Region`]; integer division and
+//! modulo floor toward negative infinity and overflow is an error (`CM0302`).
+
+pub mod bind;
+pub mod check;
+mod interp;
+pub mod ir;
+pub mod trace;
+
+pub use bind::{Bound, Env, PlanError, PResult, Shape, Value};
+pub use check::check;
+pub use ir::*;
+
+/// Parses and checks `source` in one step.
+pub fn compile(source: &str) -> (Option<Program>, Vec<cm_syntax::Diagnostic>) {
+    let (ast, mut diags) = cm_syntax::parse(source);
+    if diags.iter().any(cm_syntax::Diagnostic::is_error) {
+        return (None, diags);
+    }
+    let (program, more) = check(&ast);
+    diags.extend(more);
+    (program, diags)
+}

@@ -1,9 +1,17 @@
-//! The analytical mask compiler: from a checked program and its parameters to the exact
-//! visible key intervals of every query row ([`RowIntervals`]) and the tile descriptor
-//! ([`TileDescriptor`]) that kernels consume.
+//! The analytical mask compiler: from a bound program (checked program + lengths +
+//! parameters) to the exact visible key intervals of every query row ([`RowIntervals`])
+//! and the tile descriptor ([`TileDescriptor`]) that kernels consume.
+//!
+//! Invariants owned here: the plan is a pure function of (bound program, tile shape);
+//! row intervals are exact, sorted and maximal and agree with `cm_ir`'s pairwise semantics;
+//! tile classes are exact; cost grows with rows x intervals and non-empty tiles, never
+//! with `q_len x kv_len` (except inside `elementwise`, which is counted and reported).
 
+pub mod plan;
 pub mod rows;
+pub mod symbolic;
 pub mod tiles;
 
+pub use plan::{plan, MaskPlan, Plan};
 pub use rows::{KeyInterval, RowIntervals};
 pub use tiles::{TileCounts, TileDescriptor, TileShape};

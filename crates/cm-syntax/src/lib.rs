@@ -1,1 +1,14 @@
-//! placeholder
+//! Syntax of the CompileMask mask language: text to a syntax tree plus diagnostics.
+//!
+//! Invariant: [`parse`] is total. It returns `(Program, Vec<Diagnostic>)` for every input
+//! and never panics; it knows nothing of lengths, tiles, CUDA or Python. The language is
+//! specified in `docs/language.md`.
+
+pub mod ast;
+pub mod diag;
+pub mod lexer;
+pub mod parser;
+
+pub use ast::*;
+pub use diag::{line_col, Diagnostic, Severity, Span};
+pub use parser::{parse, parse_expr};

@@ -1,0 +1,605 @@
+//! Binding: a checked [`Program`] plus lengths and parameter values becomes a [`Bound`]
+//! program, with every parameter, segmentation table and grid evaluated once. Binding is
+//! the step that runs per batch (new lengths, new parameters) without re-parsing.
+//!
+//! Also here: the exact integer semantics every later stage shares (floor division and
+//! modulo, checked overflow) and the evaluation of q-side expressions at a point.
+
+use crate::ir::*;
+use cm_syntax::{Diagnostic, Span};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Longest supported `q_len` / `kv_len`, in tokens.
+pub const MAX_LEN: i64 = 1 << 26;
+/// Most segments (or composite pieces) one segmentation may create.
+pub const MAX_SEGMENTS: usize = 1 << 24;
+
+/// A parameter value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Value {
+    Int(i64),
+    Array(Arc<[i64]>),
+}
+
+/// The lengths a program is planned for. `q_len` query rows and `kv_len` keys, positions
+/// 0-based and absolute (top-left aligned); `batch` and `num_heads` only matter for masks
+/// that read `b` or `h`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub q_len: i64,
+    pub kv_len: i64,
+    pub batch: i64,
+    pub num_heads: i64,
+}
+
+/// An error found while binding or planning: a stable code, a message, the source span
+/// when one applies, and a hint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanError {
+    pub code: &'static str,
+    pub message: String,
+    pub span: Option<Span>,
+    pub hint: Option<String>,
+}
+
+impl PlanError {
+    pub fn new(code: &'static str, span: Option<Span>, message: impl Into<String>) -> PlanError {
+        PlanError { code, message: message.into(), span, hint: None }
+    }
+
+    pub fn with_hint(mut self, hint: impl Into<String>) -> PlanError {
+        self.hint = Some(hint.into());
+        self
+    }
+
+    /// As a diagnostic (spanless errors point at the start of the source).
+    pub fn to_diagnostic(&self) -> Diagnostic {
+        let mut d = Diagnostic::error(self.code, self.span.unwrap_or_default(), self.message.clone());
+        if let Some(h) = &self.hint {
+            d = d.with_hint(h.clone());
+        }
+        d
+    }
+}
+
+impl std::fmt::Display for PlanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "error[{}]: {}", self.code, self.message)?;
+        if let Some(h) = &self.hint {
+            write!(f, " (hint: {h})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PlanError {}
+
+pub type PResult<T> = Result<T, PlanError>;
+
+fn overflow(span: Span) -> PlanError {
+    PlanError::new("CM0302", Some(span), "integer overflow")
+        .with_hint("values are 64-bit signed integers; overflow is an error, never wraparound")
+}
+
+/// Floor division (toward negative infinity).
+pub fn floor_div(a: i64, d: i64, span: Span) -> PResult<i64> {
+    if d == 0 {
+        return Err(PlanError::new("CM0301", Some(span), "division by zero"));
+    }
+    let q = a.checked_div(d).ok_or_else(|| overflow(span))?;
+    Ok(if (a % d != 0) && ((a < 0) != (d < 0)) { q - 1 } else { q })
+}
+
+/// Floor modulo: `a - d * floor_div(a, d)`, with the sign of `d`.
+pub fn floor_mod(a: i64, d: i64, span: Span) -> PResult<i64> {
+    if d == 0 {
+        return Err(PlanError::new("CM0301", Some(span), "modulo by zero"));
+    }
+    if d == -1 {
+        return Ok(0);
+    }
+    let r = a % d;
+    Ok(if r != 0 && ((r < 0) != (d < 0)) { r + d } else { r })
+}
+
+/// `floor(sqrt(x))` for `x >= 0`.
+pub fn isqrt(x: i64, span: Span) -> PResult<i64> {
+    if x < 0 {
+        return Err(PlanError::new("CM0312", Some(span), format!("isqrt of a negative number ({x})")));
+    }
+    let mut r = (x as f64).sqrt() as i64;
+    while r > 0 && r.checked_mul(r).is_none_or(|s| s > x) {
+        r -= 1;
+    }
+    while (r + 1).checked_mul(r + 1).is_some_and(|s| s <= x) {
+        r += 1;
+    }
+    Ok(r)
+}
+
+pub fn add(a: i64, b: i64, span: Span) -> PResult<i64> {
+    a.checked_add(b).ok_or_else(|| overflow(span))
+}
+
+pub fn sub(a: i64, b: i64, span: Span) -> PResult<i64> {
+    a.checked_sub(b).ok_or_else(|| overflow(span))
+}
+
+pub fn mul(a: i64, b: i64, span: Span) -> PResult<i64> {
+    a.checked_mul(b).ok_or_else(|| overflow(span))
+}
+
+/// Applies a binary integer operator with the language's semantics.
+pub fn apply(op: IntOp, a: i64, b: i64, span: Span) -> PResult<i64> {
+    match op {
+        IntOp::Add => add(a, b, span),
+        IntOp::Sub => sub(a, b, span),
+        IntOp::Mul => mul(a, b, span),
+        IntOp::Div => floor_div(a, b, span),
+        IntOp::Mod => floor_mod(a, b, span),
+        IntOp::Min => Ok(a.min(b)),
+        IntOp::Max => Ok(a.max(b)),
+    }
+}
+
+/// A segmentation, laid out: segment `i` is `[starts[i], starts[i + 1])` (zero-length
+/// segments are kept, so indices follow the length array).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegTable {
+    pub starts: Vec<i64>,
+    /// `parts[part][segment]`: absolute `[lo, hi)` of each declared part.
+    pub parts: Vec<Vec<(i64, i64)>>,
+    pub pieces: Option<PieceTable>,
+}
+
+/// The pieces of a composite segmentation: piece `j` is `[bounds[j], bounds[j + 1])`, of
+/// kind `kinds[j]`, inside segment `seg_of[j]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PieceTable {
+    pub bounds: Vec<i64>,
+    pub kinds: Vec<u32>,
+    pub seg_of: Vec<u32>,
+    /// `first_of_kind[kind][segment]`: the first piece of that kind in the segment.
+    pub first_of_kind: Vec<Vec<Option<u32>>>,
+}
+
+impl SegTable {
+    pub fn fill(&self) -> i64 {
+        *self.starts.last().unwrap_or(&0)
+    }
+
+    pub fn count(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// Index of the segment containing `p`, for `0 <= p < fill`.
+    pub fn index_of(&self, p: i64) -> usize {
+        self.starts.partition_point(|&s| s <= p) - 1
+    }
+}
+
+impl PieceTable {
+    pub fn index_of(&self, p: i64) -> usize {
+        self.bounds.partition_point(|&s| s <= p) - 1
+    }
+}
+
+/// A grid with its extents evaluated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GridVals {
+    /// Extents, slowest axis first.
+    pub dims: Vec<i64>,
+    pub at: i64,
+    pub size: i64,
+}
+
+impl GridVals {
+    /// Coordinates of position `p` (slowest axis first), or `None` outside the grid.
+    pub fn coords(&self, p: i64) -> Option<[i64; 3]> {
+        if p < self.at || p - self.at >= self.size {
+            return None;
+        }
+        let mut local = p - self.at;
+        let mut out = [0i64; 3];
+        let nd = self.dims.len();
+        for axis in (0..nd).rev() {
+            out[axis] = local % self.dims[axis];
+            local /= self.dims[axis];
+        }
+        Some(out)
+    }
+}
+
+/// A program bound to lengths and parameter values.
+#[derive(Clone, Debug)]
+pub struct Bound<'p> {
+    pub program: &'p Program,
+    pub shape: Shape,
+    pub params: Vec<Value>,
+    pub segs: Vec<SegTable>,
+    pub grids: Vec<GridVals>,
+}
+
+/// The free variables of an evaluation: the query row, the key (only in `elementwise`),
+/// the batch and head index, and `len` inside part declarations.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Env {
+    pub q: i64,
+    pub k: i64,
+    pub b: i64,
+    pub h: i64,
+    pub seg_len: i64,
+}
+
+/// Parses a parameter value written on a command line: an integer, or a comma-separated
+/// list of integers (`2048,1536` or `[2048, 1536]`).
+///
+/// # Errors
+/// `CM0308` naming the offending text.
+pub fn parse_value(text: &str) -> PResult<Value> {
+    let t = text.trim();
+    let inner = t.strip_prefix('[').and_then(|x| x.strip_suffix(']'));
+    let is_list = inner.is_some() || t.contains(',');
+    let body = inner.unwrap_or(t);
+    let mut items = Vec::new();
+    for piece in body.split(|c: char| c == ',' || c.is_whitespace()).filter(|s| !s.is_empty()) {
+        let v = piece.replace('_', "").parse::<i64>().map_err(|_| {
+            PlanError::new("CM0308", None, format!("`{piece}` is not an integer"))
+                .with_hint("values are integers, or comma-separated integer lists such as 2048,1536,3072")
+        })?;
+        items.push(v);
+    }
+    if is_list {
+        return Ok(Value::Array(items.into()));
+    }
+    match items.as_slice() {
+        [v] => Ok(Value::Int(*v)),
+        _ => Err(PlanError::new("CM0308", None, format!("`{text}` is not an integer or a list of integers"))),
+    }
+}
+
+impl Program {
+    /// Names of the declared parameters, in declaration order.
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    /// Binds the program to `shape` and `values` (parameters not given take their
+    /// defaults). Cost: O(segments + parameters), independent of `q_len x kv_len`.
+    ///
+    /// # Errors
+    /// Bad lengths (`CM0402`), unknown or ill-typed parameters (`CM0309`, `CM0308`),
+    /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
+    /// (`CM0305`) and any arithmetic error while evaluating them.
+    pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
+        for (name, v, max) in [("q_len", shape.q_len, MAX_LEN), ("kv_len", shape.kv_len, MAX_LEN), ("batch", shape.batch, 1 << 20), ("num_heads", shape.num_heads, 1 << 16)] {
+            if v < 1 || v > max {
+                return Err(PlanError::new("CM0402", None, format!("{name} = {v} is out of range; expected 1 ..= {max}")));
+            }
+        }
+        for name in values.keys() {
+            if !self.params.iter().any(|p| &p.name == name) {
+                let hint = match crate::check::suggest(name, self.params.iter().map(|p| p.name.as_str())) {
+                    Some(s) => format!("did you mean `{s}`?"),
+                    None if self.params.is_empty() => "this mask takes no parameters".to_string(),
+                    None => format!("its parameters are: {}", self.param_names().join(", ")),
+                };
+                return Err(PlanError::new("CM0309", None, format!("unknown parameter `{name}`")).with_hint(hint));
+            }
+        }
+        let mut b = Bound { program: self, shape, params: Vec::new(), segs: Vec::new(), grids: Vec::new() };
+        let env = Env::default();
+        for p in &self.params {
+            let v = match (values.get(&p.name), &p.default) {
+                (Some(Value::Int(_)), _) if p.is_array => {
+                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` is an integer array, got one integer", p.name))
+                        .with_hint("pass a comma-separated list, e.g. 2048,1536"));
+                }
+                (Some(Value::Array(_)), _) if !p.is_array => {
+                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` is an integer, got a list", p.name)));
+                }
+                (Some(v), _) => v.clone(),
+                (None, Some(ParamDefault::Int(e))) => Value::Int(b.eval_int(e, &env)?),
+                (None, Some(ParamDefault::Array(a))) => Value::Array(b.eval_arr(a, &env)?),
+                (None, None) => {
+                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` has no default and no value", p.name))
+                        .with_hint(format!("pass it, e.g. --set {}=...", p.name)));
+                }
+            };
+            b.params.push(v);
+        }
+        for g in &self.grids {
+            let mut dims = Vec::new();
+            let mut size = 1i64;
+            for d in &g.dims {
+                let v = b.eval_int(d, &env)?;
+                if v < 1 {
+                    return Err(PlanError::new("CM0311", Some(d.span), format!("grid `{}` has extent {v}; extents must be >= 1", g.name)));
+                }
+                size = mul(size, v, d.span)?;
+                dims.push(v);
+            }
+            let at = b.eval_int(&g.at, &env)?;
+            if at < 0 {
+                return Err(PlanError::new("CM0311", Some(g.at.span), format!("grid `{}` starts at {at}; expected a position >= 0", g.name)));
+            }
+            add(at, size, g.span)?;
+            b.grids.push(GridVals { dims, at, size });
+        }
+        for s in &self.segs {
+            let table = b.lay_out(s)?;
+            b.segs.push(table);
+        }
+        for r in &self.requires {
+            if !b.eval_bool(&r.cond, &env)? {
+                let mut msg = String::new();
+                for part in &r.message {
+                    match part {
+                        MsgPart::Text(t) => msg.push_str(t),
+                        MsgPart::Value(i) => msg.push_str(&b.eval_int(i, &env)?.to_string()),
+                    }
+                }
+                if msg.is_empty() {
+                    msg = "a `require` of the mask does not hold".into();
+                }
+                return Err(PlanError::new("CM0305", Some(r.span), msg));
+            }
+        }
+        Ok(b)
+    }
+}
+
+impl Bound<'_> {
+    fn lay_out(&self, s: &SegDecl) -> PResult<SegTable> {
+        let env = Env::default();
+        let fill = self.eval_int(&s.fill, &env)?;
+        if !(0..=MAX_LEN).contains(&fill) {
+            return Err(PlanError::new("CM0402", Some(s.fill.span), format!("segmentation `{}` fills {fill} positions; expected 0 ..= {MAX_LEN}", s.name)));
+        }
+        let check_arr = |a: &Arc<[i64]>, span: Span| -> PResult<()> {
+            if let Some((i, v)) = a.iter().enumerate().find(|(_, v)| **v < 0) {
+                return Err(PlanError::new("CM0307", Some(span), format!("length {v} at index {i} of `{}` is negative", s.name))
+                    .with_hint("segment lengths are token counts >= 0"));
+            }
+            Ok(())
+        };
+        let too_many = || PlanError::new("CM0404", Some(s.span), format!("segmentation `{}` needs more than {MAX_SEGMENTS} segments", s.name));
+        let mut starts = vec![0i64];
+        let mut pieces = None;
+        match &s.kind {
+            SegKind::Plain(arr) => {
+                let a = self.eval_arr(arr, &env)?;
+                check_arr(&a, s.span)?;
+                if fill > 0 && a.iter().all(|&v| v == 0) {
+                    return Err(PlanError::new("CM0306", Some(s.span), format!("the lengths of `{}` sum to 0, so they cannot fill {fill} positions", s.name))
+                        .with_hint("give at least one positive length"));
+                }
+                let mut pos = 0i64;
+                let mut i = 0usize;
+                while pos < fill {
+                    let len = a[i % a.len()].min(fill - pos);
+                    pos += len;
+                    starts.push(pos);
+                    i += 1;
+                    if i > MAX_SEGMENTS {
+                        return Err(too_many());
+                    }
+                }
+            }
+            SegKind::Composite(decls) => {
+                let mut arrays = Vec::new();
+                let mut total = 0i64;
+                for d in decls {
+                    let a = self.eval_arr(&d.lengths, &env)?;
+                    check_arr(&a, d.span)?;
+                    let c = self.eval_int(&d.count, &env)?;
+                    if !(0..=1 << 20).contains(&c) {
+                        return Err(PlanError::new("CM0308", Some(d.count.span), format!("piece `{}` repeats {c} times; expected 0 ..= 1048576", d.name)));
+                    }
+                    total = total.saturating_add(c.saturating_mul(a.iter().sum::<i64>().min(1)));
+                    arrays.push((a, c));
+                }
+                if fill > 0 && total == 0 {
+                    return Err(PlanError::new("CM0306", Some(s.span), format!("the pieces of `{}` add no tokens, so they cannot fill {fill} positions", s.name)));
+                }
+                let mut t = PieceTable { bounds: vec![0], kinds: Vec::new(), seg_of: Vec::new(), first_of_kind: vec![Vec::new(); decls.len()] };
+                let mut counters = vec![0usize; decls.len()];
+                let mut pos = 0i64;
+                while pos < fill {
+                    let seg = starts.len() - 1;
+                    for (kind, (a, c)) in arrays.iter().enumerate() {
+                        t.first_of_kind[kind].push(None);
+                        for _ in 0..*c {
+                            let len = a[counters[kind] % a.len()].min(fill - pos);
+                            counters[kind] += 1;
+                            if t.first_of_kind[kind][seg].is_none() && len > 0 {
+                                t.first_of_kind[kind][seg] = Some(t.kinds.len() as u32);
+                            }
+                            pos += len;
+                            t.bounds.push(pos);
+                            t.kinds.push(kind as u32);
+                            t.seg_of.push(seg as u32);
+                            if t.kinds.len() > MAX_SEGMENTS {
+                                return Err(too_many());
+                            }
+                        }
+                    }
+                    starts.push(pos);
+                }
+                pieces = Some(t);
+            }
+        }
+        let mut table = SegTable { starts, parts: Vec::new(), pieces };
+        for p in &s.parts {
+            let mut ranges = Vec::with_capacity(table.count());
+            for i in 0..table.count() {
+                let (start, end) = (table.starts[i], table.starts[i + 1]);
+                let len = end - start;
+                let env = Env { seg_len: len, ..Env::default() };
+                let lo = self.eval_int(&p.lo, &env)?.clamp(0, len);
+                let hi = self.eval_int(&p.hi, &env)?.clamp(lo, len);
+                ranges.push((start + lo, start + hi));
+            }
+            table.parts.push(ranges);
+        }
+        Ok(table)
+    }
+
+    fn seg_pos(&self, s: SegId, p: i64, span: Span) -> PResult<usize> {
+        let t = &self.segs[s];
+        if p < 0 || p >= t.fill() {
+            return Err(PlanError::new("CM0303", Some(span), format!("position {p} is outside segmentation `{}`, which covers [0, {})", self.program.segs[s].name, t.fill()))
+                .with_hint("segmentations fill [0, q_len) unless declared with `fill`"));
+        }
+        Ok(t.index_of(p))
+    }
+
+    /// Evaluates a range to `[lo, hi)`.
+    pub fn eval_range(&self, r: &RangeE, env: &Env) -> PResult<(i64, i64)> {
+        match &r.kind {
+            RangeKind::Lit(lo, hi) => Ok((self.eval_int(lo, env)?, self.eval_int(hi, env)?)),
+            RangeKind::Seg(s, p) => {
+                let i = self.seg_pos(*s, self.eval_int(p, env)?, p.span)?;
+                Ok((self.segs[*s].starts[i], self.segs[*s].starts[i + 1]))
+            }
+            RangeKind::SegAt(s, i) => {
+                let iv = self.eval_int(i, env)?;
+                let t = &self.segs[*s];
+                if iv < 0 || iv as usize >= t.count() {
+                    return Err(PlanError::new("CM0304", Some(i.span), format!("segment index {iv} is out of range; `{}` has {} segments", self.program.segs[*s].name, t.count())));
+                }
+                Ok((t.starts[iv as usize], t.starts[iv as usize + 1]))
+            }
+            RangeKind::Part(s, part, p) => {
+                let i = self.seg_pos(*s, self.eval_int(p, env)?, p.span)?;
+                Ok(self.segs[*s].parts[*part][i])
+            }
+            RangeKind::Piece(s, kind, p) => {
+                let pv = self.eval_int(p, env)?;
+                let seg = self.seg_pos(*s, pv, p.span)?;
+                let t = self.segs[*s].pieces.as_ref().expect("checked: piece of a composite segmentation");
+                Ok(piece_range(t, &self.segs[*s], *kind, pv, seg))
+            }
+        }
+    }
+
+    /// Evaluates an array.
+    pub fn eval_arr(&self, a: &Arr, env: &Env) -> PResult<Arc<[i64]>> {
+        match a {
+            Arr::Param(id) => match &self.params[*id] {
+                Value::Array(v) => Ok(v.clone()),
+                Value::Int(_) => unreachable!("checked: array parameter"),
+            },
+            Arr::Const(v) => Ok(v.clone()),
+            Arr::Lit(xs) => xs.iter().map(|x| self.eval_int(x, env)).collect::<PResult<Vec<_>>>().map(Into::into),
+            Arr::Add(x, y, span) => {
+                let (x, y) = (self.eval_arr(x, env)?, self.eval_arr(y, env)?);
+                if x.len() != y.len() {
+                    return Err(PlanError::new("CM0308", Some(*span), format!("cannot add arrays of lengths {} and {}", x.len(), y.len())));
+                }
+                x.iter().zip(y.iter()).map(|(a, b)| add(*a, *b, *span)).collect::<PResult<Vec<_>>>().map(Into::into)
+            }
+        }
+    }
+
+    /// Evaluates an integer expression at a point.
+    pub fn eval_int(&self, e: &Int, env: &Env) -> PResult<i64> {
+        let span = e.span;
+        Ok(match &e.kind {
+            IntKind::Const(v) => *v,
+            IntKind::Q => env.q,
+            IntKind::K => env.k,
+            IntKind::B => env.b,
+            IntKind::H => env.h,
+            IntKind::QLen => self.shape.q_len,
+            IntKind::KvLen => self.shape.kv_len,
+            IntKind::Batch => self.shape.batch,
+            IntKind::NumHeads => self.shape.num_heads,
+            IntKind::SegLen => env.seg_len,
+            IntKind::Param(id) => match &self.params[*id] {
+                Value::Int(v) => *v,
+                Value::Array(_) => unreachable!("checked: integer parameter"),
+            },
+            IntKind::ArrIndex(a, i) => {
+                let a = self.eval_arr(a, env)?;
+                let iv = self.eval_int(i, env)?;
+                if iv < 0 || iv as usize >= a.len() {
+                    return Err(PlanError::new("CM0304", Some(span), format!("index {iv} is out of range for an array of length {}", a.len())));
+                }
+                a[iv as usize]
+            }
+            IntKind::ArrLen(a) => self.eval_arr(a, env)?.len() as i64,
+            IntKind::ArrSum(a) => {
+                let a = self.eval_arr(a, env)?;
+                a.iter().try_fold(0i64, |s, v| add(s, *v, span))?
+            }
+            IntKind::Neg(a) => self.eval_int(a, env)?.checked_neg().ok_or_else(|| overflow(span))?,
+            IntKind::Abs(a) => self.eval_int(a, env)?.checked_abs().ok_or_else(|| overflow(span))?,
+            IntKind::Isqrt(a) => isqrt(self.eval_int(a, env)?, span)?,
+            IntKind::Bin(op, a, b) => apply(*op, self.eval_int(a, env)?, self.eval_int(b, env)?, span)?,
+            IntKind::If(c, a, b) => {
+                if self.eval_bool(c, env)? {
+                    self.eval_int(a, env)?
+                } else {
+                    self.eval_int(b, env)?
+                }
+            }
+            IntKind::RangeLo(r) => self.eval_range(r, env)?.0,
+            IntKind::RangeHi(r) => self.eval_range(r, env)?.1,
+            IntKind::SegIndex(s, p) => self.seg_pos(*s, self.eval_int(p, env)?, p.span)? as i64,
+            IntKind::SegCount(s) => self.segs[*s].count() as i64,
+            IntKind::GridCoord(g, axis, p) => {
+                let pv = self.eval_int(p, env)?;
+                match self.grids[*g].coords(pv) {
+                    Some(c) => c[*axis as usize],
+                    None => return Err(self.outside_grid(*g, pv, p.span)),
+                }
+            }
+        })
+    }
+
+    pub fn outside_grid(&self, g: GridId, p: i64, span: Span) -> PlanError {
+        let gv = &self.grids[g];
+        PlanError::new("CM0310", Some(span), format!("position {p} is not in grid `{}`, which covers [{}, {})", self.program.grids[g].name, gv.at, gv.at + gv.size))
+            .with_hint(format!("guard coordinates with `if q in {} then ... else ...`", self.program.grids[g].name))
+    }
+
+    /// Evaluates a boolean; `and` / `or` short-circuit.
+    pub fn eval_bool(&self, e: &Bool, env: &Env) -> PResult<bool> {
+        Ok(match e {
+            Bool::Const(v) => *v,
+            Bool::Cmp(op, a, b) => cmp(*op, self.eval_int(a, env)?, self.eval_int(b, env)?),
+            Bool::And(a, b) => self.eval_bool(a, env)? && self.eval_bool(b, env)?,
+            Bool::Or(a, b) => self.eval_bool(a, env)? || self.eval_bool(b, env)?,
+            Bool::Not(a) => !self.eval_bool(a, env)?,
+            Bool::InGrid(g, p) => self.grids[*g].coords(self.eval_int(p, env)?).is_some(),
+        })
+    }
+}
+
+/// The range a piece kind gives at position `p` in segment `seg`: the piece of that kind
+/// containing `p`, else the segment's first piece of that kind, else the empty range at the
+/// segment's end.
+pub fn piece_range(t: &PieceTable, segs: &SegTable, kind: usize, p: i64, seg: usize) -> (i64, i64) {
+    let j = t.index_of(p);
+    if t.kinds[j] as usize == kind {
+        return (t.bounds[j], t.bounds[j + 1]);
+    }
+    match t.first_of_kind[kind][seg] {
+        Some(f) => (t.bounds[f as usize], t.bounds[f as usize + 1]),
+        None => (segs.starts[seg + 1], segs.starts[seg + 1]),
+    }
+}
+
+pub fn cmp(op: cm_syntax::CmpOp, a: i64, b: i64) -> bool {
+    use cm_syntax::CmpOp::*;
+    match op {
+        Lt => a < b,
+        Le => a <= b,
+        Gt => a > b,
+        Ge => a >= b,
+        Eq => a == b,
+        Ne => a != b,
+    }
+}

@@ -1,0 +1,107 @@
+//! The reference semantics: whether one (q, k) pair is visible, evaluated directly from
+//! the IR. This is the definition every analytical result is tested against, and the
+//! evaluator `elementwise(...)` regions use. Cost O(1) per pair, so O(q_len x kv_len) for
+//! a whole mask: for tests, debugging and the escape hatch only.
+//!
+//! Evaluation order is part of the semantics of errors: `&` and `-` skip their right side
+//! where the left side is false, `if` evaluates one branch, `|` evaluates both.
+
+use crate::bind::{add, cmp, floor_div, floor_mod, mul, Bound, Env, PResult};
+use crate::ir::*;
+
+impl Bound<'_> {
+    /// Is key `k` visible from query row `q` in batch `b`, head `h`? Keys outside
+    /// `[0, kv_len)` are never visible.
+    ///
+    /// # Errors
+    /// Any plan-time error the mask raises at this pair (division by zero, positions outside
+    /// a segmentation or grid, overflow).
+    pub fn visible(&self, q: i64, k: i64, b: i64, h: i64) -> PResult<bool> {
+        if k < 0 || k >= self.shape.kv_len {
+            return Ok(false);
+        }
+        self.region_at(&self.program.mask, &Env { q, k, b, h, seg_len: 0 })
+    }
+
+    /// Row `q`'s visible keys as maximal `[start, end)` runs, by testing every key.
+    pub fn brute_force_row(&self, q: i64, b: i64, h: i64) -> PResult<Vec<(u32, u32)>> {
+        let mut out: Vec<(u32, u32)> = Vec::new();
+        for k in 0..self.shape.kv_len {
+            if self.visible(q, k, b, h)? {
+                match out.last_mut() {
+                    Some(last) if i64::from(last.1) == k => last.1 += 1,
+                    _ => out.push((k as u32, k as u32 + 1)),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn region_at(&self, r: &Region, env: &Env) -> PResult<bool> {
+        let k = env.k;
+        Ok(match r {
+            Region::Rows(c) => self.eval_bool(c, env)?,
+            Region::KCmp { alpha, rest, op, span } => {
+                let lhs = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
+                cmp(*op, lhs, 0)
+            }
+            Region::KDiv { alpha, rest, div, op, rhs, span } => {
+                let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
+                let d = self.eval_int(div, env)?;
+                cmp(*op, floor_div(x, d, div.span)?, self.eval_int(rhs, env)?)
+            }
+            Region::KMod { alpha, rest, div, equal, rhs, span } => {
+                let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
+                let d = self.eval_int(div, env)?;
+                (floor_mod(x, d, div.span)? == self.eval_int(rhs, env)?) == *equal
+            }
+            Region::Ball { grid, metric, strict, radius, span } => {
+                let r = self.eval_int(radius, env)?;
+                let g = &self.grids[*grid];
+                let (Some(cq), Some(ck)) = (g.coords(env.q), g.coords(k)) else { return Ok(false) };
+                let nd = g.dims.len();
+                let deltas = (0..nd).map(|a| (cq[a] - ck[a]).abs());
+                let d = match metric {
+                    Metric::L1 => deltas.sum::<i64>(),
+                    Metric::Linf => deltas.max().unwrap_or(0),
+                    Metric::L2 => {
+                        let s = deltas.map(|x| x * x).sum::<i64>();
+                        let r2 = mul(r.max(0), r.max(0), *span)?;
+                        return Ok(if *strict { r > 0 && s < r2 } else { r >= 0 && s <= r2 });
+                    }
+                };
+                if *strict {
+                    d < r
+                } else {
+                    d <= r
+                }
+            }
+            Region::Box { grid, ranges, .. } => {
+                let mut bounds = Vec::with_capacity(ranges.len());
+                for rg in ranges {
+                    bounds.push(self.eval_range(rg, env)?);
+                }
+                match self.grids[*grid].coords(k) {
+                    Some(ck) => bounds.iter().enumerate().all(|(a, (lo, hi))| *lo <= ck[a] && ck[a] < *hi),
+                    None => false,
+                }
+            }
+            Region::Union(a, b) => {
+                let x = self.region_at(a, env)?;
+                let y = self.region_at(b, env)?;
+                x || y
+            }
+            Region::Inter(a, b) => self.region_at(a, env)? && self.region_at(b, env)?,
+            Region::Diff(a, b) => self.region_at(a, env)? && !self.region_at(b, env)?,
+            Region::Not(a) => !self.region_at(a, env)?,
+            Region::Cond(c, a, b) => {
+                if self.eval_bool(c, env)? {
+                    self.region_at(a, env)?
+                } else {
+                    self.region_at(b, env)?
+                }
+            }
+            Region::Elementwise(c, _) => self.eval_bool(c, env)?,
+        })
+    }
+}

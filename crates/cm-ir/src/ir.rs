@@ -1,0 +1,304 @@
+//! The checked mask IR. Names are resolved, types checked, `let`s inlined, comparisons
+//! involving `k` normalised to solvable atoms. The IR is shape-agnostic: `q_len`,
+//! `kv_len`, `batch`, `num_heads` and parameters are symbols bound later ([`crate::bind`]).
+//!
+//! Conventions: positions are 0-based absolute (top-left aligned); every range is
+//! half-open `[lo, hi)`; integer division and modulo floor toward negative infinity.
+
+use cm_syntax::{CmpOp, Span};
+use std::sync::Arc;
+
+pub type SegId = usize;
+pub type GridId = usize;
+pub type ParamId = usize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IntOp {
+    Add,
+    Sub,
+    Mul,
+    /// Floor division (rounds toward negative infinity).
+    Div,
+    /// Floor modulo: the result has the sign of the divisor.
+    Mod,
+    Min,
+    Max,
+}
+
+/// An integer expression. Outside `elementwise`, only comparisons may contain `K`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Int {
+    pub kind: IntKind,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IntKind {
+    Const(i64),
+    Q,
+    K,
+    B,
+    H,
+    QLen,
+    KvLen,
+    Batch,
+    NumHeads,
+    /// `len` inside a `part` declaration: the length of the segment being divided.
+    SegLen,
+    Param(ParamId),
+    ArrIndex(Box<Arr>, Box<Int>),
+    ArrLen(Box<Arr>),
+    ArrSum(Box<Arr>),
+    Neg(Box<Int>),
+    Bin(IntOp, Box<Int>, Box<Int>),
+    Abs(Box<Int>),
+    /// Integer square root, `floor(sqrt(x))`, for `x >= 0`.
+    Isqrt(Box<Int>),
+    If(Box<Bool>, Box<Int>, Box<Int>),
+    RangeLo(Box<RangeE>),
+    RangeHi(Box<RangeE>),
+    SegIndex(SegId, Box<Int>),
+    SegCount(SegId),
+    /// Grid coordinate of a position: axis 0 is the slowest (t for 3D, y for 2D).
+    GridCoord(GridId, u8, Box<Int>),
+}
+
+impl Int {
+    pub fn new(kind: IntKind, span: Span) -> Int {
+        Int { kind, span }
+    }
+
+    pub fn constant(v: i64, span: Span) -> Int {
+        Int::new(IntKind::Const(v), span)
+    }
+
+    /// Does `K` occur anywhere inside?
+    pub fn has_k(&self) -> bool {
+        match &self.kind {
+            IntKind::K => true,
+            IntKind::Const(_)
+            | IntKind::Q
+            | IntKind::B
+            | IntKind::H
+            | IntKind::QLen
+            | IntKind::KvLen
+            | IntKind::Batch
+            | IntKind::NumHeads
+            | IntKind::SegLen
+            | IntKind::Param(_)
+            | IntKind::SegCount(_) => false,
+            IntKind::ArrIndex(a, i) => a.has_k() || i.has_k(),
+            IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.has_k(),
+            IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.has_k(),
+            IntKind::Bin(_, a, b) => a.has_k() || b.has_k(),
+            IntKind::If(c, a, b) => c.has_k() || a.has_k() || b.has_k(),
+            IntKind::RangeLo(r) | IntKind::RangeHi(r) => r.has_k(),
+            IntKind::SegIndex(_, p) | IntKind::GridCoord(_, _, p) => p.has_k(),
+        }
+    }
+}
+
+/// A q-side boolean (no `K`), except inside [`Region::Elementwise`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bool {
+    Const(bool),
+    Cmp(CmpOp, Int, Int),
+    And(Box<Bool>, Box<Bool>),
+    Or(Box<Bool>, Box<Bool>),
+    Not(Box<Bool>),
+    InGrid(GridId, Int),
+}
+
+impl Bool {
+    pub fn has_k(&self) -> bool {
+        match self {
+            Bool::Const(_) => false,
+            Bool::Cmp(_, a, b) => a.has_k() || b.has_k(),
+            Bool::And(a, b) | Bool::Or(a, b) => a.has_k() || b.has_k(),
+            Bool::Not(a) => a.has_k(),
+            Bool::InGrid(_, p) => p.has_k(),
+        }
+    }
+}
+
+/// A range of positions `[lo, hi)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RangeE {
+    pub kind: RangeKind,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RangeKind {
+    Lit(Int, Int),
+    /// The segment containing a position.
+    Seg(SegId, Int),
+    /// The segment with a given index.
+    SegAt(SegId, Int),
+    /// A declared part of the segment containing a position.
+    Part(SegId, usize, Int),
+    /// A piece kind of a composite segmentation, at a position (see docs/language.md).
+    Piece(SegId, usize, Int),
+}
+
+impl RangeE {
+    pub fn has_k(&self) -> bool {
+        match &self.kind {
+            RangeKind::Lit(a, b) => a.has_k() || b.has_k(),
+            RangeKind::Seg(_, p) | RangeKind::SegAt(_, p) | RangeKind::Part(_, _, p) | RangeKind::Piece(_, _, p) => {
+                p.has_k()
+            }
+        }
+    }
+}
+
+/// An integer array.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Arr {
+    Param(ParamId),
+    Lit(Vec<Int>),
+    Const(Arc<[i64]>),
+    /// Element-wise sum of two arrays of equal length.
+    Add(Box<Arr>, Box<Arr>, Span),
+}
+
+impl Arr {
+    fn has_k(&self) -> bool {
+        match self {
+            Arr::Lit(xs) => xs.iter().any(Int::has_k),
+            Arr::Add(a, b, _) => a.has_k() || b.has_k(),
+            Arr::Param(_) | Arr::Const(_) => false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Metric {
+    L1,
+    L2,
+    Linf,
+}
+
+/// A set of (q, k) pairs. Each atom is solvable for `k` given `q` (see `cm-plan`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Region {
+    /// A q-side predicate: every key of the row when true, none when false.
+    Rows(Bool),
+    /// `alpha * k + rest  op  0`, `alpha != 0`, `rest` q-side.
+    KCmp { alpha: i64, rest: Int, op: CmpOp, span: Span },
+    /// `floor((alpha * k + rest) / div)  op  rhs`, `alpha != 0`.
+    KDiv { alpha: i64, rest: Int, div: Int, op: CmpOp, rhs: Int, span: Span },
+    /// `(alpha * k + rest) mod div  (== | !=)  rhs`, `alpha` is 1 or -1.
+    KMod { alpha: i64, rest: Int, div: Int, equal: bool, rhs: Int, span: Span },
+    /// Keys of the grid whose distance to the query's grid point is `< radius` (strict)
+    /// or `<= radius`. Empty for queries outside the grid.
+    Ball { grid: GridId, metric: Metric, strict: bool, radius: Int, span: Span },
+    /// Keys of the grid whose coordinates lie in the given ranges (one per axis, slowest
+    /// first), clipped to the grid.
+    Box { grid: GridId, ranges: Vec<RangeE>, span: Span },
+    Union(Box<Region>, Box<Region>),
+    Inter(Box<Region>, Box<Region>),
+    Diff(Box<Region>, Box<Region>),
+    Not(Box<Region>),
+    Cond(Bool, Box<Region>, Box<Region>),
+    /// The escape hatch: a predicate evaluated pair by pair.
+    Elementwise(Bool, Span),
+}
+
+impl Region {
+    pub fn uses_elementwise(&self) -> bool {
+        match self {
+            Region::Elementwise(..) => true,
+            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) | Region::Cond(_, a, b) => {
+                a.uses_elementwise() || b.uses_elementwise()
+            }
+            Region::Not(a) => a.uses_elementwise(),
+            _ => false,
+        }
+    }
+}
+
+/// A declared parameter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamDecl {
+    pub name: String,
+    pub is_array: bool,
+    pub default: Option<ParamDefault>,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParamDefault {
+    Int(Int),
+    Array(Arr),
+}
+
+/// A part of every segment: `[lo, hi)` in segment-local positions, `len` bound to the
+/// segment's length, clipped to `[0, len)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartDecl {
+    pub name: String,
+    pub lo: Int,
+    pub hi: Int,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PieceDecl {
+    pub name: String,
+    pub lengths: Arr,
+    pub count: Int,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SegKind {
+    Plain(Arr),
+    Composite(Vec<PieceDecl>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegDecl {
+    pub name: String,
+    pub kind: SegKind,
+    /// Positions to fill, `[0, fill)`; defaults to `q_len`.
+    pub fill: Int,
+    pub parts: Vec<PartDecl>,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GridDecl {
+    pub name: String,
+    /// Extents, slowest axis first (`[h, w]` or `[t, h, w]`).
+    pub dims: Vec<Int>,
+    /// Position of the grid's first cell.
+    pub at: Int,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MsgPart {
+    Text(String),
+    Value(Int),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Require {
+    pub cond: Bool,
+    pub message: Vec<MsgPart>,
+    pub span: Span,
+}
+
+/// A checked program: everything needed to plan it for any lengths and parameters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Program {
+    pub params: Vec<ParamDecl>,
+    pub segs: Vec<SegDecl>,
+    pub grids: Vec<GridDecl>,
+    pub requires: Vec<Require>,
+    pub mask: Region,
+    /// Whether the mask reads the batch index `b` / the head index `h`.
+    pub uses_b: bool,
+    pub uses_h: bool,
+}

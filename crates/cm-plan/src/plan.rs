@@ -1,0 +1,178 @@
+//! The planning driver: a bound program becomes a [`Plan`], one [`MaskPlan`] (row
+//! intervals + tile descriptor) per distinct (batch, head) mask, shared where equal.
+
+use crate::rows::RowIntervals;
+use crate::symbolic::{Flow, Piece, Solver};
+use crate::tiles::{TileCounts, TileDescriptor, TileShape};
+use cm_ir::{Bound, PResult, PlanError};
+use std::collections::HashMap;
+
+/// Most intervals one plan may hold (8 bytes each), so a pathological mask fails with a
+/// clear error instead of exhausting memory.
+pub const MAX_INTERVALS: usize = 1 << 28;
+
+/// The compiled form of one distinct mask.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MaskPlan {
+    pub rows: RowIntervals,
+    pub tiles: TileDescriptor,
+}
+
+/// A complete plan: every distinct mask's row intervals and tile descriptor, and which
+/// one each (batch, head) uses.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub q_len: u32,
+    pub kv_len: u32,
+    pub batch: u32,
+    pub num_heads: u32,
+    pub tile: TileShape,
+    pub masks: Vec<MaskPlan>,
+    /// `[batch, num_heads]` row-major: index into `masks`.
+    pub mask_index: Vec<u32>,
+    /// (q, k) pairs evaluated one by one in `elementwise(...)` regions (0 when the whole
+    /// mask was solved analytically).
+    pub elementwise_pairs: u64,
+    /// Pieces (runs of rows with affine interval endpoints) the solver used.
+    pub pieces: u64,
+}
+
+impl Plan {
+    /// The mask used by batch `b`, head `h`.
+    pub fn mask(&self, b: u32, h: u32) -> &MaskPlan {
+        &self.masks[self.mask_index[(b * self.num_heads + h) as usize] as usize]
+    }
+
+    fn sum<T: Into<u64>>(&self, f: impl Fn(&MaskPlan) -> T) -> u64 {
+        self.mask_index.iter().map(|&i| f(&self.masks[i as usize]).into()).sum()
+    }
+
+    /// Visible (q, k) pairs, summed over every (batch, head).
+    pub fn visible_pairs(&self) -> u64 {
+        self.sum(|m| m.rows.visible_pairs())
+    }
+
+    /// Rows with no visible key, summed over every (batch, head).
+    pub fn empty_rows(&self) -> u64 {
+        self.sum(|m| m.rows.empty_rows())
+    }
+
+    pub fn max_intervals_per_row(&self) -> u32 {
+        self.masks.iter().map(|m| m.rows.max_intervals_per_row()).max().unwrap_or(0)
+    }
+
+    /// Tile counts, summed over every (batch, head).
+    pub fn tile_counts(&self) -> TileCounts {
+        let mut t = TileCounts::default();
+        for &i in &self.mask_index {
+            let c = self.masks[i as usize].tiles.counts();
+            t.full += c.full;
+            t.partial += c.partial;
+            t.empty += c.empty;
+        }
+        t
+    }
+
+    pub fn computed_pairs(&self) -> u64 {
+        self.sum(|m| m.tiles.computed_pairs)
+    }
+
+    /// Bytes of everything a kernel reads: each distinct mask's descriptor and intervals,
+    /// plus the `[batch, num_heads]` index when there is more than one mask.
+    pub fn descriptor_bytes(&self) -> u64 {
+        let own: usize = self.masks.iter().map(|m| m.tiles.bytes(&m.rows)).sum();
+        let index = if self.masks.len() > 1 { self.mask_index.len() * 4 } else { 0 };
+        (own + index) as u64
+    }
+}
+
+/// Solves every row of one (batch, head) mask.
+pub fn row_intervals(solver: &Solver<'_, '_>, b: i64, h: i64, pieces: &mut u64) -> PResult<RowIntervals> {
+    let shape = solver.bound.shape;
+    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, shape.q_len as usize);
+    let mut q0 = 0i64;
+    while q0 < shape.q_len {
+        let mut end = shape.q_len;
+        loop {
+            let p = Piece { q0, n: end - q0, b, h };
+            match solver.region(&p, &solver.bound.program.mask, None) {
+                Ok(list) => {
+                    if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
+                        return Err(PlanError::new("CM0404", None, format!("the mask needs more than {MAX_INTERVALS} intervals")));
+                    }
+                    for t in 0..p.n {
+                        for iv in &list {
+                            rows.push_row_interval(iv.s.at(t) as u32, iv.e.at(t) as u32);
+                        }
+                        rows.finish_row();
+                    }
+                    *pieces += 1;
+                    q0 = end;
+                    break;
+                }
+                Err(Flow::Split(s)) => {
+                    debug_assert!(s > q0 && s < end, "split {s} outside ({q0}, {end})");
+                    end = s;
+                }
+                Err(Flow::Error(e)) => return Err(e),
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Plans a bound program at a tile shape.
+///
+/// # Errors
+/// `CM0401` for a zero block size; any plan-time error of the mask (with its span).
+pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
+    if tile.block_m == 0 || tile.block_n == 0 {
+        return Err(PlanError::new("CM0401", None, format!("tile {}x{} has a zero side; block_m and block_n must be >= 1", tile.block_m, tile.block_n)));
+    }
+    let shape = bound.shape;
+    let program = bound.program;
+    let solver = Solver::new(bound);
+    let bs = if program.uses_b { shape.batch } else { 1 };
+    let hs = if program.uses_h { shape.num_heads } else { 1 };
+    let mut masks: Vec<MaskPlan> = Vec::new();
+    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
+    let mut local = vec![0u32; (bs * hs) as usize];
+    let mut pieces = 0u64;
+    for b in 0..bs {
+        for h in 0..hs {
+            let rows = row_intervals(&solver, b, h, &mut pieces)?;
+            let id = match seen.get(&rows) {
+                Some(&id) => id,
+                None => {
+                    let id = masks.len() as u32;
+                    let tiles = TileDescriptor::build(&rows, tile);
+                    if bs * hs > 1 {
+                        seen.insert(rows.clone(), id);
+                    }
+                    masks.push(MaskPlan { rows, tiles });
+                    id
+                }
+            };
+            local[(b * hs + h) as usize] = id;
+        }
+    }
+    let mut mask_index = Vec::with_capacity((shape.batch * shape.num_heads) as usize);
+    for b in 0..shape.batch {
+        for h in 0..shape.num_heads {
+            let lb = if program.uses_b { b } else { 0 };
+            let lh = if program.uses_h { h } else { 0 };
+            mask_index.push(local[(lb * hs + lh) as usize]);
+        }
+    }
+    Ok(Plan {
+        q_len: shape.q_len as u32,
+        kv_len: shape.kv_len as u32,
+        batch: shape.batch as u32,
+        num_heads: shape.num_heads as u32,
+        tile,
+        masks,
+        mask_index,
+        elementwise_pairs: solver.elementwise_pairs.get(),
+        pieces,
+    })
+}

@@ -1,0 +1,807 @@
+//! The analytical row solver. Rows are processed in *pieces* `[q0, q0 + n)` over which
+//! every q-dependent quantity the mask reads is affine in `q` ([`Aff`]), so the visible keys
+//! of all rows of a piece are one list of intervals whose endpoints are affine in `q`.
+//! Whenever a quantity stops being affine (a segment boundary, a floor-division step, a
+//! clamp, an order change between two endpoints), evaluation stops with the first row where
+//! it changes ([`Flow::Split`]) and the driver re-evaluates a shorter piece. A piece of one
+//! row is always affine, so every construct has an exact fallback; the common masks need a
+//! handful of pieces per segment, which is what makes planning cost grow with
+//! rows x intervals rather than `q_len x kv_len`.
+//!
+//! Invariant of every interval list returned for a piece: for *every* row of the piece the
+//! intervals are non-empty, inside `[0, kv_len)`, sorted and maximal (neither overlapping
+//! nor touching). Comparisons that would break this for some row split the piece instead.
+
+use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
+use cm_ir::ir::*;
+use cm_syntax::{CmpOp, Span};
+use std::cell::Cell;
+
+/// An integer affine in the row over a piece: `value(q0 + t) = v0 + a * t`, `0 <= t < n`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Aff {
+    pub v0: i64,
+    pub a: i64,
+}
+
+impl Aff {
+    fn c(v: i64) -> Aff {
+        Aff { v0: v, a: 0 }
+    }
+
+    /// The value at offset `t`; the caller has checked both ends of the piece fit.
+    #[inline]
+    pub fn at(self, t: i64) -> i64 {
+        self.v0 + self.a * t
+    }
+}
+
+/// Why evaluation of a piece stopped.
+pub enum Flow {
+    /// Re-evaluate with the piece ending just before this absolute row.
+    Split(i64),
+    Error(PlanError),
+}
+
+impl From<PlanError> for Flow {
+    fn from(e: PlanError) -> Flow {
+        Flow::Error(e)
+    }
+}
+
+type F<T> = Result<T, Flow>;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Iv {
+    pub s: Aff,
+    pub e: Aff,
+}
+
+/// Rows `[q0, q0 + n)` of batch `b`, head `h`.
+#[derive(Clone, Copy)]
+pub struct Piece {
+    pub q0: i64,
+    pub n: i64,
+    pub b: i64,
+    pub h: i64,
+}
+
+pub struct Solver<'a, 'p> {
+    pub bound: &'a Bound<'p>,
+    /// Pairs evaluated one by one inside `elementwise(...)`.
+    pub elementwise_pairs: Cell<u64>,
+}
+
+fn overflow(span: Span) -> Flow {
+    Flow::Error(PlanError::new("CM0302", Some(span), "integer overflow").with_hint("values are 64-bit signed integers"))
+}
+
+impl<'a, 'p> Solver<'a, 'p> {
+    pub fn new(bound: &'a Bound<'p>) -> Self {
+        Solver { bound, elementwise_pairs: Cell::new(0) }
+    }
+
+    fn env(&self, p: &Piece) -> Env {
+        Env { q: p.q0, k: 0, b: p.b, h: p.h, seg_len: 0 }
+    }
+
+    /// Builds an affine value, checking that both ends of the piece fit in 64 bits.
+    fn mk(&self, p: &Piece, v0: Option<i64>, a: Option<i64>, span: Span) -> F<Aff> {
+        let (Some(v0), Some(a)) = (v0, a) else { return Err(overflow(span)) };
+        let a = if p.n == 1 { 0 } else { a };
+        a.checked_mul(p.n - 1).and_then(|x| x.checked_add(v0)).ok_or_else(|| overflow(span))?;
+        Ok(Aff { v0, a })
+    }
+
+    /// Splits a multi-row piece after its first row, falling back to per-row evaluation.
+    fn single(&self, p: &Piece) -> Flow {
+        Flow::Split(p.q0 + 1)
+    }
+
+    /// The first offset `t` in `1..n` where `f(t) != f(0)`, for `f` that changes at most
+    /// once over the piece (monotone), as a split.
+    fn split_where(&self, p: &Piece, f: impl Fn(i64) -> bool) -> Option<Flow> {
+        let f0 = f(0);
+        if f(p.n - 1) == f0 {
+            return None;
+        }
+        let (mut lo, mut hi) = (0i64, p.n - 1);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if f(mid) == f0 {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Some(Flow::Split(p.q0 + hi))
+    }
+
+    /// Sign-uniform comparison `x op y` over the piece, or a split where it changes.
+    fn cmp(&self, p: &Piece, op: CmpOp, x: Aff, y: Aff) -> F<bool> {
+        let d0 = i128::from(x.v0) - i128::from(y.v0);
+        let da = i128::from(x.a) - i128::from(y.a);
+        let d = |t: i64| d0 + da * i128::from(t);
+        let truth = |t: i64| bind::cmp(op, d(t).signum() as i64, 0);
+        match op {
+            CmpOp::Eq | CmpOp::Ne => {
+                if da == 0 || p.n == 1 {
+                    return Ok(truth(0));
+                }
+                // d(t) is zero at most at one offset.
+                if d0 % da == 0 {
+                    let t = -d0 / da;
+                    if t == 0 {
+                        return Err(Flow::Split(p.q0 + 1));
+                    }
+                    if t > 0 && t < i128::from(p.n) {
+                        return Err(Flow::Split(p.q0 + t as i64));
+                    }
+                }
+                Ok(truth(0))
+            }
+            _ => match self.split_where(p, truth) {
+                Some(s) => Err(s),
+                None => Ok(truth(0)),
+            },
+        }
+    }
+
+    fn lt(&self, p: &Piece, x: Aff, y: Aff) -> F<bool> {
+        self.cmp(p, CmpOp::Lt, x, y)
+    }
+
+    fn le(&self, p: &Piece, x: Aff, y: Aff) -> F<bool> {
+        self.cmp(p, CmpOp::Le, x, y)
+    }
+
+    fn add(&self, p: &Piece, x: Aff, y: Aff, span: Span) -> F<Aff> {
+        self.mk(p, x.v0.checked_add(y.v0), x.a.checked_add(y.a), span)
+    }
+
+    fn sub(&self, p: &Piece, x: Aff, y: Aff, span: Span) -> F<Aff> {
+        self.mk(p, x.v0.checked_sub(y.v0), x.a.checked_sub(y.a), span)
+    }
+
+    fn scale(&self, p: &Piece, x: Aff, c: i64, span: Span) -> F<Aff> {
+        self.mk(p, x.v0.checked_mul(c), x.a.checked_mul(c), span)
+    }
+
+    fn min(&self, p: &Piece, x: Aff, y: Aff) -> F<Aff> {
+        Ok(if self.le(p, x, y)? { x } else { y })
+    }
+
+    fn max(&self, p: &Piece, x: Aff, y: Aff) -> F<Aff> {
+        Ok(if self.le(p, x, y)? { y } else { x })
+    }
+
+    /// `floor(x / d)` for a constant `d != 0`: affine when `d` divides the slope or the
+    /// quotient is constant over the piece; otherwise split where it first changes.
+    fn fdiv(&self, p: &Piece, x: Aff, d: i64, span: Span) -> F<Aff> {
+        if d == 0 {
+            return Err(PlanError::new("CM0301", Some(span), "division by zero").into());
+        }
+        let q0 = bind::floor_div(x.v0, d, span)?;
+        if x.a % d == 0 {
+            // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
+            return self.mk(p, Some(q0), Some(x.a / d), span);
+        }
+        let f = |t: i64| floor_i128(i128::from(x.v0) + i128::from(x.a) * i128::from(t), i128::from(d));
+        let first = f(0);
+        if let Some(s) = self.split_where(p, |t| f(t) == first) {
+            return Err(s);
+        }
+        Ok(Aff::c(q0))
+    }
+
+    fn fmod(&self, p: &Piece, x: Aff, d: i64, span: Span) -> F<Aff> {
+        let q = self.fdiv(p, x, d, span)?;
+        let dq = self.scale(p, q, d, span)?;
+        self.sub(p, x, dq, span)
+    }
+
+    fn constant(&self, p: &Piece, x: Aff) -> F<i64> {
+        if x.a != 0 {
+            return Err(self.single(p));
+        }
+        Ok(x.v0)
+    }
+
+    fn point_int(&self, p: &Piece, e: &Int) -> F<Aff> {
+        if p.n > 1 {
+            return Err(self.single(p));
+        }
+        Ok(Aff::c(self.bound.eval_int(e, &self.env(p))?))
+    }
+
+    pub fn int(&self, p: &Piece, e: &Int) -> F<Aff> {
+        let span = e.span;
+        let sh = &self.bound.shape;
+        Ok(match &e.kind {
+            IntKind::Const(v) => Aff::c(*v),
+            IntKind::Q => self.mk(p, Some(p.q0), Some(1), span)?,
+            IntKind::B => Aff::c(p.b),
+            IntKind::H => Aff::c(p.h),
+            IntKind::QLen => Aff::c(sh.q_len),
+            IntKind::KvLen => Aff::c(sh.kv_len),
+            IntKind::Batch => Aff::c(sh.batch),
+            IntKind::NumHeads => Aff::c(sh.num_heads),
+            IntKind::Param(_) | IntKind::SegCount(_) => Aff::c(self.bound.eval_int(e, &self.env(p))?),
+            IntKind::ArrIndex(arr, i) => {
+                let idx = self.int(p, i)?;
+                if idx.a != 0 || matches!(**arr, Arr::Lit(_)) {
+                    return self.point_int(p, e);
+                }
+                let a = self.bound.eval_arr(arr, &Env::default())?;
+                if idx.v0 < 0 || idx.v0 as usize >= a.len() {
+                    return Err(PlanError::new("CM0304", Some(span), format!("index {} is out of range for an array of length {}", idx.v0, a.len())).into());
+                }
+                Aff::c(a[idx.v0 as usize])
+            }
+            IntKind::ArrLen(arr) | IntKind::ArrSum(arr) => {
+                if matches!(**arr, Arr::Lit(_)) {
+                    return self.point_int(p, e);
+                }
+                Aff::c(self.bound.eval_int(e, &Env::default())?)
+            }
+            IntKind::Neg(x) => {
+                let x = self.int(p, x)?;
+                self.mk(p, x.v0.checked_neg(), x.a.checked_neg(), span)?
+            }
+            IntKind::Abs(x) => {
+                let x = self.int(p, x)?;
+                let nx = self.mk(p, x.v0.checked_neg(), x.a.checked_neg(), span)?;
+                self.max(p, x, nx)?
+            }
+            IntKind::Isqrt(x) => {
+                let x = self.int(p, x)?;
+                if x.a == 0 {
+                    Aff::c(bind::isqrt(x.v0, span)?)
+                } else {
+                    let lo = x.at(0).min(x.at(p.n - 1));
+                    if lo < 0 {
+                        return self.point_int(p, e);
+                    }
+                    let r0 = bind::isqrt(x.v0, span)?;
+                    if let Some(s) = self.split_where(p, |t| bind::isqrt(x.at(t), span).ok() == Some(r0)) {
+                        return Err(s);
+                    }
+                    Aff::c(r0)
+                }
+            }
+            IntKind::Bin(op, x, y) => {
+                let x = self.int(p, x)?;
+                let y = self.int(p, y)?;
+                match op {
+                    IntOp::Add => self.add(p, x, y, span)?,
+                    IntOp::Sub => self.sub(p, x, y, span)?,
+                    IntOp::Mul => {
+                        if y.a == 0 {
+                            self.scale(p, x, y.v0, span)?
+                        } else if x.a == 0 {
+                            self.scale(p, y, x.v0, span)?
+                        } else {
+                            return Err(self.single(p));
+                        }
+                    }
+                    IntOp::Div => {
+                        let d = self.constant(p, y)?;
+                        self.fdiv(p, x, d, span)?
+                    }
+                    IntOp::Mod => {
+                        let d = self.constant(p, y)?;
+                        self.fmod(p, x, d, span)?
+                    }
+                    IntOp::Min => self.min(p, x, y)?,
+                    IntOp::Max => self.max(p, x, y)?,
+                }
+            }
+            IntKind::If(c, x, y) => {
+                if self.boolean(p, c)? {
+                    self.int(p, x)?
+                } else {
+                    self.int(p, y)?
+                }
+            }
+            IntKind::RangeLo(r) => self.range(p, r)?.0,
+            IntKind::RangeHi(r) => self.range(p, r)?.1,
+            IntKind::SegIndex(s, pos) => {
+                let pos = self.int(p, pos)?;
+                Aff::c(self.seg_index(p, *s, pos, span)? as i64)
+            }
+            IntKind::GridCoord(g, axis, pos) => {
+                let pos = self.int(p, pos)?;
+                if !self.in_grid(p, *g, pos)? {
+                    return Err(self.bound.outside_grid(*g, pos.v0, span).into());
+                }
+                self.grid_coords(p, *g, pos, span)?[*axis as usize]
+            }
+            IntKind::K | IntKind::SegLen => unreachable!("checked: k and len do not reach q-side evaluation"),
+        })
+    }
+
+    /// Index of the segment holding `pos` (constant over the piece, else a split).
+    fn seg_index(&self, p: &Piece, s: SegId, pos: Aff, span: Span) -> F<usize> {
+        let t = &self.bound.segs[s];
+        let fill = t.fill();
+        let inside = |v: i64| (0..fill).contains(&v);
+        if let Some(sp) = self.split_where(p, |x| inside(pos.at(x))) {
+            return Err(sp);
+        }
+        if !inside(pos.v0) {
+            let name = &self.bound.program.segs[s].name;
+            return Err(PlanError::new("CM0303", Some(span), format!("position {} is outside segmentation `{name}`, which covers [0, {fill})", pos.v0))
+                .with_hint("segmentations fill [0, q_len) unless declared with `fill`")
+                .into());
+        }
+        let i0 = t.index_of(pos.v0);
+        if pos.a != 0 {
+            let (lo, hi) = (t.starts[i0], t.starts[i0 + 1]);
+            if let Some(sp) = self.split_where(p, |x| (lo..hi).contains(&pos.at(x))) {
+                return Err(sp);
+            }
+        }
+        Ok(i0)
+    }
+
+    fn in_grid(&self, p: &Piece, g: GridId, pos: Aff) -> F<bool> {
+        let gv = &self.bound.grids[g];
+        let inside = |v: i64| v >= gv.at && v - gv.at < gv.size;
+        if let Some(sp) = self.split_where(p, |x| inside(pos.at(x))) {
+            return Err(sp);
+        }
+        Ok(inside(pos.v0))
+    }
+
+    /// Grid coordinates of `pos` (slowest axis first), for `pos` inside the grid.
+    fn grid_coords(&self, p: &Piece, g: GridId, pos: Aff, span: Span) -> F<[Aff; 3]> {
+        let gv = &self.bound.grids[g];
+        let local = self.sub(p, pos, Aff::c(gv.at), span)?;
+        let nd = gv.dims.len();
+        let mut out = [Aff::c(0); 3];
+        let mut rest = local;
+        for axis in (0..nd).rev() {
+            out[axis] = self.fmod(p, rest, gv.dims[axis], span)?;
+            rest = self.fdiv(p, rest, gv.dims[axis], span)?;
+        }
+        Ok(out)
+    }
+
+    pub fn range(&self, p: &Piece, r: &RangeE) -> F<(Aff, Aff)> {
+        match &r.kind {
+            RangeKind::Lit(lo, hi) => Ok((self.int(p, lo)?, self.int(p, hi)?)),
+            RangeKind::Seg(s, pos) => {
+                let pv = self.int(p, pos)?;
+                let i = self.seg_index(p, *s, pv, pos.span)?;
+                let t = &self.bound.segs[*s];
+                Ok((Aff::c(t.starts[i]), Aff::c(t.starts[i + 1])))
+            }
+            RangeKind::SegAt(..) => {
+                if p.n > 1 {
+                    let idx = match &r.kind {
+                        RangeKind::SegAt(_, i) => self.int(p, i)?,
+                        _ => unreachable!(),
+                    };
+                    if idx.a != 0 {
+                        return Err(self.single(p));
+                    }
+                }
+                let (lo, hi) = self.bound.eval_range(r, &self.env(p))?;
+                Ok((Aff::c(lo), Aff::c(hi)))
+            }
+            RangeKind::Part(s, part, pos) => {
+                let pv = self.int(p, pos)?;
+                let i = self.seg_index(p, *s, pv, pos.span)?;
+                let (lo, hi) = self.bound.segs[*s].parts[*part][i];
+                Ok((Aff::c(lo), Aff::c(hi)))
+            }
+            RangeKind::Piece(s, kind, pos) => {
+                let pv = self.int(p, pos)?;
+                let seg = self.seg_index(p, *s, pv, pos.span)?;
+                let st = &self.bound.segs[*s];
+                let t = st.pieces.as_ref().expect("checked: composite segmentation");
+                let j = t.index_of(pv.v0);
+                let (lo, hi) = (t.bounds[j], t.bounds[j + 1]);
+                if let Some(sp) = self.split_where(p, |x| (lo..hi).contains(&pv.at(x))) {
+                    return Err(sp);
+                }
+                let (a, b) = piece_range(t, st, *kind, pv.v0, seg);
+                Ok((Aff::c(a), Aff::c(b)))
+            }
+        }
+    }
+
+    pub fn boolean(&self, p: &Piece, c: &Bool) -> F<bool> {
+        match c {
+            Bool::Const(v) => Ok(*v),
+            Bool::Cmp(op, a, b) => {
+                let (a, b) = (self.int(p, a)?, self.int(p, b)?);
+                self.cmp(p, *op, a, b)
+            }
+            Bool::And(a, b) => Ok(self.boolean(p, a)? && self.boolean(p, b)?),
+            Bool::Or(a, b) => Ok(self.boolean(p, a)? || self.boolean(p, b)?),
+            Bool::Not(a) => Ok(!self.boolean(p, a)?),
+            Bool::InGrid(g, pos) => {
+                let pos = self.int(p, pos)?;
+                self.in_grid(p, *g, pos)
+            }
+        }
+    }
+
+    fn all(&self) -> Vec<Iv> {
+        vec![Iv { s: Aff::c(0), e: Aff::c(self.bound.shape.kv_len) }]
+    }
+
+    /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
+    fn interval(&self, p: &Piece, lo: Aff, hi: Aff) -> F<Vec<Iv>> {
+        let s = self.max(p, lo, Aff::c(0))?;
+        let e = self.min(p, hi, Aff::c(self.bound.shape.kv_len))?;
+        Ok(if self.lt(p, s, e)? { vec![Iv { s, e }] } else { Vec::new() })
+    }
+
+    /// Appends an interval that starts after every interval already in `out`, merging it
+    /// into the last one when they touch.
+    fn push_sorted(&self, p: &Piece, out: &mut Vec<Iv>, iv: Iv) -> F<()> {
+        if let Some(last) = out.last_mut() {
+            if self.le(p, iv.s, last.e)? {
+                last.e = self.max(p, last.e, iv.e)?;
+                return Ok(());
+            }
+        }
+        out.push(iv);
+        Ok(())
+    }
+
+    fn union(&self, p: &Piece, a: Vec<Iv>, b: Vec<Iv>) -> F<Vec<Iv>> {
+        if a.is_empty() {
+            return Ok(b);
+        }
+        if b.is_empty() {
+            return Ok(a);
+        }
+        let mut out = Vec::with_capacity(a.len() + b.len());
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() || j < b.len() {
+            let take_a = j >= b.len() || (i < a.len() && self.le(p, a[i].s, b[j].s)?);
+            let next = if take_a {
+                i += 1;
+                a[i - 1]
+            } else {
+                j += 1;
+                b[j - 1]
+            };
+            self.push_sorted(p, &mut out, next)?;
+        }
+        Ok(out)
+    }
+
+    fn inter(&self, p: &Piece, a: &[Iv], b: &[Iv]) -> F<Vec<Iv>> {
+        let mut out = Vec::new();
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() && j < b.len() {
+            let s = self.max(p, a[i].s, b[j].s)?;
+            let e = self.min(p, a[i].e, b[j].e)?;
+            if self.lt(p, s, e)? {
+                out.push(Iv { s, e });
+            }
+            if self.lt(p, a[i].e, b[j].e)? {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    fn complement(&self, p: &Piece, a: &[Iv]) -> F<Vec<Iv>> {
+        let mut out = Vec::with_capacity(a.len() + 1);
+        let mut prev = Aff::c(0);
+        for iv in a {
+            if self.lt(p, prev, iv.s)? {
+                out.push(Iv { s: prev, e: iv.s });
+            }
+            prev = iv.e;
+        }
+        let end = Aff::c(self.bound.shape.kv_len);
+        if self.lt(p, prev, end)? {
+            out.push(Iv { s: prev, e: end });
+        }
+        Ok(out)
+    }
+
+    /// Keys with `alpha * k + rest  op  0`.
+    fn kcmp(&self, p: &Piece, alpha: i64, rest: Aff, op: CmpOp, span: Span) -> F<Vec<Iv>> {
+        let (alpha, rest, op) = if alpha < 0 {
+            let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
+            (alpha.checked_neg().ok_or_else(|| overflow(span))?, neg, flip(op))
+        } else {
+            (alpha, rest, op)
+        };
+        let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
+        let one = Aff::c(1);
+        let lo_inf = Aff::c(0);
+        let hi_inf = Aff::c(self.bound.shape.kv_len);
+        // alpha * k < -rest  <=>  k <= floor((-rest - 1) / alpha), and so on.
+        let ceil_neg = |s: &Self| -> F<Aff> {
+            let f = s.fdiv(p, rest, alpha, span)?;
+            s.mk(p, f.v0.checked_neg(), f.a.checked_neg(), span)
+        };
+        match op {
+            CmpOp::Lt => {
+                let hi = self.add(p, self.fdiv(p, self.sub(p, neg, one, span)?, alpha, span)?, one, span)?;
+                self.interval(p, lo_inf, hi)
+            }
+            CmpOp::Le => {
+                let hi = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                self.interval(p, lo_inf, hi)
+            }
+            CmpOp::Gt => {
+                let lo = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                self.interval(p, lo, hi_inf)
+            }
+            CmpOp::Ge => self.interval(p, ceil_neg(self)?, hi_inf),
+            CmpOp::Eq | CmpOp::Ne => {
+                let lo = ceil_neg(self)?;
+                let hi = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                let eq = self.interval(p, lo, hi)?;
+                if op == CmpOp::Eq {
+                    Ok(eq)
+                } else {
+                    self.complement(p, &eq)
+                }
+            }
+        }
+    }
+
+    /// Evaluates a region over a piece. `hull` (only for one-row pieces) bounds the keys the
+    /// caller will keep, so enumerating atoms need not look beyond it.
+    pub fn region(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
+        match r {
+            Region::Rows(c) => Ok(if self.boolean(p, c)? { self.all() } else { Vec::new() }),
+            Region::KCmp { alpha, rest, op, span } => {
+                let rest = self.int(p, rest)?;
+                self.kcmp(p, *alpha, rest, *op, *span)
+            }
+            Region::KDiv { alpha, rest, div, op, rhs, span } => {
+                let d = self.int(p, div)?;
+                let d = self.constant(p, d)?;
+                if d == 0 {
+                    return Err(PlanError::new("CM0301", Some(div.span), "division by zero").into());
+                }
+                let rest = self.int(p, rest)?;
+                let (alpha, rest, d) = if d < 0 {
+                    (alpha.checked_neg().ok_or_else(|| overflow(*span))?, self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), *span)?, -d)
+                } else {
+                    (*alpha, rest, d)
+                };
+                let v = self.int(p, rhs)?;
+                let lo = self.scale(p, v, d, *span)?;
+                let hi = self.add(p, lo, Aff::c(d), *span)?;
+                // floor(x / d) compared with v is x compared with v*d or (v+1)*d.
+                let x_minus = |bound: Aff| self.sub(p, rest, bound, *span);
+                match op {
+                    CmpOp::Ge => self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Ge, *span),
+                    CmpOp::Lt => self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Lt, *span),
+                    CmpOp::Le => self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Lt, *span),
+                    CmpOp::Gt => self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Ge, *span),
+                    CmpOp::Eq | CmpOp::Ne => {
+                        let a = self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Ge, *span)?;
+                        let b = self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Lt, *span)?;
+                        let eq = self.inter(p, &a, &b)?;
+                        if *op == CmpOp::Eq {
+                            Ok(eq)
+                        } else {
+                            self.complement(p, &eq)
+                        }
+                    }
+                }
+            }
+            Region::KMod { alpha, rest, div, equal, rhs, span } => {
+                if p.n > 1 {
+                    return Err(self.single(p));
+                }
+                let env = self.env(p);
+                let d = self.bound.eval_int(div, &env)?;
+                if d == 0 {
+                    return Err(PlanError::new("CM0301", Some(div.span), "modulo by zero").into());
+                }
+                let r = self.bound.eval_int(rest, &env)?;
+                let v = self.bound.eval_int(rhs, &env)?;
+                let m = d.checked_abs().ok_or_else(|| overflow(*span))?;
+                let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+                let reachable = if d > 0 { (0..d).contains(&v) } else { (d + 1..=0).contains(&v) };
+                let mut eq = Vec::new();
+                if reachable {
+                    // alpha*k + r = v (mod d)  <=>  k = alpha*(v - r) (mod |d|).
+                    let target = bind::mul(*alpha, bind::sub(v, r, *span)?, *span)?;
+                    let c = bind::floor_mod(target, m, *span)?;
+                    let mut k = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
+                    while k < hi {
+                        if m == 1 {
+                            eq.push(Iv { s: Aff::c(k), e: Aff::c(hi) });
+                            break;
+                        }
+                        eq.push(Iv { s: Aff::c(k), e: Aff::c(k + 1) });
+                        k += m;
+                    }
+                }
+                if *equal {
+                    Ok(eq)
+                } else {
+                    self.complement(p, &eq)
+                }
+            }
+            Region::Elementwise(c, _) => {
+                if p.n > 1 {
+                    return Err(self.single(p));
+                }
+                let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+                let mut out: Vec<Iv> = Vec::new();
+                let mut env = self.env(p);
+                for k in lo..hi {
+                    env.k = k;
+                    if self.bound.eval_bool(c, &env)? {
+                        match out.last_mut() {
+                            Some(last) if last.e.v0 == k => last.e.v0 += 1,
+                            _ => out.push(Iv { s: Aff::c(k), e: Aff::c(k + 1) }),
+                        }
+                    }
+                }
+                self.elementwise_pairs.set(self.elementwise_pairs.get() + (hi - lo).max(0) as u64);
+                Ok(out)
+            }
+            Region::Ball { grid, metric, strict, radius, span } => self.ball(p, *grid, *metric, *strict, radius, *span),
+            Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
+            Region::Union(a, b) => {
+                let x = self.region(p, a, hull)?;
+                let y = self.region(p, b, hull)?;
+                self.union(p, x, y)
+            }
+            Region::Inter(a, b) | Region::Diff(a, b) => {
+                let x = self.region(p, a, hull)?;
+                if x.is_empty() {
+                    return Ok(x);
+                }
+                let inner = if p.n == 1 { Some((x[0].s.v0, x[x.len() - 1].e.v0)) } else { None };
+                let y = self.region(p, b, inner)?;
+                if matches!(r, Region::Inter(..)) {
+                    self.inter(p, &x, &y)
+                } else {
+                    let not_y = self.complement(p, &y)?;
+                    self.inter(p, &x, &not_y)
+                }
+            }
+            Region::Not(a) => {
+                let x = self.region(p, a, hull)?;
+                self.complement(p, &x)
+            }
+            Region::Cond(c, a, b) => {
+                if self.boolean(p, c)? {
+                    self.region(p, a, hull)
+                } else {
+                    self.region(p, b, hull)
+                }
+            }
+        }
+    }
+
+    /// Appends the keys of grid row `row` (flattened index of its slow coordinates) with x
+    /// in `[xlo, xhi)`, clipped to the grid and to `[0, kv_len)`.
+    fn push_grid_row(&self, p: &Piece, out: &mut Vec<Iv>, g: GridId, row: i64, xlo: Aff, xhi: Aff, span: Span) -> F<()> {
+        let gv = &self.bound.grids[g];
+        let w = gv.dims[gv.dims.len() - 1];
+        let base = gv.at + row * w;
+        let lo = self.max(p, xlo, Aff::c(0))?;
+        let hi = self.min(p, xhi, Aff::c(w))?;
+        if !self.lt(p, lo, hi)? {
+            return Ok(());
+        }
+        let s = self.add(p, lo, Aff::c(base), span)?;
+        let e = self.min(p, self.add(p, hi, Aff::c(base), span)?, Aff::c(self.bound.shape.kv_len))?;
+        if !self.lt(p, s, e)? {
+            return Ok(());
+        }
+        self.push_sorted(p, out, Iv { s, e })
+    }
+
+    fn ball(&self, p: &Piece, g: GridId, metric: Metric, strict: bool, radius: &Int, span: Span) -> F<Vec<Iv>> {
+        let qa = self.mk(p, Some(p.q0), Some(1), span)?;
+        if !self.in_grid(p, g, qa)? {
+            return Ok(Vec::new());
+        }
+        let r = self.int(p, radius)?;
+        let r = self.constant(p, r)?;
+        let c = self.grid_coords(p, g, qa, span)?;
+        let gv = &self.bound.grids[g];
+        let nd = gv.dims.len();
+        let tq = if nd == 3 { self.constant(p, c[0])? } else { 0 };
+        let yq = self.constant(p, c[nd - 2])?;
+        let xq = c[nd - 1];
+        let (td, hd) = if nd == 3 { (gv.dims[0], gv.dims[1]) } else { (1, gv.dims[0]) };
+        // The largest |delta| allowed on one axis, given what the other axes use.
+        let reach = |used: i64| -> Option<i64> {
+            match metric {
+                Metric::L2 => {
+                    let r2 = i128::from(r.max(0)) * i128::from(r.max(0));
+                    let left = r2 - i128::from(used) - i128::from(strict);
+                    if r < 0 || (strict && r == 0) || left < 0 {
+                        None
+                    } else {
+                        Some(bind::isqrt(left.min(i128::from(i64::MAX)) as i64, span).unwrap_or(0))
+                    }
+                }
+                Metric::L1 => {
+                    let left = r - used - i64::from(strict);
+                    (left >= 0).then_some(left)
+                }
+                Metric::Linf => {
+                    let left = r - i64::from(strict);
+                    (left >= 0).then_some(left)
+                }
+            }
+        };
+        let cost = |d: i64| match metric {
+            Metric::L2 => d * d,
+            Metric::L1 => d.abs(),
+            Metric::Linf => 0,
+        };
+        let mut out = Vec::new();
+        let Some(rt) = reach(0) else { return Ok(out) };
+        let t_range = if nd == 3 { (-rt).max(-tq)..=rt.min(td - 1 - tq) } else { 0..=0 };
+        for dt in t_range {
+            let Some(ry) = reach(cost(dt)) else { continue };
+            for dy in (-ry).max(-yq)..=ry.min(hd - 1 - yq) {
+                let Some(rx) = reach(cost(dt) + cost(dy)) else { continue };
+                let row = (tq + dt) * hd + (yq + dy);
+                let xlo = self.sub(p, xq, Aff::c(rx), span)?;
+                let xhi = self.add(p, xq, Aff::c(rx + 1), span)?;
+                self.push_grid_row(p, &mut out, g, row, xlo, xhi, span)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn grid_box(&self, p: &Piece, g: GridId, ranges: &[RangeE], span: Span) -> F<Vec<Iv>> {
+        let gv = &self.bound.grids[g];
+        let nd = gv.dims.len();
+        let mut bounds = Vec::with_capacity(nd);
+        for r in ranges {
+            bounds.push(self.range(p, r)?);
+        }
+        let slow = |axis: usize| -> F<(i64, i64)> {
+            let (lo, hi) = bounds[axis];
+            let lo = self.constant(p, lo)?.max(0);
+            let hi = self.constant(p, hi)?.min(gv.dims[axis]);
+            Ok((lo, hi))
+        };
+        let (t_lo, t_hi) = if nd == 3 { slow(0)? } else { (0, 1) };
+        let (y_lo, y_hi) = slow(nd - 2)?;
+        let h = gv.dims[nd - 2];
+        let (xlo, xhi) = bounds[nd - 1];
+        let mut out = Vec::new();
+        for t in t_lo..t_hi {
+            for y in y_lo..y_hi {
+                self.push_grid_row(p, &mut out, g, t * h + y, xlo, xhi, span)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn floor_i128(x: i128, d: i128) -> i128 {
+    if d > 0 {
+        x.div_euclid(d)
+    } else {
+        (-x).div_euclid(-d)
+    }
+}
+
+fn flip(op: CmpOp) -> CmpOp {
+    match op {
+        CmpOp::Lt => CmpOp::Gt,
+        CmpOp::Le => CmpOp::Ge,
+        CmpOp::Gt => CmpOp::Lt,
+        CmpOp::Ge => CmpOp::Le,
+        other => other,
+    }
+}

@@ -1,0 +1,123 @@
+//! The syntax tree. It records what was written, with spans; names are not resolved and
+//! types are not checked here (that is `cm-ir`'s job).
+
+use crate::diag::Span;
+use serde::Serialize;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Ident {
+    pub name: String,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Program {
+    pub items: Vec<Item>,
+}
+
+/// A declared parameter type: `int` or `[int]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ParamType {
+    Int,
+    IntArray,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SegPiece {
+    pub name: Ident,
+    pub lengths: Expr,
+    /// `name: lengths * count`: how many entries of `lengths` each segment takes.
+    pub count: Option<Expr>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum SegSpec {
+    /// `segments doc = lengths;`
+    Plain(Expr),
+    /// `segments sample = { prompt: prompts, response: responses * group };`
+    Composite(Vec<SegPiece>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum MsgPiece {
+    Text(String),
+    Expr(Expr),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Item {
+    Param { name: Ident, ty: Option<ParamType>, default: Option<Expr>, span: Span },
+    Let { name: Ident, value: Expr, span: Span },
+    Segments { name: Ident, spec: SegSpec, fill: Option<Expr>, span: Span },
+    Part { seg: Ident, name: Ident, range: Expr, span: Span },
+    Grid { name: Ident, dims: Vec<Expr>, at: Option<Expr>, span: Span },
+    Require { cond: Expr, message: Vec<MsgPiece>, span: Span },
+    Mask { value: Expr, span: Span },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum UnOp {
+    Neg,
+    Not,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum BinOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Mod,
+    And,
+    Or,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum CmpOp {
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+}
+
+impl CmpOp {
+    pub fn symbol(self) -> &'static str {
+        match self {
+            CmpOp::Lt => "<",
+            CmpOp::Le => "<=",
+            CmpOp::Gt => ">",
+            CmpOp::Ge => ">=",
+            CmpOp::Eq => "==",
+            CmpOp::Ne => "!=",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Expr {
+    pub kind: ExprKind,
+    pub span: Span,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum ExprKind {
+    Int(i64),
+    Bool(bool),
+    Name(String),
+    Array(Vec<Expr>),
+    Unary(UnOp, Box<Expr>),
+    Binary(BinOp, Box<Expr>, Box<Expr>),
+    /// `a < b <= c`: a chain, meaning `a < b and b <= c`.
+    Compare { first: Box<Expr>, rest: Vec<(CmpOp, Expr)> },
+    /// `lo..hi` (half-open) or `lo..=hi` (inclusive).
+    Range { lo: Box<Expr>, hi: Box<Expr>, inclusive: bool },
+    In { elem: Box<Expr>, range: Box<Expr> },
+    Call { callee: Box<Expr>, args: Vec<Expr> },
+    Field { base: Box<Expr>, name: Ident },
+    Index { base: Box<Expr>, index: Box<Expr> },
+    If { cond: Box<Expr>, then: Box<Expr>, els: Box<Expr> },
+    /// Stands in for an expression that failed to parse; a diagnostic was already issued.
+    Error,
+}

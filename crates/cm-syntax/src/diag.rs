@@ -1,0 +1,80 @@
+//! Diagnostics: errors and warnings as data, with a stable code, a byte span, a hint.
+//! Rendering happens at the edges (CLI, Python), never here.
+
+use serde::Serialize;
+
+/// A half-open byte range `[start, end)` into the source text.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+pub struct Span {
+    pub start: u32,
+    pub end: u32,
+}
+
+impl Span {
+    pub fn new(start: usize, end: usize) -> Span {
+        Span { start: start as u32, end: end as u32 }
+    }
+
+    /// The smallest span covering both.
+    pub fn to(self, other: Span) -> Span {
+        Span { start: self.start.min(other.start), end: self.end.max(other.end) }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// One diagnostic. `code` is stable across releases (`CM01xx` syntax, `CM02xx` names and
+/// types, `CM03xx` plan-time values, `CM04xx` planning limits); see docs/language.md.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Diagnostic {
+    pub code: &'static str,
+    pub severity: Severity,
+    pub message: String,
+    pub span: Span,
+    /// A short label shown under the span.
+    pub label: String,
+    pub hint: Option<String>,
+}
+
+impl Diagnostic {
+    pub fn error(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
+        let message = message.into();
+        Diagnostic { code, severity: Severity::Error, label: message.clone(), message, span, hint: None }
+    }
+
+    pub fn warning(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
+        Diagnostic { severity: Severity::Warning, ..Diagnostic::error(code, span, message) }
+    }
+
+    pub fn with_label(mut self, label: impl Into<String>) -> Diagnostic {
+        self.label = label.into();
+        self
+    }
+
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Diagnostic {
+        self.hint = Some(hint.into());
+        self
+    }
+
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+/// 1-based line and column (in characters) of a byte offset; offsets past the end or
+/// inside a character clamp to the nearest valid position.
+pub fn line_col(source: &str, offset: u32) -> (usize, usize) {
+    let mut off = (offset as usize).min(source.len());
+    while !source.is_char_boundary(off) {
+        off -= 1;
+    }
+    let before = &source[..off];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}

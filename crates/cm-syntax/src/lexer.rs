@@ -1,0 +1,250 @@
+//! Lexer: source text to tokens with byte spans. Total: every input, including any bytes
+//! decoded lossily by the caller, lexes to a token list ending in `Eof`, plus diagnostics.
+
+use crate::diag::{Diagnostic, Span};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tok {
+    Int(i64),
+    /// String literal: its unescaped text and the byte offset of its first character, so
+    /// interpolations `{expr}` can be parsed with real spans.
+    Str(Vec<(char, u32)>),
+    Ident(String),
+    LParen,
+    RParen,
+    LBracket,
+    RBracket,
+    LBrace,
+    RBrace,
+    Comma,
+    Semi,
+    Colon,
+    Eq,
+    EqEq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Plus,
+    Minus,
+    Star,
+    Slash,
+    Percent,
+    Amp,
+    Pipe,
+    Bang,
+    Dot,
+    DotDot,
+    DotDotEq,
+    Eof,
+}
+
+impl Tok {
+    /// How the token reads in a message.
+    pub fn describe(&self) -> String {
+        match self {
+            Tok::Int(v) => format!("integer `{v}`"),
+            Tok::Str(_) => "a string".into(),
+            Tok::Ident(s) => format!("`{s}`"),
+            Tok::Eof => "end of input".into(),
+            other => format!("`{}`", other.text()),
+        }
+    }
+
+    fn text(&self) -> &'static str {
+        match self {
+            Tok::LParen => "(",
+            Tok::RParen => ")",
+            Tok::LBracket => "[",
+            Tok::RBracket => "]",
+            Tok::LBrace => "{",
+            Tok::RBrace => "}",
+            Tok::Comma => ",",
+            Tok::Semi => ";",
+            Tok::Colon => ":",
+            Tok::Eq => "=",
+            Tok::EqEq => "==",
+            Tok::Ne => "!=",
+            Tok::Lt => "<",
+            Tok::Le => "<=",
+            Tok::Gt => ">",
+            Tok::Ge => ">=",
+            Tok::Plus => "+",
+            Tok::Minus => "-",
+            Tok::Star => "*",
+            Tok::Slash => "/",
+            Tok::Percent => "%",
+            Tok::Amp => "&",
+            Tok::Pipe => "|",
+            Tok::Bang => "!",
+            Tok::Dot => ".",
+            Tok::DotDot => "..",
+            Tok::DotDotEq => "..=",
+            _ => "?",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Token {
+    pub tok: Tok,
+    pub span: Span,
+}
+
+/// Splits `src` into tokens. Unknown characters, bad literals and unterminated strings
+/// become diagnostics (`CM0101`-`CM0103`) and are skipped, so lexing always finishes.
+pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
+    let mut toks = Vec::new();
+    let mut diags = Vec::new();
+    let chars: Vec<(usize, char)> = src.char_indices().collect();
+    let end_of = |i: usize| chars.get(i).map_or(src.len(), |c| c.0);
+    let mut i = 0;
+    while i < chars.len() {
+        let (start, c) = chars[i];
+        if c.is_whitespace() {
+            i += 1;
+            continue;
+        }
+        if c == '#' {
+            while i < chars.len() && chars[i].1 != '\n' {
+                i += 1;
+            }
+            continue;
+        }
+        if c.is_ascii_digit() {
+            let mut j = i;
+            let mut value: Option<i64> = Some(0);
+            while j < chars.len() && (chars[j].1.is_ascii_digit() || chars[j].1 == '_') {
+                if let Some(d) = chars[j].1.to_digit(10) {
+                    value = value.and_then(|v| v.checked_mul(10)).and_then(|v| v.checked_add(i64::from(d)));
+                }
+                j += 1;
+            }
+            let span = Span::new(start, end_of(j));
+            if j < chars.len() && (chars[j].1.is_alphanumeric()) {
+                let mut k = j;
+                while k < chars.len() && (chars[k].1.is_alphanumeric() || chars[k].1 == '_') {
+                    k += 1;
+                }
+                diags.push(
+                    Diagnostic::error("CM0103", Span::new(start, end_of(k)), "malformed integer literal")
+                        .with_hint("integers are decimal digits, optionally separated by `_`"),
+                );
+                i = k;
+                continue;
+            }
+            match value {
+                Some(v) => toks.push(Token { tok: Tok::Int(v), span }),
+                None => {
+                    diags.push(
+                        Diagnostic::error("CM0103", span, "integer literal does not fit in 64 bits")
+                            .with_hint("the largest integer is 9223372036854775807"),
+                    );
+                    toks.push(Token { tok: Tok::Int(0), span });
+                }
+            }
+            i = j;
+            continue;
+        }
+        if c.is_ascii_alphabetic() || c == '_' {
+            let mut j = i;
+            while j < chars.len() && (chars[j].1.is_ascii_alphanumeric() || chars[j].1 == '_') {
+                j += 1;
+            }
+            toks.push(Token { tok: Tok::Ident(src[start..end_of(j)].to_string()), span: Span::new(start, end_of(j)) });
+            i = j;
+            continue;
+        }
+        if c == '"' {
+            let mut j = i + 1;
+            let mut text = Vec::new();
+            let mut closed = false;
+            while j < chars.len() {
+                let (off, ch) = chars[j];
+                match ch {
+                    '"' => {
+                        closed = true;
+                        j += 1;
+                        break;
+                    }
+                    '\n' => break,
+                    '\\' if j + 1 < chars.len() => {
+                        let esc = chars[j + 1].1;
+                        let mapped = match esc {
+                            'n' => '\n',
+                            't' => '\t',
+                            other => other,
+                        };
+                        // Escaped braces must not open an interpolation; mark them with
+                        // the offset of the backslash so the parser keeps them literal.
+                        text.push((mapped, if esc == '{' || esc == '}' { u32::MAX } else { off as u32 }));
+                        j += 2;
+                    }
+                    _ => {
+                        text.push((ch, off as u32));
+                        j += 1;
+                    }
+                }
+            }
+            let span = Span::new(start, end_of(j));
+            if !closed {
+                diags.push(
+                    Diagnostic::error("CM0102", span, "unterminated string literal")
+                        .with_hint("close the string with `\"` on the same line"),
+                );
+            }
+            toks.push(Token { tok: Tok::Str(text), span });
+            i = j;
+            continue;
+        }
+        let next = chars.get(i + 1).map(|c| c.1);
+        let next2 = chars.get(i + 2).map(|c| c.1);
+        let (tok, n) = match (c, next) {
+            ('(', _) => (Some(Tok::LParen), 1),
+            (')', _) => (Some(Tok::RParen), 1),
+            ('[', _) => (Some(Tok::LBracket), 1),
+            (']', _) => (Some(Tok::RBracket), 1),
+            ('{', _) => (Some(Tok::LBrace), 1),
+            ('}', _) => (Some(Tok::RBrace), 1),
+            (',', _) => (Some(Tok::Comma), 1),
+            (';', _) => (Some(Tok::Semi), 1),
+            (':', _) => (Some(Tok::Colon), 1),
+            ('=', Some('=')) => (Some(Tok::EqEq), 2),
+            ('=', _) => (Some(Tok::Eq), 1),
+            ('!', Some('=')) => (Some(Tok::Ne), 2),
+            ('!', _) => (Some(Tok::Bang), 1),
+            ('<', Some('=')) => (Some(Tok::Le), 2),
+            ('<', _) => (Some(Tok::Lt), 1),
+            ('>', Some('=')) => (Some(Tok::Ge), 2),
+            ('>', _) => (Some(Tok::Gt), 1),
+            ('+', _) => (Some(Tok::Plus), 1),
+            ('-', _) => (Some(Tok::Minus), 1),
+            ('*', _) => (Some(Tok::Star), 1),
+            ('/', _) => (Some(Tok::Slash), 1),
+            ('%', _) => (Some(Tok::Percent), 1),
+            ('&', Some('&')) => (Some(Tok::Amp), 2),
+            ('&', _) => (Some(Tok::Amp), 1),
+            ('|', Some('|')) => (Some(Tok::Pipe), 2),
+            ('|', _) => (Some(Tok::Pipe), 1),
+            ('.', Some('.')) if next2 == Some('=') => (Some(Tok::DotDotEq), 3),
+            ('.', Some('.')) => (Some(Tok::DotDot), 2),
+            ('.', _) => (Some(Tok::Dot), 1),
+            _ => (None, 1),
+        };
+        let span = Span::new(start, end_of(i + n));
+        match tok {
+            Some(tok) => toks.push(Token { tok, span }),
+            None => {
+                let shown = if c.is_control() { format!("U+{:04X}", c as u32) } else { format!("`{c}`") };
+                diags.push(
+                    Diagnostic::error("CM0101", span, format!("unexpected character {shown}"))
+                        .with_hint("comments start with `#`; see docs/language.md for the syntax"),
+                );
+            }
+        }
+        i += n;
+    }
+    toks.push(Token { tok: Tok::Eof, span: Span::new(src.len(), src.len()) });
+    (toks, diags)
+}

@@ -1,0 +1,605 @@
+//! Recursive-descent parser. It never fails and never panics: syntax errors become
+//! diagnostics (`CM0104` unexpected token, `CM0105` nesting too deep, `CM0106` bad
+//! statement), the broken statement is skipped up to its `;`, and parsing goes on.
+
+use crate::ast::*;
+use crate::diag::{Diagnostic, Span};
+use crate::lexer::{lex, Tok, Token};
+
+/// Nesting deeper than this is refused, so hostile input cannot overflow the stack.
+const MAX_DEPTH: u32 = 64;
+
+/// Statement keywords, recognised only at the start of a statement.
+pub const STATEMENT_KEYWORDS: &[&str] = &["param", "let", "segments", "part", "grid", "require", "mask"];
+
+/// Words that cannot name anything.
+pub const RESERVED: &[&str] = &["if", "then", "else", "in", "and", "or", "not", "true", "false"];
+
+struct Parser {
+    toks: Vec<Token>,
+    pos: usize,
+    depth: u32,
+    diags: Vec<Diagnostic>,
+}
+
+/// Parses a whole program. Always returns a syntax tree (possibly partial) and every
+/// diagnostic found; the tree is meaningful only when no diagnostic is an error.
+pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
+    let (toks, diags) = lex(src);
+    let mut p = Parser { toks, pos: 0, depth: 0, diags };
+    let mut items = Vec::new();
+    while !p.at(&Tok::Eof) {
+        let before = p.pos;
+        match p.item() {
+            Some(item) => items.push(item),
+            None => p.recover(),
+        }
+        if p.pos == before {
+            p.pos += 1;
+        }
+    }
+    (Program { items }, p.diags)
+}
+
+/// Parses one standalone expression (used for `--set` values and tests).
+pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
+    let (toks, diags) = lex(src);
+    let mut p = Parser { toks, pos: 0, depth: 0, diags };
+    let e = p.expr();
+    if !p.at(&Tok::Eof) {
+        let t = p.peek().clone();
+        p.diags.push(Diagnostic::error("CM0104", t.span, format!("expected end of expression, found {}", t.tok.describe())));
+    }
+    (e, p.diags)
+}
+
+impl Parser {
+    fn peek(&self) -> &Token {
+        &self.toks[self.pos.min(self.toks.len() - 1)]
+    }
+
+    fn at(&self, t: &Tok) -> bool {
+        &self.peek().tok == t
+    }
+
+    fn at_word(&self, w: &str) -> bool {
+        matches!(&self.peek().tok, Tok::Ident(s) if s == w)
+    }
+
+    fn bump(&mut self) -> Token {
+        let t = self.peek().clone();
+        if self.pos < self.toks.len() - 1 {
+            self.pos += 1;
+        }
+        t
+    }
+
+    fn prev_end(&self) -> u32 {
+        if self.pos == 0 {
+            0
+        } else {
+            self.toks[self.pos - 1].span.end
+        }
+    }
+
+    fn eat(&mut self, t: &Tok) -> bool {
+        if self.at(t) {
+            self.bump();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn eat_word(&mut self, w: &str) -> bool {
+        if self.at_word(w) {
+            self.bump();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn error_here(&mut self, expected: &str) {
+        let t = self.peek().clone();
+        self.diags.push(
+            Diagnostic::error("CM0104", t.span, format!("expected {expected}, found {}", t.tok.describe()))
+                .with_label(format!("expected {expected}")),
+        );
+    }
+
+    fn expect(&mut self, t: Tok, what: &str) -> bool {
+        if self.eat(&t) {
+            true
+        } else {
+            self.error_here(what);
+            false
+        }
+    }
+
+    /// Skips to just past the next `;` (or to the end).
+    fn recover(&mut self) {
+        while !self.at(&Tok::Eof) {
+            if self.bump().tok == Tok::Semi {
+                return;
+            }
+        }
+    }
+
+    fn ident(&mut self, what: &str) -> Option<Ident> {
+        match &self.peek().tok {
+            Tok::Ident(s) if !RESERVED.contains(&s.as_str()) => {
+                let t = self.bump();
+                let Tok::Ident(name) = t.tok else { return None };
+                Some(Ident { name, span: t.span })
+            }
+            _ => {
+                self.error_here(what);
+                None
+            }
+        }
+    }
+
+    fn end_statement(&mut self, start: u32) -> Option<Span> {
+        if self.expect(Tok::Semi, "`;` to end the statement") {
+            Some(Span { start, end: self.prev_end() })
+        } else {
+            None
+        }
+    }
+
+    fn item(&mut self) -> Option<Item> {
+        let start = self.peek().span.start;
+        let word = match &self.peek().tok {
+            Tok::Ident(w) if STATEMENT_KEYWORDS.contains(&w.as_str()) => w.clone(),
+            _ => {
+                let t = self.peek().clone();
+                self.diags.push(
+                    Diagnostic::error("CM0106", t.span, format!("expected a statement, found {}", t.tok.describe()))
+                        .with_hint("statements start with param, let, segments, part, grid, require or mask"),
+                );
+                return None;
+            }
+        };
+        self.bump();
+        match word.as_str() {
+            "param" => {
+                let name = self.ident("a parameter name")?;
+                let ty = if self.eat(&Tok::Colon) {
+                    if self.eat_word("int") {
+                        Some(ParamType::Int)
+                    } else if self.eat(&Tok::LBracket) && self.eat_word("int") && self.eat(&Tok::RBracket) {
+                        Some(ParamType::IntArray)
+                    } else {
+                        self.error_here("a type, `int` or `[int]`");
+                        return None;
+                    }
+                } else {
+                    None
+                };
+                let default = if self.eat(&Tok::Eq) { Some(self.expr()) } else { None };
+                let span = self.end_statement(start)?;
+                Some(Item::Param { name, ty, default, span })
+            }
+            "let" => {
+                let name = self.ident("a name")?;
+                if !self.expect(Tok::Eq, "`=`") {
+                    return None;
+                }
+                let value = self.expr();
+                let span = self.end_statement(start)?;
+                Some(Item::Let { name, value, span })
+            }
+            "segments" => {
+                let name = self.ident("a segmentation name")?;
+                if !self.expect(Tok::Eq, "`=`") {
+                    return None;
+                }
+                let spec = if self.eat(&Tok::LBrace) {
+                    let mut pieces = Vec::new();
+                    loop {
+                        let pname = self.ident("a piece name")?;
+                        if !self.expect(Tok::Colon, "`:`") {
+                            return None;
+                        }
+                        let e = self.expr();
+                        let (lengths, count) = match e.kind {
+                            ExprKind::Binary(BinOp::Mul, a, b) => (*a, Some(*b)),
+                            other => (Expr { kind: other, span: e.span }, None),
+                        };
+                        pieces.push(SegPiece { name: pname, lengths, count });
+                        if self.eat(&Tok::Comma) {
+                            if self.at(&Tok::RBrace) {
+                                break;
+                            }
+                            continue;
+                        }
+                        break;
+                    }
+                    if !self.expect(Tok::RBrace, "`}` or `,`") {
+                        return None;
+                    }
+                    SegSpec::Composite(pieces)
+                } else {
+                    SegSpec::Plain(self.expr())
+                };
+                let fill = if self.eat_word("fill") { Some(self.expr()) } else { None };
+                let span = self.end_statement(start)?;
+                Some(Item::Segments { name, spec, fill, span })
+            }
+            "part" => {
+                let seg = self.ident("a segmentation name")?;
+                if !self.expect(Tok::Dot, "`.` between the segmentation and the part name") {
+                    return None;
+                }
+                let name = self.ident("a part name")?;
+                if !self.expect(Tok::Eq, "`=`") {
+                    return None;
+                }
+                let range = self.expr();
+                let span = self.end_statement(start)?;
+                Some(Item::Part { seg, name, range, span })
+            }
+            "grid" => {
+                let name = self.ident("a grid name")?;
+                if !self.expect(Tok::Eq, "`=`") {
+                    return None;
+                }
+                if !self.expect(Tok::LBracket, "`[` starting the grid's dimensions") {
+                    return None;
+                }
+                let dims = self.comma_list(&Tok::RBracket);
+                let at = if self.eat_word("at") { Some(self.expr()) } else { None };
+                let span = self.end_statement(start)?;
+                Some(Item::Grid { name, dims, at, span })
+            }
+            "require" => {
+                let cond = self.expr();
+                let message = if self.eat_word("else") {
+                    let t = self.bump();
+                    match t.tok {
+                        Tok::Str(text) => self.message(&text),
+                        other => {
+                            self.diags.push(Diagnostic::error(
+                                "CM0104",
+                                t.span,
+                                format!("expected a message string after `else`, found {}", other.describe()),
+                            ));
+                            return None;
+                        }
+                    }
+                } else {
+                    Vec::new()
+                };
+                let span = self.end_statement(start)?;
+                Some(Item::Require { cond, message, span })
+            }
+            _ => {
+                if !self.expect(Tok::Eq, "`=` after `mask`") {
+                    return None;
+                }
+                let value = self.expr();
+                let span = self.end_statement(start)?;
+                Some(Item::Mask { value, span })
+            }
+        }
+    }
+
+    /// Splits a message string into text and `{expr}` interpolations, parsing each.
+    fn message(&mut self, text: &[(char, u32)]) -> Vec<MsgPiece> {
+        let mut pieces = Vec::new();
+        let mut lit = String::new();
+        let mut i = 0;
+        while i < text.len() {
+            let (c, off) = text[i];
+            if c == '{' && off != u32::MAX {
+                let close = text[i..].iter().position(|&(c, o)| c == '}' && o != u32::MAX);
+                let Some(close) = close else {
+                    self.diags.push(
+                        Diagnostic::error("CM0102", Span { start: off, end: off + 1 }, "unclosed `{` in message")
+                            .with_hint("write `\\{` for a literal brace"),
+                    );
+                    return pieces;
+                };
+                if !lit.is_empty() {
+                    pieces.push(MsgPiece::Text(std::mem::take(&mut lit)));
+                }
+                let inner: String = text[i + 1..i + close].iter().map(|c| c.0).collect();
+                let (mut e, diags) = parse_expr(&inner);
+                shift(&mut e, off + 1);
+                for mut d in diags {
+                    d.span = Span { start: d.span.start + off + 1, end: d.span.end + off + 1 };
+                    self.diags.push(d);
+                }
+                pieces.push(MsgPiece::Expr(e));
+                i += close + 1;
+            } else {
+                lit.push(c);
+                i += 1;
+            }
+        }
+        if !lit.is_empty() {
+            pieces.push(MsgPiece::Text(lit));
+        }
+        pieces
+    }
+
+    fn comma_list(&mut self, close: &Tok) -> Vec<Expr> {
+        let mut out = Vec::new();
+        if self.eat(close) {
+            return out;
+        }
+        loop {
+            out.push(self.expr());
+            if self.eat(&Tok::Comma) {
+                if self.eat(close) {
+                    return out;
+                }
+                continue;
+            }
+            if !self.eat(close) {
+                self.error_here(&format!("`,` or {}", close.describe()));
+            }
+            return out;
+        }
+    }
+
+    fn error_expr(&self, span: Span) -> Expr {
+        Expr { kind: ExprKind::Error, span }
+    }
+
+    pub fn expr(&mut self) -> Expr {
+        self.depth += 1;
+        let e = if self.depth > MAX_DEPTH {
+            let t = self.peek().clone();
+            self.diags.push(
+                Diagnostic::error("CM0105", t.span, "expression nested too deeply")
+                    .with_hint(format!("at most {MAX_DEPTH} levels of nesting are allowed; use `let`")),
+            );
+            // Skip the rest of the statement so the caller makes progress.
+            while !self.at(&Tok::Eof) && !self.at(&Tok::Semi) {
+                self.bump();
+            }
+            self.error_expr(t.span)
+        } else if self.at_word("if") {
+            let start = self.bump().span;
+            let cond = self.expr();
+            if !self.eat_word("then") {
+                self.error_here("`then`");
+            }
+            let then = self.expr();
+            if !self.eat_word("else") {
+                self.error_here("`else` (every `if` needs both branches)");
+            }
+            let els = self.expr();
+            let span = start.to(els.span);
+            Expr { kind: ExprKind::If { cond: Box::new(cond), then: Box::new(then), els: Box::new(els) }, span }
+        } else {
+            self.or_expr()
+        };
+        self.depth -= 1;
+        e
+    }
+
+    fn binary(&mut self, op: BinOp, l: Expr, r: Expr) -> Expr {
+        let span = l.span.to(r.span);
+        Expr { kind: ExprKind::Binary(op, Box::new(l), Box::new(r)), span }
+    }
+
+    fn or_expr(&mut self) -> Expr {
+        let mut l = self.and_expr();
+        while self.eat(&Tok::Pipe) || self.eat_word("or") {
+            let r = self.and_expr();
+            l = self.binary(BinOp::Or, l, r);
+        }
+        l
+    }
+
+    fn and_expr(&mut self) -> Expr {
+        let mut l = self.not_expr();
+        while self.eat(&Tok::Amp) || self.eat_word("and") {
+            let r = self.not_expr();
+            l = self.binary(BinOp::And, l, r);
+        }
+        l
+    }
+
+    fn not_expr(&mut self) -> Expr {
+        if self.at(&Tok::Bang) || self.at_word("not") {
+            let start = self.bump().span;
+            self.depth += 1;
+            let inner = if self.depth > MAX_DEPTH { self.expr() } else { self.not_expr() };
+            self.depth -= 1;
+            let span = start.to(inner.span);
+            return Expr { kind: ExprKind::Unary(UnOp::Not, Box::new(inner)), span };
+        }
+        self.cmp_expr()
+    }
+
+    fn cmp_op(&self) -> Option<CmpOp> {
+        Some(match self.peek().tok {
+            Tok::Lt => CmpOp::Lt,
+            Tok::Le => CmpOp::Le,
+            Tok::Gt => CmpOp::Gt,
+            Tok::Ge => CmpOp::Ge,
+            Tok::EqEq => CmpOp::Eq,
+            Tok::Ne => CmpOp::Ne,
+            _ => return None,
+        })
+    }
+
+    fn cmp_expr(&mut self) -> Expr {
+        let first = self.range_expr();
+        if self.eat_word("in") {
+            let range = self.range_expr();
+            let span = first.span.to(range.span);
+            return Expr { kind: ExprKind::In { elem: Box::new(first), range: Box::new(range) }, span };
+        }
+        let mut rest = Vec::new();
+        while let Some(op) = self.cmp_op() {
+            self.bump();
+            rest.push((op, self.range_expr()));
+        }
+        if rest.is_empty() {
+            return first;
+        }
+        let span = first.span.to(rest.last().map_or(first.span, |r| r.1.span));
+        Expr { kind: ExprKind::Compare { first: Box::new(first), rest }, span }
+    }
+
+    fn range_expr(&mut self) -> Expr {
+        let lo = self.add_expr();
+        let inclusive = if self.eat(&Tok::DotDot) {
+            false
+        } else if self.eat(&Tok::DotDotEq) {
+            true
+        } else {
+            return lo;
+        };
+        let hi = self.add_expr();
+        let span = lo.span.to(hi.span);
+        Expr { kind: ExprKind::Range { lo: Box::new(lo), hi: Box::new(hi), inclusive }, span }
+    }
+
+    fn add_expr(&mut self) -> Expr {
+        let mut l = self.mul_expr();
+        loop {
+            let op = match self.peek().tok {
+                Tok::Plus => BinOp::Add,
+                Tok::Minus => BinOp::Sub,
+                _ => return l,
+            };
+            self.bump();
+            let r = self.mul_expr();
+            l = self.binary(op, l, r);
+        }
+    }
+
+    fn mul_expr(&mut self) -> Expr {
+        let mut l = self.unary_expr();
+        loop {
+            let op = match self.peek().tok {
+                Tok::Star => BinOp::Mul,
+                Tok::Slash => BinOp::Div,
+                Tok::Percent => BinOp::Mod,
+                _ => return l,
+            };
+            self.bump();
+            let r = self.unary_expr();
+            l = self.binary(op, l, r);
+        }
+    }
+
+    fn unary_expr(&mut self) -> Expr {
+        if self.at(&Tok::Minus) {
+            let start = self.bump().span;
+            self.depth += 1;
+            let inner = if self.depth > MAX_DEPTH { self.expr() } else { self.unary_expr() };
+            self.depth -= 1;
+            let span = start.to(inner.span);
+            return Expr { kind: ExprKind::Unary(UnOp::Neg, Box::new(inner)), span };
+        }
+        self.postfix_expr()
+    }
+
+    fn postfix_expr(&mut self) -> Expr {
+        let mut e = self.primary();
+        loop {
+            if self.eat(&Tok::LParen) {
+                let args = self.comma_list(&Tok::RParen);
+                let span = Span { start: e.span.start, end: self.prev_end() };
+                e = Expr { kind: ExprKind::Call { callee: Box::new(e), args }, span };
+            } else if self.at(&Tok::Dot) {
+                self.bump();
+                let Some(name) = self.ident("a field name after `.`") else { return e };
+                let span = e.span.to(name.span);
+                e = Expr { kind: ExprKind::Field { base: Box::new(e), name }, span };
+            } else if self.eat(&Tok::LBracket) {
+                let index = self.expr();
+                self.expect(Tok::RBracket, "`]`");
+                let span = Span { start: e.span.start, end: self.prev_end() };
+                e = Expr { kind: ExprKind::Index { base: Box::new(e), index: Box::new(index) }, span };
+            } else {
+                return e;
+            }
+        }
+    }
+
+    fn primary(&mut self) -> Expr {
+        let t = self.peek().clone();
+        match t.tok {
+            Tok::Int(v) => {
+                self.bump();
+                Expr { kind: ExprKind::Int(v), span: t.span }
+            }
+            Tok::Ident(ref w) if w == "true" || w == "false" => {
+                self.bump();
+                Expr { kind: ExprKind::Bool(w == "true"), span: t.span }
+            }
+            Tok::Ident(ref w) if w == "if" => self.expr(),
+            Tok::Ident(ref w) if !RESERVED.contains(&w.as_str()) => {
+                self.bump();
+                Expr { kind: ExprKind::Name(w.clone()), span: t.span }
+            }
+            Tok::LParen => {
+                self.bump();
+                let mut e = self.expr();
+                self.expect(Tok::RParen, "`)`");
+                e.span = Span { start: t.span.start, end: self.prev_end() };
+                e
+            }
+            Tok::LBracket => {
+                self.bump();
+                let items = self.comma_list(&Tok::RBracket);
+                Expr { kind: ExprKind::Array(items), span: Span { start: t.span.start, end: self.prev_end() } }
+            }
+            _ => {
+                self.error_here("an expression");
+                self.error_expr(t.span)
+            }
+        }
+    }
+}
+
+/// Moves every span of `e` right by `by` bytes (for interpolations parsed out of a string).
+fn shift(e: &mut Expr, by: u32) {
+    e.span = Span { start: e.span.start + by, end: e.span.end + by };
+    match &mut e.kind {
+        ExprKind::Array(xs) => xs.iter_mut().for_each(|x| shift(x, by)),
+        ExprKind::Unary(_, a) => shift(a, by),
+        ExprKind::Binary(_, a, b) => {
+            shift(a, by);
+            shift(b, by);
+        }
+        ExprKind::Compare { first, rest } => {
+            shift(first, by);
+            rest.iter_mut().for_each(|(_, x)| shift(x, by));
+        }
+        ExprKind::Range { lo, hi, .. } => {
+            shift(lo, by);
+            shift(hi, by);
+        }
+        ExprKind::In { elem, range } => {
+            shift(elem, by);
+            shift(range, by);
+        }
+        ExprKind::Call { callee, args } => {
+            shift(callee, by);
+            args.iter_mut().for_each(|x| shift(x, by));
+        }
+        ExprKind::Field { base, name } => {
+            shift(base, by);
+            name.span = Span { start: name.span.start + by, end: name.span.end + by };
+        }
+        ExprKind::Index { base, index } => {
+            shift(base, by);
+            shift(index, by);
+        }
+        ExprKind::If { cond, then, els } => {
+            shift(cond, by);
+            shift(then, by);
+            shift(els, by);
+        }
+        ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Name(_) | ExprKind::Error => {}
+    }
+}
