@@ -55,7 +55,9 @@ fn build_all(nvrtc_dir: &Path, out_dir: &Path) -> Result<String, String> {
     let lib_path = nvrtc_dir.join(NVRTC_LIB);
     println!("cargo:rerun-if-changed={}", lib_path.display());
     let nvrtc = Nvrtc::load(nvrtc_dir)?;
-    let lib_len = std::fs::metadata(&lib_path).map_err(|e| format!("{}: {e}", lib_path.display()))?.len();
+    let lib_len = std::fs::metadata(&lib_path)
+        .map_err(|e| format!("{}: {e}", lib_path.display()))?
+        .len();
     let (major, minor) = nvrtc.version()?;
     if (major, minor) != (13, 0) {
         return Err(format!(
@@ -66,7 +68,8 @@ fn build_all(nvrtc_dir: &Path, out_dir: &Path) -> Result<String, String> {
     }
     let compiler_id = format!("nvrtc {major}.{minor} {NVRTC_LIB} {lib_len} bytes");
     let cache_dir = cache_dir(out_dir);
-    std::fs::create_dir_all(&cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    std::fs::create_dir_all(&cache_dir)
+        .map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
 
     let results: Vec<Result<(PathBuf, PtxasReport), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = VARIANTS
@@ -76,15 +79,24 @@ fn build_all(nvrtc_dir: &Path, out_dir: &Path) -> Result<String, String> {
                 s.spawn(move || build_variant(nvrtc, v, cache_dir, compiler_id))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("compile thread panicked".into()))).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("compile thread panicked".into()))
+            })
+            .collect()
     });
 
-    let mut code = String::from("pub(crate) static EMBEDDED: Result<[EmbeddedKernel; VARIANT_COUNT], &str> = Ok([\n");
+    let mut code = String::from(
+        "pub(crate) static EMBEDDED: Result<[EmbeddedKernel; VARIANT_COUNT], &str> = Ok([\n",
+    );
     let mut summary = String::new();
     for (v, r) in VARIANTS.iter().zip(results) {
         let (cubin, rep) = r?;
         let embedded = out_dir.join(format!("{}.cubin", v.name()));
-        std::fs::copy(&cubin, &embedded).map_err(|e| format!("copy to {}: {e}", embedded.display()))?;
+        std::fs::copy(&cubin, &embedded)
+            .map_err(|e| format!("copy to {}: {e}", embedded.display()))?;
         writeln!(
             code,
             "    EmbeddedKernel {{ bytes: include_bytes!({:?}), registers: {}, spill_bytes: {}, shared_bytes: {} }},",
@@ -106,7 +118,8 @@ fn build_all(nvrtc_dir: &Path, out_dir: &Path) -> Result<String, String> {
         .expect("write to String");
     }
     code.push_str("]);\n");
-    std::fs::write(out_dir.join("ptxas-report.txt"), summary).map_err(|e| format!("write report: {e}"))?;
+    std::fs::write(out_dir.join("ptxas-report.txt"), summary)
+        .map_err(|e| format!("write report: {e}"))?;
     Ok(code)
 }
 
@@ -116,7 +129,11 @@ fn cache_dir(out_dir: &Path) -> PathBuf {
         return PathBuf::from(dir);
     }
     // OUT_DIR is <target>/<profile>/build/<pkg>-<hash>/out.
-    out_dir.ancestors().nth(4).unwrap_or(out_dir).join("cm-kernels-cache")
+    out_dir
+        .ancestors()
+        .nth(4)
+        .unwrap_or(out_dir)
+        .join("cm-kernels-cache")
 }
 
 fn build_variant(
@@ -128,7 +145,10 @@ fn build_variant(
     let key = cm_kernels::cache_key(v, compiler_id);
     let cubin_path = cache_dir.join(format!("{}-{key}.cubin", v.name()));
     let log_path = cache_dir.join(format!("{}-{key}.log", v.name()));
-    let log = match (std::fs::metadata(&cubin_path), std::fs::read_to_string(&log_path)) {
+    let log = match (
+        std::fs::metadata(&cubin_path),
+        std::fs::read_to_string(&log_path),
+    ) {
         (Ok(_), Ok(log)) => log,
         _ => {
             let (cubin, log) = nvrtc.compile(v)?;
@@ -136,14 +156,18 @@ fn build_variant(
             // half-written entry under the final key.
             let tmp_cubin = cubin_path.with_extension(format!("cubin.tmp{}", std::process::id()));
             let tmp_log = log_path.with_extension(format!("log.tmp{}", std::process::id()));
-            std::fs::write(&tmp_cubin, cubin).map_err(|e| format!("{}: {e}", tmp_cubin.display()))?;
+            std::fs::write(&tmp_cubin, cubin)
+                .map_err(|e| format!("{}: {e}", tmp_cubin.display()))?;
             std::fs::write(&tmp_log, &log).map_err(|e| format!("{}: {e}", tmp_log.display()))?;
-            std::fs::rename(&tmp_cubin, &cubin_path).map_err(|e| format!("{}: {e}", cubin_path.display()))?;
-            std::fs::rename(&tmp_log, &log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+            std::fs::rename(&tmp_cubin, &cubin_path)
+                .map_err(|e| format!("{}: {e}", cubin_path.display()))?;
+            std::fs::rename(&tmp_log, &log_path)
+                .map_err(|e| format!("{}: {e}", log_path.display()))?;
             log
         }
     };
-    let report = cm_kernels::parse_ptxas_log(&log, v.kernel.entry_point()).map_err(|e| format!("{}: {e}", v.name()))?;
+    let report = cm_kernels::parse_ptxas_log(&log, v.kernel.entry_point())
+        .map_err(|e| format!("{}: {e}", v.name()))?;
     cm_kernels::check_report(v, &report)?;
     Ok((cubin_path, report))
 }
@@ -189,7 +213,10 @@ impl Nvrtc {
             // SAFETY: loading runs the library's initialisers; these are NVIDIA's NVRTC
             // libraries from the pinned wheel, whose initialisers have no preconditions.
             unsafe { libloading::Library::new(&path) }.map_err(|e| {
-                format!("cannot load {} ({e}); is CM_NVRTC_DIR the wheel's nvidia/cu13/lib?", path.display())
+                format!(
+                    "cannot load {} ({e}); is CM_NVRTC_DIR the wheel's nvidia/cu13/lib?",
+                    path.display()
+                )
             })
         };
         let builtins = open(NVRTC_BUILTINS_LIB)?;
@@ -230,7 +257,9 @@ impl Nvrtc {
     fn version(&self) -> Result<(i32, i32), String> {
         let (mut major, mut minor) = (0, 0);
         // SAFETY: both pointers are valid for writes of one c_int.
-        self.check("nvrtcVersion", unsafe { (self.version)(&mut major, &mut minor) })?;
+        self.check("nvrtcVersion", unsafe {
+            (self.version)(&mut major, &mut minor)
+        })?;
         Ok((major, minor))
     }
 
@@ -239,16 +268,22 @@ impl Nvrtc {
     fn compile(&self, v: &Variant) -> Result<(Vec<u8>, String), String> {
         let file = v.kernel.source_file();
         let cstr = |s: &str| CString::new(s).map_err(|_| format!("NUL byte in {s:?}"));
-        let src = cstr(cm_kernels::source(file).ok_or_else(|| format!("no kernel source {file}"))?)?;
+        let src =
+            cstr(cm_kernels::source(file).ok_or_else(|| format!("no kernel source {file}"))?)?;
         let name = cstr(file)?;
         let (header_names, header_texts): (Vec<CString>, Vec<CString>) = cm_kernels::headers()
             .map(|(n, t)| Ok((cstr(n)?, cstr(t)?)))
             .collect::<Result<Vec<_>, String>>()?
             .into_iter()
             .unzip();
-        let header_name_ptrs: Vec<*const c_char> = header_names.iter().map(|s| s.as_ptr()).collect();
-        let header_text_ptrs: Vec<*const c_char> = header_texts.iter().map(|s| s.as_ptr()).collect();
-        let options: Vec<CString> = cm_kernels::nvrtc_options(v).iter().map(|o| cstr(o)).collect::<Result<_, _>>()?;
+        let header_name_ptrs: Vec<*const c_char> =
+            header_names.iter().map(|s| s.as_ptr()).collect();
+        let header_text_ptrs: Vec<*const c_char> =
+            header_texts.iter().map(|s| s.as_ptr()).collect();
+        let options: Vec<CString> = cm_kernels::nvrtc_options(v)
+            .iter()
+            .map(|o| cstr(o))
+            .collect::<Result<_, _>>()?;
         let option_ptrs: Vec<*const c_char> = options.iter().map(|s| s.as_ptr()).collect();
 
         let mut prog: NvrtcProgram = std::ptr::null_mut();
@@ -266,19 +301,27 @@ impl Nvrtc {
         })?;
         // SAFETY: `prog` was created above and is destroyed exactly once, after its last use,
         // below; the option array has `option_ptrs.len()` valid C strings.
-        let compiled = unsafe { (self.compile)(prog, option_ptrs.len() as c_int, option_ptrs.as_ptr()) };
+        let compiled =
+            unsafe { (self.compile)(prog, option_ptrs.len() as c_int, option_ptrs.as_ptr()) };
         let result = self.log_of(prog).and_then(|log| {
             self.check("nvrtcCompileProgram", compiled)
                 .map_err(|e| format!("{}: {e}\n{log}", v.name()))?;
             let mut size = 0usize;
             // SAFETY: `prog` compiled successfully; `size` is valid for one write.
-            self.check("nvrtcGetCUBINSize", unsafe { (self.cubin_size)(prog, &mut size) })?;
+            self.check("nvrtcGetCUBINSize", unsafe {
+                (self.cubin_size)(prog, &mut size)
+            })?;
             if size == 0 {
-                return Err(format!("{}: NVRTC produced no CUBIN (is the target a real sm_ arch?)", v.name()));
+                return Err(format!(
+                    "{}: NVRTC produced no CUBIN (is the target a real sm_ arch?)",
+                    v.name()
+                ));
             }
             let mut cubin = vec![0u8; size];
             // SAFETY: `cubin` has exactly the size NVRTC reported for this program.
-            self.check("nvrtcGetCUBIN", unsafe { (self.cubin)(prog, cubin.as_mut_ptr().cast()) })?;
+            self.check("nvrtcGetCUBIN", unsafe {
+                (self.cubin)(prog, cubin.as_mut_ptr().cast())
+            })?;
             Ok((cubin, log))
         });
         // SAFETY: `prog` is a live program and is not used after this call.
@@ -290,10 +333,14 @@ impl Nvrtc {
     fn log_of(&self, prog: NvrtcProgram) -> Result<String, String> {
         let mut size = 0usize;
         // SAFETY: `prog` is a live program; `size` is valid for one write.
-        self.check("nvrtcGetProgramLogSize", unsafe { (self.log_size)(prog, &mut size) })?;
+        self.check("nvrtcGetProgramLogSize", unsafe {
+            (self.log_size)(prog, &mut size)
+        })?;
         let mut log = vec![0u8; size.max(1)];
         // SAFETY: `log` holds the reported size, NUL terminator included.
-        self.check("nvrtcGetProgramLog", unsafe { (self.log)(prog, log.as_mut_ptr().cast()) })?;
+        self.check("nvrtcGetProgramLog", unsafe {
+            (self.log)(prog, log.as_mut_ptr().cast())
+        })?;
         let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
         Ok(String::from_utf8_lossy(&log[..end]).into_owned())
     }

@@ -69,7 +69,10 @@ pub(crate) struct FwdParams {
     scale_log2: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<FwdParams>() == 232, "must match sizeof(CmFwdParams)");
+const _: () = assert!(
+    std::mem::size_of::<FwdParams>() == 232,
+    "must match sizeof(CmFwdParams)"
+);
 
 // SAFETY: FwdParams is #[repr(C)], Copy, holds only integers and floats, and has the exact
 // layout of CmFwdParams (8-byte fields first, no padding; size checked above), so the driver
@@ -101,18 +104,19 @@ pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch
     let [b, h, sq, d] = a.q_layout.shape;
     let [kb, h_kv, skv, kd] = a.k_layout.shape;
     let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
-    let variant = cm_kernels::find_variant(KernelKind::FwdSimple, a.dtype, head_dim).ok_or_else(|| {
-        let dims: Vec<String> = cm_kernels::VARIANTS
-            .iter()
-            .filter(|v| v.dtype == a.dtype)
-            .map(|v| v.head_dim.to_string())
-            .collect();
-        Error::invalid(format!(
-            "q: head_dim = {d} is not supported for {}; built head dims: {}",
-            a.dtype,
-            dims.join(", ")
-        ))
-    })?;
+    let variant =
+        cm_kernels::find_variant(KernelKind::FwdSimple, a.dtype, head_dim).ok_or_else(|| {
+            let dims: Vec<String> = cm_kernels::VARIANTS
+                .iter()
+                .filter(|v| v.dtype == a.dtype)
+                .map(|v| v.head_dim.to_string())
+                .collect();
+            Error::invalid(format!(
+                "q: head_dim = {d} is not supported for {}; built head dims: {}",
+                a.dtype,
+                dims.join(", ")
+            ))
+        })?;
     let kernel: &Variant = &cm_kernels::VARIANTS[variant];
     if (kb, kd) != (b, d) {
         return Err(Error::invalid(format!(
@@ -121,10 +125,16 @@ pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch
         )));
     }
     if a.v_layout.shape != a.k_layout.shape {
-        return Err(Error::invalid(format!("v: shape {:?} differs from k's shape {:?}", a.v_layout.shape, a.k_layout.shape)));
+        return Err(Error::invalid(format!(
+            "v: shape {:?} differs from k's shape {:?}",
+            a.v_layout.shape, a.k_layout.shape
+        )));
     }
     if a.out_layout.shape != a.q_layout.shape {
-        return Err(Error::invalid(format!("out: shape {:?} differs from q's shape {:?}", a.out_layout.shape, a.q_layout.shape)));
+        return Err(Error::invalid(format!(
+            "out: shape {:?} differs from q's shape {:?}",
+            a.out_layout.shape, a.q_layout.shape
+        )));
     }
     if sq != plan.q_len as usize || skv != plan.kv_len as usize {
         return Err(Error::invalid(format!(
@@ -139,11 +149,18 @@ pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch
     }
     if let Some((_, lse)) = &a.lse {
         if lse.shape != [b, h, sq] {
-            return Err(Error::invalid(format!("lse: shape {:?}, expected [batch, num_heads, q_len] = {:?}", lse.shape, [b, h, sq])));
+            return Err(Error::invalid(format!(
+                "lse: shape {:?}, expected [batch, num_heads, q_len] = {:?}",
+                lse.shape,
+                [b, h, sq]
+            )));
         }
     }
     if !a.softmax_scale.is_finite() {
-        return Err(Error::invalid(format!("softmax_scale = {} must be finite", a.softmax_scale)));
+        return Err(Error::invalid(format!(
+            "softmax_scale = {} must be finite",
+            a.softmax_scale
+        )));
     }
     let (tile_m, tile_n) = kernel.kernel.tile();
     if (plan.tile.block_m, plan.tile.block_n) != (tile_m, tile_n) {
@@ -204,5 +221,9 @@ pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch
         block_dim: (kernel.kernel.threads(), 1, 1),
         shared_mem_bytes: 0,
     };
-    Ok(Some(Launch { variant, config, params }))
+    Ok(Some(Launch {
+        variant,
+        config,
+        params,
+    }))
 }

@@ -51,5 +51,7 @@ pub fn embedded_kernels() -> Result<Vec<KernelInfo>, crate::Error> {
 }
 
 pub(crate) fn embedded() -> Result<&'static [EmbeddedKernel; VARIANT_COUNT], crate::Error> {
-    EMBEDDED.as_ref().map_err(|reason| crate::Error::KernelsUnavailable(reason))
+    EMBEDDED
+        .as_ref()
+        .map_err(|reason| crate::Error::KernelsUnavailable(reason))
 }

@@ -23,14 +23,20 @@ impl TensorLayout {
     /// Row-major `[batch, heads, seq_len, head_dim]`.
     pub fn contiguous(shape: [usize; 4]) -> TensorLayout {
         let [_, h, s, d] = shape.map(|x| x as i64);
-        TensorLayout { shape, strides: [h * s * d, s * d, d, 1] }
+        TensorLayout {
+            shape,
+            strides: [h * s * d, s * d, d, 1],
+        }
     }
 
     /// `[batch, seq_len, heads, head_dim]` memory (the packed-QKV / "BSHD" layout) viewed as
     /// `[batch, heads, seq_len, head_dim]`.
     pub fn seq_major(shape: [usize; 4]) -> TensorLayout {
         let [_, h, s, d] = shape.map(|x| x as i64);
-        TensorLayout { shape, strides: [s * h * d, d, h * d, 1] }
+        TensorLayout {
+            shape,
+            strides: [s * h * d, d, h * d, 1],
+        }
     }
 
     /// Elements of memory the view spans from its base: 1 + the largest element offset, or 0
@@ -41,7 +47,12 @@ impl TensorLayout {
 
     /// Checks the constraints every kernel shares; `name` is the tensor's name in messages
     /// and `elem_bytes` the element size.
-    pub(crate) fn validate(&self, name: &str, elem_bytes: u64, writable: bool) -> Result<(), Error> {
+    pub(crate) fn validate(
+        &self,
+        name: &str,
+        elem_bytes: u64,
+        writable: bool,
+    ) -> Result<(), Error> {
         if self.strides[3] != 1 && self.shape[3] > 1 {
             return Err(Error::invalid(format!(
                 "{name}: stride[3] (head_dim) = {}, expected 1 (the last dim must be contiguous)",
@@ -49,13 +60,13 @@ impl TensorLayout {
             )));
         }
         check_strides(name, &DIMS4, &self.shape, &self.strides)?;
-        for i in 0..3 {
+        for (i, dim) in DIMS4.iter().enumerate().take(3) {
             let bytes = self.strides[i] as u64 * elem_bytes;
             if self.shape[i] > 1 && bytes % VECTOR_BYTES != 0 {
                 return Err(Error::invalid(format!(
-                    "{name}: stride[{i}] ({}) = {} elements = {bytes} bytes is not a multiple of \
+                    "{name}: stride[{i}] ({dim}) = {} elements = {bytes} bytes is not a multiple of \
                      {VECTOR_BYTES} bytes, which the kernels' vector loads need",
-                    DIMS4[i], self.strides[i]
+                    self.strides[i]
                 )));
             }
         }
@@ -78,7 +89,10 @@ impl LseLayout {
     /// Row-major `[batch, num_heads, q_len]`.
     pub fn contiguous(shape: [usize; 3]) -> LseLayout {
         let [_, h, s] = shape.map(|x| x as i64);
-        LseLayout { shape, strides: [h * s, s, 1] }
+        LseLayout {
+            shape,
+            strides: [h * s, s, 1],
+        }
     }
 
     /// Elements of memory the view spans from its base.
@@ -102,7 +116,11 @@ fn span(shape: &[usize], strides: &[i64]) -> usize {
     if shape.contains(&0) {
         return 0;
     }
-    1 + shape.iter().zip(strides).map(|(&n, &s)| (n - 1) * s.max(0) as usize).sum::<usize>()
+    1 + shape
+        .iter()
+        .zip(strides)
+        .map(|(&n, &s)| (n - 1) * s.max(0) as usize)
+        .sum::<usize>()
 }
 
 fn check_strides(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) -> Result<(), Error> {
@@ -118,14 +136,21 @@ fn check_strides(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) ->
     }
     // The kernels index with signed 64-bit element offsets.
     if last_offset >= i64::MAX as u128 {
-        return Err(Error::invalid(format!("{name}: shape {shape:?} with strides {strides:?} spans more than 2^63 elements")));
+        return Err(Error::invalid(format!(
+            "{name}: shape {shape:?} with strides {strides:?} spans more than 2^63 elements"
+        )));
     }
     Ok(())
 }
 
 /// An output written through two index tuples at one address would race; a sufficient check:
 /// sorted by stride, every dim of size > 1 steps past everything the smaller dims span.
-fn check_no_overlap(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) -> Result<(), Error> {
+fn check_no_overlap(
+    name: &str,
+    dims: &[&str],
+    shape: &[usize],
+    strides: &[i64],
+) -> Result<(), Error> {
     let mut order: Vec<usize> = (0..shape.len()).filter(|&i| shape[i] > 1).collect();
     order.sort_by_key(|&i| strides[i]);
     let mut inner_span: i64 = 1;
@@ -137,7 +162,7 @@ fn check_no_overlap(name: &str, dims: &[&str], shape: &[usize], strides: &[i64])
                 dims[i], strides[i]
             )));
         }
-        inner_span = strides[i] * (shape[i] as i64 - 1) + inner_span;
+        inner_span += strides[i] * (shape[i] as i64 - 1);
     }
     Ok(())
 }
@@ -167,17 +192,31 @@ mod tests {
         let mut l = TensorLayout::contiguous([1, 2, 8, 64]);
         l.strides[2] = 68;
         let e = l.validate("v", 2, false).unwrap_err().to_string();
-        assert!(e.contains("stride[2] (seq_len) = 68 elements = 136 bytes"), "{e}");
+        assert!(
+            e.contains("stride[2] (seq_len) = 68 elements = 136 bytes"),
+            "{e}"
+        );
         let mut l = TensorLayout::contiguous([1, 2, 8, 64]);
         l.strides[1] = 0;
-        assert!(l.validate("k", 2, false).is_ok(), "broadcast inputs are fine");
+        assert!(
+            l.validate("k", 2, false).is_ok(),
+            "broadcast inputs are fine"
+        );
         let e = l.validate("out", 2, true).unwrap_err().to_string();
         assert!(e.contains("overlap"), "{e}");
         let mut l = TensorLayout::contiguous([1, 2, 8, 64]);
         l.strides[0] = -8;
-        assert!(l.validate("q", 2, false).unwrap_err().to_string().contains("negative"));
+        assert!(l
+            .validate("q", 2, false)
+            .unwrap_err()
+            .to_string()
+            .contains("negative"));
         let mut lse = LseLayout::contiguous([1, 2, 8]);
         lse.strides[2] = 2;
-        assert!(lse.validate().unwrap_err().to_string().contains("lse: stride[2] (q_len) = 2"));
+        assert!(lse
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lse: stride[2] (q_len) = 2"));
     }
 }

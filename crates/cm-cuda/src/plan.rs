@@ -44,12 +44,17 @@ pub struct DevicePlan {
 impl DevicePlan {
     /// Builds the descriptor of `rows` at `tile` and copies it to the device on `stream`, then
     /// waits for the copy, so the plan is ready for launches on any stream of the context.
-    pub(crate) fn upload(rows: &RowIntervals, tile: TileShape, stream: &Arc<CudaStream>) -> Result<DevicePlan, Error> {
+    pub(crate) fn upload(
+        rows: &RowIntervals,
+        tile: TileShape,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DevicePlan, Error> {
         let desc = TileDescriptor::build(rows, tile);
         let mut order: Vec<u32> = (0..desc.num_m_blocks).collect();
         let work = |m: u32| {
             let m = m as usize;
-            (desc.kv_offsets[m + 1] - desc.kv_offsets[m]) + (desc.full_kv_offsets[m + 1] - desc.full_kv_offsets[m])
+            (desc.kv_offsets[m + 1] - desc.kv_offsets[m])
+                + (desc.full_kv_offsets[m + 1] - desc.full_kv_offsets[m])
         };
         order.sort_by_key(|&m| (std::cmp::Reverse(work(m)), std::cmp::Reverse(m)));
 
@@ -60,7 +65,11 @@ impl DevicePlan {
             at
         };
         // Intervals first: offset 0 keeps their 8-byte pairs aligned for the kernel's loads.
-        let flat_intervals: Vec<u32> = rows.intervals().iter().flat_map(|iv| [iv.start, iv.end]).collect();
+        let flat_intervals: Vec<u32> = rows
+            .intervals()
+            .iter()
+            .flat_map(|iv| [iv.start, iv.end])
+            .collect();
         let offsets = Offsets {
             intervals: push(&flat_intervals),
             m_block_order: push(&order),
@@ -71,8 +80,12 @@ impl DevicePlan {
             partial_row_first: push(&desc.partial_row_first),
             row_ptr: push(rows.row_ptr()),
         };
-        let buffer = stream.clone_htod(&host).map_err(|e| Error::driver("plan upload", e))?;
-        stream.synchronize().map_err(|e| Error::driver("plan upload", e))?;
+        let buffer = stream
+            .clone_htod(&host)
+            .map_err(|e| Error::driver("plan upload", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::driver("plan upload", e))?;
         let base = {
             let (ptr, _guard) = buffer.device_ptr(stream);
             ptr

@@ -5,7 +5,9 @@ use crate::{DevicePlan, Error, Forward, ForwardRaw};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
@@ -29,9 +31,12 @@ impl Runtime {
         if !driver_present() {
             return Err(Error::DriverUnavailable);
         }
-        let count = CudaContext::device_count().map_err(|e| Error::driver("cuDeviceGetCount", e))?;
+        let count =
+            CudaContext::device_count().map_err(|e| Error::driver("cuDeviceGetCount", e))?;
         if ordinal >= count.max(0) as usize {
-            return Err(Error::UnsupportedDevice(format!("device ordinal {ordinal}, but this machine has {count} CUDA device(s)")));
+            return Err(Error::UnsupportedDevice(format!(
+                "device ordinal {ordinal}, but this machine has {count} CUDA device(s)"
+            )));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| Error::driver("context creation", e))?;
         Runtime::new(ctx)
@@ -43,7 +48,9 @@ impl Runtime {
     /// As [`Runtime::new_on_device`].
     pub fn new(ctx: Arc<CudaContext>) -> Result<Runtime, Error> {
         let table = crate::kernels::embedded()?;
-        let cc = ctx.compute_capability().map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
         if cc != (9, 0) {
             let name = ctx.name().unwrap_or_else(|_| "unknown".into());
             return Err(Error::UnsupportedDevice(format!(
@@ -58,8 +65,12 @@ impl Runtime {
             .iter()
             .zip(table)
             .map(|(v, k)| {
-                let module = ctx.load_module(Ptx::from_binary(k.bytes.to_vec())).map_err(|e| Error::driver("cuModuleLoadData", e))?;
-                module.load_function(v.kernel.entry_point()).map_err(|e| Error::driver("cuModuleGetFunction", e))
+                let module = ctx
+                    .load_module(Ptx::from_binary(k.bytes.to_vec()))
+                    .map_err(|e| Error::driver("cuModuleLoadData", e))?;
+                module
+                    .load_function(v.kernel.entry_point())
+                    .map_err(|e| Error::driver("cuModuleGetFunction", e))
             })
             .collect::<Result<Vec<_>, Error>>()?;
         Ok(Runtime { ctx, functions })
@@ -74,7 +85,11 @@ impl Runtime {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `stream` belongs to another context; [`Error::Driver`].
-    pub fn upload_plan(&self, rows: &RowIntervals, stream: &Arc<CudaStream>) -> Result<DevicePlan, Error> {
+    pub fn upload_plan(
+        &self,
+        rows: &RowIntervals,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
         let (block_m, block_n) = KernelKind::FwdSimple.tile();
         DevicePlan::upload(rows, TileShape { block_m, block_n }, stream)
@@ -87,12 +102,19 @@ impl Runtime {
     /// [`Error::InvalidArgument`] naming the first check that fails (shapes against each other
     /// and the plan, strides, alignment, a buffer shorter than its layout spans, GQA
     /// divisibility, head_dim, grid limits); [`Error::Driver`] if the launch is refused.
-    pub fn forward(&self, stream: &Arc<CudaStream>, plan: &DevicePlan, args: Forward<'_>) -> Result<(), Error> {
+    pub fn forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+        args: Forward<'_>,
+    ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
         let check_len = |name: &str, len: usize, span: usize| {
             if span > len {
-                return Err(Error::invalid(format!("{name}: the layout spans {span} elements but the buffer holds {len}")));
+                return Err(Error::invalid(format!(
+                    "{name}: the layout spans {span} elements but the buffer holds {len}"
+                )));
             }
             Ok(())
         };
@@ -150,7 +172,12 @@ impl Runtime {
     /// # Errors
     /// As [`Runtime::forward`].
     #[allow(unsafe_code)]
-    pub unsafe fn forward_raw(&self, stream: &CudaStream, plan: &DevicePlan, args: &ForwardRaw) -> Result<(), Error> {
+    pub unsafe fn forward_raw(
+        &self,
+        stream: &CudaStream,
+        plan: &DevicePlan,
+        args: &ForwardRaw,
+    ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
         match prepare(plan, args)? {
@@ -176,14 +203,18 @@ impl Runtime {
 
     fn check_stream(&self, stream: &CudaStream) -> Result<(), Error> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid("the stream belongs to another CUDA context than this runtime's"));
+            return Err(Error::invalid(
+                "the stream belongs to another CUDA context than this runtime's",
+            ));
         }
         Ok(())
     }
 
     fn check_plan(&self, plan: &DevicePlan) -> Result<(), Error> {
         if plan.ctx.cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid("the plan was uploaded to another CUDA context than this runtime's"));
+            return Err(Error::invalid(
+                "the plan was uploaded to another CUDA context than this runtime's",
+            ));
         }
         Ok(())
     }

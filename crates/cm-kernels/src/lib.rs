@@ -98,28 +98,54 @@ pub struct Variant {
 impl Variant {
     /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`.
     pub fn name(&self) -> String {
-        format!("{}_{}_d{}", self.kernel.name(), self.dtype.name(), self.head_dim)
+        format!(
+            "{}_{}_d{}",
+            self.kernel.name(),
+            self.dtype.name(),
+            self.head_dim
+        )
     }
 
     /// The preprocessor definitions that select this variant in the kernel source.
     pub fn defines(&self) -> Vec<String> {
         let bf16 = u8::from(self.dtype == DType::Bf16);
-        vec![format!("-DCM_DTYPE_BF16={bf16}"), format!("-DCM_HEAD_DIM={}", self.head_dim)]
+        vec![
+            format!("-DCM_DTYPE_BF16={bf16}"),
+            format!("-DCM_HEAD_DIM={}", self.head_dim),
+        ]
     }
 }
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index.
 pub const VARIANTS: [Variant; 4] = [
-    Variant { kernel: KernelKind::FwdSimple, dtype: DType::Bf16, head_dim: 64 },
-    Variant { kernel: KernelKind::FwdSimple, dtype: DType::Bf16, head_dim: 128 },
-    Variant { kernel: KernelKind::FwdSimple, dtype: DType::F16, head_dim: 64 },
-    Variant { kernel: KernelKind::FwdSimple, dtype: DType::F16, head_dim: 128 },
+    Variant {
+        kernel: KernelKind::FwdSimple,
+        dtype: DType::Bf16,
+        head_dim: 64,
+    },
+    Variant {
+        kernel: KernelKind::FwdSimple,
+        dtype: DType::Bf16,
+        head_dim: 128,
+    },
+    Variant {
+        kernel: KernelKind::FwdSimple,
+        dtype: DType::F16,
+        head_dim: 64,
+    },
+    Variant {
+        kernel: KernelKind::FwdSimple,
+        dtype: DType::F16,
+        head_dim: 128,
+    },
 ];
 
 /// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
 pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<usize> {
-    VARIANTS.iter().position(|v| v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim)
+    VARIANTS
+        .iter()
+        .position(|v| v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim)
 }
 
 /// Every kernel source file by the name it is included as (`#include "common.cuh"`). The
@@ -207,7 +233,9 @@ pub fn parse_ptxas_log(log: &str, entry: &str) -> Result<PtxasReport, String> {
         .find(&marker)
         .ok_or_else(|| format!("the ptxas log has no report for entry function '{entry}'"))?;
     let section = &log[start + marker.len()..];
-    let section = section.find("Compiling entry function").map_or(section, |end| &section[..end]);
+    let section = section
+        .find("Compiling entry function")
+        .map_or(section, |end| &section[..end]);
     let number_before = |text: &str, unit: &str| -> Option<u32> {
         let at = text.find(unit)?;
         text[..at].split_whitespace().last()?.parse().ok()
@@ -277,17 +305,40 @@ mod tests {
             }
         );
         let other = parse_ptxas_log(LOG, "cm_other").unwrap();
-        assert_eq!((other.registers, other.spill_store_bytes, other.spill_load_bytes), (255, 4, 4));
-        assert!(parse_ptxas_log(LOG, "missing").unwrap_err().contains("'missing'"));
+        assert_eq!(
+            (
+                other.registers,
+                other.spill_store_bytes,
+                other.spill_load_bytes
+            ),
+            (255, 4, 4)
+        );
+        assert!(parse_ptxas_log(LOG, "missing")
+            .unwrap_err()
+            .contains("'missing'"));
     }
 
     #[test]
     fn forward_spills_fail_the_build() {
         let v = VARIANTS[0];
-        let spilled = PtxasReport { registers: 255, spill_store_bytes: 4, ..Default::default() };
+        let spilled = PtxasReport {
+            registers: 255,
+            spill_store_bytes: 4,
+            ..Default::default()
+        };
         let err = check_report(&v, &spilled).unwrap_err();
-        assert!(err.contains(&v.name()) && err.contains("4 bytes stores"), "{err}");
-        assert!(check_report(&v, &PtxasReport { registers: 128, ..Default::default() }).is_ok());
+        assert!(
+            err.contains(&v.name()) && err.contains("4 bytes stores"),
+            "{err}"
+        );
+        assert!(check_report(
+            &v,
+            &PtxasReport {
+                registers: 128,
+                ..Default::default()
+            }
+        )
+        .is_ok());
     }
 
     #[test]
@@ -296,8 +347,14 @@ mod tests {
             assert_eq!(find_variant(v.kernel, v.dtype, v.head_dim), Some(i));
             assert!(source(v.kernel.source_file()).is_some());
         }
-        let keys: std::collections::HashSet<_> = VARIANTS.iter().map(|v| cache_key(v, "nvrtc 13.0")).collect();
+        let keys: std::collections::HashSet<_> = VARIANTS
+            .iter()
+            .map(|v| cache_key(v, "nvrtc 13.0"))
+            .collect();
         assert_eq!(keys.len(), VARIANTS.len());
-        assert_ne!(cache_key(&VARIANTS[0], "nvrtc 13.0"), cache_key(&VARIANTS[0], "nvrtc 13.1"));
+        assert_ne!(
+            cache_key(&VARIANTS[0], "nvrtc 13.0"),
+            cache_key(&VARIANTS[0], "nvrtc 13.1")
+        );
     }
 }
