@@ -1095,7 +1095,7 @@ mod tests {
         );
         assert_eq!(
             hstu.row(3),
-            &hstu.row(4)[..],
+            hstu.row(4),
             "contextual rows see the whole history"
         );
         let clear = masks::clear(37, 30, 5);
