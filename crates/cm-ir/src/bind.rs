@@ -45,7 +45,12 @@ pub struct PlanError {
 
 impl PlanError {
     pub fn new(code: &'static str, span: Option<Span>, message: impl Into<String>) -> PlanError {
-        PlanError { code, message: message.into(), span, hint: None }
+        PlanError {
+            code,
+            message: message.into(),
+            span,
+            hint: None,
+        }
     }
 
     pub fn with_hint(mut self, hint: impl Into<String>) -> PlanError {
@@ -55,7 +60,11 @@ impl PlanError {
 
     /// As a diagnostic (spanless errors point at the start of the source).
     pub fn to_diagnostic(&self) -> Diagnostic {
-        let mut d = Diagnostic::error(self.code, self.span.unwrap_or_default(), self.message.clone());
+        let mut d = Diagnostic::error(
+            self.code,
+            self.span.unwrap_or_default(),
+            self.message.clone(),
+        );
         if let Some(h) = &self.hint {
             d = d.with_hint(h.clone());
         }
@@ -88,7 +97,11 @@ pub fn floor_div(a: i64, d: i64, span: Span) -> PResult<i64> {
         return Err(PlanError::new("CM0301", Some(span), "division by zero"));
     }
     let q = a.checked_div(d).ok_or_else(|| overflow(span))?;
-    Ok(if (a % d != 0) && ((a < 0) != (d < 0)) { q - 1 } else { q })
+    Ok(if (a % d != 0) && ((a < 0) != (d < 0)) {
+        q - 1
+    } else {
+        q
+    })
 }
 
 /// Floor modulo: `a - d * floor_div(a, d)`, with the sign of `d`.
@@ -100,13 +113,21 @@ pub fn floor_mod(a: i64, d: i64, span: Span) -> PResult<i64> {
         return Ok(0);
     }
     let r = a % d;
-    Ok(if r != 0 && ((r < 0) != (d < 0)) { r + d } else { r })
+    Ok(if r != 0 && ((r < 0) != (d < 0)) {
+        r + d
+    } else {
+        r
+    })
 }
 
 /// `floor(sqrt(x))` for `x >= 0`.
 pub fn isqrt(x: i64, span: Span) -> PResult<i64> {
     if x < 0 {
-        return Err(PlanError::new("CM0312", Some(span), format!("isqrt of a negative number ({x})")));
+        return Err(PlanError::new(
+            "CM0312",
+            Some(span),
+            format!("isqrt of a negative number ({x})"),
+        ));
     }
     let mut r = (x as f64).sqrt() as i64;
     while r > 0 && r.checked_mul(r).is_none_or(|s| s > x) {
@@ -243,10 +264,14 @@ pub fn parse_value(text: &str) -> PResult<Value> {
     let is_list = inner.is_some() || t.contains(',');
     let body = inner.unwrap_or(t);
     let mut items = Vec::new();
-    for piece in body.split(|c: char| c == ',' || c.is_whitespace()).filter(|s| !s.is_empty()) {
+    for piece in body
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+    {
         let v = piece.replace('_', "").parse::<i64>().map_err(|_| {
-            PlanError::new("CM0308", None, format!("`{piece}` is not an integer"))
-                .with_hint("values are integers, or comma-separated integer lists such as 2048,1536,3072")
+            PlanError::new("CM0308", None, format!("`{piece}` is not an integer")).with_hint(
+                "values are integers, or comma-separated integer lists such as 2048,1536,3072",
+            )
         })?;
         items.push(v);
     }
@@ -255,7 +280,11 @@ pub fn parse_value(text: &str) -> PResult<Value> {
     }
     match items.as_slice() {
         [v] => Ok(Value::Int(*v)),
-        _ => Err(PlanError::new("CM0308", None, format!("`{text}` is not an integer or a list of integers"))),
+        _ => Err(PlanError::new(
+            "CM0308",
+            None,
+            format!("`{text}` is not an integer or a list of integers"),
+        )),
     }
 }
 
@@ -273,38 +302,74 @@ impl Program {
     /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
     /// (`CM0305`) and any arithmetic error while evaluating them.
     pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
-        for (name, v, max) in [("q_len", shape.q_len, MAX_LEN), ("kv_len", shape.kv_len, MAX_LEN), ("batch", shape.batch, 1 << 20), ("num_heads", shape.num_heads, 1 << 16)] {
+        for (name, v, max) in [
+            ("q_len", shape.q_len, MAX_LEN),
+            ("kv_len", shape.kv_len, MAX_LEN),
+            ("batch", shape.batch, 1 << 20),
+            ("num_heads", shape.num_heads, 1 << 16),
+        ] {
             if v < 1 || v > max {
-                return Err(PlanError::new("CM0402", None, format!("{name} = {v} is out of range; expected 1 ..= {max}")));
+                return Err(PlanError::new(
+                    "CM0402",
+                    None,
+                    format!("{name} = {v} is out of range; expected 1 ..= {max}"),
+                ));
             }
         }
         for name in values.keys() {
             if !self.params.iter().any(|p| &p.name == name) {
-                let hint = match crate::check::suggest(name, self.params.iter().map(|p| p.name.as_str())) {
+                let hint = match crate::check::suggest(
+                    name,
+                    self.params.iter().map(|p| p.name.as_str()),
+                ) {
                     Some(s) => format!("did you mean `{s}`?"),
                     None if self.params.is_empty() => "this mask takes no parameters".to_string(),
                     None => format!("its parameters are: {}", self.param_names().join(", ")),
                 };
-                return Err(PlanError::new("CM0309", None, format!("unknown parameter `{name}`")).with_hint(hint));
+                return Err(
+                    PlanError::new("CM0309", None, format!("unknown parameter `{name}`"))
+                        .with_hint(hint),
+                );
             }
         }
-        let mut b = Bound { program: self, shape, params: Vec::new(), segs: Vec::new(), grids: Vec::new() };
+        let mut b = Bound {
+            program: self,
+            shape,
+            params: Vec::new(),
+            segs: Vec::new(),
+            grids: Vec::new(),
+        };
         let env = Env::default();
         for p in &self.params {
             let v = match (values.get(&p.name), &p.default) {
                 (Some(Value::Int(_)), _) if p.is_array => {
-                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` is an integer array, got one integer", p.name))
-                        .with_hint("pass a comma-separated list, e.g. 2048,1536"));
+                    return Err(PlanError::new(
+                        "CM0308",
+                        Some(p.span),
+                        format!(
+                            "parameter `{}` is an integer array, got one integer",
+                            p.name
+                        ),
+                    )
+                    .with_hint("pass a comma-separated list, e.g. 2048,1536"));
                 }
                 (Some(Value::Array(_)), _) if !p.is_array => {
-                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` is an integer, got a list", p.name)));
+                    return Err(PlanError::new(
+                        "CM0308",
+                        Some(p.span),
+                        format!("parameter `{}` is an integer, got a list", p.name),
+                    ));
                 }
                 (Some(v), _) => v.clone(),
                 (None, Some(ParamDefault::Int(e))) => Value::Int(b.eval_int(e, &env)?),
                 (None, Some(ParamDefault::Array(a))) => Value::Array(b.eval_arr(a, &env)?),
                 (None, None) => {
-                    return Err(PlanError::new("CM0308", Some(p.span), format!("parameter `{}` has no default and no value", p.name))
-                        .with_hint(format!("pass it, e.g. --set {}=...", p.name)));
+                    return Err(PlanError::new(
+                        "CM0308",
+                        Some(p.span),
+                        format!("parameter `{}` has no default and no value", p.name),
+                    )
+                    .with_hint(format!("pass it, e.g. --set {}=...", p.name)));
                 }
             };
             b.params.push(v);
@@ -315,14 +380,22 @@ impl Program {
             for d in &g.dims {
                 let v = b.eval_int(d, &env)?;
                 if v < 1 {
-                    return Err(PlanError::new("CM0311", Some(d.span), format!("grid `{}` has extent {v}; extents must be >= 1", g.name)));
+                    return Err(PlanError::new(
+                        "CM0311",
+                        Some(d.span),
+                        format!("grid `{}` has extent {v}; extents must be >= 1", g.name),
+                    ));
                 }
                 size = mul(size, v, d.span)?;
                 dims.push(v);
             }
             let at = b.eval_int(&g.at, &env)?;
             if at < 0 {
-                return Err(PlanError::new("CM0311", Some(g.at.span), format!("grid `{}` starts at {at}; expected a position >= 0", g.name)));
+                return Err(PlanError::new(
+                    "CM0311",
+                    Some(g.at.span),
+                    format!("grid `{}` starts at {at}; expected a position >= 0", g.name),
+                ));
             }
             add(at, size, g.span)?;
             b.grids.push(GridVals { dims, at, size });
@@ -355,16 +428,36 @@ impl Bound<'_> {
         let env = Env::default();
         let fill = self.eval_int(&s.fill, &env)?;
         if !(0..=MAX_LEN).contains(&fill) {
-            return Err(PlanError::new("CM0402", Some(s.fill.span), format!("segmentation `{}` fills {fill} positions; expected 0 ..= {MAX_LEN}", s.name)));
+            return Err(PlanError::new(
+                "CM0402",
+                Some(s.fill.span),
+                format!(
+                    "segmentation `{}` fills {fill} positions; expected 0 ..= {MAX_LEN}",
+                    s.name
+                ),
+            ));
         }
         let check_arr = |a: &Arc<[i64]>, span: Span| -> PResult<()> {
             if let Some((i, v)) = a.iter().enumerate().find(|(_, v)| **v < 0) {
-                return Err(PlanError::new("CM0307", Some(span), format!("length {v} at index {i} of `{}` is negative", s.name))
-                    .with_hint("segment lengths are token counts >= 0"));
+                return Err(PlanError::new(
+                    "CM0307",
+                    Some(span),
+                    format!("length {v} at index {i} of `{}` is negative", s.name),
+                )
+                .with_hint("segment lengths are token counts >= 0"));
             }
             Ok(())
         };
-        let too_many = || PlanError::new("CM0404", Some(s.span), format!("segmentation `{}` needs more than {MAX_SEGMENTS} segments", s.name));
+        let too_many = || {
+            PlanError::new(
+                "CM0404",
+                Some(s.span),
+                format!(
+                    "segmentation `{}` needs more than {MAX_SEGMENTS} segments",
+                    s.name
+                ),
+            )
+        };
         let mut starts = vec![0i64];
         let mut pieces = None;
         match &s.kind {
@@ -372,8 +465,15 @@ impl Bound<'_> {
                 let a = self.eval_arr(arr, &env)?;
                 check_arr(&a, s.span)?;
                 if fill > 0 && a.iter().all(|&v| v == 0) {
-                    return Err(PlanError::new("CM0306", Some(s.span), format!("the lengths of `{}` sum to 0, so they cannot fill {fill} positions", s.name))
-                        .with_hint("give at least one positive length"));
+                    return Err(PlanError::new(
+                        "CM0306",
+                        Some(s.span),
+                        format!(
+                            "the lengths of `{}` sum to 0, so they cannot fill {fill} positions",
+                            s.name
+                        ),
+                    )
+                    .with_hint("give at least one positive length"));
                 }
                 let mut pos = 0i64;
                 let mut i = 0usize;
@@ -395,7 +495,14 @@ impl Bound<'_> {
                     check_arr(&a, d.span)?;
                     let c = self.eval_int(&d.count, &env)?;
                     if !(0..=1 << 20).contains(&c) {
-                        return Err(PlanError::new("CM0308", Some(d.count.span), format!("piece `{}` repeats {c} times; expected 0 ..= 1048576", d.name)));
+                        return Err(PlanError::new(
+                            "CM0308",
+                            Some(d.count.span),
+                            format!(
+                                "piece `{}` repeats {c} times; expected 0 ..= 1048576",
+                                d.name
+                            ),
+                        ));
                     }
                     total = total.saturating_add(c.saturating_mul(a.iter().sum::<i64>().min(1)));
                     arrays.push((a, c));
@@ -403,7 +510,12 @@ impl Bound<'_> {
                 if fill > 0 && total == 0 {
                     return Err(PlanError::new("CM0306", Some(s.span), format!("the pieces of `{}` add no tokens, so they cannot fill {fill} positions", s.name)));
                 }
-                let mut t = PieceTable { bounds: vec![0], kinds: Vec::new(), seg_of: Vec::new(), first_of_kind: vec![Vec::new(); decls.len()] };
+                let mut t = PieceTable {
+                    bounds: vec![0],
+                    kinds: Vec::new(),
+                    seg_of: Vec::new(),
+                    first_of_kind: vec![Vec::new(); decls.len()],
+                };
                 let mut counters = vec![0usize; decls.len()];
                 let mut pos = 0i64;
                 while pos < fill {
@@ -430,13 +542,20 @@ impl Bound<'_> {
                 pieces = Some(t);
             }
         }
-        let mut table = SegTable { starts, parts: Vec::new(), pieces };
+        let mut table = SegTable {
+            starts,
+            parts: Vec::new(),
+            pieces,
+        };
         for p in &s.parts {
             let mut ranges = Vec::with_capacity(table.count());
             for i in 0..table.count() {
                 let (start, end) = (table.starts[i], table.starts[i + 1]);
                 let len = end - start;
-                let env = Env { seg_len: len, ..Env::default() };
+                let env = Env {
+                    seg_len: len,
+                    ..Env::default()
+                };
                 let lo = self.eval_int(&p.lo, &env)?.clamp(0, len);
                 let hi = self.eval_int(&p.hi, &env)?.clamp(lo, len);
                 ranges.push((start + lo, start + hi));
@@ -449,8 +568,16 @@ impl Bound<'_> {
     fn seg_pos(&self, s: SegId, p: i64, span: Span) -> PResult<usize> {
         let t = &self.segs[s];
         if p < 0 || p >= t.fill() {
-            return Err(PlanError::new("CM0303", Some(span), format!("position {p} is outside segmentation `{}`, which covers [0, {})", self.program.segs[s].name, t.fill()))
-                .with_hint("segmentations fill [0, q_len) unless declared with `fill`"));
+            return Err(PlanError::new(
+                "CM0303",
+                Some(span),
+                format!(
+                    "position {p} is outside segmentation `{}`, which covers [0, {})",
+                    self.program.segs[s].name,
+                    t.fill()
+                ),
+            )
+            .with_hint("segmentations fill [0, q_len) unless declared with `fill`"));
         }
         Ok(t.index_of(p))
     }
@@ -467,7 +594,15 @@ impl Bound<'_> {
                 let iv = self.eval_int(i, env)?;
                 let t = &self.segs[*s];
                 if iv < 0 || iv as usize >= t.count() {
-                    return Err(PlanError::new("CM0304", Some(i.span), format!("segment index {iv} is out of range; `{}` has {} segments", self.program.segs[*s].name, t.count())));
+                    return Err(PlanError::new(
+                        "CM0304",
+                        Some(i.span),
+                        format!(
+                            "segment index {iv} is out of range; `{}` has {} segments",
+                            self.program.segs[*s].name,
+                            t.count()
+                        ),
+                    ));
                 }
                 Ok((t.starts[iv as usize], t.starts[iv as usize + 1]))
             }
@@ -478,7 +613,10 @@ impl Bound<'_> {
             RangeKind::Piece(s, kind, p) => {
                 let pv = self.eval_int(p, env)?;
                 let seg = self.seg_pos(*s, pv, p.span)?;
-                let t = self.segs[*s].pieces.as_ref().expect("checked: piece of a composite segmentation");
+                let t = self.segs[*s]
+                    .pieces
+                    .as_ref()
+                    .expect("checked: piece of a composite segmentation");
                 Ok(piece_range(t, &self.segs[*s], *kind, pv, seg))
             }
         }
@@ -492,13 +630,25 @@ impl Bound<'_> {
                 Value::Int(_) => unreachable!("checked: array parameter"),
             },
             Arr::Const(v) => Ok(v.clone()),
-            Arr::Lit(xs) => xs.iter().map(|x| self.eval_int(x, env)).collect::<PResult<Vec<_>>>().map(Into::into),
+            Arr::Lit(xs) => xs
+                .iter()
+                .map(|x| self.eval_int(x, env))
+                .collect::<PResult<Vec<_>>>()
+                .map(Into::into),
             Arr::Add(x, y, span) => {
                 let (x, y) = (self.eval_arr(x, env)?, self.eval_arr(y, env)?);
                 if x.len() != y.len() {
-                    return Err(PlanError::new("CM0308", Some(*span), format!("cannot add arrays of lengths {} and {}", x.len(), y.len())));
+                    return Err(PlanError::new(
+                        "CM0308",
+                        Some(*span),
+                        format!("cannot add arrays of lengths {} and {}", x.len(), y.len()),
+                    ));
                 }
-                x.iter().zip(y.iter()).map(|(a, b)| add(*a, *b, *span)).collect::<PResult<Vec<_>>>().map(Into::into)
+                x.iter()
+                    .zip(y.iter())
+                    .map(|(a, b)| add(*a, *b, *span))
+                    .collect::<PResult<Vec<_>>>()
+                    .map(Into::into)
             }
         }
     }
@@ -525,7 +675,14 @@ impl Bound<'_> {
                 let a = self.eval_arr(a, env)?;
                 let iv = self.eval_int(i, env)?;
                 if iv < 0 || iv as usize >= a.len() {
-                    return Err(PlanError::new("CM0304", Some(span), format!("index {iv} is out of range for an array of length {}", a.len())));
+                    return Err(PlanError::new(
+                        "CM0304",
+                        Some(span),
+                        format!(
+                            "index {iv} is out of range for an array of length {}",
+                            a.len()
+                        ),
+                    ));
                 }
                 a[iv as usize]
             }
@@ -534,10 +691,18 @@ impl Bound<'_> {
                 let a = self.eval_arr(a, env)?;
                 a.iter().try_fold(0i64, |s, v| add(s, *v, span))?
             }
-            IntKind::Neg(a) => self.eval_int(a, env)?.checked_neg().ok_or_else(|| overflow(span))?,
-            IntKind::Abs(a) => self.eval_int(a, env)?.checked_abs().ok_or_else(|| overflow(span))?,
+            IntKind::Neg(a) => self
+                .eval_int(a, env)?
+                .checked_neg()
+                .ok_or_else(|| overflow(span))?,
+            IntKind::Abs(a) => self
+                .eval_int(a, env)?
+                .checked_abs()
+                .ok_or_else(|| overflow(span))?,
             IntKind::Isqrt(a) => isqrt(self.eval_int(a, env)?, span)?,
-            IntKind::Bin(op, a, b) => apply(*op, self.eval_int(a, env)?, self.eval_int(b, env)?, span)?,
+            IntKind::Bin(op, a, b) => {
+                apply(*op, self.eval_int(a, env)?, self.eval_int(b, env)?, span)?
+            }
             IntKind::If(c, a, b) => {
                 if self.eval_bool(c, env)? {
                     self.eval_int(a, env)?
@@ -561,8 +726,20 @@ impl Bound<'_> {
 
     pub fn outside_grid(&self, g: GridId, p: i64, span: Span) -> PlanError {
         let gv = &self.grids[g];
-        PlanError::new("CM0310", Some(span), format!("position {p} is not in grid `{}`, which covers [{}, {})", self.program.grids[g].name, gv.at, gv.at + gv.size))
-            .with_hint(format!("guard coordinates with `if q in {} then ... else ...`", self.program.grids[g].name))
+        PlanError::new(
+            "CM0310",
+            Some(span),
+            format!(
+                "position {p} is not in grid `{}`, which covers [{}, {})",
+                self.program.grids[g].name,
+                gv.at,
+                gv.at + gv.size
+            ),
+        )
+        .with_hint(format!(
+            "guard coordinates with `if q in {} then ... else ...`",
+            self.program.grids[g].name
+        ))
     }
 
     /// Evaluates a boolean; `and` / `or` short-circuit.

@@ -8,10 +8,33 @@ use cm_syntax::{Diagnostic, Span};
 use std::collections::HashMap;
 
 /// Built-in names that are values.
-const BUILTIN_VALUES: &[&str] =
-    &["q", "k", "b", "h", "q_len", "kv_len", "batch", "num_heads", "trace_context", "trace_generated", "len"];
+const BUILTIN_VALUES: &[&str] = &[
+    "q",
+    "k",
+    "b",
+    "h",
+    "q_len",
+    "kv_len",
+    "batch",
+    "num_heads",
+    "trace_context",
+    "trace_generated",
+    "len",
+];
 /// Built-in functions.
-const BUILTIN_FUNCS: &[&str] = &["min", "max", "abs", "isqrt", "sum", "count", "l1", "l2", "linf", "box", "elementwise"];
+const BUILTIN_FUNCS: &[&str] = &[
+    "min",
+    "max",
+    "abs",
+    "isqrt",
+    "sum",
+    "count",
+    "l1",
+    "l2",
+    "linf",
+    "box",
+    "elementwise",
+];
 
 #[derive(Clone)]
 enum Def {
@@ -77,7 +100,9 @@ impl Val {
             Val::Seg(..) => "a segmentation",
             Val::Grid(..) => "a grid",
             Val::Dist(..) => "a grid distance",
-            Val::SegIndexFn(..) | Val::PartFn(..) | Val::PieceFn(..) | Val::AxisFn(..) => "a function",
+            Val::SegIndexFn(..) | Val::PartFn(..) | Val::PieceFn(..) | Val::AxisFn(..) => {
+                "a function"
+            }
         }
     }
 }
@@ -114,7 +139,12 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
     let mut mask: Option<(Region, Span)> = None;
     for item in &program.items {
         match item {
-            Item::Param { name, ty, default, span } => {
+            Item::Param {
+                name,
+                ty,
+                default,
+                span,
+            } => {
                 if !c.declare(name, Def::Param(c.params.len(), false)) {
                     continue;
                 }
@@ -122,22 +152,52 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 let default_val = default.as_ref().and_then(|e| c.lower(e, Ctx::Const).ok());
                 let (is_array, default) = match (ty, default_val) {
                     (_, None) if default.is_some() => continue,
-                    (Some(ast::ParamType::Int) | None, Some(Val::Int(i))) => (false, Some(ParamDefault::Int(i))),
-                    (Some(ast::ParamType::IntArray) | None, Some(Val::Arr(a, _))) => (true, Some(ParamDefault::Array(a))),
+                    (Some(ast::ParamType::Int) | None, Some(Val::Int(i))) => {
+                        (false, Some(ParamDefault::Int(i)))
+                    }
+                    (Some(ast::ParamType::IntArray) | None, Some(Val::Arr(a, _))) => {
+                        (true, Some(ParamDefault::Array(a)))
+                    }
                     (Some(t), None) => (*t == ast::ParamType::IntArray, None),
                     (None, None) => {
-                        c.err(Diagnostic::error("CM0203", name.span, format!("parameter `{}` needs a type or a default", name.name))
-                            .with_hint("write `param n: int;`, `param lens: [int];` or give a default"));
+                        c.err(
+                            Diagnostic::error(
+                                "CM0203",
+                                name.span,
+                                format!("parameter `{}` needs a type or a default", name.name),
+                            )
+                            .with_hint(
+                                "write `param n: int;`, `param lens: [int];` or give a default",
+                            ),
+                        );
                         continue;
                     }
                     (ty, Some(v)) => {
-                        let want = if *ty == Some(ast::ParamType::IntArray) { "an integer array" } else { "an integer" };
-                        c.err(Diagnostic::error("CM0203", v.span(), format!("default of `{}` is {}, expected {want}", name.name, v.describe())));
+                        let want = if *ty == Some(ast::ParamType::IntArray) {
+                            "an integer array"
+                        } else {
+                            "an integer"
+                        };
+                        c.err(Diagnostic::error(
+                            "CM0203",
+                            v.span(),
+                            format!(
+                                "default of `{}` is {}, expected {want}",
+                                name.name,
+                                v.describe()
+                            ),
+                        ));
                         continue;
                     }
                 };
-                c.names.insert(name.name.clone(), (Def::Param(id, is_array), name.span));
-                c.params.push(ParamDecl { name: name.name.clone(), is_array, default, span: *span });
+                c.names
+                    .insert(name.name.clone(), (Def::Param(id, is_array), name.span));
+                c.params.push(ParamDecl {
+                    name: name.name.clone(),
+                    is_array,
+                    default,
+                    span: *span,
+                });
             }
             Item::Let { name, value, .. } => {
                 let id = c.lets.len();
@@ -145,7 +205,12 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     c.lets.push((value, false));
                 }
             }
-            Item::Segments { name, spec, fill, span } => {
+            Item::Segments {
+                name,
+                spec,
+                fill,
+                span,
+            } => {
                 if !c.declare(name, Def::Seg(c.segs.len())) {
                     continue;
                 }
@@ -158,10 +223,16 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                         let mut out: Vec<PieceDecl> = Vec::new();
                         for p in pieces {
                             if out.iter().any(|o| o.name == p.name.name) {
-                                c.err(Diagnostic::error("CM0202", p.name.span, format!("piece `{}` is declared twice", p.name.name)));
+                                c.err(Diagnostic::error(
+                                    "CM0202",
+                                    p.name.span,
+                                    format!("piece `{}` is declared twice", p.name.name),
+                                ));
                                 continue;
                             }
-                            let Ok(lengths) = c.expect_arr(&p.lengths, Ctx::Const) else { continue };
+                            let Ok(lengths) = c.expect_arr(&p.lengths, Ctx::Const) else {
+                                continue;
+                            };
                             let count = match &p.count {
                                 Some(e) => match c.expect_int(e, Ctx::Const) {
                                     Ok(i) => i,
@@ -169,7 +240,12 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                                 },
                                 None => Int::constant(1, p.name.span),
                             };
-                            out.push(PieceDecl { name: p.name.name.clone(), lengths, count, span: p.name.span.to(p.lengths.span) });
+                            out.push(PieceDecl {
+                                name: p.name.name.clone(),
+                                lengths,
+                                count,
+                                span: p.name.span.to(p.lengths.span),
+                            });
                         }
                         SegKind::Composite(out)
                     }
@@ -181,32 +257,73 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     },
                     None => Int::new(IntKind::QLen, name.span),
                 };
-                c.segs.push(SegDecl { name: name.name.clone(), kind, fill, parts: Vec::new(), span: *span });
+                c.segs.push(SegDecl {
+                    name: name.name.clone(),
+                    kind,
+                    fill,
+                    parts: Vec::new(),
+                    span: *span,
+                });
             }
-            Item::Part { seg, name, range, span } => {
-                let Some(sid) = c.lookup_seg(seg) else { continue };
+            Item::Part {
+                seg,
+                name,
+                range,
+                span,
+            } => {
+                let Some(sid) = c.lookup_seg(seg) else {
+                    continue;
+                };
                 let taken = c.segs[sid].parts.iter().any(|p| p.name == name.name)
                     || matches!(&c.segs[sid].kind, SegKind::Composite(ps) if ps.iter().any(|p| p.name == name.name))
                     || ["index", "count"].contains(&name.name.as_str());
                 if taken {
-                    c.err(Diagnostic::error("CM0202", name.span, format!("`{}.{}` is already defined", seg.name, name.name)));
+                    c.err(Diagnostic::error(
+                        "CM0202",
+                        name.span,
+                        format!("`{}.{}` is already defined", seg.name, name.name),
+                    ));
                     continue;
                 }
-                let Ok(r) = c.expect_range(range, Ctx::Part) else { continue };
-                let RangeKind::Lit(lo, hi) = r.kind else {
-                    c.err(Diagnostic::error("CM0203", range.span, "a part is a range `lo..hi` in segment-local positions")
-                        .with_hint("for example `part user.targets = len - 8 .. len;`"));
+                let Ok(r) = c.expect_range(range, Ctx::Part) else {
                     continue;
                 };
-                c.segs[sid].parts.push(PartDecl { name: name.name.clone(), lo, hi, span: *span });
+                let RangeKind::Lit(lo, hi) = r.kind else {
+                    c.err(
+                        Diagnostic::error(
+                            "CM0203",
+                            range.span,
+                            "a part is a range `lo..hi` in segment-local positions",
+                        )
+                        .with_hint("for example `part user.targets = len - 8 .. len;`"),
+                    );
+                    continue;
+                };
+                c.segs[sid].parts.push(PartDecl {
+                    name: name.name.clone(),
+                    lo,
+                    hi,
+                    span: *span,
+                });
             }
-            Item::Grid { name, dims, at, span } => {
+            Item::Grid {
+                name,
+                dims,
+                at,
+                span,
+            } => {
                 if !c.declare(name, Def::Grid(c.grids.len())) {
                     continue;
                 }
                 if dims.len() != 2 && dims.len() != 3 {
-                    c.err(Diagnostic::error("CM0204", *span, format!("a grid has 2 or 3 dimensions, found {}", dims.len()))
-                        .with_hint("`grid img = [h, w] at offset;` or `grid video = [t, h, w];`"));
+                    c.err(
+                        Diagnostic::error(
+                            "CM0204",
+                            *span,
+                            format!("a grid has 2 or 3 dimensions, found {}", dims.len()),
+                        )
+                        .with_hint("`grid img = [h, w] at offset;` or `grid video = [t, h, w];`"),
+                    );
                     continue;
                 }
                 let dims: R<Vec<Int>> = dims.iter().map(|d| c.expect_int(d, Ctx::Const)).collect();
@@ -214,11 +331,24 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     Some(e) => c.expect_int(e, Ctx::Const),
                     None => Ok(Int::constant(0, name.span)),
                 };
-                let (Ok(dims), Ok(at)) = (dims, at) else { continue };
-                c.grids.push(GridDecl { name: name.name.clone(), dims, at, span: *span });
+                let (Ok(dims), Ok(at)) = (dims, at) else {
+                    continue;
+                };
+                c.grids.push(GridDecl {
+                    name: name.name.clone(),
+                    dims,
+                    at,
+                    span: *span,
+                });
             }
-            Item::Require { cond, message, span } => {
-                let Ok(cond) = c.expect_bool(cond, Ctx::Const) else { continue };
+            Item::Require {
+                cond,
+                message,
+                span,
+            } => {
+                let Ok(cond) = c.expect_bool(cond, Ctx::Const) else {
+                    continue;
+                };
                 let mut parts = Vec::new();
                 for piece in message {
                     match piece {
@@ -230,15 +360,23 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                         }
                     }
                 }
-                requires.push(Require { cond, message: parts, span: *span });
+                requires.push(Require {
+                    cond,
+                    message: parts,
+                    span: *span,
+                });
             }
             Item::Mask { value, span } => {
                 if mask.is_some() {
-                    c.err(Diagnostic::error("CM0210", *span, "the mask is defined more than once")
-                        .with_hint("combine regions with `|`, `&` and `-` in a single `mask = ...;`"));
+                    c.err(
+                        Diagnostic::error("CM0210", *span, "the mask is defined more than once")
+                            .with_hint(
+                                "combine regions with `|`, `&` and `-` in a single `mask = ...;`",
+                            ),
+                    );
                     continue;
                 }
-                if let Ok(r) = c.lower(value, Ctx::Mask).and_then(|v| c.to_region(v)) {
+                if let Ok(r) = c.lower(value, Ctx::Mask).and_then(|v| c.region_of(v)) {
                     mask = Some((r, *span));
                 }
             }
@@ -247,15 +385,21 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
     for (name, (def, span)) in &c.names {
         if let Def::Let(id) = def {
             if !c.lets[*id].1 {
-                c.diags.push(Diagnostic::warning("CM0250", *span, format!("`{name}` is never used")));
+                c.diags.push(Diagnostic::warning(
+                    "CM0250",
+                    *span,
+                    format!("`{name}` is never used"),
+                ));
             }
         }
     }
     let has_errors = c.diags.iter().any(Diagnostic::is_error);
     let Some((mask, _)) = mask else {
         if !has_errors {
-            c.diags.push(Diagnostic::error("CM0205", Span::new(0, 0), "the program defines no mask")
-                .with_hint("end the program with `mask = <region>;`, e.g. `mask = k <= q;`"));
+            c.diags.push(
+                Diagnostic::error("CM0205", Span::new(0, 0), "the program defines no mask")
+                    .with_hint("end the program with `mask = <region>;`, e.g. `mask = k <= q;`"),
+            );
         }
         return (None, c.diags);
     };
@@ -263,7 +407,15 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
         return (None, c.diags);
     }
     c.diags.sort_by_key(|d| d.span.start);
-    let program = Program { params: c.params, segs: c.segs, grids: c.grids, requires, mask, uses_b: c.uses_b, uses_h: c.uses_h };
+    let program = Program {
+        params: c.params,
+        segs: c.segs,
+        grids: c.grids,
+        requires,
+        mask,
+        uses_b: c.uses_b,
+        uses_h: c.uses_h,
+    };
     (Some(program), c.diags)
 }
 
@@ -273,7 +425,9 @@ fn edit_distance(a: &str, b: &str) -> usize {
     for (i, ca) in a.chars().enumerate() {
         let mut cur = vec![i + 1; b.len() + 1];
         for (j, cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
         }
         prev = cur;
     }
@@ -313,12 +467,19 @@ fn linearize(e: &Int) -> Option<(i64, Int)> {
         IntKind::K => Some((1, Int::constant(0, e.span))),
         IntKind::Neg(a) => {
             let (al, r) = linearize(a)?;
-            Some((al.checked_neg()?, Int::new(IntKind::Neg(Box::new(r)), e.span)))
+            Some((
+                al.checked_neg()?,
+                Int::new(IntKind::Neg(Box::new(r)), e.span),
+            ))
         }
         IntKind::Bin(op @ (IntOp::Add | IntOp::Sub), a, b) => {
             let (aa, ra) = linearize(a)?;
             let (ab, rb) = linearize(b)?;
-            let alpha = if *op == IntOp::Add { aa.checked_add(ab)? } else { aa.checked_sub(ab)? };
+            let alpha = if *op == IntOp::Add {
+                aa.checked_add(ab)?
+            } else {
+                aa.checked_sub(ab)?
+            };
             Some((alpha, bin(*op, ra, rb)))
         }
         IntKind::Bin(IntOp::Mul, a, b) => {
@@ -328,7 +489,10 @@ fn linearize(e: &Int) -> Option<(i64, Int)> {
                 _ => return None,
             };
             let (al, r) = linearize(lin)?;
-            Some((al.checked_mul(factor)?, bin(IntOp::Mul, r, Int::constant(factor, e.span))))
+            Some((
+                al.checked_mul(factor)?,
+                bin(IntOp::Mul, r, Int::constant(factor, e.span)),
+            ))
         }
         _ => None,
     }
@@ -342,16 +506,28 @@ impl<'a> Checker<'a> {
     fn declare(&mut self, name: &ast::Ident, def: Def) -> bool {
         let reserved = BUILTIN_VALUES.contains(&name.name.as_str())
             || BUILTIN_FUNCS.contains(&name.name.as_str())
-            || cm_syntax::parser::STATEMENT_KEYWORDS.contains(&name.name.as_str()) && name.name != "grid";
+            || cm_syntax::parser::STATEMENT_KEYWORDS.contains(&name.name.as_str())
+                && name.name != "grid";
         if reserved {
-            self.err(Diagnostic::error("CM0202", name.span, format!("`{}` is a built-in name and cannot be redefined", name.name)));
+            self.err(Diagnostic::error(
+                "CM0202",
+                name.span,
+                format!("`{}` is a built-in name and cannot be redefined", name.name),
+            ));
             return false;
         }
         if let Some((_, prev)) = self.names.get(&name.name) {
             let prev = *prev;
             self.err(
-                Diagnostic::error("CM0202", name.span, format!("`{}` is already defined", name.name))
-                    .with_hint(format!("the first definition is at byte {}; pick another name", prev.start)),
+                Diagnostic::error(
+                    "CM0202",
+                    name.span,
+                    format!("`{}` is already defined", name.name),
+                )
+                .with_hint(format!(
+                    "the first definition is at byte {}; pick another name",
+                    prev.start
+                )),
             );
             return false;
         }
@@ -364,7 +540,11 @@ impl<'a> Checker<'a> {
             Some((Def::Seg(s), _)) => Some(*s),
             _ => {
                 let hint = suggest(&id.name, self.segs.iter().map(|s| s.name.as_str()));
-                let mut d = Diagnostic::error("CM0201", id.span, format!("`{}` is not a segmentation", id.name));
+                let mut d = Diagnostic::error(
+                    "CM0201",
+                    id.span,
+                    format!("`{}` is not a segmentation", id.name),
+                );
                 d = match hint {
                     Some(h) => d.with_hint(format!("did you mean `{h}`?")),
                     None => d.with_hint("declare it first with `segments NAME = lengths;`"),
@@ -376,7 +556,11 @@ impl<'a> Checker<'a> {
     }
 
     fn type_err(&mut self, v: &Val, want: &str) {
-        self.err(Diagnostic::error("CM0203", v.span(), format!("expected {want}, found {}", v.describe())));
+        self.err(Diagnostic::error(
+            "CM0203",
+            v.span(),
+            format!("expected {want}, found {}", v.describe()),
+        ));
     }
 
     fn no_k(&mut self, i: Int, ctx: Ctx) -> R<Int> {
@@ -434,7 +618,11 @@ impl<'a> Checker<'a> {
         match self.lower(e, ctx)? {
             Val::Range(r) => {
                 if ctx != Ctx::Elementwise && r.has_k() {
-                    self.err(Diagnostic::error("CM0206", r.span, "range bounds cannot depend on `k`"));
+                    self.err(Diagnostic::error(
+                        "CM0206",
+                        r.span,
+                        "range bounds cannot depend on `k`",
+                    ));
                     return Err(());
                 }
                 Ok(r)
@@ -446,7 +634,7 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn to_region(&mut self, v: Val) -> R<Region> {
+    fn region_of(&mut self, v: Val) -> R<Region> {
         match v {
             Val::Region(r, _) => Ok(r),
             Val::Bool(b, _) => Ok(Region::Rows(b)),
@@ -505,7 +693,10 @@ impl<'a> Checker<'a> {
                 if *inclusive {
                     hi = bin(IntOp::Add, hi, Int::constant(1, span));
                 }
-                Ok(Val::Range(RangeE { kind: RangeKind::Lit(lo, hi), span }))
+                Ok(Val::Range(RangeE {
+                    kind: RangeKind::Lit(lo, hi),
+                    span,
+                }))
             }
             ExprKind::In { elem, range } => {
                 let x = self.expect_int(elem, ctx)?;
@@ -513,9 +704,16 @@ impl<'a> Checker<'a> {
                     if let Some((Def::Grid(g), _)) = self.names.get(n) {
                         let g = *g;
                         if x.has_k() && ctx != Ctx::Elementwise {
-                            let lo = Int::new(IntKind::RangeLo(Box::new(self.grid_range(g, range.span))), range.span);
-                            let hi = Int::new(IntKind::RangeHi(Box::new(self.grid_range(g, range.span))), range.span);
-                            let a = self.compare(CmpOp::Ge, Val::Int(x.clone()), Val::Int(lo), ctx)?;
+                            let lo = Int::new(
+                                IntKind::RangeLo(Box::new(self.grid_range(g, range.span))),
+                                range.span,
+                            );
+                            let hi = Int::new(
+                                IntKind::RangeHi(Box::new(self.grid_range(g, range.span))),
+                                range.span,
+                            );
+                            let a =
+                                self.compare(CmpOp::Ge, Val::Int(x.clone()), Val::Int(lo), ctx)?;
                             let b = self.compare(CmpOp::Lt, Val::Int(x), Val::Int(hi), ctx)?;
                             return self.and_or(true, a, b, span);
                         }
@@ -532,24 +730,45 @@ impl<'a> Checker<'a> {
             ExprKind::If { cond, then, els } => {
                 let c = self.expect_bool(cond, ctx)?;
                 if c.has_k() && ctx != Ctx::Elementwise {
-                    self.err(Diagnostic::error("CM0206", cond.span, "this condition depends on `k`"));
+                    self.err(Diagnostic::error(
+                        "CM0206",
+                        cond.span,
+                        "this condition depends on `k`",
+                    ));
                     return Err(());
                 }
                 let t = self.lower(then, ctx)?;
                 let f = self.lower(els, ctx)?;
                 match (t, f) {
-                    (Val::Int(a), Val::Int(b)) => Ok(Val::Int(Int::new(IntKind::If(Box::new(c), Box::new(a), Box::new(b)), span))),
+                    (Val::Int(a), Val::Int(b)) => Ok(Val::Int(Int::new(
+                        IntKind::If(Box::new(c), Box::new(a), Box::new(b)),
+                        span,
+                    ))),
                     (Val::Bool(a, _), Val::Bool(b, _)) => Ok(Val::Bool(
-                        Bool::Or(Box::new(Bool::And(Box::new(c.clone()), Box::new(a))), Box::new(Bool::And(Box::new(Bool::Not(Box::new(c))), Box::new(b)))),
+                        Bool::Or(
+                            Box::new(Bool::And(Box::new(c.clone()), Box::new(a))),
+                            Box::new(Bool::And(Box::new(Bool::Not(Box::new(c))), Box::new(b))),
+                        ),
                         span,
                     )),
-                    (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..))) if ctx != Ctx::Elementwise => {
-                        let t = self.to_region(t)?;
-                        let f = self.to_region(f)?;
+                    (
+                        t @ (Val::Bool(..) | Val::Region(..)),
+                        f @ (Val::Bool(..) | Val::Region(..)),
+                    ) if ctx != Ctx::Elementwise => {
+                        let t = self.region_of(t)?;
+                        let f = self.region_of(f)?;
                         Ok(Val::Region(Region::Cond(c, Box::new(t), Box::new(f)), span))
                     }
                     (t, f) => {
-                        self.err(Diagnostic::error("CM0203", span, format!("the branches of `if` differ: {} and {}", t.describe(), f.describe())));
+                        self.err(Diagnostic::error(
+                            "CM0203",
+                            span,
+                            format!(
+                                "the branches of `if` differ: {} and {}",
+                                t.describe(),
+                                f.describe()
+                            ),
+                        ));
                         Err(())
                     }
                 }
@@ -560,8 +779,14 @@ impl<'a> Checker<'a> {
                 let i = self.expect_int(index, ctx)?;
                 let i = self.no_k(i, ctx)?;
                 match b {
-                    Val::Arr(a, _) => Ok(Val::Int(Int::new(IntKind::ArrIndex(Box::new(a), Box::new(i)), span))),
-                    Val::Seg(s, _) => Ok(Val::Range(RangeE { kind: RangeKind::SegAt(s, i), span })),
+                    Val::Arr(a, _) => Ok(Val::Int(Int::new(
+                        IntKind::ArrIndex(Box::new(a), Box::new(i)),
+                        span,
+                    ))),
+                    Val::Seg(s, _) => Ok(Val::Range(RangeE {
+                        kind: RangeKind::SegAt(s, i),
+                        span,
+                    })),
                     v => {
                         self.type_err(&v, "an array or a segmentation to index");
                         Err(())
@@ -578,7 +803,10 @@ impl<'a> Checker<'a> {
         for x in &d.dims[1..] {
             size = bin(IntOp::Mul, size, x.clone());
         }
-        RangeE { kind: RangeKind::Lit(d.at.clone(), bin(IntOp::Add, d.at.clone(), size)), span }
+        RangeE {
+            kind: RangeKind::Lit(d.at.clone(), bin(IntOp::Add, d.at.clone(), size)),
+            span,
+        }
     }
 
     fn name(&mut self, n: &str, span: Span, ctx: Ctx) -> R<Val> {
@@ -605,8 +833,14 @@ impl<'a> Checker<'a> {
             "num_heads" => Some(IntKind::NumHeads),
             "len" if ctx == Ctx::Part => Some(IntKind::SegLen),
             "len" => {
-                self.err(Diagnostic::error("CM0208", span, "`len` names the segment length only inside a `part` declaration")
-                    .with_hint("use `seg(q).len` for the length of q's segment"));
+                self.err(
+                    Diagnostic::error(
+                        "CM0208",
+                        span,
+                        "`len` names the segment length only inside a `part` declaration",
+                    )
+                    .with_hint("use `seg(q).len` for the length of q's segment"),
+                );
                 return Err(());
             }
             "trace_context" | "trace_generated" => {
@@ -629,7 +863,11 @@ impl<'a> Checker<'a> {
                 self.let_depth += 1;
                 if self.let_depth > 64 {
                     self.let_depth -= 1;
-                    self.err(Diagnostic::error("CM0105", span, "`let` bindings nest too deeply"));
+                    self.err(Diagnostic::error(
+                        "CM0105",
+                        span,
+                        "`let` bindings nest too deeply",
+                    ));
                     return Err(());
                 }
                 let expr = self.lets[id].0;
@@ -647,7 +885,9 @@ impl<'a> Checker<'a> {
                 } else if let Some(s) = suggest(n, cands.into_iter()) {
                     d = d.with_hint(format!("did you mean `{s}`?"));
                 } else {
-                    d = d.with_hint("names must be defined (param, let, segments, grid) before they are used");
+                    d = d.with_hint(
+                        "names must be defined (param, let, segments, grid) before they are used",
+                    );
                 }
                 self.err(d);
                 Err(())
@@ -669,12 +909,19 @@ impl<'a> Checker<'a> {
                         BinOp::Div => IntOp::Div,
                         _ => IntOp::Mod,
                     };
-                    Ok(Val::Int(Int::new(IntKind::Bin(iop, Box::new(x), Box::new(y)), span)))
+                    Ok(Val::Int(Int::new(
+                        IntKind::Bin(iop, Box::new(x), Box::new(y)),
+                        span,
+                    )))
                 }
-                (Val::Arr(x, _), Val::Arr(y, _)) if op == BinOp::Add => Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span)),
-                (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..))) if op == BinOp::Sub && ctx != Ctx::Elementwise => {
-                    let x = self.to_region(x)?;
-                    let y = self.to_region(y)?;
+                (Val::Arr(x, _), Val::Arr(y, _)) if op == BinOp::Add => {
+                    Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span))
+                }
+                (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..)))
+                    if op == BinOp::Sub && ctx != Ctx::Elementwise =>
+                {
+                    let x = self.region_of(x)?;
+                    let y = self.region_of(y)?;
                     Ok(Val::Region(Region::Diff(Box::new(x), Box::new(y)), span))
                 }
                 (x, y) => {
@@ -688,16 +935,32 @@ impl<'a> Checker<'a> {
 
     fn and_or(&mut self, is_and: bool, a: Val, b: Val, span: Span) -> R<Val> {
         match (a, b) {
-            (Val::Bool(x, _), Val::Bool(y, _)) => {
-                Ok(Val::Bool(if is_and { Bool::And(Box::new(x), Box::new(y)) } else { Bool::Or(Box::new(x), Box::new(y)) }, span))
-            }
+            (Val::Bool(x, _), Val::Bool(y, _)) => Ok(Val::Bool(
+                if is_and {
+                    Bool::And(Box::new(x), Box::new(y))
+                } else {
+                    Bool::Or(Box::new(x), Box::new(y))
+                },
+                span,
+            )),
             (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..))) => {
-                let x = self.to_region(x)?;
-                let y = self.to_region(y)?;
-                Ok(Val::Region(if is_and { Region::Inter(Box::new(x), Box::new(y)) } else { Region::Union(Box::new(x), Box::new(y)) }, span))
+                let x = self.region_of(x)?;
+                let y = self.region_of(y)?;
+                Ok(Val::Region(
+                    if is_and {
+                        Region::Inter(Box::new(x), Box::new(y))
+                    } else {
+                        Region::Union(Box::new(x), Box::new(y))
+                    },
+                    span,
+                ))
             }
             (x, y) => {
-                let bad = if matches!(x, Val::Bool(..) | Val::Region(..)) { y } else { x };
+                let bad = if matches!(x, Val::Bool(..) | Val::Region(..)) {
+                    y
+                } else {
+                    x
+                };
                 self.type_err(&bad, "a boolean or a region");
                 Err(())
             }
@@ -708,7 +971,9 @@ impl<'a> Checker<'a> {
         let span = a.span().to(b.span());
         let (a, b, op) = match (a, b) {
             (Val::Dist(g, m, s), Val::Int(r)) => return self.ball(g, m, op, r, s.to(span), ctx),
-            (Val::Int(r), Val::Dist(g, m, s)) => return self.ball(g, m, cmp_flip(op), r, s.to(span), ctx),
+            (Val::Int(r), Val::Dist(g, m, s)) => {
+                return self.ball(g, m, cmp_flip(op), r, s.to(span), ctx)
+            }
             (Val::Int(a), Val::Int(b)) => (a, b, op),
             (x, y) => {
                 let bad = if matches!(x, Val::Int(_)) { y } else { x };
@@ -724,19 +989,51 @@ impl<'a> Checker<'a> {
             if alpha == 0 {
                 return Ok(Val::Bool(Bool::Cmp(op, rest, Int::constant(0, span)), span));
             }
-            return Ok(Val::Region(Region::KCmp { alpha, rest, op, span }, span));
+            return Ok(Val::Region(
+                Region::KCmp {
+                    alpha,
+                    rest,
+                    op,
+                    span,
+                },
+                span,
+            ));
         }
-        let (side, other, op) = if a.has_k() && !b.has_k() { (a, b, op) } else if b.has_k() && !a.has_k() { (b, a, cmp_flip(op)) } else {
+        let (side, other, op) = if a.has_k() && !b.has_k() {
+            (a, b, op)
+        } else if b.has_k() && !a.has_k() {
+            (b, a, cmp_flip(op))
+        } else {
             self.not_solvable(span);
             return Err(());
         };
         if let IntKind::Bin(kop @ (IntOp::Div | IntOp::Mod), x, d) = &side.kind {
             if let (Some((alpha, rest)), false) = (linearize(x), d.has_k()) {
                 if alpha != 0 && *kop == IntOp::Div {
-                    return Ok(Val::Region(Region::KDiv { alpha, rest, div: (**d).clone(), op, rhs: other, span }, span));
+                    return Ok(Val::Region(
+                        Region::KDiv {
+                            alpha,
+                            rest,
+                            div: (**d).clone(),
+                            op,
+                            rhs: other,
+                            span,
+                        },
+                        span,
+                    ));
                 }
                 if (alpha == 1 || alpha == -1) && matches!(op, CmpOp::Eq | CmpOp::Ne) {
-                    return Ok(Val::Region(Region::KMod { alpha, rest, div: (**d).clone(), equal: op == CmpOp::Eq, rhs: other, span }, span));
+                    return Ok(Val::Region(
+                        Region::KMod {
+                            alpha,
+                            rest,
+                            div: (**d).clone(),
+                            equal: op == CmpOp::Eq,
+                            rhs: other,
+                            span,
+                        },
+                        span,
+                    ));
                 }
             }
         }
@@ -751,23 +1048,57 @@ impl<'a> Checker<'a> {
         );
     }
 
-    fn ball(&mut self, g: GridId, metric: Metric, op: CmpOp, r: Int, span: Span, ctx: Ctx) -> R<Val> {
+    fn ball(
+        &mut self,
+        g: GridId,
+        metric: Metric,
+        op: CmpOp,
+        r: Int,
+        span: Span,
+        ctx: Ctx,
+    ) -> R<Val> {
         let r = self.no_k(r, ctx)?;
         let strict = match op {
             CmpOp::Lt => true,
             CmpOp::Le => false,
             _ => {
-                self.err(Diagnostic::error("CM0211", span, format!("a grid distance can only be compared with `<` or `<=`, found `{}`", op.symbol()))
-                    .with_hint("write `l2(img) < r`; for the outside of a ball use `!(l2(img) < r)`"));
+                self.err(
+                    Diagnostic::error(
+                        "CM0211",
+                        span,
+                        format!(
+                            "a grid distance can only be compared with `<` or `<=`, found `{}`",
+                            op.symbol()
+                        ),
+                    )
+                    .with_hint(
+                        "write `l2(img) < r`; for the outside of a ball use `!(l2(img) < r)`",
+                    ),
+                );
                 return Err(());
             }
         };
         if ctx == Ctx::Elementwise {
-            self.err(Diagnostic::error("CM0206", span, "grid distances cannot be used inside `elementwise`")
-                .with_hint("write the coordinates out with `img.y(k)` and `img.x(k)`"));
+            self.err(
+                Diagnostic::error(
+                    "CM0206",
+                    span,
+                    "grid distances cannot be used inside `elementwise`",
+                )
+                .with_hint("write the coordinates out with `img.y(k)` and `img.x(k)`"),
+            );
             return Err(());
         }
-        Ok(Val::Region(Region::Ball { grid: g, metric, strict, radius: r, span }, span))
+        Ok(Val::Region(
+            Region::Ball {
+                grid: g,
+                metric,
+                strict,
+                radius: r,
+                span,
+            },
+            span,
+        ))
     }
 
     fn field(&mut self, base: &ast::Expr, name: &ast::Ident, span: Span, ctx: Ctx) -> R<Val> {
@@ -779,9 +1110,20 @@ impl<'a> Checker<'a> {
                 match f {
                     "start" => Ok(Val::Int(lo)),
                     "end" => Ok(Val::Int(Int::new(IntKind::RangeHi(Box::new(r)), span))),
-                    "len" => Ok(Val::Int(bin(IntOp::Sub, Int::new(IntKind::RangeHi(Box::new(r)), span), lo))),
+                    "len" => Ok(Val::Int(bin(
+                        IntOp::Sub,
+                        Int::new(IntKind::RangeHi(Box::new(r)), span),
+                        lo,
+                    ))),
                     _ => {
-                        self.err(Diagnostic::error("CM0209", name.span, format!("a range has no field `{f}`")).with_hint("ranges have `start`, `end` and `len`"));
+                        self.err(
+                            Diagnostic::error(
+                                "CM0209",
+                                name.span,
+                                format!("a range has no field `{f}`"),
+                            )
+                            .with_hint("ranges have `start`, `end` and `len`"),
+                        );
                         Err(())
                     }
                 }
@@ -806,35 +1148,72 @@ impl<'a> Checker<'a> {
                 if let SegKind::Composite(ps) = &self.segs[s].kind {
                     names.extend(ps.iter().map(|p| p.name.clone()));
                 }
-                self.err(Diagnostic::error("CM0209", name.span, format!("segmentation `{}` has no part `{f}`", self.segs[s].name))
-                    .with_hint(format!("available: {}", names.join(", "))));
+                self.err(
+                    Diagnostic::error(
+                        "CM0209",
+                        name.span,
+                        format!("segmentation `{}` has no part `{f}`", self.segs[s].name),
+                    )
+                    .with_hint(format!("available: {}", names.join(", "))),
+                );
                 Err(())
             }
             Val::Grid(g, _) => {
                 let nd = self.grids[g].dims.len();
-                let axes: &[&str] = if nd == 3 { &["t", "y", "x"] } else { &["y", "x"] };
+                let axes: &[&str] = if nd == 3 {
+                    &["t", "y", "x"]
+                } else {
+                    &["y", "x"]
+                };
                 match axes.iter().position(|a| *a == f) {
                     Some(i) => Ok(Val::AxisFn(g, i as u8, span)),
                     None => {
-                        self.err(Diagnostic::error("CM0209", name.span, format!("grid `{}` has no axis `{f}`", self.grids[g].name))
-                            .with_hint(format!("its axes are {}", axes.join(", "))));
+                        self.err(
+                            Diagnostic::error(
+                                "CM0209",
+                                name.span,
+                                format!("grid `{}` has no axis `{f}`", self.grids[g].name),
+                            )
+                            .with_hint(format!("its axes are {}", axes.join(", "))),
+                        );
                         Err(())
                     }
                 }
             }
             v => {
-                self.err(Diagnostic::error("CM0209", name.span, format!("{} has no field `{f}`", v.describe())));
+                self.err(Diagnostic::error(
+                    "CM0209",
+                    name.span,
+                    format!("{} has no field `{f}`", v.describe()),
+                ));
                 Err(())
             }
         }
     }
 
-    fn arity(&mut self, what: &str, args: &[ast::Expr], want: std::ops::RangeInclusive<usize>, span: Span) -> R<()> {
+    fn arity(
+        &mut self,
+        what: &str,
+        args: &[ast::Expr],
+        want: std::ops::RangeInclusive<usize>,
+        span: Span,
+    ) -> R<()> {
         if want.contains(&args.len()) {
             return Ok(());
         }
-        let expected = if want.start() == want.end() { format!("{}", want.start()) } else { format!("{} to {}", want.start(), want.end()) };
-        self.err(Diagnostic::error("CM0204", span, format!("`{what}` takes {expected} argument(s), found {}", args.len())));
+        let expected = if want.start() == want.end() {
+            format!("{}", want.start())
+        } else {
+            format!("{} to {}", want.start(), want.end())
+        };
+        self.err(Diagnostic::error(
+            "CM0204",
+            span,
+            format!(
+                "`{what}` takes {expected} argument(s), found {}",
+                args.len()
+            ),
+        ));
         Err(())
     }
 
@@ -853,11 +1232,25 @@ impl<'a> Checker<'a> {
         let p = self.expect_int(&args[0], ctx)?;
         let p = self.no_k(p, ctx)?;
         match f {
-            Val::Seg(s, _) => Ok(Val::Range(RangeE { kind: RangeKind::Seg(s, p), span })),
-            Val::SegIndexFn(s, _) => Ok(Val::Int(Int::new(IntKind::SegIndex(s, Box::new(p)), span))),
-            Val::PartFn(s, i, _) => Ok(Val::Range(RangeE { kind: RangeKind::Part(s, i, p), span })),
-            Val::PieceFn(s, i, _) => Ok(Val::Range(RangeE { kind: RangeKind::Piece(s, i, p), span })),
-            Val::AxisFn(g, a, _) => Ok(Val::Int(Int::new(IntKind::GridCoord(g, a, Box::new(p)), span))),
+            Val::Seg(s, _) => Ok(Val::Range(RangeE {
+                kind: RangeKind::Seg(s, p),
+                span,
+            })),
+            Val::SegIndexFn(s, _) => {
+                Ok(Val::Int(Int::new(IntKind::SegIndex(s, Box::new(p)), span)))
+            }
+            Val::PartFn(s, i, _) => Ok(Val::Range(RangeE {
+                kind: RangeKind::Part(s, i, p),
+                span,
+            })),
+            Val::PieceFn(s, i, _) => Ok(Val::Range(RangeE {
+                kind: RangeKind::Piece(s, i, p),
+                span,
+            })),
+            Val::AxisFn(g, a, _) => Ok(Val::Int(Int::new(
+                IntKind::GridCoord(g, a, Box::new(p)),
+                span,
+            ))),
             v => {
                 self.type_err(&v, "a function, segmentation, part or grid axis to call");
                 Err(())
@@ -883,13 +1276,21 @@ impl<'a> Checker<'a> {
             "abs" | "isqrt" => {
                 self.arity(n, args, 1..=1, span)?;
                 let x = self.expect_q_int(&args[0], ctx)?;
-                let k = if n == "abs" { IntKind::Abs(Box::new(x)) } else { IntKind::Isqrt(Box::new(x)) };
+                let k = if n == "abs" {
+                    IntKind::Abs(Box::new(x))
+                } else {
+                    IntKind::Isqrt(Box::new(x))
+                };
                 Ok(Val::Int(Int::new(k, span)))
             }
             "sum" | "count" => {
                 self.arity(n, args, 1..=1, span)?;
                 let a = self.expect_arr(&args[0], ctx)?;
-                let k = if n == "sum" { IntKind::ArrSum(Box::new(a)) } else { IntKind::ArrLen(Box::new(a)) };
+                let k = if n == "sum" {
+                    IntKind::ArrSum(Box::new(a))
+                } else {
+                    IntKind::ArrLen(Box::new(a))
+                };
                 Ok(Val::Int(Int::new(k, span)))
             }
             "l1" | "l2" | "linf" => {
@@ -901,14 +1302,22 @@ impl<'a> Checker<'a> {
                     _ => Metric::Linf,
                 };
                 if ctx != Ctx::Mask {
-                    self.err(Diagnostic::error("CM0208", span, format!("`{n}` can only be used in the mask")));
+                    self.err(Diagnostic::error(
+                        "CM0208",
+                        span,
+                        format!("`{n}` can only be used in the mask"),
+                    ));
                     return Err(());
                 }
                 Ok(Val::Dist(g, m, span))
             }
             "box" => {
                 if ctx != Ctx::Mask {
-                    self.err(Diagnostic::error("CM0208", span, "`box` can only be used in the mask (not inside `elementwise`)"));
+                    self.err(Diagnostic::error(
+                        "CM0208",
+                        span,
+                        "`box` can only be used in the mask (not inside `elementwise`)",
+                    ));
                     return Err(());
                 }
                 if args.is_empty() {
@@ -917,13 +1326,27 @@ impl<'a> Checker<'a> {
                 let g = self.expect_grid(&args[0], ctx)?;
                 let nd = self.grids[g].dims.len();
                 self.arity(n, args, nd + 1..=nd + 1, span)?;
-                let ranges: R<Vec<RangeE>> = args[1..].iter().map(|a| self.expect_range(a, ctx)).collect();
-                Ok(Val::Region(Region::Box { grid: g, ranges: ranges?, span }, span))
+                let ranges: R<Vec<RangeE>> = args[1..]
+                    .iter()
+                    .map(|a| self.expect_range(a, ctx))
+                    .collect();
+                Ok(Val::Region(
+                    Region::Box {
+                        grid: g,
+                        ranges: ranges?,
+                        span,
+                    },
+                    span,
+                ))
             }
             _ => {
                 self.arity(n, args, 1..=1, span)?;
                 if ctx != Ctx::Mask {
-                    self.err(Diagnostic::error("CM0208", span, "`elementwise` can only be used in the mask, and not nested"));
+                    self.err(Diagnostic::error(
+                        "CM0208",
+                        span,
+                        "`elementwise` can only be used in the mask, and not nested",
+                    ));
                     return Err(());
                 }
                 let b = self.expect_bool(&args[0], Ctx::Elementwise)?;

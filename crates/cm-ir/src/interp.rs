@@ -20,7 +20,16 @@ impl Bound<'_> {
         if k < 0 || k >= self.shape.kv_len {
             return Ok(false);
         }
-        self.region_at(&self.program.mask, &Env { q, k, b, h, seg_len: 0 })
+        self.region_at(
+            &self.program.mask,
+            &Env {
+                q,
+                k,
+                b,
+                h,
+                seg_len: 0,
+            },
+        )
     }
 
     /// Row `q`'s visible keys as maximal `[start, end)` runs, by testing every key.
@@ -41,24 +50,51 @@ impl Bound<'_> {
         let k = env.k;
         Ok(match r {
             Region::Rows(c) => self.eval_bool(c, env)?,
-            Region::KCmp { alpha, rest, op, span } => {
+            Region::KCmp {
+                alpha,
+                rest,
+                op,
+                span,
+            } => {
                 let lhs = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
                 cmp(*op, lhs, 0)
             }
-            Region::KDiv { alpha, rest, div, op, rhs, span } => {
+            Region::KDiv {
+                alpha,
+                rest,
+                div,
+                op,
+                rhs,
+                span,
+            } => {
                 let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
                 let d = self.eval_int(div, env)?;
                 cmp(*op, floor_div(x, d, div.span)?, self.eval_int(rhs, env)?)
             }
-            Region::KMod { alpha, rest, div, equal, rhs, span } => {
+            Region::KMod {
+                alpha,
+                rest,
+                div,
+                equal,
+                rhs,
+                span,
+            } => {
                 let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
                 let d = self.eval_int(div, env)?;
                 (floor_mod(x, d, div.span)? == self.eval_int(rhs, env)?) == *equal
             }
-            Region::Ball { grid, metric, strict, radius, span } => {
+            Region::Ball {
+                grid,
+                metric,
+                strict,
+                radius,
+                span,
+            } => {
                 let r = self.eval_int(radius, env)?;
                 let g = &self.grids[*grid];
-                let (Some(cq), Some(ck)) = (g.coords(env.q), g.coords(k)) else { return Ok(false) };
+                let (Some(cq), Some(ck)) = (g.coords(env.q), g.coords(k)) else {
+                    return Ok(false);
+                };
                 let nd = g.dims.len();
                 let deltas = (0..nd).map(|a| (cq[a] - ck[a]).abs());
                 let d = match metric {
@@ -67,7 +103,11 @@ impl Bound<'_> {
                     Metric::L2 => {
                         let s = deltas.map(|x| x * x).sum::<i64>();
                         let r2 = mul(r.max(0), r.max(0), *span)?;
-                        return Ok(if *strict { r > 0 && s < r2 } else { r >= 0 && s <= r2 });
+                        return Ok(if *strict {
+                            r > 0 && s < r2
+                        } else {
+                            r >= 0 && s <= r2
+                        });
                     }
                 };
                 if *strict {
@@ -82,7 +122,10 @@ impl Bound<'_> {
                     bounds.push(self.eval_range(rg, env)?);
                 }
                 match self.grids[*grid].coords(k) {
-                    Some(ck) => bounds.iter().enumerate().all(|(a, (lo, hi))| *lo <= ck[a] && ck[a] < *hi),
+                    Some(ck) => bounds
+                        .iter()
+                        .enumerate()
+                        .all(|(a, (lo, hi))| *lo <= ck[a] && ck[a] < *hi),
                     None => false,
                 }
             }

@@ -145,9 +145,10 @@ impl RangeE {
     pub fn has_k(&self) -> bool {
         match &self.kind {
             RangeKind::Lit(a, b) => a.has_k() || b.has_k(),
-            RangeKind::Seg(_, p) | RangeKind::SegAt(_, p) | RangeKind::Part(_, _, p) | RangeKind::Piece(_, _, p) => {
-                p.has_k()
-            }
+            RangeKind::Seg(_, p)
+            | RangeKind::SegAt(_, p)
+            | RangeKind::Part(_, _, p)
+            | RangeKind::Piece(_, _, p) => p.has_k(),
         }
     }
 }
@@ -185,17 +186,46 @@ pub enum Region {
     /// A q-side predicate: every key of the row when true, none when false.
     Rows(Bool),
     /// `alpha * k + rest  op  0`, `alpha != 0`, `rest` q-side.
-    KCmp { alpha: i64, rest: Int, op: CmpOp, span: Span },
+    KCmp {
+        alpha: i64,
+        rest: Int,
+        op: CmpOp,
+        span: Span,
+    },
     /// `floor((alpha * k + rest) / div)  op  rhs`, `alpha != 0`.
-    KDiv { alpha: i64, rest: Int, div: Int, op: CmpOp, rhs: Int, span: Span },
+    KDiv {
+        alpha: i64,
+        rest: Int,
+        div: Int,
+        op: CmpOp,
+        rhs: Int,
+        span: Span,
+    },
     /// `(alpha * k + rest) mod div  (== | !=)  rhs`, `alpha` is 1 or -1.
-    KMod { alpha: i64, rest: Int, div: Int, equal: bool, rhs: Int, span: Span },
+    KMod {
+        alpha: i64,
+        rest: Int,
+        div: Int,
+        equal: bool,
+        rhs: Int,
+        span: Span,
+    },
     /// Keys of the grid whose distance to the query's grid point is `< radius` (strict)
     /// or `<= radius`. Empty for queries outside the grid.
-    Ball { grid: GridId, metric: Metric, strict: bool, radius: Int, span: Span },
+    Ball {
+        grid: GridId,
+        metric: Metric,
+        strict: bool,
+        radius: Int,
+        span: Span,
+    },
     /// Keys of the grid whose coordinates lie in the given ranges (one per axis, slowest
     /// first), clipped to the grid.
-    Box { grid: GridId, ranges: Vec<RangeE>, span: Span },
+    Box {
+        grid: GridId,
+        ranges: Vec<RangeE>,
+        span: Span,
+    },
     Union(Box<Region>, Box<Region>),
     Inter(Box<Region>, Box<Region>),
     Diff(Box<Region>, Box<Region>),
@@ -209,9 +239,10 @@ impl Region {
     pub fn uses_elementwise(&self) -> bool {
         match self {
             Region::Elementwise(..) => true,
-            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) | Region::Cond(_, a, b) => {
-                a.uses_elementwise() || b.uses_elementwise()
-            }
+            Region::Union(a, b)
+            | Region::Inter(a, b)
+            | Region::Diff(a, b)
+            | Region::Cond(_, a, b) => a.uses_elementwise() || b.uses_elementwise(),
             Region::Not(a) => a.uses_elementwise(),
             _ => false,
         }

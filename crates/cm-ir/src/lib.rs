@@ -14,7 +14,7 @@ mod interp;
 pub mod ir;
 pub mod trace;
 
-pub use bind::{Bound, Env, PlanError, PResult, Shape, Value};
+pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};
 pub use check::check;
 pub use ir::*;
 

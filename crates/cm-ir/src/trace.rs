@@ -18,7 +18,8 @@ pub fn conv_trace() -> (Arc<[i64]>, Arc<[i64]>) {
         for line in CONV_CSV.lines() {
             let mut cols = line.trim().split(',');
             let (_, c, g) = (cols.next(), cols.next(), cols.next());
-            if let (Some(Ok(c)), Some(Ok(g))) = (c.map(str::parse::<i64>), g.map(str::parse::<i64>)) {
+            if let (Some(Ok(c)), Some(Ok(g))) = (c.map(str::parse::<i64>), g.map(str::parse::<i64>))
+            {
                 context.push(c);
                 generated.push(g);
             }

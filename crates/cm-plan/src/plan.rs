@@ -44,7 +44,10 @@ impl Plan {
     }
 
     fn sum<T: Into<u64>>(&self, f: impl Fn(&MaskPlan) -> T) -> u64 {
-        self.mask_index.iter().map(|&i| f(&self.masks[i as usize]).into()).sum()
+        self.mask_index
+            .iter()
+            .map(|&i| f(&self.masks[i as usize]).into())
+            .sum()
     }
 
     /// Visible (q, k) pairs, summed over every (batch, head).
@@ -58,7 +61,11 @@ impl Plan {
     }
 
     pub fn max_intervals_per_row(&self) -> u32 {
-        self.masks.iter().map(|m| m.rows.max_intervals_per_row()).max().unwrap_or(0)
+        self.masks
+            .iter()
+            .map(|m| m.rows.max_intervals_per_row())
+            .max()
+            .unwrap_or(0)
     }
 
     /// Tile counts, summed over every (batch, head).
@@ -81,24 +88,46 @@ impl Plan {
     /// plus the `[batch, num_heads]` index when there is more than one mask.
     pub fn descriptor_bytes(&self) -> u64 {
         let own: usize = self.masks.iter().map(|m| m.tiles.bytes(&m.rows)).sum();
-        let index = if self.masks.len() > 1 { self.mask_index.len() * 4 } else { 0 };
+        let index = if self.masks.len() > 1 {
+            self.mask_index.len() * 4
+        } else {
+            0
+        };
         (own + index) as u64
     }
 }
 
 /// Solves every row of one (batch, head) mask.
-pub fn row_intervals(solver: &Solver<'_, '_>, b: i64, h: i64, pieces: &mut u64) -> PResult<RowIntervals> {
+pub fn row_intervals(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    pieces: &mut u64,
+) -> PResult<RowIntervals> {
     let shape = solver.bound.shape;
-    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, shape.q_len as usize);
+    let mut rows = RowIntervals::with_capacity(
+        shape.q_len as u32,
+        shape.kv_len as u32,
+        shape.q_len as usize,
+    );
     let mut q0 = 0i64;
     while q0 < shape.q_len {
         let mut end = shape.q_len;
         loop {
-            let p = Piece { q0, n: end - q0, b, h };
+            let p = Piece {
+                q0,
+                n: end - q0,
+                b,
+                h,
+            };
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
                     if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
-                        return Err(PlanError::new("CM0404", None, format!("the mask needs more than {MAX_INTERVALS} intervals")));
+                        return Err(PlanError::new(
+                            "CM0404",
+                            None,
+                            format!("the mask needs more than {MAX_INTERVALS} intervals"),
+                        ));
                     }
                     for t in 0..p.n {
                         for iv in &list {
@@ -127,7 +156,14 @@ pub fn row_intervals(solver: &Solver<'_, '_>, b: i64, h: i64, pieces: &mut u64) 
 /// `CM0401` for a zero block size; any plan-time error of the mask (with its span).
 pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
-        return Err(PlanError::new("CM0401", None, format!("tile {}x{} has a zero side; block_m and block_n must be >= 1", tile.block_m, tile.block_n)));
+        return Err(PlanError::new(
+            "CM0401",
+            None,
+            format!(
+                "tile {}x{} has a zero side; block_m and block_n must be >= 1",
+                tile.block_m, tile.block_n
+            ),
+        ));
     }
     let shape = bound.shape;
     let program = bound.program;

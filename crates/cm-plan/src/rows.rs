@@ -43,7 +43,12 @@ impl RowIntervals {
     pub fn with_capacity(q_len: u32, kv_len: u32, intervals: usize) -> Self {
         let mut row_ptr = Vec::with_capacity(q_len as usize + 1);
         row_ptr.push(0);
-        RowIntervals { q_len, kv_len, row_ptr, intervals: Vec::with_capacity(intervals) }
+        RowIntervals {
+            q_len,
+            kv_len,
+            row_ptr,
+            intervals: Vec::with_capacity(intervals),
+        }
     }
 
     /// Builds from explicit per-row lists; the lists must already satisfy the invariants.
@@ -90,7 +95,10 @@ impl RowIntervals {
     /// # Panics
     /// If `q_idx >= q_len`.
     pub fn row(&self, q_idx: u32) -> &[KeyInterval] {
-        let (a, b) = (self.row_ptr[q_idx as usize], self.row_ptr[q_idx as usize + 1]);
+        let (a, b) = (
+            self.row_ptr[q_idx as usize],
+            self.row_ptr[q_idx as usize + 1],
+        );
         &self.intervals[a as usize..b as usize]
     }
 
@@ -116,7 +124,11 @@ impl RowIntervals {
 
     /// The largest number of (maximal) intervals in one row.
     pub fn max_intervals_per_row(&self) -> u32 {
-        self.row_ptr.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+        self.row_ptr
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0)
     }
 
     /// Is key `kv_idx` visible from row `q_idx`? O(log intervals).
@@ -137,16 +149,26 @@ impl RowIntervals {
     /// A message naming the row and interval at fault.
     pub fn validate(&self) -> Result<(), String> {
         if self.row_ptr.len() != self.q_len as usize + 1 {
-            return Err(format!("row_ptr has {} entries, expected q_len + 1 = {}", self.row_ptr.len(), self.q_len + 1));
+            return Err(format!(
+                "row_ptr has {} entries, expected q_len + 1 = {}",
+                self.row_ptr.len(),
+                self.q_len + 1
+            ));
         }
         for q in 0..self.q_len {
             let row = self.row(q);
             for (j, iv) in row.iter().enumerate() {
                 if iv.start >= iv.end || iv.end > self.kv_len {
-                    return Err(format!("row {q}: interval {j} [{}, {}) is empty or outside [0, {})", iv.start, iv.end, self.kv_len));
+                    return Err(format!(
+                        "row {q}: interval {j} [{}, {}) is empty or outside [0, {})",
+                        iv.start, iv.end, self.kv_len
+                    ));
                 }
                 if j > 0 && row[j - 1].end >= iv.start {
-                    return Err(format!("row {q}: intervals {} and {j} overlap or touch", j - 1));
+                    return Err(format!(
+                        "row {q}: intervals {} and {j} overlap or touch",
+                        j - 1
+                    ));
                 }
             }
         }

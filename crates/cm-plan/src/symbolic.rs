@@ -73,23 +73,39 @@ pub struct Solver<'a, 'p> {
 }
 
 fn overflow(span: Span) -> Flow {
-    Flow::Error(PlanError::new("CM0302", Some(span), "integer overflow").with_hint("values are 64-bit signed integers"))
+    Flow::Error(
+        PlanError::new("CM0302", Some(span), "integer overflow")
+            .with_hint("values are 64-bit signed integers"),
+    )
 }
 
 impl<'a, 'p> Solver<'a, 'p> {
     pub fn new(bound: &'a Bound<'p>) -> Self {
-        Solver { bound, elementwise_pairs: Cell::new(0) }
+        Solver {
+            bound,
+            elementwise_pairs: Cell::new(0),
+        }
     }
 
     fn env(&self, p: &Piece) -> Env {
-        Env { q: p.q0, k: 0, b: p.b, h: p.h, seg_len: 0 }
+        Env {
+            q: p.q0,
+            k: 0,
+            b: p.b,
+            h: p.h,
+            seg_len: 0,
+        }
     }
 
     /// Builds an affine value, checking that both ends of the piece fit in 64 bits.
     fn mk(&self, p: &Piece, v0: Option<i64>, a: Option<i64>, span: Span) -> F<Aff> {
-        let (Some(v0), Some(a)) = (v0, a) else { return Err(overflow(span)) };
+        let (Some(v0), Some(a)) = (v0, a) else {
+            return Err(overflow(span));
+        };
         let a = if p.n == 1 { 0 } else { a };
-        a.checked_mul(p.n - 1).and_then(|x| x.checked_add(v0)).ok_or_else(|| overflow(span))?;
+        a.checked_mul(p.n - 1)
+            .and_then(|x| x.checked_add(v0))
+            .ok_or_else(|| overflow(span))?;
         Ok(Aff { v0, a })
     }
 
@@ -186,7 +202,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
             return self.mk(p, Some(q0), Some(x.a / d), span);
         }
-        let f = |t: i64| floor_i128(i128::from(x.v0) + i128::from(x.a) * i128::from(t), i128::from(d));
+        let f = |t: i64| {
+            floor_i128(
+                i128::from(x.v0) + i128::from(x.a) * i128::from(t),
+                i128::from(d),
+            )
+        };
         let first = f(0);
         if let Some(s) = self.split_where(p, |t| f(t) == first) {
             return Err(s);
@@ -226,7 +247,9 @@ impl<'a, 'p> Solver<'a, 'p> {
             IntKind::KvLen => Aff::c(sh.kv_len),
             IntKind::Batch => Aff::c(sh.batch),
             IntKind::NumHeads => Aff::c(sh.num_heads),
-            IntKind::Param(_) | IntKind::SegCount(_) => Aff::c(self.bound.eval_int(e, &self.env(p))?),
+            IntKind::Param(_) | IntKind::SegCount(_) => {
+                Aff::c(self.bound.eval_int(e, &self.env(p))?)
+            }
             IntKind::ArrIndex(arr, i) => {
                 let idx = self.int(p, i)?;
                 if idx.a != 0 || matches!(**arr, Arr::Lit(_)) {
@@ -234,7 +257,16 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 let a = self.bound.eval_arr(arr, &Env::default())?;
                 if idx.v0 < 0 || idx.v0 as usize >= a.len() {
-                    return Err(PlanError::new("CM0304", Some(span), format!("index {} is out of range for an array of length {}", idx.v0, a.len())).into());
+                    return Err(PlanError::new(
+                        "CM0304",
+                        Some(span),
+                        format!(
+                            "index {} is out of range for an array of length {}",
+                            idx.v0,
+                            a.len()
+                        ),
+                    )
+                    .into());
                 }
                 Aff::c(a[idx.v0 as usize])
             }
@@ -263,7 +295,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                         return self.point_int(p, e);
                     }
                     let r0 = bind::isqrt(x.v0, span)?;
-                    if let Some(s) = self.split_where(p, |t| bind::isqrt(x.at(t), span).ok() == Some(r0)) {
+                    if let Some(s) =
+                        self.split_where(p, |t| bind::isqrt(x.at(t), span).ok() == Some(r0))
+                    {
                         return Err(s);
                     }
                     Aff::c(r0)
@@ -316,7 +350,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
-            IntKind::K | IntKind::SegLen => unreachable!("checked: k and len do not reach q-side evaluation"),
+            IntKind::K | IntKind::SegLen => {
+                unreachable!("checked: k and len do not reach q-side evaluation")
+            }
         })
     }
 
@@ -330,9 +366,16 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         if !inside(pos.v0) {
             let name = &self.bound.program.segs[s].name;
-            return Err(PlanError::new("CM0303", Some(span), format!("position {} is outside segmentation `{name}`, which covers [0, {fill})", pos.v0))
-                .with_hint("segmentations fill [0, q_len) unless declared with `fill`")
-                .into());
+            return Err(PlanError::new(
+                "CM0303",
+                Some(span),
+                format!(
+                    "position {} is outside segmentation `{name}`, which covers [0, {fill})",
+                    pos.v0
+                ),
+            )
+            .with_hint("segmentations fill [0, q_len) unless declared with `fill`")
+            .into());
         }
         let i0 = t.index_of(pos.v0);
         if pos.a != 0 {
@@ -429,14 +472,21 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn all(&self) -> Vec<Iv> {
-        vec![Iv { s: Aff::c(0), e: Aff::c(self.bound.shape.kv_len) }]
+        vec![Iv {
+            s: Aff::c(0),
+            e: Aff::c(self.bound.shape.kv_len),
+        }]
     }
 
     /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
     fn interval(&self, p: &Piece, lo: Aff, hi: Aff) -> F<Vec<Iv>> {
         let s = self.max(p, lo, Aff::c(0))?;
         let e = self.min(p, hi, Aff::c(self.bound.shape.kv_len))?;
-        Ok(if self.lt(p, s, e)? { vec![Iv { s, e }] } else { Vec::new() })
+        Ok(if self.lt(p, s, e)? {
+            vec![Iv { s, e }]
+        } else {
+            Vec::new()
+        })
     }
 
     /// Appends an interval that starts after every interval already in `out`, merging it
@@ -513,7 +563,11 @@ impl<'a, 'p> Solver<'a, 'p> {
     fn kcmp(&self, p: &Piece, alpha: i64, rest: Aff, op: CmpOp, span: Span) -> F<Vec<Iv>> {
         let (alpha, rest, op) = if alpha < 0 {
             let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
-            (alpha.checked_neg().ok_or_else(|| overflow(span))?, neg, flip(op))
+            (
+                alpha.checked_neg().ok_or_else(|| overflow(span))?,
+                neg,
+                flip(op),
+            )
         } else {
             (alpha, rest, op)
         };
@@ -528,7 +582,12 @@ impl<'a, 'p> Solver<'a, 'p> {
         };
         match op {
             CmpOp::Lt => {
-                let hi = self.add(p, self.fdiv(p, self.sub(p, neg, one, span)?, alpha, span)?, one, span)?;
+                let hi = self.add(
+                    p,
+                    self.fdiv(p, self.sub(p, neg, one, span)?, alpha, span)?,
+                    one,
+                    span,
+                )?;
                 self.interval(p, lo_inf, hi)
             }
             CmpOp::Le => {
@@ -557,12 +616,28 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// caller will keep, so enumerating atoms need not look beyond it.
     pub fn region(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
         match r {
-            Region::Rows(c) => Ok(if self.boolean(p, c)? { self.all() } else { Vec::new() }),
-            Region::KCmp { alpha, rest, op, span } => {
+            Region::Rows(c) => Ok(if self.boolean(p, c)? {
+                self.all()
+            } else {
+                Vec::new()
+            }),
+            Region::KCmp {
+                alpha,
+                rest,
+                op,
+                span,
+            } => {
                 let rest = self.int(p, rest)?;
                 self.kcmp(p, *alpha, rest, *op, *span)
             }
-            Region::KDiv { alpha, rest, div, op, rhs, span } => {
+            Region::KDiv {
+                alpha,
+                rest,
+                div,
+                op,
+                rhs,
+                span,
+            } => {
                 let d = self.int(p, div)?;
                 let d = self.constant(p, d)?;
                 if d == 0 {
@@ -570,7 +645,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 let rest = self.int(p, rest)?;
                 let (alpha, rest, d) = if d < 0 {
-                    (alpha.checked_neg().ok_or_else(|| overflow(*span))?, self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), *span)?, -d)
+                    (
+                        alpha.checked_neg().ok_or_else(|| overflow(*span))?,
+                        self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), *span)?,
+                        -d,
+                    )
                 } else {
                     (*alpha, rest, d)
                 };
@@ -596,7 +675,14 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
-            Region::KMod { alpha, rest, div, equal, rhs, span } => {
+            Region::KMod {
+                alpha,
+                rest,
+                div,
+                equal,
+                rhs,
+                span,
+            } => {
                 if p.n > 1 {
                     return Err(self.single(p));
                 }
@@ -609,7 +695,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let v = self.bound.eval_int(rhs, &env)?;
                 let m = d.checked_abs().ok_or_else(|| overflow(*span))?;
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-                let reachable = if d > 0 { (0..d).contains(&v) } else { (d + 1..=0).contains(&v) };
+                let reachable = if d > 0 {
+                    (0..d).contains(&v)
+                } else {
+                    (d + 1..=0).contains(&v)
+                };
                 let mut eq = Vec::new();
                 if reachable {
                     // alpha*k + r = v (mod d)  <=>  k = alpha*(v - r) (mod |d|).
@@ -618,10 +708,16 @@ impl<'a, 'p> Solver<'a, 'p> {
                     let mut k = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
                     while k < hi {
                         if m == 1 {
-                            eq.push(Iv { s: Aff::c(k), e: Aff::c(hi) });
+                            eq.push(Iv {
+                                s: Aff::c(k),
+                                e: Aff::c(hi),
+                            });
                             break;
                         }
-                        eq.push(Iv { s: Aff::c(k), e: Aff::c(k + 1) });
+                        eq.push(Iv {
+                            s: Aff::c(k),
+                            e: Aff::c(k + 1),
+                        });
                         k += m;
                     }
                 }
@@ -643,14 +739,24 @@ impl<'a, 'p> Solver<'a, 'p> {
                     if self.bound.eval_bool(c, &env)? {
                         match out.last_mut() {
                             Some(last) if last.e.v0 == k => last.e.v0 += 1,
-                            _ => out.push(Iv { s: Aff::c(k), e: Aff::c(k + 1) }),
+                            _ => out.push(Iv {
+                                s: Aff::c(k),
+                                e: Aff::c(k + 1),
+                            }),
                         }
                     }
                 }
-                self.elementwise_pairs.set(self.elementwise_pairs.get() + (hi - lo).max(0) as u64);
+                self.elementwise_pairs
+                    .set(self.elementwise_pairs.get() + (hi - lo).max(0) as u64);
                 Ok(out)
             }
-            Region::Ball { grid, metric, strict, radius, span } => self.ball(p, *grid, *metric, *strict, radius, *span),
+            Region::Ball {
+                grid,
+                metric,
+                strict,
+                radius,
+                span,
+            } => self.ball(p, *grid, *metric, *strict, radius, *span),
             Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
             Region::Union(a, b) => {
                 let x = self.region(p, a, hull)?;
@@ -662,7 +768,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if x.is_empty() {
                     return Ok(x);
                 }
-                let inner = if p.n == 1 { Some((x[0].s.v0, x[x.len() - 1].e.v0)) } else { None };
+                let inner = if p.n == 1 {
+                    Some((x[0].s.v0, x[x.len() - 1].e.v0))
+                } else {
+                    None
+                };
                 let y = self.region(p, b, inner)?;
                 if matches!(r, Region::Inter(..)) {
                     self.inter(p, &x, &y)
@@ -687,7 +797,15 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// Appends the keys of grid row `row` (flattened index of its slow coordinates) with x
     /// in `[xlo, xhi)`, clipped to the grid and to `[0, kv_len)`.
-    fn push_grid_row(&self, p: &Piece, out: &mut Vec<Iv>, g: GridId, row: i64, xlo: Aff, xhi: Aff, span: Span) -> F<()> {
+    fn push_grid_row(
+        &self,
+        p: &Piece,
+        out: &mut Vec<Iv>,
+        g: GridId,
+        row: i64,
+        (xlo, xhi): (Aff, Aff),
+        span: Span,
+    ) -> F<()> {
         let gv = &self.bound.grids[g];
         let w = gv.dims[gv.dims.len() - 1];
         let base = gv.at + row * w;
@@ -697,14 +815,26 @@ impl<'a, 'p> Solver<'a, 'p> {
             return Ok(());
         }
         let s = self.add(p, lo, Aff::c(base), span)?;
-        let e = self.min(p, self.add(p, hi, Aff::c(base), span)?, Aff::c(self.bound.shape.kv_len))?;
+        let e = self.min(
+            p,
+            self.add(p, hi, Aff::c(base), span)?,
+            Aff::c(self.bound.shape.kv_len),
+        )?;
         if !self.lt(p, s, e)? {
             return Ok(());
         }
         self.push_sorted(p, out, Iv { s, e })
     }
 
-    fn ball(&self, p: &Piece, g: GridId, metric: Metric, strict: bool, radius: &Int, span: Span) -> F<Vec<Iv>> {
+    fn ball(
+        &self,
+        p: &Piece,
+        g: GridId,
+        metric: Metric,
+        strict: bool,
+        radius: &Int,
+        span: Span,
+    ) -> F<Vec<Iv>> {
         let qa = self.mk(p, Some(p.q0), Some(1), span)?;
         if !self.in_grid(p, g, qa)? {
             return Ok(Vec::new());
@@ -717,7 +847,11 @@ impl<'a, 'p> Solver<'a, 'p> {
         let tq = if nd == 3 { self.constant(p, c[0])? } else { 0 };
         let yq = self.constant(p, c[nd - 2])?;
         let xq = c[nd - 1];
-        let (td, hd) = if nd == 3 { (gv.dims[0], gv.dims[1]) } else { (1, gv.dims[0]) };
+        let (td, hd) = if nd == 3 {
+            (gv.dims[0], gv.dims[1])
+        } else {
+            (1, gv.dims[0])
+        };
         // The largest |delta| allowed on one axis, given what the other axes use.
         let reach = |used: i64| -> Option<i64> {
             match metric {
@@ -747,15 +881,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         };
         let mut out = Vec::new();
         let Some(rt) = reach(0) else { return Ok(out) };
-        let t_range = if nd == 3 { (-rt).max(-tq)..=rt.min(td - 1 - tq) } else { 0..=0 };
+        let t_range = if nd == 3 {
+            (-rt).max(-tq)..=rt.min(td - 1 - tq)
+        } else {
+            0..=0
+        };
         for dt in t_range {
             let Some(ry) = reach(cost(dt)) else { continue };
             for dy in (-ry).max(-yq)..=ry.min(hd - 1 - yq) {
-                let Some(rx) = reach(cost(dt) + cost(dy)) else { continue };
+                let Some(rx) = reach(cost(dt) + cost(dy)) else {
+                    continue;
+                };
                 let row = (tq + dt) * hd + (yq + dy);
                 let xlo = self.sub(p, xq, Aff::c(rx), span)?;
                 let xhi = self.add(p, xq, Aff::c(rx + 1), span)?;
-                self.push_grid_row(p, &mut out, g, row, xlo, xhi, span)?;
+                self.push_grid_row(p, &mut out, g, row, (xlo, xhi), span)?;
             }
         }
         Ok(out)
@@ -781,7 +921,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut out = Vec::new();
         for t in t_lo..t_hi {
             for y in y_lo..y_hi {
-                self.push_grid_row(p, &mut out, g, t * h + y, xlo, xhi, span)?;
+                self.push_grid_row(p, &mut out, g, t * h + y, (xlo, xhi), span)?;
             }
         }
         Ok(out)

@@ -21,7 +21,10 @@ pub struct TileShape {
 
 impl Default for TileShape {
     fn default() -> Self {
-        TileShape { block_m: 128, block_n: 128 }
+        TileShape {
+            block_m: 128,
+            block_n: 128,
+        }
     }
 }
 
@@ -112,7 +115,10 @@ impl TileDescriptor {
     /// # Panics
     /// If a block size is zero (the facade validates tile shapes first).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> TileDescriptor {
-        assert!(tile.block_m > 0 && tile.block_n > 0, "tile sizes are validated by the caller");
+        assert!(
+            tile.block_m > 0 && tile.block_n > 0,
+            "tile sizes are validated by the caller"
+        );
         let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
         let (bm, bn) = (tile.block_m, tile.block_n);
         let num_m = ceil_div(q_len, bm);
@@ -148,7 +154,9 @@ impl TileDescriptor {
             let r0 = m * bm;
             let r1 = (r0 + bm).min(q_len);
             union.clear();
-            union.extend_from_slice(&all[row_ptr[r0 as usize] as usize..row_ptr[r1 as usize] as usize]);
+            union.extend_from_slice(
+                &all[row_ptr[r0 as usize] as usize..row_ptr[r1 as usize] as usize],
+            );
             union.sort_unstable_by_key(|iv| iv.start);
             merge_sorted(&mut union);
             inter.clear();
@@ -195,7 +203,8 @@ impl TileDescriptor {
             d.full_kv_offsets.push(d.full_kv_indices.len() as u32);
             let partial = &d.kv_indices[partial_start..];
             let base = d.partial_row_first.len();
-            d.partial_row_first.resize(base + partial.len() * bm as usize, row_ptr[q_len as usize]);
+            d.partial_row_first
+                .resize(base + partial.len() * bm as usize, row_ptr[q_len as usize]);
             for q in r0..r1 {
                 let row = rows.row(q);
                 let mut j = 0usize;
@@ -204,7 +213,8 @@ impl TileDescriptor {
                     while j < row.len() && row[j].end <= tile_start {
                         j += 1;
                     }
-                    d.partial_row_first[base + p * bm as usize + (q - r0) as usize] = row_ptr[q as usize] + j as u32;
+                    d.partial_row_first[base + p * bm as usize + (q - r0) as usize] =
+                        row_ptr[q as usize] + j as u32;
                 }
             }
         }
@@ -218,7 +228,8 @@ impl TileDescriptor {
         self.q_indices = ids.iter().map(|&(m, _)| m).collect();
         self.q_partial_ids = ids.iter().map(|&(_, p)| p).collect();
         self.q_offsets = q_offsets;
-        let (full_offsets, full_ids) = transpose_csr(&self.full_kv_offsets, &self.full_kv_indices, num_n);
+        let (full_offsets, full_ids) =
+            transpose_csr(&self.full_kv_offsets, &self.full_kv_indices, num_n);
         self.full_q_offsets = full_offsets;
         self.full_q_indices = full_ids.iter().map(|&(m, _)| m).collect();
     }
@@ -228,7 +239,11 @@ impl TileDescriptor {
         let full = self.full_kv_indices.len() as u64;
         let partial = self.kv_indices.len() as u64;
         let grid = u64::from(self.num_m_blocks) * u64::from(self.num_n_blocks);
-        TileCounts { full, partial, empty: grid - full - partial }
+        TileCounts {
+            full,
+            partial,
+            empty: grid - full - partial,
+        }
     }
 
     /// Flex's `kv_num_blocks[m_block]`: partial key blocks of a query block.
@@ -238,7 +253,10 @@ impl TileDescriptor {
 
     /// Flex's `full_kv_num_blocks[m_block]`.
     pub fn full_kv_num_blocks(&self) -> Vec<u32> {
-        self.full_kv_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+        self.full_kv_offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect()
     }
 
     /// Flex's `q_num_blocks[n_block]`.
@@ -248,7 +266,10 @@ impl TileDescriptor {
 
     /// Flex's `full_q_num_blocks[n_block]`.
     pub fn full_q_num_blocks(&self) -> Vec<u32> {
-        self.full_q_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+        self.full_q_offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect()
     }
 
     /// Bytes of every array a kernel reads, this descriptor's lists plus the row intervals.

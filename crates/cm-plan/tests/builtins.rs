@@ -1,68 +1,186 @@
 //! Every built-in mask, planned at small and odd sizes, equals the brute-force semantics.
 
 mod common;
-use common::*;
 use cm_plan::TileShape;
+use common::*;
 
-const TILES: &[TileShape] = &[TileShape { block_m: 128, block_n: 128 }, TileShape { block_m: 7, block_n: 5 }, TileShape { block_m: 16, block_n: 64 }];
+const TILES: &[TileShape] = &[
+    TileShape {
+        block_m: 128,
+        block_n: 128,
+    },
+    TileShape {
+        block_m: 7,
+        block_n: 5,
+    },
+    TileShape {
+        block_m: 16,
+        block_n: 64,
+    },
+];
 
 #[test]
 fn causal_and_windows() {
-    for (q, kv) in [(1, 1), (2, 2), (127, 127), (129, 129), (300, 180), (180, 300)] {
+    for (q, kv) in [
+        (1, 1),
+        (2, 2),
+        (127, 127),
+        (129, 129),
+        (300, 180),
+        (180, 300),
+    ] {
         for t in TILES {
             check_against_brute_force(&builtin("causal"), shape(q, kv), &params(&[]), *t);
-            check_against_brute_force(&builtin("causal_bottom_right"), shape(q, kv), &params(&[]), *t);
-            check_against_brute_force(&builtin("sliding_window"), shape(q, kv), &params(&[("window", cm_ir::Value::Int(17))]), *t);
-            check_against_brute_force(&builtin("prefix_lm"), shape(q, kv), &params(&[("prefix", cm_ir::Value::Int(33))]), *t);
+            check_against_brute_force(
+                &builtin("causal_bottom_right"),
+                shape(q, kv),
+                &params(&[]),
+                *t,
+            );
+            check_against_brute_force(
+                &builtin("sliding_window"),
+                shape(q, kv),
+                &params(&[("window", cm_ir::Value::Int(17))]),
+                *t,
+            );
+            check_against_brute_force(
+                &builtin("prefix_lm"),
+                shape(q, kv),
+                &params(&[("prefix", cm_ir::Value::Int(33))]),
+                *t,
+            );
         }
     }
 }
 
 #[test]
 fn structured() {
-    let t = TileShape { block_m: 16, block_n: 24 };
+    let t = TileShape {
+        block_m: 16,
+        block_n: 24,
+    };
     for q in [1, 97, 400, 1000] {
-        check_against_brute_force(&builtin("document_causal"), shape(q, q), &params(&[("lengths", arr(&[40, 0, 7, 100, 1]))]), t);
-        check_against_brute_force(&builtin("hstu"), shape(q, q), &params(&[("lengths", arr(&[64, 5, 1, 130, 9])), ("contextual", cm_ir::Value::Int(3))]), t);
+        check_against_brute_force(
+            &builtin("document_causal"),
+            shape(q, q),
+            &params(&[("lengths", arr(&[40, 0, 7, 100, 1]))]),
+            t,
+        );
+        check_against_brute_force(
+            &builtin("hstu"),
+            shape(q, q),
+            &params(&[
+                ("lengths", arr(&[64, 5, 1, 130, 9])),
+                ("contextual", cm_ir::Value::Int(3)),
+            ]),
+            t,
+        );
         check_against_brute_force(
             &builtin("shared_prefix"),
             shape(q, q),
-            &params(&[("prompts", arr(&[30, 0, 12])), ("responses", arr(&[5, 9, 0, 3, 17])), ("group", cm_ir::Value::Int(3))]),
+            &params(&[
+                ("prompts", arr(&[30, 0, 12])),
+                ("responses", arr(&[5, 9, 0, 3, 17])),
+                ("group", cm_ir::Value::Int(3)),
+            ]),
             t,
         );
-        check_against_brute_force(&builtin("chunked_causal"), shape(q, q), &params(&[("chunk", cm_ir::Value::Int(13))]), t);
-        check_against_brute_force(&builtin("block_causal"), shape(q, q), &params(&[("block", cm_ir::Value::Int(13))]), t);
-        check_against_brute_force(&builtin("sink_local"), shape(q, q), &params(&[("sink", cm_ir::Value::Int(3)), ("window", cm_ir::Value::Int(20))]), t);
-        check_against_brute_force(&builtin("global_local"), shape(q, q), &params(&[("global", cm_ir::Value::Int(3)), ("radius", cm_ir::Value::Int(20))]), t);
-        check_against_brute_force(&builtin("dilated_window"), shape(q, q), &params(&[("window", cm_ir::Value::Int(30)), ("dilation", cm_ir::Value::Int(3))]), t);
+        check_against_brute_force(
+            &builtin("chunked_causal"),
+            shape(q, q),
+            &params(&[("chunk", cm_ir::Value::Int(13))]),
+            t,
+        );
+        check_against_brute_force(
+            &builtin("block_causal"),
+            shape(q, q),
+            &params(&[("block", cm_ir::Value::Int(13))]),
+            t,
+        );
+        check_against_brute_force(
+            &builtin("sink_local"),
+            shape(q, q),
+            &params(&[
+                ("sink", cm_ir::Value::Int(3)),
+                ("window", cm_ir::Value::Int(20)),
+            ]),
+            t,
+        );
+        check_against_brute_force(
+            &builtin("global_local"),
+            shape(q, q),
+            &params(&[
+                ("global", cm_ir::Value::Int(3)),
+                ("radius", cm_ir::Value::Int(20)),
+            ]),
+            t,
+        );
+        check_against_brute_force(
+            &builtin("dilated_window"),
+            shape(q, q),
+            &params(&[
+                ("window", cm_ir::Value::Int(30)),
+                ("dilation", cm_ir::Value::Int(3)),
+            ]),
+            t,
+        );
     }
 }
 
 #[test]
 fn trace_workloads() {
-    let t = TileShape { block_m: 64, block_n: 64 };
+    let t = TileShape {
+        block_m: 64,
+        block_n: 64,
+    };
     for q in [500, 2000] {
         check_against_brute_force(&builtin("trace_documents"), shape(q, q), &params(&[]), t);
-        check_against_brute_force(&builtin("trace_prompt_groups"), shape(q, q), &params(&[]), t);
+        check_against_brute_force(
+            &builtin("trace_prompt_groups"),
+            shape(q, q),
+            &params(&[]),
+            t,
+        );
     }
 }
 
 #[test]
 fn grids() {
-    let t = TileShape { block_m: 32, block_n: 16 };
+    let t = TileShape {
+        block_m: 32,
+        block_n: 16,
+    };
     for (n, text, r) in [(8, 5, 3), (13, 0, 4), (20, 17, 6), (5, 3, 16)] {
         check_against_brute_force(
             &builtin("clear"),
             shape(text + n * n, text + n * n),
-            &params(&[("text", cm_ir::Value::Int(text)), ("radius", cm_ir::Value::Int(r))]),
+            &params(&[
+                ("text", cm_ir::Value::Int(text)),
+                ("radius", cm_ir::Value::Int(r)),
+            ]),
             t,
         );
     }
-    check_against_brute_force(&builtin("neighborhood_2d"), shape(19 * 23 + 4, 19 * 23 + 4), &params(&[("prefix", cm_ir::Value::Int(4)), ("height", cm_ir::Value::Int(19)), ("kernel", cm_ir::Value::Int(5))]), t);
+    check_against_brute_force(
+        &builtin("neighborhood_2d"),
+        shape(19 * 23 + 4, 19 * 23 + 4),
+        &params(&[
+            ("prefix", cm_ir::Value::Int(4)),
+            ("height", cm_ir::Value::Int(19)),
+            ("kernel", cm_ir::Value::Int(5)),
+        ]),
+        t,
+    );
     check_against_brute_force(
         &builtin("neighborhood_3d"),
         shape(4 * 6 * 7, 4 * 6 * 7),
-        &params(&[("frames", cm_ir::Value::Int(4)), ("height", cm_ir::Value::Int(6)), ("width", cm_ir::Value::Int(7)), ("dt_radius", cm_ir::Value::Int(1)), ("radius", cm_ir::Value::Int(2))]),
+        &params(&[
+            ("frames", cm_ir::Value::Int(4)),
+            ("height", cm_ir::Value::Int(6)),
+            ("width", cm_ir::Value::Int(7)),
+            ("dt_radius", cm_ir::Value::Int(1)),
+            ("radius", cm_ir::Value::Int(2)),
+        ]),
         t,
     );
     check_against_brute_force(&builtin("tree"), shape(127, 127), &params(&[]), t);

@@ -46,13 +46,44 @@ pub enum MsgPiece {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum Item {
-    Param { name: Ident, ty: Option<ParamType>, default: Option<Expr>, span: Span },
-    Let { name: Ident, value: Expr, span: Span },
-    Segments { name: Ident, spec: SegSpec, fill: Option<Expr>, span: Span },
-    Part { seg: Ident, name: Ident, range: Expr, span: Span },
-    Grid { name: Ident, dims: Vec<Expr>, at: Option<Expr>, span: Span },
-    Require { cond: Expr, message: Vec<MsgPiece>, span: Span },
-    Mask { value: Expr, span: Span },
+    Param {
+        name: Ident,
+        ty: Option<ParamType>,
+        default: Option<Expr>,
+        span: Span,
+    },
+    Let {
+        name: Ident,
+        value: Expr,
+        span: Span,
+    },
+    Segments {
+        name: Ident,
+        spec: SegSpec,
+        fill: Option<Expr>,
+        span: Span,
+    },
+    Part {
+        seg: Ident,
+        name: Ident,
+        range: Expr,
+        span: Span,
+    },
+    Grid {
+        name: Ident,
+        dims: Vec<Expr>,
+        at: Option<Expr>,
+        span: Span,
+    },
+    Require {
+        cond: Expr,
+        message: Vec<MsgPiece>,
+        span: Span,
+    },
+    Mask {
+        value: Expr,
+        span: Span,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -110,14 +141,37 @@ pub enum ExprKind {
     Unary(UnOp, Box<Expr>),
     Binary(BinOp, Box<Expr>, Box<Expr>),
     /// `a < b <= c`: a chain, meaning `a < b and b <= c`.
-    Compare { first: Box<Expr>, rest: Vec<(CmpOp, Expr)> },
+    Compare {
+        first: Box<Expr>,
+        rest: Vec<(CmpOp, Expr)>,
+    },
     /// `lo..hi` (half-open) or `lo..=hi` (inclusive).
-    Range { lo: Box<Expr>, hi: Box<Expr>, inclusive: bool },
-    In { elem: Box<Expr>, range: Box<Expr> },
-    Call { callee: Box<Expr>, args: Vec<Expr> },
-    Field { base: Box<Expr>, name: Ident },
-    Index { base: Box<Expr>, index: Box<Expr> },
-    If { cond: Box<Expr>, then: Box<Expr>, els: Box<Expr> },
+    Range {
+        lo: Box<Expr>,
+        hi: Box<Expr>,
+        inclusive: bool,
+    },
+    In {
+        elem: Box<Expr>,
+        range: Box<Expr>,
+    },
+    Call {
+        callee: Box<Expr>,
+        args: Vec<Expr>,
+    },
+    Field {
+        base: Box<Expr>,
+        name: Ident,
+    },
+    Index {
+        base: Box<Expr>,
+        index: Box<Expr>,
+    },
+    If {
+        cond: Box<Expr>,
+        then: Box<Expr>,
+        els: Box<Expr>,
+    },
     /// Stands in for an expression that failed to parse; a diagnostic was already issued.
     Error,
 }

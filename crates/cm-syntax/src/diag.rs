@@ -12,12 +12,18 @@ pub struct Span {
 
 impl Span {
     pub fn new(start: usize, end: usize) -> Span {
-        Span { start: start as u32, end: end as u32 }
+        Span {
+            start: start as u32,
+            end: end as u32,
+        }
     }
 
     /// The smallest span covering both.
     pub fn to(self, other: Span) -> Span {
-        Span { start: self.start.min(other.start), end: self.end.max(other.end) }
+        Span {
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
     }
 }
 
@@ -44,11 +50,21 @@ pub struct Diagnostic {
 impl Diagnostic {
     pub fn error(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
         let message = message.into();
-        Diagnostic { code, severity: Severity::Error, label: message.clone(), message, span, hint: None }
+        Diagnostic {
+            code,
+            severity: Severity::Error,
+            label: message.clone(),
+            message,
+            span,
+            hint: None,
+        }
     }
 
     pub fn warning(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
-        Diagnostic { severity: Severity::Warning, ..Diagnostic::error(code, span, message) }
+        Diagnostic {
+            severity: Severity::Warning,
+            ..Diagnostic::error(code, span, message)
+        }
     }
 
     pub fn with_label(mut self, label: impl Into<String>) -> Diagnostic {

@@ -117,7 +117,9 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             let mut value: Option<i64> = Some(0);
             while j < chars.len() && (chars[j].1.is_ascii_digit() || chars[j].1 == '_') {
                 if let Some(d) = chars[j].1.to_digit(10) {
-                    value = value.and_then(|v| v.checked_mul(10)).and_then(|v| v.checked_add(i64::from(d)));
+                    value = value
+                        .and_then(|v| v.checked_mul(10))
+                        .and_then(|v| v.checked_add(i64::from(d)));
                 }
                 j += 1;
             }
@@ -128,20 +130,34 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     k += 1;
                 }
                 diags.push(
-                    Diagnostic::error("CM0103", Span::new(start, end_of(k)), "malformed integer literal")
-                        .with_hint("integers are decimal digits, optionally separated by `_`"),
+                    Diagnostic::error(
+                        "CM0103",
+                        Span::new(start, end_of(k)),
+                        "malformed integer literal",
+                    )
+                    .with_hint("integers are decimal digits, optionally separated by `_`"),
                 );
                 i = k;
                 continue;
             }
             match value {
-                Some(v) => toks.push(Token { tok: Tok::Int(v), span }),
+                Some(v) => toks.push(Token {
+                    tok: Tok::Int(v),
+                    span,
+                }),
                 None => {
                     diags.push(
-                        Diagnostic::error("CM0103", span, "integer literal does not fit in 64 bits")
-                            .with_hint("the largest integer is 9223372036854775807"),
+                        Diagnostic::error(
+                            "CM0103",
+                            span,
+                            "integer literal does not fit in 64 bits",
+                        )
+                        .with_hint("the largest integer is 9223372036854775807"),
                     );
-                    toks.push(Token { tok: Tok::Int(0), span });
+                    toks.push(Token {
+                        tok: Tok::Int(0),
+                        span,
+                    });
                 }
             }
             i = j;
@@ -152,7 +168,10 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             while j < chars.len() && (chars[j].1.is_ascii_alphanumeric() || chars[j].1 == '_') {
                 j += 1;
             }
-            toks.push(Token { tok: Tok::Ident(src[start..end_of(j)].to_string()), span: Span::new(start, end_of(j)) });
+            toks.push(Token {
+                tok: Tok::Ident(src[start..end_of(j)].to_string()),
+                span: Span::new(start, end_of(j)),
+            });
             i = j;
             continue;
         }
@@ -178,7 +197,14 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                         };
                         // Escaped braces must not open an interpolation; mark them with
                         // the offset of the backslash so the parser keeps them literal.
-                        text.push((mapped, if esc == '{' || esc == '}' { u32::MAX } else { off as u32 }));
+                        text.push((
+                            mapped,
+                            if esc == '{' || esc == '}' {
+                                u32::MAX
+                            } else {
+                                off as u32
+                            },
+                        ));
                         j += 2;
                     }
                     _ => {
@@ -194,7 +220,10 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                         .with_hint("close the string with `\"` on the same line"),
                 );
             }
-            toks.push(Token { tok: Tok::Str(text), span });
+            toks.push(Token {
+                tok: Tok::Str(text),
+                span,
+            });
             i = j;
             continue;
         }
@@ -236,7 +265,11 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
         match tok {
             Some(tok) => toks.push(Token { tok, span }),
             None => {
-                let shown = if c.is_control() { format!("U+{:04X}", c as u32) } else { format!("`{c}`") };
+                let shown = if c.is_control() {
+                    format!("U+{:04X}", c as u32)
+                } else {
+                    format!("`{c}`")
+                };
                 diags.push(
                     Diagnostic::error("CM0101", span, format!("unexpected character {shown}"))
                         .with_hint("comments start with `#`; see docs/language.md for the syntax"),
@@ -245,6 +278,9 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
         }
         i += n;
     }
-    toks.push(Token { tok: Tok::Eof, span: Span::new(src.len(), src.len()) });
+    toks.push(Token {
+        tok: Tok::Eof,
+        span: Span::new(src.len(), src.len()),
+    });
     (toks, diags)
 }

@@ -10,10 +10,14 @@ use crate::lexer::{lex, Tok, Token};
 const MAX_DEPTH: u32 = 64;
 
 /// Statement keywords, recognised only at the start of a statement.
-pub const STATEMENT_KEYWORDS: &[&str] = &["param", "let", "segments", "part", "grid", "require", "mask"];
+pub const STATEMENT_KEYWORDS: &[&str] = &[
+    "param", "let", "segments", "part", "grid", "require", "mask",
+];
 
 /// Words that cannot name anything.
-pub const RESERVED: &[&str] = &["if", "then", "else", "in", "and", "or", "not", "true", "false"];
+pub const RESERVED: &[&str] = &[
+    "if", "then", "else", "in", "and", "or", "not", "true", "false",
+];
 
 struct Parser {
     toks: Vec<Token>,
@@ -26,7 +30,12 @@ struct Parser {
 /// diagnostic found; the tree is meaningful only when no diagnostic is an error.
 pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
     let (toks, diags) = lex(src);
-    let mut p = Parser { toks, pos: 0, depth: 0, diags };
+    let mut p = Parser {
+        toks,
+        pos: 0,
+        depth: 0,
+        diags,
+    };
     let mut items = Vec::new();
     while !p.at(&Tok::Eof) {
         let before = p.pos;
@@ -44,11 +53,20 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
 /// Parses one standalone expression (used for `--set` values and tests).
 pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
     let (toks, diags) = lex(src);
-    let mut p = Parser { toks, pos: 0, depth: 0, diags };
+    let mut p = Parser {
+        toks,
+        pos: 0,
+        depth: 0,
+        diags,
+    };
     let e = p.expr();
     if !p.at(&Tok::Eof) {
         let t = p.peek().clone();
-        p.diags.push(Diagnostic::error("CM0104", t.span, format!("expected end of expression, found {}", t.tok.describe())));
+        p.diags.push(Diagnostic::error(
+            "CM0104",
+            t.span,
+            format!("expected end of expression, found {}", t.tok.describe()),
+        ));
     }
     (e, p.diags)
 }
@@ -103,8 +121,12 @@ impl Parser {
     fn error_here(&mut self, expected: &str) {
         let t = self.peek().clone();
         self.diags.push(
-            Diagnostic::error("CM0104", t.span, format!("expected {expected}, found {}", t.tok.describe()))
-                .with_label(format!("expected {expected}")),
+            Diagnostic::error(
+                "CM0104",
+                t.span,
+                format!("expected {expected}, found {}", t.tok.describe()),
+            )
+            .with_label(format!("expected {expected}")),
         );
     }
 
@@ -142,7 +164,10 @@ impl Parser {
 
     fn end_statement(&mut self, start: u32) -> Option<Span> {
         if self.expect(Tok::Semi, "`;` to end the statement") {
-            Some(Span { start, end: self.prev_end() })
+            Some(Span {
+                start,
+                end: self.prev_end(),
+            })
         } else {
             None
         }
@@ -155,8 +180,14 @@ impl Parser {
             _ => {
                 let t = self.peek().clone();
                 self.diags.push(
-                    Diagnostic::error("CM0106", t.span, format!("expected a statement, found {}", t.tok.describe()))
-                        .with_hint("statements start with param, let, segments, part, grid, require or mask"),
+                    Diagnostic::error(
+                        "CM0106",
+                        t.span,
+                        format!("expected a statement, found {}", t.tok.describe()),
+                    )
+                    .with_hint(
+                        "statements start with param, let, segments, part, grid, require or mask",
+                    ),
                 );
                 return None;
             }
@@ -168,7 +199,10 @@ impl Parser {
                 let ty = if self.eat(&Tok::Colon) {
                     if self.eat_word("int") {
                         Some(ParamType::Int)
-                    } else if self.eat(&Tok::LBracket) && self.eat_word("int") && self.eat(&Tok::RBracket) {
+                    } else if self.eat(&Tok::LBracket)
+                        && self.eat_word("int")
+                        && self.eat(&Tok::RBracket)
+                    {
                         Some(ParamType::IntArray)
                     } else {
                         self.error_here("a type, `int` or `[int]`");
@@ -177,9 +211,18 @@ impl Parser {
                 } else {
                     None
                 };
-                let default = if self.eat(&Tok::Eq) { Some(self.expr()) } else { None };
+                let default = if self.eat(&Tok::Eq) {
+                    Some(self.expr())
+                } else {
+                    None
+                };
                 let span = self.end_statement(start)?;
-                Some(Item::Param { name, ty, default, span })
+                Some(Item::Param {
+                    name,
+                    ty,
+                    default,
+                    span,
+                })
             }
             "let" => {
                 let name = self.ident("a name")?;
@@ -205,9 +248,19 @@ impl Parser {
                         let e = self.expr();
                         let (lengths, count) = match e.kind {
                             ExprKind::Binary(BinOp::Mul, a, b) => (*a, Some(*b)),
-                            other => (Expr { kind: other, span: e.span }, None),
+                            other => (
+                                Expr {
+                                    kind: other,
+                                    span: e.span,
+                                },
+                                None,
+                            ),
                         };
-                        pieces.push(SegPiece { name: pname, lengths, count });
+                        pieces.push(SegPiece {
+                            name: pname,
+                            lengths,
+                            count,
+                        });
                         if self.eat(&Tok::Comma) {
                             if self.at(&Tok::RBrace) {
                                 break;
@@ -223,9 +276,18 @@ impl Parser {
                 } else {
                     SegSpec::Plain(self.expr())
                 };
-                let fill = if self.eat_word("fill") { Some(self.expr()) } else { None };
+                let fill = if self.eat_word("fill") {
+                    Some(self.expr())
+                } else {
+                    None
+                };
                 let span = self.end_statement(start)?;
-                Some(Item::Segments { name, spec, fill, span })
+                Some(Item::Segments {
+                    name,
+                    spec,
+                    fill,
+                    span,
+                })
             }
             "part" => {
                 let seg = self.ident("a segmentation name")?;
@@ -238,7 +300,12 @@ impl Parser {
                 }
                 let range = self.expr();
                 let span = self.end_statement(start)?;
-                Some(Item::Part { seg, name, range, span })
+                Some(Item::Part {
+                    seg,
+                    name,
+                    range,
+                    span,
+                })
             }
             "grid" => {
                 let name = self.ident("a grid name")?;
@@ -249,9 +316,18 @@ impl Parser {
                     return None;
                 }
                 let dims = self.comma_list(&Tok::RBracket);
-                let at = if self.eat_word("at") { Some(self.expr()) } else { None };
+                let at = if self.eat_word("at") {
+                    Some(self.expr())
+                } else {
+                    None
+                };
                 let span = self.end_statement(start)?;
-                Some(Item::Grid { name, dims, at, span })
+                Some(Item::Grid {
+                    name,
+                    dims,
+                    at,
+                    span,
+                })
             }
             "require" => {
                 let cond = self.expr();
@@ -263,7 +339,10 @@ impl Parser {
                             self.diags.push(Diagnostic::error(
                                 "CM0104",
                                 t.span,
-                                format!("expected a message string after `else`, found {}", other.describe()),
+                                format!(
+                                    "expected a message string after `else`, found {}",
+                                    other.describe()
+                                ),
                             ));
                             return None;
                         }
@@ -272,7 +351,11 @@ impl Parser {
                     Vec::new()
                 };
                 let span = self.end_statement(start)?;
-                Some(Item::Require { cond, message, span })
+                Some(Item::Require {
+                    cond,
+                    message,
+                    span,
+                })
             }
             _ => {
                 if !self.expect(Tok::Eq, "`=` after `mask`") {
@@ -293,11 +376,20 @@ impl Parser {
         while i < text.len() {
             let (c, off) = text[i];
             if c == '{' && off != u32::MAX {
-                let close = text[i..].iter().position(|&(c, o)| c == '}' && o != u32::MAX);
+                let close = text[i..]
+                    .iter()
+                    .position(|&(c, o)| c == '}' && o != u32::MAX);
                 let Some(close) = close else {
                     self.diags.push(
-                        Diagnostic::error("CM0102", Span { start: off, end: off + 1 }, "unclosed `{` in message")
-                            .with_hint("write `\\{` for a literal brace"),
+                        Diagnostic::error(
+                            "CM0102",
+                            Span {
+                                start: off,
+                                end: off + 1,
+                            },
+                            "unclosed `{` in message",
+                        )
+                        .with_hint("write `\\{` for a literal brace"),
                     );
                     return pieces;
                 };
@@ -308,7 +400,10 @@ impl Parser {
                 let (mut e, diags) = parse_expr(&inner);
                 shift(&mut e, off + 1);
                 for mut d in diags {
-                    d.span = Span { start: d.span.start + off + 1, end: d.span.end + off + 1 };
+                    d.span = Span {
+                        start: d.span.start + off + 1,
+                        end: d.span.end + off + 1,
+                    };
                     self.diags.push(d);
                 }
                 pieces.push(MsgPiece::Expr(e));
@@ -345,7 +440,10 @@ impl Parser {
     }
 
     fn error_expr(&self, span: Span) -> Expr {
-        Expr { kind: ExprKind::Error, span }
+        Expr {
+            kind: ExprKind::Error,
+            span,
+        }
     }
 
     pub fn expr(&mut self) -> Expr {
@@ -353,8 +451,9 @@ impl Parser {
         let e = if self.depth > MAX_DEPTH {
             let t = self.peek().clone();
             self.diags.push(
-                Diagnostic::error("CM0105", t.span, "expression nested too deeply")
-                    .with_hint(format!("at most {MAX_DEPTH} levels of nesting are allowed; use `let`")),
+                Diagnostic::error("CM0105", t.span, "expression nested too deeply").with_hint(
+                    format!("at most {MAX_DEPTH} levels of nesting are allowed; use `let`"),
+                ),
             );
             // Skip the rest of the statement so the caller makes progress.
             while !self.at(&Tok::Eof) && !self.at(&Tok::Semi) {
@@ -373,7 +472,14 @@ impl Parser {
             }
             let els = self.expr();
             let span = start.to(els.span);
-            Expr { kind: ExprKind::If { cond: Box::new(cond), then: Box::new(then), els: Box::new(els) }, span }
+            Expr {
+                kind: ExprKind::If {
+                    cond: Box::new(cond),
+                    then: Box::new(then),
+                    els: Box::new(els),
+                },
+                span,
+            }
         } else {
             self.or_expr()
         };
@@ -383,7 +489,10 @@ impl Parser {
 
     fn binary(&mut self, op: BinOp, l: Expr, r: Expr) -> Expr {
         let span = l.span.to(r.span);
-        Expr { kind: ExprKind::Binary(op, Box::new(l), Box::new(r)), span }
+        Expr {
+            kind: ExprKind::Binary(op, Box::new(l), Box::new(r)),
+            span,
+        }
     }
 
     fn or_expr(&mut self) -> Expr {
@@ -408,10 +517,17 @@ impl Parser {
         if self.at(&Tok::Bang) || self.at_word("not") {
             let start = self.bump().span;
             self.depth += 1;
-            let inner = if self.depth > MAX_DEPTH { self.expr() } else { self.not_expr() };
+            let inner = if self.depth > MAX_DEPTH {
+                self.expr()
+            } else {
+                self.not_expr()
+            };
             self.depth -= 1;
             let span = start.to(inner.span);
-            return Expr { kind: ExprKind::Unary(UnOp::Not, Box::new(inner)), span };
+            return Expr {
+                kind: ExprKind::Unary(UnOp::Not, Box::new(inner)),
+                span,
+            };
         }
         self.cmp_expr()
     }
@@ -433,7 +549,13 @@ impl Parser {
         if self.eat_word("in") {
             let range = self.range_expr();
             let span = first.span.to(range.span);
-            return Expr { kind: ExprKind::In { elem: Box::new(first), range: Box::new(range) }, span };
+            return Expr {
+                kind: ExprKind::In {
+                    elem: Box::new(first),
+                    range: Box::new(range),
+                },
+                span,
+            };
         }
         let mut rest = Vec::new();
         while let Some(op) = self.cmp_op() {
@@ -444,7 +566,13 @@ impl Parser {
             return first;
         }
         let span = first.span.to(rest.last().map_or(first.span, |r| r.1.span));
-        Expr { kind: ExprKind::Compare { first: Box::new(first), rest }, span }
+        Expr {
+            kind: ExprKind::Compare {
+                first: Box::new(first),
+                rest,
+            },
+            span,
+        }
     }
 
     fn range_expr(&mut self) -> Expr {
@@ -458,7 +586,14 @@ impl Parser {
         };
         let hi = self.add_expr();
         let span = lo.span.to(hi.span);
-        Expr { kind: ExprKind::Range { lo: Box::new(lo), hi: Box::new(hi), inclusive }, span }
+        Expr {
+            kind: ExprKind::Range {
+                lo: Box::new(lo),
+                hi: Box::new(hi),
+                inclusive,
+            },
+            span,
+        }
     }
 
     fn add_expr(&mut self) -> Expr {
@@ -494,10 +629,17 @@ impl Parser {
         if self.at(&Tok::Minus) {
             let start = self.bump().span;
             self.depth += 1;
-            let inner = if self.depth > MAX_DEPTH { self.expr() } else { self.unary_expr() };
+            let inner = if self.depth > MAX_DEPTH {
+                self.expr()
+            } else {
+                self.unary_expr()
+            };
             self.depth -= 1;
             let span = start.to(inner.span);
-            return Expr { kind: ExprKind::Unary(UnOp::Neg, Box::new(inner)), span };
+            return Expr {
+                kind: ExprKind::Unary(UnOp::Neg, Box::new(inner)),
+                span,
+            };
         }
         self.postfix_expr()
     }
@@ -507,18 +649,44 @@ impl Parser {
         loop {
             if self.eat(&Tok::LParen) {
                 let args = self.comma_list(&Tok::RParen);
-                let span = Span { start: e.span.start, end: self.prev_end() };
-                e = Expr { kind: ExprKind::Call { callee: Box::new(e), args }, span };
+                let span = Span {
+                    start: e.span.start,
+                    end: self.prev_end(),
+                };
+                e = Expr {
+                    kind: ExprKind::Call {
+                        callee: Box::new(e),
+                        args,
+                    },
+                    span,
+                };
             } else if self.at(&Tok::Dot) {
                 self.bump();
-                let Some(name) = self.ident("a field name after `.`") else { return e };
+                let Some(name) = self.ident("a field name after `.`") else {
+                    return e;
+                };
                 let span = e.span.to(name.span);
-                e = Expr { kind: ExprKind::Field { base: Box::new(e), name }, span };
+                e = Expr {
+                    kind: ExprKind::Field {
+                        base: Box::new(e),
+                        name,
+                    },
+                    span,
+                };
             } else if self.eat(&Tok::LBracket) {
                 let index = self.expr();
                 self.expect(Tok::RBracket, "`]`");
-                let span = Span { start: e.span.start, end: self.prev_end() };
-                e = Expr { kind: ExprKind::Index { base: Box::new(e), index: Box::new(index) }, span };
+                let span = Span {
+                    start: e.span.start,
+                    end: self.prev_end(),
+                };
+                e = Expr {
+                    kind: ExprKind::Index {
+                        base: Box::new(e),
+                        index: Box::new(index),
+                    },
+                    span,
+                };
             } else {
                 return e;
             }
@@ -530,28 +698,46 @@ impl Parser {
         match t.tok {
             Tok::Int(v) => {
                 self.bump();
-                Expr { kind: ExprKind::Int(v), span: t.span }
+                Expr {
+                    kind: ExprKind::Int(v),
+                    span: t.span,
+                }
             }
             Tok::Ident(ref w) if w == "true" || w == "false" => {
                 self.bump();
-                Expr { kind: ExprKind::Bool(w == "true"), span: t.span }
+                Expr {
+                    kind: ExprKind::Bool(w == "true"),
+                    span: t.span,
+                }
             }
             Tok::Ident(ref w) if w == "if" => self.expr(),
             Tok::Ident(ref w) if !RESERVED.contains(&w.as_str()) => {
                 self.bump();
-                Expr { kind: ExprKind::Name(w.clone()), span: t.span }
+                Expr {
+                    kind: ExprKind::Name(w.clone()),
+                    span: t.span,
+                }
             }
             Tok::LParen => {
                 self.bump();
                 let mut e = self.expr();
                 self.expect(Tok::RParen, "`)`");
-                e.span = Span { start: t.span.start, end: self.prev_end() };
+                e.span = Span {
+                    start: t.span.start,
+                    end: self.prev_end(),
+                };
                 e
             }
             Tok::LBracket => {
                 self.bump();
                 let items = self.comma_list(&Tok::RBracket);
-                Expr { kind: ExprKind::Array(items), span: Span { start: t.span.start, end: self.prev_end() } }
+                Expr {
+                    kind: ExprKind::Array(items),
+                    span: Span {
+                        start: t.span.start,
+                        end: self.prev_end(),
+                    },
+                }
             }
             _ => {
                 self.error_here("an expression");
@@ -563,7 +749,10 @@ impl Parser {
 
 /// Moves every span of `e` right by `by` bytes (for interpolations parsed out of a string).
 fn shift(e: &mut Expr, by: u32) {
-    e.span = Span { start: e.span.start + by, end: e.span.end + by };
+    e.span = Span {
+        start: e.span.start + by,
+        end: e.span.end + by,
+    };
     match &mut e.kind {
         ExprKind::Array(xs) => xs.iter_mut().for_each(|x| shift(x, by)),
         ExprKind::Unary(_, a) => shift(a, by),
@@ -589,7 +778,10 @@ fn shift(e: &mut Expr, by: u32) {
         }
         ExprKind::Field { base, name } => {
             shift(base, by);
-            name.span = Span { start: name.span.start + by, end: name.span.end + by };
+            name.span = Span {
+                start: name.span.start + by,
+                end: name.span.end + by,
+            };
         }
         ExprKind::Index { base, index } => {
             shift(base, by);

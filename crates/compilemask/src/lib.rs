@@ -1,1 +1,328 @@
-//! placeholder
+//! CompileMask: attention masks written once in a small region language, compiled
+//! analytically into the exact visible key intervals of every query row and a tile
+//! descriptor for tile kernels.
+//!
+//! ```
+//! let program = compilemask::compile("mask = k <= q;").unwrap();
+//! let plan = program.plan(&compilemask::PlanOptions::new(1000)).unwrap();
+//! assert_eq!(plan.visible_pairs(), 1000 * 1001 / 2);
+//! assert_eq!(plan.mask(0, 0).rows.row(4)[0].end, 5); // row 4 sees [0, 5)
+//! ```
+//!
+//! The public boundary of the Rust crates: [`compile`], [`builtin`], [`Program::plan`],
+//! [`attention`] and the exports. Positions are 0-based and absolute (top-left aligned);
+//! every interval is half-open `[start, end)`. The language is documented in
+//! `docs/language.md`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub use cm_export::{CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT};
+pub use cm_ir::{PlanError, Shape, Value};
+pub use cm_plan::{
+    KeyInterval, MaskPlan, Plan, RowIntervals, TileCounts, TileDescriptor, TileShape,
+};
+pub use cm_reference::{
+    attention_backward, attention_forward, AttentionShape, Float, ForwardOutput, Gradients, Masks,
+    ReferenceError,
+};
+pub use cm_stdlib::{Builtin, BUILTINS};
+pub use cm_syntax::{line_col, Diagnostic, Severity, Span};
+
+/// A program failed to parse or check.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{rendered}")]
+pub struct CompileError {
+    /// Every diagnostic, errors and warnings, in source order.
+    pub diagnostics: Vec<Diagnostic>,
+    /// The diagnostics rendered against the source, without colour.
+    pub rendered: String,
+}
+
+/// A checked mask program, ready to plan for any lengths and parameters.
+#[derive(Debug, Clone)]
+pub struct Program {
+    ir: Arc<cm_ir::Program>,
+    source: Arc<str>,
+    name: Arc<str>,
+    warnings: Vec<Diagnostic>,
+}
+
+/// Compiles mask source text.
+///
+/// # Errors
+/// [`CompileError`] with every diagnostic when the source has a syntax or checking error.
+pub fn compile(source: &str) -> Result<Program, CompileError> {
+    compile_named(source, "<mask>")
+}
+
+/// Compiles source text, naming it `name` in diagnostics (a file name, say).
+///
+/// # Errors
+/// As [`compile`].
+pub fn compile_named(source: &str, name: &str) -> Result<Program, CompileError> {
+    let (ir, diagnostics) = cm_ir::compile(source);
+    match ir {
+        Some(ir) => Ok(Program {
+            ir: Arc::new(ir),
+            source: source.into(),
+            name: name.into(),
+            warnings: diagnostics,
+        }),
+        None => {
+            let rendered = render(source, name, &diagnostics);
+            Err(CompileError {
+                diagnostics,
+                rendered,
+            })
+        }
+    }
+}
+
+/// A built-in mask of the standard library (`causal`, `hstu`, `shared_prefix`, `clear`,
+/// `sliding_window`, `document_causal`, `trace_documents`, `trace_prompt_groups`, ...).
+///
+/// # Errors
+/// [`CompileError`] (code `CM0201`) naming the available built-ins when `name` is unknown.
+pub fn builtin(name: &str) -> Result<Program, CompileError> {
+    match cm_stdlib::get(name) {
+        Some(b) => compile_named(b.source, &format!("<builtin {name}>")),
+        None => {
+            let names: Vec<&str> = BUILTINS.iter().map(|b| b.name).collect();
+            let d = Diagnostic::error(
+                "CM0201",
+                Span::default(),
+                format!("unknown built-in mask `{name}`"),
+            )
+            .with_hint(format!("available: {}", names.join(", ")));
+            let rendered = format!(
+                "error[CM0201]: unknown built-in mask `{name}`\n  = hint: available: {}\n",
+                names.join(", ")
+            );
+            Err(CompileError {
+                diagnostics: vec![d],
+                rendered,
+            })
+        }
+    }
+}
+
+/// What to plan a program for.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    pub q_len: i64,
+    /// Defaults to `q_len`.
+    pub kv_len: Option<i64>,
+    pub batch: i64,
+    pub num_heads: i64,
+    pub params: BTreeMap<String, Value>,
+    /// Defaults to 128 x 128.
+    pub tile: TileShape,
+}
+
+impl PlanOptions {
+    pub fn new(q_len: i64) -> Self {
+        PlanOptions {
+            q_len,
+            kv_len: None,
+            batch: 1,
+            num_heads: 1,
+            params: BTreeMap::new(),
+            tile: TileShape::default(),
+        }
+    }
+
+    pub fn kv_len(mut self, kv_len: i64) -> Self {
+        self.kv_len = Some(kv_len);
+        self
+    }
+
+    pub fn param(mut self, name: &str, value: Value) -> Self {
+        self.params.insert(name.to_string(), value);
+        self
+    }
+
+    pub fn tile(mut self, block_m: u32, block_n: u32) -> Self {
+        self.tile = TileShape { block_m, block_n };
+        self
+    }
+
+    pub fn shape(&self) -> Shape {
+        Shape {
+            q_len: self.q_len,
+            kv_len: self.kv_len.unwrap_or(self.q_len),
+            batch: self.batch,
+            num_heads: self.num_heads,
+        }
+    }
+}
+
+impl Program {
+    /// Plans the program: binds lengths and parameters, solves every row, classifies
+    /// tiles and builds the transposes. No re-parsing; call it per batch with new lengths.
+    ///
+    /// # Errors
+    /// [`PlanError`] with a stable code: bad lengths or tile shapes, unknown or ill-typed
+    /// parameters, failed `require`s, arithmetic errors (division by zero, overflow) and
+    /// positions outside a segmentation or grid. Render it with [`Program::render_error`].
+    pub fn plan(&self, options: &PlanOptions) -> Result<Plan, PlanError> {
+        let bound = self.ir.bind(options.shape(), &options.params)?;
+        cm_plan::plan(&bound, options.tile)
+    }
+
+    /// Whether the key `k` is visible from row `q`, by the pairwise reference semantics
+    /// (O(1) per pair; for tests and spot checks).
+    ///
+    /// # Errors
+    /// As [`Program::plan`].
+    pub fn brute_force_row(
+        &self,
+        options: &PlanOptions,
+        q: i64,
+        b: i64,
+        h: i64,
+    ) -> Result<Vec<(u32, u32)>, PlanError> {
+        self.ir
+            .bind(options.shape(), &options.params)?
+            .brute_force_row(q, b, h)
+    }
+
+    /// The declared parameters: name, whether it is an integer array, whether it has a
+    /// default.
+    pub fn params(&self) -> Vec<(String, bool, bool)> {
+        self.ir
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.is_array, p.default.is_some()))
+            .collect()
+    }
+
+    /// Whether the mask reads the batch index `b` / the head index `h`.
+    pub fn depends_on_batch_head(&self) -> (bool, bool) {
+        (self.ir.uses_b, self.ir.uses_h)
+    }
+
+    /// Whether some region is evaluated pair by pair (`elementwise`).
+    pub fn uses_elementwise(&self) -> bool {
+        self.ir.mask.uses_elementwise()
+    }
+
+    /// Warnings found while checking.
+    pub fn warnings(&self) -> &[Diagnostic] {
+        &self.warnings
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A plan error rendered against this program's source.
+    pub fn render_error(&self, e: &PlanError) -> String {
+        match e.span {
+            Some(_) => render(&self.source, &self.name, &[e.to_diagnostic()]),
+            None => {
+                let mut s = format!("error[{}]: {}\n", e.code, e.message);
+                if let Some(h) = &e.hint {
+                    s.push_str(&format!("  = hint: {h}\n"));
+                }
+                s
+            }
+        }
+    }
+}
+
+/// Renders diagnostics against their source, without colour (ariadne).
+pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
+    use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
+    let mut out = Vec::new();
+    for d in diagnostics {
+        let kind = if d.is_error() {
+            ReportKind::Error
+        } else {
+            ReportKind::Warning
+        };
+        let start = (d.span.start as usize).min(source.len());
+        let end = (d.span.end as usize).clamp(start, source.len());
+        let mut report = Report::build(kind, (name, start..end))
+            .with_config(
+                Config::default()
+                    .with_color(false)
+                    .with_index_type(IndexType::Byte),
+            )
+            .with_code(d.code)
+            .with_message(&d.message)
+            .with_label(Label::new((name, start..end)).with_message(&d.label));
+        if let Some(h) = &d.hint {
+            report = report.with_help(h);
+        }
+        let (line, col) = line_col(source, d.span.start);
+        report = report.with_note(format!("at {name}:{line}:{col}"));
+        if report
+            .finish()
+            .write((name, Source::from(source)), &mut out)
+            .is_err()
+        {
+            out.extend_from_slice(
+                format!(
+                    "{}[{}]: {}\n",
+                    if d.is_error() { "error" } else { "warning" },
+                    d.code,
+                    d.message
+                )
+                .as_bytes(),
+            );
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Parses a `--set` style value: an integer, a comma-separated list, or `[a, b, c]`.
+///
+/// # Errors
+/// `CM0308` naming the text that is not an integer.
+pub fn parse_value(text: &str) -> Result<Value, PlanError> {
+    cm_ir::bind::parse_value(text)
+}
+
+/// Exports of one planned mask.
+pub mod export {
+    pub use cm_export::{cudnn_endpoints, dense, flashmask_bounds, flex_block_mask};
+}
+
+/// CPU reference attention with a plan's masks: `q` `[batch, num_heads, q_len, head_dim]`,
+/// `k` `[batch, num_kv_heads, kv_len, head_dim]`, `v` `[batch, num_kv_heads, kv_len,
+/// head_dim_v]`, contiguous. Returns `out` `[batch, num_heads, q_len, head_dim_v]` and
+/// `lse` `[batch, num_heads, q_len]` (natural log; `-inf` for rows with no visible key,
+/// whose output is 0).
+///
+/// # Errors
+/// [`ReferenceError`] when shapes disagree with each other or with the plan.
+pub fn attention<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    plan: &Plan,
+    softmax_scale: T,
+) -> Result<ForwardOutput<T>, ReferenceError> {
+    let masks: Vec<&RowIntervals> = plan.masks.iter().map(|m| &m.rows).collect();
+    // One distinct mask applies to every (batch, head); otherwise the plan's
+    // `[batch, num_heads]` index must match the tensors (the reference checks its length).
+    let index: Vec<usize> = if plan.masks.len() == 1 {
+        vec![0; shape.batch * shape.num_heads]
+    } else {
+        plan.mask_index.iter().map(|&i| i as usize).collect()
+    };
+    cm_reference::attention_forward(
+        shape,
+        q,
+        k,
+        v,
+        &Masks::indexed(&masks, &index),
+        softmax_scale,
+    )
+}

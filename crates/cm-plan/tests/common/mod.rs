@@ -14,11 +14,17 @@ pub fn compile(src: &str) -> Program {
 }
 
 pub fn builtin(name: &str) -> Program {
-    compile(cm_stdlib::get(name).unwrap_or_else(|| panic!("no builtin {name}")).source)
+    compile(
+        cm_stdlib::get(name)
+            .unwrap_or_else(|| panic!("no builtin {name}"))
+            .source,
+    )
 }
 
 pub fn params(list: &[(&str, Value)]) -> BTreeMap<String, Value> {
-    list.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    list.iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
 }
 
 pub fn arr(v: &[i64]) -> Value {
@@ -26,13 +32,25 @@ pub fn arr(v: &[i64]) -> Value {
 }
 
 pub fn shape(q_len: i64, kv_len: i64) -> Shape {
-    Shape { q_len, kv_len, batch: 1, num_heads: 1 }
+    Shape {
+        q_len,
+        kv_len,
+        batch: 1,
+        num_heads: 1,
+    }
 }
 
 /// Plans `program` and checks every row of every (batch, head) against brute force, and
 /// every tile class against a dense evaluation. Returns the plan.
-pub fn check_against_brute_force(program: &Program, shape: Shape, values: &BTreeMap<String, Value>, tile: TileShape) -> Plan {
-    let bound = program.bind(shape, values).unwrap_or_else(|e| panic!("bind failed: {e}"));
+pub fn check_against_brute_force(
+    program: &Program,
+    shape: Shape,
+    values: &BTreeMap<String, Value>,
+    tile: TileShape,
+) -> Plan {
+    let bound = program
+        .bind(shape, values)
+        .unwrap_or_else(|e| panic!("bind failed: {e}"));
     let plan = plan(&bound, tile).unwrap_or_else(|e| panic!("plan failed: {e}"));
     for b in 0..shape.batch {
         for h in 0..shape.num_heads {
@@ -41,7 +59,12 @@ pub fn check_against_brute_force(program: &Program, shape: Shape, values: &BTree
             let mut dense = vec![false; (shape.q_len * shape.kv_len) as usize];
             for q in 0..shape.q_len {
                 let want = bound.brute_force_row(q, b, h).unwrap();
-                let got: Vec<(u32, u32)> = m.rows.row(q as u32).iter().map(|iv| (iv.start, iv.end)).collect();
+                let got: Vec<(u32, u32)> = m
+                    .rows
+                    .row(q as u32)
+                    .iter()
+                    .map(|iv| (iv.start, iv.end))
+                    .collect();
                 assert_eq!(got, want, "row {q} (b={b}, h={h}) differs from brute force");
                 for (s, e) in want {
                     for k in s..e {
@@ -75,17 +98,35 @@ pub fn check_tiles(t: &cm_plan::TileDescriptor, dense: &[bool], q_len: u32, kv_l
             }
             if any {
                 computed += u64::from(rows.len() as u32) * u64::from(cols.len() as u32);
-                if all { full.push((m, n)) } else { partial.push((m, n)) }
+                if all {
+                    full.push((m, n))
+                } else {
+                    partial.push((m, n))
+                }
             }
         }
     }
     let csr = |off: &[u32], idx: &[u32]| -> Vec<(u32, u32)> {
-        off.windows(2).enumerate().flat_map(|(m, w)| idx[w[0] as usize..w[1] as usize].iter().map(move |&n| (m as u32, n))).collect()
+        off.windows(2)
+            .enumerate()
+            .flat_map(|(m, w)| {
+                idx[w[0] as usize..w[1] as usize]
+                    .iter()
+                    .map(move |&n| (m as u32, n))
+            })
+            .collect()
     };
-    assert_eq!(csr(&t.full_kv_offsets, &t.full_kv_indices), full, "full tiles");
+    assert_eq!(
+        csr(&t.full_kv_offsets, &t.full_kv_indices),
+        full,
+        "full tiles"
+    );
     assert_eq!(csr(&t.kv_offsets, &t.kv_indices), partial, "partial tiles");
     assert_eq!(t.computed_pairs, computed, "computed pairs");
-    let mut full_t: Vec<(u32, u32)> = csr(&t.full_q_offsets, &t.full_q_indices).into_iter().map(|(n, m)| (m, n)).collect();
+    let mut full_t: Vec<(u32, u32)> = csr(&t.full_q_offsets, &t.full_q_indices)
+        .into_iter()
+        .map(|(n, m)| (m, n))
+        .collect();
     full_t.sort();
     assert_eq!(full_t, full, "full transpose");
     let pt = csr(&t.q_offsets, &t.q_indices);
@@ -93,6 +134,10 @@ pub fn check_tiles(t: &cm_plan::TileDescriptor, dense: &[bool], q_len: u32, kv_l
     part_t.sort();
     assert_eq!(part_t, partial, "partial transpose");
     for (i, &(n, m)) in pt.iter().enumerate() {
-        assert_eq!(partial[t.q_partial_ids[i] as usize], (m, n), "q_partial_ids");
+        assert_eq!(
+            partial[t.q_partial_ids[i] as usize],
+            (m, n),
+            "q_partial_ids"
+        );
     }
 }
