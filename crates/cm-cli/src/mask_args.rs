@@ -14,10 +14,10 @@ pub struct MaskArgs {
     #[arg(long)]
     pub builtin: Option<String>,
     /// Number of query rows.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub q_len: i64,
     /// Number of keys (default: q_len). Positions are absolute (top-left aligned).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub kv_len: Option<i64>,
     /// Set a parameter: NAME=INT, NAME=A,B,C (an integer array) or NAME=@FILE (integers
     /// separated by commas or whitespace).
@@ -27,10 +27,10 @@ pub struct MaskArgs {
     #[arg(long, default_value = "128x128", value_parser = parse_tile)]
     pub tile: TileShape,
     /// Batch size, for masks that read the batch index `b`.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub batch: i64,
     /// Query heads, for masks that read the head index `h`.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub num_heads: i64,
 }
 

@@ -89,6 +89,7 @@ pub(crate) struct Launch {
 }
 
 const MAX_GRID_YZ: usize = 65535;
+const MAX_SEQ_LEN: u32 = i32::MAX as u32 - 256;
 
 fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error> {
     if addr % align != 0 {
@@ -139,6 +140,13 @@ pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch
     if sq != plan.q_len as usize || skv != plan.kv_len as usize {
         return Err(Error::invalid(format!(
             "q_len = {sq} and kv_len = {skv} (from q and k) do not match the plan's q_len = {} and kv_len = {}",
+            plan.q_len, plan.kv_len
+        )));
+    }
+    // The kernels do 32-bit signed arithmetic on key positions.
+    if plan.q_len > MAX_SEQ_LEN || plan.kv_len > MAX_SEQ_LEN {
+        return Err(Error::invalid(format!(
+            "q_len = {} and kv_len = {} must each be at most {MAX_SEQ_LEN}",
             plan.q_len, plan.kv_len
         )));
     }

@@ -112,15 +112,17 @@ impl LseLayout {
     }
 }
 
+/// Saturates at `usize::MAX` for absurd layouts, which then fail the length checks.
 fn span(shape: &[usize], strides: &[i64]) -> usize {
     if shape.contains(&0) {
         return 0;
     }
-    1 + shape
+    let last: u128 = shape
         .iter()
         .zip(strides)
-        .map(|(&n, &s)| (n - 1) * s.max(0) as usize)
-        .sum::<usize>()
+        .map(|(&n, &s)| (n as u128 - 1) * s.max(0) as u128)
+        .sum();
+    usize::try_from(last + 1).unwrap_or(usize::MAX)
 }
 
 fn check_strides(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) -> Result<(), Error> {

@@ -416,7 +416,9 @@ impl Program {
                 if msg.is_empty() {
                     msg = "a `require` of the mask does not hold".into();
                 }
-                return Err(PlanError::new("CM0305", Some(r.span), msg));
+                return Err(PlanError::new("CM0305", Some(r.span), msg).with_hint(
+                    "this `require` of the mask does not hold for the given lengths and parameters",
+                ));
             }
         }
         Ok(b)

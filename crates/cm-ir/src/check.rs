@@ -342,11 +342,11 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 });
             }
             Item::Require {
-                cond,
+                cond: cond_expr,
                 message,
-                span,
+                ..
             } => {
-                let Ok(cond) = c.expect_bool(cond, Ctx::Const) else {
+                let Ok(cond) = c.expect_bool(cond_expr, Ctx::Const) else {
                     continue;
                 };
                 let mut parts = Vec::new();
@@ -363,7 +363,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 requires.push(Require {
                     cond,
                     message: parts,
-                    span: *span,
+                    span: cond_expr.span,
                 });
             }
             Item::Mask { value, span } => {
