@@ -226,3 +226,27 @@ fn driver_present() -> bool {
     // library has no preconditions.
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without kernels or without a GPU, opening the runtime is an error that
+    /// says what is missing, never a panic.
+    #[test]
+    fn missing_kernels_or_driver_is_a_clear_error() {
+        match Runtime::new_on_device(0) {
+            Ok(_) => {} // a machine with a Hopper GPU and embedded kernels
+            Err(Error::KernelsUnavailable(msg)) => {
+                assert!(
+                    msg.contains("CM_NVRTC_DIR") && crate::embedded_kernels().is_err(),
+                    "{msg}"
+                );
+            }
+            Err(Error::DriverUnavailable) => {
+                assert_eq!(crate::embedded_kernels().unwrap().len(), VARIANTS.len())
+            }
+            Err(e) => assert!(matches!(e, Error::UnsupportedDevice(_)), "{e}"),
+        }
+    }
+}
