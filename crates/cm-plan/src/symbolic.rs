@@ -879,23 +879,86 @@ impl<'a, 'p> Solver<'a, 'p> {
             Metric::L1 => d.abs(),
             Metric::Linf => 0,
         };
-        let mut out = Vec::new();
-        let Some(rt) = reach(0) else { return Ok(out) };
+        let Some(rt) = reach(0) else {
+            return Ok(Vec::new());
+        };
         let t_range = if nd == 3 {
             (-rt).max(-tq)..=rt.min(td - 1 - tq)
         } else {
             0..=0
         };
+        // One run per grid row within reach: (flattened row, half-width).
+        let mut runs: Vec<(i64, i64)> = Vec::new();
         for dt in t_range {
             let Some(ry) = reach(cost(dt)) else { continue };
             for dy in (-ry).max(-yq)..=ry.min(hd - 1 - yq) {
-                let Some(rx) = reach(cost(dt) + cost(dy)) else {
-                    continue;
-                };
-                let row = (tq + dt) * hd + (yq + dy);
-                let xlo = self.sub(p, xq, Aff::c(rx), span)?;
-                let xhi = self.add(p, xq, Aff::c(rx + 1), span)?;
-                self.push_grid_row(p, &mut out, g, row, (xlo, xhi), span)?;
+                if let Some(rx) = reach(cost(dt) + cost(dy)) {
+                    runs.push(((tq + dt) * hd + (yq + dy), rx));
+                }
+            }
+        }
+        // x is affine in q over the piece (slope 0 or 1). Every clamp below flips at most
+        // once; split at the first flip so that each is uniform, then build the runs with
+        // plain arithmetic.
+        let w = gv.dims[nd - 1];
+        let kv_len = self.bound.shape.kv_len;
+        let (x0, slope) = (xq.v0, xq.a);
+        if slope != 0 {
+            let mut first = i64::MAX;
+            let mut flip_at = |t: i64| {
+                if t > 0 && t < p.n {
+                    first = first.min(t);
+                }
+            };
+            for &(row, rx) in &runs {
+                let base = gv.at + row * w;
+                flip_at(rx.saturating_sub(x0));
+                flip_at(w.saturating_sub(rx).saturating_sub(x0));
+                flip_at(
+                    kv_len
+                        .saturating_sub(base)
+                        .saturating_sub(rx)
+                        .saturating_sub(x0),
+                );
+                flip_at(
+                    kv_len
+                        .saturating_sub(base)
+                        .saturating_add(rx)
+                        .saturating_sub(x0),
+                );
+            }
+            if first != i64::MAX {
+                return Err(Flow::Split(p.q0 + first));
+            }
+        }
+        let mut out: Vec<Iv> = Vec::with_capacity(runs.len());
+        for &(row, rx) in &runs {
+            let base = gv.at + row * w;
+            let lo = if x0 < rx {
+                Aff::c(base)
+            } else {
+                Aff {
+                    v0: base + x0 - rx,
+                    a: slope,
+                }
+            };
+            let hi = if x0.saturating_add(rx) >= w {
+                Aff::c(base + w)
+            } else {
+                Aff {
+                    v0: base + x0 + rx + 1,
+                    a: slope,
+                }
+            };
+            let hi = if hi.v0 > kv_len { Aff::c(kv_len) } else { hi };
+            if lo.v0 >= hi.v0 {
+                continue;
+            }
+            match out.last_mut() {
+                // Only a run clamped to the end of its grid row can touch the next row's
+                // run, and only when that one is clamped to its start: both constant.
+                Some(last) if lo.v0 <= last.e.v0 => last.e = hi,
+                _ => out.push(Iv { s: lo, e: hi }),
             }
         }
         Ok(out)

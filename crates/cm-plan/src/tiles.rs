@@ -77,18 +77,38 @@ fn ceil_div(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
 }
 
-/// Merges sorted-by-start intervals in place into maximal ones (touching runs join).
-fn merge_sorted(v: &mut Vec<KeyInterval>) {
-    let mut w = 0usize;
-    for i in 0..v.len() {
-        if w > 0 && v[i].start <= v[w - 1].end {
-            v[w - 1].end = v[w - 1].end.max(v[i].end);
-        } else {
-            v[w] = v[i];
-            w += 1;
+/// Merges one row's intervals, as inclusive key-tile ranges, into the sorted, merged
+/// ranges `acc` (adjacent ranges join).
+fn merge_tile_ranges(
+    acc: &mut Vec<(u32, u32)>,
+    scratch: &mut Vec<(u32, u32)>,
+    row: &[KeyInterval],
+    bn: u32,
+) {
+    let tiles = |iv: &KeyInterval| (iv.start / bn, (iv.end - 1) / bn);
+    if let ([last], [iv]) = (acc.as_mut_slice(), row) {
+        let (a, b) = tiles(iv);
+        if a <= last.1 + 1 && last.0 <= b + 1 {
+            *last = (last.0.min(a), last.1.max(b));
+            return;
         }
     }
-    v.truncate(w);
+    scratch.clear();
+    let (mut i, mut j) = (0usize, 0usize);
+    while i < acc.len() || j < row.len() {
+        let next = if j >= row.len() || (i < acc.len() && acc[i].0 <= row[j].start / bn) {
+            i += 1;
+            acc[i - 1]
+        } else {
+            j += 1;
+            tiles(&row[j - 1])
+        };
+        match scratch.last_mut() {
+            Some(last) if next.0 <= last.1 + 1 => last.1 = last.1.max(next.1),
+            _ => scratch.push(next),
+        }
+    }
+    std::mem::swap(acc, scratch);
 }
 
 fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterval>) {
@@ -109,8 +129,8 @@ fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterva
 }
 
 impl TileDescriptor {
-    /// Classifies every tile of `rows` at `tile`. Cost O(rows x intervals x log + non-empty
-    /// tiles x block_m).
+    /// Classifies every tile of `rows` at `tile`. Cost O(rows x intervals + non-empty tiles x
+    /// block_m).
     ///
     /// # Panics
     /// If a block size is zero (the facade validates tile shapes first).
@@ -124,7 +144,6 @@ impl TileDescriptor {
         let num_m = ceil_div(q_len, bm);
         let num_n = ceil_div(kv_len, bn);
         let row_ptr = rows.row_ptr();
-        let all = rows.intervals();
         let mut d = TileDescriptor {
             tile,
             q_len,
@@ -145,58 +164,65 @@ impl TileDescriptor {
         };
         d.kv_offsets.push(0);
         d.full_kv_offsets.push(0);
-        let mut union: Vec<KeyInterval> = Vec::new();
+        let mut touched_ranges: Vec<(u32, u32)> = Vec::new();
+        let mut scratch_ranges: Vec<(u32, u32)> = Vec::new();
         let mut inter: Vec<KeyInterval> = Vec::new();
         let mut scratch: Vec<KeyInterval> = Vec::new();
-        let mut touched: Vec<u32> = Vec::new();
-        let mut full: Vec<u32> = Vec::new();
+        let mut full: Vec<(u32, u32)> = Vec::new();
         for m in 0..num_m {
             let r0 = m * bm;
             let r1 = (r0 + bm).min(q_len);
-            union.clear();
-            union.extend_from_slice(
-                &all[row_ptr[r0 as usize] as usize..row_ptr[r1 as usize] as usize],
-            );
-            union.sort_unstable_by_key(|iv| iv.start);
-            merge_sorted(&mut union);
+            // Key tiles any row of the block touches, as merged inclusive tile-index ranges;
+            // rows are merged one by one (each row is sorted), so no sort is needed.
+            touched_ranges.clear();
+            for q in r0..r1 {
+                merge_tile_ranges(&mut touched_ranges, &mut scratch_ranges, rows.row(q), bn);
+            }
             inter.clear();
             inter.extend_from_slice(rows.row(r0));
             for q in r0 + 1..r1 {
-                if inter.is_empty() {
-                    break;
+                let row = rows.row(q);
+                match (inter.as_mut_slice(), row) {
+                    ([], _) => break,
+                    // The common single-interval case needs no scratch list.
+                    ([only], [iv]) => {
+                        only.start = only.start.max(iv.start);
+                        only.end = only.end.min(iv.end);
+                        if only.start >= only.end {
+                            inter.clear();
+                        }
+                    }
+                    _ => {
+                        intersect_into(&inter, row, &mut scratch);
+                        std::mem::swap(&mut inter, &mut scratch);
+                    }
                 }
-                intersect_into(&inter, rows.row(q), &mut scratch);
-                std::mem::swap(&mut inter, &mut scratch);
             }
-            touched.clear();
-            for iv in &union {
-                let first = iv.start / bn;
-                let last = (iv.end - 1) / bn;
-                let from = match touched.last() {
-                    Some(&t) if t >= first => t + 1,
-                    _ => first,
-                };
-                touched.extend(from..=last);
-            }
+            // Full tiles: those whose in-range keys lie inside the intersection of all rows.
             full.clear();
             for iv in &inter {
                 let first = ceil_div(iv.start, bn);
                 let last_excl = if iv.end == kv_len { num_n } else { iv.end / bn };
-                full.extend(first..last_excl.max(first));
+                if first < last_excl {
+                    full.push((first, last_excl));
+                }
             }
             let rows_in = u64::from(r1 - r0);
             let mut fi = 0usize;
-            for &n in &touched {
-                let cols_in = u64::from((n * bn + bn).min(kv_len) - n * bn);
+            for &(first, last) in &touched_ranges {
+                let end = last + 1;
+                let cols_in = u64::from((end * bn).min(kv_len) - first * bn);
                 d.computed_pairs += rows_in * cols_in;
-                while fi < full.len() && full[fi] < n {
+                // Split [first, end) into partial and full runs; full runs lie inside it.
+                let mut at = first;
+                while fi < full.len() && full[fi].0 < end {
+                    let (fs, fe) = full[fi];
+                    d.kv_indices.extend(at..fs);
+                    d.full_kv_indices.extend(fs..fe);
+                    at = fe;
                     fi += 1;
                 }
-                if fi < full.len() && full[fi] == n {
-                    d.full_kv_indices.push(n);
-                } else {
-                    d.kv_indices.push(n);
-                }
+                d.kv_indices.extend(at..end);
             }
             let partial_start = d.kv_offsets[m as usize] as usize;
             d.kv_offsets.push(d.kv_indices.len() as u32);
