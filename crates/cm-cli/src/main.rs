@@ -176,6 +176,17 @@ fn run(command: Command) -> Result<ExitCode> {
                 "elementwise_pairs": plan.elementwise_pairs,
                 "compile_ms": ms,
             });
+            let mut out = out;
+            if let Some(o) = &plan.order {
+                out["order"] = json!({
+                    "patch": o.patch,
+                    "traversal": o.traversal,
+                    "raster_computed_pairs": plan.raster_computed_pairs,
+                    "tile_density_before": plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64,
+                    "tile_density_after": plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64,
+                    "candidates": plan.order_candidates,
+                });
+            }
             if json {
                 println!("{out}");
             } else {
@@ -205,6 +216,11 @@ fn run(command: Command) -> Result<ExitCode> {
                     plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64
                 );
                 println!("  descriptor      {} bytes", plan.descriptor_bytes());
+                if let Some(o) = &plan.order {
+                    let before =
+                        plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64;
+                    println!("  token order     patch {:?} {:?}: tile density {before:.3} in raster order", o.patch, o.traversal);
+                }
                 if plan.elementwise_pairs > 0 {
                     println!(
                         "  elementwise     {} pairs evaluated one by one",

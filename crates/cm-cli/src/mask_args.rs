@@ -3,7 +3,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use compilemask::{PlanOptions, Program, TileShape, Value};
+use compilemask::{OrderRequest, PlanOptions, Program, TileShape, Value};
 
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
@@ -29,6 +29,11 @@ pub struct MaskArgs {
     /// Batch size, for masks that read the batch index `b`.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub batch: i64,
+    /// Token order to plan in: `raster` (the program's positions), `auto` (the best patch
+    /// order of the mask's grid, for 2D/3D local masks) or a file holding a permutation of
+    /// [0, q_len) (`order[new] = original`, integers separated by commas or whitespace).
+    #[arg(long, default_value = "raster")]
+    pub order: String,
     /// Query heads, for masks that read the head index `h`.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub num_heads: i64,
@@ -79,6 +84,21 @@ impl MaskArgs {
         o.batch = self.batch;
         o.num_heads = self.num_heads;
         o.tile = self.tile;
+        o.order = match self.order.as_str() {
+            "raster" => OrderRequest::Raster,
+            "auto" => OrderRequest::Auto,
+            path => {
+                let t = std::fs::read_to_string(path).with_context(|| {
+                    format!("--order: `{path}` is not `raster`, `auto` or a readable file")
+                })?;
+                let order: Result<Vec<u32>, _> = t
+                    .split(|c: char| c == ',' || c.is_whitespace())
+                    .filter(|x| !x.is_empty())
+                    .map(str::parse::<u32>)
+                    .collect();
+                OrderRequest::Explicit(order.map_err(|_| anyhow!("--order {path}: expected non-negative integers separated by commas or whitespace"))?)
+            }
+        };
         for s in &self.set {
             let (name, value) = s
                 .split_once('=')

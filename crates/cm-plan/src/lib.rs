@@ -7,11 +7,13 @@
 //! tile classes are exact; cost grows with rows x intervals and non-empty tiles, never
 //! with `q_len x kv_len` (except inside `elementwise`, which is counted and reported).
 
+pub mod order;
 pub mod plan;
 pub mod rows;
 pub mod symbolic;
 pub mod tiles;
 
-pub use plan::{plan, MaskPlan, Plan};
+pub use order::{TokenOrder, Traversal};
+pub use plan::{plan, plan_in_order, MaskPlan, OrderRequest, Plan};
 pub use rows::{KeyInterval, RowIntervals};
 pub use tiles::{TileCounts, TileDescriptor, TileShape};

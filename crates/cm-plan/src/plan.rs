@@ -1,6 +1,7 @@
 //! The planning driver: a bound program becomes a [`Plan`], one [`MaskPlan`] (row
 //! intervals + tile descriptor) per distinct (batch, head) mask, shared where equal.
 
+use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::rows::RowIntervals;
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
@@ -35,6 +36,23 @@ pub struct Plan {
     pub elementwise_pairs: u64,
     /// Pieces (runs of rows with affine interval endpoints) the solver used.
     pub pieces: u64,
+    /// The token order the masks are planned in (`None`: the program's own positions).
+    pub order: Option<TokenOrder>,
+    /// With `--order auto`: every candidate order's computed pairs, best first.
+    pub order_candidates: Vec<Candidate>,
+    /// Computed pairs of the first mask in the program's own order (for comparison).
+    pub raster_computed_pairs: u64,
+}
+
+/// Which token order to plan in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OrderRequest {
+    /// The program's own positions.
+    Raster,
+    /// The best patch order of the program's first grid (see [`crate::order`]).
+    Auto,
+    /// An explicit permutation: `order[new] = original`.
+    Explicit(Vec<u32>),
 }
 
 impl Plan {
@@ -150,11 +168,22 @@ pub fn row_intervals(
     Ok(rows)
 }
 
-/// Plans a bound program at a tile shape.
+/// Plans a bound program at a tile shape, in the program's own positions.
 ///
 /// # Errors
 /// `CM0401` for a zero block size; any plan-time error of the mask (with its span).
 pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
+    plan_in_order(bound, tile, &OrderRequest::Raster)
+}
+
+/// Plans a bound program at a tile shape in a token order (queries and keys permuted
+/// together). Row `i` of each mask is the program's row `order[i]` with keys renumbered.
+///
+/// # Errors
+/// As [`plan`]; `CM0405` when an order is asked for with `q_len != kv_len`, `CM0406` for
+/// `Auto` on a mask without a grid, `CM0407` for an explicit order that is not a
+/// permutation of `[0, q_len)`.
+pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(PlanError::new(
             "CM0401",
@@ -166,6 +195,9 @@ pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
         ));
     }
     let shape = bound.shape;
+    if *request != OrderRequest::Raster && shape.q_len != shape.kv_len {
+        return Err(PlanError::new("CM0405", None, format!("a token order permutes queries and keys together; it needs q_len == kv_len, got {} and {}", shape.q_len, shape.kv_len)));
+    }
     let program = bound.program;
     let solver = Solver::new(bound);
     let bs = if program.uses_b { shape.batch } else { 1 };
@@ -174,9 +206,35 @@ pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
     let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
     let mut local = vec![0u32; (bs * hs) as usize];
     let mut pieces = 0u64;
+    let mut order: Option<TokenOrder> = None;
+    let mut order_candidates = Vec::new();
+    let mut raster_computed_pairs = 0u64;
     for b in 0..bs {
         for h in 0..hs {
-            let rows = row_intervals(&solver, b, h, &mut pieces)?;
+            let mut rows = row_intervals(&solver, b, h, &mut pieces)?;
+            if b == 0 && h == 0 && *request != OrderRequest::Raster {
+                raster_computed_pairs = computed_pairs(&rows, tile);
+                order = match request {
+                    OrderRequest::Raster => None,
+                    OrderRequest::Explicit(o) => Some(
+                        TokenOrder::from_permutation(o.clone(), shape.q_len as u32).map_err(
+                            |e| PlanError::new("CM0407", None, format!("bad token order: {e}")),
+                        )?,
+                    ),
+                    OrderRequest::Auto => {
+                        let Some(grid) = bound.grids.first() else {
+                            return Err(PlanError::new("CM0406", None, "--order auto needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
+                                .with_hint("give an explicit order instead, or use raster"));
+                        };
+                        let (o, candidates) = choose_grid_order(&rows, grid, tile);
+                        order_candidates = candidates;
+                        Some(o)
+                    }
+                };
+            }
+            if let Some(o) = &order {
+                rows = permute_rows(&rows, o);
+            }
             let id = match seen.get(&rows) {
                 Some(&id) => id,
                 None => {
@@ -191,6 +249,9 @@ pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
             };
             local[(b * hs + h) as usize] = id;
         }
+    }
+    if order.is_none() {
+        raster_computed_pairs = masks[0].tiles.computed_pairs;
     }
     let mut mask_index = Vec::with_capacity((shape.batch * shape.num_heads) as usize);
     for b in 0..shape.batch {
@@ -210,5 +271,8 @@ pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
         mask_index,
         elementwise_pairs: solver.elementwise_pairs.get(),
         pieces,
+        order,
+        order_candidates,
+        raster_computed_pairs,
     })
 }

@@ -79,7 +79,7 @@ fn ceil_div(a: u32, b: u32) -> u32 {
 
 /// Merges one row's intervals, as inclusive key-tile ranges, into the sorted, merged
 /// ranges `acc` (adjacent ranges join).
-fn merge_tile_ranges(
+pub(crate) fn merge_tile_ranges(
     acc: &mut Vec<(u32, u32)>,
     scratch: &mut Vec<(u32, u32)>,
     row: &[KeyInterval],

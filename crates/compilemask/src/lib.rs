@@ -20,7 +20,8 @@ use std::sync::Arc;
 pub use cm_export::{CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT};
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
-    KeyInterval, MaskPlan, Plan, RowIntervals, TileCounts, TileDescriptor, TileShape,
+    KeyInterval, MaskPlan, OrderRequest, Plan, RowIntervals, TileCounts, TileDescriptor, TileShape,
+    TokenOrder, Traversal,
 };
 pub use cm_reference::{
     attention_backward, attention_forward, AttentionShape, Float, ForwardOutput, Gradients, Masks,
@@ -118,6 +119,9 @@ pub struct PlanOptions {
     pub params: BTreeMap<String, Value>,
     /// Defaults to 128 x 128.
     pub tile: TileShape,
+    /// The token order to plan in (default: the program's own positions). Orders permute
+    /// queries and keys together, so they need `q_len == kv_len`.
+    pub order: OrderRequest,
 }
 
 impl PlanOptions {
@@ -129,6 +133,7 @@ impl PlanOptions {
             num_heads: 1,
             params: BTreeMap::new(),
             tile: TileShape::default(),
+            order: OrderRequest::Raster,
         }
     }
 
@@ -167,7 +172,7 @@ impl Program {
     /// positions outside a segmentation or grid. Render it with [`Program::render_error`].
     pub fn plan(&self, options: &PlanOptions) -> Result<Plan, PlanError> {
         let bound = self.ir.bind(options.shape(), &options.params)?;
-        cm_plan::plan(&bound, options.tile)
+        cm_plan::plan_in_order(&bound, options.tile, &options.order)
     }
 
     /// Whether the key `k` is visible from row `q`, by the pairwise reference semantics

@@ -1,0 +1,374 @@
+//! Token orders for grid masks. In raster order a local 2D/3D window makes almost every
+//! tile partial; ordering the grid's tokens patch by patch packs each query tile's keys into
+//! fewer, denser key tiles. Attention is permutation-equivariant, so a model can keep its
+//! tokens in the better order; this module finds that order and plans masks in it.
+//!
+//! A [`TokenOrder`] maps new position `i` to original position `order[i]`. Planning in an
+//! order is exact: row `i` of the permuted mask is the original row `order[i]` with every
+//! key `k` moved to `inverse[k]`, merged into maximal intervals. Tokens before the grid
+//! (a text prefix, say) and after it keep their places.
+
+use crate::rows::RowIntervals;
+use crate::tiles::TileShape;
+use cm_ir::bind::GridVals;
+use serde::Serialize;
+
+/// How patches are visited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Traversal {
+    /// Patch rows top to bottom, each left to right.
+    RowMajor,
+    /// Patch rows alternate direction, so consecutive patches always touch.
+    Boustrophedon,
+    /// A Hilbert curve over the patch grid (per frame for 3D grids).
+    Hilbert,
+}
+
+/// A permutation of `[0, len)`: `order[new] = original`, `inverse[original] = new`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TokenOrder {
+    pub order: Vec<u32>,
+    #[serde(skip)]
+    pub inverse: Vec<u32>,
+    /// Patch extents (frames, rows, columns), or none for an explicit permutation.
+    pub patch: Option<[u32; 3]>,
+    pub traversal: Option<Traversal>,
+}
+
+impl TokenOrder {
+    /// The identity order (raster).
+    pub fn identity(len: u32) -> TokenOrder {
+        let order: Vec<u32> = (0..len).collect();
+        TokenOrder {
+            inverse: order.clone(),
+            order,
+            patch: None,
+            traversal: None,
+        }
+    }
+
+    /// An explicit permutation.
+    ///
+    /// # Errors
+    /// A message naming the first repeated or out-of-range entry, or a wrong length.
+    pub fn from_permutation(order: Vec<u32>, len: u32) -> Result<TokenOrder, String> {
+        if order.len() != len as usize {
+            return Err(format!(
+                "the order has {} entries; expected one per token, {len}",
+                order.len()
+            ));
+        }
+        let mut inverse = vec![u32::MAX; order.len()];
+        for (i, &o) in order.iter().enumerate() {
+            if o >= len {
+                return Err(format!("order[{i}] = {o} is out of range [0, {len})"));
+            }
+            if inverse[o as usize] != u32::MAX {
+                return Err(format!(
+                    "position {o} appears twice in the order (at {} and {i})",
+                    inverse[o as usize]
+                ));
+            }
+            inverse[o as usize] = i as u32;
+        }
+        Ok(TokenOrder {
+            order,
+            inverse,
+            patch: None,
+            traversal: None,
+        })
+    }
+
+    /// Grid tokens visited patch by patch; tokens outside the grid keep their positions.
+    /// `patch` is (frames, rows, columns), each clipped to the grid.
+    pub fn grid(len: u32, grid: &GridVals, patch: [u32; 3], traversal: Traversal) -> TokenOrder {
+        let nd = grid.dims.len();
+        let (t, h, w) = if nd == 3 {
+            (grid.dims[0], grid.dims[1], grid.dims[2])
+        } else {
+            (1, grid.dims[0], grid.dims[1])
+        };
+        let (t, h, w) = (t as u32, h as u32, w as u32);
+        let [pt, ph, pw] = [
+            patch[0].clamp(1, t),
+            patch[1].clamp(1, h),
+            patch[2].clamp(1, w),
+        ];
+        let (nt, nh, nw) = (t.div_ceil(pt), h.div_ceil(ph), w.div_ceil(pw));
+        let at = grid.at as u32;
+        let size = t * h * w;
+        let mut order: Vec<u32> = (0..at.min(len)).collect();
+        for bt in 0..nt {
+            for (by, bx) in patch_walk(nh, nw, traversal) {
+                for z in bt * pt..((bt + 1) * pt).min(t) {
+                    for y in by * ph..((by + 1) * ph).min(h) {
+                        for x in bx * pw..((bx + 1) * pw).min(w) {
+                            let p = at + (z * h + y) * w + x;
+                            if p < len {
+                                order.push(p);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        order.extend((at + size).min(len)..len);
+        let mut inverse = vec![0u32; len as usize];
+        for (i, &o) in order.iter().enumerate() {
+            inverse[o as usize] = i as u32;
+        }
+        TokenOrder {
+            order,
+            inverse,
+            patch: Some([pt, ph, pw]),
+            traversal: Some(traversal),
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.order.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+/// The (row, column) patch coordinates of an `nh x nw` patch grid in visiting order.
+fn patch_walk(nh: u32, nw: u32, traversal: Traversal) -> Vec<(u32, u32)> {
+    match traversal {
+        Traversal::RowMajor => (0..nh).flat_map(|y| (0..nw).map(move |x| (y, x))).collect(),
+        Traversal::Boustrophedon => (0..nh)
+            .flat_map(|y| (0..nw).map(move |x| (y, if y % 2 == 0 { x } else { nw - 1 - x })))
+            .collect(),
+        Traversal::Hilbert => {
+            let side = nh.max(nw).next_power_of_two();
+            (0..u64::from(side) * u64::from(side))
+                .map(|d| hilbert_d2xy(side, d))
+                .filter(|&(y, x)| y < nh && x < nw)
+                .collect()
+        }
+    }
+}
+
+/// Point `d` of the Hilbert curve filling a `side x side` square (side a power of two),
+/// as (row, column). The classic iterative construction (Wikipedia, "Hilbert curve").
+fn hilbert_d2xy(side: u32, d: u64) -> (u32, u32) {
+    let (mut x, mut y) = (0u64, 0u64);
+    let mut t = d;
+    let mut s = 1u64;
+    while s < u64::from(side) {
+        let rx = 1 & (t / 2);
+        let ry = 1 & (t ^ rx);
+        if ry == 0 {
+            if rx == 1 {
+                x = s - 1 - x;
+                y = s - 1 - y;
+            }
+            std::mem::swap(&mut x, &mut y);
+        }
+        x += s * rx;
+        y += s * ry;
+        t /= 4;
+        s *= 2;
+    }
+    (y as u32, x as u32)
+}
+
+/// The mask in a new token order (queries and keys both permuted).
+///
+/// # Panics
+/// If the order's length differs from `q_len` or `kv_len` (callers check).
+pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
+    let n = order.len();
+    assert!(
+        rows.q_len() == n && rows.kv_len() == n,
+        "callers check the order length"
+    );
+    let run = contiguous_runs(order);
+    let mut out = RowIntervals::with_capacity(n, n, rows.intervals().len() * 2);
+    let mut pieces: Vec<(u32, u32)> = Vec::new();
+    for i in 0..n {
+        pieces.clear();
+        for iv in rows.row(order.order[i as usize]) {
+            let mut k = iv.start;
+            while k < iv.end {
+                let len = run[k as usize].min(iv.end - k);
+                let start = order.inverse[k as usize];
+                pieces.push((start, start + len));
+                k += len;
+            }
+        }
+        pieces.sort_unstable();
+        let mut cur: Option<(u32, u32)> = None;
+        for &(s, e) in &pieces {
+            match &mut cur {
+                Some(c) if s <= c.1 => c.1 = c.1.max(e),
+                _ => {
+                    if let Some(c) = cur {
+                        out.push_row_interval(c.0, c.1);
+                    }
+                    cur = Some((s, e));
+                }
+            }
+        }
+        if let Some(c) = cur {
+            out.push_row_interval(c.0, c.1);
+        }
+        out.finish_row();
+    }
+    out
+}
+
+/// In-range pairs inside non-empty tiles: the work a tile kernel does (the same count as
+/// `TileDescriptor::computed_pairs`, without building the descriptor).
+pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
+    let (bm, bn) = (tile.block_m, tile.block_n);
+    let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+    let mut total = 0u64;
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    let mut scratch = Vec::new();
+    for m in 0..q_len.div_ceil(bm) {
+        let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
+        ranges.clear();
+        for q in r0..r1 {
+            crate::tiles::merge_tile_ranges(&mut ranges, &mut scratch, rows.row(q), bn);
+        }
+        let cols: u64 = ranges
+            .iter()
+            .map(|&(a, b)| u64::from(((b + 1) * bn).min(kv_len) - a * bn))
+            .sum();
+        total += u64::from(r1 - r0) * cols;
+    }
+    total
+}
+
+/// The computed pairs of `rows` planned in `order`, without building the permuted rows:
+/// each query block stamps the key tiles its rows' runs land on. O(runs after permutation).
+pub fn computed_pairs_in_order(
+    rows: &RowIntervals,
+    order: &TokenOrder,
+    run: &[u32],
+    tile: TileShape,
+) -> u64 {
+    let (bm, bn) = (tile.block_m, tile.block_n);
+    let n = order.len();
+    let num_n = n.div_ceil(bn) as usize;
+    let mut stamp = vec![u32::MAX; num_n];
+    let mut total = 0u64;
+    for m in 0..n.div_ceil(bm) {
+        let (r0, r1) = (m * bm, ((m + 1) * bm).min(n));
+        let mut cols = 0u64;
+        for i in r0..r1 {
+            for iv in rows.row(order.order[i as usize]) {
+                let mut k = iv.start;
+                while k < iv.end {
+                    let len = run[k as usize].min(iv.end - k);
+                    let start = order.inverse[k as usize];
+                    for t in start / bn..=(start + len - 1) / bn {
+                        if stamp[t as usize] != m {
+                            stamp[t as usize] = m;
+                            cols += u64::from(((t + 1) * bn).min(n) - t * bn);
+                        }
+                    }
+                    k += len;
+                }
+            }
+        }
+        total += u64::from(r1 - r0) * cols;
+    }
+    total
+}
+
+/// `run[k]`: how many keys from `k` on land on consecutive new positions.
+pub fn contiguous_runs(order: &TokenOrder) -> Vec<u32> {
+    let n = order.len() as usize;
+    let mut run = vec![1u32; n];
+    for k in (0..n.saturating_sub(1)).rev() {
+        if order.inverse[k + 1] == order.inverse[k] + 1 {
+            run[k] = run[k + 1] + 1;
+        }
+    }
+    run
+}
+
+/// One candidate order and its exact cost.
+#[derive(Clone, Debug, Serialize)]
+pub struct Candidate {
+    pub patch: [u32; 3],
+    pub traversal: Traversal,
+    pub computed_pairs: u64,
+}
+
+/// Patch shapes tried by [`choose_grid_order`] (frames, rows, columns); `u32::MAX` means
+/// the whole extent, so `[1, 1, MAX]` is raster order and `[1, 16, 1]` walks 16-row strips
+/// column by column.
+pub const PATCHES_2D: &[[u32; 3]] = &[
+    [1, 4, 32],
+    [1, 8, 8],
+    [1, 8, 16],
+    [1, 16, 8],
+    [1, 16, 16],
+    [1, 32, 8],
+    [1, 8, 32],
+    [1, 16, 1],
+    [1, 32, 1],
+];
+pub const PATCHES_3D: &[[u32; 3]] = &[
+    [1, 8, 16],
+    [1, 16, 8],
+    [2, 8, 8],
+    [4, 8, 8],
+    [2, 4, 16],
+    [4, 4, 8],
+    [1, 16, 16],
+    [2, 16, 4],
+    [5, 8, 4],
+];
+
+/// Finds the candidate grid order with the fewest computed pairs at `tile` (raster order
+/// included, so the result is never worse than raster). Returns the order and every
+/// candidate's score, best first.
+pub fn choose_grid_order(
+    rows: &RowIntervals,
+    grid: &GridVals,
+    tile: TileShape,
+) -> (TokenOrder, Vec<Candidate>) {
+    let n = rows.q_len();
+    let patches = if grid.dims.len() == 3 {
+        PATCHES_3D
+    } else {
+        PATCHES_2D
+    };
+    let raster = computed_pairs(rows, tile);
+    let mut scored = vec![Candidate {
+        patch: [1, 1, u32::MAX],
+        traversal: Traversal::RowMajor,
+        computed_pairs: raster,
+    }];
+    let mut best: Option<(u64, TokenOrder)> = None;
+    for &patch in patches {
+        for traversal in [
+            Traversal::RowMajor,
+            Traversal::Boustrophedon,
+            Traversal::Hilbert,
+        ] {
+            let order = TokenOrder::grid(n, grid, patch, traversal);
+            let cost = computed_pairs_in_order(rows, &order, &contiguous_runs(&order), tile);
+            scored.push(Candidate {
+                patch: order.patch.unwrap_or(patch),
+                traversal,
+                computed_pairs: cost,
+            });
+            if cost < raster && best.as_ref().is_none_or(|(c, _)| cost < *c) {
+                best = Some((cost, order));
+            }
+        }
+    }
+    scored.sort_by_key(|c| c.computed_pairs);
+    (
+        best.map_or_else(|| TokenOrder::identity(n), |(_, o)| o),
+        scored,
+    )
+}
