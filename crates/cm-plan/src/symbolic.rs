@@ -360,11 +360,7 @@ impl<'a, 'p> Solver<'a, 'p> {
     fn seg_index(&self, p: &Piece, s: SegId, pos: Aff, span: Span) -> F<usize> {
         let t = &self.bound.segs[s];
         let fill = t.fill();
-        let inside = |v: i64| (0..fill).contains(&v);
-        if let Some(sp) = self.split_where(p, |x| inside(pos.at(x))) {
-            return Err(sp);
-        }
-        if !inside(pos.v0) {
+        if !self.within(p, pos, 0, fill)? {
             let name = &self.bound.program.segs[s].name;
             return Err(PlanError::new(
                 "CM0303",
@@ -379,21 +375,65 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         let i0 = t.index_of(pos.v0);
         if pos.a != 0 {
-            let (lo, hi) = (t.starts[i0], t.starts[i0 + 1]);
-            if let Some(sp) = self.split_where(p, |x| (lo..hi).contains(&pos.at(x))) {
-                return Err(sp);
-            }
+            self.within(p, pos, t.starts[i0], t.starts[i0 + 1])?;
         }
         Ok(i0)
     }
 
     fn in_grid(&self, p: &Piece, g: GridId, pos: Aff) -> F<bool> {
         let gv = &self.bound.grids[g];
-        let inside = |v: i64| v >= gv.at && v - gv.at < gv.size;
-        if let Some(sp) = self.split_where(p, |x| inside(pos.at(x))) {
-            return Err(sp);
+        self.within(p, pos, gv.at, gv.at.saturating_add(gv.size))
+    }
+
+    /// Whether `pos` lies in `[lo, hi)`, uniformly over the piece, or a split at the first
+    /// row where that changes. Membership of an affine value can change twice (entering,
+    /// then leaving), so this is not a monotone predicate for `split_where`.
+    fn within(&self, p: &Piece, pos: Aff, lo: i64, hi: i64) -> F<bool> {
+        let inside = |t: i64| (lo..hi).contains(&pos.at(t));
+        let first = inside(0);
+        if pos.a == 0 || p.n == 1 {
+            return Ok(first);
         }
-        Ok(inside(pos.v0))
+        // The first offset where the value reaches `target` (moving toward it).
+        let reach = |target: i64| -> i64 {
+            let d = i128::from(target) - i128::from(pos.v0);
+            let a = i128::from(pos.a);
+            // smallest t >= 0 with a*t >= d (a > 0) or a*t <= d (a < 0)
+            let t = if a > 0 {
+                (d + a - 1).div_euclid(a)
+            } else {
+                (-d + -a - 1).div_euclid(-a)
+            };
+            t.clamp(0, i128::from(i64::MAX)) as i64
+        };
+        let change = if first {
+            // Leaving through the far end.
+            if pos.a > 0 {
+                reach(hi)
+            } else {
+                reach(lo - 1)
+            }
+        } else if pos.a > 0 && pos.v0 < lo {
+            let t = reach(lo);
+            if t < p.n && inside(t) {
+                t
+            } else {
+                i64::MAX
+            }
+        } else if pos.a < 0 && pos.v0 >= hi {
+            let t = reach(hi - 1);
+            if t < p.n && inside(t) {
+                t
+            } else {
+                i64::MAX
+            }
+        } else {
+            i64::MAX
+        };
+        if change > 0 && change < p.n {
+            return Err(Flow::Split(p.q0 + change));
+        }
+        Ok(first)
     }
 
     /// Grid coordinates of `pos` (slowest axis first), for `pos` inside the grid.
@@ -444,10 +484,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let st = &self.bound.segs[*s];
                 let t = st.pieces.as_ref().expect("checked: composite segmentation");
                 let j = t.index_of(pv.v0);
-                let (lo, hi) = (t.bounds[j], t.bounds[j + 1]);
-                if let Some(sp) = self.split_where(p, |x| (lo..hi).contains(&pv.at(x))) {
-                    return Err(sp);
-                }
+                self.within(p, pv, t.bounds[j], t.bounds[j + 1])?;
                 let (a, b) = piece_range(t, st, *kind, pv.v0, seg);
                 Ok((Aff::c(a), Aff::c(b)))
             }
