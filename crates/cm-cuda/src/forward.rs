@@ -101,23 +101,26 @@ fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error> {
 }
 
 /// Every host-side check of a forward launch; no device work and no synchronisation.
-pub(crate) fn prepare(plan: &DevicePlan, a: &ForwardRaw) -> Result<Option<Launch>, Error> {
+pub(crate) fn prepare(
+    plan: &DevicePlan,
+    a: &ForwardRaw,
+    kernel_kind: KernelKind,
+) -> Result<Option<Launch>, Error> {
     let [b, h, sq, d] = a.q_layout.shape;
     let [kb, h_kv, skv, kd] = a.k_layout.shape;
     let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
-    let variant =
-        cm_kernels::find_variant(KernelKind::FwdSimple, a.dtype, head_dim).ok_or_else(|| {
-            let dims: Vec<String> = cm_kernels::VARIANTS
-                .iter()
-                .filter(|v| v.dtype == a.dtype)
-                .map(|v| v.head_dim.to_string())
-                .collect();
-            Error::invalid(format!(
-                "q: head_dim = {d} is not supported for {}; built head dims: {}",
-                a.dtype,
-                dims.join(", ")
-            ))
-        })?;
+    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim).ok_or_else(|| {
+        let dims: Vec<String> = cm_kernels::VARIANTS
+            .iter()
+            .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype)
+            .map(|v| v.head_dim.to_string())
+            .collect();
+        Error::invalid(format!(
+            "q: head_dim = {d} is not supported for {}; built head dims: {}",
+            a.dtype,
+            dims.join(", ")
+        ))
+    })?;
     let kernel: &Variant = &cm_kernels::VARIANTS[variant];
     if (kb, kd) != (b, d) {
         return Err(Error::invalid(format!(

@@ -39,7 +39,7 @@ mod layout;
 mod plan;
 mod runtime;
 
-pub use cm_kernels::DType;
+pub use cm_kernels::{DType, KernelKind};
 pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};

@@ -17,6 +17,7 @@ pub struct Runtime {
     ctx: Arc<CudaContext>,
     /// One function per entry of `cm_kernels::VARIANTS`.
     functions: Vec<CudaFunction>,
+    forward_kernel: KernelKind,
 }
 
 impl Runtime {
@@ -73,11 +74,36 @@ impl Runtime {
                     .map_err(|e| Error::driver("cuModuleGetFunction", e))
             })
             .collect::<Result<Vec<_>, Error>>()?;
-        Ok(Runtime { ctx, functions })
+        Ok(Runtime {
+            ctx,
+            functions,
+            forward_kernel: KernelKind::FwdWgmma,
+        })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// The kernel forward launches use: [`KernelKind::FwdWgmma`] unless set otherwise.
+    pub fn forward_kernel(&self) -> KernelKind {
+        self.forward_kernel
+    }
+
+    /// Chooses the forward kernel, e.g. [`KernelKind::FwdSimple`], the mma.sync reference
+    /// path. Plans are shared: every forward kernel uses the same tile shape.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a kernel that is not a forward kernel.
+    pub fn set_forward_kernel(&mut self, kernel: KernelKind) -> Result<(), Error> {
+        if !kernel.is_forward() {
+            return Err(Error::invalid(format!(
+                "{} is not a forward kernel",
+                kernel.name()
+            )));
+        }
+        self.forward_kernel = kernel;
+        Ok(())
     }
 
     /// Builds the tile descriptor of `rows` at the forward kernel's tile shape and uploads it
@@ -91,7 +117,7 @@ impl Runtime {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
-        let (block_m, block_n) = KernelKind::FwdSimple.tile();
+        let (block_m, block_n) = self.forward_kernel.tile();
         DevicePlan::upload(rows, TileShape { block_m, block_n }, stream)
     }
 
@@ -152,7 +178,7 @@ impl Runtime {
             lse,
             softmax_scale: args.softmax_scale,
         };
-        match prepare(plan, &raw)? {
+        match prepare(plan, &raw, self.forward_kernel)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }
@@ -180,7 +206,7 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
-        match prepare(plan, args)? {
+        match prepare(plan, args, self.forward_kernel)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }

@@ -5,7 +5,7 @@
 // key-length bound on a ragged last tile); empty tiles are never visited.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128).
-#include "common.cuh"
+#include "fwd_common.cuh"
 
 #ifndef CM_HEAD_DIM
 #error "CM_HEAD_DIM must be defined (64 or 128)"
@@ -139,86 +139,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_simple(const Cm
         }
         cm_cp_async_commit();
 
-        // Scale first, then mask, so a masked score is -inf whatever the sign of the scale.
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
-        }
-        if (it < num_partial) {
-            const u32* first = p.partial_row_first + (u64)(p_begin + it) * BLOCK_M;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const u32 r = warp * 16 + g + h * 8;
-                const u32 qrow = row0 + r;
-                // Bit (j * 2 + e) set: key key0 + j * 8 + t * 2 + e is visible from this row.
-                u32 visible = 0;
-                if (qrow < p.q_len) {
-                    const u32 end = p.row_ptr[qrow + 1];
-                    for (u32 i = first[r]; i < end; ++i) {
-                        const CmKeyInterval iv = p.intervals[i];
-                        if (iv.start >= key0 + BLOCK_N) break;
-                        const int lo = (int)max(iv.start, key0) - (int)key0;
-                        const int hi = (int)min(iv.end, key0 + BLOCK_N) - (int)key0;
-#pragma unroll
-                        for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int col = j * 8 + t * 2 + e;
-                                if (col >= lo && col < hi) visible |= 1u << (j * 2 + e);
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        if (!((visible >> (j * 2 + e)) & 1u)) s[j][h * 2 + e] = cm_neg_inf();
-                    }
-                }
-            }
-        } else if (key0 + BLOCK_N > p.kv_len) {
-            // A full tile may still overhang the end of the keys: in-range pairs are all
-            // visible, the zero-filled keys past kv_len must not be.
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (key0 + j * 8 + t * 2 + (e & 1) >= p.kv_len) s[j][e] = cm_neg_inf();
-                }
-            }
-        }
-
-        // Online softmax. A row with nothing visible so far keeps max -inf; exponentiating
-        // against 0 instead gives exp2(-inf) = 0 everywhere and never -inf - -inf = NaN.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = row_max[h];
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][h * 2], s[j][h * 2 + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = mx == cm_neg_inf() ? 0.f : mx;
-            const float alpha = cm_exp2(row_max[h] - m_use);
-            row_max[h] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pe = cm_exp2(s[j][h * 2 + e] - m_use);
-                    s[j][h * 2 + e] = pe;
-                    sum += pe;
-                }
-            }
-            row_sum[h] = row_sum[h] * alpha + sum;
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                acc_o[j][h * 2] *= alpha;
-                acc_o[j][h * 2 + 1] *= alpha;
-            }
-        }
+        cm_scale_and_mask(s, p, it < num_partial, p_begin + it, BLOCK_M, row0, key0, warp, g, t);
+        cm_online_softmax(s, row_max, row_sum, acc_o);
 
         cm_cp_async_wait<1>();  // V(it) landed (only K(it + 1) may be in flight)
         __syncthreads();
@@ -226,9 +148,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_simple(const Cm
             const u32 base = cm_smem_addr(sV);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                const u32 a[4] = {cm_pack2(s[2 * kk][0], s[2 * kk][1]), cm_pack2(s[2 * kk][2], s[2 * kk][3]),
-                                  cm_pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  cm_pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                u32 a[4];
+                cm_p_fragment(s, kk, a);
 #pragma unroll
                 for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
                     const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -248,26 +169,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_simple(const Cm
     }
     cm_cp_async_wait<0>();
 
-    // Epilogue: rows with an empty sum (no visible key) write 0 and lse -inf.
-    u16* o = p.o + batch * p.o_stride_batch + head * p.o_stride_head;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float sum = row_sum[h];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const u32 qrow = row0 + warp * 16 + g + h * 8;
-        if (qrow >= p.q_len) continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        u16* orow = o + (i64)qrow * p.o_stride_row;
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j) {
-            *reinterpret_cast<u32*>(orow + j * 8 + t * 2) =
-                cm_pack2(acc_o[j][h * 2] * inv, acc_o[j][h * 2 + 1] * inv);
-        }
-        if (p.lse != nullptr && t == 0) {
-            // row_max is log2-domain: lse = ln(sum_k exp(scale * s_k)) = max * ln2 + ln(sum).
-            p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + qrow] =
-                sum > 0.f ? row_max[h] * 0.69314718055994531f + logf(sum) : cm_neg_inf();
-        }
-    }
+    cm_store_output(p, acc_o, row_max, row_sum, batch, head, row0, warp, g, t);
 }

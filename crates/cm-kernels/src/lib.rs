@@ -41,12 +41,15 @@ impl fmt::Display for DType {
 pub enum KernelKind {
     /// `kernels/fwd_simple.cu`: mma.sync forward, the reference GPU path and fallback.
     FwdSimple,
+    /// `kernels/fwd_wgmma.cu`: Hopper forward on wgmma from swizzled shared memory.
+    FwdWgmma,
 }
 
 impl KernelKind {
     pub const fn name(self) -> &'static str {
         match self {
             KernelKind::FwdSimple => "fwd_simple",
+            KernelKind::FwdWgmma => "fwd_wgmma",
         }
     }
 
@@ -54,6 +57,7 @@ impl KernelKind {
     pub const fn source_file(self) -> &'static str {
         match self {
             KernelKind::FwdSimple => "fwd_simple.cu",
+            KernelKind::FwdWgmma => "fwd_wgmma.cu",
         }
     }
 
@@ -61,13 +65,14 @@ impl KernelKind {
     pub const fn entry_point(self) -> &'static str {
         match self {
             KernelKind::FwdSimple => "cm_fwd_simple",
+            KernelKind::FwdWgmma => "cm_fwd_wgmma",
         }
     }
 
     /// Forward kernels must compile with no register spills.
     pub const fn is_forward(self) -> bool {
         match self {
-            KernelKind::FwdSimple => true,
+            KernelKind::FwdSimple | KernelKind::FwdWgmma => true,
         }
     }
 
@@ -75,14 +80,14 @@ impl KernelKind {
     /// built at.
     pub const fn tile(self) -> (u32, u32) {
         match self {
-            KernelKind::FwdSimple => (64, 64),
+            KernelKind::FwdSimple | KernelKind::FwdWgmma => (64, 64),
         }
     }
 
     /// Threads per CTA.
     pub const fn threads(self) -> u32 {
         match self {
-            KernelKind::FwdSimple => 128,
+            KernelKind::FwdSimple | KernelKind::FwdWgmma => 128,
         }
     }
 }
@@ -118,28 +123,27 @@ impl Variant {
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index.
-pub const VARIANTS: [Variant; 4] = [
-    Variant {
-        kernel: KernelKind::FwdSimple,
-        dtype: DType::Bf16,
-        head_dim: 64,
-    },
-    Variant {
-        kernel: KernelKind::FwdSimple,
-        dtype: DType::Bf16,
-        head_dim: 128,
-    },
-    Variant {
-        kernel: KernelKind::FwdSimple,
-        dtype: DType::F16,
-        head_dim: 64,
-    },
-    Variant {
-        kernel: KernelKind::FwdSimple,
-        dtype: DType::F16,
-        head_dim: 128,
-    },
-];
+pub const VARIANTS: [Variant; 8] = {
+    use DType::{Bf16, F16};
+    use KernelKind::{FwdSimple, FwdWgmma};
+    const fn v(kernel: KernelKind, dtype: DType, head_dim: u32) -> Variant {
+        Variant {
+            kernel,
+            dtype,
+            head_dim,
+        }
+    }
+    [
+        v(FwdSimple, Bf16, 64),
+        v(FwdSimple, Bf16, 128),
+        v(FwdSimple, F16, 64),
+        v(FwdSimple, F16, 128),
+        v(FwdWgmma, Bf16, 64),
+        v(FwdWgmma, Bf16, 128),
+        v(FwdWgmma, F16, 64),
+        v(FwdWgmma, F16, 128),
+    ]
+};
 
 /// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
 pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<usize> {
@@ -153,7 +157,10 @@ pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<u
 /// compiled.
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("fwd_common.cuh", include_str!("../kernels/fwd_common.cuh")),
+    ("wgmma.cuh", include_str!("../kernels/wgmma.cuh")),
     ("fwd_simple.cu", include_str!("../kernels/fwd_simple.cu")),
+    ("fwd_wgmma.cu", include_str!("../kernels/fwd_wgmma.cu")),
 ];
 
 /// The target every CUBIN is built for: a real architecture, so NVRTC runs ptxas (which

@@ -12,7 +12,9 @@
 mod masks;
 mod reference;
 
-use cm_cuda::{DType, DevicePlan, Forward, ForwardRaw, LseLayout, Runtime, TensorLayout};
+use cm_cuda::{
+    DType, DevicePlan, Forward, ForwardRaw, KernelKind, LseLayout, Runtime, TensorLayout,
+};
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use reference::{round_to, Expected, Inputs, Shape};
@@ -370,17 +372,23 @@ fn cross_check(c: &Case, shape: Shape, x: &Inputs, exp: &Expected) -> Res<f64> {
     Ok(diff)
 }
 
-fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
+/// The forward kernels every case runs on, on the same inputs.
+const KERNELS: [KernelKind; 2] = [KernelKind::FwdWgmma, KernelKind::FwdSimple];
+
+/// Fills the output (and lse) with NaN so that an element the kernel leaves unwritten shows.
+fn poison(gpu: &Gpu, bufs: &mut Buffers, dtype: DType) -> Res<()> {
+    gpu.stream
+        .memcpy_htod(&vec![nan_bits(dtype); bufs.out_len], &mut bufs.out)?;
+    if let Some(l) = bufs.lse.as_mut() {
+        let n = l.len();
+        gpu.stream.memcpy_htod(&vec![f32::NAN; n], l)?;
+    }
+    Ok(())
+}
+
+fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
     let plan = gpu.rt.upload_plan(&c.mask, &gpu.stream)?;
     let (x, mut bufs) = setup(gpu, rng, c)?;
-    bufs.forward(gpu, &plan, c.dtype, c.softmax_scale)?;
-    gpu.stream.synchronize()?;
-    let out_mem = gpu.stream.clone_dtoh(&bufs.out)?;
-    let lse = bufs
-        .lse
-        .as_ref()
-        .map(|l| gpu.stream.clone_dtoh(l))
-        .transpose()?;
     let shape = shape_of(c);
     let rows_sel: Vec<u32> = (0..c.mask.q_len()).collect();
     let exp = reference::compute(
@@ -391,50 +399,67 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
         f64::from(c.softmax_scale),
         c.dtype,
     );
-    let mut chk = check(
-        c.dtype,
-        &c.mask,
-        shape,
-        &bufs.q_layout,
-        &out_mem,
-        lse.as_deref(),
-        &rows_sel,
-        &exp,
-    );
-    chk.stray_writes = stray_writes(c.dtype, &bufs.q_layout, &out_mem);
     let cross = if shape.q_len <= 1000 && shape.kv_len <= 1500 {
         Some(cross_check(c, shape, &x, &exp)?)
     } else {
         None
     };
-    let pass = chk.pass() && cross.is_none_or(|d| d < 1e-9);
-    println!(
-        "{} {:<44} max_err {:.2e} (dtype-emulated {:.2e}, tol {:.2e}) lse_err {:.1e} empty {} nan {} stray {}{}",
-        if pass { "PASS" } else { "FAIL" },
-        c.name,
-        chk.max_err,
-        chk.emulated_err,
-        chk.tolerance(),
-        chk.lse_err,
-        chk.empty_rows,
-        chk.nan,
-        chk.stray_writes,
-        cross.map_or(String::new(), |d| format!(" cm-reference diff {d:.1e}"))
-    );
-    let mut v = chk.json();
-    v["name"] = json!(c.name);
-    v["q_len"] = json!(shape.q_len);
-    v["kv_len"] = json!(shape.kv_len);
-    v["batch"] = json!(c.batch);
-    v["heads"] = json!(c.heads);
-    v["kv_heads"] = json!(c.kv_heads);
-    v["head_dim"] = json!(c.head_dim);
-    v["dtype"] = json!(c.dtype.name());
-    v["layout"] = json!(c.mem.name());
-    v["lse"] = json!(c.lse);
-    v["cm_reference_diff"] = json!(cross);
-    v["pass"] = json!(pass);
-    Ok(v)
+    let mut results = Vec::new();
+    for kernel in KERNELS {
+        gpu.rt.set_forward_kernel(kernel)?;
+        poison(gpu, &mut bufs, c.dtype)?;
+        bufs.forward(gpu, &plan, c.dtype, c.softmax_scale)?;
+        gpu.stream.synchronize()?;
+        let out_mem = gpu.stream.clone_dtoh(&bufs.out)?;
+        let lse = bufs
+            .lse
+            .as_ref()
+            .map(|l| gpu.stream.clone_dtoh(l))
+            .transpose()?;
+        let mut chk = check(
+            c.dtype,
+            &c.mask,
+            shape,
+            &bufs.q_layout,
+            &out_mem,
+            lse.as_deref(),
+            &rows_sel,
+            &exp,
+        );
+        chk.stray_writes = stray_writes(c.dtype, &bufs.q_layout, &out_mem);
+        let pass = chk.pass() && cross.is_none_or(|d| d < 1e-9);
+        println!(
+            "{} {:<10} {:<44} max_err {:.2e} (dtype-emulated {:.2e}, tol {:.2e}) lse_err {:.1e} empty {} nan {} stray {}{}",
+            if pass { "PASS" } else { "FAIL" },
+            kernel.name(),
+            c.name,
+            chk.max_err,
+            chk.emulated_err,
+            chk.tolerance(),
+            chk.lse_err,
+            chk.empty_rows,
+            chk.nan,
+            chk.stray_writes,
+            cross.map_or(String::new(), |d| format!(" cm-reference diff {d:.1e}"))
+        );
+        let mut v = chk.json();
+        v["kernel"] = json!(kernel.name());
+        v["name"] = json!(c.name);
+        v["q_len"] = json!(shape.q_len);
+        v["kv_len"] = json!(shape.kv_len);
+        v["batch"] = json!(c.batch);
+        v["heads"] = json!(c.heads);
+        v["kv_heads"] = json!(c.kv_heads);
+        v["head_dim"] = json!(c.head_dim);
+        v["dtype"] = json!(c.dtype.name());
+        v["layout"] = json!(c.mem.name());
+        v["lse"] = json!(c.lse);
+        v["cm_reference_diff"] = json!(cross);
+        v["pass"] = json!(pass);
+        results.push(v);
+    }
+    gpu.rt.set_forward_kernel(KernelKind::FwdWgmma)?;
+    Ok(results)
 }
 
 fn cases() -> Vec<Case> {
@@ -815,8 +840,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times one workload: correctness on sampled rows first, then CUDA-event timings.
-fn bench(gpu: &Gpu, rng: &mut Rng, name: &str, mask: RowIntervals) -> Res<Value> {
+/// Times one workload with every forward kernel: correctness on sampled rows first, then
+/// CUDA-event timings of back-to-back calls and host-observed single-call latency.
+fn bench(gpu: &mut Gpu, rng: &mut Rng, name: &str, mask: RowIntervals) -> Res<Vec<Value>> {
     let (heads, head_dim, dtype) = (16, 128, DType::Bf16);
     let c = Case {
         name: name.into(),
@@ -834,8 +860,6 @@ fn bench(gpu: &Gpu, rng: &mut Rng, name: &str, mask: RowIntervals) -> Res<Value>
     let plan = gpu.rt.upload_plan(&c.mask, &gpu.stream)?;
     let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
     let (x, mut bufs) = setup(gpu, rng, &c)?;
-    bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
-    gpu.stream.synchronize()?;
     let q_len = c.mask.q_len();
     let mut rows_sel = vec![0, 1, 63, 64, 65, q_len / 3, q_len / 2, q_len - 2, q_len - 1];
     rows_sel.extend((0..15).map(|_| (rng.next_u64() % u64::from(q_len)) as u32));
@@ -850,77 +874,87 @@ fn bench(gpu: &Gpu, rng: &mut Rng, name: &str, mask: RowIntervals) -> Res<Value>
         f64::from(c.softmax_scale),
         dtype,
     );
-    let out_mem = gpu.stream.clone_dtoh(&bufs.out)?;
-    let lse = bufs
-        .lse
-        .as_ref()
-        .map(|l| gpu.stream.clone_dtoh(l))
-        .transpose()?;
-    let chk = check(
-        dtype,
-        &c.mask,
-        shape,
-        &bufs.q_layout,
-        &out_mem,
-        lse.as_deref(),
-        &rows_sel,
-        &exp,
-    );
-
-    let ctx = gpu.rt.context();
-    for _ in 0..5 {
-        bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
-    }
-    const RUNS: usize = 60;
-    let events = (0..=RUNS)
-        .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
-        .collect::<Result<Vec<_>, _>>()?;
-    events[0].record(&gpu.stream)?;
-    for e in &events[1..] {
-        bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
-        e.record(&gpu.stream)?;
-    }
-    gpu.stream.synchronize()?;
-    let per_call: Vec<f64> = events
-        .windows(2)
-        .map(|w| w[0].elapsed_ms(&w[1]).map(f64::from))
-        .collect::<Result<_, _>>()?;
-    let med_ms = median(per_call.clone());
-    let mean_ms = per_call.iter().sum::<f64>() / RUNS as f64;
-    // Single-call latency: host enqueue to completion seen by the host.
-    let mut single = Vec::new();
-    let mut enqueue = Vec::new();
-    for _ in 0..20 {
-        let t = Instant::now();
-        bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
-        enqueue.push(t.elapsed().as_secs_f64() * 1e6);
-        gpu.stream.synchronize()?;
-        single.push(t.elapsed().as_secs_f64() * 1e3);
-    }
     let flops = 4.0 * heads as f64 * head_dim as f64 * plan.visible_pairs() as f64;
-    let tflops = flops / (med_ms * 1e-3) / 1e12;
     let density = plan.visible_pairs() as f64 / plan.computed_pairs() as f64;
     let counts = plan.tile_counts();
-    println!(
-        "{} bench {name:<26} q{q_len} H{heads} d{head_dim} bf16: median {med_ms:.3} ms ({tflops:.1} TFLOP/s), mean {mean_ms:.3} ms, \
-         single-call {:.3} ms, enqueue {:.1} us, tile density {:.3} (64x64: {} full, {} partial), plan {plan_ms:.1} ms, max_err {:.2e} (tol {:.2e})",
-        if chk.pass() { "PASS" } else { "FAIL" },
-        median(single.clone()),
-        median(enqueue.clone()),
-        density,
-        counts.full,
-        counts.partial,
-        chk.max_err,
-        chk.tolerance()
-    );
-    Ok(json!({
-        "workload": name, "q_len": q_len, "kv_len": c.mask.kv_len(), "batch": 1, "heads": heads,
-        "head_dim": head_dim, "dtype": "bf16", "visible_pairs": plan.visible_pairs(),
-        "computed_pairs": plan.computed_pairs(), "tile": "64x64", "tiles_full": counts.full,
-        "tiles_partial": counts.partial, "median_ms": med_ms, "mean_ms": mean_ms, "runs": RUNS,
-        "tflops": tflops, "single_call_ms": median(single), "enqueue_us": median(enqueue),
-        "plan_upload_ms": plan_ms, "sampled_rows_check": chk.json(), "pass": chk.pass(),
-    }))
+    let mut results = Vec::new();
+    for kernel in KERNELS {
+        gpu.rt.set_forward_kernel(kernel)?;
+        poison(gpu, &mut bufs, dtype)?;
+        bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
+        gpu.stream.synchronize()?;
+        let out_mem = gpu.stream.clone_dtoh(&bufs.out)?;
+        let lse = bufs
+            .lse
+            .as_ref()
+            .map(|l| gpu.stream.clone_dtoh(l))
+            .transpose()?;
+        let chk = check(
+            dtype,
+            &c.mask,
+            shape,
+            &bufs.q_layout,
+            &out_mem,
+            lse.as_deref(),
+            &rows_sel,
+            &exp,
+        );
+
+        let ctx = gpu.rt.context();
+        for _ in 0..5 {
+            bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
+        }
+        const RUNS: usize = 60;
+        let events = (0..=RUNS)
+            .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
+            .collect::<Result<Vec<_>, _>>()?;
+        events[0].record(&gpu.stream)?;
+        for e in &events[1..] {
+            bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
+            e.record(&gpu.stream)?;
+        }
+        gpu.stream.synchronize()?;
+        let per_call: Vec<f64> = events
+            .windows(2)
+            .map(|w| w[0].elapsed_ms(&w[1]).map(f64::from))
+            .collect::<Result<_, _>>()?;
+        let med_ms = median(per_call.clone());
+        let mean_ms = per_call.iter().sum::<f64>() / RUNS as f64;
+        // Single-call latency: host enqueue to completion seen by the host.
+        let mut single = Vec::new();
+        let mut enqueue = Vec::new();
+        for _ in 0..20 {
+            let t = Instant::now();
+            bufs.forward(gpu, &plan, dtype, c.softmax_scale)?;
+            enqueue.push(t.elapsed().as_secs_f64() * 1e6);
+            gpu.stream.synchronize()?;
+            single.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let tflops = flops / (med_ms * 1e-3) / 1e12;
+        println!(
+            "{} bench {:<10} {name:<24} q{q_len} H{heads} d{head_dim} bf16: median {med_ms:.3} ms ({tflops:.1} TFLOP/s), \
+             mean {mean_ms:.3} ms, single-call {:.3} ms, enqueue {:.1} us, tile density {density:.3} (64x64: {} full, {} partial), \
+             plan {plan_ms:.1} ms, max_err {:.2e} (tol {:.2e})",
+            if chk.pass() { "PASS" } else { "FAIL" },
+            kernel.name(),
+            median(single.clone()),
+            median(enqueue.clone()),
+            counts.full,
+            counts.partial,
+            chk.max_err,
+            chk.tolerance()
+        );
+        results.push(json!({
+            "workload": name, "kernel": kernel.name(), "q_len": q_len, "kv_len": c.mask.kv_len(), "batch": 1,
+            "heads": heads, "head_dim": head_dim, "dtype": "bf16", "visible_pairs": plan.visible_pairs(),
+            "computed_pairs": plan.computed_pairs(), "tile": "64x64", "tiles_full": counts.full,
+            "tiles_partial": counts.partial, "median_ms": med_ms, "mean_ms": mean_ms, "runs": RUNS,
+            "tflops": tflops, "single_call_ms": median(single), "enqueue_us": median(enqueue),
+            "plan_upload_ms": plan_ms, "sampled_rows_check": chk.json(), "pass": chk.pass(),
+        }));
+    }
+    gpu.rt.set_forward_kernel(KernelKind::FwdWgmma)?;
+    Ok(results)
 }
 
 fn kernels_json() -> Value {
@@ -984,7 +1018,7 @@ fn run(args: &Args, report: &mut Value) -> Res<bool> {
     unsafe {
         ctx.disable_event_tracking();
     }
-    let gpu = Gpu {
+    let mut gpu = Gpu {
         stream: ctx.new_stream()?,
         rt,
     };
@@ -993,9 +1027,10 @@ fn run(args: &Args, report: &mut Value) -> Res<bool> {
 
     let mut results = Vec::new();
     for c in cases() {
-        let v = run_case(&gpu, &mut rng, &c)?;
-        all_pass &= v["pass"] == json!(true);
-        results.push(v);
+        for v in run_case(&mut gpu, &mut rng, &c)? {
+            all_pass &= v["pass"] == json!(true);
+            results.push(v);
+        }
     }
     report["cases"] = Value::Array(results);
     let val = validation(&gpu)?;
@@ -1020,9 +1055,10 @@ fn run(args: &Args, report: &mut Value) -> Res<bool> {
                 masks::hstu(32768, &[2048, 1536, 3072, 1024, 2560, 512, 4096, 1280]),
             ),
         ] {
-            let v = bench(&gpu, &mut rng, name, mask)?;
-            all_pass &= v["pass"] == json!(true);
-            b.push(v);
+            for v in bench(&mut gpu, &mut rng, name, mask)? {
+                all_pass &= v["pass"] == json!(true);
+                b.push(v);
+            }
         }
         report["bench"] = Value::Array(b);
     }

@@ -1,0 +1,137 @@
+// Per-tile steps shared by the forward kernels. Both keep scores and output in the mma.sync
+// m16n8 accumulator layout (which is also wgmma's): warp w owns query rows 16 w + g and
+// 16 w + g + 8 of its block (g = lane / 4), and element [j][e] of a fragment is column
+// 8 j + 2 (lane % 4) + (e & 1) of row g + 8 (e >> 1).
+#pragma once
+#include "common.cuh"
+
+// Scales scores into the exp2 domain, then masks: a partial tile applies each row's intervals
+// from the descriptor, a full tile that overhangs kv_len masks the zero-filled keys past it.
+// Scaling first keeps a masked score at -inf whatever the sign of the scale.
+template <int NB>
+__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, bool partial,
+                                                  u32 partial_index, u32 block_m, u32 row0, u32 key0,
+                                                  int warp, int g, int t) {
+    constexpr u32 BN = NB * 8;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+    }
+    if (partial) {
+        const u32* first = p.partial_row_first + (u64)partial_index * block_m;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 r = warp * 16 + g + h * 8;
+            const u32 qrow = row0 + r;
+            // Bit (j * 2 + e) set: key key0 + j * 8 + t * 2 + e is visible from this row.
+            u32 visible = 0;
+            if (qrow < p.q_len) {
+                const u32 end = p.row_ptr[qrow + 1];
+                for (u32 i = first[r]; i < end; ++i) {
+                    const CmKeyInterval iv = p.intervals[i];
+                    if (iv.start >= key0 + BN) break;
+                    const int lo = (int)max(iv.start, key0) - (int)key0;
+                    const int hi = (int)min(iv.end, key0 + BN) - (int)key0;
+#pragma unroll
+                    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = j * 8 + t * 2 + e;
+                            if (col >= lo && col < hi) visible |= 1u << (j * 2 + e);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (!((visible >> (j * 2 + e)) & 1u)) s[j][h * 2 + e] = cm_neg_inf();
+                }
+            }
+        }
+    } else if (key0 + BN > p.kv_len) {
+        // In-range pairs of a full tile are all visible; the zero-filled keys past kv_len not.
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (key0 + j * 8 + t * 2 + (e & 1) >= p.kv_len) s[j][e] = cm_neg_inf();
+            }
+        }
+    }
+}
+
+// Online softmax over one tile: turns s into unnormalised probabilities, rescales the output
+// accumulator. A row with nothing visible so far keeps max -inf; exponentiating against 0
+// instead gives exp2(-inf) = 0 everywhere and never -inf - -inf = NaN.
+template <int NB, int ND>
+__device__ __forceinline__ void cm_online_softmax(float (&s)[NB][4], float (&row_max)[2], float (&row_sum)[2],
+                                                  float (&acc_o)[ND][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = row_max[h];
+#pragma unroll
+        for (int j = 0; j < NB; ++j) mx = fmaxf(mx, fmaxf(s[j][h * 2], s[j][h * 2 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == cm_neg_inf() ? 0.f : mx;
+        const float alpha = cm_exp2(row_max[h] - m_use);
+        row_max[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pe = cm_exp2(s[j][h * 2 + e] - m_use);
+                s[j][h * 2 + e] = pe;
+                sum += pe;
+            }
+        }
+        row_sum[h] = row_sum[h] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+            acc_o[j][h * 2] *= alpha;
+            acc_o[j][h * 2 + 1] *= alpha;
+        }
+    }
+}
+
+// The A fragment (16 rows x 16 keys) of probabilities for keys 16 kk .. 16 kk + 15, from the
+// score fragment: the m16n8 accumulator pairs are exactly the m16n8k16 A register pairs.
+template <int NB>
+__device__ __forceinline__ void cm_p_fragment(const float (&s)[NB][4], int kk, u32 (&a)[4]) {
+    a[0] = cm_pack2(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = cm_pack2(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = cm_pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = cm_pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Normalises and stores the warp's rows; rows with an empty sum (no visible key) write 0 and
+// lse -inf.
+template <int ND>
+__device__ __forceinline__ void cm_store_output(const CmFwdParams& p, const float (&acc_o)[ND][4],
+                                                const float (&row_max)[2], const float (&row_sum)[2],
+                                                u32 batch, u32 head, u32 row0, int warp, int g, int t) {
+    u16* o = p.o + batch * p.o_stride_batch + head * p.o_stride_head;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = row_sum[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const u32 qrow = row0 + warp * 16 + g + h * 8;
+        if (qrow >= p.q_len) continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        u16* orow = o + (i64)qrow * p.o_stride_row;
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+            *reinterpret_cast<u32*>(orow + j * 8 + t * 2) = cm_pack2(acc_o[j][h * 2] * inv, acc_o[j][h * 2 + 1] * inv);
+        }
+        if (p.lse != nullptr && t == 0) {
+            // row_max is log2-domain: lse = ln(sum_k exp(scale * s_k)) = max * ln2 + ln(sum).
+            p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + qrow] =
+                sum > 0.f ? row_max[h] * 0.69314718055994531f + logf(sum) : cm_neg_inf();
+        }
+    }
+}
