@@ -1,0 +1,381 @@
+//! Golden tests for rendered diagnostics: one program per stable code of
+//! docs/language.md, rendered without colour exactly as users see them.
+//!
+//! - Compile-time codes (CM01xx syntax, CM02xx names and types, the CM0250 warning) are
+//!   rendered with `compilemask::render(source, name, &diagnostics)`.
+//! - Plan-time codes (CM03xx values, CM04xx limits) come from `Program::plan` and are
+//!   rendered with `Program::render_error`.
+//!
+//! Each test also asserts the code itself, so a snapshot can never silently switch to
+//! another error. Snapshots live in `tests/snapshots/`; regenerate with
+//! `INSTA_UPDATE=always cargo test -p compilemask --test golden_diagnostics` and review.
+
+use compilemask::{PlanOptions, Value};
+
+const NAME: &str = "mask.cmask";
+
+/// Compiles `src`, which must fail (or warn, for CM0250), and snapshots every diagnostic.
+fn compile_golden(code: &str, src: &str) {
+    let diags = match compilemask::compile_named(src, NAME) {
+        Err(e) => e.diagnostics,
+        Ok(p) => p.warnings().to_vec(),
+    };
+    assert!(
+        diags.iter().any(|d| d.code == code),
+        "expected {code}, got {:?}",
+        diags.iter().map(|d| d.code).collect::<Vec<_>>()
+    );
+    let rendered = compilemask::render(src, NAME, &diags);
+    assert!(
+        !rendered.contains('\x1b'),
+        "rendered output has colour codes"
+    );
+    insta::assert_snapshot!(
+        code.to_lowercase(),
+        format!("--- source\n{src}\n--- rendered\n{rendered}")
+    );
+}
+
+/// Compiles `src` (which must check) and plans it with `options`, which must fail with
+/// `code`; snapshots the rendered plan error.
+fn plan_golden(code: &str, src: &str, options: &PlanOptions) {
+    let program = compilemask::compile_named(src, NAME)
+        .unwrap_or_else(|e| panic!("{code}: program should check:\n{}", e.rendered));
+    let err = program
+        .plan(options)
+        .expect_err("planning should fail for this program");
+    assert_eq!(err.code, code, "wrong code: {err}");
+    let rendered = program.render_error(&err);
+    assert!(
+        !rendered.contains('\x1b'),
+        "rendered output has colour codes"
+    );
+    insta::assert_snapshot!(
+        code.to_lowercase(),
+        format!(
+            "--- source\n{src}\n--- options\nq_len={} kv_len={:?} batch={} num_heads={} tile={}x{} params={:?}\n--- rendered\n{rendered}",
+            options.q_len,
+            options.kv_len,
+            options.batch,
+            options.num_heads,
+            options.tile.block_m,
+            options.tile.block_n,
+            options.params
+        )
+    );
+}
+
+fn opts(q_len: i64) -> PlanOptions {
+    PlanOptions::new(q_len)
+}
+
+// ---- CM01xx: syntax ------------------------------------------------------------------
+
+#[test]
+fn cm0101_unexpected_character() {
+    compile_golden("CM0101", "mask = k <= q $ 1;\n");
+}
+
+#[test]
+fn cm0102_unterminated_string() {
+    compile_golden(
+        "CM0102",
+        "require q_len > 1 else \"too short;\nmask = k <= q;\n",
+    );
+}
+
+#[test]
+fn cm0102_unclosed_brace_in_message() {
+    // Same code, other cause: `{` opened in a require message and never closed.
+    let src = "require q_len > 1 else \"q_len is {q_len\";\nmask = k <= q;\n";
+    let e = compilemask::compile_named(src, NAME).unwrap_err();
+    assert!(e.diagnostics.iter().any(|d| d.code == "CM0102"));
+    insta::assert_snapshot!(
+        "cm0102_brace",
+        format!(
+            "--- source\n{src}\n--- rendered\n{}",
+            compilemask::render(src, NAME, &e.diagnostics)
+        )
+    );
+}
+
+#[test]
+fn cm0103_integer_too_large() {
+    compile_golden("CM0103", "mask = k <= q + 99999999999999999999;\n");
+}
+
+#[test]
+fn cm0104_unexpected_token() {
+    compile_golden("CM0104", "mask = k <= ;\n");
+}
+
+#[test]
+fn cm0105_nesting_too_deep() {
+    // Deep `let` chains are the realistic way to hit the limit (parentheses give it too).
+    let mut src = String::from("let a0 = q;\n");
+    for i in 1..=80 {
+        src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
+    }
+    src.push_str("mask = k <= a80;\n");
+    // Only the errors: checking stops at the limit, and the spurious CM0250 warnings that
+    // follow come out in hash-map order (see `regressions.rs`).
+    let e = compilemask::compile_named(&src, NAME).unwrap_err();
+    let errors: Vec<_> = e.diagnostics.into_iter().filter(|d| d.is_error()).collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].code, "CM0105");
+    insta::assert_snapshot!(
+        "cm0105",
+        format!(
+            "--- source\n{src}\n--- rendered (errors only)\n{}",
+            compilemask::render(&src, NAME, &errors)
+        )
+    );
+}
+
+#[test]
+fn cm0105_parentheses_too_deep() {
+    // Same code from the parser: 100 nested parentheses.
+    let src = format!("mask = k <= {}q{};\n", "(".repeat(100), ")".repeat(100));
+    let e = compilemask::compile_named(&src, NAME).unwrap_err();
+    assert_eq!(e.diagnostics[0].code, "CM0105");
+    insta::assert_snapshot!(
+        "cm0105_parens",
+        format!(
+            "--- source\n{src}\n--- rendered (first diagnostic of {})\n{}",
+            e.diagnostics.len(),
+            compilemask::render(&src, NAME, &e.diagnostics[..1])
+        )
+    );
+}
+
+#[test]
+fn cm0106_expected_statement() {
+    compile_golden("CM0106", "window = 3;\nmask = k <= q;\n");
+}
+
+// ---- CM02xx: names and types ---------------------------------------------------------
+
+#[test]
+fn cm0201_unknown_name() {
+    compile_golden(
+        "CM0201",
+        "param window: int = 8;\nmask = q - windw < k <= q;\n",
+    );
+}
+
+#[test]
+fn cm0202_duplicate_name() {
+    compile_golden("CM0202", "let lo = 1;\nlet lo = 2;\nmask = lo <= k <= q;\n");
+}
+
+#[test]
+fn cm0203_type_mismatch() {
+    compile_golden("CM0203", "mask = k <= q + true;\n");
+}
+
+#[test]
+fn cm0204_wrong_arity() {
+    compile_golden("CM0204", "mask = k <= abs(q, 1);\n");
+}
+
+#[test]
+fn cm0205_no_mask() {
+    compile_golden("CM0205", "param w: int = 3;\n");
+}
+
+#[test]
+fn cm0206_k_in_condition() {
+    compile_golden("CM0206", "mask = if k < 3 then k <= q else k < kv_len;\n");
+}
+
+#[test]
+fn cm0207_unsolvable_comparison() {
+    compile_golden("CM0207", "mask = k * k < q;\n");
+}
+
+#[test]
+fn cm0208_wrong_context() {
+    compile_golden("CM0208", "param w: int = q;\nmask = k <= w;\n");
+}
+
+#[test]
+fn cm0209_unknown_field() {
+    compile_golden(
+        "CM0209",
+        "segments doc = [4, 4];\nmask = k in doc(q).start .. doc(q).middle;\n",
+    );
+}
+
+#[test]
+fn cm0210_two_masks() {
+    compile_golden("CM0210", "mask = k <= q;\nmask = k < q;\n");
+}
+
+#[test]
+fn cm0211_distance_comparison() {
+    compile_golden("CM0211", "grid img = [4, 4];\nmask = l2(img) > 2;\n");
+}
+
+#[test]
+fn cm0250_unused_let() {
+    compile_golden("CM0250", "let unused = 5;\nmask = k <= q;\n");
+}
+
+// ---- CM03xx: plan-time values ---------------------------------------------------------
+
+#[test]
+fn cm0301_division_by_zero() {
+    plan_golden(
+        "CM0301",
+        "param chunk: int = 4;\nmask = k / chunk == q / chunk;\n",
+        &opts(8).param("chunk", Value::Int(0)),
+    );
+}
+
+#[test]
+fn cm0302_overflow() {
+    plan_golden(
+        "CM0302",
+        "param scale: int = 2;\nmask = k <= q * scale;\n",
+        &opts(8).param("scale", Value::Int(i64::MAX)),
+    );
+}
+
+#[test]
+fn cm0303_outside_segmentation() {
+    plan_golden(
+        "CM0303",
+        "segments doc = [2] fill 4;\nmask = k in doc(q);\n",
+        &opts(8),
+    );
+}
+
+#[test]
+fn cm0304_index_out_of_range() {
+    plan_golden(
+        "CM0304",
+        "param cut: [int] = [1, 2];\nmask = k <= cut[q];\n",
+        &opts(4),
+    );
+}
+
+#[test]
+fn cm0305_require_failed() {
+    plan_golden(
+        "CM0305",
+        "param window: int = 4;\nrequire window >= 1 else \"window must be >= 1, got {window}\";\nmask = q - window < k <= q;\n",
+        &opts(8).param("window", Value::Int(-3)),
+    );
+}
+
+#[test]
+fn cm0306_segments_add_no_tokens() {
+    plan_golden(
+        "CM0306",
+        "param lengths: [int] = [4];\nsegments doc = lengths;\nmask = k in doc(q);\n",
+        &opts(8).param("lengths", Value::Array(vec![0, 0].into())),
+    );
+}
+
+#[test]
+fn cm0307_negative_segment_length() {
+    plan_golden(
+        "CM0307",
+        "param lengths: [int] = [4];\nsegments doc = lengths;\nmask = k in doc(q);\n",
+        &opts(8).param("lengths", Value::Array(vec![3, -1].into())),
+    );
+}
+
+#[test]
+fn cm0308_missing_parameter() {
+    plan_golden(
+        "CM0308",
+        "param window: int;\nmask = q - window < k <= q;\n",
+        &opts(8),
+    );
+}
+
+#[test]
+fn cm0308_wrong_type() {
+    let src = "param lengths: [int] = [4];\nsegments doc = lengths;\nmask = k in doc(q);\n";
+    let program = compilemask::compile_named(src, NAME).unwrap();
+    let err = program
+        .plan(&opts(8).param("lengths", Value::Int(4)))
+        .unwrap_err();
+    assert_eq!(err.code, "CM0308");
+    insta::assert_snapshot!(
+        "cm0308_wrong_type",
+        format!(
+            "--- source\n{src}\n--- params\nlengths=4\n--- rendered\n{}",
+            program.render_error(&err)
+        )
+    );
+}
+
+#[test]
+fn cm0309_unknown_parameter() {
+    plan_golden(
+        "CM0309",
+        "param window: int = 4;\nmask = q - window < k <= q;\n",
+        &opts(8).param("windw", Value::Int(2)),
+    );
+}
+
+#[test]
+fn cm0310_grid_coordinate_outside_grid() {
+    plan_golden(
+        "CM0310",
+        "grid img = [2, 2] at 2;\nmask = k <= img.x(q);\n",
+        &opts(6),
+    );
+}
+
+#[test]
+fn cm0311_bad_grid_extent() {
+    plan_golden(
+        "CM0311",
+        "param side: int = 2;\ngrid img = [side, side];\nmask = k in img;\n",
+        &opts(4).param("side", Value::Int(0)),
+    );
+}
+
+#[test]
+fn cm0312_isqrt_negative() {
+    plan_golden("CM0312", "mask = k <= isqrt(q - 3);\n", &opts(6));
+}
+
+// ---- CM04xx: planning limits ----------------------------------------------------------
+
+#[test]
+fn cm0401_zero_tile_side() {
+    plan_golden("CM0401", "mask = k <= q;\n", &opts(8).tile(0, 4));
+}
+
+#[test]
+fn cm0402_length_out_of_range() {
+    plan_golden("CM0402", "mask = k <= q;\n", &opts(0));
+}
+
+#[test]
+fn cm0402_kv_len_too_large() {
+    let program = compilemask::compile_named("mask = k <= q;\n", NAME).unwrap();
+    let err = program.plan(&opts(8).kv_len((1 << 26) + 1)).unwrap_err();
+    assert_eq!(err.code, "CM0402");
+    insta::assert_snapshot!("cm0402_kv_len", program.render_error(&err));
+}
+
+#[test]
+fn unknown_builtin_lists_the_available_ones() {
+    let e = compilemask::builtin("causl").unwrap_err();
+    assert_eq!(e.diagnostics[0].code, "CM0201");
+    insta::assert_snapshot!("unknown_builtin", e.rendered);
+}
+
+#[test]
+fn dense_export_above_limit() {
+    // CM0403 in docs/language.md; the export error itself carries no code (see report).
+    let program = compilemask::builtin("causal").unwrap();
+    let plan = program.plan(&opts(20_000)).unwrap();
+    let err = compilemask::export::dense(&plan.mask(0, 0).rows).unwrap_err();
+    insta::assert_snapshot!("dense_export_too_large", err.to_string());
+}

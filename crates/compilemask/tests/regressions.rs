@@ -1,0 +1,194 @@
+//! Reduced reproductions of bugs found while writing the golden and public-report tests.
+//! Each is `#[ignore = "bug: ..."]` until the library is fixed; run them with
+//! `cargo test -p compilemask --test regressions -- --ignored`. Each asserts the behaviour
+//! we want, so removing the `ignore` is the whole follow-up once the fix lands.
+
+mod common;
+
+use common::{arr, check_brute_force, compile, plan};
+use compilemask::{AttentionShape, PlanOptions, Value};
+
+/// Compiling `src` must give an error with `code`, not a panic.
+fn expect_compile_error(src: &str, code: &str) {
+    let result = std::panic::catch_unwind(|| compilemask::compile(src).map(|_| ()));
+    match result {
+        Err(_) => panic!("the checker panicked on:\n{src}"),
+        Ok(Ok(())) => panic!("expected {code}, but the program checked:\n{src}"),
+        Ok(Err(e)) => assert!(
+            e.diagnostics.iter().any(|d| d.code == code),
+            "expected {code}, got:\n{}",
+            e.rendered
+        ),
+    }
+}
+
+// ---- the checker panics when a failed `segments` / `grid` declaration is used ----------
+
+#[test]
+#[ignore = "bug: checker panics (check.rs:1228, index out of bounds) calling a segmentation whose lengths failed to check"]
+fn segmentation_with_unknown_lengths_then_called() {
+    expect_compile_error("segments doc = lenghts;\nmask = k in doc(q);\n", "CM0201");
+}
+
+#[test]
+#[ignore = "bug: checker panics (check.rs:1228) calling a segmentation whose lengths are an integer"]
+fn segmentation_with_integer_lengths_then_called() {
+    expect_compile_error("segments doc = 3;\nmask = k in doc(q);\n", "CM0203");
+}
+
+#[test]
+#[ignore = "bug: checker panics (check.rs:277) declaring a part of a segmentation that failed to check"]
+fn part_of_failed_segmentation() {
+    expect_compile_error(
+        "segments doc = x;\npart doc.head = 0 .. 1;\nmask = k <= q;\n",
+        "CM0201",
+    );
+}
+
+#[test]
+#[ignore = "bug: checker panics (check.rs:1162) reading an axis of a grid whose extents failed to check"]
+fn axis_of_failed_grid() {
+    expect_compile_error("grid img = [x, 2];\nmask = k <= img.y(q);\n", "CM0201");
+}
+
+#[test]
+#[ignore = "bug: checker panics (check.rs:801) testing membership in a grid whose extents failed to check"]
+fn membership_of_failed_grid() {
+    expect_compile_error("grid img = [x, 2];\nmask = k in img;\n", "CM0201");
+}
+
+// ---- plan-time panics -------------------------------------------------------------------
+
+const COMPOSITE: &str = "\
+param prompts: [int] = [4];
+param responses: [int] = [2];
+segments sample = { prompt: prompts, response: responses * 1 };
+mask = k in sample(q);
+";
+
+/// Planning must give an error (any code), not a panic.
+fn expect_plan_error(src: &str, options: &PlanOptions) -> compilemask::PlanError {
+    let program = compile(src);
+    let result = std::panic::catch_unwind(|| program.plan(options).map(|_| ()));
+    match result {
+        Err(_) => panic!("planning panicked"),
+        Ok(Ok(())) => panic!("planning succeeded; expected an error"),
+        Ok(Err(e)) => e,
+    }
+}
+
+#[test]
+#[ignore = "bug: bind.rs:528 panics (remainder by zero) when a composite segmentation piece has an empty length array"]
+fn composite_segmentation_with_empty_array() {
+    let e = expect_plan_error(
+        COMPOSITE,
+        &PlanOptions::new(10).param("responses", arr(&[])),
+    );
+    assert!(e.code == "CM0306" || e.code == "CM0308", "{e}");
+}
+
+#[test]
+#[ignore = "bug: composite segmentation sums its lengths unchecked (bind.rs, `iter().sum()`): panics in debug, wraps in release"]
+fn composite_segmentation_length_sum_overflows() {
+    let e = expect_plan_error(
+        COMPOSITE,
+        &PlanOptions::new(10).param("responses", arr(&[i64::MAX, 1])),
+    );
+    assert_eq!(e.code, "CM0302", "{e}");
+}
+
+#[test]
+#[ignore = "bug: symbolic.rs:721 `k += m` overflows in the modulo solver for a modulus near i64::MAX (panic in debug, wrap in release)"]
+fn modulo_with_huge_divisor() {
+    // (q - k) % (2^63 - 1) == 0 holds exactly when k == q for these lengths.
+    let program = compile("mask = (q - k) % 9223372036854775807 == 0;");
+    let o = PlanOptions::new(2);
+    let p = std::panic::catch_unwind(|| plan(&program, &o)).expect("planning panicked");
+    check_brute_force(&program, &o, &p);
+    assert_eq!(common::rows(&p, 0, 0), vec![vec![(0, 1)], vec![(1, 2)]]);
+}
+
+// ---- resource use --------------------------------------------------------------------
+
+#[test]
+#[ignore = "bug: partial_row_first holds block_m entries per partial tile even past q_len: a 10-row causal plan at tile 4194304x1 takes ~150 MB (4000000000x1 aborts allocating 144 GB)"]
+fn tile_larger_than_the_sequence_costs_memory_per_tile_row() {
+    let program = compilemask::builtin("causal").unwrap();
+    let p = plan(&program, &PlanOptions::new(10).tile(1 << 22, 1));
+    // Either reject such tiles or store only in-range rows; 10 rows need a few hundred bytes.
+    assert!(
+        p.descriptor_bytes() < 1 << 20,
+        "descriptor_bytes = {}",
+        p.descriptor_bytes()
+    );
+}
+
+// ---- determinism ---------------------------------------------------------------------
+
+#[test]
+#[ignore = "bug: when a program has an error, its diagnostics keep hash-map order (check.rs iterates `names` for CM0250 and only sorts on success), not the source order CompileError documents"]
+fn diagnostics_of_a_failing_program_in_source_order() {
+    // Six unused lets, then an unknown name: seven diagnostics.
+    let src = "let a = 1;\nlet b2 = 2;\nlet c = 3;\nlet d = 4;\nlet e = 5;\nlet f = 6;\nmask = k <= zz;\n";
+    let starts = || -> Vec<u32> {
+        compilemask::compile(src)
+            .unwrap_err()
+            .diagnostics
+            .iter()
+            .map(|d| d.span.start)
+            .collect()
+    };
+    let first = starts();
+    assert_eq!(first.len(), 7);
+    let mut sorted = first.clone();
+    sorted.sort_unstable();
+    assert_eq!(first, sorted, "diagnostics not in source order");
+    for _ in 0..20 {
+        assert_eq!(starts(), first, "diagnostic order changed between compiles");
+    }
+}
+
+// ---- validation ------------------------------------------------------------------------
+
+#[test]
+#[ignore = "bug: compilemask::attention does not check plan.batch / plan.num_heads against the shape; a per-batch plan (batch 2) is silently applied per head"]
+fn attention_rejects_a_plan_for_other_batch_and_heads() {
+    let program =
+        compile("param n: [int] = [1, 2];\nmask = if q < n[b] then k <= q else k < kv_len;");
+    let mut o = PlanOptions::new(4).param("n", arr(&[1, 3]));
+    o.batch = 2;
+    let p = plan(&program, &o);
+    assert_eq!(p.masks.len(), 2);
+    // Tensors for batch 1 with 2 heads: batch * num_heads = 2 = the plan's index length,
+    // so the batch-1 mask is used for head 1 without any error.
+    let shape = AttentionShape {
+        batch: 1,
+        num_heads: 2,
+        num_kv_heads: 2,
+        q_len: 4,
+        kv_len: 4,
+        head_dim: 4,
+        head_dim_v: 4,
+    };
+    let x = vec![0.5f64; 2 * 4 * 4];
+    assert!(
+        compilemask::attention(&shape, &x, &x, &x, &p, 1.0).is_err(),
+        "a plan for batch = 2, num_heads = 1 was accepted for batch = 1, num_heads = 2"
+    );
+}
+
+#[test]
+#[ignore = "bug: clear with q_len <= text fails with CM0311 'grid `img` has extent 0' instead of the require that names the nearest valid lengths"]
+fn clear_short_sequence_names_nearest_lengths() {
+    let program = compilemask::builtin("clear").unwrap();
+    for q_len in [2, 3] {
+        let e = program
+            .plan(&PlanOptions::new(q_len).param("text", Value::Int(3)))
+            .unwrap_err();
+        assert!(
+            e.message.contains("nearest valid lengths"),
+            "q_len {q_len}: {}",
+            program.render_error(&e)
+        );
+    }
+}
