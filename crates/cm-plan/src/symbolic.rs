@@ -949,8 +949,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             };
             for &(row, rx) in &runs {
                 let base = gv.at + row * w;
-                flip_at(rx.saturating_sub(x0));
-                flip_at(w.saturating_sub(rx).saturating_sub(x0));
+                flip_at(rx.saturating_sub(x0).saturating_add(1));
+                flip_at(w.saturating_sub(rx).saturating_sub(x0).saturating_sub(1));
                 flip_at(
                     kv_len
                         .saturating_sub(base)
@@ -971,7 +971,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut out: Vec<Iv> = Vec::with_capacity(runs.len());
         for &(row, rx) in &runs {
             let base = gv.at + row * w;
-            let lo = if x0 < rx {
+            // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
+            // grid rows touch exactly when both are clamped (both constant).
+            let lo = if x0 <= rx {
                 Aff::c(base)
             } else {
                 Aff {
@@ -979,7 +981,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     a: slope,
                 }
             };
-            let hi = if x0.saturating_add(rx) >= w {
+            let hi = if x0.saturating_add(rx).saturating_add(1) >= w {
                 Aff::c(base + w)
             } else {
                 Aff {

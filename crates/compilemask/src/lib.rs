@@ -207,6 +207,34 @@ impl Program {
         (self.ir.uses_b, self.ir.uses_h)
     }
 
+    /// The token order that visits the program's first grid patch by patch (`patch` is
+    /// frames, rows, columns), other tokens keeping their places. Plan in it with
+    /// `PlanOptions::order = OrderRequest::Explicit(order.order)`.
+    ///
+    /// # Errors
+    /// As [`Program::plan`]; `CM0406` when the program declares no grid.
+    pub fn grid_order(
+        &self,
+        options: &PlanOptions,
+        patch: [u32; 3],
+        traversal: Traversal,
+    ) -> Result<TokenOrder, PlanError> {
+        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let grid = bound.grids.first().ok_or_else(|| {
+            PlanError::new(
+                "CM0406",
+                None,
+                "the mask declares no grid, so it has no patch order",
+            )
+        })?;
+        Ok(TokenOrder::grid(
+            options.q_len as u32,
+            grid,
+            patch,
+            traversal,
+        ))
+    }
+
     /// Whether some region is evaluated pair by pair (`elementwise`).
     pub fn uses_elementwise(&self) -> bool {
         self.ir.mask.uses_elementwise()
