@@ -9,6 +9,11 @@
 //! Tensors are described by [`TensorLayout`] / [`LseLayout`] (shapes and strides in elements,
 //! dims `[batch, heads, seq_len, head_dim]` and `[batch, num_heads, q_len]`).
 //!
+//! Forward kernels ([`KernelKind`]): `FwdWgmma` (the default, Hopper wgmma) and `FwdSimple`
+//! (mma.sync, the reference GPU path), chosen with [`Runtime::set_forward_kernel`]. One plan
+//! serves every (batch, head) of a launch; per-(batch, head) masks and `cu_seqlens` packing are
+//! not supported yet.
+//!
 //! ```no_run
 //! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
 //! use cm_cuda::{DType, Forward, Runtime, TensorLayout};
