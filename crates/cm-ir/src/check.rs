@@ -443,16 +443,6 @@ pub(crate) fn suggest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>)
         .map(|(_, c)| c.to_string())
 }
 
-fn cmp_flip(op: CmpOp) -> CmpOp {
-    match op {
-        CmpOp::Lt => CmpOp::Gt,
-        CmpOp::Le => CmpOp::Ge,
-        CmpOp::Gt => CmpOp::Lt,
-        CmpOp::Ge => CmpOp::Le,
-        other => other,
-    }
-}
-
 fn bin(op: IntOp, a: Int, b: Int) -> Int {
     let span = a.span.to(b.span);
     Int::new(IntKind::Bin(op, Box::new(a), Box::new(b)), span)
@@ -972,7 +962,7 @@ impl<'a> Checker<'a> {
         let (a, b, op) = match (a, b) {
             (Val::Dist(g, m, s), Val::Int(r)) => return self.ball(g, m, op, r, s.to(span), ctx),
             (Val::Int(r), Val::Dist(g, m, s)) => {
-                return self.ball(g, m, cmp_flip(op), r, s.to(span), ctx)
+                return self.ball(g, m, op.flip(), r, s.to(span), ctx)
             }
             (Val::Int(a), Val::Int(b)) => (a, b, op),
             (x, y) => {
@@ -1002,7 +992,7 @@ impl<'a> Checker<'a> {
         let (side, other, op) = if a.has_k() && !b.has_k() {
             (a, b, op)
         } else if b.has_k() && !a.has_k() {
-            (b, a, cmp_flip(op))
+            (b, a, op.flip())
         } else {
             self.not_solvable(span);
             return Err(());

@@ -603,7 +603,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             (
                 alpha.checked_neg().ok_or_else(|| overflow(span))?,
                 neg,
-                flip(op),
+                op.flip(),
             )
         } else {
             (alpha, rest, op)
@@ -1035,15 +1035,5 @@ fn floor_i128(x: i128, d: i128) -> i128 {
         x.div_euclid(d)
     } else {
         (-x).div_euclid(-d)
-    }
-}
-
-fn flip(op: CmpOp) -> CmpOp {
-    match op {
-        CmpOp::Lt => CmpOp::Gt,
-        CmpOp::Le => CmpOp::Ge,
-        CmpOp::Gt => CmpOp::Lt,
-        CmpOp::Ge => CmpOp::Le,
-        other => other,
     }
 }

@@ -114,6 +114,17 @@ pub enum CmpOp {
 }
 
 impl CmpOp {
+    /// The operator with its operands swapped: `a < b` is `b > a`.
+    pub fn flip(self) -> CmpOp {
+        match self {
+            CmpOp::Lt => CmpOp::Gt,
+            CmpOp::Le => CmpOp::Ge,
+            CmpOp::Gt => CmpOp::Lt,
+            CmpOp::Ge => CmpOp::Le,
+            other => other,
+        }
+    }
+
     pub fn symbol(self) -> &'static str {
         match self {
             CmpOp::Lt => "<",
