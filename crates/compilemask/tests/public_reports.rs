@@ -583,6 +583,75 @@ fn hd_01_head_dims_match_dense() {
 }
 
 // ---------------------------------------------------------------------------------------
+// GQ-01: GQA / MQA head mapping through the facade (plans from the language).
+
+#[test]
+fn gq_01_gqa_through_the_facade() {
+    let l = 8usize;
+    let d = 16usize;
+    let plans = [
+        plan(
+            &compilemask::builtin("causal").unwrap(),
+            &PlanOptions::new(8),
+        ),
+        plan(
+            &compilemask::builtin("sliding_window").unwrap(),
+            &PlanOptions::new(8).param("window", Value::Int(3)),
+        ),
+        plan(
+            &compilemask::builtin("document_causal").unwrap(),
+            &PlanOptions::new(8).param("lengths", arr(&[3, 5])),
+        ),
+    ];
+    // Row i of causal sees [0, i]: row 5 sees 6 keys, not 2.
+    assert_eq!(common::row(plans[0].mask(0, 0), 5), vec![(0, 6)]);
+    let mut rng = Rng(55);
+    for (hq, hkv) in [(4usize, 1usize), (8, 2)] {
+        let group = hq / hkv;
+        let gqa = AttentionShape {
+            num_heads: hq,
+            num_kv_heads: hkv,
+            ..mha(l, l, d, d)
+        };
+        let mha_shape = AttentionShape {
+            num_heads: hq,
+            num_kv_heads: hq,
+            ..mha(l, l, d, d)
+        };
+        let (q, k, v) = (
+            rng.vec(hq * l * d),
+            rng.vec(hkv * l * d),
+            rng.vec(hkv * l * d),
+        );
+        // Query head h reads kv head h / group: repeat K/V per group for the MHA call.
+        let repeat = |x: &[f64]| -> Vec<f64> {
+            (0..hq)
+                .flat_map(|h| x[(h / group) * l * d..(h / group + 1) * l * d].to_vec())
+                .collect()
+        };
+        for p in &plans {
+            let g = compilemask::attention(&gqa, &q, &k, &v, p, 0.25).unwrap();
+            let m =
+                compilemask::attention(&mha_shape, &q, &repeat(&k), &repeat(&v), p, 0.25).unwrap();
+            assert_eq!(g, m, "GQA {hq}/{hkv} differs from MHA with repeated K/V");
+            for h in 0..hq {
+                let kv = h / group;
+                let want = dense_forward(
+                    &visibility(p.mask(0, 0)),
+                    &q[h * l * d..(h + 1) * l * d],
+                    &k[kv * l * d..(kv + 1) * l * d],
+                    &v[kv * l * d..(kv + 1) * l * d],
+                    d,
+                    d,
+                    0.25,
+                );
+                assert!(max_abs_diff(&g.out[h * l * d..(h + 1) * l * d], &want.out) < 1e-12);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // GQ-03: per-batch mask with a shrinking batch.
 
 const PER_BATCH_CUTOFF: &str = "\
