@@ -1,5 +1,6 @@
 //! The `compilemask` command line: check, plan, inspect, draw and export attention masks.
 
+mod bench;
 mod demo;
 mod mask_args;
 mod show;
@@ -73,6 +74,9 @@ enum Command {
     },
     /// List the built-in masks and their parameters.
     List,
+    /// Check and time the forward kernel on the benchmark workloads (needs an H100 / H200 and
+    /// a build with embedded kernels); exit 1 if a correctness check fails.
+    Bench(bench::BenchArgs),
     /// The main job on built-in defaults: plan, draw and check the eight benchmark workloads.
     Demo {
         /// Folder for the pictures.
@@ -334,6 +338,11 @@ fn run(command: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Bench(args) => Ok(if bench::run(&args)? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }),
         Command::Demo { out } => {
             demo::run(&out)?;
             Ok(ExitCode::SUCCESS)

@@ -37,11 +37,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod bench;
 mod error;
 mod forward;
 mod kernels;
 mod layout;
 mod plan;
+pub mod reference;
 mod runtime;
 
 pub use cm_kernels::{DType, KernelKind};

@@ -10,14 +10,13 @@
 //! 0 when every check passes, 1 otherwise.
 
 mod masks;
-mod reference;
 
+use cm_cuda::reference::{self, round_to, Expected, Inputs, Shape};
 use cm_cuda::{
     DType, DevicePlan, Forward, ForwardRaw, KernelKind, LseLayout, Runtime, TensorLayout,
 };
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
-use reference::{round_to, Expected, Inputs, Shape};
 use serde_json::{json, Value};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -236,7 +235,7 @@ struct Check {
 
 impl Check {
     fn tolerance(&self) -> f64 {
-        2.0 * self.emulated_err + 1e-3
+        reference::tolerance(self.emulated_err)
     }
 
     fn pass(&self) -> bool {

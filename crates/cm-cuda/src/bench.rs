@@ -1,0 +1,559 @@
+//! Forward benchmarking by the protocol of `workloads.md`: correctness first (sampled rows of
+//! the output against the float64 reference on the same inputs, no NaN anywhere), then
+//! effective TFLOP/s from the median of back-to-back calls timed with CUDA events, and the
+//! single-call latency with the host launch included. `compilemask bench` prints these.
+//!
+//! ```no_run
+//! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
+//! use cm_cuda::bench::{BenchInputs, BenchOptions};
+//! let rt = cm_cuda::Runtime::new_on_device(0)?;
+//! let stream = rt.context().default_stream();
+//! let opts = BenchOptions::default();
+//! let mut inputs = BenchInputs::new(&stream, rows.q_len(), rows.kv_len(), opts)?;
+//! let m = cm_cuda::bench::measure(&rt, &stream, &mut inputs, rows)?;
+//! println!("{:.1} TFLOP/s", m.timing.map_or(0.0, |t| t.tflops));
+//! # Ok(()) }
+//! ```
+
+use crate::reference::{self, Inputs, Shape};
+use crate::{DType, DevicePlan, Error, Forward, LseLayout, Runtime, TensorLayout};
+use cm_plan::rows::RowIntervals;
+use cudarc::driver::{sys, CudaSlice, CudaStream};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The dense bf16 matrix-product rate of the H200 measured in this project (TFLOP/s): the
+/// scale of the tile-density ceiling.
+pub const MATMUL_PEAK_TFLOPS: f64 = 790.0;
+
+/// Shapes and measurement settings of a benchmark (batch is 1: samples are packed into one
+/// sequence and the mask separates them).
+#[derive(Clone, Copy, Debug)]
+pub struct BenchOptions {
+    /// Query heads (`num_heads`).
+    pub heads: usize,
+    /// Key / value heads; must divide `heads` (GQA, MQA).
+    pub kv_heads: usize,
+    /// Elements per head (64 or 128).
+    pub head_dim: usize,
+    /// Element type of Q, K, V and the output.
+    pub dtype: DType,
+    /// Back-to-back calls timed, each between two CUDA events; the protocol asks for >= 50.
+    pub runs: usize,
+    /// Untimed calls before the timed ones.
+    pub warmup: usize,
+    /// Single calls timed on the host, each waited for before the next.
+    pub latency_runs: usize,
+    /// Random query rows checked against the reference, besides the first, last and middle
+    /// rows and those at the first tile edges.
+    pub check_rows: usize,
+    /// Seed of the random inputs and of the sampled rows.
+    pub seed: u64,
+}
+
+impl Default for BenchOptions {
+    /// The headline configuration: H = 16, head_dim 128, bf16, 60 timed calls.
+    fn default() -> Self {
+        BenchOptions {
+            heads: 16,
+            kv_heads: 16,
+            head_dim: 128,
+            dtype: DType::Bf16,
+            runs: 60,
+            warmup: 5,
+            latency_runs: 20,
+            check_rows: 16,
+            seed: 0x5eed,
+        }
+    }
+}
+
+/// Random standard-normal Q, K and V of one `(q_len, kv_len)`, in device memory and as host
+/// bits (for the reference), plus the output and lse buffers, for the shapes of one
+/// [`BenchOptions`]. Reused by every mask of those lengths.
+pub struct BenchInputs {
+    opts: BenchOptions,
+    q_len: u32,
+    kv_len: u32,
+    q_layout: TensorLayout,
+    kv_layout: TensorLayout,
+    /// Host copies, `[1, heads, q_len, head_dim]` and `[1, kv_heads, kv_len, head_dim]`.
+    host: [Vec<u16>; 3],
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    out: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+}
+
+impl BenchInputs {
+    /// Draws the inputs on all host cores and copies them to the device.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero lengths, zero heads, `kv_heads` not dividing
+    /// `heads`, or zero `runs` / `latency_runs`; [`Error::Driver`] when an allocation or copy
+    /// fails (e.g. out of device memory).
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        q_len: u32,
+        kv_len: u32,
+        opts: BenchOptions,
+    ) -> Result<BenchInputs, Error> {
+        if q_len == 0 || kv_len == 0 {
+            return Err(Error::invalid(format!(
+                "q_len = {q_len} and kv_len = {kv_len} must both be positive"
+            )));
+        }
+        if opts.heads == 0 || opts.kv_heads == 0 || opts.heads % opts.kv_heads != 0 {
+            return Err(Error::invalid(format!(
+                "heads = {} and kv_heads = {}: both must be positive and kv_heads must divide heads",
+                opts.heads, opts.kv_heads
+            )));
+        }
+        if opts.runs == 0 || opts.latency_runs == 0 {
+            return Err(Error::invalid("runs and latency_runs must be at least 1"));
+        }
+        let d = opts.head_dim;
+        let q_layout = TensorLayout::contiguous([1, opts.heads, q_len as usize, d]);
+        let kv_layout = TensorLayout::contiguous([1, opts.kv_heads, kv_len as usize, d]);
+        let q_elems = q_layout.span_elements();
+        let kv_elems = kv_layout.span_elements();
+        let host = [
+            random_bits(opts.dtype, q_elems, opts.seed ^ 0x51),
+            random_bits(opts.dtype, kv_elems, opts.seed ^ 0x4b),
+            random_bits(opts.dtype, kv_elems, opts.seed ^ 0x56),
+        ];
+        let copy = |h: &Vec<u16>| {
+            stream
+                .clone_htod(h)
+                .map_err(|e| Error::driver("input upload", e))
+        };
+        Ok(BenchInputs {
+            opts,
+            q: copy(&host[0])?,
+            k: copy(&host[1])?,
+            v: copy(&host[2])?,
+            out: stream
+                .alloc_zeros(q_elems)
+                .map_err(|e| Error::driver("output allocation", e))?,
+            lse: stream
+                .alloc_zeros(opts.heads * q_len as usize)
+                .map_err(|e| Error::driver("lse allocation", e))?,
+            q_len,
+            kv_len,
+            q_layout,
+            kv_layout,
+            host,
+        })
+    }
+
+    /// `(q_len, kv_len)` of the inputs.
+    pub fn lengths(&self) -> (u32, u32) {
+        (self.q_len, self.kv_len)
+    }
+
+    fn forward(
+        &mut self,
+        rt: &Runtime,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+    ) -> Result<(), Error> {
+        let [b, h, s, d] = self.q_layout.shape;
+        rt.forward(
+            stream,
+            plan,
+            Forward {
+                dtype: self.opts.dtype,
+                q: (&self.q, self.q_layout),
+                k: (&self.k, self.kv_layout),
+                v: (&self.v, self.kv_layout),
+                out: (&mut self.out, self.q_layout),
+                lse: Some((&mut self.lse, LseLayout::contiguous([b, h, s]))),
+                softmax_scale: 1.0 / (d as f32).sqrt(),
+            },
+        )
+    }
+}
+
+/// Standard-normal values rounded to `dtype`, as raw bits; deterministic in `seed` whatever
+/// the number of cores.
+fn random_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
+    const CHUNK: usize = 1 << 20;
+    let mut out = vec![0u16; n];
+    let chunks: Vec<(usize, &mut [u16])> = out.chunks_mut(CHUNK).enumerate().collect();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<(usize, &mut [u16])>> = Vec::new();
+    let mut it = chunks.into_iter().peekable();
+    while it.peek().is_some() {
+        groups.push(it.by_ref().take(per_thread).collect());
+    }
+    std::thread::scope(|s| {
+        for group in groups {
+            s.spawn(move || {
+                for (i, chunk) in group {
+                    let mut state = splitmix(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                    let mut uniform = || {
+                        state = splitmix(state);
+                        ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+                    };
+                    for pair in chunk.chunks_mut(2) {
+                        // Box-Muller: two normals from two uniforms in (0, 1).
+                        let r = (-2.0 * uniform().ln()).sqrt();
+                        let t = std::f64::consts::TAU * uniform();
+                        pair[0] = to_bits(dtype, (r * t.cos()) as f32);
+                        if let Some(x) = pair.get_mut(1) {
+                            *x = to_bits(dtype, (r * t.sin()) as f32);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn to_bits(dtype: DType, x: f32) -> u16 {
+    match dtype {
+        DType::Bf16 => half::bf16::from_f32(x).to_bits(),
+        DType::F16 => half::f16::from_f32(x).to_bits(),
+    }
+}
+
+fn from_bits(dtype: DType, b: u16) -> f64 {
+    match dtype {
+        DType::Bf16 => half::bf16::from_bits(b).to_f64(),
+        DType::F16 => half::f16::from_bits(b).to_f64(),
+    }
+}
+
+/// The correctness check of one configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Check {
+    /// Query rows compared with the reference.
+    pub rows: Vec<u32>,
+    /// Query heads compared with the reference (first, middle, last).
+    pub heads: Vec<usize>,
+    /// Largest |output - float64 reference| over the checked rows and heads.
+    pub max_abs_err: f64,
+    /// The same for the dtype-emulated reference; sets the tolerance.
+    pub emulated_err: f64,
+    /// `reference::tolerance(emulated_err)`.
+    pub tolerance: f64,
+    /// Largest |lse - float64 lse| over the checked non-empty rows (must be <= 1e-3).
+    pub lse_err: f64,
+    /// NaN values in the whole output and lse.
+    pub nan: usize,
+    /// Checked rows with no visible key whose output is not 0 or whose lse is not `-inf`.
+    pub empty_rows_wrong: usize,
+}
+
+impl Check {
+    /// Whether the kernel's answer is accepted.
+    pub fn pass(&self) -> bool {
+        self.nan == 0
+            && self.empty_rows_wrong == 0
+            && self.max_abs_err <= self.tolerance
+            && self.lse_err <= 1e-3
+    }
+}
+
+/// Timings of one configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// Median GPU time per call over the back-to-back calls, milliseconds.
+    pub median_ms: f64,
+    /// Mean of the same, milliseconds.
+    pub mean_ms: f64,
+    /// `4 * heads * head_dim * visible_pairs / median`, in TFLOP/s.
+    pub tflops: f64,
+    /// Median host time from the start of a `forward` call to the return of the stream
+    /// synchronisation that follows it, on an idle GPU, milliseconds.
+    pub single_call_ms: f64,
+    /// Median host time of the `forward` call alone (validation and enqueue), microseconds.
+    pub enqueue_us: f64,
+    /// `single_call_ms - median_ms`, in microseconds: what a lone call pays beyond the kernel.
+    pub host_overhead_us: f64,
+}
+
+/// Everything measured for one mask.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measurement {
+    /// Visible (query, key) pairs of the mask, per head.
+    pub visible_pairs: u64,
+    /// Pairs inside the full and partial tiles at the kernel's tile shape, per head.
+    pub computed_pairs: u64,
+    /// The kernel's tile shape, `(block_m, block_n)`.
+    pub tile: (u32, u32),
+    /// Full and partial tiles at that shape.
+    pub tiles_full: u64,
+    /// See `tiles_full`.
+    pub tiles_partial: u64,
+    /// `visible / computed pairs * MATMUL_PEAK_TFLOPS`: the best effective rate a kernel that
+    /// computes whole tiles at the matrix-product peak could reach.
+    pub density_ceiling_tflops: f64,
+    /// Host time to build the tile descriptor and upload it, milliseconds.
+    pub plan_upload_ms: f64,
+    /// The correctness check, always run first.
+    pub check: Check,
+    /// `None` when the check failed (a wrong kernel is not timed).
+    pub timing: Option<Timing>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Checks and times the runtime's forward kernel on `rows` (which must have the inputs'
+/// lengths) over `inputs`, on `stream`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for lengths that differ from the inputs' or a launch the
+/// runtime refuses (e.g. an unbuilt head_dim); [`Error::Driver`] for failed driver calls.
+pub fn measure(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    rows: &RowIntervals,
+) -> Result<Measurement, Error> {
+    if (rows.q_len(), rows.kv_len()) != (inputs.q_len, inputs.kv_len) {
+        return Err(Error::invalid(format!(
+            "the mask has q_len = {} and kv_len = {}, the inputs {} and {}",
+            rows.q_len(),
+            rows.kv_len(),
+            inputs.q_len,
+            inputs.kv_len
+        )));
+    }
+    let t0 = Instant::now();
+    let plan = rt.upload_plan(rows, stream)?;
+    let plan_upload_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let counts = plan.tile_counts();
+    let density = plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64;
+    let check = check(rt, stream, inputs, rows, &plan)?;
+    let timing = if check.pass() {
+        Some(time(rt, stream, inputs, &plan)?)
+    } else {
+        None
+    };
+    Ok(Measurement {
+        visible_pairs: plan.visible_pairs(),
+        computed_pairs: plan.computed_pairs(),
+        tile: (plan.tile().block_m, plan.tile().block_n),
+        tiles_full: counts.full,
+        tiles_partial: counts.partial,
+        density_ceiling_tflops: density * MATMUL_PEAK_TFLOPS,
+        plan_upload_ms,
+        check,
+        timing,
+    })
+}
+
+fn nan_bits(dtype: DType) -> u16 {
+    match dtype {
+        DType::Bf16 => 0x7FC0,
+        DType::F16 => 0x7E00,
+    }
+}
+
+/// Runs one call over a NaN-filled output, then compares sampled rows of sampled heads with
+/// the reference and scans the whole output and lse for NaN.
+fn check(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    rows: &RowIntervals,
+    plan: &DevicePlan,
+) -> Result<Check, Error> {
+    let opts = inputs.opts;
+    let drv = |what| move |e| Error::driver(what, e);
+    let out_len = inputs.out.len();
+    stream
+        .memcpy_htod(&vec![nan_bits(opts.dtype); out_len], &mut inputs.out)
+        .map_err(drv("output fill"))?;
+    let lse_len = inputs.lse.len();
+    stream
+        .memcpy_htod(&vec![f32::NAN; lse_len], &mut inputs.lse)
+        .map_err(drv("lse fill"))?;
+    inputs.forward(rt, stream, plan)?;
+    let out = stream
+        .clone_dtoh(&inputs.out)
+        .map_err(drv("output download"))?;
+    let lse = stream
+        .clone_dtoh(&inputs.lse)
+        .map_err(drv("lse download"))?;
+
+    let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len() as usize, opts.head_dim);
+    let mut rng = splitmix(opts.seed ^ u64::from(q_len));
+    let last = q_len - 1;
+    let mut sel: Vec<u32> = vec![
+        0,
+        1,
+        63,
+        64,
+        65,
+        q_len / 3,
+        q_len / 2,
+        last.saturating_sub(1),
+        last,
+    ];
+    sel.extend((0..opts.check_rows).map(|_| {
+        rng = splitmix(rng);
+        (rng % u64::from(q_len)) as u32
+    }));
+    sel.retain(|&r| r < q_len);
+    sel.sort_unstable();
+    sel.dedup();
+    let mut heads = vec![0, opts.heads / 2, opts.heads - 1];
+    heads.dedup();
+    let group = opts.heads / opts.kv_heads;
+
+    // A reduced problem with the same answer on the checked rows: one head per checked head,
+    // the sampled query rows, every key of that head's KV head.
+    let x = &inputs.host;
+    let dt = opts.dtype;
+    let mut q = Vec::with_capacity(heads.len() * sel.len() * d);
+    let mut k = Vec::with_capacity(heads.len() * kv_len * d);
+    let mut v = Vec::with_capacity(heads.len() * kv_len * d);
+    for &h in &heads {
+        for &r in &sel {
+            let at = (h * q_len as usize + r as usize) * d;
+            q.extend(x[0][at..at + d].iter().map(|&b| from_bits(dt, b)));
+        }
+        let at = h / group * kv_len * d;
+        k.extend(x[1][at..at + kv_len * d].iter().map(|&b| from_bits(dt, b)));
+        v.extend(x[2][at..at + kv_len * d].iter().map(|&b| from_bits(dt, b)));
+    }
+    let sub_rows: Vec<Vec<(u32, u32)>> = sel
+        .iter()
+        .map(|&r| rows.row(r).iter().map(|iv| (iv.start, iv.end)).collect())
+        .collect();
+    let sub = RowIntervals::from_rows(rows.kv_len(), &sub_rows).map_err(Error::invalid)?;
+    let shape = Shape {
+        batch: 1,
+        heads: heads.len(),
+        kv_heads: heads.len(),
+        q_len: sel.len(),
+        kv_len,
+        head_dim: d,
+    };
+    let all: Vec<u32> = (0..sel.len() as u32).collect();
+    let scale = 1.0 / (d as f64).sqrt();
+    let exp = reference::compute(shape, &Inputs { q, k, v }, &sub, &all, scale, dt);
+
+    let mut c = Check {
+        rows: sel.clone(),
+        heads: heads.clone(),
+        max_abs_err: 0.0,
+        emulated_err: 0.0,
+        tolerance: 0.0,
+        lse_err: 0.0,
+        nan: out.iter().filter(|&&b| from_bits(dt, b).is_nan()).count()
+            + lse.iter().filter(|x| x.is_nan()).count(),
+        empty_rows_wrong: 0,
+    };
+    for (hi, &h) in heads.iter().enumerate() {
+        for (ri, &r) in sel.iter().enumerate() {
+            let item = hi * sel.len() + ri;
+            let at = (h * q_len as usize + r as usize) * d;
+            let got = &out[at..at + d];
+            let got_lse = f64::from(lse[h * q_len as usize + r as usize]);
+            if rows.row(r).is_empty() {
+                let zero = got.iter().all(|&b| from_bits(dt, b) == 0.0);
+                c.empty_rows_wrong += usize::from(!zero || got_lse != f64::NEG_INFINITY);
+                continue;
+            }
+            for (col, &b) in got.iter().enumerate() {
+                let want = exp.out[item * d + col];
+                c.max_abs_err = c.max_abs_err.max((from_bits(dt, b) - want).abs());
+                c.emulated_err = c
+                    .emulated_err
+                    .max((exp.emulated[item * d + col] - want).abs());
+            }
+            // NaN compares false here, and is counted above.
+            c.lse_err = c.lse_err.max((got_lse - exp.lse[item]).abs());
+        }
+    }
+    c.tolerance = reference::tolerance(c.emulated_err);
+    Ok(c)
+}
+
+fn time(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    plan: &DevicePlan,
+) -> Result<Timing, Error> {
+    let opts = inputs.opts;
+    let drv = |what| move |e| Error::driver(what, e);
+    for _ in 0..opts.warmup {
+        inputs.forward(rt, stream, plan)?;
+    }
+    let events = (0..=opts.runs)
+        .map(|_| {
+            rt.context()
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(drv("cuEventCreate"))?;
+    events[0].record(stream).map_err(drv("cuEventRecord"))?;
+    for e in &events[1..] {
+        inputs.forward(rt, stream, plan)?;
+        e.record(stream).map_err(drv("cuEventRecord"))?;
+    }
+    stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
+    let per_call: Vec<f64> = events
+        .windows(2)
+        .map(|w| w[0].elapsed_ms(&w[1]).map(f64::from))
+        .collect::<Result<_, _>>()
+        .map_err(drv("cuEventElapsedTime"))?;
+    let mean_ms = per_call.iter().sum::<f64>() / per_call.len() as f64;
+    let median_ms = median(per_call);
+
+    let (mut single, mut enqueue) = (Vec::new(), Vec::new());
+    for _ in 0..opts.latency_runs {
+        let t = Instant::now();
+        inputs.forward(rt, stream, plan)?;
+        enqueue.push(t.elapsed().as_secs_f64() * 1e6);
+        stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
+        single.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let single_call_ms = median(single);
+    let flops = 4.0 * opts.heads as f64 * opts.head_dim as f64 * plan.visible_pairs() as f64;
+    Ok(Timing {
+        median_ms,
+        mean_ms,
+        tflops: flops / (median_ms * 1e-3) / 1e12,
+        single_call_ms,
+        enqueue_us: median(enqueue),
+        host_overhead_us: (single_call_ms - median_ms) * 1e3,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_bits_are_deterministic_standard_normal() {
+        let a = random_bits(DType::Bf16, 3_000_001, 7);
+        assert_eq!(a, random_bits(DType::Bf16, 3_000_001, 7));
+        assert_ne!(a[..64], random_bits(DType::Bf16, 64, 8)[..]);
+        let xs: Vec<f64> = a.iter().map(|&b| from_bits(DType::Bf16, b)).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(
+            mean.abs() < 5e-3 && (var - 1.0).abs() < 1e-2,
+            "{mean} {var}"
+        );
+        assert!(xs.iter().all(|x| x.is_finite()));
+    }
+}
