@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The whole CPU test suite: formatting, lints, Rust tests (property tests and a short fuzz
-# run included), and the CLI against the independent Python implementation of workloads.md.
-# Needs only a Rust toolchain and Python 3.11+; installs nothing system-wide.
+# run included), every CUDA kernel variant compiled for sm_90a, and the CLI against the
+# independent Python implementation of workloads.md. Needs only a Rust toolchain and Python
+# 3.11+ (and PyPI for the pinned NVRTC wheel); installs nothing system-wide and needs no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Every cargo command below builds cm-cuda with NVRTC, so a kernel that fails to compile or
+# a forward kernel that spills registers fails the first of them. CUBINs are cached by source
+# hash under target/cm-kernels-cache: unchanged kernels are not recompiled.
+echo "== NVRTC (scripts/install-nvrtc.sh)"
+CM_NVRTC_DIR="$(bash scripts/install-nvrtc.sh | tail -n 1)"
+export CM_NVRTC_DIR
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -13,6 +21,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== cargo test"
 cargo test --workspace --locked
+
+echo "== kernels: every variant for sm_90a, no spills (ptxas facts)"
+bash scripts/build-kernels.sh
 
 echo "== CLI vs the independent workloads.md oracle"
 cargo build --release --locked -p cm-cli
