@@ -97,6 +97,10 @@ enum ExportFormat {
     Flashmask,
 }
 
+/// Largest dense table the CLI prints as JSON, in elements (the library's own limit is
+/// larger; JSON text costs several bytes per element).
+const CLI_DENSE_LIMIT: i64 = 1 << 24;
+
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
     let bad = || format!("`{s}` is not a row range; expected A:B with 0 <= A < B, e.g. 0:16");
     let (a, b) = s.split_once(':').ok_or_else(bad)?;
@@ -246,11 +250,18 @@ fn run(command: Command) -> Result<ExitCode> {
             if rows.1 > plan.q_len {
                 return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, plan.q_len));
             }
-            if b >= plan.batch || h >= plan.num_heads {
+            if b >= plan.batch {
                 return Err(anyhow!(
-                    "--b {b} --h {h} is out of range; the plan has batch = {} and num_heads = {}",
+                    "--b {b} is out of range; the plan has batch = {} (indices 0 ..= {})",
                     plan.batch,
-                    plan.num_heads
+                    plan.batch - 1
+                ));
+            }
+            if h >= plan.num_heads {
+                return Err(anyhow!(
+                    "--h {h} is out of range; the plan has num_heads = {} (indices 0 ..= {})",
+                    plan.num_heads,
+                    plan.num_heads - 1
                 ));
             }
             let m = plan.mask(b, h);
@@ -290,6 +301,23 @@ fn run(command: Command) -> Result<ExitCode> {
             format,
             output,
         } => {
+            // Refuse before planning what would be refused after it.
+            let shape = mask.options()?.shape();
+            let (bm, bn) = (i64::from(mask.tile.block_m), i64::from(mask.tile.block_n));
+            let (rows, cols, what) = match format {
+                ExportFormat::Dense => (shape.q_len, shape.kv_len, "mask"),
+                ExportFormat::Flex => (
+                    (shape.q_len + bm - 1) / bm,
+                    (shape.kv_len + bn - 1) / bn,
+                    "block table",
+                ),
+                ExportFormat::Cudnn | ExportFormat::Flashmask => (0, 0, ""),
+            };
+            if rows.saturating_mul(cols) > CLI_DENSE_LIMIT {
+                return Err(anyhow!(
+                    "error[CM0403]: a dense {what} of {rows} x {cols} elements is too large to print as JSON (limit {CLI_DENSE_LIMIT}); use `intervals`, `--format cudnn` or a larger --tile"
+                ));
+            }
             let (_, _, plan, _) = mask.plan()?;
             let m = plan.mask(0, 0);
             let value = match format {

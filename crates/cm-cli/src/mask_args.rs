@@ -8,7 +8,7 @@ use compilemask::{OrderRequest, PlanOptions, Program, TileShape, Value};
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
     /// A mask program file (`.cmask`).
-    #[arg(conflicts_with = "builtin", required_unless_present = "builtin")]
+    #[arg(conflicts_with = "builtin")]
     pub file: Option<String>,
     /// A built-in mask instead of a file (see `compilemask list`).
     #[arg(long)]
@@ -66,7 +66,7 @@ impl MaskArgs {
         let program = match (&self.file, &self.builtin) {
             (_, Some(name)) => compilemask::builtin(name),
             (Some(path), None) => compilemask::compile_named(&read_source(path)?, path),
-            (None, None) => bail!("give a mask file or --builtin NAME"),
+            (None, None) => bail!("give a mask program file or --builtin NAME (`compilemask list` shows the built-ins)"),
         };
         let program = program.map_err(|e| anyhow!("{}", e.rendered.trim_end()))?;
         if !program.warnings().is_empty() {

@@ -376,7 +376,6 @@ fn unknown_or_ill_typed_parameters() {
 }
 
 #[test]
-#[ignore = "bug: `--set lengths=1,,2` is accepted as [1, 2] (parse_value skips empty items)"]
 fn empty_list_item_is_rejected() {
     fails(
         &[
@@ -393,7 +392,6 @@ fn empty_list_item_is_rejected() {
 }
 
 #[test]
-#[ignore = "bug: --batch 1048576 --num-heads 65536 are each in range, but the plan materialises a [batch, num_heads] mask index (2^36 entries) even for a mask that reads neither, and the process aborts"]
 fn largest_batch_and_heads_do_not_abort() {
     let o = run(&[
         "plan",
@@ -416,7 +414,6 @@ fn largest_batch_and_heads_do_not_abort() {
 }
 
 #[test]
-#[ignore = "rough edge: the dense-export refusal carries no error code (docs/language.md lists CM0403)"]
 fn export_dense_above_the_limit_has_a_code() {
     fails(
         &[
@@ -556,22 +553,21 @@ fn export_dense_above_the_limit() {
             "--format",
             "dense",
         ],
-        &["20000 x 20000", "exceeds the limit of 268435456"],
+        &["20000 x 20000", "CM0403", "too large"],
     );
 }
 
 #[test]
 fn export_flex_block_table_above_the_limit() {
-    // A diagonal keeps the plan small (20000 non-empty 1x1 tiles) while Flex's dense
-    // [num_m_blocks, num_n_blocks] tables would hold 4e8 entries. (Causal at this size
-    // also fails, but only after planning 2e8 full tiles: ~3 GB; see the report.)
+    // Flex's dense [num_m_blocks, num_n_blocks] tables would hold 4e8 entries; the CLI
+    // refuses before planning.
     let dir = scratch("flex_limit");
     let f = write(&dir, "diag.cmask", "mask = k == q;\n");
     fails(
         &[
             "export", &f, "--q-len", "20000", "--tile", "1x1", "--format", "flex",
         ],
-        &["block table", "20000 x 20000", "exceeds the limit"],
+        &["block table", "20000 x 20000", "CM0403", "too large"],
     );
 }
 
@@ -690,7 +686,7 @@ fn no_arguments_and_unknown_subcommands() {
     fails(&[], &["Usage"]);
     fails(&["frobnicate"], &["frobnicate"]);
     // Neither a file nor --builtin (the message names only <FILE>; see the report).
-    fails(&["plan", "--q-len", "8"], &["<FILE>"]);
+    fails(&["plan", "--q-len", "8"], &["--builtin NAME"]);
     fails(
         &[
             "export",

@@ -11,7 +11,7 @@ pub const DENSE_LIMIT: u64 = 1 << 28;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ExportError {
-    #[error("a dense {what} of {rows} x {cols} = {elements} elements exceeds the limit of {limit}; use the interval or block forms instead")]
+    #[error("error[CM0403]: a dense {what} of {rows} x {cols} = {elements} elements exceeds the limit of {limit}; use the interval or block forms instead")]
     TooLarge {
         what: &'static str,
         rows: u64,
@@ -19,7 +19,7 @@ pub enum ExportError {
         elements: u64,
         limit: u64,
     },
-    #[error("FlashMask cannot express this mask: column {column} has {count} masked row ranges, FlashMask allows at most 2 (one lower, one upper)")]
+    #[error("error[CM0408]: FlashMask cannot express this mask: column {column} has {count} masked row ranges, FlashMask allows at most 2 (one lower, one upper)")]
     NotExpressible { column: u32, count: usize },
 }
 

@@ -12,6 +12,8 @@ use std::sync::Arc;
 
 /// Longest supported `q_len` / `kv_len`, in tokens.
 pub const MAX_LEN: i64 = 1 << 26;
+/// Most (batch, head) pairs one plan may index.
+pub const MAX_BATCH_HEADS: i64 = 1 << 24;
 /// Most segments (or composite pieces) one segmentation may create.
 pub const MAX_SEGMENTS: usize = 1 << 24;
 
@@ -262,12 +264,24 @@ pub fn parse_value(text: &str) -> PResult<Value> {
     let t = text.trim();
     let inner = t.strip_prefix('[').and_then(|x| x.strip_suffix(']'));
     let is_list = inner.is_some() || t.contains(',');
-    let body = inner.unwrap_or(t);
-    let mut items = Vec::new();
-    for piece in body
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-    {
+    let body = inner.unwrap_or(t).trim();
+    let pieces: Vec<&str> = if body.is_empty() {
+        Vec::new()
+    } else if body.contains(',') {
+        body.split(',').map(str::trim).collect()
+    } else {
+        body.split_whitespace().collect()
+    };
+    let mut items = Vec::with_capacity(pieces.len());
+    for (i, piece) in pieces.iter().enumerate() {
+        if piece.is_empty() {
+            return Err(PlanError::new(
+                "CM0308",
+                None,
+                format!("`{text}` has an empty entry at position {i}"),
+            )
+            .with_hint("separate integers with single commas, e.g. 2048,1536,3072"));
+        }
         let v = piece.replace('_', "").parse::<i64>().map_err(|_| {
             PlanError::new("CM0308", None, format!("`{piece}` is not an integer")).with_hint(
                 "values are integers, or comma-separated integer lists such as 2048,1536,3072",
@@ -315,6 +329,16 @@ impl Program {
                     format!("{name} = {v} is out of range; expected 1 ..= {max}"),
                 ));
             }
+        }
+        if shape.batch * shape.num_heads > MAX_BATCH_HEADS {
+            return Err(PlanError::new(
+                "CM0402",
+                None,
+                format!(
+                    "batch x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
+                    shape.batch * shape.num_heads
+                ),
+            ));
         }
         for name in values.keys() {
             if !self.params.iter().any(|p| &p.name == name) {
@@ -374,6 +398,23 @@ impl Program {
             };
             b.params.push(v);
         }
+        for r in &self.requires {
+            if !b.eval_bool(&r.cond, &env)? {
+                let mut msg = String::new();
+                for part in &r.message {
+                    match part {
+                        MsgPart::Text(t) => msg.push_str(t),
+                        MsgPart::Value(i) => msg.push_str(&b.eval_int(i, &env)?.to_string()),
+                    }
+                }
+                if msg.is_empty() {
+                    msg = "a `require` of the mask does not hold".into();
+                }
+                return Err(PlanError::new("CM0305", Some(r.span), msg).with_hint(
+                    "this `require` of the mask does not hold for the given lengths and parameters",
+                ));
+            }
+        }
         for g in &self.grids {
             let mut dims = Vec::new();
             let mut size = 1i64;
@@ -403,23 +444,6 @@ impl Program {
         for s in &self.segs {
             let table = b.lay_out(s)?;
             b.segs.push(table);
-        }
-        for r in &self.requires {
-            if !b.eval_bool(&r.cond, &env)? {
-                let mut msg = String::new();
-                for part in &r.message {
-                    match part {
-                        MsgPart::Text(t) => msg.push_str(t),
-                        MsgPart::Value(i) => msg.push_str(&b.eval_int(i, &env)?.to_string()),
-                    }
-                }
-                if msg.is_empty() {
-                    msg = "a `require` of the mask does not hold".into();
-                }
-                return Err(PlanError::new("CM0305", Some(r.span), msg).with_hint(
-                    "this `require` of the mask does not hold for the given lengths and parameters",
-                ));
-            }
         }
         Ok(b)
     }
@@ -506,7 +530,13 @@ impl Bound<'_> {
                             ),
                         ));
                     }
-                    total = total.saturating_add(c.saturating_mul(a.iter().sum::<i64>().min(1)));
+                    if a.is_empty() && c > 0 {
+                        return Err(PlanError::new("CM0306", Some(d.span), format!("the lengths of piece `{}` are an empty array, but each segment takes {c} of them", d.name))
+                            .with_hint("give at least one length"));
+                    }
+                    if c > 0 && a.iter().any(|&v| v > 0) {
+                        total += 1;
+                    }
                     arrays.push((a, c));
                 }
                 if fill > 0 && total == 0 {

@@ -38,6 +38,8 @@ const BUILTIN_FUNCS: &[&str] = &[
 
 #[derive(Clone)]
 enum Def {
+    /// A declaration whose own check failed: uses are errors already reported.
+    Failed,
     Param(ParamId, bool),
     Let(usize),
     Seg(SegId),
@@ -145,7 +147,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 default,
                 span,
             } => {
-                if !c.declare(name, Def::Param(c.params.len(), false)) {
+                if !c.declare(name, Def::Failed) {
                     continue;
                 }
                 let id = c.params.len();
@@ -211,7 +213,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 fill,
                 span,
             } => {
-                if !c.declare(name, Def::Seg(c.segs.len())) {
+                if !c.declare(name, Def::Failed) {
                     continue;
                 }
                 let kind = match spec {
@@ -257,6 +259,8 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     },
                     None => Int::new(IntKind::QLen, name.span),
                 };
+                c.names
+                    .insert(name.name.clone(), (Def::Seg(c.segs.len()), name.span));
                 c.segs.push(SegDecl {
                     name: name.name.clone(),
                     kind,
@@ -312,7 +316,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 at,
                 span,
             } => {
-                if !c.declare(name, Def::Grid(c.grids.len())) {
+                if !c.declare(name, Def::Failed) {
                     continue;
                 }
                 if dims.len() != 2 && dims.len() != 3 {
@@ -334,6 +338,8 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 let (Ok(dims), Ok(at)) = (dims, at) else {
                     continue;
                 };
+                c.names
+                    .insert(name.name.clone(), (Def::Grid(c.grids.len()), name.span));
                 c.grids.push(GridDecl {
                     name: name.name.clone(),
                     dims,
@@ -382,18 +388,24 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
             }
         }
     }
-    for (name, (def, span)) in &c.names {
-        if let Def::Let(id) = def {
-            if !c.lets[*id].1 {
-                c.diags.push(Diagnostic::warning(
-                    "CM0250",
-                    *span,
-                    format!("`{name}` is never used"),
-                ));
+    let has_errors = c.diags.iter().any(Diagnostic::is_error);
+    // Unused-`let` warnings only make sense when every use was checked.
+    if !has_errors {
+        for item in &program.items {
+            if let Item::Let { name, .. } = item {
+                if let Some((Def::Let(id), _)) = c.names.get(&name.name) {
+                    if !c.lets[*id].1 {
+                        c.diags.push(Diagnostic::warning(
+                            "CM0250",
+                            name.span,
+                            format!("`{}` is never used", name.name),
+                        ));
+                    }
+                }
             }
         }
     }
-    let has_errors = c.diags.iter().any(Diagnostic::is_error);
+    c.diags.sort_by_key(|d| (d.span.start, d.span.end));
     let Some((mask, _)) = mask else {
         if !has_errors {
             c.diags.push(
@@ -406,7 +418,6 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
     if has_errors {
         return (None, c.diags);
     }
-    c.diags.sort_by_key(|d| d.span.start);
     let program = Program {
         params: c.params,
         segs: c.segs,
@@ -435,10 +446,13 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 /// The closest candidate within a small edit distance, for "did you mean" hints.
-pub(crate) fn suggest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Option<String> {
+pub fn suggest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Option<String> {
     candidates
         .map(|c| (edit_distance(name, c), c))
-        .filter(|(d, c)| *d <= 2.max(name.len() / 3) && *d < c.len())
+        .filter(|(d, c)| {
+            *d <= 2.max(name.len() / 3)
+                && (*d < c.len() || name.starts_with(c) || c.starts_with(name))
+        })
         .min()
         .map(|(_, c)| c.to_string())
 }
@@ -514,10 +528,8 @@ impl<'a> Checker<'a> {
                     name.span,
                     format!("`{}` is already defined", name.name),
                 )
-                .with_hint(format!(
-                    "the first definition is at byte {}; pick another name",
-                    prev.start
-                )),
+                .with_related(prev, "first defined here")
+                .with_hint("pick another name"),
             );
             return false;
         }
@@ -528,6 +540,7 @@ impl<'a> Checker<'a> {
     fn lookup_seg(&mut self, id: &ast::Ident) -> Option<SegId> {
         match self.names.get(&id.name) {
             Some((Def::Seg(s), _)) => Some(*s),
+            Some((Def::Failed, _)) => None,
             _ => {
                 let hint = suggest(&id.name, self.segs.iter().map(|s| s.name.as_str()));
                 let mut d = Diagnostic::error(
@@ -848,16 +861,16 @@ impl<'a> Checker<'a> {
             Some((Def::Param(id, true), _)) => Ok(Val::Arr(Arr::Param(id), span)),
             Some((Def::Seg(s), _)) => Ok(Val::Seg(s, span)),
             Some((Def::Grid(g), _)) => Ok(Val::Grid(g, span)),
+            Some((Def::Failed, _)) => Err(()),
             Some((Def::Let(id), _)) => {
                 self.lets[id].1 = true;
                 self.let_depth += 1;
                 if self.let_depth > 64 {
                     self.let_depth -= 1;
-                    self.err(Diagnostic::error(
-                        "CM0105",
-                        span,
-                        "`let` bindings nest too deeply",
-                    ));
+                    self.err(
+                        Diagnostic::error("CM0105", span, "`let` bindings nest too deeply")
+                            .with_hint("at most 64 `let`s may refer to one another in a chain"),
+                    );
                     return Err(());
                 }
                 let expr = self.lets[id].0;

@@ -22,9 +22,11 @@ pub use ir::*;
 pub fn compile(source: &str) -> (Option<Program>, Vec<cm_syntax::Diagnostic>) {
     let (ast, mut diags) = cm_syntax::parse(source);
     if diags.iter().any(cm_syntax::Diagnostic::is_error) {
+        diags.sort_by_key(|d| (d.span.start, d.span.end));
         return (None, diags);
     }
     let (program, more) = check(&ast);
     diags.extend(more);
+    diags.sort_by_key(|d| (d.span.start, d.span.end));
     (program, diags)
 }

@@ -224,8 +224,8 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
 /// In-range pairs inside non-empty tiles: the work a tile kernel does (the same count as
 /// `TileDescriptor::computed_pairs`, without building the descriptor).
 pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
-    let (bm, bn) = (tile.block_m, tile.block_n);
     let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+    let (bm, bn) = tile.clamped(q_len, kv_len);
     let mut total = 0u64;
     let mut ranges: Vec<(u32, u32)> = Vec::new();
     let mut scratch = Vec::new();
@@ -252,8 +252,8 @@ pub fn computed_pairs_in_order(
     run: &[u32],
     tile: TileShape,
 ) -> u64 {
-    let (bm, bn) = (tile.block_m, tile.block_n);
     let n = order.len();
+    let (bm, bn) = tile.clamped(n, n);
     let num_n = n.div_ceil(bn) as usize;
     let mut stamp = vec![u32::MAX; num_n];
     let mut total = 0u64;

@@ -161,7 +161,20 @@ pub fn row_intervals(
                     debug_assert!(s > q0 && s < end, "split {s} outside ({q0}, {end})");
                     end = s;
                 }
-                Err(Flow::Error(e)) => return Err(e),
+                Err(Flow::Error(mut e)) => {
+                    let rows = if p.n == 1 {
+                        format!("row q = {q0}")
+                    } else {
+                        format!("rows q = {q0}..{end}")
+                    };
+                    let bh = if solver.bound.program.uses_b || solver.bound.program.uses_h {
+                        format!(", b = {b}, h = {h}")
+                    } else {
+                        String::new()
+                    };
+                    e.message = format!("{} (planning {rows}{bh})", e.message);
+                    return Err(e);
+                }
             }
         }
     }

@@ -755,7 +755,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                             s: Aff::c(k),
                             e: Aff::c(k + 1),
                         });
-                        k += m;
+                        match k.checked_add(m) {
+                            Some(next) => k = next,
+                            None => break,
+                        }
                     }
                 }
                 if *equal {

@@ -19,6 +19,17 @@ pub struct TileShape {
     pub block_n: u32,
 }
 
+impl TileShape {
+    /// Block sizes no larger than the lengths: a tile wider than the sequence covers the
+    /// same pairs as one exactly as wide, and the arithmetic stays small.
+    pub fn clamped(self, q_len: u32, kv_len: u32) -> (u32, u32) {
+        (
+            self.block_m.min(q_len.max(1)),
+            self.block_n.min(kv_len.max(1)),
+        )
+    }
+}
+
 impl Default for TileShape {
     fn default() -> Self {
         TileShape {
@@ -44,7 +55,8 @@ pub struct TileCounts {
 /// `full_q_indices`, with `q_partial_ids[i]` the position of that tile in the forward
 /// partial list (so the backward pass finds the same per-row data).
 ///
-/// Per-row form of partial tiles: `partial_row_first` is `[num_partial, block_m]`. For the
+/// Per-row form of partial tiles: `partial_row_first` is `[num_partial,
+/// partial_row_stride]`. For the
 /// `p`-th partial tile `(m_block, n_block)` and local row `r` (query row
 /// `q = m_block * block_m + r < q_len`), it holds the absolute index into
 /// `RowIntervals::intervals()` of that row's first interval ending after the tile's first
@@ -64,6 +76,10 @@ pub struct TileDescriptor {
     pub full_kv_offsets: Vec<u32>,
     pub full_kv_indices: Vec<u32>,
     pub partial_row_first: Vec<u32>,
+    /// Entries per partial tile in `partial_row_first`: `block_m`, or `min(block_m,
+    /// q_len)` for blocks taller than [`MAX_KERNEL_BLOCK_M`] (so absurd tile shapes
+    /// cannot blow up memory, while every kernel tile keeps a fixed stride).
+    pub partial_row_stride: u32,
     pub q_offsets: Vec<u32>,
     pub q_indices: Vec<u32>,
     pub q_partial_ids: Vec<u32>,
@@ -72,6 +88,10 @@ pub struct TileDescriptor {
     /// In-range (q, k) pairs inside full and partial tiles: the work a tile kernel does.
     pub computed_pairs: u64,
 }
+
+/// The tallest query block a kernel uses; `partial_row_first` keeps a stride of exactly
+/// `block_m` up to this height.
+pub const MAX_KERNEL_BLOCK_M: u32 = 1024;
 
 fn ceil_div(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
@@ -140,7 +160,7 @@ impl TileDescriptor {
             "tile sizes are validated by the caller"
         );
         let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
-        let (bm, bn) = (tile.block_m, tile.block_n);
+        let (bm, bn) = tile.clamped(q_len, kv_len);
         let num_m = ceil_div(q_len, bm);
         let num_n = ceil_div(kv_len, bn);
         let row_ptr = rows.row_ptr();
@@ -155,6 +175,11 @@ impl TileDescriptor {
             full_kv_offsets: Vec::with_capacity(num_m as usize + 1),
             full_kv_indices: Vec::new(),
             partial_row_first: Vec::new(),
+            partial_row_stride: if tile.block_m <= MAX_KERNEL_BLOCK_M {
+                tile.block_m
+            } else {
+                bm
+            },
             q_offsets: Vec::new(),
             q_indices: Vec::new(),
             q_partial_ids: Vec::new(),
@@ -229,8 +254,9 @@ impl TileDescriptor {
             d.full_kv_offsets.push(d.full_kv_indices.len() as u32);
             let partial = &d.kv_indices[partial_start..];
             let base = d.partial_row_first.len();
+            let stride = d.partial_row_stride as usize;
             d.partial_row_first
-                .resize(base + partial.len() * bm as usize, row_ptr[q_len as usize]);
+                .resize(base + partial.len() * stride, row_ptr[q_len as usize]);
             for q in r0..r1 {
                 let row = rows.row(q);
                 let mut j = 0usize;
@@ -239,7 +265,7 @@ impl TileDescriptor {
                     while j < row.len() && row[j].end <= tile_start {
                         j += 1;
                     }
-                    d.partial_row_first[base + p * bm as usize + (q - r0) as usize] =
+                    d.partial_row_first[base + p * stride + (q - r0) as usize] =
                         row_ptr[q as usize] + j as u32;
                 }
             }

@@ -45,6 +45,8 @@ pub struct Diagnostic {
     /// A short label shown under the span.
     pub label: String,
     pub hint: Option<String>,
+    /// Other places worth showing, each with a label (a first definition, say).
+    pub related: Vec<(Span, String)>,
 }
 
 impl Diagnostic {
@@ -57,6 +59,7 @@ impl Diagnostic {
             message,
             span,
             hint: None,
+            related: Vec::new(),
         }
     }
 
@@ -74,6 +77,11 @@ impl Diagnostic {
 
     pub fn with_hint(mut self, hint: impl Into<String>) -> Diagnostic {
         self.hint = Some(hint.into());
+        self
+    }
+
+    pub fn with_related(mut self, span: Span, label: impl Into<String>) -> Diagnostic {
+        self.related.push((span, label.into()));
         self
     }
 

@@ -137,6 +137,10 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     )
                     .with_hint("integers are decimal digits, optionally separated by `_`"),
                 );
+                toks.push(Token {
+                    tok: Tok::Int(0),
+                    span: Span::new(start, end_of(k)),
+                });
                 i = k;
                 continue;
             }

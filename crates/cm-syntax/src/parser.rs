@@ -24,6 +24,9 @@ struct Parser {
     pos: usize,
     depth: u32,
     diags: Vec<Diagnostic>,
+    /// Set after a nesting error: the statement is being skipped, so the missing closers
+    /// it leaves behind are not reported one by one.
+    skipping: bool,
 }
 
 /// Parses a whole program. Always returns a syntax tree (possibly partial) and every
@@ -35,10 +38,12 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
         pos: 0,
         depth: 0,
         diags,
+        skipping: false,
     };
     let mut items = Vec::new();
     while !p.at(&Tok::Eof) {
         let before = p.pos;
+        p.skipping = false;
         match p.item() {
             Some(item) => items.push(item),
             None => p.recover(),
@@ -58,6 +63,7 @@ pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
         pos: 0,
         depth: 0,
         diags,
+        skipping: false,
     };
     let e = p.expr();
     if !p.at(&Tok::Eof) {
@@ -119,6 +125,9 @@ impl Parser {
     }
 
     fn error_here(&mut self, expected: &str) {
+        if self.skipping {
+            return;
+        }
         let t = self.peek().clone();
         self.diags.push(
             Diagnostic::error(
@@ -456,6 +465,7 @@ impl Parser {
                 ),
             );
             // Skip the rest of the statement so the caller makes progress.
+            self.skipping = true;
             while !self.at(&Tok::Eof) && !self.at(&Tok::Semi) {
                 self.bump();
             }

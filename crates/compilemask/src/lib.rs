@@ -289,6 +289,11 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
             .with_code(d.code)
             .with_message(&d.message)
             .with_label(Label::new((name, start..end)).with_message(&d.label));
+        for (span, label) in &d.related {
+            let s = (span.start as usize).min(source.len());
+            let e = (span.end as usize).clamp(s, source.len());
+            report = report.with_label(Label::new((name, s..e)).with_message(label));
+        }
         if let Some(h) = &d.hint {
             report = report.with_help(h);
         }
@@ -326,6 +331,19 @@ pub mod export {
     pub use cm_export::{cudnn_endpoints, dense, flashmask_bounds, flex_block_mask};
 }
 
+/// Why [`attention`] refused its arguments.
+#[derive(Debug, thiserror::Error)]
+pub enum AttentionError {
+    #[error("the plan was made for {what} = {planned}, but the tensors have {what} = {given}; plan again for these tensors")]
+    PlanMismatch {
+        what: &'static str,
+        planned: usize,
+        given: usize,
+    },
+    #[error(transparent)]
+    Reference(#[from] ReferenceError),
+}
+
 /// CPU reference attention with a plan's masks: `q` `[batch, num_heads, q_len, head_dim]`,
 /// `k` `[batch, num_kv_heads, kv_len, head_dim]`, `v` `[batch, num_kv_heads, kv_len,
 /// head_dim_v]`, contiguous. Returns `out` `[batch, num_heads, q_len, head_dim_v]` and
@@ -333,7 +351,9 @@ pub mod export {
 /// whose output is 0).
 ///
 /// # Errors
-/// [`ReferenceError`] when shapes disagree with each other or with the plan.
+/// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
+/// mask that differs per batch or head) another batch size or head count;
+/// [`AttentionError::Reference`] when the tensor shapes disagree with each other.
 pub fn attention<T: Float>(
     shape: &AttentionShape,
     q: &[T],
@@ -341,21 +361,36 @@ pub fn attention<T: Float>(
     v: &[T],
     plan: &Plan,
     softmax_scale: T,
-) -> Result<ForwardOutput<T>, ReferenceError> {
+) -> Result<ForwardOutput<T>, AttentionError> {
+    let check = |what: &'static str, planned: u32, given: usize| {
+        if planned as usize == given {
+            Ok(())
+        } else {
+            Err(AttentionError::PlanMismatch {
+                what,
+                planned: planned as usize,
+                given,
+            })
+        }
+    };
+    check("q_len", plan.q_len, shape.q_len)?;
+    check("kv_len", plan.kv_len, shape.kv_len)?;
     let masks: Vec<&RowIntervals> = plan.masks.iter().map(|m| &m.rows).collect();
     // One distinct mask applies to every (batch, head); otherwise the plan's
-    // `[batch, num_heads]` index must match the tensors (the reference checks its length).
+    // `[batch, num_heads]` index must describe exactly these tensors.
     let index: Vec<usize> = if plan.masks.len() == 1 {
         vec![0; shape.batch * shape.num_heads]
     } else {
+        check("batch", plan.batch, shape.batch)?;
+        check("num_heads", plan.num_heads, shape.num_heads)?;
         plan.mask_index.iter().map(|&i| i as usize).collect()
     };
-    cm_reference::attention_forward(
+    Ok(cm_reference::attention_forward(
         shape,
         q,
         k,
         v,
         &Masks::indexed(&masks, &index),
         softmax_scale,
-    )
+    )?)
 }
