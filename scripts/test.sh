@@ -32,4 +32,5 @@ python3 tests/workloads/check_cli.py target/release/compilemask
 echo "== demo"
 target/release/compilemask demo --out target/demo >/dev/null
 
+echo "== Python package (wheel in a fresh venv, pytest)"; scripts/test-python.sh
 echo "all tests passed"

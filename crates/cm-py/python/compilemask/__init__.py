@@ -1,0 +1,41 @@
+"""CompileMask: attention masks written once in a small region language, compiled
+analytically into the exact visible key intervals of every query row and a tile
+descriptor, for PyTorch users.
+
+>>> import compilemask
+>>> plan = compilemask.builtin("causal").plan(1000)
+>>> plan.visible_pairs
+500500
+>>> plan.intervals(4)
+[(0, 5)]
+
+Compiling and planning need nothing but this package. The functions that produce or take
+torch tensors (:func:`attention`, :meth:`Plan.to_block_mask`, :meth:`Plan.to_tensors`)
+import torch when first called and raise :class:`ImportError` naming what is missing
+when it is not installed. See ``docs/python.md`` and ``docs/language.md``.
+"""
+
+from __future__ import annotations
+
+from . import _native
+from ._native import DENSE_LIMIT, Diagnostic, MaskSyntaxError, PlanError
+from ._program import Parameter, Plan, PlanTensors, Program, builtin, builtins, compile
+from ._torch import attention
+
+__version__: str = _native.__version__
+
+__all__ = [
+    "DENSE_LIMIT",
+    "Diagnostic",
+    "MaskSyntaxError",
+    "Parameter",
+    "Plan",
+    "PlanError",
+    "PlanTensors",
+    "Program",
+    "__version__",
+    "attention",
+    "builtin",
+    "builtins",
+    "compile",
+]

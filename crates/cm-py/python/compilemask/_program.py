@@ -1,0 +1,598 @@
+"""Programs and plans: the part of the package that needs no torch."""
+
+from __future__ import annotations
+
+import array
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
+
+from . import _native
+from ._native import PlanError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+ParamValue = Union[int, Sequence[int]]
+DenseFormat = Literal["auto", "torch", "numpy", "list"]
+
+
+class Parameter(NamedTuple):
+    """A declared parameter of a mask program."""
+
+    name: str
+    is_array: bool
+    has_default: bool
+
+
+class PlanTensors(NamedTuple):
+    """A plan as tensors, the form in which it travels through :func:`compilemask.attention`
+    (and through ``torch.compile``: a new plan of the same sizes reuses compiled code).
+
+    ``row_ptr`` is int32 ``[num_masks, q_len + 1]`` (each row's first interval in
+    ``intervals``), ``intervals`` int32 ``[capacity, 2]`` (start, end; padded with zeros to a
+    power of two past the last used entry), ``mask_index`` int32 ``[batch, num_heads]`` (the
+    distinct mask of each (b, h)). Build it with :meth:`Plan.to_tensors`.
+    """
+
+    row_ptr: torch.Tensor
+    intervals: torch.Tensor
+    mask_index: torch.Tensor
+    q_len: int
+    kv_len: int
+    batch: int
+    num_heads: int
+    uses_batch: bool
+    uses_head: bool
+
+
+def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
+    rendered = f"error[{code}]: {message}" + (f"\n  = hint: {hint}" if hint else "")
+    err = PlanError(rendered)
+    err.code = code
+    err.hint = hint
+    err.diagnostics = []
+    err.rendered = rendered
+    return err
+
+
+def _param_value(name: str, value: Any) -> int | list[int]:
+    """An int or a list of ints from an int, a sequence, a numpy array or a torch tensor."""
+    if not isinstance(value, (int, list, tuple)) and hasattr(value, "tolist"):
+        value = value.tolist()  # numpy / torch: scalars become int, arrays lists
+    if isinstance(value, bool):
+        raise TypeError(f"parameter `{name}`: expected an int or a list of ints, got bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"parameter `{name}`: expected an int or a list of ints, got {type(value).__name__}"
+        )
+    out: list[int] = []
+    for x in value:
+        if isinstance(x, bool):
+            raise TypeError(f"parameter `{name}`: expected ints, got bool {x!r}")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise TypeError(
+                f"parameter `{name}`: expected ints, got {type(x).__name__} {x!r}"
+            ) from None
+    return out
+
+
+def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        return block_size, block_size
+    try:
+        m, n = block_size  # type: ignore[misc]
+        return operator.index(m), operator.index(n)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"block_size must be an int or a (block_m, block_n) pair of ints, got {block_size!r}"
+        ) from None
+
+
+def compile(source: str, *, name: str = "<mask>") -> Program:  # noqa: A001 (like re.compile)
+    """Compiles mask source text (see ``docs/language.md``).
+
+    Raises :class:`MaskSyntaxError` (a ``ValueError``) whose message is the rendered
+    diagnostics and whose ``.diagnostics`` lists each one (code, message, line, column,
+    severity, hint).
+    """
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    return Program(_native.compile(source, name))
+
+
+def builtin(name: str, /, **params: ParamValue) -> Program:
+    """A mask of the standard library (``causal``, ``hstu``, ``shared_prefix``, ``clear``,
+    ``sliding_window``, ``document_causal``, ``trace_documents``, ``trace_prompt_groups``,
+    ...; see :func:`builtins`). Keyword arguments become the program's parameter defaults,
+    overridable per :meth:`Program.plan`."""
+    program = Program(_native.builtin(name))
+    return program.with_params(params) if params else program
+
+
+def builtins() -> list[tuple[str, str]]:
+    """``(name, one-line summary)`` of every built-in mask."""
+    return list(_native.builtins())
+
+
+class Program:
+    """A checked mask program, ready to plan for any lengths and parameters.
+
+    Made by :func:`compile` or :func:`builtin`; planning it again with new lengths or
+    parameters re-parses nothing.
+    """
+
+    __slots__ = ("_native", "_defaults")
+
+    def __init__(self, native: _native.Program, defaults: Mapping[str, ParamValue] | None = None):
+        self._native = native
+        self._defaults = {k: _param_value(k, v) for k, v in (defaults or {}).items()}
+
+    @property
+    def source(self) -> str:
+        return self._native.source
+
+    @property
+    def name(self) -> str:
+        return self._native.name
+
+    @property
+    def parameters(self) -> list[Parameter]:
+        """The declared parameters, in declaration order (``has_default`` also counts
+        defaults bound with :meth:`with_params`)."""
+        return [
+            Parameter(n, a, d or n in self._defaults) for n, a, d in self._native.params
+        ]
+
+    @property
+    def defaults(self) -> dict[str, int | list[int]]:
+        """Parameter values bound by :func:`builtin` or :meth:`with_params`."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self._defaults.items()}
+
+    @property
+    def warnings(self) -> list[_native.Diagnostic]:
+        return list(self._native.warnings)
+
+    @property
+    def uses_batch(self) -> bool:
+        """Whether the mask reads the batch index ``b``."""
+        return self._native.uses_batch
+
+    @property
+    def uses_head(self) -> bool:
+        """Whether the mask reads the head index ``h``."""
+        return self._native.uses_head
+
+    @property
+    def uses_elementwise(self) -> bool:
+        """Whether part of the mask is evaluated pair by pair (``elementwise(...)``)."""
+        return self._native.uses_elementwise
+
+    def _check_names(self, params: Mapping[str, Any]) -> None:
+        declared = [n for n, _, _ in self._native.params]
+        for name in params:
+            if name not in declared:
+                listed = ", ".join(declared) if declared else "none"
+                raise _plan_error(
+                    "CM0309",
+                    f"unknown parameter `{name}` of mask `{self.name}`",
+                    f"its parameters: {listed}",
+                )
+
+    def _params(self, params: Mapping[str, Any]) -> dict[str, int | list[int]]:
+        self._check_names(params)
+        merged = dict(self._defaults)
+        merged.update({k: _param_value(k, v) for k, v in params.items()})
+        return merged
+
+    def with_params(self, params: Mapping[str, ParamValue] | None = None, /,
+                    **kwargs: ParamValue) -> Program:
+        """A copy of this program with new parameter defaults (a mapping, keywords, or
+        both). Use the mapping form for parameters named like an argument of :meth:`plan`."""
+        given = dict(params or {})
+        given.update(kwargs)
+        return Program(self._native, self._params(given))
+
+    def plan(
+        self,
+        q_len: int,
+        kv_len: int | None = None,
+        batch: int | None = None,
+        num_heads: int | None = None,
+        *,
+        block_size: int | tuple[int, int] = 128,
+        **params: ParamValue,
+    ) -> Plan:
+        """Plans the program: binds lengths and parameters, solves every row, classifies
+        the ``block_size`` tiles (default 128 x 128) and builds their transposes. Fast (the
+        GIL is released) and with no recompilation, so call it per batch with new
+        ``lengths=[...]``.
+
+        ``kv_len`` defaults to ``q_len`` (positions are absolute: top-left aligned);
+        ``batch`` and ``num_heads`` (default 1) only matter for masks that read ``b`` or
+        ``h``. ``params`` override the program's defaults: an int, or a list of ints for
+        array parameters (numpy arrays and torch tensors are accepted too).
+
+        Raises :class:`PlanError` (a ``ValueError``) with the rendered diagnostic.
+        """
+        bm, bn = _block_size(block_size)
+        native = self._native.plan(
+            operator.index(q_len),
+            None if kv_len is None else operator.index(kv_len),
+            1 if batch is None else operator.index(batch),
+            1 if num_heads is None else operator.index(num_heads),
+            bm,
+            bn,
+            self._params(params),
+        )
+        return Plan(native, self)
+
+    def brute_force_row(
+        self,
+        q: int,
+        q_len: int,
+        kv_len: int | None = None,
+        batch: int | None = None,
+        num_heads: int | None = None,
+        *,
+        b: int = 0,
+        h: int = 0,
+        **params: ParamValue,
+    ) -> list[tuple[int, int]]:
+        """Row ``q``'s visible intervals by the pairwise semantics, testing every key:
+        O(kv_len), for tests and spot checks of :meth:`Plan.intervals`."""
+        return list(
+            self._native.brute_force_row(
+                q, q_len, kv_len, 1 if batch is None else batch,
+                1 if num_heads is None else num_heads, b, h, self._params(params),
+            )
+        )
+
+    def __repr__(self) -> str:
+        names = ", ".join(n for n, _, _ in self._native.params)
+        return f"Program({self.name!r}, params=[{names}])"
+
+
+def _ints(raw: bytes) -> list[int]:
+    a = array.array("i")
+    a.frombytes(raw)
+    return a.tolist()
+
+
+def _reshape(flat: list[Any], cols: int) -> list[list[Any]]:
+    return [flat[i:i + cols] for i in range(0, len(flat), cols)]
+
+
+def _import_numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+class Plan:
+    """A planned mask: the exact row intervals of every distinct (batch, head) mask, the
+    tile descriptor at ``block_size``, statistics and exports.
+
+    Statistics sum over every (b, h) of the plan, as the CLI's ``plan --json`` does.
+    """
+
+    __slots__ = ("_native", "_program", "_cache", "__weakref__")
+
+    def __init__(self, native: _native.Plan, program: Program):
+        self._native = native
+        self._program = program
+        self._cache: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def program(self) -> Program:
+        return self._program
+
+    @property
+    def q_len(self) -> int:
+        return self._native.q_len
+
+    @property
+    def kv_len(self) -> int:
+        return self._native.kv_len
+
+    @property
+    def batch(self) -> int:
+        return self._native.batch
+
+    @property
+    def num_heads(self) -> int:
+        return self._native.num_heads
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        """``(block_m, block_n)``: query rows by keys per tile."""
+        return self._native.block_size
+
+    @property
+    def visible_pairs(self) -> int:
+        """Visible (q, k) pairs, summed over every (b, h)."""
+        return self._native.visible_pairs
+
+    @property
+    def empty_rows(self) -> int:
+        """Rows with no visible key (their attention output is 0), summed over (b, h)."""
+        return self._native.empty_rows
+
+    @property
+    def max_intervals_per_row(self) -> int:
+        return self._native.max_intervals_per_row
+
+    @property
+    def tiles(self) -> dict[str, int]:
+        """``{"full", "partial", "empty"}`` tile counts at ``block_size``."""
+        return self._native.tiles
+
+    @property
+    def computed_pairs(self) -> int:
+        """In-range pairs inside full and partial tiles: the work a tile kernel does."""
+        return self._native.computed_pairs
+
+    @property
+    def descriptor_bytes(self) -> int:
+        """Bytes of everything a kernel reads for this plan."""
+        return self._native.descriptor_bytes
+
+    @property
+    def elementwise_pairs(self) -> int:
+        """Pairs evaluated one by one in ``elementwise(...)`` regions (0: all analytical)."""
+        return self._native.elementwise_pairs
+
+    @property
+    def num_masks(self) -> int:
+        """Distinct masks (1 unless the mask reads ``b`` or ``h`` and they differ)."""
+        return self._native.num_masks
+
+    @property
+    def mask_index(self) -> list[int]:
+        """``[batch * num_heads]`` row-major: the distinct mask each (b, h) uses."""
+        return self._native.mask_index
+
+    @property
+    def uses_batch(self) -> bool:
+        return self._native.uses_batch
+
+    @property
+    def uses_head(self) -> bool:
+        return self._native.uses_head
+
+    @property
+    def compile_ms(self) -> float:
+        """Wall time of planning, in milliseconds."""
+        return self._native.compile_ms
+
+    def stats(self) -> dict[str, Any]:
+        """The fields of ``compilemask plan --json``."""
+        return {
+            "mask": self._program.name,
+            "q_len": self.q_len,
+            "kv_len": self.kv_len,
+            "batch": self.batch,
+            "num_heads": self.num_heads,
+            "tile": list(self.block_size),
+            "visible_pairs": self.visible_pairs,
+            "empty_rows": self.empty_rows,
+            "max_intervals_per_row": self.max_intervals_per_row,
+            "tiles": self.tiles,
+            "computed_pairs": self.computed_pairs,
+            "descriptor_bytes": self.descriptor_bytes,
+            "distinct_masks": self.num_masks,
+            "pieces": self._native.pieces,
+            "elementwise_pairs": self.elementwise_pairs,
+            "compile_ms": self.compile_ms,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan({self._program.name!r}, q_len={self.q_len}, kv_len={self.kv_len}, "
+            f"batch={self.batch}, num_heads={self.num_heads}, "
+            f"visible_pairs={self.visible_pairs}, tiles={self.tiles}, "
+            f"block_size={self.block_size})"
+        )
+
+    # ------------------------------------------------------------------ intervals
+    def intervals(self, q: int, b: int = 0, h: int = 0) -> list[tuple[int, int]]:
+        """Row ``q``'s visible keys as sorted, disjoint, maximal ``[start, end)`` pairs."""
+        return self._native.intervals(q, b, h)
+
+    def rows(self, start: int = 0, stop: int | None = None, b: int = 0,
+             h: int = 0) -> list[list[tuple[int, int]]]:
+        """:meth:`intervals` of rows ``start .. stop - 1`` (default: every row)."""
+        return self._native.rows(start, self.q_len if stop is None else stop, b, h)
+
+    def mask_id(self, b: int = 0, h: int = 0) -> int:
+        """Index of the distinct mask that (b, h) uses."""
+        return self._native.mask_id(b, h)
+
+    def _one(self, b: int | None, h: int | None, what: str) -> tuple[int, int]:
+        if b is None and h is None:
+            if self.num_masks != 1:
+                raise ValueError(
+                    f"this plan has {self.num_masks} distinct masks (the mask reads b or h); "
+                    f"pass b= and h= to {what}"
+                )
+            return 0, 0
+        if b is None or h is None:
+            raise ValueError(f"{what}: give both b and h, or neither")
+        return b, h
+
+    def _firsts(self) -> list[tuple[int, int]]:
+        """A (b, h) using each distinct mask, by mask id."""
+        first: dict[int, tuple[int, int]] = {}
+        for i, m in enumerate(self.mask_index):
+            first.setdefault(m, divmod(i, self.num_heads))
+        return [first[m] for m in range(self.num_masks)]
+
+    # ------------------------------------------------------------------ exports
+    def to_dense(self, b: int | None = None, h: int | None = None, *,
+                 format: DenseFormat = "auto") -> Any:
+        """The dense boolean mask (True = visible), for SDPA's ``attn_mask`` or checks.
+
+        With ``b`` and ``h``: ``[q_len, kv_len]`` for that (batch, head). Without:
+        ``[batch, num_heads, q_len, kv_len]`` over the plan's batch and heads (1 x 1 by
+        default, which broadcasts). ``format``: ``"torch"`` (a ``torch.bool`` tensor),
+        ``"numpy"``, ``"list"`` (nested lists of bools; rows may be shared between (b, h),
+        treat them as read-only), or ``"auto"``: torch if importable, else numpy, else
+        lists. Refused (:class:`PlanError` CM0403) above ``DENSE_LIMIT`` elements.
+        """
+        fmt = format
+        if fmt == "auto":
+            from ._torch import torch_or_none
+
+            fmt = "torch" if torch_or_none() is not None else (
+                "numpy" if _import_numpy() is not None else "list")
+        if fmt not in ("torch", "numpy", "list"):
+            raise ValueError(f"format must be 'auto', 'torch', 'numpy' or 'list', got {format!r}")
+        q_len, kv_len = self.q_len, self.kv_len
+        if b is not None or h is not None:
+            b, h = self._one(b, h, "to_dense")
+            return _dense_array(self._native.dense(b, h), q_len, kv_len, fmt)
+        masks = [_dense_array(self._native.dense(bb, hh), q_len, kv_len, fmt)
+                 for bb, hh in self._firsts()]
+        shape = (self.batch, self.num_heads, q_len, kv_len)
+        total = self.batch * self.num_heads * q_len * kv_len
+        if fmt == "torch":
+            from ._torch import require_torch
+
+            torch = require_torch("Plan.to_dense")
+            if len(masks) == 1:
+                return masks[0].expand(shape)
+            _check_total(total)
+            index = torch.tensor(self.mask_index, dtype=torch.long)
+            return torch.stack(masks)[index].view(shape)
+        if fmt == "numpy":
+            np = _import_numpy()
+            if len(masks) == 1:
+                return np.broadcast_to(masks[0], shape)
+            _check_total(total)
+            return np.stack(masks)[np.asarray(self.mask_index)].reshape(shape)
+        idx = self.mask_index
+        return [[masks[idx[bb * self.num_heads + hh]] for hh in range(self.num_heads)]
+                for bb in range(self.batch)]
+
+    def block_tensors(self, b: int | None = None, h: int | None = None) -> dict[str, Any]:
+        """FlexAttention ``BlockMask`` tables as plain lists, with Flex's names and layout:
+        ``kv_num_blocks`` ``[M]``, ``kv_indices`` ``[M][N]`` (partial blocks, Flex's "mask"
+        blocks: each row lists the counted blocks ascending, then the rest),
+        ``full_kv_num_blocks``, ``full_kv_indices``, and the transposes ``q_num_blocks``
+        ``[N]``, ``q_indices`` ``[N][M]``, ``full_q_*``; plus ``block_size`` and
+        ``seq_lengths``. With ``b`` and ``h``, for that (b, h); without, every table gets
+        leading ``[batch][num_heads]`` dimensions."""
+        if b is not None or h is not None:
+            b, h = self._one(b, h, "block_tensors")
+            return _block_tables(self._native.flex_block_mask(b, h))
+        per_mask = [_block_tables(self._native.flex_block_mask(bb, hh))
+                    for bb, hh in self._firsts()]
+        out: dict[str, Any] = {
+            "block_size": per_mask[0]["block_size"],
+            "seq_lengths": per_mask[0]["seq_lengths"],
+        }
+        idx = self.mask_index
+        for key in _BLOCK_KEYS:
+            out[key] = [[per_mask[idx[bb * self.num_heads + hh]][key]
+                         for hh in range(self.num_heads)] for bb in range(self.batch)]
+        return out
+
+    def to_cudnn_endpoints(self, b: int | None = None, h: int | None = None) -> dict[str, Any]:
+        """cuDNN ``flex_attention`` interval endpoints: ``{"nfunc": n, "endpoints": E}``
+        with ``E`` a ``[nfunc][q_len]`` list; row q sees ``[0, E[0][q]) U [E[1][q],
+        E[2][q]) U ...``. ``b``/``h`` are needed when the plan has several masks."""
+        b, h = self._one(b, h, "to_cudnn_endpoints")
+        nfunc, raw = self._native.cudnn_endpoints(b, h)
+        return {"nfunc": nfunc, "endpoints": _reshape(_ints(raw), self.q_len)}
+
+    def to_flashmask(self, b: int | None = None, h: int | None = None) -> dict[str, list[int]]:
+        """FlashMask column bounds ``{"lts", "lte", "uts", "ute"}`` (each ``[kv_len]``): key
+        column k is masked for rows ``[lts[k], lte[k])`` and ``[uts[k], ute[k])``.
+        ``ValueError`` when some column has more than two masked runs."""
+        b, h = self._one(b, h, "to_flashmask")
+        raw = self._native.flashmask_bounds(b, h)
+        return {k: _ints(v) for k, v in raw.items()}
+
+    def interval_arrays(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Every distinct mask's CSR row intervals, concatenated: ``row_ptr`` (flat
+        ``num_masks * (q_len + 1)`` offsets into ``intervals``) and ``intervals``."""
+        row_ptr, flat = self._native.interval_arrays()
+        ivs = _ints(flat)
+        return _ints(row_ptr), list(zip(ivs[0::2], ivs[1::2]))
+
+    # ------------------------------------------------------------------ torch
+    def to_tensors(self, device: Any = None) -> PlanTensors:
+        """The plan as int32 tensors on ``device`` (default CPU), cached per device: what
+        :func:`compilemask.attention` takes, and what to pass under ``torch.compile``."""
+        from ._torch import plan_tensors
+
+        return plan_tensors(self, device)
+
+    def mask_mod(self, device: Any = None) -> Any:
+        """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` that evaluates this plan's row
+        intervals from tensors on ``device`` (so ``create_block_mask(plan.mask_mod(), ...)``
+        and :meth:`to_block_mask` agree)."""
+        from ._torch import make_mask_mod
+
+        return make_mask_mod(self, device)
+
+    def to_block_mask(self, device: Any = None) -> BlockMask:
+        """A ``torch.nn.attention.flex_attention.BlockMask`` built from this plan's tile
+        descriptor (``BlockMask.from_kv_blocks``) with a matching :meth:`mask_mod`, at this
+        plan's ``block_size``, for ``flex_attention``. Needs torch."""
+        from ._torch import make_block_mask
+
+        return make_block_mask(self, device)
+
+
+_BLOCK_KEYS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)
+
+
+def _block_tables(raw: dict[str, Any]) -> dict[str, Any]:
+    m, n = raw["num_m_blocks"], raw["num_n_blocks"]
+    out: dict[str, Any] = {
+        "block_size": tuple(raw["block_size"]),
+        "seq_lengths": tuple(raw["seq_lengths"]),
+    }
+    for key in _BLOCK_KEYS:
+        flat = _ints(raw[key])
+        if key.endswith("indices"):
+            out[key] = _reshape(flat, n if key.endswith("kv_indices") else m)
+        else:
+            out[key] = flat
+    return out
+
+
+def _check_total(total: int) -> None:
+    if total > _native.DENSE_LIMIT:
+        raise _plan_error(
+            "CM0403",
+            f"a dense [batch, num_heads, q_len, kv_len] mask of {total} elements exceeds the "
+            f"limit of {_native.DENSE_LIMIT}",
+            "pass b= and h= for one (batch, head), or use the interval or block forms",
+        )
+
+
+def _dense_array(raw: bytes, q_len: int, kv_len: int, fmt: str) -> Any:
+    if fmt == "torch":
+        from ._torch import require_torch
+
+        torch = require_torch("Plan.to_dense")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(q_len, kv_len).bool()
+    if fmt == "numpy":
+        np = _import_numpy()
+        if np is None:
+            raise ImportError("Plan.to_dense(format='numpy') needs numpy (pip install numpy)")
+        return np.frombuffer(raw, dtype=np.uint8).reshape(q_len, kv_len).astype(bool)
+    return [[x == 1 for x in raw[i * kv_len:(i + 1) * kv_len]] for i in range(q_len)]

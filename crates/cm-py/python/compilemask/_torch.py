@@ -1,0 +1,302 @@
+"""The torch side: plan tensors, FlexAttention block masks and the attention custom op.
+
+torch is imported lazily, on the first call that needs it; ``import compilemask`` never
+imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+from . import _native
+from ._program import Plan, PlanTensors
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_or_none() -> Any:
+    """The torch module if it can be imported, else None (imports it if needed)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def require_torch(what: str) -> Any:
+    """The torch module, or an ImportError that says who needed it."""
+    torch = torch_or_none()
+    if torch is None:
+        raise ImportError(
+            f"{what} needs PyTorch, which is not installed (pip install torch). "
+            "compilemask.compile, builtin and Program.plan and the list exports work without it."
+        )
+    return torch
+
+
+# --------------------------------------------------------------------------- plan tensors
+
+
+def _int32(torch: Any, raw: bytes, shape: tuple[int, ...], device: Any) -> torch.Tensor:
+    if len(raw) == 0:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    t = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(shape)
+    return t.to(device) if device is not None else t.clone()
+
+
+def _cache_key(torch: Any, device: Any) -> str:
+    return str(torch.device("cpu") if device is None else torch.device(device))
+
+
+def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
+    torch = require_torch("Plan.to_tensors")
+    key = ("tensors", _cache_key(torch, device))
+    cached = plan._cache.get(key)
+    if cached is not None:
+        return cached
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    row_raw, iv_raw = plan._native.interval_arrays()
+    q_len = plan.q_len
+    row_ptr = _int32(torch, row_raw, (plan.num_masks, q_len + 1), dev)
+    used = len(iv_raw) // 8
+    capacity = 1 << max(used - 1, 0).bit_length()  # a power of two >= used, at least 1
+    intervals = torch.zeros((capacity, 2), dtype=torch.int32, device=dev)
+    if used:
+        intervals[:used] = _int32(torch, iv_raw, (used, 2), dev)
+    mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
+        plan.batch, plan.num_heads
+    )
+    out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
+                      plan.num_heads, plan.uses_batch, plan.uses_head)
+    plan._cache[key] = out
+    return out
+
+
+def _interval_table(plan: Plan, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded per-row tables ``starts``, ``ends`` of shape ``[num_masks, q_len, K]`` with
+    ``K = max(1, max_intervals_per_row)``; unused slots are the empty interval (0, 0)."""
+    torch = require_torch("Plan.mask_mod")
+    key = ("table", _cache_key(torch, device))
+    cached = plan._cache.get(key)
+    if cached is not None:
+        return cached
+    row_raw, iv_raw = plan._native.interval_arrays()
+    m, q_len = plan.num_masks, plan.q_len
+    row_ptr = _int32(torch, row_raw, (m, q_len + 1), None).long()
+    used = len(iv_raw) // 8
+    ivs = _int32(torch, iv_raw, (max(used, 1), 2), None) if used else torch.zeros(
+        (1, 2), dtype=torch.int32)
+    width = max(1, plan.max_intervals_per_row)
+    first, count = row_ptr[:, :-1], row_ptr[:, 1:] - row_ptr[:, :-1]
+    slot = torch.arange(width).view(1, 1, width)
+    valid = slot < count.unsqueeze(-1)
+    index = (first.unsqueeze(-1) + slot).clamp(max=ivs.shape[0] - 1)
+    zero = torch.zeros((), dtype=torch.int32)
+    starts = torch.where(valid, ivs[index, 0], zero)
+    ends = torch.where(valid, ivs[index, 1], zero)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    out = (starts.contiguous().to(dev), ends.contiguous().to(dev))
+    plan._cache[key] = out
+    return out
+
+
+def make_mask_mod(plan: Plan, device: Any = None) -> Any:
+    torch = require_torch("Plan.mask_mod")
+    starts, ends = _interval_table(plan, device)
+    width = starts.shape[-1]
+    q_len, kv_len = plan.q_len, plan.kv_len
+    single = plan.num_masks == 1
+    dev = starts.device
+    mask_index = torch.tensor(plan.mask_index, dtype=torch.int64, device=dev).view(
+        plan.batch, plan.num_heads)
+    s0, e0 = starts[0], ends[0]
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        q = q_idx.clamp(0, q_len - 1)  # padded rows of the last block read row q_len - 1
+        if single:
+            s, e = s0[q], e0[q]
+        else:
+            m = mask_index[b, h]
+            s, e = starts[m, q], ends[m, q]
+        visible = (kv_idx >= s[..., 0]) & (kv_idx < e[..., 0])
+        for j in range(1, width):
+            visible = visible | ((kv_idx >= s[..., j]) & (kv_idx < e[..., j]))
+        return visible & (q_idx < q_len) & (kv_idx < kv_len)
+
+    mask_mod.__name__ = f"compilemask_{plan.program.name.strip('<>').replace(' ', '_')}"
+    return mask_mod
+
+
+def make_block_mask(plan: Plan, device: Any = None) -> Any:
+    torch = require_torch("Plan.to_block_mask")
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    per_mask = [plan._native.flex_block_mask(b, h) for b, h in plan._firsts()]
+    m, n = per_mask[0]["num_m_blocks"], per_mask[0]["num_n_blocks"]
+    index = torch.tensor(plan.mask_index, dtype=torch.long)
+
+    def table(key: str, shape: tuple[int, ...]) -> Any:
+        stacked = torch.stack([_int32(torch, pm[key], shape, None) for pm in per_mask])
+        return stacked[index].reshape(plan.batch, plan.num_heads, *shape).contiguous().to(dev)
+
+    return BlockMask.from_kv_blocks(
+        table("kv_num_blocks", (m,)),
+        table("kv_indices", (m, n)),
+        table("full_kv_num_blocks", (m,)),
+        table("full_kv_indices", (m, n)),
+        BLOCK_SIZE=plan.block_size,
+        mask_mod=make_mask_mod(plan, dev),
+        seq_lengths=(plan.q_len, plan.kv_len),
+    )
+
+
+# --------------------------------------------------------------------------- the custom op
+
+def _ops() -> Any:
+    """The custom ops (registered on first use: importing ``_ops`` imports torch)."""
+    require_torch("compilemask.attention")
+    from . import _ops
+
+    return _ops.attention_forward, _ops.attention_backward
+
+
+# --------------------------------------------------------------------------- attention
+
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _broadcast_dim(plan_n: int, n: int, uses: bool, what: str, index_name: str) -> None:
+    if plan_n == n or (plan_n == 1 and not uses):
+        return
+    if plan_n == 1:
+        raise ValueError(
+            f"the mask reads the {what} index `{index_name}`, so the plan must be built for "
+            f"the tensors' {what} = {n} (program.plan(..., {'batch' if what == 'batch' else 'num_heads'}={n})); "
+            f"it was built for {plan_n}"
+        )
+    raise ValueError(
+        f"the plan was built for {what} = {plan_n}, but the query has {what} = {n}"
+    )
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan | PlanTensors,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> Any:
+    """Masked attention with a compiled plan, in the SDPA / FlexAttention layout.
+
+    ``query`` ``[batch, num_heads, q_len, head_dim]``, ``key`` ``[batch, num_kv_heads,
+    kv_len, head_dim]``, ``value`` ``[batch, num_kv_heads, kv_len, head_dim_v]``; ``plan``
+    a :class:`Plan` for exactly these ``q_len`` / ``kv_len`` (or its :meth:`Plan.to_tensors`,
+    the form to use under ``torch.compile``). A plan built with batch = num_heads = 1 for a
+    mask that reads neither ``b`` nor ``h`` applies to every (batch, head).
+
+    ``scale`` defaults to ``1 / sqrt(head_dim)``. ``enable_gqa`` allows ``num_heads`` to be
+    a multiple of ``num_kv_heads`` (GQA / MQA), as in SDPA and Flex. Returns ``out``
+    ``[batch, num_heads, q_len, head_dim_v]`` in the input dtype, and with ``return_lse``
+    also ``lse`` ``[batch, num_heads, q_len]`` (natural log; float32, float64 for float64
+    inputs). Rows with no visible key give 0 and ``-inf``. Differentiable (``out`` and
+    ``lse``). ``deterministic`` asks for a deterministic backward (the CPU reference always
+    is).
+
+    On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
+    computed in float32). CUDA tensors raise ``NotImplementedError`` until the CUDA kernels
+    are wired. Wrong devices, dtypes, shapes or a plan for other lengths raise ``ValueError``.
+    """
+    torch = require_torch("compilemask.attention")
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}"
+            )
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(
+                f"{name} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, "
+            f"{value.device}"
+        )
+    b, hq, lq, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        raise ValueError(
+            f"batch sizes differ: query {b}, key {key.shape[0]}, value {value.shape[0]}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"key has {key.shape[1]} heads but value has {value.shape[1]}")
+    if key.shape[2] != value.shape[2]:
+        raise ValueError(
+            f"key has seq_len {key.shape[2]} but value has {value.shape[2]}"
+        )
+    if key.shape[3] != d:
+        raise ValueError(f"query head_dim {d} differs from key head_dim {key.shape[3]}")
+    hk, lk = key.shape[1], key.shape[2]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}"
+        )
+    if hq != hk and not enable_gqa:
+        raise ValueError(
+            f"query has {hq} heads and key/value {hk}; pass enable_gqa=True for GQA / MQA"
+        )
+    if d == 0 or value.shape[3] == 0:
+        raise ValueError("head_dim must be at least 1")
+    if isinstance(plan, Plan):
+        pt = plan.to_tensors(query.device)
+    elif isinstance(plan, PlanTensors):
+        pt = plan
+    else:
+        raise TypeError(
+            f"plan must be a compilemask.Plan or PlanTensors, got {type(plan).__name__}"
+        )
+    if pt.q_len != lq or pt.kv_len != lk:
+        raise ValueError(
+            f"the plan was built for q_len = {pt.q_len}, kv_len = {pt.kv_len}, but query has "
+            f"seq_len {lq} and key {lk}; plan again with program.plan({lq}, {lk}, ...)"
+        )
+    _broadcast_dim(pt.batch, b, pt.uses_batch, "batch", "b")
+    _broadcast_dim(pt.num_heads, hq, pt.uses_head, "num_heads", "h")
+    if pt.row_ptr.device != query.device:
+        raise ValueError(
+            f"the plan tensors are on {pt.row_ptr.device} but query is on {query.device}; "
+            f"use plan.to_tensors({str(query.device)!r})"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if query.device.type == "cuda":
+        raise NotImplementedError(
+            "compilemask.attention on CUDA tensors: CUDA kernels not wired yet. Run on CPU "
+            "tensors (the CPU reference), or use plan.to_block_mask() with FlexAttention."
+        )
+    if query.device.type not in ("cpu", "meta"):
+        raise ValueError(
+            f"compilemask.attention runs on CPU (and, later, CUDA) tensors, got {query.device}"
+        )
+    del deterministic  # the CPU reference is deterministic
+    mask_index = pt.mask_index.expand(b, hq)
+    forward, _ = _ops()
+    out, lse = forward(query, key, value, pt.row_ptr, pt.intervals, mask_index, scale)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,39 @@
+//! `compilemask._native`: the PyO3 extension behind the `compilemask` Python package.
+//!
+//! A thin layer over the facade crate `compilemask`: it converts Python values to the
+//! facade's types and back, turns errors into Python exceptions carrying their
+//! diagnostics, and releases the GIL while planning and while running the CPU reference.
+//! The user-facing API (docstrings, torch integration) lives in `python/compilemask/`;
+//! everything here is private to that package.
+//!
+//! Bulk arrays cross the boundary as native-endian `bytes` of `int32` / `uint32` /
+//! `float32` / `float64` (read on the Python side with `array`, `torch.frombuffer` or
+//! `numpy.frombuffer`), never as lists of Python ints.
+
+mod convert;
+mod errors;
+mod plan;
+mod program;
+mod reference;
+
+use pyo3::prelude::*;
+
+/// The extension module. Its name is `_native` (imported as `compilemask._native`).
+#[pymodule]
+#[pyo3(name = "_native")]
+fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DENSE_LIMIT", compilemask::DENSE_LIMIT)?;
+    m.add("MaskSyntaxError", py.get_type::<errors::MaskSyntaxError>())?;
+    m.add("PlanError", py.get_type::<errors::PlanError>())?;
+    m.add_class::<errors::Diagnostic>()?;
+    m.add_class::<program::Program>()?;
+    m.add_class::<plan::Plan>()?;
+    m.add_function(wrap_pyfunction!(program::compile, m)?)?;
+    m.add_function(wrap_pyfunction!(program::builtin, m)?)?;
+    m.add_function(wrap_pyfunction!(program::builtins, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::reference_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::reference_backward, m)?)?;
+    Ok(())
+}

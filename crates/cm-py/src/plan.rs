@@ -1,0 +1,277 @@
+//! A planned mask: statistics, row intervals and exports.
+
+use std::sync::Arc;
+
+use compilemask::export;
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::convert::py_bytes;
+use crate::errors::plan_error_msg;
+
+/// A complete plan (private; wrapped by `compilemask.Plan`).
+#[pyclass(frozen, module = "compilemask._native", name = "Plan")]
+pub struct Plan {
+    pub inner: Arc<compilemask::Plan>,
+    pub uses_batch: bool,
+    pub uses_head: bool,
+    pub compile_ms: f64,
+}
+
+impl Plan {
+    /// The distinct mask of `(b, h)`, after a bounds check.
+    fn mask(&self, b: i64, h: i64) -> PyResult<&compilemask::MaskPlan> {
+        let p = &self.inner;
+        if !(0..i64::from(p.batch)).contains(&b) || !(0..i64::from(p.num_heads)).contains(&h) {
+            return Err(PyIndexError::new_err(format!(
+                "(b, h) = ({b}, {h}) is out of range; the plan has batch = {} and num_heads = {}",
+                p.batch, p.num_heads
+            )));
+        }
+        Ok(p.mask(b as u32, h as u32))
+    }
+
+    fn row_index(&self, q: i64) -> PyResult<u32> {
+        if !(0..i64::from(self.inner.q_len)).contains(&q) {
+            return Err(PyIndexError::new_err(format!(
+                "row q = {q} is out of range; the plan has q_len = {} rows (0-based)",
+                self.inner.q_len
+            )));
+        }
+        Ok(q as u32)
+    }
+}
+
+#[pymethods]
+impl Plan {
+    #[getter]
+    fn q_len(&self) -> u32 {
+        self.inner.q_len
+    }
+
+    #[getter]
+    fn kv_len(&self) -> u32 {
+        self.inner.kv_len
+    }
+
+    #[getter]
+    fn batch(&self) -> u32 {
+        self.inner.batch
+    }
+
+    #[getter]
+    fn num_heads(&self) -> u32 {
+        self.inner.num_heads
+    }
+
+    #[getter]
+    fn block_size(&self) -> (u32, u32) {
+        (self.inner.tile.block_m, self.inner.tile.block_n)
+    }
+
+    #[getter]
+    fn visible_pairs(&self) -> u64 {
+        self.inner.visible_pairs()
+    }
+
+    #[getter]
+    fn empty_rows(&self) -> u64 {
+        self.inner.empty_rows()
+    }
+
+    #[getter]
+    fn max_intervals_per_row(&self) -> u32 {
+        self.inner.max_intervals_per_row()
+    }
+
+    #[getter]
+    fn tiles<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.inner.tile_counts();
+        let d = PyDict::new(py);
+        d.set_item("full", t.full)?;
+        d.set_item("partial", t.partial)?;
+        d.set_item("empty", t.empty)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn computed_pairs(&self) -> u64 {
+        self.inner.computed_pairs()
+    }
+
+    #[getter]
+    fn descriptor_bytes(&self) -> u64 {
+        self.inner.descriptor_bytes()
+    }
+
+    #[getter]
+    fn elementwise_pairs(&self) -> u64 {
+        self.inner.elementwise_pairs
+    }
+
+    #[getter]
+    fn pieces(&self) -> u64 {
+        self.inner.pieces
+    }
+
+    #[getter]
+    fn num_masks(&self) -> usize {
+        self.inner.masks.len()
+    }
+
+    /// `[batch * num_heads]`, row-major: the distinct mask of each (b, h).
+    #[getter]
+    fn mask_index(&self) -> Vec<u32> {
+        self.inner.mask_index.clone()
+    }
+
+    #[getter]
+    fn uses_batch(&self) -> bool {
+        self.uses_batch
+    }
+
+    #[getter]
+    fn uses_head(&self) -> bool {
+        self.uses_head
+    }
+
+    #[getter]
+    fn compile_ms(&self) -> f64 {
+        self.compile_ms
+    }
+
+    /// Maximal `[start, end)` intervals of row `q` of `(b, h)`.
+    #[pyo3(signature = (q, b = 0, h = 0))]
+    fn intervals(&self, q: i64, b: i64, h: i64) -> PyResult<Vec<(u32, u32)>> {
+        let m = self.mask(b, h)?;
+        let q = self.row_index(q)?;
+        Ok(m.rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect())
+    }
+
+    /// Intervals of rows `start .. stop` of `(b, h)`.
+    #[pyo3(signature = (start, stop, b = 0, h = 0))]
+    fn rows(&self, start: i64, stop: i64, b: i64, h: i64) -> PyResult<Vec<Vec<(u32, u32)>>> {
+        let m = self.mask(b, h)?;
+        let q_len = i64::from(self.inner.q_len);
+        if !(0 <= start && start <= stop && stop <= q_len) {
+            return Err(PyIndexError::new_err(format!(
+                "rows {start}:{stop} are out of range; the plan has q_len = {q_len} rows"
+            )));
+        }
+        Ok((start as u32..stop as u32)
+            .map(|q| m.rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect())
+            .collect())
+    }
+
+    /// Index of the distinct mask `(b, h)` uses.
+    #[pyo3(signature = (b = 0, h = 0))]
+    fn mask_id(&self, b: i64, h: i64) -> PyResult<u32> {
+        self.mask(b, h)?;
+        Ok(self.inner.mask_index[(b * i64::from(self.inner.num_heads) + h) as usize])
+    }
+
+    /// CSR row offsets and intervals of every distinct mask, concatenated:
+    /// `row_ptr` (uint32, `[num_masks, q_len + 1]`, offsets into the concatenated list) and
+    /// `intervals` (uint32, `[total, 2]` as start, end), as native-endian bytes.
+    fn interval_arrays<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let p = &self.inner;
+        let (row_ptr, flat) = py.detach(|| {
+            let mut row_ptr: Vec<u32> = Vec::with_capacity(p.masks.len() * (p.q_len as usize + 1));
+            let mut flat: Vec<u32> = Vec::new();
+            for m in &p.masks {
+                let base = (flat.len() / 2) as u32;
+                row_ptr.extend(m.rows.row_ptr().iter().map(|&o| o + base));
+                for iv in m.rows.intervals() {
+                    flat.push(iv.start);
+                    flat.push(iv.end);
+                }
+            }
+            (row_ptr, flat)
+        });
+        Ok((py_bytes(py, &row_ptr), py_bytes(py, &flat)))
+    }
+
+    /// The dense `[q_len, kv_len]` mask of `(b, h)`, one byte per pair (1 = visible).
+    #[pyo3(signature = (b = 0, h = 0))]
+    fn dense<'py>(&self, py: Python<'py>, b: i64, h: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let m = self.mask(b, h)?;
+        let bytes = py
+            .detach(|| export::dense(&m.rows))
+            .map_err(|e| plan_error_msg(py, "CM0403", e.to_string(), None))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// FlexAttention `BlockMask` tables of `(b, h)`: a dict with `block_size`,
+    /// `seq_lengths`, `num_m_blocks`, `num_n_blocks` and, as int32 bytes, `kv_num_blocks`
+    /// `[M]`, `kv_indices` `[M, N]`, `full_kv_num_blocks`, `full_kv_indices`, `q_num_blocks`
+    /// `[N]`, `q_indices` `[N, M]`, `full_q_num_blocks`, `full_q_indices`.
+    #[pyo3(signature = (b = 0, h = 0))]
+    fn flex_block_mask<'py>(
+        &self,
+        py: Python<'py>,
+        b: i64,
+        h: i64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.mask(b, h)?;
+        let f = py
+            .detach(|| export::flex_block_mask(&m.tiles))
+            .map_err(|e| plan_error_msg(py, "CM0403", e.to_string(), None))?;
+        let d = PyDict::new(py);
+        d.set_item("block_size", f.block_size)?;
+        d.set_item("seq_lengths", f.seq_lengths)?;
+        d.set_item("num_m_blocks", m.tiles.num_m_blocks)?;
+        d.set_item("num_n_blocks", m.tiles.num_n_blocks)?;
+        for (name, v) in [
+            ("kv_num_blocks", &f.kv_num_blocks),
+            ("kv_indices", &f.kv_indices),
+            ("full_kv_num_blocks", &f.full_kv_num_blocks),
+            ("full_kv_indices", &f.full_kv_indices),
+            ("q_num_blocks", &f.q_num_blocks),
+            ("q_indices", &f.q_indices),
+            ("full_q_num_blocks", &f.full_q_num_blocks),
+            ("full_q_indices", &f.full_q_indices),
+        ] {
+            d.set_item(name, py_bytes(py, v))?;
+        }
+        Ok(d)
+    }
+
+    /// cuDNN interval endpoints of `(b, h)`: `(nfunc, endpoints)` with `endpoints` int32
+    /// bytes `[nfunc, q_len]`; row q sees `[0, F0) U [F1, F2) U ...`.
+    #[pyo3(signature = (b = 0, h = 0))]
+    fn cudnn_endpoints<'py>(
+        &self,
+        py: Python<'py>,
+        b: i64,
+        h: i64,
+    ) -> PyResult<(u32, Bound<'py, PyBytes>)> {
+        let m = self.mask(b, h)?;
+        let e = py.detach(|| export::cudnn_endpoints(&m.rows));
+        Ok((e.nfunc, py_bytes(py, &e.endpoints)))
+    }
+
+    /// FlashMask column bounds of `(b, h)`: a dict of int32 bytes `lts`, `lte`, `uts`,
+    /// `ute`, each `[kv_len]`. `ValueError` when a column has more than two masked runs.
+    #[pyo3(signature = (b = 0, h = 0))]
+    fn flashmask_bounds<'py>(
+        &self,
+        py: Python<'py>,
+        b: i64,
+        h: i64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.mask(b, h)?;
+        let f = py
+            .detach(|| export::flashmask_bounds(&m.rows))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let d = PyDict::new(py);
+        d.set_item("lts", py_bytes(py, &f.lts))?;
+        d.set_item("lte", py_bytes(py, &f.lte))?;
+        d.set_item("uts", py_bytes(py, &f.uts))?;
+        d.set_item("ute", py_bytes(py, &f.ute))?;
+        Ok(d)
+    }
+}

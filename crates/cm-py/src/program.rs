@@ -1,0 +1,198 @@
+//! Compiling programs and planning them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use compilemask::{PlanOptions, TileShape};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert;
+use crate::errors::{compile_error, plan_error, plan_error_msg, Diagnostic};
+use crate::plan::Plan;
+
+/// A checked mask program (private; wrapped by `compilemask.Program`).
+#[pyclass(frozen, module = "compilemask._native", name = "Program")]
+pub struct Program {
+    pub inner: compilemask::Program,
+}
+
+/// Compiles mask source text; raises `MaskSyntaxError` with every diagnostic.
+#[pyfunction]
+#[pyo3(signature = (source, name = "<mask>"))]
+pub fn compile(py: Python<'_>, source: &str, name: &str) -> PyResult<Program> {
+    let result = py.detach(|| compilemask::compile_named(source, name));
+    match result {
+        Ok(inner) => Ok(Program { inner }),
+        Err(e) => Err(compile_error(py, &e, source)),
+    }
+}
+
+/// A built-in mask of the standard library; `MaskSyntaxError` (CM0201) for unknown names.
+#[pyfunction]
+pub fn builtin(py: Python<'_>, name: &str) -> PyResult<Program> {
+    match compilemask::builtin(name) {
+        Ok(inner) => Ok(Program { inner }),
+        Err(e) => Err(compile_error(py, &e, "")),
+    }
+}
+
+/// `(name, summary)` of every built-in mask, workloads first.
+#[pyfunction]
+pub fn builtins() -> Vec<(&'static str, &'static str)> {
+    compilemask::BUILTINS
+        .iter()
+        .map(|b| (b.name, b.summary()))
+        .collect()
+}
+
+fn block(py: Python<'_>, what: &str, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        plan_error_msg(
+            py,
+            "CM0401",
+            format!("{what} = {v} is not a valid tile side"),
+            Some("tile sides are positive integers, e.g. block_size=(128, 128)".into()),
+        )
+    })
+}
+
+#[pymethods]
+impl Program {
+    #[getter]
+    fn source(&self) -> &str {
+        self.inner.source()
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    /// `(name, is_array, has_default)` of every declared parameter, in declaration order.
+    #[getter]
+    fn params(&self) -> Vec<(String, bool, bool)> {
+        self.inner.params()
+    }
+
+    #[getter]
+    fn warnings(&self) -> Vec<Diagnostic> {
+        self.inner
+            .warnings()
+            .iter()
+            .map(|d| Diagnostic::new(d, self.inner.source()))
+            .collect()
+    }
+
+    /// The warnings rendered against the source (empty when there are none).
+    fn render_warnings(&self) -> String {
+        compilemask::render(
+            self.inner.source(),
+            self.inner.name(),
+            self.inner.warnings(),
+        )
+    }
+
+    #[getter]
+    fn uses_batch(&self) -> bool {
+        self.inner.depends_on_batch_head().0
+    }
+
+    #[getter]
+    fn uses_head(&self) -> bool {
+        self.inner.depends_on_batch_head().1
+    }
+
+    #[getter]
+    fn uses_elementwise(&self) -> bool {
+        self.inner.uses_elementwise()
+    }
+
+    /// Plans the program (GIL released). Raises `PlanError`.
+    #[pyo3(signature = (q_len, kv_len = None, batch = 1, num_heads = 1, block_m = 128, block_n = 128, params = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        q_len: i64,
+        kv_len: Option<i64>,
+        batch: i64,
+        num_heads: i64,
+        block_m: i64,
+        block_n: i64,
+        params: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Plan> {
+        let options = PlanOptions {
+            q_len,
+            kv_len,
+            batch,
+            num_heads,
+            params: convert::params(params)?,
+            tile: TileShape {
+                block_m: block(py, "block_m", block_m)?,
+                block_n: block(py, "block_n", block_n)?,
+            },
+            ..PlanOptions::new(q_len)
+        };
+        let program = &self.inner;
+        let (result, ms) = py.detach(|| {
+            let t0 = Instant::now();
+            let r = program.plan(&options);
+            (r, t0.elapsed().as_secs_f64() * 1e3)
+        });
+        let (uses_batch, uses_head) = program.depends_on_batch_head();
+        match result {
+            Ok(plan) => Ok(Plan {
+                inner: Arc::new(plan),
+                uses_batch,
+                uses_head,
+                compile_ms: ms,
+            }),
+            Err(e) => Err(plan_error(py, Some(program), &e)),
+        }
+    }
+
+    /// The visible intervals of row `q` of batch `b`, head `h` by the pairwise reference
+    /// semantics, testing every key (O(kv_len); for tests and spot checks).
+    #[pyo3(signature = (q, q_len, kv_len = None, batch = 1, num_heads = 1, b = 0, h = 0, params = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn brute_force_row(
+        &self,
+        py: Python<'_>,
+        q: i64,
+        q_len: i64,
+        kv_len: Option<i64>,
+        batch: i64,
+        num_heads: i64,
+        b: i64,
+        h: i64,
+        params: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Vec<(u32, u32)>> {
+        let bad = |what: &str, v: i64, n: i64| {
+            pyo3::exceptions::PyIndexError::new_err(format!(
+                "{what} = {v} is out of range [0, {n})"
+            ))
+        };
+        if !(0..q_len).contains(&q) {
+            return Err(bad("q", q, q_len));
+        }
+        if !(0..batch).contains(&b) {
+            return Err(bad("b", b, batch));
+        }
+        if !(0..num_heads).contains(&h) {
+            return Err(bad("h", h, num_heads));
+        }
+        let mut options = PlanOptions::new(q_len);
+        options.kv_len = kv_len;
+        options.batch = batch;
+        options.num_heads = num_heads;
+        options.params = convert::params(params)?;
+        let program = &self.inner;
+        py.detach(|| program.brute_force_row(&options, q, b, h))
+            .map_err(|e| plan_error(py, Some(program), &e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<compilemask._native.Program {}>", self.inner.name())
+    }
+}

@@ -1,0 +1,381 @@
+"""The torch side: `compilemask.attention` against a dense masked softmax (forward, lse and
+gradients), validation, FlexAttention block masks, and torch.compile. Skipped without torch.
+Runs on CUDA too where available (block masks through compiled FlexAttention)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import compilemask as cm
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def dense_attention(q, k, v, mask, scale):
+    """Masked softmax attention in float64 from a dense boolean mask ``[B|1, H|1, Lq, Lk]``:
+    rows with no visible key give out 0 and lse -inf; differentiable without NaN."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    s = (q @ k.transpose(-1, -2)) * scale
+    empty = ~mask.any(-1)
+    s_masked = s.masked_fill(~mask, -math.inf).masked_fill(empty[..., None], 0.0)
+    lse = torch.logsumexp(s_masked, -1)
+    p = torch.where(mask, torch.exp(s.masked_fill(~mask, 0.0) - lse[..., None]), 0.0)
+    out = p @ v
+    return out, lse.masked_fill(empty, -math.inf), empty
+
+
+WORKLOADS = [
+    ("causal", 37, None, {}),
+    ("causal_bottom_right", 21, 9, {}),  # rows 0..11 see nothing
+    ("causal_bottom_right", 9, 30, {}),
+    ("hstu", 70, None, {"lengths": [30, 9, 3, 40], "contextual": 2, "target_divisor": 4}),
+    ("shared_prefix", 61, None, {"prompts": [11, 6], "responses": [4, 0, 3, 5], "group": 3}),
+    ("clear", 7 + 7 * 7, None, {"text": 7, "radius": 3}),
+    ("sliding_window", 45, None, {"window": 6}),
+    ("document_causal", 50, None, {"lengths": [13, 0, 7, 21]}),
+    ("trace_documents", 64, None, {}),
+    ("trace_prompt_groups", 64, None, {}),
+]
+
+
+def _inputs(b, hq, hk, lq, lk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hk, lk, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hk, lk, dv, generator=g, dtype=torch.float64).to(dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _check(plan, q, k, v, scale=None, atol_out=1e-5, atol_grad=1e-4, enable_gqa=False):
+    d = q.shape[-1]
+    s = 1.0 / math.sqrt(d) if scale is None else scale
+    out, lse = cm.attention(q, k, v, plan, scale=scale, return_lse=True,
+                            enable_gqa=enable_gqa)
+    ref_out, ref_lse, empty = dense_attention(q, k, v, plan.to_dense(format="torch"), s)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
+    assert lse.shape == q.shape[:3]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out.double() - ref_out).abs().max().item() <= atol_out
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty.expand_as(out[..., 0])] == 0).all()
+    finite = ~empty
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= atol_out
+    # Gradients of a weighted sum of out and lse.
+    g = torch.Generator().manual_seed(1)
+    w_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64).masked_fill(empty, 0)
+    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert not torch.isnan(a).any(), name
+        err = (a.double() - b.double()).abs().max().item()
+        assert err <= atol_grad, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name,q_len,kv_len,params", WORKLOADS)
+def test_attention_matches_dense(name, q_len, kv_len, params, dtype):
+    plan = cm.builtin(name, **params).plan(q_len, kv_len)
+    lk = q_len if kv_len is None else kv_len
+    q, k, v = _inputs(2, 2, 2, q_len, lk, 16, 16, dtype)
+    tol = (1e-10, 1e-9) if dtype == torch.float64 else (1e-5, 1e-4)
+    _check(plan, q, k, v, atol_out=tol[0], atol_grad=tol[1])
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 2), (6, 1), (3, 3)])
+def test_gqa_and_head_dim_v(hq, hk):
+    plan = cm.builtin("hstu", lengths=[20, 13]).plan(33)
+    q, k, v = _inputs(2, hq, hk, 33, 33, 8, 5, torch.float64)
+    _check(plan, q, k, v, scale=0.3, atol_out=1e-10, atol_grad=1e-9, enable_gqa=hq != hk)
+
+
+def test_per_head_and_per_batch_masks():
+    program = cm.compile("param windows: [int] = [1, 3, 5];\nparam n: [int] = [4, 9];\n"
+                         "mask = if q < n[b] then q - windows[h % count(windows)] < k <= q "
+                         "else k < kv_len;")
+    plan = program.plan(12, batch=2, num_heads=3)
+    assert plan.num_masks == 6
+    q, k, v = _inputs(2, 3, 3, 12, 12, 4, 4, torch.float64)
+    _check(plan, q, k, v, atol_out=1e-10, atol_grad=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_on_cpu(dtype):
+    plan = cm.builtin("document_causal", lengths=[10, 23]).plan(33)
+    q, k, v = _inputs(1, 2, 2, 33, 33, 16, 16, dtype)
+    out = cm.attention(q, k, v, plan)
+    assert out.dtype == dtype
+    ref, _, _ = dense_attention(q, k, v, plan.to_dense(format="torch"), 0.25)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == dtype
+
+
+def test_broadcast_plan_over_batch_and_heads():
+    plan = cm.builtin("causal").plan(10)  # batch = num_heads = 1: applies everywhere
+    q, k, v = _inputs(3, 4, 4, 10, 10, 8, 8, torch.float64)
+    _check(plan, q, k, v, atol_out=1e-10, atol_grad=1e-9)
+
+
+def test_non_contiguous_inputs():
+    plan = cm.builtin("sliding_window", window=4).plan(20)
+    q, k, v = _inputs(2, 20, 20, 3, 3, 8, 8, torch.float64)  # [b, seq, heads, d]
+    q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    assert not q.is_contiguous()
+    _check(plan, q, k, v, atol_out=1e-10, atol_grad=1e-9)
+
+
+def test_plan_tensors_and_plan_give_the_same_result():
+    plan = cm.builtin("shared_prefix", prompts=[5], responses=[3, 4], group=2).plan(12)
+    q, k, v = (t.detach() for t in _inputs(1, 1, 1, 12, 12, 4, 4, torch.float32))
+    pt = plan.to_tensors()
+    assert pt.row_ptr.dtype == torch.int32 and pt.row_ptr.shape == (1, 13)
+    assert pt.mask_index.shape == (1, 1)
+    assert pt.intervals.shape[0] & (pt.intervals.shape[0] - 1) == 0  # a power of two
+    assert plan.to_tensors() is pt  # cached
+    assert torch.equal(cm.attention(q, k, v, plan), cm.attention(q, k, v, pt))
+
+
+# ------------------------------------------------------------------ validation
+
+def _ok():
+    plan = cm.builtin("causal").plan(8)
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, 8, 8, 4, 4, torch.float32))
+    return plan, q, k, v
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda p, q, k, v: (p, q[0], k, v), "4-D"),
+    (lambda p, q, k, v: (p, q.double(), k, v), "one dtype"),
+    (lambda p, q, k, v: (p, q.int(), k.int(), v.int()), "dtype"),
+    (lambda p, q, k, v: (p, q, k[:, :, :5], v[:, :, :5]), "kv_len = 8"),
+    (lambda p, q, k, v: (p, q[:, :, :5], k, v), "q_len = 8"),
+    (lambda p, q, k, v: (p, q, k, v[:, :, :5]), "seq_len"),
+    (lambda p, q, k, v: (p, q, k[..., :3], v), "head_dim"),
+    (lambda p, q, k, v: (p, q, k[:, :1], v[:, :1]), "enable_gqa"),
+    (lambda p, q, k, v: (p, q, k, v[:, :1]), "heads"),
+    (lambda p, q, k, v: (p, q, torch.cat([k, k]), v), "batch"),
+    (lambda p, q, k, v: (cm.builtin("causal").plan(8, batch=2), q, k, v), "batch = 2"),
+])
+def test_validation_errors(change, match):
+    plan, q, k, v = _ok()
+    plan, q, k, v = change(plan, q, k, v)
+    with pytest.raises(ValueError, match=match):
+        cm.attention(q, k, v, plan)
+
+
+def test_gqa_heads_must_divide():
+    plan, q, k, v = _ok()
+    q3 = torch.cat([q, q[:, :1]], dim=1)
+    with pytest.raises(ValueError, match="multiple"):
+        cm.attention(q3, k, v, plan, enable_gqa=True)
+
+
+def test_mask_reading_h_needs_a_plan_for_the_heads():
+    program = cm.compile("param w: [int] = [1, 2];\nmask = q - w[h % 2] < k <= q;")
+    _, q, k, v = _ok()
+    with pytest.raises(ValueError, match="num_heads"):
+        cm.attention(q, k, v, program.plan(8))  # planned for one head, used with two
+    cm.attention(q, k, v, program.plan(8, num_heads=2))
+
+
+def test_bad_scale_and_plan_types():
+    plan, q, k, v = _ok()
+    with pytest.raises(ValueError, match="scale"):
+        cm.attention(q, k, v, plan, scale=float("inf"))
+    with pytest.raises(TypeError, match="plan"):
+        cm.attention(q, k, v, "causal")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="query"):
+        cm.attention([1.0], k, v, plan)  # type: ignore[arg-type]
+
+
+def test_non_finite_inputs_are_refused():
+    plan, q, k, v = _ok()
+    q = q.clone()
+    q[0, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        cm.attention(q, k, v, plan)
+
+
+def test_devices_must_agree():
+    if not CUDA:
+        pytest.skip("needs a CUDA device")
+    plan, q, k, v = _ok()
+    with pytest.raises(ValueError, match="one device"):
+        cm.attention(q.cuda(), k, v, plan)
+
+
+def test_cuda_is_not_wired_yet():
+    if not CUDA:
+        pytest.skip("needs a CUDA device")
+    plan, q, k, v = _ok()
+    with pytest.raises(NotImplementedError, match="CUDA kernels not wired yet"):
+        cm.attention(q.cuda(), k.cuda(), v.cuda(), plan)
+
+
+# ------------------------------------------------------------------ FlexAttention
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+BLOCK_CASES = [
+    ("causal", 256, 256, {}, (128, 128), lambda b, h, q, k: q >= k),
+    ("causal", 300, 300, {}, (128, 128), lambda b, h, q, k: q >= k),
+    ("causal", 300, 300, {}, (64, 32), lambda b, h, q, k: q >= k),
+    ("sliding_window", 333, 333, {"window": 50}, (64, 64),
+     lambda b, h, q, k: (q >= k) & (q - k < 50)),
+    ("causal_bottom_right", 200, 328, {}, (128, 128), lambda b, h, q, k: k <= q + 128),
+    ("document_causal", 384, 384, {"lengths": [100, 200, 84]}, (64, 64),
+     lambda b, h, q, k: (k <= q) & (torch.bucketize(q, torch.tensor([100, 300]), right=True)
+                                    == torch.bucketize(k, torch.tensor([100, 300]),
+                                                       right=True))),
+]
+
+
+def _classes(bm):
+    """Tile classes of a BlockMask's (0, 0) mask: 0 empty, 1 partial, 2 full."""
+    m, n = bm.kv_indices.shape[-2:]
+    out = torch.zeros((m, n), dtype=torch.int64)
+    for counts, idx, cls in ((bm.kv_num_blocks, bm.kv_indices, 1),
+                             (bm.full_kv_num_blocks, bm.full_kv_indices, 2)):
+        for i, c in enumerate(counts[0, 0].tolist()):
+            out[i, idx[0, 0, i, :c].long().cpu()] = cls
+    return out
+
+
+def _edge(q_len, kv_len, block):
+    m, n = -(-q_len // block[0]), -(-kv_len // block[1])
+    edge = torch.zeros((m, n), dtype=torch.bool)
+    if q_len % block[0]:
+        edge[-1, :] = True
+    if kv_len % block[1]:
+        edge[:, -1] = True
+    return edge
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,q_len,kv_len,params,block,rule", BLOCK_CASES)
+def test_block_mask_equals_create_block_mask(name, q_len, kv_len, params, block, rule, device):
+    plan = cm.builtin(name, **params).plan(q_len, kv_len, block_size=block)
+    ours = plan.to_block_mask(device)
+    theirs = flex.create_block_mask(rule, None, None, q_len, kv_len, device="cpu",
+                                    BLOCK_SIZE=block)
+    ours_mod = flex.create_block_mask(plan.mask_mod(device), None, None, q_len, kv_len,
+                                      device=device, BLOCK_SIZE=block)
+    mine = _classes(ours)
+    edge = _edge(q_len, kv_len, block)
+    for bm in (theirs, ours_mod):
+        other = _classes(bm)
+        # Identical, except that Flex pads the mask with False, so an edge tile whose
+        # in-range pairs are all visible is partial for Flex and full for us (design.md).
+        same = mine == other
+        assert (same | (edge & (mine == 2) & (other == 1))).all(), (mine, other)
+        if not edge.any():
+            assert torch.equal(ours.kv_num_blocks.cpu(), bm.kv_num_blocks.cpu())
+            assert torch.equal(ours.full_kv_indices.cpu(), bm.full_kv_indices.cpu())
+    # Our own q_* export equals Flex's transpose of the kv_* tables.
+    t = plan.block_tensors(0, 0)
+    assert ours.q_num_blocks[0, 0].tolist() == t["q_num_blocks"]
+    assert ours.full_q_num_blocks[0, 0].tolist() == t["full_q_num_blocks"]
+    for j, n in enumerate(t["q_num_blocks"]):
+        assert ours.q_indices[0, 0, j, :n].tolist() == t["q_indices"][j][:n]
+    # mask_mod agrees with the dense mask and with the rule pair by pair.
+    dense = plan.to_dense(format="torch").to(device)
+    assert torch.equal(flex.create_mask(plan.mask_mod(device), 1, 1, q_len, kv_len,
+                                        device=device), dense)
+    assert torch.equal(flex.create_mask(rule, 1, 1, q_len, kv_len, device="cpu"), dense.cpu())
+
+
+def test_block_mask_per_head():
+    program = cm.compile("param w: [int] = [3, 40];\nmask = q - w[h % 2] < k <= q;")
+    plan = program.plan(100, num_heads=2, block_size=16)
+    bm = plan.to_block_mask()
+    assert bm.kv_num_blocks.shape == (1, 2, 7)
+    rule = lambda b, h, q, k: (q >= k) & (q - k < torch.where(h == 0, 3, 40))  # noqa: E731
+    theirs = flex.create_block_mask(rule, 1, 2, 100, 100, device="cpu", BLOCK_SIZE=16)
+    assert torch.equal(bm.to_dense(), theirs.to_dense())
+    assert torch.equal(flex.create_mask(bm.mask_mod, 1, 2, 100, 100, device="cpu"),
+                       plan.to_dense(format="torch"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len", [256, 300])
+def test_flex_attention_with_our_block_mask(device, q_len):
+    # 300: edge tiles that are full for us (and partial for create_block_mask).
+    plan = cm.builtin("hstu", lengths=[100, 60, 96]).plan(q_len)
+    q, k, v = (t.detach().to(device) for t in _inputs(1, 2, 2, q_len, q_len, 64, 64,
+                                                      torch.float32))
+    bm = plan.to_block_mask(device)
+    fn = flex.flex_attention if device == "cpu" else torch.compile(flex.flex_attention)
+    out = fn(q, k, v, block_mask=bm)
+    ours = cm.attention(q.cpu(), k.cpu(), v.cpu(), plan)
+    assert (out.cpu() - ours).abs().max().item() < 1e-4
+
+
+# ------------------------------------------------------------------ torch.library / compile
+
+def test_opcheck():
+    from compilemask import _ops
+
+    plan = cm.builtin("hstu", lengths=[5, 4]).plan(9)
+    pt = plan.to_tensors()
+    q, k, v = _inputs(1, 2, 1, 9, 9, 4, 3, torch.float64)
+    args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), 0.5)
+    torch.library.opcheck(_ops.attention_forward, args)
+
+
+def test_compile_reuses_graph_for_new_plans():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    program = cm.builtin("document_causal")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, k, v, plan):
+        return cm.attention(q, k, v, plan, enable_gqa=True).square().sum()
+
+    q, k, v = _inputs(2, 4, 2, 64, 64, 8, 8, torch.float32)
+    for lengths in ([20, 44], [64], [7, 7, 50], [1] * 64):
+        pt = program.plan(64, lengths=lengths).to_tensors()
+        loss = step(q, k, v, pt)
+        eager = cm.attention(q, k, v, pt, enable_gqa=True).square().sum()
+        assert torch.allclose(loss, eager)
+        loss.backward()
+    assert counter.frame_count == 1
+
+
+def test_compile_module_with_inductor():
+    plan = cm.builtin("sliding_window", window=5).plan(16)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+        def forward(self, x, pt):
+            q = self.proj(x)
+            return cm.attention(q, x, x, pt)
+
+    block = Block()
+    x = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    pt = plan.to_tensors()
+    try:
+        compiled = torch.compile(block, fullgraph=True)
+        out = compiled(x, pt)
+    except Exception as e:  # no C++ compiler for inductor on this machine
+        if "compiler" in str(e).lower() or "InvalidCxxCompiler" in type(e).__name__:
+            pytest.skip(f"inductor cannot compile here: {e}")
+        raise
+    assert torch.allclose(out, block(x, pt))
+    out.sum().backward()
+    assert block.proj.weight.grad is not None
