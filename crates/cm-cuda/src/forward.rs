@@ -91,7 +91,7 @@ pub(crate) struct Launch {
 const MAX_GRID_YZ: usize = 65535;
 const MAX_SEQ_LEN: u32 = i32::MAX as u32 - 256;
 
-fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error> {
+pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error> {
     if addr % align != 0 {
         return Err(Error::invalid(format!(
             "{name}: address {addr:#x} is not {align}-byte aligned, which the kernels' vector accesses need"

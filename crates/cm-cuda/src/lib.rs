@@ -37,6 +37,7 @@
 //! # Ok(()) }
 //! ```
 
+mod backward;
 pub mod bench;
 mod error;
 mod forward;
@@ -46,6 +47,7 @@ mod plan;
 pub mod reference;
 mod runtime;
 
+pub use backward::{Backward, BackwardRaw};
 pub use cm_kernels::{DType, KernelKind};
 pub use error::Error;
 pub use forward::{Forward, ForwardRaw};

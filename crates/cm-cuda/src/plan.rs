@@ -18,6 +18,12 @@ pub(crate) struct Offsets {
     pub(crate) full_kv_indices: usize,
     pub(crate) partial_row_first: usize,
     pub(crate) row_ptr: usize,
+    pub(crate) n_block_order: usize,
+    pub(crate) q_offsets: usize,
+    pub(crate) q_indices: usize,
+    pub(crate) q_partial_ids: usize,
+    pub(crate) full_q_offsets: usize,
+    pub(crate) full_q_indices: usize,
 }
 
 /// One mask's descriptor on the device, shared by every (batch, head) of a launch.
@@ -26,7 +32,10 @@ pub(crate) struct Offsets {
 /// (`kv_offsets [num_m_blocks + 1]`, `kv_indices [num_partial]`, `full_kv_*` likewise),
 /// `partial_row_first [num_partial, block_m]`, the row intervals (`row_ptr [q_len + 1]`,
 /// `intervals [num_intervals]` as `[start, end)` u32 pairs) and the order in which query
-/// blocks are scheduled (`[num_m_blocks]`, most tiles first, so the longest CTAs start first).
+/// blocks are scheduled (`[num_m_blocks]`, most tiles first, so the longest CTAs start first);
+/// for the backward pass also the transposed lists (`q_offsets [num_n_blocks + 1]`,
+/// `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and the key-block
+/// order (`[num_n_blocks]`, most tiles first).
 pub struct DevicePlan {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) buffer: CudaSlice<u32>,
@@ -36,6 +45,7 @@ pub struct DevicePlan {
     pub(crate) kv_len: u32,
     pub(crate) tile: TileShape,
     pub(crate) num_m_blocks: u32,
+    pub(crate) num_n_blocks: u32,
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
@@ -57,6 +67,13 @@ impl DevicePlan {
                 + (desc.full_kv_offsets[m + 1] - desc.full_kv_offsets[m])
         };
         order.sort_by_key(|&m| (std::cmp::Reverse(work(m)), std::cmp::Reverse(m)));
+        let mut n_order: Vec<u32> = (0..desc.num_n_blocks).collect();
+        let n_work = |n: u32| {
+            let n = n as usize;
+            (desc.q_offsets[n + 1] - desc.q_offsets[n])
+                + (desc.full_q_offsets[n + 1] - desc.full_q_offsets[n])
+        };
+        n_order.sort_by_key(|&n| (std::cmp::Reverse(n_work(n)), std::cmp::Reverse(n)));
 
         let mut host: Vec<u32> = Vec::new();
         let mut push = |v: &[u32]| {
@@ -79,6 +96,12 @@ impl DevicePlan {
             full_kv_indices: push(&desc.full_kv_indices),
             partial_row_first: push(&desc.partial_row_first),
             row_ptr: push(rows.row_ptr()),
+            n_block_order: push(&n_order),
+            q_offsets: push(&desc.q_offsets),
+            q_indices: push(&desc.q_indices),
+            q_partial_ids: push(&desc.q_partial_ids),
+            full_q_offsets: push(&desc.full_q_offsets),
+            full_q_indices: push(&desc.full_q_indices),
         };
         let buffer = stream
             .clone_htod(&host)
@@ -99,6 +122,7 @@ impl DevicePlan {
             kv_len: rows.kv_len(),
             tile,
             num_m_blocks: desc.num_m_blocks,
+            num_n_blocks: desc.num_n_blocks,
             visible_pairs: rows.visible_pairs(),
             computed_pairs: desc.computed_pairs,
             counts: desc.counts(),

@@ -5,6 +5,7 @@ use crate::{DevicePlan, Error, Forward, ForwardRaw};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg,
 };
@@ -69,9 +70,19 @@ impl Runtime {
                 let module = ctx
                     .load_module(Ptx::from_binary(k.bytes.to_vec()))
                     .map_err(|e| Error::driver("cuModuleLoadData", e))?;
-                module
+                let f = module
                     .load_function(v.kernel.entry_point())
-                    .map_err(|e| Error::driver("cuModuleGetFunction", e))
+                    .map_err(|e| Error::driver("cuModuleGetFunction", e))?;
+                let dynamic = v.dynamic_shared_bytes();
+                if dynamic > 0 {
+                    // Above 48 KB a kernel must opt in to its dynamic shared memory.
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        dynamic as i32,
+                    )
+                    .map_err(|e| Error::driver("cuFuncSetAttribute", e))?;
+                }
+                Ok(f)
             })
             .collect::<Result<Vec<_>, Error>>()?;
         Ok(Runtime {
@@ -227,7 +238,12 @@ impl Runtime {
         Ok(())
     }
 
-    fn check_stream(&self, stream: &CudaStream) -> Result<(), Error> {
+    /// The loaded kernel of `cm_kernels::VARIANTS[variant]`.
+    pub(crate) fn function(&self, variant: usize) -> &CudaFunction {
+        &self.functions[variant]
+    }
+
+    pub(crate) fn check_stream(&self, stream: &CudaStream) -> Result<(), Error> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::invalid(
                 "the stream belongs to another CUDA context than this runtime's",
@@ -236,7 +252,7 @@ impl Runtime {
         Ok(())
     }
 
-    fn check_plan(&self, plan: &DevicePlan) -> Result<(), Error> {
+    pub(crate) fn check_plan(&self, plan: &DevicePlan) -> Result<(), Error> {
         if plan.ctx.cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::invalid(
                 "the plan was uploaded to another CUDA context than this runtime's",

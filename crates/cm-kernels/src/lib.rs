@@ -43,6 +43,17 @@ pub enum KernelKind {
     FwdSimple,
     /// `kernels/fwd_wgmma.cu`: Hopper forward on wgmma from swizzled shared memory.
     FwdWgmma,
+    /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
+    /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
+    BwdPre,
+    /// `kernels/bwd_dkdv.cu` without dQ: dK and dV per key block (deterministic mode).
+    BwdDkDv,
+    /// `kernels/bwd_dkdv.cu` with dQ added into fp32 by atomic reductions (fast mode).
+    BwdDkDvAtomicDq,
+    /// `kernels/bwd_dq.cu`: dQ per query block, no atomics (deterministic mode).
+    BwdDq,
+    /// `kernels/bwd_post.cu`: the fast mode's fp32 dQ accumulator scaled and rounded.
+    BwdPost,
 }
 
 impl KernelKind {
@@ -50,6 +61,11 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "fwd_simple",
             KernelKind::FwdWgmma => "fwd_wgmma",
+            KernelKind::BwdPre => "bwd_pre",
+            KernelKind::BwdDkDv => "bwd_dkdv",
+            KernelKind::BwdDkDvAtomicDq => "bwd_dkdv_atomic_dq",
+            KernelKind::BwdDq => "bwd_dq",
+            KernelKind::BwdPost => "bwd_post",
         }
     }
 
@@ -58,6 +74,10 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "fwd_simple.cu",
             KernelKind::FwdWgmma => "fwd_wgmma.cu",
+            KernelKind::BwdPre => "bwd_pre.cu",
+            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => "bwd_dkdv.cu",
+            KernelKind::BwdDq => "bwd_dq.cu",
+            KernelKind::BwdPost => "bwd_post.cu",
         }
     }
 
@@ -66,6 +86,10 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "cm_fwd_simple",
             KernelKind::FwdWgmma => "cm_fwd_wgmma",
+            KernelKind::BwdPre => "cm_bwd_pre",
+            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => "cm_bwd_dkdv",
+            KernelKind::BwdDq => "cm_bwd_dq",
+            KernelKind::BwdPost => "cm_bwd_post",
         }
     }
 
@@ -73,22 +97,23 @@ impl KernelKind {
     pub const fn is_forward(self) -> bool {
         match self {
             KernelKind::FwdSimple | KernelKind::FwdWgmma => true,
+            KernelKind::BwdPre
+            | KernelKind::BwdDkDv
+            | KernelKind::BwdDkDvAtomicDq
+            | KernelKind::BwdDq
+            | KernelKind::BwdPost => false,
         }
     }
 
     /// The tile shape (`block_m` query rows x `block_n` keys) the kernel's descriptor must be
     /// built at.
     pub const fn tile(self) -> (u32, u32) {
-        match self {
-            KernelKind::FwdSimple | KernelKind::FwdWgmma => (64, 64),
-        }
+        (64, 64)
     }
 
     /// Threads per CTA.
     pub const fn threads(self) -> u32 {
-        match self {
-            KernelKind::FwdSimple | KernelKind::FwdWgmma => 128,
-        }
+        128
     }
 }
 
@@ -114,18 +139,48 @@ impl Variant {
     /// The preprocessor definitions that select this variant in the kernel source.
     pub fn defines(&self) -> Vec<String> {
         let bf16 = u8::from(self.dtype == DType::Bf16);
-        vec![
+        let mut d = vec![
             format!("-DCM_DTYPE_BF16={bf16}"),
             format!("-DCM_HEAD_DIM={}", self.head_dim),
-        ]
+        ];
+        match self.kernel {
+            KernelKind::BwdDkDv => d.push("-DCM_BWD_ATOMIC_DQ=0".into()),
+            KernelKind::BwdDkDvAtomicDq => d.push("-DCM_BWD_ATOMIC_DQ=1".into()),
+            _ => {}
+        }
+        if self.dynamic_shared_bytes() > 0 {
+            // The kernel checks its layout against this with a static_assert.
+            d.push(format!(
+                "-DCM_DYNAMIC_SMEM_BYTES={}",
+                self.dynamic_shared_bytes()
+            ));
+        }
+        d
+    }
+
+    /// Dynamic shared memory per CTA in bytes the variant is launched with (0: static only).
+    /// The backward kernels' padded tiles (64 rows of `head_dim + 8` elements) exceed the
+    /// 48 KB static limit at head_dim 128.
+    pub const fn dynamic_shared_bytes(&self) -> u32 {
+        let tile = 64 * (self.head_dim + 8) * 2;
+        match self.kernel {
+            // K, V, Q, dO tiles; dS^T (64 x 72 elements); lse and delta (64 f32 each); row
+            // visibility (64 u64).
+            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => {
+                4 * tile + 64 * 72 * 2 + 2 * 64 * 4 + 64 * 8
+            }
+            // Q, dO, K, V tiles; row visibility.
+            KernelKind::BwdDq => 4 * tile + 64 * 8,
+            _ => 0,
+        }
     }
 }
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index.
-pub const VARIANTS: [Variant; 8] = {
+pub const VARIANTS: [Variant; 28] = {
     use DType::{Bf16, F16};
-    use KernelKind::{FwdSimple, FwdWgmma};
+    use KernelKind::{BwdDkDv, BwdDkDvAtomicDq, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma};
     const fn v(kernel: KernelKind, dtype: DType, head_dim: u32) -> Variant {
         Variant {
             kernel,
@@ -142,6 +197,26 @@ pub const VARIANTS: [Variant; 8] = {
         v(FwdWgmma, Bf16, 128),
         v(FwdWgmma, F16, 64),
         v(FwdWgmma, F16, 128),
+        v(BwdPre, Bf16, 64),
+        v(BwdPre, Bf16, 128),
+        v(BwdPre, F16, 64),
+        v(BwdPre, F16, 128),
+        v(BwdDkDv, Bf16, 64),
+        v(BwdDkDv, Bf16, 128),
+        v(BwdDkDv, F16, 64),
+        v(BwdDkDv, F16, 128),
+        v(BwdDkDvAtomicDq, Bf16, 64),
+        v(BwdDkDvAtomicDq, Bf16, 128),
+        v(BwdDkDvAtomicDq, F16, 64),
+        v(BwdDkDvAtomicDq, F16, 128),
+        v(BwdDq, Bf16, 64),
+        v(BwdDq, Bf16, 128),
+        v(BwdDq, F16, 64),
+        v(BwdDq, F16, 128),
+        v(BwdPost, Bf16, 64),
+        v(BwdPost, Bf16, 128),
+        v(BwdPost, F16, 64),
+        v(BwdPost, F16, 128),
     ]
 };
 
@@ -161,6 +236,11 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("wgmma.cuh", include_str!("../kernels/wgmma.cuh")),
     ("fwd_simple.cu", include_str!("../kernels/fwd_simple.cu")),
     ("fwd_wgmma.cu", include_str!("../kernels/fwd_wgmma.cu")),
+    ("bwd_common.cuh", include_str!("../kernels/bwd_common.cuh")),
+    ("bwd_pre.cu", include_str!("../kernels/bwd_pre.cu")),
+    ("bwd_dkdv.cu", include_str!("../kernels/bwd_dkdv.cu")),
+    ("bwd_dq.cu", include_str!("../kernels/bwd_dq.cu")),
+    ("bwd_post.cu", include_str!("../kernels/bwd_post.cu")),
 ];
 
 /// The target every CUBIN is built for: a real architecture, so NVRTC runs ptxas (which

@@ -1,0 +1,477 @@
+//! Backward attention: argument checking and the launches.
+//!
+//! A backward is three kernels on one stream, every one driven by the plan's 64x64 tile
+//! descriptor (partial tiles apply the forward's per-row limits, full tiles run no mask code,
+//! empty tiles are never visited):
+//!
+//! 1. `bwd_pre`, per query block: `delta = rowsum(dO * O)` in fp32 and the forward's lse in the
+//!    exp2 domain, into the workspace (rows with no visible key get a `+inf` lse there, so the
+//!    probabilities recomputed for them are exactly 0); in the fast mode it also zeroes the
+//!    fp32 dQ accumulator.
+//! 2. `bwd_dkdv`, per (key block, kv head, batch), walking the transposed lists: dK and dV,
+//!    summed over the query heads of a GQA group and over query tiles in registers in a fixed
+//!    order, written once. In the fast mode it also adds each tile's dQ into the fp32
+//!    accumulator with atomic reductions (`red.global.add.v2.f32`).
+//! 3. Fast mode: `bwd_post` scales and rounds the accumulator into dQ. Deterministic mode:
+//!    `bwd_dq`, per query block, walking the forward lists, recomputes the tile's
+//!    probabilities and accumulates dQ in registers.
+//!
+//! The only atomic accumulation is the fast mode's dQ: fp32 addition in an order that depends
+//! on CTA timing, so its last bits can differ run to run. dK and dV are never atomic, and the
+//! deterministic mode gives the same bits on every run.
+
+use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
+use crate::layout::VECTOR_BYTES;
+use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
+use cm_kernels::KernelKind;
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// A backward launch over Rust-owned device buffers ([`Runtime::backward`]): the gradients of
+/// `sum(out * dout)` for the forward that produced `out` and `lse` from the same `q`, `k`, `v`,
+/// plan and `softmax_scale`.
+///
+/// Q, the output, dO and dQ are `[batch, num_heads, q_len, head_dim]`; K, V, dK and dV
+/// `[batch, num_kv_heads, kv_len, head_dim]` (query head `h` reads KV head
+/// `h / (num_heads / num_kv_heads)`; dK and dV are summed over the query heads of each group);
+/// `lse` is the forward's `[batch, num_heads, q_len]` fp32 natural-log log-sum-exp. Rows with no
+/// visible key (lse `-inf`) get dQ = 0 and add nothing to dK / dV; keys no row sees get
+/// dK = dV = 0.
+pub struct Backward<'a> {
+    pub dtype: DType,
+    pub q: (&'a CudaSlice<u16>, TensorLayout),
+    pub k: (&'a CudaSlice<u16>, TensorLayout),
+    pub v: (&'a CudaSlice<u16>, TensorLayout),
+    pub out: (&'a CudaSlice<u16>, TensorLayout),
+    pub dout: (&'a CudaSlice<u16>, TensorLayout),
+    pub lse: (&'a CudaSlice<f32>, LseLayout),
+    pub dq: (&'a mut CudaSlice<u16>, TensorLayout),
+    pub dk: (&'a mut CudaSlice<u16>, TensorLayout),
+    pub dv: (&'a mut CudaSlice<u16>, TensorLayout),
+    /// Scratch of at least [`DevicePlan::backward_workspace_len`] fp32 elements; its contents
+    /// on entry do not matter.
+    pub workspace: &'a mut CudaSlice<f32>,
+    /// The forward's `softmax_scale`.
+    pub softmax_scale: f32,
+    /// `true`: dQ without atomics (same bits every run, about 1.4x the matrix work);
+    /// `false`: dQ by fp32 atomic reductions (the fast mode).
+    pub deterministic: bool,
+}
+
+/// A backward launch over device addresses owned by someone else (e.g. torch's `data_ptr()`),
+/// for [`Runtime::backward_raw`]. Same shapes and meaning as [`Backward`]; each address is the
+/// element at index `[0, 0, 0, 0]` (`[0, 0, 0]` for `lse`), `workspace` the first of
+/// `workspace_len` fp32 elements.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardRaw {
+    pub dtype: DType,
+    pub q: u64,
+    pub q_layout: TensorLayout,
+    pub k: u64,
+    pub k_layout: TensorLayout,
+    pub v: u64,
+    pub v_layout: TensorLayout,
+    pub out: u64,
+    pub out_layout: TensorLayout,
+    pub dout: u64,
+    pub dout_layout: TensorLayout,
+    pub lse: u64,
+    pub lse_layout: LseLayout,
+    pub dq: u64,
+    pub dq_layout: TensorLayout,
+    pub dk: u64,
+    pub dk_layout: TensorLayout,
+    pub dv: u64,
+    pub dv_layout: TensorLayout,
+    pub workspace: u64,
+    pub workspace_len: usize,
+    pub softmax_scale: f32,
+    pub deterministic: bool,
+}
+
+/// Kernel parameters; mirrors `CmBwdParams` in `kernels/bwd_common.cuh` field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BwdParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    dout: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    lse: u64,
+    dq_accum: u64,
+    lse_log2: u64,
+    delta: u64,
+    q_strides: [i64; 3],
+    k_strides: [i64; 3],
+    v_strides: [i64; 3],
+    o_strides: [i64; 3],
+    do_strides: [i64; 3],
+    dq_strides: [i64; 3],
+    dk_strides: [i64; 3],
+    dv_strides: [i64; 3],
+    lse_strides: [i64; 2],
+    m_block_order: u64,
+    kv_offsets: u64,
+    kv_indices: u64,
+    full_kv_offsets: u64,
+    full_kv_indices: u64,
+    partial_row_first: u64,
+    row_ptr: u64,
+    intervals: u64,
+    n_block_order: u64,
+    q_offsets: u64,
+    q_indices: u64,
+    q_partial_ids: u64,
+    full_q_offsets: u64,
+    full_q_indices: u64,
+    q_len: u32,
+    kv_len: u32,
+    q_pad: u32,
+    num_heads: u32,
+    heads_per_kv_head: u32,
+    scale_log2: f32,
+    softmax_scale: f32,
+    pad: u32,
+}
+
+const _: () = assert!(
+    std::mem::size_of::<BwdParams>() == 448,
+    "must match sizeof(CmBwdParams)"
+);
+
+// SAFETY: BwdParams is #[repr(C)], Copy, holds only integers and floats, and has the exact
+// layout of CmBwdParams (8-byte fields first, explicit tail padding, no implicit padding; size
+// checked above), so the driver may copy its bytes as the kernel's by-value parameter.
+#[allow(unsafe_code)]
+unsafe impl DeviceRepr for BwdParams {}
+
+/// One kernel of a backward: the variant (index into `cm_kernels::VARIANTS`) and its grid.
+struct Step {
+    variant: usize,
+    grid: (u32, u32, u32),
+}
+
+/// A validated backward: its parameters and the kernels to run in order.
+struct Plan {
+    params: BwdParams,
+    steps: Vec<Step>,
+}
+
+impl DevicePlan {
+    /// fp32 elements of workspace a backward over this plan needs: `lse_log2` and `delta`
+    /// `[batch, num_heads, q_pad]`, plus in the fast mode the dQ accumulator
+    /// `[batch, num_heads, q_pad, head_dim]`, with `q_pad` = q_len rounded up to the 64-row
+    /// tile. `None` if the count overflows `usize`.
+    pub fn backward_workspace_len(
+        &self,
+        batch: usize,
+        num_heads: usize,
+        head_dim: usize,
+        deterministic: bool,
+    ) -> Option<usize> {
+        let rows = batch
+            .checked_mul(num_heads)?
+            .checked_mul(self.q_pad() as usize)?;
+        let per_row = if deterministic { 2 } else { 2 + head_dim };
+        rows.checked_mul(per_row)
+    }
+
+    /// Query rows padded to whole 64-row tiles (the workspace's row count per head).
+    fn q_pad(&self) -> u32 {
+        self.num_m_blocks * self.tile.block_m
+    }
+}
+
+fn check_output(
+    name: &str,
+    layout: &TensorLayout,
+    expected: [usize; 4],
+    expected_from: &str,
+    elem: u64,
+    addr: u64,
+) -> Result<(), Error> {
+    if layout.shape != expected {
+        return Err(Error::invalid(format!(
+            "{name}: shape {:?} differs from {expected_from}'s shape {expected:?}",
+            layout.shape
+        )));
+    }
+    layout.validate(name, elem, true)?;
+    check_addr(name, addr, VECTOR_BYTES)
+}
+
+/// Every host-side check of a backward; no device work and no synchronisation.
+fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
+    // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
+    let forward = ForwardRaw {
+        dtype: a.dtype,
+        q: a.q,
+        q_layout: a.q_layout,
+        k: a.k,
+        k_layout: a.k_layout,
+        v: a.v,
+        v_layout: a.v_layout,
+        out: a.out,
+        out_layout: a.out_layout,
+        lse: Some((a.lse, a.lse_layout)),
+        softmax_scale: a.softmax_scale,
+    };
+    prepare_forward(plan, &forward, KernelKind::FwdSimple)?;
+    let [b, h, _, d] = a.q_layout.shape;
+    let h_kv = a.k_layout.shape[1];
+    let elem = a.dtype.size_bytes() as u64;
+    if a.dout_layout.shape != a.q_layout.shape {
+        return Err(Error::invalid(format!(
+            "dout: shape {:?} differs from q's shape {:?}",
+            a.dout_layout.shape, a.q_layout.shape
+        )));
+    }
+    a.dout_layout.validate("dout", elem, false)?;
+    check_addr("dout", a.dout, VECTOR_BYTES)?;
+    check_output("dq", &a.dq_layout, a.q_layout.shape, "q", elem, a.dq)?;
+    check_output("dk", &a.dk_layout, a.k_layout.shape, "k", elem, a.dk)?;
+    check_output("dv", &a.dv_layout, a.k_layout.shape, "k", elem, a.dv)?;
+    let needed = plan
+        .backward_workspace_len(b, h, d, a.deterministic)
+        .ok_or_else(|| Error::invalid("the backward workspace size overflows usize"))?;
+    if a.workspace_len < needed {
+        return Err(Error::invalid(format!(
+            "workspace: {} fp32 elements, the backward needs {needed} \
+             (DevicePlan::backward_workspace_len)",
+            a.workspace_len
+        )));
+    }
+    check_addr("workspace", a.workspace, VECTOR_BYTES)?;
+    // q_len == 0 still runs bwd_dkdv (no query block, every key block), which writes
+    // dK = dV = 0.
+    if b == 0 || h == 0 {
+        return Ok(None);
+    }
+
+    let variant = |kind: KernelKind| {
+        cm_kernels::find_variant(kind, a.dtype, d as u32).ok_or_else(|| {
+            Error::invalid(format!(
+                "no {} kernel for {} at head_dim = {d}",
+                kind.name(),
+                a.dtype
+            ))
+        })
+    };
+    let (b32, h32, h_kv32) = (b as u32, h as u32, h_kv as u32);
+    let per_query_block = (plan.num_m_blocks, h32, b32);
+    let mut steps = Vec::with_capacity(3);
+    let mut push = |kind: KernelKind, grid: (u32, u32, u32)| -> Result<(), Error> {
+        // A grid with no block has nothing to do (no query or no key block).
+        if grid.0 > 0 {
+            steps.push(Step {
+                variant: variant(kind)?,
+                grid,
+            });
+        }
+        Ok(())
+    };
+    push(KernelKind::BwdPre, per_query_block)?;
+    let per_key_block = (plan.num_n_blocks, h_kv32, b32);
+    if a.deterministic {
+        push(KernelKind::BwdDkDv, per_key_block)?;
+        push(KernelKind::BwdDq, per_query_block)?;
+    } else {
+        push(KernelKind::BwdDkDvAtomicDq, per_key_block)?;
+        push(KernelKind::BwdPost, per_query_block)?;
+    }
+
+    let rows = b * h * plan.q_pad() as usize;
+    let (lse_log2, delta) = (a.workspace, a.workspace + 4 * rows as u64);
+    let dq_accum = if a.deterministic {
+        0
+    } else {
+        a.workspace + 8 * rows as u64
+    };
+    let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
+    let o = &plan.offsets;
+    let params = BwdParams {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.out,
+        dout: a.dout,
+        dq: a.dq,
+        dk: a.dk,
+        dv: a.dv,
+        lse: a.lse,
+        dq_accum,
+        lse_log2,
+        delta,
+        q_strides: s3(&a.q_layout),
+        k_strides: s3(&a.k_layout),
+        v_strides: s3(&a.v_layout),
+        o_strides: s3(&a.out_layout),
+        do_strides: s3(&a.dout_layout),
+        dq_strides: s3(&a.dq_layout),
+        dk_strides: s3(&a.dk_layout),
+        dv_strides: s3(&a.dv_layout),
+        lse_strides: [a.lse_layout.strides[0], a.lse_layout.strides[1]],
+        m_block_order: plan.addr(o.m_block_order),
+        kv_offsets: plan.addr(o.kv_offsets),
+        kv_indices: plan.addr(o.kv_indices),
+        full_kv_offsets: plan.addr(o.full_kv_offsets),
+        full_kv_indices: plan.addr(o.full_kv_indices),
+        partial_row_first: plan.addr(o.partial_row_first),
+        row_ptr: plan.addr(o.row_ptr),
+        intervals: plan.addr(o.intervals),
+        n_block_order: plan.addr(o.n_block_order),
+        q_offsets: plan.addr(o.q_offsets),
+        q_indices: plan.addr(o.q_indices),
+        q_partial_ids: plan.addr(o.q_partial_ids),
+        full_q_offsets: plan.addr(o.full_q_offsets),
+        full_q_indices: plan.addr(o.full_q_indices),
+        q_len: plan.q_len,
+        kv_len: plan.kv_len,
+        q_pad: plan.q_pad(),
+        num_heads: h32,
+        heads_per_kv_head: (h / h_kv) as u32,
+        scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
+        softmax_scale: a.softmax_scale,
+        pad: 0,
+    };
+    Ok(Some(Plan { params, steps }))
+}
+
+impl Runtime {
+    /// Backward attention over Rust-owned buffers, enqueued on `stream`; returns without
+    /// waiting for the GPU. See the module docs for the kernels and which sums are atomic.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first check that fails (every check of
+    /// [`Runtime::forward`] on q, k, v, out and lse; dout, dq, dk and dv shapes, strides and
+    /// alignment; a workspace shorter than [`DevicePlan::backward_workspace_len`]; a buffer
+    /// shorter than its layout spans); [`Error::Driver`] if a launch is refused.
+    pub fn backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+        args: Backward<'_>,
+    ) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.check_plan(plan)?;
+        let check_len = |name: &str, len: usize, span: usize| {
+            if span > len {
+                return Err(Error::invalid(format!(
+                    "{name}: the layout spans {span} elements but the buffer holds {len}"
+                )));
+            }
+            Ok(())
+        };
+        check_len("q", args.q.0.len(), args.q.1.span_elements())?;
+        check_len("k", args.k.0.len(), args.k.1.span_elements())?;
+        check_len("v", args.v.0.len(), args.v.1.span_elements())?;
+        check_len("out", args.out.0.len(), args.out.1.span_elements())?;
+        check_len("dout", args.dout.0.len(), args.dout.1.span_elements())?;
+        check_len("lse", args.lse.0.len(), args.lse.1.span_elements())?;
+        check_len("dq", args.dq.0.len(), args.dq.1.span_elements())?;
+        check_len("dk", args.dk.0.len(), args.dk.1.span_elements())?;
+        check_len("dv", args.dv.0.len(), args.dv.1.span_elements())?;
+        // The guards record the buffers' use on `stream` (when the context tracks events), so
+        // freeing one waits for this launch; they must live until the launches are enqueued.
+        let (q, _gq) = args.q.0.device_ptr(stream);
+        let (k, _gk) = args.k.0.device_ptr(stream);
+        let (v, _gv) = args.v.0.device_ptr(stream);
+        let (out, _go) = args.out.0.device_ptr(stream);
+        let (dout, _gdo) = args.dout.0.device_ptr(stream);
+        let (lse, _gl) = args.lse.0.device_ptr(stream);
+        let (_, _gp) = plan.buffer.device_ptr(stream);
+        let (dq, _gdq) = args.dq.0.device_ptr_mut(stream);
+        let (dk, _gdk) = args.dk.0.device_ptr_mut(stream);
+        let (dv, _gdv) = args.dv.0.device_ptr_mut(stream);
+        let workspace_len = args.workspace.len();
+        let (workspace, _gw) = args.workspace.device_ptr_mut(stream);
+        let raw = BackwardRaw {
+            dtype: args.dtype,
+            q,
+            q_layout: args.q.1,
+            k,
+            k_layout: args.k.1,
+            v,
+            v_layout: args.v.1,
+            out,
+            out_layout: args.out.1,
+            dout,
+            dout_layout: args.dout.1,
+            lse,
+            lse_layout: args.lse.1,
+            dq,
+            dq_layout: args.dq.1,
+            dk,
+            dk_layout: args.dk.1,
+            dv,
+            dv_layout: args.dv.1,
+            workspace,
+            workspace_len,
+            softmax_scale: args.softmax_scale,
+            deterministic: args.deterministic,
+        };
+        match prepare(plan, &raw)? {
+            Some(launches) => self.launch_backward(stream, &launches),
+            None => Ok(()),
+        }
+    }
+
+    /// Backward attention over device addresses owned by the caller, enqueued on `stream`;
+    /// returns without waiting for the GPU. Performs every check of [`Runtime::backward`]
+    /// except the buffer lengths, which it cannot know.
+    ///
+    /// # Safety
+    /// Each address must point to device memory of this runtime's context that holds at least
+    /// the elements its layout spans ([`TensorLayout::span_elements`], `workspace_len` for the
+    /// workspace), stays allocated until the launches have finished on `stream`, and is not
+    /// written by other work meanwhile; dq, dk, dv and the workspace must not overlap each
+    /// other or the inputs. `plan` must likewise outlive the launches.
+    ///
+    /// # Errors
+    /// As [`Runtime::backward`].
+    #[allow(unsafe_code)]
+    pub unsafe fn backward_raw(
+        &self,
+        stream: &CudaStream,
+        plan: &DevicePlan,
+        args: &BackwardRaw,
+    ) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.check_plan(plan)?;
+        match prepare(plan, args)? {
+            Some(launches) => self.launch_backward(stream, &launches),
+            None => Ok(()),
+        }
+    }
+
+    #[allow(unsafe_code)]
+    fn launch_backward(&self, stream: &CudaStream, plan: &Plan) -> Result<(), Error> {
+        for step in &plan.steps {
+            let variant = &cm_kernels::VARIANTS[step.variant];
+            let config = LaunchConfig {
+                grid_dim: step.grid,
+                block_dim: (variant.kernel.threads(), 1, 1),
+                shared_mem_bytes: variant.dynamic_shared_bytes(),
+            };
+            let mut builder = stream.launch_builder(self.function(step.variant));
+            builder.arg(&plan.params);
+            // SAFETY: the function is the variant `prepare` chose for these arguments; its only
+            // parameter is a by-value CmBwdParams, which `params` mirrors, and the dynamic
+            // shared memory is the size the kernel was compiled for (and opted in to when the
+            // runtime loaded it). `prepare` checked that every address is aligned and that the
+            // grid, shapes and strides match the plan and each other, and sized the workspace,
+            // so the kernels touch only elements inside each layout's span; the callers
+            // guarantee the spans are allocated and live (checked lengths in `backward`, the
+            // caller's contract in `backward_raw`). Kernels on one stream run in order, so
+            // each step sees the previous one's workspace writes.
+            unsafe { builder.launch(config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,177 @@
+// Shared definitions of the backward kernels (bwd_pre.cu, bwd_dkdv.cu, bwd_dq.cu,
+// bwd_post.cu): the parameter block, the padded shared-memory tile loader and the per-row key
+// visibility of a partial tile.
+//
+// The backward pass, for softmax_scale c, P = softmax(c Q K^T) over each row's visible keys:
+//   delta_i = sum_d dO[i, d] O[i, d]                       (bwd_pre)
+//   dS_ij   = P_ij (dO_i . V_j - delta_i)
+//   dV_j    = sum_i P_ij dO_i,   dK_j = c sum_i dS_ij Q_i   (bwd_dkdv, per key block)
+//   dQ_i    = c sum_j dS_ij K_j                             (bwd_dkdv with fp32 atomics + bwd_post,
+//                                                           or bwd_dq, per query block)
+// P is recomputed from the forward's lse: P_ij = exp2(c log2(e) s_ij - log2(e) lse_i).
+#pragma once
+#include "common.cuh"
+
+#ifndef CM_HEAD_DIM
+#error "CM_HEAD_DIM must be defined (64 or 128)"
+#endif
+#ifndef CM_DTYPE_BF16
+#error "CM_DTYPE_BF16 must be defined (1 = bf16, 0 = fp16)"
+#endif
+
+#define BLOCK_M 64
+#define BLOCK_N 64
+#define NUM_THREADS 128
+#define HEAD_DIM CM_HEAD_DIM
+// 16 bytes of padding per shared-memory row put the 8 row addresses of every ldmatrix into
+// distinct bank groups.
+#define PITCH (HEAD_DIM + 8)
+#define TILE_ELEMS (BLOCK_M * PITCH)
+
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+static_assert(BLOCK_M == BLOCK_N, "query and key tiles share one loader");
+
+// Kernel parameters, passed by value. Must match cm_cuda::backward::BwdParams field for field
+// (#[repr(C)], 8-byte fields first, explicit padding at the end). Tensors are
+// [batch, heads, seq, head_dim] with a contiguous last dim; strides in elements.
+struct CmBwdParams {
+    const u16* q;     // [batch, num_heads, q_len, head_dim]
+    const u16* k;     // [batch, num_kv_heads, kv_len, head_dim]
+    const u16* v;     // [batch, num_kv_heads, kv_len, head_dim]
+    const u16* o;     // forward output, [batch, num_heads, q_len, head_dim]
+    const u16* dout;  // [batch, num_heads, q_len, head_dim]
+    u16* dq;          // [batch, num_heads, q_len, head_dim]
+    u16* dk;          // [batch, num_kv_heads, kv_len, head_dim]
+    u16* dv;          // [batch, num_kv_heads, kv_len, head_dim]
+    const float* lse;  // forward lse (natural log), [batch, num_heads, q_len], seq stride 1
+    // Workspace, rows padded to q_pad = num_m_blocks * BLOCK_M so that tile loads need no bounds
+    // check: dq_accum [batch, num_heads, q_pad, head_dim] fp32 (null in deterministic mode),
+    // lse_log2 and delta [batch, num_heads, q_pad] fp32.
+    float* dq_accum;
+    float* lse_log2;
+    float* delta;
+    i64 q_stride_batch, q_stride_head, q_stride_row;
+    i64 k_stride_batch, k_stride_head, k_stride_row;
+    i64 v_stride_batch, v_stride_head, v_stride_row;
+    i64 o_stride_batch, o_stride_head, o_stride_row;
+    i64 do_stride_batch, do_stride_head, do_stride_row;
+    i64 dq_stride_batch, dq_stride_head, dq_stride_row;
+    i64 dk_stride_batch, dk_stride_head, dk_stride_row;
+    i64 dv_stride_batch, dv_stride_head, dv_stride_row;
+    i64 lse_stride_batch, lse_stride_head;
+    // Tile descriptor at BLOCK_M x BLOCK_N (see cm_plan::TileDescriptor): forward lists per
+    // query block, transposed lists per key block.
+    const u32* m_block_order;      // [num_m_blocks] query blocks, most tiles first
+    const u32* kv_offsets;         // [num_m_blocks + 1]
+    const u32* kv_indices;         // [num_partial]
+    const u32* full_kv_offsets;    // [num_m_blocks + 1]
+    const u32* full_kv_indices;    // [num_full]
+    const u32* partial_row_first;  // [num_partial, BLOCK_M]
+    const u32* row_ptr;            // [q_len + 1]
+    const CmKeyInterval* intervals;  // [num_intervals]
+    const u32* n_block_order;      // [num_n_blocks] key blocks, most tiles first
+    const u32* q_offsets;          // [num_n_blocks + 1]
+    const u32* q_indices;          // [num_partial] query blocks of each key block's partial tiles
+    const u32* q_partial_ids;      // [num_partial] position of that tile in the forward list
+    const u32* full_q_offsets;     // [num_n_blocks + 1]
+    const u32* full_q_indices;     // [num_full]
+    u32 q_len;
+    u32 kv_len;
+    u32 q_pad;
+    u32 num_heads;
+    u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
+    float scale_log2;       // softmax_scale * log2(e)
+    float softmax_scale;
+    u32 pad_;
+};
+
+static_assert(sizeof(CmBwdParams) == 448, "must match cm_cuda::backward::BwdParams");
+
+// Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into a padded shared tile,
+// zero-filling rows at or past `len` (zeros, never garbage that 0 * NaN could spread).
+__device__ __forceinline__ void cm_bwd_load_tile(u16* smem, const u16* base, i64 row_stride, u32 row0, u32 len) {
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+    constexpr int PER_THREAD = BLOCK_M * CHUNKS_PER_ROW / NUM_THREADS;
+    const u32 smem_base = cm_smem_addr(smem);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int c = threadIdx.x + i * NUM_THREADS;
+        const int r = c / CHUNKS_PER_ROW;
+        const int col = (c % CHUNKS_PER_ROW) * 8;
+        const u32 row = row0 + r;
+        const bool ok = row < len;
+        const u16* src = base + (ok ? (i64)row * row_stride + col : 0);
+        cm_cp_async16(smem_base + (u32)(r * PITCH + col) * 2, src, ok ? 16 : 0);
+    }
+}
+
+// Copies the 64 workspace floats of rows [row0, row0 + 64) of lse_log2 and delta (padded
+// rows, so always in bounds) into shared memory; threads 0..31 issue one 16-byte copy each.
+__device__ __forceinline__ void cm_bwd_load_row_stats(float* s_lse, float* s_delta, const float* lse_log2,
+                                                      const float* delta, u32 row0) {
+    if (threadIdx.x < 32) {
+        const int i = threadIdx.x & 15;
+        const bool is_lse = threadIdx.x < 16;
+        const float* src = (is_lse ? lse_log2 : delta) + row0 + i * 4;
+        cm_cp_async16(cm_smem_addr((is_lse ? s_lse : s_delta) + i * 4), src, 16);
+    }
+}
+
+// 64-bit visibility of the tile's keys key0 .. key0 + 63 from local row r of the `partial_id`-th
+// partial tile (bit b: key key0 + b visible), from the same per-row intervals the forward
+// uses. Rows past q_len see nothing.
+__device__ __forceinline__ u64 cm_bwd_row_bits(const CmBwdParams& p, u32 partial_id, u32 r, u32 row0, u32 key0) {
+    const u32 qrow = row0 + r;
+    if (qrow >= p.q_len) return 0;
+    u64 bits = 0;
+    const u32 end = p.row_ptr[qrow + 1];
+    for (u32 i = p.partial_row_first[(u64)partial_id * BLOCK_M + r]; i < end; ++i) {
+        const CmKeyInterval iv = p.intervals[i];
+        if (iv.start >= key0 + BLOCK_N) break;
+        const u32 lo = max(iv.start, key0) - key0;
+        const u32 hi = min(iv.end, key0 + BLOCK_N) - key0;
+        const u64 below_hi = hi >= 64 ? ~0ull : (1ull << hi) - 1;
+        const u64 below_lo = (1ull << lo) - 1;  // lo < 64: the interval ends after key0
+        bits |= below_hi & ~below_lo;
+    }
+    return bits;
+}
+
+// One 16-bit element to fp32.
+__device__ __forceinline__ float cm_to_float(u16 x) {
+#if CM_DTYPE_BF16
+    return __int_as_float((u32)x << 16);
+#else
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x));
+    return r;
+#endif
+}
+
+// Stores the warp's 16 rows x HEAD_DIM accumulator (m16n8 layout: rows g and g + 8, columns
+// 8 j + 2 t and + 1) scaled by `scale` to rows row0 + 16 warp + ... of a strided matrix,
+// skipping rows at or past `len`.
+template <int ND>
+__device__ __forceinline__ void cm_bwd_store_rows(u16* base, i64 row_stride, const float (&acc)[ND][4], float scale,
+                                                  u32 row0, u32 len, int warp, int g, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 row = row0 + warp * 16 + g + h * 8;
+        if (row >= len) continue;
+        u16* out = base + (i64)row * row_stride;
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+            *reinterpret_cast<u32*>(out + j * 8 + t * 2) = cm_pack2(acc[j][h * 2] * scale, acc[j][h * 2 + 1] * scale);
+        }
+    }
+}
+
+// The A fragment (16 rows x 16 columns, columns 16 kk ..) of an m16n8 accumulator array,
+// rounded to the element type: accumulator pairs are exactly the m16n8k16 A register pairs.
+template <int NB>
+__device__ __forceinline__ void cm_bwd_a_fragment(const float (&s)[NB][4], int kk, u32 (&a)[4]) {
+    a[0] = cm_pack2(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = cm_pack2(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = cm_pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = cm_pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
