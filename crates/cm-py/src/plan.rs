@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use compilemask::export;
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -17,6 +17,22 @@ pub struct Plan {
     pub uses_batch: bool,
     pub uses_head: bool,
     pub compile_ms: f64,
+}
+
+/// A `PlanError` for an export that was refused: `CM0403` (over the size limit) or
+/// `CM0408` (not expressible in the format), with the export's message (less the
+/// `error[CODE]: ` prefix it may carry).
+fn export_error(py: Python<'_>, e: &compilemask::ExportError) -> PyErr {
+    let code = match e {
+        compilemask::ExportError::TooLarge { .. } => "CM0403",
+        _ => "CM0408",
+    };
+    let text = e.to_string();
+    let message = text
+        .strip_prefix("error[")
+        .and_then(|rest| rest.split_once("]: "))
+        .map_or(text.as_str(), |(_, m)| m);
+    plan_error_msg(py, code, message.to_string(), None)
 }
 
 impl Plan {
@@ -201,7 +217,7 @@ impl Plan {
         let m = self.mask(b, h)?;
         let bytes = py
             .detach(|| export::dense(&m.rows))
-            .map_err(|e| plan_error_msg(py, "CM0403", e.to_string(), None))?;
+            .map_err(|e| export_error(py, &e))?;
         Ok(PyBytes::new(py, &bytes))
     }
 
@@ -219,7 +235,7 @@ impl Plan {
         let m = self.mask(b, h)?;
         let f = py
             .detach(|| export::flex_block_mask(&m.tiles))
-            .map_err(|e| plan_error_msg(py, "CM0403", e.to_string(), None))?;
+            .map_err(|e| export_error(py, &e))?;
         let d = PyDict::new(py);
         d.set_item("block_size", f.block_size)?;
         d.set_item("seq_lengths", f.seq_lengths)?;
@@ -266,7 +282,7 @@ impl Plan {
         let m = self.mask(b, h)?;
         let f = py
             .detach(|| export::flashmask_bounds(&m.rows))
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            .map_err(|e| export_error(py, &e))?;
         let d = PyDict::new(py);
         d.set_item("lts", py_bytes(py, &f.lts))?;
         d.set_item("lte", py_bytes(py, &f.lte))?;

@@ -516,7 +516,7 @@ class Plan:
     def to_flashmask(self, b: int | None = None, h: int | None = None) -> dict[str, list[int]]:
         """FlashMask column bounds ``{"lts", "lte", "uts", "ute"}`` (each ``[kv_len]``): key
         column k is masked for rows ``[lts[k], lte[k])`` and ``[uts[k], ute[k])``.
-        ``ValueError`` when some column has more than two masked runs."""
+        :class:`PlanError` (CM0408) when some column has more than two masked runs."""
         b, h = self._one(b, h, "to_flashmask")
         raw = self._native.flashmask_bounds(b, h)
         return {k: _ints(v) for k, v in raw.items()}
