@@ -277,6 +277,10 @@ pub struct Timing {
     /// Median host time from the start of a `forward` call to the return of the stream
     /// synchronisation that follows it, on an idle GPU, milliseconds.
     pub single_call_ms: f64,
+    /// Median GPU time of the same single calls, between an event recorded just before the
+    /// `forward` call and one just after it, milliseconds: the kernel plus the launch delay
+    /// the GPU sees, without the host's wake-up after completion.
+    pub single_call_gpu_ms: f64,
     /// Median host time of the `forward` call alone (validation and enqueue), microseconds.
     pub enqueue_us: f64,
     /// `single_call_ms - median_ms`, in microseconds: what a lone call pays beyond the kernel.
@@ -518,13 +522,19 @@ fn time(
     let mean_ms = per_call.iter().sum::<f64>() / per_call.len() as f64;
     let median_ms = median(per_call);
 
-    let (mut single, mut enqueue) = (Vec::new(), Vec::new());
+    let (mut single, mut single_gpu, mut enqueue) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..opts.latency_runs {
         let t = Instant::now();
+        events[0].record(stream).map_err(drv("cuEventRecord"))?;
         inputs.forward(rt, stream, plan)?;
         enqueue.push(t.elapsed().as_secs_f64() * 1e6);
+        events[1].record(stream).map_err(drv("cuEventRecord"))?;
         stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
         single.push(t.elapsed().as_secs_f64() * 1e3);
+        let gpu = events[0]
+            .elapsed_ms(&events[1])
+            .map_err(drv("cuEventElapsedTime"))?;
+        single_gpu.push(f64::from(gpu));
     }
     let single_call_ms = median(single);
     let flops = 4.0 * opts.heads as f64 * opts.head_dim as f64 * plan.visible_pairs() as f64;
@@ -533,6 +543,7 @@ fn time(
         mean_ms,
         tflops: flops / (median_ms * 1e-3) / 1e12,
         single_call_ms,
+        single_call_gpu_ms: median(single_gpu),
         enqueue_us: median(enqueue),
         host_overhead_us: (single_call_ms - median_ms) * 1e3,
     })
