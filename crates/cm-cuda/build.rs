@@ -169,6 +169,17 @@ fn build_variant(
     let report = cm_kernels::parse_ptxas_log(&log, v.kernel.entry_point())
         .map_err(|e| format!("{}: {e}", v.name()))?;
     cm_kernels::check_report(v, &report)?;
+    let spills = report.spill_store_bytes + report.spill_load_bytes;
+    if spills > 0 {
+        // Allowed outside forward kernels, but each needs a measured reason in BENCHMARKS.md.
+        println!(
+            "cargo:warning=cm-cuda: {} spills registers ({} bytes stores, {} bytes loads at {} registers)",
+            v.name(),
+            report.spill_store_bytes,
+            report.spill_load_bytes,
+            report.registers
+        );
+    }
     Ok((cubin_path, report))
 }
 

@@ -10,8 +10,9 @@
 //!    fp32 dQ accumulator.
 //! 2. `bwd_dkdv`, per (key block, kv head, batch), walking the transposed lists: dK and dV,
 //!    summed over the query heads of a GQA group and over query tiles in registers in a fixed
-//!    order, written once. In the fast mode it also adds each tile's dQ into the fp32
-//!    accumulator with atomic reductions (`red.global.add.v2.f32`).
+//!    order, written once. In the fast mode (the workspace has a dQ accumulator) it also adds
+//!    each tile's dQ into that fp32 accumulator with atomic reductions
+//!    (`red.global.add.v2.f32`), overlapped with the next tile's loads.
 //! 3. Fast mode: `bwd_post` scales and rounds the accumulator into dQ. Deterministic mode:
 //!    `bwd_dq`, per query block, walking the forward lists, recomputes the tile's
 //!    probabilities and accumulates dQ in registers.
@@ -278,13 +279,16 @@ fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
     };
     push(KernelKind::BwdPre, per_query_block)?;
     let per_key_block = (plan.num_n_blocks, h_kv32, b32);
-    if a.deterministic {
-        push(KernelKind::BwdDkDv, per_key_block)?;
-        push(KernelKind::BwdDq, per_query_block)?;
-    } else {
-        push(KernelKind::BwdDkDvAtomicDq, per_key_block)?;
-        push(KernelKind::BwdPost, per_query_block)?;
-    }
+    // bwd_dkdv adds dQ atomically exactly when the workspace has a dQ accumulator.
+    push(KernelKind::BwdDkDv, per_key_block)?;
+    push(
+        if a.deterministic {
+            KernelKind::BwdDq
+        } else {
+            KernelKind::BwdPost
+        },
+        per_query_block,
+    )?;
 
     let rows = b * h * plan.q_pad() as usize;
     let (lse_log2, delta) = (a.workspace, a.workspace + 4 * rows as u64);

@@ -7,18 +7,16 @@
 // memory:
 //   S^T = K Q^T and dP^T = V dO^T (keys x queries), P^T = exp2(S^T c log2e - lse_log2),
 //   dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
-// With CM_BWD_ATOMIC_DQ = 1 (the fast mode) it also computes dQ = dS K for the tile (dS^T
-// goes through shared memory to become an A operand) and adds it into the fp32 workspace
-// with atomic reductions, whose order between CTAs varies run to run; bwd_post scales and
-// rounds it. With 0 (the deterministic mode) dQ is left to bwd_dq.
+// When the workspace has a dQ accumulator (the fast mode) it also computes dQ = dS K for the
+// tile (dS^T goes through shared memory to become an A operand) and adds it into the fp32
+// workspace with atomic reductions, whose order between CTAs varies run to run; bwd_post
+// scales and rounds it. Without the accumulator (the deterministic mode) dQ is left to
+// bwd_dq. One kernel serves both modes: the mode is a uniform branch, and compiling the modes
+// apart gave the dQ-less one a register spill at head_dim 128.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128), CM_BWD_ATOMIC_DQ
-// (0|1), CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
+// CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
 #include "bwd_common.cuh"
-
-#ifndef CM_BWD_ATOMIC_DQ
-#error "CM_BWD_ATOMIC_DQ must be defined (1 = fast mode with atomic dQ, 0 = deterministic)"
-#endif
 
 // dS^T [64 keys][64 queries] in shared memory, padded like the tiles.
 #define DS_PITCH (BLOCK_M + 8)
@@ -28,12 +26,10 @@
 #define SMEM_BYTES (4 * TILE_ELEMS * 2 + BLOCK_N * DS_PITCH * 2 + BLOCK_M * 4 * 2 + BLOCK_M * 8)
 static_assert(SMEM_BYTES <= CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes is too small");
 
-#if CM_BWD_ATOMIC_DQ
 // dq_accum[0..2) += (a, b): one vector reduction (sm_90) instead of two scalar atomics.
 __device__ __forceinline__ void cm_red_add2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const CmBwdParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -82,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const C
     const u32 smem_v = cm_smem_addr(sV);
     const u32 smem_q = cm_smem_addr(sQ);
     const u32 smem_do = cm_smem_addr(sdO);
+    const bool atomic_dq = p.dq_accum != nullptr;
 
     for (u32 it = 0; it < total; ++it) {
         // Heads outer, tiles inner: the order of the fp32 sums is fixed.
@@ -189,52 +186,54 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const C
             }
         }
 
-#if CM_BWD_ATOMIC_DQ
-        // dS^T to shared memory as [key][query], rounded like the dK operand.
+        if (atomic_dq) {
+            // dS^T to shared memory as [key][query], rounded like the dK operand.
 #pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                *reinterpret_cast<u32*>(sdS + (warp * 16 + g + h * 8) * DS_PITCH + j * 8 + t * 2) =
-                    cm_pack2(dp[j][h * 2], dp[j][h * 2 + 1]);
-            }
-        }
-        __syncthreads();
-        // dQ for the warp's 16 queries = dS [queries x keys] K [keys x d], in 64-column chunks
-        // to bound registers; A is dS read transposed from dS^T, B is K read transposed.
-        const u32 smem_ds = cm_smem_addr(sdS);
-        float* dq_rows = p.dq_accum + (bh * p.q_pad + row0 + warp * 16) * HEAD_DIM;
-#pragma unroll 1  // one chunk's accumulator live at a time
-        for (int chunk = 0; chunk < HEAD_DIM / 64; ++chunk) {
-            float acc[8][4];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                u32 a[4];
-                const int ar = kk * 16 + (lane >> 4) * 8 + (lane & 7);
-                const int ac = warp * 16 + ((lane >> 3) & 1) * 8;
-                cm_ldmatrix_x4_trans(smem_ds + (u32)(ar * DS_PITCH + ac) * 2, a[0], a[1], a[2], a[3]);
-#pragma unroll
-                for (int dd = 0; dd < 4; ++dd) {
-                    const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    const int c = chunk * 64 + dd * 16 + (lane >> 4) * 8;
-                    u32 b0, b1, b2, b3;
-                    cm_ldmatrix_x4_trans(smem_k + (u32)(r * PITCH + c) * 2, b0, b1, b2, b3);
-                    cm_mma16816(acc[2 * dd], a, b0, b1);
-                    cm_mma16816(acc[2 * dd + 1], a, b2, b3);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < BLOCK_M / 8; ++j) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    cm_red_add2(dq_rows + (g + h * 8) * HEAD_DIM + chunk * 64 + j * 8 + t * 2, acc[j][h * 2],
-                                acc[j][h * 2 + 1]);
+                    *reinterpret_cast<u32*>(sdS + (warp * 16 + g + h * 8) * DS_PITCH + j * 8 + t * 2) =
+                        cm_pack2(dp[j][h * 2], dp[j][h * 2 + 1]);
+                }
+            }
+            __syncthreads();
+            // dQ for the warp's 16 queries = dS [queries x keys] K [keys x d], in 64-column
+            // chunks; A is dS read transposed from dS^T, B is K read transposed. The loops are
+            // not unrolled so that one chunk's operands are live at a time (no spill at
+            // head_dim 64).
+            const u32 smem_ds = cm_smem_addr(sdS);
+            float* dq_rows = p.dq_accum + (bh * p.q_pad + row0 + warp * 16) * HEAD_DIM;
+#pragma unroll 1
+            for (int chunk = 0; chunk < HEAD_DIM / 64; ++chunk) {
+                float acc[8][4];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 1
+                for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                    u32 a[4];
+                    const int ar = kk * 16 + (lane >> 4) * 8 + (lane & 7);
+                    const int ac = warp * 16 + ((lane >> 3) & 1) * 8;
+                    cm_ldmatrix_x4_trans(smem_ds + (u32)(ar * DS_PITCH + ac) * 2, a[0], a[1], a[2], a[3]);
+#pragma unroll
+                    for (int dd = 0; dd < 4; ++dd) {
+                        const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                        const int c = chunk * 64 + dd * 16 + (lane >> 4) * 8;
+                        u32 b0, b1, b2, b3;
+                        cm_ldmatrix_x4_trans(smem_k + (u32)(r * PITCH + c) * 2, b0, b1, b2, b3);
+                        cm_mma16816(acc[2 * dd], a, b0, b1);
+                        cm_mma16816(acc[2 * dd + 1], a, b2, b3);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        cm_red_add2(dq_rows + (g + h * 8) * HEAD_DIM + chunk * 64 + j * 8 + t * 2, acc[j][h * 2],
+                                    acc[j][h * 2 + 1]);
+                    }
                 }
             }
         }
-#endif
         __syncthreads();  // every warp is done with sQ, sdO, sdS, sLse, sDelta, sBits
     }
     cm_cp_async_wait<0>();

@@ -46,10 +46,9 @@ pub enum KernelKind {
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
     /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
     BwdPre,
-    /// `kernels/bwd_dkdv.cu` without dQ: dK and dV per key block (deterministic mode).
+    /// `kernels/bwd_dkdv.cu`: dK and dV per key block; in the fast mode also dQ, added into
+    /// an fp32 accumulator by atomic reductions.
     BwdDkDv,
-    /// `kernels/bwd_dkdv.cu` with dQ added into fp32 by atomic reductions (fast mode).
-    BwdDkDvAtomicDq,
     /// `kernels/bwd_dq.cu`: dQ per query block, no atomics (deterministic mode).
     BwdDq,
     /// `kernels/bwd_post.cu`: the fast mode's fp32 dQ accumulator scaled and rounded.
@@ -63,7 +62,6 @@ impl KernelKind {
             KernelKind::FwdWgmma => "fwd_wgmma",
             KernelKind::BwdPre => "bwd_pre",
             KernelKind::BwdDkDv => "bwd_dkdv",
-            KernelKind::BwdDkDvAtomicDq => "bwd_dkdv_atomic_dq",
             KernelKind::BwdDq => "bwd_dq",
             KernelKind::BwdPost => "bwd_post",
         }
@@ -75,7 +73,7 @@ impl KernelKind {
             KernelKind::FwdSimple => "fwd_simple.cu",
             KernelKind::FwdWgmma => "fwd_wgmma.cu",
             KernelKind::BwdPre => "bwd_pre.cu",
-            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => "bwd_dkdv.cu",
+            KernelKind::BwdDkDv => "bwd_dkdv.cu",
             KernelKind::BwdDq => "bwd_dq.cu",
             KernelKind::BwdPost => "bwd_post.cu",
         }
@@ -87,7 +85,7 @@ impl KernelKind {
             KernelKind::FwdSimple => "cm_fwd_simple",
             KernelKind::FwdWgmma => "cm_fwd_wgmma",
             KernelKind::BwdPre => "cm_bwd_pre",
-            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => "cm_bwd_dkdv",
+            KernelKind::BwdDkDv => "cm_bwd_dkdv",
             KernelKind::BwdDq => "cm_bwd_dq",
             KernelKind::BwdPost => "cm_bwd_post",
         }
@@ -97,11 +95,9 @@ impl KernelKind {
     pub const fn is_forward(self) -> bool {
         match self {
             KernelKind::FwdSimple | KernelKind::FwdWgmma => true,
-            KernelKind::BwdPre
-            | KernelKind::BwdDkDv
-            | KernelKind::BwdDkDvAtomicDq
-            | KernelKind::BwdDq
-            | KernelKind::BwdPost => false,
+            KernelKind::BwdPre | KernelKind::BwdDkDv | KernelKind::BwdDq | KernelKind::BwdPost => {
+                false
+            }
         }
     }
 
@@ -139,23 +135,18 @@ impl Variant {
     /// The preprocessor definitions that select this variant in the kernel source.
     pub fn defines(&self) -> Vec<String> {
         let bf16 = u8::from(self.dtype == DType::Bf16);
-        let mut d = vec![
+        let mut defines = vec![
             format!("-DCM_DTYPE_BF16={bf16}"),
             format!("-DCM_HEAD_DIM={}", self.head_dim),
         ];
-        match self.kernel {
-            KernelKind::BwdDkDv => d.push("-DCM_BWD_ATOMIC_DQ=0".into()),
-            KernelKind::BwdDkDvAtomicDq => d.push("-DCM_BWD_ATOMIC_DQ=1".into()),
-            _ => {}
-        }
         if self.dynamic_shared_bytes() > 0 {
             // The kernel checks its layout against this with a static_assert.
-            d.push(format!(
+            defines.push(format!(
                 "-DCM_DYNAMIC_SMEM_BYTES={}",
                 self.dynamic_shared_bytes()
             ));
         }
-        d
+        defines
     }
 
     /// Dynamic shared memory per CTA in bytes the variant is launched with (0: static only).
@@ -166,9 +157,7 @@ impl Variant {
         match self.kernel {
             // K, V, Q, dO tiles; dS^T (64 x 72 elements); lse and delta (64 f32 each); row
             // visibility (64 u64).
-            KernelKind::BwdDkDv | KernelKind::BwdDkDvAtomicDq => {
-                4 * tile + 64 * 72 * 2 + 2 * 64 * 4 + 64 * 8
-            }
+            KernelKind::BwdDkDv => 4 * tile + 64 * 72 * 2 + 2 * 64 * 4 + 64 * 8,
             // Q, dO, K, V tiles; row visibility.
             KernelKind::BwdDq => 4 * tile + 64 * 8,
             _ => 0,
@@ -178,9 +167,9 @@ impl Variant {
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index.
-pub const VARIANTS: [Variant; 28] = {
+pub const VARIANTS: [Variant; 24] = {
     use DType::{Bf16, F16};
-    use KernelKind::{BwdDkDv, BwdDkDvAtomicDq, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma};
+    use KernelKind::{BwdDkDv, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma};
     const fn v(kernel: KernelKind, dtype: DType, head_dim: u32) -> Variant {
         Variant {
             kernel,
@@ -205,10 +194,6 @@ pub const VARIANTS: [Variant; 28] = {
         v(BwdDkDv, Bf16, 128),
         v(BwdDkDv, F16, 64),
         v(BwdDkDv, F16, 128),
-        v(BwdDkDvAtomicDq, Bf16, 64),
-        v(BwdDkDvAtomicDq, Bf16, 128),
-        v(BwdDkDvAtomicDq, F16, 64),
-        v(BwdDkDvAtomicDq, F16, 128),
         v(BwdDq, Bf16, 64),
         v(BwdDq, Bf16, 128),
         v(BwdDq, F16, 64),
@@ -426,6 +411,19 @@ mod tests {
             }
         )
         .is_ok());
+    }
+
+    /// The backward kernels' dynamic shared memory reaches the kernel (which checks its
+    /// layout against it) and leaves room for the two CTAs per SM their launch bounds ask for
+    /// (227 KB per SM on sm_90).
+    #[test]
+    fn backward_shared_memory_fits_two_ctas() {
+        for v in VARIANTS.iter().filter(|v| v.dynamic_shared_bytes() > 0) {
+            assert!(!v.kernel.is_forward());
+            assert!(2 * v.dynamic_shared_bytes() <= 227 * 1024, "{}", v.name());
+            let define = format!("-DCM_DYNAMIC_SMEM_BYTES={}", v.dynamic_shared_bytes());
+            assert!(v.defines().contains(&define), "{}", v.name());
+        }
     }
 
     #[test]
