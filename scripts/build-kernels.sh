@@ -5,8 +5,9 @@
 # CUBINs are cached by source hash under target/cm-kernels-cache (or $CM_KERNEL_CACHE_DIR),
 # so a rerun with unchanged kernels compiles nothing.
 #
-# The artefact for the GPU machine is target/release/cm-gpu-test (CUBINs embedded); run it
-# there as: cm-gpu-test --json results.json
+# The artefacts for the GPU machine are target/release/cm-gpu-test (forward) and
+# target/release/cm-bwd-test (backward), CUBINs embedded; run them there as
+# cm-gpu-test --json results.json and cm-bwd-test --json results.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

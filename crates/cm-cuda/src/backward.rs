@@ -349,7 +349,15 @@ fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
 
 impl Runtime {
     /// Backward attention over Rust-owned buffers, enqueued on `stream`; returns without
-    /// waiting for the GPU. See the module docs for the kernels and which sums are atomic.
+    /// waiting for the GPU.
+    ///
+    /// Three kernels run in order on `stream`: `bwd_pre` (delta = rowsum(dO * O) and the lse
+    /// into the workspace), `bwd_dkdv` (per key block over the plan's transposed lists; dK and
+    /// dV summed in registers in a fixed order, never atomic; in the fast mode also dQ, added
+    /// into an fp32 workspace accumulator with atomic reductions), then `bwd_post` (fast mode:
+    /// the accumulator scaled and rounded into dQ) or `bwd_dq` (deterministic mode: dQ per
+    /// query block in registers). The fast mode's dQ is the only atomic sum, so only its last
+    /// bits can vary run to run; the deterministic mode repeats its bits exactly.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first check that fails (every check of

@@ -14,6 +14,12 @@
 //! serves every (batch, head) of a launch; per-(batch, head) masks and `cu_seqlens` packing are
 //! not supported yet.
 //!
+//! Backward ([`Runtime::backward`], [`Backward`]): pre-processing, dK / dV per key block over
+//! the descriptor's transposed lists (never atomic), and dQ either by fp32 atomic reductions
+//! (the fast mode) or by a second pass per query block (`deterministic`, the same bits every
+//! run); scratch of [`DevicePlan::backward_workspace_len`] fp32 elements.
+//! [`Runtime::backward`] lists the kernels.
+//!
 //! ```no_run
 //! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
 //! use cm_cuda::{DType, Forward, Runtime, TensorLayout};
