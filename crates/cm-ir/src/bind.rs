@@ -366,17 +366,10 @@ impl Program {
         let env = Env::default();
         for p in &self.params {
             let v = match (values.get(&p.name), &p.default) {
-                (Some(Value::Int(_)), _) if p.is_array => {
-                    return Err(PlanError::new(
-                        "CM0308",
-                        Some(p.span),
-                        format!(
-                            "parameter `{}` is an integer array, got one integer",
-                            p.name
-                        ),
-                    )
-                    .with_hint("pass a comma-separated list, e.g. 2048,1536"));
-                }
+                // One integer is a one-element array, and a one-element list (from a
+                // file, say) is an integer.
+                (Some(Value::Int(v)), _) if p.is_array => Value::Array(vec![*v].into()),
+                (Some(Value::Array(a)), _) if !p.is_array && a.len() == 1 => Value::Int(a[0]),
                 (Some(Value::Array(_)), _) if !p.is_array => {
                     return Err(PlanError::new(
                         "CM0308",

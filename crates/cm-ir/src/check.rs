@@ -114,14 +114,24 @@ type R<T> = Result<T, ()>;
 struct Checker<'a> {
     diags: Vec<Diagnostic>,
     names: HashMap<String, (Def, Span)>,
-    lets: Vec<(&'a ast::Expr, bool)>,
+    /// Each `let`: its body, whether it was used, and its item index.
+    lets: Vec<(&'a ast::Expr, bool, usize)>,
     params: Vec<ParamDecl>,
     segs: Vec<SegDecl>,
     grids: Vec<GridDecl>,
     uses_b: bool,
     uses_h: bool,
     let_depth: u32,
+    /// The item each name was declared in: a name is visible only in later items.
+    declared_at: HashMap<String, usize>,
+    /// Index of the item being checked (or of the `let` whose body is being lowered).
+    visible_before: usize,
+    /// IR nodes built so far, bounded so `let` chains cannot blow up exponentially.
+    nodes: usize,
 }
+
+/// Most IR nodes a program may lower to (after inlining `let`s).
+const MAX_NODES: usize = 200_000;
 
 /// Checks a parsed program. Returns the IR when there are no errors, and every diagnostic
 /// (warnings included) either way.
@@ -136,10 +146,14 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
         uses_b: false,
         uses_h: false,
         let_depth: 0,
+        declared_at: HashMap::new(),
+        visible_before: 0,
+        nodes: 0,
     };
     let mut requires = Vec::new();
     let mut mask: Option<(Region, Span)> = None;
-    for item in &program.items {
+    for (idx, item) in program.items.iter().enumerate() {
+        c.visible_before = idx;
         match item {
             Item::Param {
                 name,
@@ -204,7 +218,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
             Item::Let { name, value, .. } => {
                 let id = c.lets.len();
                 if c.declare(name, Def::Let(id)) {
-                    c.lets.push((value, false));
+                    c.lets.push((value, false, idx));
                 }
             }
             Item::Segments {
@@ -388,6 +402,16 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
             }
         }
     }
+    // A `let` nobody uses is still checked (as if used in the mask), so its errors show.
+    let (uses_b, uses_h) = (c.uses_b, c.uses_h);
+    for id in 0..c.lets.len() {
+        let (body, used, idx) = c.lets[id];
+        if !used {
+            c.visible_before = idx;
+            let _ = c.lower(body, Ctx::Mask);
+        }
+    }
+    (c.uses_b, c.uses_h) = (uses_b, uses_h);
     let has_errors = c.diags.iter().any(Diagnostic::is_error);
     // Unused-`let` warnings only make sense when every use was checked.
     if !has_errors {
@@ -462,6 +486,18 @@ fn bin(op: IntOp, a: Int, b: Int) -> Int {
     Int::new(IntKind::Bin(op, Box::new(a), Box::new(b)), span)
 }
 
+/// The value of an integer expression made of literals only (`-3`, `2 * 3`), if it is one.
+fn const_value(e: &Int) -> Option<i64> {
+    match &e.kind {
+        IntKind::Const(v) => Some(*v),
+        IntKind::Neg(a) => const_value(a)?.checked_neg(),
+        IntKind::Bin(IntOp::Add, a, b) => const_value(a)?.checked_add(const_value(b)?),
+        IntKind::Bin(IntOp::Sub, a, b) => const_value(a)?.checked_sub(const_value(b)?),
+        IntKind::Bin(IntOp::Mul, a, b) => const_value(a)?.checked_mul(const_value(b)?),
+        _ => None,
+    }
+}
+
 /// Splits `e` into `alpha * k + rest` when it is linear in `k` with a constant coefficient.
 fn linearize(e: &Int) -> Option<(i64, Int)> {
     if !e.has_k() {
@@ -487,9 +523,9 @@ fn linearize(e: &Int) -> Option<(i64, Int)> {
             Some((alpha, bin(*op, ra, rb)))
         }
         IntKind::Bin(IntOp::Mul, a, b) => {
-            let (lin, factor) = match (&a.kind, &b.kind) {
-                (_, IntKind::Const(c)) => (a, *c),
-                (IntKind::Const(c), _) => (b, *c),
+            let (lin, factor) = match (const_value(a), const_value(b)) {
+                (_, Some(c)) => (a, c),
+                (Some(c), _) => (b, c),
                 _ => return None,
             };
             let (al, r) = linearize(lin)?;
@@ -508,10 +544,10 @@ impl<'a> Checker<'a> {
     }
 
     fn declare(&mut self, name: &ast::Ident, def: Def) -> bool {
+        // Statement words are keywords only at the start of a statement, so they may name
+        // things; built-in values and functions may not.
         let reserved = BUILTIN_VALUES.contains(&name.name.as_str())
-            || BUILTIN_FUNCS.contains(&name.name.as_str())
-            || cm_syntax::parser::STATEMENT_KEYWORDS.contains(&name.name.as_str())
-                && name.name != "grid";
+            || BUILTIN_FUNCS.contains(&name.name.as_str());
         if reserved {
             self.err(Diagnostic::error(
                 "CM0202",
@@ -533,6 +569,8 @@ impl<'a> Checker<'a> {
             );
             return false;
         }
+        self.declared_at
+            .insert(name.name.clone(), self.visible_before);
         self.names.insert(name.name.clone(), (def, name.span));
         true
     }
@@ -650,6 +688,16 @@ impl<'a> Checker<'a> {
 
     fn lower(&mut self, e: &ast::Expr, ctx: Ctx) -> R<Val> {
         let span = e.span;
+        self.nodes += 1;
+        if self.nodes > MAX_NODES {
+            if self.nodes == MAX_NODES + 1 {
+                self.err(
+                    Diagnostic::error("CM0105", span, format!("the program is too large: more than {MAX_NODES} expression nodes after inlining `let`s"))
+                        .with_hint("a `let` is copied into every place that uses it; a chain of lets that each use the previous one twice doubles in size at every step"),
+                );
+            }
+            return Err(());
+        }
         match &e.kind {
             ExprKind::Error => Err(()),
             ExprKind::Int(v) => Ok(Val::Int(Int::constant(*v, span))),
@@ -856,6 +904,15 @@ impl<'a> Checker<'a> {
         if let Some(kind) = builtin {
             return Ok(Val::Int(Int::new(kind, span)));
         }
+        if let Some(&at) = self.declared_at.get(n) {
+            if at >= self.visible_before {
+                self.err(
+                    Diagnostic::error("CM0201", span, format!("`{n}` is used before its definition"))
+                        .with_hint("a name is visible only in statements after the one that defines it; move the definition up"),
+                );
+                return Err(());
+            }
+        }
         match self.names.get(n).cloned() {
             Some((Def::Param(id, false), _)) => Ok(Val::Int(Int::new(IntKind::Param(id), span))),
             Some((Def::Param(id, true), _)) => Ok(Val::Arr(Arr::Param(id), span)),
@@ -873,8 +930,10 @@ impl<'a> Checker<'a> {
                     );
                     return Err(());
                 }
-                let expr = self.lets[id].0;
+                let (expr, _, at) = self.lets[id];
+                let outer = std::mem::replace(&mut self.visible_before, at);
                 let v = self.lower(expr, ctx);
+                self.visible_before = outer;
                 self.let_depth -= 1;
                 // Report errors inside the let at the use site too, so the cause is found.
                 v.map(|v| respan(v, span))
@@ -1264,9 +1323,8 @@ impl<'a> Checker<'a> {
     fn builtin_call(&mut self, n: &str, args: &[ast::Expr], span: Span, ctx: Ctx) -> R<Val> {
         match n {
             "min" | "max" => {
-                if args.len() < 2 {
-                    self.arity(n, args, 2..=64, span)?;
-                }
+                // Each argument adds a level to the expression tree later stages recurse on.
+                self.arity(n, args, 2..=64, span)?;
                 let op = if n == "min" { IntOp::Min } else { IntOp::Max };
                 let mut acc = self.expect_q_int(&args[0], ctx)?;
                 for a in &args[1..] {

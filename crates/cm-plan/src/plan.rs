@@ -10,7 +10,11 @@ use std::collections::HashMap;
 
 /// Most intervals one plan may hold (8 bytes each), so a pathological mask fails with a
 /// clear error instead of exhausting memory.
-pub const MAX_INTERVALS: usize = 1 << 28;
+pub const MAX_INTERVALS: usize = 1 << 27;
+
+/// Most forward tile-list entries (plus per-row data of partial tiles) one mask may need,
+/// so tiny tiles on long sequences fail clearly instead of exhausting memory.
+pub const MAX_TILE_ENTRIES: usize = 1 << 26;
 
 /// The compiled form of one distinct mask.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -252,7 +256,10 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                 Some(&id) => id,
                 None => {
                     let id = masks.len() as u32;
-                    let tiles = TileDescriptor::build(&rows, tile);
+                    let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).map_err(|n| {
+                        PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
+                            .with_hint("use larger tiles; the row intervals alone are available from `intervals`")
+                    })?;
                     if bs * hs > 1 {
                         seen.insert(rows.clone(), id);
                     }

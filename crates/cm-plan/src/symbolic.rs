@@ -17,6 +17,9 @@ use cm_ir::ir::*;
 use cm_syntax::{CmpOp, Span};
 use std::cell::Cell;
 
+/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
+pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
+
 /// An integer affine in the row over a piece: `value(q0 + t) = v0 + a * t`, `0 <= t < n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Aff {
@@ -598,6 +601,18 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// Keys with `alpha * k + rest  op  0`.
     fn kcmp(&self, p: &Piece, alpha: i64, rest: Aff, op: CmpOp, span: Span) -> F<Vec<Iv>> {
+        // Far outside the keys the comparison's outcome no longer changes, so a constant
+        // term can be clamped exactly; this keeps `k <= i64::MAX` from overflowing below.
+        let rest = if rest.a == 0 {
+            let reach = alpha
+                .unsigned_abs()
+                .saturating_mul(self.bound.shape.kv_len as u64)
+                .saturating_add(2);
+            let m = reach.min(i64::MAX as u64 / 4) as i64;
+            Aff::c(rest.v0.clamp(-m, m))
+        } else {
+            rest
+        };
         let (alpha, rest, op) = if alpha < 0 {
             let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
             (
@@ -767,11 +782,17 @@ impl<'a, 'p> Solver<'a, 'p> {
                     self.complement(p, &eq)
                 }
             }
-            Region::Elementwise(c, _) => {
+            Region::Elementwise(c, espan) => {
                 if p.n > 1 {
                     return Err(self.single(p));
                 }
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+                let total = self.elementwise_pairs.get() + (hi - lo).max(0) as u64;
+                if total > MAX_ELEMENTWISE_PAIRS {
+                    return Err(PlanError::new("CM0404", Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
+                        .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
+                        .into());
+                }
                 let mut out: Vec<Iv> = Vec::new();
                 let mut env = self.env(p);
                 for k in lo..hi {

@@ -155,6 +155,25 @@ impl TileDescriptor {
     /// # Panics
     /// If a block size is zero (the facade validates tile shapes first).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> TileDescriptor {
+        match Self::try_build(rows, tile, usize::MAX) {
+            Ok(d) => d,
+            Err(_) => unreachable!("no entry limit"),
+        }
+    }
+
+    /// As [`TileDescriptor::build`], but stops with the number of list entries reached
+    /// once the forward lists and per-row data would hold more than `max_entries`.
+    ///
+    /// # Errors
+    /// The entry count at which the limit was exceeded.
+    ///
+    /// # Panics
+    /// If a block size is zero.
+    pub fn try_build(
+        rows: &RowIntervals,
+        tile: TileShape,
+        max_entries: usize,
+    ) -> Result<TileDescriptor, usize> {
         assert!(
             tile.block_m > 0 && tile.block_n > 0,
             "tile sizes are validated by the caller"
@@ -255,6 +274,13 @@ impl TileDescriptor {
             let partial = &d.kv_indices[partial_start..];
             let base = d.partial_row_first.len();
             let stride = d.partial_row_stride as usize;
+            let entries = d.kv_indices.len()
+                + d.full_kv_indices.len()
+                + base
+                + partial.len().saturating_mul(stride);
+            if entries > max_entries {
+                return Err(entries);
+            }
             d.partial_row_first
                 .resize(base + partial.len() * stride, row_ptr[q_len as usize]);
             for q in r0..r1 {
@@ -271,7 +297,7 @@ impl TileDescriptor {
             }
         }
         d.build_transpose();
-        d
+        Ok(d)
     }
 
     fn build_transpose(&mut self) {

@@ -102,7 +102,8 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
     let mut i = 0;
     while i < chars.len() {
         let (start, c) = chars[i];
-        if c.is_whitespace() {
+        // A UTF-8 byte-order mark at the start is not part of the program.
+        if c.is_whitespace() || (start == 0 && c == '\u{feff}') {
             i += 1;
             continue;
         }

@@ -7,7 +7,9 @@ use crate::diag::{Diagnostic, Span};
 use crate::lexer::{lex, Tok, Token};
 
 /// Nesting deeper than this is refused, so hostile input cannot overflow the stack.
-const MAX_DEPTH: u32 = 64;
+/// Operators in a flat chain (`a | b | c ...`) count toward it too, because every later
+/// stage recurses once per operator.
+const MAX_DEPTH: u32 = 128;
 
 /// Statement keywords, recognised only at the start of a statement.
 pub const STATEMENT_KEYWORDS: &[&str] = &[
@@ -455,21 +457,38 @@ impl Parser {
         }
     }
 
+    /// Reports nesting beyond [`MAX_DEPTH`] and skips the rest of the statement.
+    fn too_deep(&mut self) -> Expr {
+        let t = self.peek().clone();
+        if !self.skipping {
+            self.diags.push(
+                Diagnostic::error("CM0105", t.span, "expression nested too deeply").with_hint(format!(
+                    "at most {MAX_DEPTH} levels of nesting or operators in one chain are allowed; split it with `let`"
+                )),
+            );
+        }
+        // Skip the rest of the statement so the caller makes progress.
+        self.skipping = true;
+        while !self.at(&Tok::Eof) && !self.at(&Tok::Semi) {
+            self.bump();
+        }
+        self.error_expr(t.span)
+    }
+
+    /// Parses the right operand of a chain operator one level deeper.
+    fn chained(&mut self, operand: fn(&mut Self) -> Expr) -> Expr {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            self.too_deep()
+        } else {
+            operand(self)
+        }
+    }
+
     pub fn expr(&mut self) -> Expr {
         self.depth += 1;
         let e = if self.depth > MAX_DEPTH {
-            let t = self.peek().clone();
-            self.diags.push(
-                Diagnostic::error("CM0105", t.span, "expression nested too deeply").with_hint(
-                    format!("at most {MAX_DEPTH} levels of nesting are allowed; use `let`"),
-                ),
-            );
-            // Skip the rest of the statement so the caller makes progress.
-            self.skipping = true;
-            while !self.at(&Tok::Eof) && !self.at(&Tok::Semi) {
-                self.bump();
-            }
-            self.error_expr(t.span)
+            self.too_deep()
         } else if self.at_word("if") {
             let start = self.bump().span;
             let cond = self.expr();
@@ -506,20 +525,24 @@ impl Parser {
     }
 
     fn or_expr(&mut self) -> Expr {
+        let depth = self.depth;
         let mut l = self.and_expr();
         while self.eat(&Tok::Pipe) || self.eat_word("or") {
-            let r = self.and_expr();
+            let r = self.chained(Self::and_expr);
             l = self.binary(BinOp::Or, l, r);
         }
+        self.depth = depth;
         l
     }
 
     fn and_expr(&mut self) -> Expr {
+        let depth = self.depth;
         let mut l = self.not_expr();
         while self.eat(&Tok::Amp) || self.eat_word("and") {
-            let r = self.not_expr();
+            let r = self.chained(Self::not_expr);
             l = self.binary(BinOp::And, l, r);
         }
+        self.depth = depth;
         l
     }
 
@@ -568,10 +591,13 @@ impl Parser {
             };
         }
         let mut rest = Vec::new();
+        let depth = self.depth;
         while let Some(op) = self.cmp_op() {
             self.bump();
-            rest.push((op, self.range_expr()));
+            let r = self.chained(Self::range_expr);
+            rest.push((op, r));
         }
+        self.depth = depth;
         if rest.is_empty() {
             return first;
         }
@@ -607,32 +633,38 @@ impl Parser {
     }
 
     fn add_expr(&mut self) -> Expr {
+        let depth = self.depth;
         let mut l = self.mul_expr();
         loop {
             let op = match self.peek().tok {
                 Tok::Plus => BinOp::Add,
                 Tok::Minus => BinOp::Sub,
-                _ => return l,
+                _ => break,
             };
             self.bump();
-            let r = self.mul_expr();
+            let r = self.chained(Self::mul_expr);
             l = self.binary(op, l, r);
         }
+        self.depth = depth;
+        l
     }
 
     fn mul_expr(&mut self) -> Expr {
+        let depth = self.depth;
         let mut l = self.unary_expr();
         loop {
             let op = match self.peek().tok {
                 Tok::Star => BinOp::Mul,
                 Tok::Slash => BinOp::Div,
                 Tok::Percent => BinOp::Mod,
-                _ => return l,
+                _ => break,
             };
             self.bump();
-            let r = self.unary_expr();
+            let r = self.chained(Self::unary_expr);
             l = self.binary(op, l, r);
         }
+        self.depth = depth;
+        l
     }
 
     fn unary_expr(&mut self) -> Expr {
