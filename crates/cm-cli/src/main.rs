@@ -9,6 +9,7 @@ use anyhow::{anyhow, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use mask_args::MaskArgs;
 use serde_json::json;
+use std::io::{BufWriter, Write};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -62,12 +63,22 @@ enum Command {
         #[arg(short, long)]
         output: String,
     },
-    /// Export the mask in another system's format, as JSON.
+    /// Export the mask in another system's format, as JSON (layouts: docs/exports.md).
+    ///
+    /// An export holds the mask of one (batch, head) pair, named by --b and --h (default 0,
+    /// 0) and echoed as "b" and "h" in the JSON. For a mask that reads `b` or `h`, plan with
+    /// --batch / --num-heads and export each index you need.
     Export {
         #[command(flatten)]
         mask: MaskArgs,
         #[arg(long, value_enum)]
         format: ExportFormat,
+        /// Batch index to export, for masks that depend on it: 0 (the default) ..= --batch - 1.
+        #[arg(long)]
+        b: Option<u32>,
+        /// Head index to export, for masks that depend on it: 0 (the default) ..= --num-heads - 1.
+        #[arg(long)]
+        h: Option<u32>,
         /// Output file (default: standard output).
         #[arg(short, long)]
         output: Option<String>,
@@ -87,9 +98,9 @@ enum Command {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum ExportFormat {
-    /// Dense boolean mask `[q_len][kv_len]` (refused above 2^28 elements).
+    /// Dense 0/1 mask `[q_len][kv_len]` (refused above 2^24 elements).
     Dense,
-    /// FlexAttention BlockMask tensors at --tile.
+    /// FlexAttention BlockMask tensors at --tile (refused above 2^24 tiles).
     Flex,
     /// cuDNN flex_attention interval endpoints.
     Cudnn,
@@ -110,6 +121,78 @@ fn parse_rows(s: &str) -> Result<(u32, u32), String> {
         return Err(bad());
     }
     Ok((a, b))
+}
+
+/// Refuses a batch or head index outside the plan.
+fn check_batch_head(plan: &compilemask::Plan, b: u32, h: u32) -> Result<()> {
+    if b >= plan.batch {
+        return Err(anyhow!(
+            "--b {b} is out of range; the plan has batch = {} (indices 0 ..= {})",
+            plan.batch,
+            plan.batch - 1
+        ));
+    }
+    if h >= plan.num_heads {
+        return Err(anyhow!(
+            "--h {h} is out of range; the plan has num_heads = {} (indices 0 ..= {})",
+            plan.num_heads,
+            plan.num_heads - 1
+        ));
+    }
+    Ok(())
+}
+
+/// Writes rows `rows.0 .. rows.1` of `mask`, one at a time: JSON `{"rows":[{"q":5,
+/// "intervals":[[0,6]]},...]}` or one text line per row.
+fn write_intervals(
+    w: &mut impl Write,
+    mask: &compilemask::RowIntervals,
+    rows: (u32, u32),
+    json: bool,
+) -> std::io::Result<()> {
+    if json {
+        w.write_all(b"{\"rows\":[")?;
+        for q in rows.0..rows.1 {
+            if q > rows.0 {
+                w.write_all(b",")?;
+            }
+            write!(w, "{{\"q\":{q},\"intervals\":[")?;
+            for (i, iv) in mask.row(q).iter().enumerate() {
+                if i > 0 {
+                    w.write_all(b",")?;
+                }
+                write!(w, "[{},{}]", iv.start, iv.end)?;
+            }
+            w.write_all(b"]}")?;
+        }
+        w.write_all(b"]}\n")
+    } else {
+        for q in rows.0..rows.1 {
+            write!(w, "{q}: ")?;
+            let ivs = mask.row(q);
+            if ivs.is_empty() {
+                w.write_all(b"(empty)")?;
+            }
+            for (i, iv) in ivs.iter().enumerate() {
+                if i > 0 {
+                    w.write_all(b" U ")?;
+                }
+                write!(w, "[{}, {})", iv.start, iv.end)?;
+            }
+            w.write_all(b"\n")?;
+        }
+        Ok(())
+    }
+}
+
+/// A closed pipe (`| head`) ends the output quietly; other write errors are errors.
+fn finish_output(r: std::io::Result<()>, what: &str) -> Result<()> {
+    match r {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow!("cannot write {what}: {e}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn main() -> ExitCode {
@@ -250,44 +333,15 @@ fn run(command: Command) -> Result<ExitCode> {
             if rows.1 > plan.q_len {
                 return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, plan.q_len));
             }
-            if b >= plan.batch {
-                return Err(anyhow!(
-                    "--b {b} is out of range; the plan has batch = {} (indices 0 ..= {})",
-                    plan.batch,
-                    plan.batch - 1
-                ));
-            }
-            if h >= plan.num_heads {
-                return Err(anyhow!(
-                    "--h {h} is out of range; the plan has num_heads = {} (indices 0 ..= {})",
-                    plan.num_heads,
-                    plan.num_heads - 1
-                ));
-            }
+            check_batch_head(&plan, b, h)?;
             let m = plan.mask(b, h);
-            let list: Vec<_> = (rows.0..rows.1)
-                .map(|q| json!({"q": q, "intervals": m.rows.row(q).iter().map(|iv| [iv.start, iv.end]).collect::<Vec<_>>()}))
-                .collect();
-            if json {
-                println!("{}", json!({ "rows": list }));
-            } else {
-                for q in rows.0..rows.1 {
-                    let ivs: Vec<String> = m
-                        .rows
-                        .row(q)
-                        .iter()
-                        .map(|iv| format!("[{}, {})", iv.start, iv.end))
-                        .collect();
-                    println!(
-                        "{q}: {}",
-                        if ivs.is_empty() {
-                            "(empty)".to_string()
-                        } else {
-                            ivs.join(" U ")
-                        }
-                    );
-                }
-            }
+            // Stream: one row at a time through a buffer, never the whole output in memory.
+            let stdout = std::io::stdout();
+            let mut w = BufWriter::new(stdout.lock());
+            finish_output(
+                write_intervals(&mut w, &m.rows, rows, json).and_then(|()| w.flush()),
+                "the intervals",
+            )?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Show { mask, output } => {
@@ -299,32 +353,50 @@ fn run(command: Command) -> Result<ExitCode> {
         Command::Export {
             mask,
             format,
+            b,
+            h,
             output,
         } => {
             // Refuse before planning what would be refused after it.
             let shape = mask.options()?.shape();
             let (bm, bn) = (i64::from(mask.tile.block_m), i64::from(mask.tile.block_n));
-            let (rows, cols, what) = match format {
-                ExportFormat::Dense => (shape.q_len, shape.kv_len, "mask"),
+            let (rows, cols, what, advice) = match format {
+                ExportFormat::Dense => (
+                    shape.q_len,
+                    shape.kv_len,
+                    "mask",
+                    "use `intervals --json`, `--format cudnn` or `--format flex` instead",
+                ),
                 ExportFormat::Flex => (
                     (shape.q_len + bm - 1) / bm,
                     (shape.kv_len + bn - 1) / bn,
                     "block table",
+                    "use a larger --tile, or `--format cudnn`",
                 ),
-                ExportFormat::Cudnn | ExportFormat::Flashmask => (0, 0, ""),
+                ExportFormat::Cudnn | ExportFormat::Flashmask => (0, 0, "", ""),
             };
             if rows.saturating_mul(cols) > CLI_DENSE_LIMIT {
                 return Err(anyhow!(
-                    "error[CM0403]: a dense {what} of {rows} x {cols} elements is too large to print as JSON (limit {CLI_DENSE_LIMIT}); use `intervals`, `--format cudnn` or a larger --tile"
+                    "error[CM0403]: a dense {what} of {rows} x {cols} elements is too large to print as JSON (limit {CLI_DENSE_LIMIT} = 2^24); {advice}"
                 ));
             }
-            let (_, _, plan, _) = mask.plan()?;
-            let m = plan.mask(0, 0);
-            let value = match format {
+            let (program, _, plan, _) = mask.plan()?;
+            check_batch_head(&plan, b.unwrap_or(0), h.unwrap_or(0))?;
+            let (uses_b, uses_h) = program.depends_on_batch_head();
+            let unnamed_b = uses_b && b.is_none() && plan.batch > 1;
+            let unnamed_h = uses_h && h.is_none() && plan.num_heads > 1;
+            let (b, h) = (b.unwrap_or(0), h.unwrap_or(0));
+            if unnamed_b || unnamed_h {
+                eprintln!(
+                    "note: the mask depends on the {} index; exporting b = {b}, h = {h} only (choose with --b / --h)",
+                    if unnamed_b && unnamed_h { "batch and head" } else if unnamed_b { "batch" } else { "head" }
+                );
+            }
+            let m = plan.mask(b, h);
+            let mut value = match format {
                 ExportFormat::Dense => {
                     let d = compilemask::export::dense(&m.rows)?;
-                    let rows: Vec<Vec<u8>> =
-                        d.chunks(plan.kv_len as usize).map(<[u8]>::to_vec).collect();
+                    let rows: Vec<&[u8]> = d.chunks(plan.kv_len.max(1) as usize).collect();
                     json!({ "q_len": plan.q_len, "kv_len": plan.kv_len, "mask": rows })
                 }
                 ExportFormat::Flex => {
@@ -337,10 +409,29 @@ fn run(command: Command) -> Result<ExitCode> {
                     serde_json::to_value(compilemask::export::flashmask_bounds(&m.rows)?)?
                 }
             };
+            value["b"] = json!(b);
+            value["h"] = json!(h);
             match output {
-                Some(path) => std::fs::write(&path, value.to_string())
-                    .map_err(|e| anyhow!("cannot write `{path}`: {e}"))?,
-                None => println!("{value}"),
+                Some(path) => {
+                    let file = std::fs::File::create(&path)
+                        .map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+                    let mut w = BufWriter::new(file);
+                    serde_json::to_writer(&mut w, &value)
+                        .map_err(std::io::Error::from)
+                        .and_then(|()| w.flush())
+                        .map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+                }
+                None => {
+                    let stdout = std::io::stdout();
+                    let mut w = BufWriter::new(stdout.lock());
+                    finish_output(
+                        serde_json::to_writer(&mut w, &value)
+                            .map_err(std::io::Error::from)
+                            .and_then(|()| w.write_all(b"\n"))
+                            .and_then(|()| w.flush()),
+                        "the export",
+                    )?;
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -99,6 +99,7 @@ impl MaskArgs {
                 OrderRequest::Explicit(order.map_err(|_| anyhow!("--order {path}: expected non-negative integers separated by commas or whitespace"))?)
             }
         };
+        let mut seen: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
         for s in &self.set {
             let (name, value) = s
                 .split_once('=')
@@ -117,7 +118,11 @@ impl MaskArgs {
             };
             let v: Value = compilemask::parse_value(&text)
                 .map_err(|e| anyhow!("--set {name}: {}", e.message))?;
-            o.params.insert(name.trim().to_string(), v);
+            let name = name.trim();
+            if let Some(first) = seen.insert(name.to_string(), s.as_str()) {
+                bail!("--set: parameter `{name}` is given twice (`{first}` and `{s}`); give each parameter once");
+            }
+            o.params.insert(name.to_string(), v);
         }
         Ok(o)
     }

@@ -170,12 +170,13 @@ fn bad_utf8() {
 #[test]
 fn syntax_errors() {
     let dir = scratch("syntax");
+    let deep = format!("mask = {}q{};", "(".repeat(200), ")".repeat(200));
     for (src, code) in [
         ("mask = k <= q $;", "CM0101"),
         ("require true else \"open;\nmask = k <= q;", "CM0102"),
         ("mask = k <= 99999999999999999999;", "CM0103"),
         ("mask = k <= ;", "CM0104"),
-        ("mask = ((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((q)))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))));", "CM0105"),
+        (deep.as_str(), "CM0105"),
         ("window = 3;\nmask = k <= q;", "CM0106"),
         ("", "CM0205"),
     ] {
@@ -267,17 +268,21 @@ fn unknown_or_ill_typed_parameters() {
         ],
         &["CM0308", "`window` is an integer, got a list"],
     );
-    fails(
-        &[
-            "plan",
-            "--builtin",
-            "document_causal",
-            "--q-len",
-            "8",
-            "--set",
-            "lengths=4",
-        ],
-        &["CM0308", "integer array, got one integer"],
+    // One integer is accepted as a one-element array.
+    let out = run(&[
+        "plan",
+        "--builtin",
+        "document_causal",
+        "--q-len",
+        "8",
+        "--set",
+        "lengths=4",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     fails(
         &[
@@ -1036,7 +1041,10 @@ fn export_cudnn() {
         "--format",
         "cudnn",
     ]);
-    assert_eq!(v, json!({"nfunc": 1, "endpoints": [1, 2, 3, 4, 5]}));
+    assert_eq!(
+        v,
+        json!({"nfunc": 1, "endpoints": [1, 2, 3, 4, 5], "b": 0, "h": 0})
+    );
     let v = json(&[
         "export",
         "--builtin",
@@ -1097,7 +1105,7 @@ fn export_dense_and_to_file() {
     ]);
     assert_eq!(
         v,
-        json!({"q_len": 3, "kv_len": 4, "mask": [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]})
+        json!({"q_len": 3, "kv_len": 4, "b": 0, "h": 0, "mask": [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]})
     );
     let dir = scratch("export_file");
     let path = dir.join("flex.json");
@@ -1168,4 +1176,283 @@ fn builtins_plan_with_defaults() {
         assert!(!err.contains("panicked"), "{name} panicked:\n{err}");
         assert!(o.status.success(), "{name} failed:\n{err}");
     }
+}
+
+#[test]
+fn intervals_stream_many_rows() {
+    // 200 000 rows in both formats; the output is written row by row (the JSON is the
+    // same document as before streaming).
+    let q_len = "200000";
+    let v = json(&[
+        "intervals",
+        "--builtin",
+        "causal",
+        "--q-len",
+        q_len,
+        "--rows",
+        "0:200000",
+        "--json",
+    ]);
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 200_000);
+    assert_eq!(rows[0], json!({"q": 0, "intervals": [[0, 1]]}));
+    assert_eq!(
+        rows[199_999],
+        json!({"q": 199_999, "intervals": [[0, 200_000]]})
+    );
+    assert_eq!(v.as_object().unwrap().len(), 1, "only `rows` at the top");
+    let text = ok(&[
+        "intervals",
+        "--builtin",
+        "causal",
+        "--q-len",
+        q_len,
+        "--rows",
+        "199998:200000",
+    ]);
+    assert_eq!(text, "199998: [0, 199999)\n199999: [0, 200000)\n");
+    let text = ok(&[
+        "intervals",
+        "--builtin",
+        "causal",
+        "--q-len",
+        q_len,
+        "--rows",
+        "0:200000",
+    ]);
+    assert_eq!(text.lines().count(), 200_000);
+    // Several intervals in a row, and an empty row, in both formats.
+    let dir = scratch("intervals_stream");
+    let f = write(&dir, "two.cmask", "mask = k < 2 | k == q;\n");
+    let v = json(&[
+        "intervals",
+        &f,
+        "--q-len",
+        "5",
+        "--kv-len",
+        "6",
+        "--rows",
+        "3:5",
+        "--json",
+    ]);
+    assert_eq!(
+        v,
+        json!({"rows": [
+            {"q": 3, "intervals": [[0, 2], [3, 4]]},
+            {"q": 4, "intervals": [[0, 2], [4, 5]]}
+        ]})
+    );
+    let f = write(&dir, "none.cmask", "mask = k < q;\n");
+    assert_eq!(
+        json(&["intervals", &f, "--q-len", "3", "--rows", "0:1", "--json"]),
+        json!({"rows": [{"q": 0, "intervals": []}]})
+    );
+}
+
+#[test]
+fn export_per_batch_and_head() {
+    let dir = scratch("export_bh");
+    let f = write(
+        &dir,
+        "heads.cmask",
+        "param w: [int] = [1, 2];\nparam n: [int] = [0, 2];\nmask = if q < n[b] then k < kv_len else q - w[h] < k <= q;\n",
+    );
+    let base = [
+        "export",
+        f.as_str(),
+        "--q-len",
+        "4",
+        "--batch",
+        "2",
+        "--num-heads",
+        "2",
+        "--format",
+        "dense",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        json(&a)
+    };
+    let v = with(&["--b", "0", "--h", "0"]);
+    assert_eq!((v["b"].clone(), v["h"].clone()), (json!(0), json!(0)));
+    assert_eq!(
+        v["mask"],
+        json!([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    );
+    let v = with(&["--h", "1"]);
+    assert_eq!((v["b"].clone(), v["h"].clone()), (json!(0), json!(1)));
+    assert_eq!(
+        v["mask"],
+        json!([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]])
+    );
+    let v = with(&["--b", "1", "--h", "1"]);
+    assert_eq!((v["b"].clone(), v["h"].clone()), (json!(1), json!(1)));
+    assert_eq!(
+        v["mask"],
+        json!([[1, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 0], [0, 0, 1, 1]])
+    );
+    // The default is b = 0, h = 0, with a note on stderr that other indices exist.
+    let o = run(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v, with(&["--b", "0", "--h", "0"]));
+    assert!(stderr(&o).contains("--b / --h"), "{}", stderr(&o));
+    // Every format carries b and h and follows them.
+    for format in ["flex", "cudnn", "flashmask"] {
+        let args = [
+            "export",
+            f.as_str(),
+            "--q-len",
+            "4",
+            "--batch",
+            "2",
+            "--num-heads",
+            "2",
+            "--tile",
+            "2x2",
+            "--format",
+            format,
+        ];
+        let at = |b: &str, h: &str| {
+            let mut a = args.to_vec();
+            a.extend_from_slice(&["--b", b, "--h", h]);
+            json(&a)
+        };
+        let (v00, v11) = (at("0", "0"), at("1", "1"));
+        assert_eq!((v11["b"].clone(), v11["h"].clone()), (json!(1), json!(1)));
+        assert_ne!(v00, v11, "{format}");
+    }
+    // The same range checks and messages as `intervals`.
+    let out_of_range = |extra: &[&str], needles: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        fails(&a, needles);
+    };
+    out_of_range(
+        &["--b", "2"],
+        &["--b 2 is out of range", "batch = 2", "0 ..= 1"],
+    );
+    out_of_range(
+        &["--h", "2"],
+        &["--h 2 is out of range", "num_heads = 2", "0 ..= 1"],
+    );
+    out_of_range(&["--b=-1"], &["--b"]);
+    fails(
+        &[
+            "export",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4",
+            "--format",
+            "cudnn",
+            "--h",
+            "1",
+        ],
+        &["--h 1 is out of range", "num_heads = 1"],
+    );
+    let help = ok(&["export", "--help"]);
+    assert!(
+        help.contains("--b <B>") && help.contains("--h <H>"),
+        "{help}"
+    );
+}
+
+#[test]
+fn export_limits_in_help_and_advice() {
+    // The help names the CLI's limit (2^24), and each refusal's advice fits its format.
+    let help = ok(&["export", "--help"]);
+    assert!(help.contains("2^24"), "{help}");
+    assert!(!help.contains("2^28"), "{help}");
+    let err = fails(
+        &[
+            "export",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4097",
+            "--format",
+            "dense",
+        ],
+        &["CM0403", "4097 x 4097", "--format cudnn"],
+    );
+    assert!(
+        !err.contains("--tile"),
+        "dense advice mentions --tile:\n{err}"
+    );
+    // 4096 x 4096 = 2^24 is at the limit and allowed.
+    let v = json(&[
+        "export",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "4096",
+        "--kv-len",
+        "4096",
+        "--format",
+        "dense",
+    ]);
+    assert_eq!(v["mask"].as_array().unwrap().len(), 4096);
+    fails(
+        &[
+            "export",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "8200",
+            "--tile",
+            "2x2",
+            "--format",
+            "flex",
+        ],
+        &["CM0403", "block table", "4100 x 4100", "larger --tile"],
+    );
+}
+
+#[test]
+fn repeated_set_is_an_error() {
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "sliding_window",
+            "--q-len",
+            "10",
+            "--set",
+            "window=1",
+            "--set",
+            "window=2",
+        ],
+        &["`window`", "given twice", "window=1", "window=2"],
+    );
+    // Also with spaces around the name, and for arrays.
+    fails(
+        &[
+            "intervals",
+            "--builtin",
+            "document_causal",
+            "--q-len",
+            "10",
+            "--rows",
+            "0:1",
+            "--set",
+            "lengths=5,5",
+            "--set",
+            " lengths =3,7",
+        ],
+        &["`lengths`", "given twice"],
+    );
+    // Different parameters are fine.
+    ok(&[
+        "plan",
+        "--builtin",
+        "clear",
+        "--q-len",
+        "12",
+        "--set",
+        "text=3",
+        "--set",
+        "radius=2",
+    ]);
 }
