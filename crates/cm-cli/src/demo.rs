@@ -69,7 +69,8 @@ pub fn run(out_dir: &str) -> Result<()> {
     }
     println!("\nvisible = visible pairs / q_len^2; max_iv = most key intervals in one row; desc_KiB = bytes a kernel reads;");
     println!("attn_err = max |CPU reference attention (f32) - dense float64 softmax| on {SLICE_ROWS} rows, head_dim {HEAD_DIM}.");
-    println!("Pictures: {out_dir}/<mask>.png (green full tiles, amber partial, grey empty).");
+    println!("Pictures: {out_dir}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles;");
+    println!("hidden pairs of partial tiles light amber, empty tiles light grey.");
     Ok(())
 }
 

@@ -55,7 +55,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Draw the mask and its tile classes as a PNG.
+    /// Draw the mask and its tile classes as a PNG: visible pairs dark green in full tiles and
+    /// dark amber in partial tiles, hidden pairs of partial tiles light amber, empty tiles
+    /// light grey.
     Show {
         #[command(flatten)]
         mask: MaskArgs,

@@ -1,6 +1,8 @@
-//! Draws a planned mask as a PNG: visible pairs in dark blue over a background that shows
-//! each tile's class (full: green, partial: amber, empty: light grey). Long sequences are
-//! downsampled so each pixel covers a block of pairs; its darkness is the visible fraction.
+//! Draws a planned mask as a PNG, coloured by tile class: visible pairs are dark green in
+//! full tiles and dark amber in partial tiles; hidden pairs of partial tiles are a light amber
+//! tint and empty tiles light grey. Long sequences are downsampled so each pixel covers a
+//! block of pairs; its colour runs from the light tint to the dark one with the visible
+//! fraction.
 
 use anyhow::{Context, Result};
 use compilemask::MaskPlan;
@@ -8,6 +10,19 @@ use std::io::BufWriter;
 
 /// Largest side of the picture, in pixels.
 pub const MAX_SIDE: u32 = 1024;
+
+/// Visible pairs of full tiles: dark green.
+const FULL_DARK: [f64; 3] = [20.0, 110.0, 45.0];
+/// Hidden pairs of full tiles (only out-of-range or straddling pixels): light green.
+const FULL_LIGHT: [f64; 3] = [200.0, 235.0, 200.0];
+/// Visible pairs of partial tiles: dark amber.
+const PARTIAL_DARK: [f64; 3] = [200.0, 105.0, 0.0];
+/// Hidden pairs of partial tiles: light amber.
+const PARTIAL_LIGHT: [f64; 3] = [252.0, 230.0, 175.0];
+/// Empty tiles: light grey (dark grey only where a downsampled pixel straddles a
+/// visible pair of a neighbouring tile).
+const EMPTY_LIGHT: [f64; 3] = [235.0, 235.0, 235.0];
+const EMPTY_DARK: [f64; 3] = [110.0, 110.0, 110.0];
 
 pub fn write_png(mask: &MaskPlan, path: &str) -> Result<(u32, u32)> {
     let (q_len, kv_len) = (mask.rows.q_len(), mask.rows.kv_len());
@@ -46,13 +61,12 @@ pub fn write_png(mask: &MaskPlan, path: &str) -> Result<(u32, u32)> {
             let k = ((f64::from(px) + 0.5) * wf) as u32;
             let m = q.min(q_len - 1) / t.block_m;
             let n = k.min(kv_len - 1) / t.block_n;
-            let bg: [f64; 3] = match class(m, n) {
-                2 => [200.0, 235.0, 200.0],
-                1 => [250.0, 225.0, 160.0],
-                _ => [242.0, 242.0, 242.0],
+            let (bg, fg) = match class(m, n) {
+                2 => (FULL_LIGHT, FULL_DARK),
+                1 => (PARTIAL_LIGHT, PARTIAL_DARK),
+                _ => (EMPTY_LIGHT, EMPTY_DARK),
             };
             let frac = (cover[(py * width + px) as usize] / (hf * wf)).clamp(0.0, 1.0);
-            let fg = [20.0, 40.0, 140.0];
             for c in 0..3 {
                 img.push((bg[c] * (1.0 - frac) + fg[c] * frac).round() as u8);
             }
