@@ -1456,3 +1456,61 @@ fn repeated_set_is_an_error() {
         "radius=2",
     ]);
 }
+
+#[test]
+fn show_colours_pixels_by_tile_class() {
+    // Causal 64 x 64 at 16x16 tiles, one pixel per pair: below the diagonal tiles are full,
+    // on it partial, above it empty.
+    let dir = scratch("show_colours");
+    let path = dir.join("causal.png");
+    ok(&[
+        "show",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "64",
+        "--tile",
+        "16x16",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let decoder = png::Decoder::new(std::io::Cursor::new(std::fs::read(&path).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    reader.next_frame(&mut buf).unwrap();
+    let px = |q: usize, k: usize| -> [u8; 3] {
+        let i = (q * 64 + k) * 3;
+        [buf[i], buf[i + 1], buf[i + 2]]
+    };
+    let full_visible = px(63, 0);
+    let partial_visible = px(0, 0);
+    let partial_hidden = px(0, 1);
+    let empty = px(0, 63);
+    // Visible pixels: dark green in full tiles, dark amber (red > green > blue) in partial.
+    assert!(
+        full_visible[1] > full_visible[0] && full_visible[1] > full_visible[2],
+        "{full_visible:?}"
+    );
+    assert!(full_visible[1] < 160, "dark: {full_visible:?}");
+    assert!(
+        partial_visible[0] > partial_visible[1] && partial_visible[1] > partial_visible[2],
+        "{partial_visible:?}"
+    );
+    assert!(partial_visible[2] < 80, "dark amber: {partial_visible:?}");
+    assert_ne!(full_visible, partial_visible);
+    // Hidden pairs of partial tiles: a light amber tint; empty tiles light grey.
+    assert!(
+        partial_hidden.iter().all(|&c| c > 150),
+        "{partial_hidden:?}"
+    );
+    assert!(
+        partial_hidden[0] > partial_hidden[2] + 40,
+        "amber tint: {partial_hidden:?}"
+    );
+    assert!(
+        empty.iter().all(|&c| c > 200) && empty[0] == empty[1] && empty[1] == empty[2],
+        "{empty:?}"
+    );
+    // Every pixel of a full tile is the same dark green.
+    assert_eq!(px(40, 5), full_visible);
+}
