@@ -312,7 +312,14 @@ fn run(command: Command) -> Result<ExitCode> {
                 if let Some(o) = &plan.order {
                     let before =
                         plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64;
-                    println!("  token order     patch {:?} {:?}: tile density {before:.3} in raster order", o.patch, o.traversal);
+                    let which = match (o.patch, o.traversal) {
+                        (Some([t, y, x]), Some(tr)) => format!(
+                            "patch {t}x{y}x{x} (frames x rows x columns) {}",
+                            serde_json::to_value(tr)?.as_str().unwrap_or("")
+                        ),
+                        _ => "explicit permutation".to_string(),
+                    };
+                    println!("  token order     {which}: tile density {before:.3} in raster order");
                 }
                 if plan.elementwise_pairs > 0 {
                     println!(

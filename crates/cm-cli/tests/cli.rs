@@ -1514,3 +1514,79 @@ fn show_colours_pixels_by_tile_class() {
     // Every pixel of a full tile is the same dark green.
     assert_eq!(px(40, 5), full_visible);
 }
+
+#[test]
+fn plan_order_auto_candidates() {
+    // A small grid (5 x 5 after 3 text tokens): patch shapes clip to a few distinct ones,
+    // raster wins, and the report names raster as the real patch [1, 1, width].
+    let v = json(&[
+        "plan",
+        "--builtin",
+        "clear",
+        "--q-len",
+        "28",
+        "--set",
+        "text=3",
+        "--set",
+        "radius=2",
+        "--tile",
+        "16x16",
+        "--order",
+        "auto",
+        "--json",
+    ]);
+    let order = &v["order"];
+    assert_eq!(order["patch"], json!([1, 1, 5]), "{order}");
+    assert_eq!(order["traversal"], json!("rowmajor"), "{order}");
+    let cands = order["candidates"].as_array().unwrap();
+    let keys: Vec<(Value, Value)> = cands
+        .iter()
+        .map(|c| (c["patch"].clone(), c["traversal"].clone()))
+        .collect();
+    let mut unique = keys.clone();
+    unique.sort_by_key(|k| k.0.to_string() + &k.1.to_string());
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "duplicate candidates: {keys:?}");
+    assert!(keys.contains(&(json!([1, 1, 5]), json!("rowmajor"))));
+    for c in cands {
+        for e in c["patch"].as_array().unwrap() {
+            let e = e.as_u64().unwrap();
+            assert!((1..=5).contains(&e), "patch not clipped to the grid: {c}");
+        }
+    }
+    assert_eq!(cands[0]["computed_pairs"], v["computed_pairs"]);
+    // 3D: raster is [1, 1, width] too, and the chosen order is one of the candidates.
+    let v = json(&[
+        "plan",
+        "--builtin",
+        "neighborhood_3d",
+        "--q-len",
+        "96",
+        "--set",
+        "frames=2",
+        "--set",
+        "height=6",
+        "--set",
+        "width=8",
+        "--set",
+        "radius=1",
+        "--set",
+        "dt_radius=0",
+        "--tile",
+        "16x16",
+        "--order",
+        "auto",
+        "--json",
+    ]);
+    let order = &v["order"];
+    let cands = order["candidates"].as_array().unwrap();
+    assert!(
+        cands
+            .iter()
+            .any(|c| c["patch"] == json!([1, 1, 8]) && c["traversal"] == json!("rowmajor")),
+        "{order}"
+    );
+    assert!(!order.to_string().contains("4294967295"), "{order}");
+    assert!(order["patch"].is_array(), "{order}");
+    assert_eq!(cands[0]["computed_pairs"], v["computed_pairs"]);
+}

@@ -14,7 +14,7 @@ use cm_ir::bind::GridVals;
 use serde::Serialize;
 
 /// How patches are visited.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Traversal {
     /// Patch rows top to bottom, each left to right.
@@ -31,7 +31,8 @@ pub struct TokenOrder {
     pub order: Vec<u32>,
     #[serde(skip)]
     pub inverse: Vec<u32>,
-    /// Patch extents (frames, rows, columns), or none for an explicit permutation.
+    /// Patch extents (frames, rows, columns), or none for an explicit permutation. Raster
+    /// order on a grid is the patch `[1, 1, width]` visited row-major.
     pub patch: Option<[u32; 3]>,
     pub traversal: Option<Traversal>,
 }
@@ -83,18 +84,8 @@ impl TokenOrder {
     /// Grid tokens visited patch by patch; tokens outside the grid keep their positions.
     /// `patch` is (frames, rows, columns), each clipped to the grid.
     pub fn grid(len: u32, grid: &GridVals, patch: [u32; 3], traversal: Traversal) -> TokenOrder {
-        let nd = grid.dims.len();
-        let (t, h, w) = if nd == 3 {
-            (grid.dims[0], grid.dims[1], grid.dims[2])
-        } else {
-            (1, grid.dims[0], grid.dims[1])
-        };
-        let (t, h, w) = (t as u32, h as u32, w as u32);
-        let [pt, ph, pw] = [
-            patch[0].clamp(1, t),
-            patch[1].clamp(1, h),
-            patch[2].clamp(1, w),
-        ];
+        let (t, h, w) = grid_extents(grid);
+        let [pt, ph, pw] = clamp_patch(grid, patch);
         let (nt, nh, nw) = (t.div_ceil(pt), h.div_ceil(ph), w.div_ceil(pw));
         let at = grid.at as u32;
         let size = t * h * w;
@@ -126,6 +117,16 @@ impl TokenOrder {
         }
     }
 
+    /// Raster order described as a grid order: the identity, with patch `[1, 1, width]`
+    /// visited row-major (what [`TokenOrder::grid`] gives for that patch).
+    pub fn raster(len: u32, grid: &GridVals) -> TokenOrder {
+        TokenOrder {
+            patch: Some(raster_patch(grid)),
+            traversal: Some(Traversal::RowMajor),
+            ..TokenOrder::identity(len)
+        }
+    }
+
     pub fn len(&self) -> u32 {
         self.order.len() as u32
     }
@@ -133,6 +134,32 @@ impl TokenOrder {
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
+}
+
+/// A grid's (frames, rows, columns); a 2D grid has one frame.
+fn grid_extents(grid: &GridVals) -> (u32, u32, u32) {
+    let d = |i: usize| grid.dims.get(i).map_or(1, |&x| x.max(0) as u32);
+    if grid.dims.len() == 3 {
+        (d(0), d(1), d(2))
+    } else {
+        (1, d(0), d(1))
+    }
+}
+
+/// `patch` clipped to the grid: each extent in `[1, grid extent]` (`u32::MAX` means the
+/// whole extent).
+pub fn clamp_patch(grid: &GridVals, patch: [u32; 3]) -> [u32; 3] {
+    let (t, h, w) = grid_extents(grid);
+    [
+        patch[0].min(t).max(1),
+        patch[1].min(h).max(1),
+        patch[2].min(w).max(1),
+    ]
+}
+
+/// The patch that describes raster order: one row of the grid, `[1, 1, width]`.
+pub fn raster_patch(grid: &GridVals) -> [u32; 3] {
+    clamp_patch(grid, [1, 1, u32::MAX])
 }
 
 /// The (row, column) patch coordinates of an `nh x nw` patch grid in visiting order.
@@ -293,7 +320,8 @@ pub fn contiguous_runs(order: &TokenOrder) -> Vec<u32> {
     run
 }
 
-/// One candidate order and its exact cost.
+/// One candidate order and its exact cost. `patch` is clipped to the grid; raster order is
+/// `[1, 1, width]` row-major.
 #[derive(Clone, Debug, Serialize)]
 pub struct Candidate {
     pub patch: [u32; 3],
@@ -301,9 +329,9 @@ pub struct Candidate {
     pub computed_pairs: u64,
 }
 
-/// Patch shapes tried by [`choose_grid_order`] (frames, rows, columns); `u32::MAX` means
-/// the whole extent, so `[1, 1, MAX]` is raster order and `[1, 16, 1]` walks 16-row strips
-/// column by column.
+/// Patch shapes tried by [`choose_grid_order`] (frames, rows, columns), each clipped to the
+/// grid (`u32::MAX` would mean the whole extent); `[1, 16, 1]` walks 16-row strips column
+/// by column. Raster order (`[1, 1, width]` row-major) is always a candidate too.
 pub const PATCHES_2D: &[[u32; 3]] = &[
     [1, 4, 32],
     [1, 8, 8],
@@ -329,7 +357,10 @@ pub const PATCHES_3D: &[[u32; 3]] = &[
 
 /// Finds the candidate grid order with the fewest computed pairs at `tile` (raster order
 /// included, so the result is never worse than raster). Returns the order and every
-/// candidate's score, best first.
+/// candidate's score, best first (raster first among equals). Candidates are distinct: a
+/// patch shape that clips to one already tried with the same traversal (on a small grid,
+/// say) is scored once. When raster wins, the order is the identity described as
+/// [`TokenOrder::raster`] (patch `[1, 1, width]`, row-major).
 pub fn choose_grid_order(
     rows: &RowIntervals,
     grid: &GridVals,
@@ -342,11 +373,13 @@ pub fn choose_grid_order(
         PATCHES_2D
     };
     let raster = computed_pairs(rows, tile);
+    let raster_patch = raster_patch(grid);
     let mut scored = vec![Candidate {
-        patch: [1, 1, u32::MAX],
+        patch: raster_patch,
         traversal: Traversal::RowMajor,
         computed_pairs: raster,
     }];
+    let mut tried = std::collections::HashSet::from([(raster_patch, Traversal::RowMajor)]);
     let mut best: Option<(u64, TokenOrder)> = None;
     for &patch in patches {
         for traversal in [
@@ -354,10 +387,14 @@ pub fn choose_grid_order(
             Traversal::Boustrophedon,
             Traversal::Hilbert,
         ] {
-            let order = TokenOrder::grid(n, grid, patch, traversal);
+            let clamped = clamp_patch(grid, patch);
+            if !tried.insert((clamped, traversal)) {
+                continue;
+            }
+            let order = TokenOrder::grid(n, grid, clamped, traversal);
             let cost = computed_pairs_in_order(rows, &order, &contiguous_runs(&order), tile);
             scored.push(Candidate {
-                patch: order.patch.unwrap_or(patch),
+                patch: clamped,
                 traversal,
                 computed_pairs: cost,
             });
@@ -368,7 +405,7 @@ pub fn choose_grid_order(
     }
     scored.sort_by_key(|c| c.computed_pairs);
     (
-        best.map_or_else(|| TokenOrder::identity(n), |(_, o)| o),
+        best.map_or_else(|| TokenOrder::raster(n, grid), |(_, o)| o),
         scored,
     )
 }

@@ -65,3 +65,51 @@ proptest! {
         }
     }
 }
+
+/// `--order auto` reports: raster as the real patch `[1, 1, width]`, candidates distinct
+/// and clipped to the grid, and an order that describes raster when raster wins.
+#[test]
+fn auto_order_candidates_are_distinct_and_raster_is_described() {
+    let program = compilemask::compile(SRC).unwrap();
+    for (n, tile) in [(3i64, 16u32), (6, 4), (9, 2), (12, 3)] {
+        let len = 4 + n * n;
+        let mut options = PlanOptions::new(len)
+            .tile(tile, tile)
+            .param("n", Value::Int(n));
+        options.order = OrderRequest::Auto;
+        let plan = program.plan(&options).unwrap();
+        let order = plan.order.as_ref().unwrap();
+        let w = n as u32;
+        let cands = &plan.order_candidates;
+        let mut keys: Vec<_> = cands
+            .iter()
+            .map(|c| (c.patch, format!("{:?}", c.traversal)))
+            .collect();
+        let all = keys.len();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), all, "n = {n}: duplicate candidates");
+        assert!(cands
+            .iter()
+            .all(|c| c.patch.iter().all(|&e| (1..=w).contains(&e))));
+        let raster = cands
+            .iter()
+            .find(|c| c.patch == [1, 1, w] && c.traversal == Traversal::RowMajor)
+            .expect("raster is a candidate");
+        assert_eq!(raster.computed_pairs, plan.raster_computed_pairs);
+        assert_eq!(cands[0].computed_pairs, plan.computed_pairs());
+        assert!(order.patch.is_some() && order.traversal.is_some());
+        if plan.computed_pairs() == plan.raster_computed_pairs {
+            // Raster won (ties go to raster): the identity, described as raster.
+            assert_eq!(order.patch, Some([1, 1, w]), "n = {n}");
+            assert_eq!(order.traversal, Some(Traversal::RowMajor));
+            assert!(order.order.iter().enumerate().all(|(i, &o)| o == i as u32));
+        } else {
+            let p = order.patch.unwrap();
+            let chosen = program
+                .grid_order(&options, p, order.traversal.unwrap())
+                .unwrap();
+            assert_eq!(chosen.order, order.order);
+        }
+    }
+}
