@@ -168,15 +168,46 @@ fn attention_rejects_a_plan_for_other_batch_and_heads() {
 
 #[test]
 fn clear_short_sequence_names_nearest_lengths() {
+    // Below text + 1 there is no grid at all: the message names the smallest valid length
+    // (it used to say "nearest valid lengths: 4 and 4", or fail on an empty grid).
     let program = compilemask::builtin("clear").unwrap();
-    for q_len in [2, 3] {
+    for q_len in [1, 2, 3] {
         let e = program
             .plan(&PlanOptions::new(q_len).param("text", Value::Int(3)))
             .unwrap_err();
         assert!(
-            e.message.contains("nearest valid lengths"),
+            e.message.contains("the smallest valid length is 4"),
             "q_len {q_len}: {}",
             program.render_error(&e)
         );
+    }
+    // Between valid lengths: the two nearest, distinct, one on each side.
+    for (q_len, lower, upper) in [
+        (5, 4, 7),
+        (6, 4, 7),
+        (8, 7, 12),
+        (40, 39, 52),
+        (33_000, 32_912, 33_273),
+    ] {
+        let text = if q_len > 1000 { 512 } else { 3 };
+        let e = program
+            .plan(&PlanOptions::new(q_len).param("text", Value::Int(text)))
+            .unwrap_err();
+        assert!(
+            e.message
+                .contains(&format!("nearest valid lengths: {lower} and {upper}")),
+            "q_len {q_len}: {}",
+            program.render_error(&e)
+        );
+    }
+    // The lengths it names plan.
+    for q_len in [4, 7, 12, 39, 52] {
+        program
+            .plan(
+                &PlanOptions::new(q_len)
+                    .param("text", Value::Int(3))
+                    .param("radius", Value::Int(2)),
+            )
+            .unwrap();
     }
 }
