@@ -17,7 +17,8 @@ use common::{
     arr, check_brute_force, compile, dense_forward, max_abs_diff, plan, rows, set, visibility, Rng,
 };
 use compilemask::{
-    attention_backward, attention_forward, AttentionShape, Masks, PlanOptions, Value,
+    attention_backward, attention_forward, AttentionError, AttentionShape, Masks, PlanOptions,
+    Value,
 };
 use std::time::{Duration, Instant};
 
@@ -918,15 +919,26 @@ fn va_01_shape_validation() {
         rng.vec(4 * 20 * 16),
         rng.vec(4 * 20 * 16),
     );
-    // (a) a mask planned as (10, 15) and (b) as (20, 10): shape errors, no output.
-    for (lq, lk) in [(10, 15), (20, 10)] {
+    // (a) a mask planned as (10, 15) and (b) as (20, 10): refused before any computation
+    // with `PlanMismatch`, naming the first length that differs, no output.
+    let cases = [(10, 15, "kv_len", 15, 20), (20, 10, "q_len", 20, 10)];
+    for (lq, lk, what, planned, given) in cases {
         let p = plan(&causal, &PlanOptions::new(lq).kv_len(lk));
         let err = compilemask::attention(&shape, &q, &k, &v, &p, 0.25).unwrap_err();
         let msg = err.to_string();
         assert!(
-            msg.contains(&format!("q_len = {lq}")) && msg.contains(&format!("kv_len = {lk}")),
-            "{msg}"
+            matches!(
+                err,
+                AttentionError::PlanMismatch { what: w, planned: pl, given: g }
+                    if w == what && pl == planned && g == given
+            ),
+            "{err:?}"
         );
+        let want = format!(
+            "the plan was made for {what} = {planned}, but the tensors have {what} = {given}; \
+             plan again for these tensors"
+        );
+        assert_eq!(msg, want);
         let err = attention_forward(&shape, &q, &k, &v, &Masks::shared(&p.masks[0].rows), 0.25)
             .unwrap_err();
         assert!(
