@@ -1590,3 +1590,146 @@ fn plan_order_auto_candidates() {
     assert!(order["patch"].is_array(), "{order}");
     assert_eq!(cands[0]["computed_pairs"], v["computed_pairs"]);
 }
+
+/// Decodes each export by the layout docs/exports.md describes and compares it with the
+/// dense export.
+#[test]
+fn exports_decode_as_documented() {
+    let dir = scratch("exports_documented");
+    let u = |v: &Value| -> Vec<usize> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect()
+    };
+    let dense_of = |args: &[&str]| -> Vec<Vec<bool>> {
+        let mut a = args.to_vec();
+        a.extend_from_slice(&["--format", "dense"]);
+        let v = json(&a);
+        v["mask"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| u(r).iter().map(|&x| x == 1).collect())
+            .collect()
+    };
+    let export = |args: &[&str], format: &str| -> Value {
+        let mut a = args.to_vec();
+        a.extend_from_slice(&["--format", format]);
+        json(&a)
+    };
+    let f = write(
+        &dir,
+        "mix.cmask",
+        "mask = k < 2 | k == q | ((q - k) % 3 == 0 & k <= q);\n",
+    );
+    let g = write(&dir, "band.cmask", "mask = k < 2 | q - 3 < k <= q;\n");
+    for (file, kv) in [(&f, "13"), (&f, "9"), (&g, "11")] {
+        let args = [
+            "export",
+            file.as_str(),
+            "--q-len",
+            "11",
+            "--kv-len",
+            kv,
+            "--tile",
+            "3x4",
+        ];
+        let dense = dense_of(&args);
+        let (q_len, kv_len) = (dense.len(), dense[0].len());
+        // cuDNN: endpoints [nfunc][q_len] row-major; visible = [0,F0) U [F1,F2) U ...
+        let c = export(&args, "cudnn");
+        let nfunc = c["nfunc"].as_u64().unwrap() as usize;
+        let ends = u(&c["endpoints"]);
+        assert_eq!(nfunc % 2, 1);
+        assert_eq!(ends.len(), nfunc * q_len);
+        for (q, row) in dense.iter().enumerate() {
+            let fq: Vec<usize> = (0..nfunc).map(|j| ends[j * q_len + q]).collect();
+            assert!(fq.windows(2).all(|w| w[0] <= w[1]), "row {q}: {fq:?}");
+            for (k, &vis) in row.iter().enumerate() {
+                let mut got = k < fq[0];
+                for p in fq[1..].chunks(2) {
+                    got |= p[0] <= k && k < p[1];
+                }
+                assert_eq!(got, vis, "cudnn ({q}, {k})");
+            }
+        }
+        // Flex: counts [M], [N]; index tables [M * N] / [N * M] row-major; each row the
+        // counted blocks ascending, then every other block ascending.
+        let x = export(&args, "flex");
+        let (bm, bn) = (3usize, 4usize);
+        let (m_blocks, n_blocks) = (q_len.div_ceil(bm), kv_len.div_ceil(bn));
+        let class = |m: usize, n: usize| -> u8 {
+            let mut seen = (false, false);
+            for row in &dense[m * bm..((m + 1) * bm).min(q_len)] {
+                for &vis in &row[n * bn..((n + 1) * bn).min(kv_len)] {
+                    if vis {
+                        seen.0 = true;
+                    } else {
+                        seen.1 = true;
+                    }
+                }
+            }
+            match seen {
+                (false, _) => 0,
+                (true, false) => 2,
+                (true, true) => 1,
+            }
+        };
+        for (counts, table, rows, cols, want, transposed) in [
+            ("kv_num_blocks", "kv_indices", m_blocks, n_blocks, 1, false),
+            (
+                "full_kv_num_blocks",
+                "full_kv_indices",
+                m_blocks,
+                n_blocks,
+                2,
+                false,
+            ),
+            ("q_num_blocks", "q_indices", n_blocks, m_blocks, 1, true),
+            (
+                "full_q_num_blocks",
+                "full_q_indices",
+                n_blocks,
+                m_blocks,
+                2,
+                true,
+            ),
+        ] {
+            let (cnt, idx) = (u(&x[counts]), u(&x[table]));
+            assert_eq!(cnt.len(), rows, "{counts}");
+            assert_eq!(idx.len(), rows * cols, "{table}");
+            for r in 0..rows {
+                let row = &idx[r * cols..(r + 1) * cols];
+                let (listed, rest) = row.split_at(cnt[r]);
+                assert!(listed.windows(2).all(|w| w[0] < w[1]), "{table} row {r}");
+                assert!(rest.windows(2).all(|w| w[0] < w[1]), "{table} row {r}");
+                let mut all = row.to_vec();
+                all.sort_unstable();
+                assert_eq!(all, (0..cols).collect::<Vec<_>>(), "{table} row {r}");
+                for c in 0..cols {
+                    let (m, n) = if transposed { (c, r) } else { (r, c) };
+                    assert_eq!(
+                        listed.contains(&c),
+                        class(m, n) == want,
+                        "{table} tile ({m}, {n})"
+                    );
+                }
+            }
+        }
+        assert_eq!(x["block_size"], json!([3, 4]));
+        assert_eq!(x["seq_lengths"], json!([q_len, kv_len]));
+    }
+    // FlashMask: column k is masked for rows [uts, ute) and [lts, lte).
+    let args = ["export", g.as_str(), "--q-len", "11", "--kv-len", "11"];
+    let dense = dense_of(&args);
+    let fm = export(&args, "flashmask");
+    let (uts, ute, lts, lte) = (u(&fm["uts"]), u(&fm["ute"]), u(&fm["lts"]), u(&fm["lte"]));
+    for (q, row) in dense.iter().enumerate() {
+        for (k, &vis) in row.iter().enumerate() {
+            let masked = (uts[k] <= q && q < ute[k]) || (lts[k] <= q && q < lte[k]);
+            assert_eq!(!masked, vis, "flashmask ({q}, {k})");
+        }
+    }
+}
