@@ -5,12 +5,21 @@
 //! the host launch included, host overhead, and the tile-density ceiling. Needs the GPU
 //! machine and a build with embedded kernels; every argument is checked before the GPU is
 //! touched.
+//!
+//! `--order auto` (issue 6) plans grid masks in the patch order that the compiler chooses for
+//! the kernel's tile shape and runs the kernel on that permuted plan with the same random
+//! tensors (random tensors are order-agnostic); the reference check then uses the permuted
+//! plan's rows, and the FLOP count (visible pairs) is the same in every order. Each such job
+//! also checks the permutation property on the GPU: the forward on raster tensors with the
+//! raster plan equals the forward on permuted tensors with the ordered plan, un-permuted.
+//! `--order-check` runs that property alone on a fixed set of small CLEAR and 3D cases.
 
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, ValueEnum};
 use cm_cuda::bench::{BenchInputs, BenchOptions, Measurement, MATMUL_PEAK_TFLOPS};
 use cm_cuda::{DType, KernelKind, Runtime};
-use compilemask::PlanOptions;
+use cm_cuda::{Forward, LseLayout, TensorLayout};
+use compilemask::{OrderRequest, PlanOptions, RowIntervals, TokenOrder, Traversal, Value as Param};
 use serde_json::{json, Value};
 
 /// The eight workloads of workloads.md: (id, built-in mask).
@@ -56,6 +65,16 @@ pub struct BenchArgs {
     /// Forward kernel.
     #[arg(long, value_enum, default_value = "wgmma")]
     kernel: KernelArg,
+    /// Token orders to run each workload in, comma-separated: `raster` (the program's
+    /// positions) and / or `auto` (the patch order the compiler chooses for the kernel's tile
+    /// shape; needs masks with a grid, e.g. clear or neighborhood_3d). Every `auto` run also
+    /// checks on the GPU that it equals the raster run, un-permuted.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "raster")]
+    order: Vec<OrderArg>,
+    /// Only check the permutation property on the GPU (small CLEAR and 3D grids in several
+    /// patch orders, and the 16x32x32 video mask), then exit; ignores the workload options.
+    #[arg(long)]
+    order_check: bool,
     /// Back-to-back calls timed per workload (the protocol asks for at least 50).
     #[arg(long, default_value_t = 60)]
     runs: usize,
@@ -76,6 +95,23 @@ enum DTypeArg {
     Fp16,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OrderArg {
+    /// The program's own positions.
+    Raster,
+    /// The compiler's patch order for the kernel's tile shape.
+    Auto,
+}
+
+impl OrderArg {
+    fn name(self) -> &'static str {
+        match self {
+            OrderArg::Raster => "raster",
+            OrderArg::Auto => "auto",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum KernelArg {
     /// `fwd_wgmma`, the Hopper kernel.
@@ -89,8 +125,18 @@ struct Job {
     id: &'static str,
     name: String,
     nominal: u32,
-    rows: compilemask::RowIntervals,
+    /// The rows the kernel runs: in the token order below when there is one.
+    rows: RowIntervals,
     plan_ms: f64,
+    order: OrderArg,
+    /// The chosen order and the raster rows, for `--order auto`.
+    ordered: Option<Ordered>,
+}
+
+/// What an `auto` job carries besides its permuted rows.
+struct Ordered {
+    order: TokenOrder,
+    raster_rows: RowIntervals,
 }
 
 /// The sequence length a workload runs at for nominal size `s`.
@@ -110,7 +156,7 @@ fn length_for(name: &str, s: u32) -> u32 {
     512 + grid * grid
 }
 
-fn plan_jobs(a: &BenchArgs) -> Result<Vec<Job>> {
+fn plan_jobs(a: &BenchArgs, tile: (u32, u32)) -> Result<Vec<Job>> {
     let mut jobs = Vec::new();
     for &s in &a.sizes {
         for name in &a.workloads {
@@ -120,29 +166,59 @@ fn plan_jobs(a: &BenchArgs) -> Result<Vec<Job>> {
                 .map_or("-", |(id, _)| id);
             let program = compilemask::builtin(name).map_err(|e| anyhow!("{}", e.rendered))?;
             let q_len = length_for(name, s);
-            let t0 = std::time::Instant::now();
-            let plan = program
-                .plan(&PlanOptions::new(i64::from(q_len)))
-                .map_err(|e| {
+            for &order in &a.order {
+                let mut opts = PlanOptions::new(i64::from(q_len));
+                if order == OrderArg::Auto {
+                    // The order search scores candidates at this tile shape: the kernel's.
+                    opts = opts.tile(tile.0, tile.1);
+                    opts.order = OrderRequest::Auto;
+                }
+                let t0 = std::time::Instant::now();
+                let plan = program.plan(&opts).map_err(|e| {
                     anyhow!(
-                        "{name} at q_len {q_len}: {}",
+                        "{name} at q_len {q_len}, --order {}: {}",
+                        order.name(),
                         program.render_error(&e).trim_end()
                     )
                 })?;
-            let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
-            if plan.masks.len() != 1 {
-                bail!("{name} differs per batch or head; bench runs one mask shared by every head");
+                let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+                if plan.masks.len() != 1 {
+                    bail!("{name} differs per batch or head; bench runs one mask shared by every head");
+                }
+                let rows = plan.mask(0, 0).rows.clone();
+                let ordered = match plan.order {
+                    Some(o) => Some(Ordered {
+                        order: o,
+                        raster_rows: raster_rows(&program, name, q_len)?,
+                    }),
+                    None => None,
+                };
+                jobs.push(Job {
+                    id,
+                    name: name.clone(),
+                    nominal: s,
+                    rows,
+                    plan_ms,
+                    order,
+                    ordered,
+                });
             }
-            jobs.push(Job {
-                id,
-                name: name.clone(),
-                nominal: s,
-                rows: plan.mask(0, 0).rows.clone(),
-                plan_ms,
-            });
         }
     }
     Ok(jobs)
+}
+
+/// The mask's rows in the program's own positions.
+fn raster_rows(program: &compilemask::Program, name: &str, q_len: u32) -> Result<RowIntervals> {
+    let plan = program
+        .plan(&PlanOptions::new(i64::from(q_len)))
+        .map_err(|e| {
+            anyhow!(
+                "{name} at q_len {q_len}: {}",
+                program.render_error(&e).trim_end()
+            )
+        })?;
+    Ok(plan.mask(0, 0).rows.clone())
 }
 
 fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
@@ -156,8 +232,8 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
     if let Some(&s) = a.sizes.iter().find(|&&s| s == 0 || s > MAX_LEN) {
         bail!("--sizes: {s} is out of range; each size must be in 1..={MAX_LEN}");
     }
-    if a.sizes.is_empty() || a.workloads.is_empty() {
-        bail!("--sizes and --workloads must each name at least one entry");
+    if a.sizes.is_empty() || a.workloads.is_empty() || a.order.is_empty() {
+        bail!("--sizes, --workloads and --order must each name at least one entry");
     }
     if a.runs == 0 {
         bail!("--runs must be at least 1 (the protocol asks for at least 50)");
@@ -198,7 +274,10 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
 /// Runs the benchmark; `Ok(false)` when a correctness check failed.
 pub fn run(a: &BenchArgs) -> Result<bool> {
     let (opts, kernel) = options(a)?;
-    let jobs = plan_jobs(a)?;
+    if a.order_check {
+        return run_order_check(a, opts, kernel);
+    }
+    let jobs = plan_jobs(a, kernel.tile())?;
     let mut rt = Runtime::new_on_device(0)?;
     rt.set_forward_kernel(kernel)?;
     // The legacy default stream: with one stream, cudarc adds no event bookkeeping to the
@@ -237,10 +316,23 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         };
         let m = cm_cuda::bench::measure(&rt, &stream, &mut cache[at], &job.rows)?;
         all_pass &= m.check.pass();
+        let equivalence = match &job.ordered {
+            Some(o) => Some(equivalence(&rt, opts, &o.raster_rows, &job.rows, &o.order)?),
+            None => None,
+        };
+        all_pass &= equivalence.as_ref().is_none_or(Equivalence::pass);
         if !a.json {
             print_row(job, &m);
+            if let Some(e) = &equivalence {
+                println!("    {}", e.describe());
+            }
         }
-        results.push(result_json(job, &m));
+        let mut r = result_json(job, &m);
+        if let Some(e) = &equivalence {
+            r["order_check"] = e.to_json();
+            r["pass"] = json!(m.check.pass() && e.pass());
+        }
+        results.push(r);
     }
     let report = json!({
         "device": device,
@@ -251,6 +343,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         "dtype": opts.dtype.name(),
         "runs": opts.runs,
         "seed": opts.seed,
+        "orders": a.order.iter().map(|o| o.name()).collect::<Vec<_>>(),
         "matmul_peak_tflops": MATMUL_PEAK_TFLOPS,
         "pass": all_pass,
         "results": results,
@@ -263,6 +356,10 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         );
         println!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");
         println!("of that call between events recorded around it (the rest of the overhead is the GPU's); enqueue = host time of the call.");
+        if a.order.contains(&OrderArg::Auto) {
+            println!("order auto: planned in the compiler's patch order (patch t,y,x and traversal in the order column) for the kernel tile;");
+            println!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
+        }
     }
     if let Some(path) = &a.output {
         let text = serde_json::to_string_pretty(&report)?;
@@ -273,9 +370,10 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
 
 fn print_header() {
     println!(
-        "{:<3} {:<20} {:>6} {:>7} {:>7} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5}",
+        "{:<3} {:<20} {:<22} {:>6} {:>7} {:>7} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5}",
         "id",
         "workload",
+        "order",
         "q_len",
         "visible",
         "density",
@@ -311,9 +409,10 @@ fn print_row(job: &Job, m: &Measurement) {
         ),
     };
     println!(
-        "{:<3} {:<20} {:>6} {:>7.4} {:>7.3} {:>8.0} {timing} {:>9.2e} {:>5}",
+        "{:<3} {:<20} {:<22} {:>6} {:>7.4} {:>7.3} {:>8.0} {timing} {:>9.2e} {:>5}",
         job.id,
         job.name,
+        order_label(job),
         q_len,
         vis,
         density,
@@ -329,11 +428,48 @@ fn print_row(job: &Job, m: &Measurement) {
     }
 }
 
+/// `raster`, or `auto` with the chosen patch (frames, rows, columns) and traversal.
+fn order_label(job: &Job) -> String {
+    match (&job.ordered, job.order) {
+        (Some(o), _) => format!("auto {}", describe_order(&o.order)),
+        (None, OrderArg::Auto) => "auto (raster kept)".to_string(),
+        (None, OrderArg::Raster) => "raster".to_string(),
+    }
+}
+
+fn describe_order(o: &TokenOrder) -> String {
+    match (o.patch, o.traversal) {
+        (Some([t, y, x]), Some(tr)) => format!("{t}x{y}x{x} {}", traversal_name(tr)),
+        _ => "explicit".to_string(),
+    }
+}
+
+fn traversal_name(t: Traversal) -> &'static str {
+    match t {
+        Traversal::RowMajor => "rowmajor",
+        Traversal::Boustrophedon => "boustro",
+        Traversal::Hilbert => "hilbert",
+    }
+}
+
+fn order_json(job: &Job) -> Value {
+    match &job.ordered {
+        Some(o) => json!({
+            "request": job.order.name(),
+            "patch": o.order.patch,
+            "traversal": o.order.traversal,
+            "identity": o.order.order.iter().enumerate().all(|(i, &p)| i as u32 == p),
+        }),
+        None => json!({ "request": job.order.name() }),
+    }
+}
+
 fn result_json(job: &Job, m: &Measurement) -> Value {
     let c = &m.check;
     let mut v = json!({
         "id": job.id,
         "workload": job.name,
+        "order": order_json(job),
         "nominal_size": job.nominal,
         "q_len": job.rows.q_len(),
         "kv_len": job.rows.kv_len(),
@@ -366,6 +502,445 @@ fn result_json(job: &Job, m: &Measurement) -> Value {
     v
 }
 
+/// The permutation property on the GPU for one order: the forward on raster tensors with the
+/// raster plan against the forward on permuted tensors with the ordered plan, un-permuted,
+/// over the whole output and lse of every head.
+#[derive(Clone, Debug)]
+struct Equivalence {
+    /// Whether the order is the identity (then the check is trivially bitwise).
+    identity: bool,
+    /// Largest |ordered - raster| over every output element.
+    max_abs_diff: f64,
+    /// Fraction of output elements with identical bits.
+    identical: f64,
+    /// Largest |lse ordered - lse raster| (equal infinities count as 0).
+    lse_diff: f64,
+    /// NaN values in both outputs and lses.
+    nan: usize,
+    /// The bound on `max_abs_diff`.
+    tolerance: f64,
+}
+
+/// Bound on the output difference between two orders: 2^-8 for bf16, 2^-11 for fp16 (one
+/// unit in the last place at magnitudes 0.5..1; the outputs here are smaller). The orders
+/// differ only in the kernel's accumulation order and in the running maximum that the
+/// probabilities are rounded against, as two correct kernels would.
+fn order_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::Bf16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-11),
+    }
+}
+
+/// Lse differences accepted between orders (the reference check's bound).
+const LSE_TOLERANCE: f64 = 1e-3;
+
+impl Equivalence {
+    fn pass(&self) -> bool {
+        self.nan == 0 && self.max_abs_diff <= self.tolerance && self.lse_diff <= LSE_TOLERANCE
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "order check{}: max |ordered - raster| {:.2e} (tolerance {:.2e}), {:.1}% of elements bitwise equal, lse {:.2e}, nan {}: {}",
+            if self.identity { " (identity order)" } else { "" },
+            self.max_abs_diff,
+            self.tolerance,
+            self.identical * 100.0,
+            self.lse_diff,
+            self.nan,
+            if self.pass() { "PASS" } else { "FAIL" }
+        )
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "identity": self.identity,
+            "max_abs_diff": self.max_abs_diff,
+            "identical_fraction": self.identical,
+            "lse_diff": self.lse_diff,
+            "nan": self.nan,
+            "tolerance": self.tolerance,
+            "lse_tolerance": LSE_TOLERANCE,
+            "pass": self.pass(),
+        })
+    }
+}
+
+/// Random values of `dtype` as raw bits: a random sign and magnitude in [1/8, 2) (exponent
+/// and mantissa drawn directly), deterministic in `seed`. Random tensors suit the property
+/// check whatever their distribution.
+fn random_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
+    const CHUNK: usize = 1 << 20;
+    let mut out = vec![0u16; n];
+    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
+    let per_thread = n.div_ceil(CHUNK).div_ceil(threads).max(1) * CHUNK;
+    std::thread::scope(|s| {
+        for (g, group) in out.chunks_mut(per_thread).enumerate() {
+            s.spawn(move || {
+                let mut state = seed ^ (g as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                for x in group {
+                    state = splitmix(state);
+                    let sign = (state >> 63) as u16;
+                    let exp = ((state >> 40) & 3) as u16; // 2^-3 .. 2^0
+                    let mant = state as u16;
+                    *x = match dtype {
+                        DType::Bf16 => sign << 15 | (124 + exp) << 7 | (mant & 0x7f),
+                        DType::F16 => sign << 15 | (12 + exp) << 10 | (mant & 0x3ff),
+                    };
+                }
+            });
+        }
+    });
+    out
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The value of raw `dtype` bits.
+fn value(dtype: DType, bits: u16) -> f64 {
+    match dtype {
+        DType::Bf16 => f64::from(f32::from_bits(u32::from(bits) << 16)),
+        DType::F16 => {
+            let sign = if bits >> 15 == 1 { -1.0 } else { 1.0 };
+            let (exp, mant) = (i32::from((bits >> 10) & 0x1f), f64::from(bits & 0x3ff));
+            match exp {
+                0 => sign * mant * 2f64.powi(-24),
+                31 if mant == 0.0 => sign * f64::INFINITY,
+                31 => f64::NAN,
+                _ => sign * (1.0 + mant / 1024.0) * 2f64.powi(exp - 15),
+            }
+        }
+    }
+}
+
+/// `[heads, len, d]` rows gathered into token order: row `i` of the result is row
+/// `order[i]` of `x`.
+fn permute_rows_of(x: &[u16], heads: usize, d: usize, order: &[u32]) -> Vec<u16> {
+    let len = order.len();
+    let mut out = Vec::with_capacity(x.len());
+    for h in 0..heads {
+        for &o in order {
+            let at = (h * len + o as usize) * d;
+            out.extend_from_slice(&x[at..at + d]);
+        }
+    }
+    out
+}
+
+/// Runs the property check of one order (`permuted` is `raster` in `order`) on fresh random
+/// tensors of the bench's shapes.
+fn equivalence(
+    rt: &Runtime,
+    opts: BenchOptions,
+    raster: &RowIntervals,
+    permuted: &RowIntervals,
+    order: &TokenOrder,
+) -> Result<Equivalence> {
+    let s = raster.q_len() as usize;
+    if raster.kv_len() as usize != s
+        || (permuted.q_len(), permuted.kv_len()) != (raster.q_len(), raster.kv_len())
+        || order.order.len() != s
+    {
+        bail!(
+            "order check: the raster mask ({} x {}), the ordered mask ({} x {}) and the order ({} tokens) must agree in length",
+            raster.q_len(),
+            raster.kv_len(),
+            permuted.q_len(),
+            permuted.kv_len(),
+            order.order.len()
+        );
+    }
+    let stream = rt.context().default_stream();
+    let drv = |what| move |e| cm_cuda::Error::driver(what, e);
+    let (h, hkv, d, dt) = (opts.heads, opts.kv_heads, opts.head_dim, opts.dtype);
+    let seed = opts.seed ^ 0x0bde_7000 ^ (s as u64).rotate_left(17);
+    let q = random_bits(dt, h * s * d, seed ^ 1);
+    let k = random_bits(dt, hkv * s * d, seed ^ 2);
+    let v = random_bits(dt, hkv * s * d, seed ^ 3);
+    let q_layout = TensorLayout::contiguous([1, h, s, d]);
+    let kv_layout = TensorLayout::contiguous([1, hkv, s, d]);
+    let run =
+        |rows: &RowIntervals, q: &[u16], k: &[u16], v: &[u16]| -> Result<(Vec<u16>, Vec<f32>)> {
+            let plan = rt.upload_plan(rows, &stream)?;
+            let dq = stream.clone_htod(q).map_err(drv("order check: upload"))?;
+            let dk = stream.clone_htod(k).map_err(drv("order check: upload"))?;
+            let dv = stream.clone_htod(v).map_err(drv("order check: upload"))?;
+            let mut out = stream
+                .alloc_zeros::<u16>(h * s * d)
+                .map_err(drv("order check: output allocation"))?;
+            let mut lse = stream
+                .alloc_zeros::<f32>(h * s)
+                .map_err(drv("order check: lse allocation"))?;
+            rt.forward(
+                &stream,
+                &plan,
+                Forward {
+                    dtype: dt,
+                    q: (&dq, q_layout),
+                    k: (&dk, kv_layout),
+                    v: (&dv, kv_layout),
+                    out: (&mut out, q_layout),
+                    lse: Some((&mut lse, LseLayout::contiguous([1, h, s]))),
+                    softmax_scale: 1.0 / (d as f32).sqrt(),
+                },
+            )?;
+            let out = stream
+                .clone_dtoh(&out)
+                .map_err(drv("order check: output download"))?;
+            let lse = stream
+                .clone_dtoh(&lse)
+                .map_err(drv("order check: lse download"))?;
+            Ok((out, lse))
+        };
+    let (out_r, lse_r) = run(raster, &q, &k, &v)?;
+    let o = &order.order;
+    let (out_p, lse_p) = run(
+        permuted,
+        &permute_rows_of(&q, h, d, o),
+        &permute_rows_of(&k, hkv, d, o),
+        &permute_rows_of(&v, hkv, d, o),
+    )?;
+    let mut e = Equivalence {
+        identity: o.iter().enumerate().all(|(i, &p)| i as u32 == p),
+        max_abs_diff: 0.0,
+        identical: 0.0,
+        lse_diff: 0.0,
+        nan: 0,
+        tolerance: order_tolerance(dt),
+    };
+    let mut same = 0usize;
+    for hh in 0..h {
+        for (i, &p) in o.iter().enumerate() {
+            let a = (hh * s + i) * d;
+            let b = (hh * s + p as usize) * d;
+            for (&x, &y) in out_p[a..a + d].iter().zip(&out_r[b..b + d]) {
+                let (xv, yv) = (value(dt, x), value(dt, y));
+                e.nan += usize::from(xv.is_nan()) + usize::from(yv.is_nan());
+                same += usize::from(x == y);
+                e.max_abs_diff = e.max_abs_diff.max((xv - yv).abs());
+            }
+            let (x, y) = (lse_p[hh * s + i], lse_r[hh * s + p as usize]);
+            e.nan += usize::from(x.is_nan()) + usize::from(y.is_nan());
+            if x != y {
+                e.lse_diff = e.lse_diff.max(f64::from((x - y).abs()));
+            }
+        }
+    }
+    // NaN compares false in `max`, and is counted above.
+    e.identical = same as f64 / (h * s * d).max(1) as f64;
+    Ok(e)
+}
+
+/// One case of `--order-check`: a built-in mask, its parameters, and the order to test
+/// (`None`: the compiler's choice for the kernel tile; else a patch and traversal).
+struct OrderCase {
+    mask: &'static str,
+    q_len: u32,
+    params: &'static [(&'static str, i64)],
+    patch: Option<([u32; 3], Traversal)>,
+}
+
+const ORDER_CASES: &[OrderCase] = &[
+    // The brief's small CLEAR grid: 17 text tokens, a 20 x 20 image, radius 5.
+    OrderCase {
+        mask: "clear",
+        q_len: 17 + 20 * 20,
+        params: &[("text", 17), ("radius", 5)],
+        patch: None,
+    },
+    OrderCase {
+        mask: "clear",
+        q_len: 17 + 20 * 20,
+        params: &[("text", 17), ("radius", 5)],
+        patch: Some(([1, 4, 4], Traversal::Hilbert)),
+    },
+    OrderCase {
+        mask: "clear",
+        q_len: 17 + 20 * 20,
+        params: &[("text", 17), ("radius", 5)],
+        patch: Some(([1, 8, 3], Traversal::Boustrophedon)),
+    },
+    // A ragged grid (patches cut at the edges) with a text prefix that is not a tile multiple.
+    OrderCase {
+        mask: "clear",
+        q_len: 100 + 45 * 45,
+        params: &[("text", 100), ("radius", 9)],
+        patch: None,
+    },
+    // The video case of issue 6: 16 x 32 x 32, |dt| <= 2, |dy|, |dx| <= 8.
+    OrderCase {
+        mask: "neighborhood_3d",
+        q_len: 16 * 32 * 32,
+        params: &[],
+        patch: None,
+    },
+    OrderCase {
+        mask: "neighborhood_3d",
+        q_len: 5 * 7 * 9,
+        params: &[
+            ("frames", 5),
+            ("height", 7),
+            ("width", 9),
+            ("dt_radius", 1),
+            ("radius", 2),
+        ],
+        patch: Some(([2, 4, 4], Traversal::Hilbert)),
+    },
+];
+
+/// An [`OrderCase`] planned at the kernel's tile shape.
+struct PlannedCase {
+    case: &'static OrderCase,
+    raster: RowIntervals,
+    permuted: RowIntervals,
+    order: TokenOrder,
+    visible_pairs: u64,
+    raster_pairs: u64,
+    ordered_pairs: u64,
+}
+
+fn plan_order_case(c: &'static OrderCase, tile: (u32, u32)) -> Result<PlannedCase> {
+    let program = compilemask::builtin(c.mask).map_err(|e| anyhow!("{}", e.rendered))?;
+    let mut base = PlanOptions::new(i64::from(c.q_len)).tile(tile.0, tile.1);
+    for &(name, v) in c.params {
+        base = base.param(name, Param::Int(v));
+    }
+    let fail = |e: compilemask::PlanError| {
+        anyhow!(
+            "order check, {} at q_len {}: {}",
+            c.mask,
+            c.q_len,
+            program.render_error(&e).trim_end()
+        )
+    };
+    let raster = program.plan(&base).map_err(fail)?;
+    let mut ordered = base.clone();
+    ordered.order = match c.patch {
+        None => OrderRequest::Auto,
+        Some((patch, traversal)) => OrderRequest::Explicit(
+            program
+                .grid_order(&base, patch, traversal)
+                .map_err(fail)?
+                .order,
+        ),
+    };
+    let plan = program.plan(&ordered).map_err(fail)?;
+    if raster.masks.len() != 1 || plan.masks.len() != 1 {
+        bail!(
+            "order check, {}: the mask differs per batch or head",
+            c.mask
+        );
+    }
+    let order = match (&plan.order, c.patch) {
+        (Some(o), None) => o.clone(),
+        // An explicit order comes back without its patch; keep the description.
+        (Some(o), Some((patch, traversal))) => TokenOrder {
+            patch: Some(patch),
+            traversal: Some(traversal),
+            ..o.clone()
+        },
+        (None, _) => TokenOrder::identity(c.q_len),
+    };
+    Ok(PlannedCase {
+        case: c,
+        raster: raster.mask(0, 0).rows.clone(),
+        permuted: plan.mask(0, 0).rows.clone(),
+        order,
+        visible_pairs: raster.visible_pairs(),
+        raster_pairs: plan.raster_computed_pairs,
+        ordered_pairs: plan.masks[0].tiles.computed_pairs,
+    })
+}
+
+fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Result<bool> {
+    let tile = kernel.tile();
+    // Plan every case before touching the GPU.
+    let planned = ORDER_CASES
+        .iter()
+        .map(|c| plan_order_case(c, tile))
+        .collect::<Result<Vec<_>>>()?;
+    let mut rt = Runtime::new_on_device(0)?;
+    rt.set_forward_kernel(kernel)?;
+    let device = rt.context().name()?;
+    if !a.json {
+        println!(
+            "compilemask bench --order-check on {device}: {} H={} H_kv={} head_dim={} {}, tile {}x{}",
+            kernel.name(),
+            opts.heads,
+            opts.kv_heads,
+            opts.head_dim,
+            opts.dtype,
+            tile.0,
+            tile.1
+        );
+    }
+    let mut all_pass = true;
+    let mut results = Vec::new();
+    for p in &planned {
+        let (c, order) = (p.case, &p.order);
+        let e = equivalence(&rt, opts, &p.raster, &p.permuted, order)?;
+        all_pass &= e.pass();
+        let params: Vec<String> = c.params.iter().map(|(n, v)| format!("{n}={v}")).collect();
+        let label = format!(
+            "{} q_len {} {} order {}{}",
+            c.mask,
+            c.q_len,
+            if params.is_empty() {
+                "(defaults)".to_string()
+            } else {
+                params.join(",")
+            },
+            if c.patch.is_some() { "" } else { "auto " },
+            describe_order(order)
+        );
+        if !a.json {
+            println!(
+                "{label}: density {:.3} -> {:.3}\n    {}",
+                p.visible_pairs as f64 / p.raster_pairs.max(1) as f64,
+                p.visible_pairs as f64 / p.ordered_pairs.max(1) as f64,
+                e.describe()
+            );
+        }
+        results.push(json!({
+            "mask": c.mask,
+            "q_len": c.q_len,
+            "params": c.params.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "order": if c.patch.is_some() { "explicit" } else { "auto" },
+            "patch": order.patch,
+            "traversal": order.traversal,
+            "visible_pairs": p.visible_pairs,
+            "computed_pairs_raster": p.raster_pairs,
+            "computed_pairs_ordered": p.ordered_pairs,
+            "check": e.to_json(),
+        }));
+    }
+    let report = json!({
+        "device": device,
+        "kernel": kernel.name(),
+        "heads": opts.heads,
+        "kv_heads": opts.kv_heads,
+        "head_dim": opts.head_dim,
+        "dtype": opts.dtype.name(),
+        "tile": [tile.0, tile.1],
+        "pass": all_pass,
+        "order_check": results,
+    });
+    if a.json {
+        println!("{report}");
+    }
+    if let Some(path) = &a.output {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+    }
+    Ok(all_pass)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,5 +952,115 @@ mod tests {
         assert_eq!(length_for("clear", 1000), 512 + 22 * 22);
         assert_eq!(length_for("clear", 1), 513);
         assert_eq!(length_for("causal", 8192), 8192);
+    }
+
+    #[test]
+    fn value_decodes_both_dtypes() {
+        assert_eq!(value(DType::Bf16, 0x3F80), 1.0);
+        assert_eq!(value(DType::Bf16, 0xC040), -3.0);
+        assert!(value(DType::Bf16, 0x7FC0).is_nan());
+        assert_eq!(value(DType::F16, 0x3C00), 1.0);
+        assert_eq!(value(DType::F16, 0xC200), -3.0);
+        assert_eq!(value(DType::F16, 0x0001), 2f64.powi(-24));
+        assert_eq!(value(DType::F16, 0x7C00), f64::INFINITY);
+        assert!(value(DType::F16, 0x7E00).is_nan());
+        for dt in [DType::Bf16, DType::F16] {
+            let x = random_bits(dt, 3 << 20, 9);
+            assert_eq!(x, random_bits(dt, 3 << 20, 9));
+            assert!(x
+                .iter()
+                .all(|&b| (0.125..2.0).contains(&value(dt, b).abs())));
+            let neg = x.iter().filter(|&&b| value(dt, b) < 0.0).count();
+            assert!((neg as f64 / x.len() as f64 - 0.5).abs() < 0.01);
+        }
+    }
+
+    /// The property the GPU check tests, on the float64 reference: the permuted plan on
+    /// tensors permuted by `permute_rows_of`, read back through the order, is the raster
+    /// answer (so a GPU failure is the kernel's, not this file's indexing).
+    #[test]
+    fn permuted_plan_on_permuted_tensors_equals_raster() {
+        use cm_cuda::reference::{compute, Inputs, Shape};
+        for c in ORDER_CASES.iter().filter(|c| c.q_len < 5000) {
+            let p = plan_order_case(c, (64, 64)).unwrap();
+            let s = c.q_len as usize;
+            assert!(p.visible_pairs > 0);
+            let identity = p
+                .order
+                .order
+                .iter()
+                .enumerate()
+                .all(|(i, &o)| i as u32 == o);
+            // Explicit patch orders must move tokens, or the check would be vacuous.
+            assert!(c.patch.is_none() || !identity, "{} {:?}", c.mask, c.patch);
+            let (h, hkv, d) = (2, 1, 8);
+            let dt = DType::Bf16;
+            let q = random_bits(dt, h * s * d, 1);
+            let k = random_bits(dt, hkv * s * d, 2);
+            let v = random_bits(dt, hkv * s * d, 3);
+            let o = &p.order.order;
+            let shape = Shape {
+                batch: 1,
+                heads: h,
+                kv_heads: hkv,
+                q_len: s,
+                kv_len: s,
+                head_dim: d,
+            };
+            let all: Vec<u32> = (0..s as u32).collect();
+            let f = |x: &[u16]| x.iter().map(|&b| value(dt, b)).collect::<Vec<f64>>();
+            let raster = compute(
+                shape,
+                &Inputs {
+                    q: f(&q),
+                    k: f(&k),
+                    v: f(&v),
+                },
+                &p.raster,
+                &all,
+                0.3,
+                dt,
+            );
+            let permuted = compute(
+                shape,
+                &Inputs {
+                    q: f(&permute_rows_of(&q, h, d, o)),
+                    k: f(&permute_rows_of(&k, hkv, d, o)),
+                    v: f(&permute_rows_of(&v, hkv, d, o)),
+                },
+                &p.permuted,
+                &all,
+                0.3,
+                dt,
+            );
+            let mut worst = 0.0f64;
+            for hh in 0..h {
+                for (i, &src) in o.iter().enumerate() {
+                    let (a, b) = (hh * s + i, hh * s + src as usize);
+                    worst = worst.max((permuted.lse[a] - raster.lse[b]).abs());
+                    for col in 0..d {
+                        let (x, y) = (permuted.out[a * d + col], raster.out[b * d + col]);
+                        worst = worst.max((x - y).abs());
+                    }
+                }
+            }
+            assert!(worst < 1e-9, "{} {:?}: {worst}", c.mask, c.patch);
+            // A wrong un-permutation is caught: reading back without the order differs.
+            let naive = (0..h * s * d)
+                .map(|i| (permuted.out[i] - raster.out[i]).abs())
+                .fold(0.0, f64::max);
+            assert!(identity || naive > 1e-3, "{}: {naive}", c.mask);
+        }
+    }
+
+    #[test]
+    fn order_check_cases_plan_and_auto_beats_raster_on_the_video() {
+        let video = ORDER_CASES
+            .iter()
+            .find(|c| c.mask == "neighborhood_3d" && c.patch.is_none())
+            .unwrap();
+        let p = plan_order_case(video, (64, 64)).unwrap();
+        assert!(p.ordered_pairs < p.raster_pairs);
+        assert_eq!(p.permuted.q_len(), 16 * 32 * 32);
     }
 }
