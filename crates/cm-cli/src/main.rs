@@ -197,6 +197,16 @@ fn finish_output(r: std::io::Result<()>, what: &str) -> Result<()> {
     }
 }
 
+/// `println!` for `run`: a closed standard output (`compilemask plan ... | head -2`) ends the
+/// command quietly instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        if writeln!(std::io::stdout(), $($arg)*).is_err() {
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
@@ -231,7 +241,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     } else {
                         ""
                     };
-                    println!(
+                    out!(
                         "ok: {file} ({} warning(s); parameters: {}{how})",
                         p.warnings().len(),
                         if params.is_empty() {
@@ -281,10 +291,10 @@ fn run(command: Command) -> Result<ExitCode> {
                 });
             }
             if json {
-                println!("{out}");
+                out!("{out}");
             } else {
                 let pairs = options.shape().q_len as f64 * options.shape().kv_len as f64;
-                println!(
+                out!(
                     "{}: q_len {} kv_len {}, tile {}x{}",
                     program.name(),
                     plan.q_len,
@@ -292,23 +302,25 @@ fn run(command: Command) -> Result<ExitCode> {
                     plan.tile.block_m,
                     plan.tile.block_n
                 );
-                println!(
+                out!(
                     "  visible pairs   {} ({:.4} of q_len x kv_len)",
                     plan.visible_pairs(),
                     plan.visible_pairs() as f64 / pairs / (plan.batch * plan.num_heads) as f64
                 );
-                println!("  empty rows      {}", plan.empty_rows());
-                println!("  intervals/row   at most {}", plan.max_intervals_per_row());
-                println!(
+                out!("  empty rows      {}", plan.empty_rows());
+                out!("  intervals/row   at most {}", plan.max_intervals_per_row());
+                out!(
                     "  tiles           {} full, {} partial, {} empty",
-                    t.full, t.partial, t.empty
+                    t.full,
+                    t.partial,
+                    t.empty
                 );
-                println!(
+                out!(
                     "  computed pairs  {} (tile density {:.3})",
                     plan.computed_pairs(),
                     plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64
                 );
-                println!("  descriptor      {} bytes", plan.descriptor_bytes());
+                out!("  descriptor      {} bytes", plan.descriptor_bytes());
                 if let Some(o) = &plan.order {
                     let before =
                         plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64;
@@ -319,15 +331,15 @@ fn run(command: Command) -> Result<ExitCode> {
                         ),
                         _ => "explicit permutation".to_string(),
                     };
-                    println!("  token order     {which}: tile density {before:.3} in raster order");
+                    out!("  token order     {which}: tile density {before:.3} in raster order");
                 }
                 if plan.elementwise_pairs > 0 {
-                    println!(
+                    out!(
                         "  elementwise     {} pairs evaluated one by one",
                         plan.elementwise_pairs
                     );
                 }
-                println!("  plan time       {ms:.3} ms");
+                out!("  plan time       {ms:.3} ms");
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -356,7 +368,7 @@ fn run(command: Command) -> Result<ExitCode> {
         Command::Show { mask, output } => {
             let (program, _, plan, _) = mask.plan()?;
             let (w, h) = show::write_png(plan.mask(0, 0), &output)?;
-            println!("wrote {output} ({w}x{h} pixels) for {}", program.name());
+            out!("wrote {output} ({w}x{h} pixels) for {}", program.name());
             Ok(ExitCode::SUCCESS)
         }
         Command::Export {
@@ -452,7 +464,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     .iter()
                     .map(|(n, arr, _)| if *arr { format!("{n}=[..]") } else { n.clone() })
                     .collect();
-                println!(
+                out!(
                     "{:<20} {}\n{:<20} parameters: {}",
                     b.name,
                     b.summary(),

@@ -134,8 +134,8 @@ fn cm0105_nesting_too_deep() {
 
 #[test]
 fn cm0105_parentheses_too_deep() {
-    // Same code from the parser: 100 nested parentheses.
-    let src = format!("mask = k <= {}q{};\n", "(".repeat(100), ")".repeat(100));
+    // Same code from the parser: 200 nested parentheses.
+    let src = format!("mask = k <= {}q{};\n", "(".repeat(200), ")".repeat(200));
     let e = compilemask::compile_named(&src, NAME).unwrap_err();
     assert_eq!(e.diagnostics[0].code, "CM0105");
     insta::assert_snapshot!(
@@ -297,16 +297,16 @@ fn cm0308_missing_parameter() {
 
 #[test]
 fn cm0308_wrong_type() {
-    let src = "param lengths: [int] = [4];\nsegments doc = lengths;\nmask = k in doc(q);\n";
+    let src = "param window: int = 4;\nmask = q - window < k <= q;\n";
     let program = compilemask::compile_named(src, NAME).unwrap();
     let err = program
-        .plan(&opts(8).param("lengths", Value::Int(4)))
+        .plan(&opts(8).param("window", Value::Array(vec![1, 2].into())))
         .unwrap_err();
     assert_eq!(err.code, "CM0308");
     insta::assert_snapshot!(
         "cm0308_wrong_type",
         format!(
-            "--- source\n{src}\n--- params\nlengths=4\n--- rendered\n{}",
+            "--- source\n{src}\n--- params\nwindow=1,2\n--- rendered\n{}",
             program.render_error(&err)
         )
     );
