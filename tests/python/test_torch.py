@@ -1,6 +1,7 @@
 """The torch side: `compilemask.attention` against a dense masked softmax (forward, lse and
 gradients), validation, FlexAttention block masks, and torch.compile. Skipped without torch.
-Runs on CUDA too where available (block masks through compiled FlexAttention)."""
+Runs on CUDA too where available (block masks through compiled FlexAttention); the CUDA
+kernels have their own tests in test_cuda.py."""
 
 from __future__ import annotations
 
@@ -216,14 +217,6 @@ def test_devices_must_agree():
         cm.attention(q.cuda(), k, v, plan)
 
 
-def test_cuda_is_not_wired_yet():
-    if not CUDA:
-        pytest.skip("needs a CUDA device")
-    plan, q, k, v = _ok()
-    with pytest.raises(NotImplementedError, match="CUDA kernels not wired yet"):
-        cm.attention(q.cuda(), k.cuda(), v.cuda(), plan)
-
-
 # ------------------------------------------------------------------ FlexAttention
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -330,7 +323,7 @@ def test_opcheck():
     plan = cm.builtin("hstu", lengths=[5, 4]).plan(9)
     pt = plan.to_tensors()
     q, k, v = _inputs(1, 2, 1, 9, 9, 4, 3, torch.float64)
-    args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), 0.5)
+    args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), [], [], 0.5, False)
     torch.library.opcheck(_ops.attention_forward, args)
 
 

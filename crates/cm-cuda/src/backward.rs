@@ -23,8 +23,10 @@
 
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
 use crate::layout::VECTOR_BYTES;
+use crate::plan::{PlanArray, PlanView};
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
+use cm_plan::tiles::TileShape;
 use cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -51,7 +53,7 @@ pub struct Backward<'a> {
     pub dq: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dk: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dv: (&'a mut CudaSlice<u16>, TensorLayout),
-    /// Scratch of at least [`DevicePlan::backward_workspace_len`] fp32 elements; its contents
+    /// Scratch of at least [`PlanView::backward_workspace_len`] fp32 elements; its contents
     /// on entry do not matter.
     pub workspace: &'a mut CudaSlice<f32>,
     /// The forward's `softmax_scale`.
@@ -164,11 +166,28 @@ struct Plan {
     steps: Vec<Step>,
 }
 
-impl DevicePlan {
-    /// fp32 elements of workspace a backward over this plan needs: `lse_log2` and `delta`
-    /// `[batch, num_heads, q_pad]`, plus in the fast mode the dQ accumulator
-    /// `[batch, num_heads, q_pad, head_dim]`, with `q_pad` = q_len rounded up to the 64-row
-    /// tile. `None` if the count overflows `usize`.
+/// fp32 elements of workspace a backward over a `q_len`-row plan at `tile` needs: `lse_log2`
+/// and `delta` `[batch, num_heads, q_pad]`, plus in the fast mode the dQ accumulator `[batch,
+/// num_heads, q_pad, head_dim]`, with `q_pad` = q_len rounded up to whole query tiles. `None`
+/// if the count overflows `usize`. Needs no device, so a caller can allocate the workspace
+/// (e.g. with torch) before it has a plan view.
+pub fn backward_workspace_len(
+    q_len: u32,
+    tile: TileShape,
+    batch: usize,
+    num_heads: usize,
+    head_dim: usize,
+    deterministic: bool,
+) -> Option<usize> {
+    let (bm, _) = tile.clamped(q_len, 1);
+    let q_pad = q_len.div_ceil(bm) as usize * tile.block_m as usize;
+    let rows = batch.checked_mul(num_heads)?.checked_mul(q_pad)?;
+    let per_row = if deterministic { 2 } else { 2 + head_dim };
+    rows.checked_mul(per_row)
+}
+
+impl PlanView {
+    /// [`backward_workspace_len`] for this plan.
     pub fn backward_workspace_len(
         &self,
         batch: usize,
@@ -176,14 +195,17 @@ impl DevicePlan {
         head_dim: usize,
         deterministic: bool,
     ) -> Option<usize> {
-        let rows = batch
-            .checked_mul(num_heads)?
-            .checked_mul(self.q_pad() as usize)?;
-        let per_row = if deterministic { 2 } else { 2 + head_dim };
-        rows.checked_mul(per_row)
+        backward_workspace_len(
+            self.q_len,
+            self.tile,
+            batch,
+            num_heads,
+            head_dim,
+            deterministic,
+        )
     }
 
-    /// Query rows padded to whole 64-row tiles (the workspace's row count per head).
+    /// Query rows padded to whole query tiles (the workspace's row count per head).
     fn q_pad(&self) -> u32 {
         self.num_m_blocks * self.tile.block_m
     }
@@ -208,7 +230,7 @@ fn check_output(
 }
 
 /// Every host-side check of a backward; no device work and no synchronisation.
-fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
+fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
     // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
     let forward = ForwardRaw {
         dtype: a.dtype,
@@ -244,7 +266,7 @@ fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
     if a.workspace_len < needed {
         return Err(Error::invalid(format!(
             "workspace: {} fp32 elements, the backward needs {needed} \
-             (DevicePlan::backward_workspace_len)",
+             (backward_workspace_len)",
             a.workspace_len
         )));
     }
@@ -298,7 +320,6 @@ fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         a.workspace + 8 * rows as u64
     };
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
-    let o = &plan.offsets;
     let params = BwdParams {
         q: a.q,
         k: a.k,
@@ -321,20 +342,20 @@ fn prepare(plan: &DevicePlan, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         dk_strides: s3(&a.dk_layout),
         dv_strides: s3(&a.dv_layout),
         lse_strides: [a.lse_layout.strides[0], a.lse_layout.strides[1]],
-        m_block_order: plan.addr(o.m_block_order),
-        kv_offsets: plan.addr(o.kv_offsets),
-        kv_indices: plan.addr(o.kv_indices),
-        full_kv_offsets: plan.addr(o.full_kv_offsets),
-        full_kv_indices: plan.addr(o.full_kv_indices),
-        partial_row_first: plan.addr(o.partial_row_first),
-        row_ptr: plan.addr(o.row_ptr),
-        intervals: plan.addr(o.intervals),
-        n_block_order: plan.addr(o.n_block_order),
-        q_offsets: plan.addr(o.q_offsets),
-        q_indices: plan.addr(o.q_indices),
-        q_partial_ids: plan.addr(o.q_partial_ids),
-        full_q_offsets: plan.addr(o.full_q_offsets),
-        full_q_indices: plan.addr(o.full_q_indices),
+        m_block_order: plan.addr(PlanArray::MBlockOrder),
+        kv_offsets: plan.addr(PlanArray::KvOffsets),
+        kv_indices: plan.addr(PlanArray::KvIndices),
+        full_kv_offsets: plan.addr(PlanArray::FullKvOffsets),
+        full_kv_indices: plan.addr(PlanArray::FullKvIndices),
+        partial_row_first: plan.addr(PlanArray::PartialRowFirst),
+        row_ptr: plan.addr(PlanArray::RowPtr),
+        intervals: plan.addr(PlanArray::Intervals),
+        n_block_order: plan.addr(PlanArray::NBlockOrder),
+        q_offsets: plan.addr(PlanArray::QOffsets),
+        q_indices: plan.addr(PlanArray::QIndices),
+        q_partial_ids: plan.addr(PlanArray::QPartialIds),
+        full_q_offsets: plan.addr(PlanArray::FullQOffsets),
+        full_q_indices: plan.addr(PlanArray::FullQIndices),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         q_pad: plan.q_pad(),
@@ -362,7 +383,7 @@ impl Runtime {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first check that fails (every check of
     /// [`Runtime::forward`] on q, k, v, out and lse; dout, dq, dk and dv shapes, strides and
-    /// alignment; a workspace shorter than [`DevicePlan::backward_workspace_len`]; a buffer
+    /// alignment; a workspace shorter than [`PlanView::backward_workspace_len`]; a buffer
     /// shorter than its layout spans); [`Error::Driver`] if a launch is refused.
     pub fn backward(
         &self,
@@ -451,7 +472,7 @@ impl Runtime {
     pub unsafe fn backward_raw(
         &self,
         stream: &CudaStream,
-        plan: &DevicePlan,
+        plan: &PlanView,
         args: &BackwardRaw,
     ) -> Result<(), Error> {
         self.check_stream(stream)?;

@@ -1,7 +1,8 @@
 //! Forward attention: argument checking and the launch.
 
 use crate::layout::VECTOR_BYTES;
-use crate::{DType, DevicePlan, Error, LseLayout, TensorLayout};
+use crate::plan::{PlanArray, PlanView};
+use crate::{DType, Error, LseLayout, TensorLayout};
 use cm_kernels::{KernelKind, Variant};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
@@ -102,7 +103,7 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
 
 /// Every host-side check of a forward launch; no device work and no synchronisation.
 pub(crate) fn prepare(
-    plan: &DevicePlan,
+    plan: &PlanView,
     a: &ForwardRaw,
     kernel_kind: KernelKind,
 ) -> Result<Option<Launch>, Error> {
@@ -202,7 +203,6 @@ pub(crate) fn prepare(
     }
 
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
-    let o = &plan.offsets;
     let params = FwdParams {
         q: a.q,
         k: a.k,
@@ -214,14 +214,14 @@ pub(crate) fn prepare(
         v_strides: s3(&a.v_layout),
         o_strides: s3(&a.out_layout),
         lse_strides: a.lse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
-        m_block_order: plan.addr(o.m_block_order),
-        kv_offsets: plan.addr(o.kv_offsets),
-        kv_indices: plan.addr(o.kv_indices),
-        full_kv_offsets: plan.addr(o.full_kv_offsets),
-        full_kv_indices: plan.addr(o.full_kv_indices),
-        partial_row_first: plan.addr(o.partial_row_first),
-        row_ptr: plan.addr(o.row_ptr),
-        intervals: plan.addr(o.intervals),
+        m_block_order: plan.addr(PlanArray::MBlockOrder),
+        kv_offsets: plan.addr(PlanArray::KvOffsets),
+        kv_indices: plan.addr(PlanArray::KvIndices),
+        full_kv_offsets: plan.addr(PlanArray::FullKvOffsets),
+        full_kv_indices: plan.addr(PlanArray::FullKvIndices),
+        partial_row_first: plan.addr(PlanArray::PartialRowFirst),
+        row_ptr: plan.addr(PlanArray::RowPtr),
+        intervals: plan.addr(PlanArray::Intervals),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,

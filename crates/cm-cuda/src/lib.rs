@@ -1,10 +1,12 @@
 //! The CompileMask CUDA runtime: loads the sm_90a CUBINs that the build embedded, uploads a
-//! plan's tile descriptor and row intervals once ([`DevicePlan`]), and launches attention on a
+//! plan's tile descriptor and row intervals once ([`DevicePlan`], or [`HostPlan`] arrays the
+//! caller uploads itself and views with [`PlanView::borrowed`]), and launches attention on a
 //! caller-given stream over caller-owned device memory, with no host synchronisation in the
 //! launch path (so a launch can be captured in a CUDA graph).
 //!
-//! This is the only crate of the workspace with `unsafe` code: the CUDA driver calls of the
-//! launch path and the NVRTC calls of the build script. Every `unsafe` block says why it holds.
+//! With `cm-py` (which passes torch's device addresses to the `_raw` launches), this is one of
+//! the two crates of the workspace with `unsafe` code: the CUDA driver calls of the launch path
+//! and the NVRTC calls of the build script. Every `unsafe` block says why it holds.
 //!
 //! Tensors are described by [`TensorLayout`] / [`LseLayout`] (shapes and strides in elements,
 //! dims `[batch, heads, seq_len, head_dim]` and `[batch, num_heads, q_len]`).
@@ -17,7 +19,7 @@
 //! Backward ([`Runtime::backward`], [`Backward`]): pre-processing, dK / dV per key block over
 //! the descriptor's transposed lists (never atomic), and dQ either by fp32 atomic reductions
 //! (the fast mode) or by a second pass per query block (`deterministic`, the same bits every
-//! run); scratch of [`DevicePlan::backward_workspace_len`] fp32 elements.
+//! run); scratch of [`backward_workspace_len`] fp32 elements.
 //! [`Runtime::backward`] lists the kernels.
 //!
 //! ```no_run
@@ -53,11 +55,11 @@ mod plan;
 pub mod reference;
 mod runtime;
 
-pub use backward::{Backward, BackwardRaw};
+pub use backward::{backward_workspace_len, Backward, BackwardRaw};
 pub use cm_kernels::{DType, KernelKind};
 pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::DevicePlan;
+pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;

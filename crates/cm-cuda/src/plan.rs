@@ -1,64 +1,132 @@
 //! A plan's tile descriptor and row intervals in device memory, uploaded once and reused by
 //! every launch over the same mask and lengths.
+//!
+//! The descriptor is a fixed set of u32 arrays ([`PlanArray`]). [`HostPlan`] builds them on the
+//! host; [`DevicePlan`] uploads them into one allocation it owns; [`PlanView`] is what a launch
+//! reads: the arrays' device addresses and the sizes, either a [`DevicePlan`]'s (through
+//! `Deref`) or arrays someone else owns ([`PlanView::borrowed`], e.g. torch tensors, so that
+//! torch's allocator orders their lifetime with the launches that read them).
 
 use crate::Error;
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::{TileCounts, TileDescriptor, TileShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use std::ops::Deref;
 use std::sync::Arc;
 
-/// Element offsets (in u32 words) of each array inside the one device buffer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Offsets {
-    pub(crate) intervals: usize,
-    pub(crate) m_block_order: usize,
-    pub(crate) kv_offsets: usize,
-    pub(crate) kv_indices: usize,
-    pub(crate) full_kv_offsets: usize,
-    pub(crate) full_kv_indices: usize,
-    pub(crate) partial_row_first: usize,
-    pub(crate) row_ptr: usize,
-    pub(crate) n_block_order: usize,
-    pub(crate) q_offsets: usize,
-    pub(crate) q_indices: usize,
-    pub(crate) q_partial_ids: usize,
-    pub(crate) full_q_offsets: usize,
-    pub(crate) full_q_indices: usize,
+/// The number of arrays in a descriptor ([`PlanArray::ALL`]).
+pub const PLAN_ARRAY_COUNT: usize = 14;
+
+/// One array of a plan's device descriptor, all u32.
+///
+/// The forward lists at the kernel's tile shape (`kv_offsets [num_m_blocks + 1]`, `kv_indices
+/// [num_partial]`, `full_kv_*` likewise), `partial_row_first [num_partial, block_m]`, the row
+/// intervals (`row_ptr [q_len + 1]`, `intervals [2 * num_intervals]` as `[start, end)` pairs)
+/// and the order in which query blocks are scheduled (`[num_m_blocks]`, most tiles first, so the
+/// longest CTAs start first); for the backward pass also the transposed lists (`q_offsets
+/// [num_n_blocks + 1]`, `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and
+/// the key-block order (`[num_n_blocks]`, most tiles first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanArray {
+    Intervals,
+    MBlockOrder,
+    KvOffsets,
+    KvIndices,
+    FullKvOffsets,
+    FullKvIndices,
+    PartialRowFirst,
+    RowPtr,
+    NBlockOrder,
+    QOffsets,
+    QIndices,
+    QPartialIds,
+    FullQOffsets,
+    FullQIndices,
 }
 
-/// One mask's descriptor on the device, shared by every (batch, head) of a launch.
-///
-/// Holds, in one allocation, the forward tile lists at the kernel's tile shape
-/// (`kv_offsets [num_m_blocks + 1]`, `kv_indices [num_partial]`, `full_kv_*` likewise),
-/// `partial_row_first [num_partial, block_m]`, the row intervals (`row_ptr [q_len + 1]`,
-/// `intervals [num_intervals]` as `[start, end)` u32 pairs) and the order in which query
-/// blocks are scheduled (`[num_m_blocks]`, most tiles first, so the longest CTAs start first);
-/// for the backward pass also the transposed lists (`q_offsets [num_n_blocks + 1]`,
-/// `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and the key-block
-/// order (`[num_n_blocks]`, most tiles first).
-pub struct DevicePlan {
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) buffer: CudaSlice<u32>,
-    pub(crate) base: u64,
-    pub(crate) offsets: Offsets,
-    pub(crate) q_len: u32,
-    pub(crate) kv_len: u32,
-    pub(crate) tile: TileShape,
-    pub(crate) num_m_blocks: u32,
-    pub(crate) num_n_blocks: u32,
+impl PlanArray {
+    /// Every array, in the order of [`HostPlan::arrays`] and [`PlanView::borrowed`].
+    pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = [
+        PlanArray::Intervals,
+        PlanArray::MBlockOrder,
+        PlanArray::KvOffsets,
+        PlanArray::KvIndices,
+        PlanArray::FullKvOffsets,
+        PlanArray::FullKvIndices,
+        PlanArray::PartialRowFirst,
+        PlanArray::RowPtr,
+        PlanArray::NBlockOrder,
+        PlanArray::QOffsets,
+        PlanArray::QIndices,
+        PlanArray::QPartialIds,
+        PlanArray::FullQOffsets,
+        PlanArray::FullQIndices,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PlanArray::Intervals => "intervals",
+            PlanArray::MBlockOrder => "m_block_order",
+            PlanArray::KvOffsets => "kv_offsets",
+            PlanArray::KvIndices => "kv_indices",
+            PlanArray::FullKvOffsets => "full_kv_offsets",
+            PlanArray::FullKvIndices => "full_kv_indices",
+            PlanArray::PartialRowFirst => "partial_row_first",
+            PlanArray::RowPtr => "row_ptr",
+            PlanArray::NBlockOrder => "n_block_order",
+            PlanArray::QOffsets => "q_offsets",
+            PlanArray::QIndices => "q_indices",
+            PlanArray::QPartialIds => "q_partial_ids",
+            PlanArray::FullQOffsets => "full_q_offsets",
+            PlanArray::FullQIndices => "full_q_indices",
+        }
+    }
+
+    /// The array's length when the lengths alone fix it (`None` when the mask does).
+    fn fixed_len(self, q_len: u32, num_m_blocks: u32, num_n_blocks: u32) -> Option<usize> {
+        let (m, n) = (num_m_blocks as usize, num_n_blocks as usize);
+        match self {
+            PlanArray::MBlockOrder => Some(m),
+            PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
+            PlanArray::RowPtr => Some(q_len as usize + 1),
+            PlanArray::NBlockOrder => Some(n),
+            PlanArray::QOffsets | PlanArray::FullQOffsets => Some(n + 1),
+            _ => None,
+        }
+    }
+
+    /// Byte alignment the kernels' loads of this array need.
+    fn align(self) -> u64 {
+        // Intervals are read as 8-byte (start, end) pairs.
+        if self == PlanArray::Intervals {
+            8
+        } else {
+            4
+        }
+    }
+}
+
+/// Query and key blocks of a `q_len x kv_len` mask at `tile`, as the descriptor counts them.
+fn block_counts(q_len: u32, kv_len: u32, tile: TileShape) -> (u32, u32) {
+    let (bm, bn) = tile.clamped(q_len, kv_len);
+    (q_len.div_ceil(bm), kv_len.div_ceil(bn))
+}
+
+/// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
+pub struct HostPlan {
+    q_len: u32,
+    kv_len: u32,
+    tile: TileShape,
+    arrays: [Vec<u32>; PLAN_ARRAY_COUNT],
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
 }
 
-impl DevicePlan {
-    /// Builds the descriptor of `rows` at `tile` and copies it to the device on `stream`, then
-    /// waits for the copy, so the plan is ready for launches on any stream of the context.
-    pub(crate) fn upload(
-        rows: &RowIntervals,
-        tile: TileShape,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DevicePlan, Error> {
+impl HostPlan {
+    /// Builds the descriptor of `rows` at `tile` (the kernels' tile shape, see
+    /// [`crate::KernelKind::tile`]).
+    pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
         let mut order: Vec<u32> = (0..desc.num_m_blocks).collect();
         let work = |m: u32| {
@@ -74,64 +142,124 @@ impl DevicePlan {
                 + (desc.full_q_offsets[n + 1] - desc.full_q_offsets[n])
         };
         n_order.sort_by_key(|&n| (std::cmp::Reverse(n_work(n)), std::cmp::Reverse(n)));
-
-        let mut host: Vec<u32> = Vec::new();
-        let mut push = |v: &[u32]| {
-            let at = host.len();
-            host.extend_from_slice(v);
-            at
-        };
-        // Intervals first: offset 0 keeps their 8-byte pairs aligned for the kernel's loads.
         let flat_intervals: Vec<u32> = rows
             .intervals()
             .iter()
             .flat_map(|iv| [iv.start, iv.end])
             .collect();
-        let offsets = Offsets {
-            intervals: push(&flat_intervals),
-            m_block_order: push(&order),
-            kv_offsets: push(&desc.kv_offsets),
-            kv_indices: push(&desc.kv_indices),
-            full_kv_offsets: push(&desc.full_kv_offsets),
-            full_kv_indices: push(&desc.full_kv_indices),
-            partial_row_first: push(&desc.partial_row_first),
-            row_ptr: push(rows.row_ptr()),
-            n_block_order: push(&n_order),
-            q_offsets: push(&desc.q_offsets),
-            q_indices: push(&desc.q_indices),
-            q_partial_ids: push(&desc.q_partial_ids),
-            full_q_offsets: push(&desc.full_q_offsets),
-            full_q_indices: push(&desc.full_q_indices),
-        };
-        let buffer = stream
-            .clone_htod(&host)
-            .map_err(|e| Error::driver("plan upload", e))?;
-        stream
-            .synchronize()
-            .map_err(|e| Error::driver("plan upload", e))?;
-        let base = {
-            let (ptr, _guard) = buffer.device_ptr(stream);
-            ptr
-        };
-        Ok(DevicePlan {
-            ctx: stream.context().clone(),
-            buffer,
-            base,
-            offsets,
+        let visible_pairs = rows.visible_pairs();
+        let (computed_pairs, counts) = (desc.computed_pairs, desc.counts());
+        // In `PlanArray::ALL` order.
+        let arrays = [
+            flat_intervals,
+            order,
+            desc.kv_offsets,
+            desc.kv_indices,
+            desc.full_kv_offsets,
+            desc.full_kv_indices,
+            desc.partial_row_first,
+            rows.row_ptr().to_vec(),
+            n_order,
+            desc.q_offsets,
+            desc.q_indices,
+            desc.q_partial_ids,
+            desc.full_q_offsets,
+            desc.full_q_indices,
+        ];
+        HostPlan {
             q_len: rows.q_len(),
             kv_len: rows.kv_len(),
             tile,
-            num_m_blocks: desc.num_m_blocks,
-            num_n_blocks: desc.num_n_blocks,
-            visible_pairs: rows.visible_pairs(),
-            computed_pairs: desc.computed_pairs,
-            counts: desc.counts(),
+            arrays,
+            visible_pairs,
+            computed_pairs,
+            counts,
+        }
+    }
+
+    /// The arrays, in [`PlanArray::ALL`] order.
+    pub fn arrays(&self) -> &[Vec<u32>; PLAN_ARRAY_COUNT] {
+        &self.arrays
+    }
+
+    pub fn tile(&self) -> TileShape {
+        self.tile
+    }
+}
+
+/// Where a plan's descriptor lives on the device and the sizes a launch needs: what
+/// [`crate::Runtime::forward_raw`] and [`crate::Runtime::backward_raw`] read. A
+/// [`DevicePlan`] derefs to its view; [`PlanView::borrowed`] makes one over arrays someone else
+/// owns.
+pub struct PlanView {
+    pub(crate) ctx: Arc<CudaContext>,
+    addrs: [u64; PLAN_ARRAY_COUNT],
+    pub(crate) q_len: u32,
+    pub(crate) kv_len: u32,
+    pub(crate) tile: TileShape,
+    pub(crate) num_m_blocks: u32,
+    pub(crate) num_n_blocks: u32,
+}
+
+impl PlanView {
+    /// A view of descriptor arrays in device memory that the caller owns: `arrays[i]` is the
+    /// address and length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
+    /// [`HostPlan::build`] made them for a `q_len x kv_len` mask at `tile`.
+    ///
+    /// # Safety
+    /// Each array must hold the contents [`HostPlan::arrays`] gave for one mask (a prefix of
+    /// at least its length, then anything), in device memory of `ctx` that stays allocated and
+    /// unwritten until every launch reading this view has finished.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when an array is misaligned or shorter than the lengths fix.
+    #[allow(unsafe_code)]
+    pub unsafe fn borrowed(
+        ctx: Arc<CudaContext>,
+        q_len: u32,
+        kv_len: u32,
+        tile: TileShape,
+        arrays: [(u64, usize); PLAN_ARRAY_COUNT],
+    ) -> Result<PlanView, Error> {
+        if tile.block_m == 0 || tile.block_n == 0 {
+            return Err(Error::invalid(format!(
+                "plan tile {}x{} has a zero side",
+                tile.block_m, tile.block_n
+            )));
+        }
+        let (num_m_blocks, num_n_blocks) = block_counts(q_len, kv_len, tile);
+        for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
+            if addr == 0 || addr % a.align() != 0 {
+                return Err(Error::invalid(format!(
+                    "plan array {}: address {addr:#x} is null or not {}-byte aligned",
+                    a.name(),
+                    a.align()
+                )));
+            }
+            if let Some(need) = a.fixed_len(q_len, num_m_blocks, num_n_blocks) {
+                if len < need {
+                    return Err(Error::invalid(format!(
+                        "plan array {} holds {len} elements; q_len = {q_len} and kv_len = {kv_len} \
+                         need {need}: the descriptor was built for other lengths",
+                        a.name()
+                    )));
+                }
+            }
+        }
+        Ok(PlanView {
+            ctx,
+            addrs: arrays.map(|(addr, _)| addr),
+            q_len,
+            kv_len,
+            tile,
+            num_m_blocks,
+            num_n_blocks,
         })
     }
 
-    /// Device address of the array at `offset` (u32 words from the buffer start).
-    pub(crate) fn addr(&self, offset: usize) -> u64 {
-        self.base + 4 * offset as u64
+    /// Device address of one array.
+    pub(crate) fn addr(&self, a: PlanArray) -> u64 {
+        self.addrs[a as usize]
     }
 
     pub fn q_len(&self) -> u32 {
@@ -146,6 +274,70 @@ impl DevicePlan {
     pub fn tile(&self) -> TileShape {
         self.tile
     }
+}
+
+/// One mask's descriptor on the device, shared by every (batch, head) of a launch, in one
+/// allocation this plan owns (every [`PlanArray`], concatenated).
+pub struct DevicePlan {
+    view: PlanView,
+    pub(crate) buffer: CudaSlice<u32>,
+    visible_pairs: u64,
+    computed_pairs: u64,
+    counts: TileCounts,
+}
+
+impl Deref for DevicePlan {
+    type Target = PlanView;
+
+    fn deref(&self) -> &PlanView {
+        &self.view
+    }
+}
+
+impl DevicePlan {
+    /// Builds the descriptor of `rows` at `tile` and copies it to the device on `stream`, then
+    /// waits for the copy, so the plan is ready for launches on any stream of the context.
+    pub(crate) fn upload(
+        rows: &RowIntervals,
+        tile: TileShape,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DevicePlan, Error> {
+        let host = HostPlan::build(rows, tile);
+        // Intervals first: offset 0 keeps their 8-byte pairs aligned for the kernel's loads.
+        debug_assert_eq!(PlanArray::ALL[0], PlanArray::Intervals);
+        let mut flat: Vec<u32> = Vec::new();
+        let mut offsets = [0usize; PLAN_ARRAY_COUNT];
+        for (offset, array) in offsets.iter_mut().zip(&host.arrays) {
+            *offset = flat.len();
+            flat.extend_from_slice(array);
+        }
+        let buffer = stream
+            .clone_htod(&flat)
+            .map_err(|e| Error::driver("plan upload", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::driver("plan upload", e))?;
+        let base = {
+            let (ptr, _guard) = buffer.device_ptr(stream);
+            ptr
+        };
+        let (num_m_blocks, num_n_blocks) = block_counts(host.q_len, host.kv_len, tile);
+        Ok(DevicePlan {
+            view: PlanView {
+                ctx: stream.context().clone(),
+                addrs: offsets.map(|o| base + 4 * o as u64),
+                q_len: host.q_len,
+                kv_len: host.kv_len,
+                tile,
+                num_m_blocks,
+                num_n_blocks,
+            },
+            buffer,
+            visible_pairs: host.visible_pairs,
+            computed_pairs: host.computed_pairs,
+            counts: host.counts,
+        })
+    }
 
     /// Visible (q, k) pairs of the mask: the FLOP count basis (`4 * heads * head_dim * pairs`).
     pub fn visible_pairs(&self) -> u64 {
@@ -157,7 +349,7 @@ impl DevicePlan {
         self.computed_pairs
     }
 
-    /// Tiles by class at [`DevicePlan::tile`].
+    /// Tiles by class at [`PlanView::tile`].
     pub fn tile_counts(&self) -> TileCounts {
         self.counts
     }
@@ -165,5 +357,33 @@ impl DevicePlan {
     /// Bytes of device memory the plan holds.
     pub fn device_bytes(&self) -> usize {
         self.buffer.len() * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_plan_arrays_have_the_lengths_the_view_checks() {
+        let rows: Vec<Vec<(u32, u32)>> = (0..150u32).map(|q| vec![(0, q + 1)]).collect();
+        let rows = RowIntervals::from_rows(150, &rows).unwrap();
+        let tile = TileShape {
+            block_m: 64,
+            block_n: 64,
+        };
+        let host = HostPlan::build(&rows, tile);
+        let (m, n) = block_counts(150, 150, tile);
+        assert_eq!((m, n), (3, 3));
+        for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
+            if let Some(len) = a.fixed_len(150, m, n) {
+                assert_eq!(array.len(), len, "{}", a.name());
+            }
+        }
+        assert_eq!(host.arrays()[PlanArray::Intervals as usize].len(), 2 * 150);
+        assert_eq!(host.arrays()[PlanArray::RowPtr as usize], rows.row_ptr());
+        // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full.
+        assert_eq!(host.arrays()[PlanArray::KvIndices as usize].len(), 3);
+        assert_eq!(host.arrays()[PlanArray::FullKvIndices as usize].len(), 3);
     }
 }

@@ -1,7 +1,7 @@
 //! The loaded kernels of one CUDA context and the launch entry points.
 
 use crate::forward::{prepare, Launch};
-use crate::{DevicePlan, Error, Forward, ForwardRaw};
+use crate::{DevicePlan, Error, Forward, ForwardRaw, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
@@ -212,7 +212,7 @@ impl Runtime {
     pub unsafe fn forward_raw(
         &self,
         stream: &CudaStream,
-        plan: &DevicePlan,
+        plan: &PlanView,
         args: &ForwardRaw,
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
@@ -252,7 +252,7 @@ impl Runtime {
         Ok(())
     }
 
-    pub(crate) fn check_plan(&self, plan: &DevicePlan) -> Result<(), Error> {
+    pub(crate) fn check_plan(&self, plan: &PlanView) -> Result<(), Error> {
         if plan.ctx.cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::invalid(
                 "the plan was uploaded to another CUDA context than this runtime's",

@@ -2,7 +2,8 @@
 //!
 //! A thin layer over the facade crate `compilemask`: it converts Python values to the
 //! facade's types and back, turns errors into Python exceptions carrying their
-//! diagnostics, and releases the GIL while planning and while running the CPU reference.
+//! diagnostics, and releases the GIL while planning, while running the CPU reference and
+//! while launching the CUDA kernels (`cuda`, on torch's stream over torch's memory).
 //! The user-facing API (docstrings, torch integration) lives in `python/compilemask/`;
 //! everything here is private to that package.
 //!
@@ -11,6 +12,7 @@
 //! `numpy.frombuffer`), never as lists of Python ints.
 
 mod convert;
+mod cuda;
 mod errors;
 mod plan;
 mod program;
@@ -35,5 +37,11 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(program::builtins, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_forward, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_backward, m)?)?;
+    m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_init, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_backward, m)?)?;
     Ok(())
 }

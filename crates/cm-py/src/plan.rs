@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use compilemask::export;
+use compilemask::{export, Traversal};
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -33,6 +33,23 @@ fn export_error(py: Python<'_>, e: &compilemask::ExportError) -> PyErr {
         .and_then(|rest| rest.split_once("]: "))
         .map_or(text.as_str(), |(_, m)| m);
     plan_error_msg(py, code, message.to_string(), None)
+}
+
+/// The traversal's name, as `compilemask plan --json` writes it.
+fn traversal_name(t: Traversal) -> &'static str {
+    match t {
+        Traversal::RowMajor => "rowmajor",
+        Traversal::Boustrophedon => "boustrophedon",
+        Traversal::Hilbert => "hilbert",
+    }
+}
+
+/// A patch as (frames, rows, columns), `None` for an extent that spans the whole grid.
+type Patch = (Option<u32>, Option<u32>, Option<u32>);
+
+fn patch(p: [u32; 3]) -> Patch {
+    let side = |v: u32| (v != u32::MAX).then_some(v);
+    (side(p[0]), side(p[1]), side(p[2]))
 }
 
 impl Plan {
@@ -157,6 +174,60 @@ impl Plan {
         self.compile_ms
     }
 
+    /// The token order the masks are planned in (`order[new] = original`) as uint32 bytes,
+    /// or `None` for the program's own positions.
+    #[getter]
+    fn order<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.order.as_ref().map(|o| py_bytes(py, &o.order))
+    }
+
+    /// `(frames, rows, columns)` of the chosen patch order (`None` for a whole extent), or
+    /// `None` for raster planning and explicit permutations.
+    #[getter]
+    fn order_patch(&self) -> Option<Patch> {
+        self.inner.order.as_ref().and_then(|o| o.patch).map(patch)
+    }
+
+    #[getter]
+    fn order_traversal(&self) -> Option<&'static str> {
+        self.inner
+            .order
+            .as_ref()
+            .and_then(|o| o.traversal)
+            .map(traversal_name)
+    }
+
+    /// With `order="auto"`: `(patch, traversal, computed_pairs)` of every candidate order,
+    /// fewest computed pairs first (raster order included, as patch `(1, 1, None)`).
+    #[getter]
+    fn order_candidates(&self) -> Vec<(Patch, &'static str, u64)> {
+        self.inner
+            .order_candidates
+            .iter()
+            .map(|c| {
+                (
+                    patch(c.patch),
+                    traversal_name(c.traversal),
+                    c.computed_pairs,
+                )
+            })
+            .collect()
+    }
+
+    /// `(visible_pairs, computed_pairs)` of the (0, 0) mask alone (the basis of the token
+    /// order's densities, as `raster_computed_pairs` is of that mask).
+    #[getter]
+    fn pairs_00(&self) -> (u64, u64) {
+        let m = self.inner.mask(0, 0);
+        (m.rows.visible_pairs(), m.tiles.computed_pairs)
+    }
+
+    /// Computed pairs of the (0, 0) mask in the program's own positions.
+    #[getter]
+    fn raster_computed_pairs(&self) -> u64 {
+        self.inner.raster_computed_pairs
+    }
+
     /// Maximal `[start, end)` intervals of row `q` of `(b, h)`.
     #[pyo3(signature = (q, b = 0, h = 0))]
     fn intervals(&self, q: i64, b: i64, h: i64) -> PyResult<Vec<(u32, u32)>> {
@@ -209,6 +280,23 @@ impl Plan {
             (row_ptr, flat)
         });
         Ok((py_bytes(py, &row_ptr), py_bytes(py, &flat)))
+    }
+
+    /// The CUDA kernels' descriptor of every distinct mask at their tile shape
+    /// (`cuda_kernel_tile`): per mask, one uint32 bytes object per array, in the order of
+    /// `CUDA_PLAN_ARRAYS` (GIL released).
+    fn kernel_arrays<'py>(&self, py: Python<'py>) -> Vec<Vec<Bound<'py, PyBytes>>> {
+        let p = &self.inner;
+        let hosts: Vec<cm_cuda::HostPlan> = py.detach(|| {
+            p.masks
+                .iter()
+                .map(|m| cm_cuda::HostPlan::build(&m.rows, crate::cuda::kernel_tile()))
+                .collect()
+        });
+        hosts
+            .iter()
+            .map(|h| h.arrays().iter().map(|a| py_bytes(py, a)).collect())
+            .collect()
     }
 
     /// The dense `[q_len, kv_len]` mask of `(b, h)`, one byte per pair (1 = visible).

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use compilemask::{PlanOptions, TileShape};
+use compilemask::{OrderRequest, PlanOptions, TileShape};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -15,6 +15,45 @@ use crate::plan::Plan;
 #[pyclass(frozen, module = "compilemask._native", name = "Program")]
 pub struct Program {
     pub inner: compilemask::Program,
+}
+
+/// The token order of `Program.plan(order=...)`: `None` or `"raster"` (the program's own
+/// positions), `"auto"` (the best patch order of the mask's first grid), or a sequence of
+/// ints, `order[new] = original`. Ints outside `[0, 2^32)` are a `PlanError` (CM0407), like
+/// any other non-permutation.
+fn order_request(py: Python<'_>, order: Option<&Bound<'_, PyAny>>) -> PyResult<OrderRequest> {
+    let Some(order) = order else {
+        return Ok(OrderRequest::Raster);
+    };
+    if let Ok(word) = order.extract::<String>() {
+        return match word.as_str() {
+            "raster" => Ok(OrderRequest::Raster),
+            "auto" => Ok(OrderRequest::Auto),
+            _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "order must be \"raster\", \"auto\" or a sequence of ints (a permutation), got {word:?}"
+            ))),
+        };
+    }
+    let items: Vec<i64> = order.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(
+            "order must be \"raster\", \"auto\" or a sequence of ints (a permutation)",
+        )
+    })?;
+    let explicit = items
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| {
+            u32::try_from(o).map_err(|_| {
+                plan_error_msg(
+                    py,
+                    "CM0407",
+                    format!("bad token order: order[{i}] = {o} is out of range"),
+                    Some("an order lists every position 0 .. q_len - 1 once".into()),
+                )
+            })
+        })
+        .collect::<PyResult<Vec<u32>>>()?;
+    Ok(OrderRequest::Explicit(explicit))
 }
 
 /// Compiles mask source text; raises `MaskSyntaxError` with every diagnostic.
@@ -108,8 +147,9 @@ impl Program {
         self.inner.uses_elementwise()
     }
 
-    /// Plans the program (GIL released). Raises `PlanError`.
-    #[pyo3(signature = (q_len, kv_len = None, batch = 1, num_heads = 1, block_m = 128, block_n = 128, params = None))]
+    /// Plans the program (GIL released) in the token order `order` (see [`order_request`]).
+    /// Raises `PlanError`.
+    #[pyo3(signature = (q_len, kv_len = None, batch = 1, num_heads = 1, block_m = 128, block_n = 128, params = None, order = None))]
     #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
@@ -121,6 +161,7 @@ impl Program {
         block_m: i64,
         block_n: i64,
         params: Option<&Bound<'_, PyDict>>,
+        order: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Plan> {
         let options = PlanOptions {
             q_len,
@@ -132,7 +173,7 @@ impl Program {
                 block_m: block(py, "block_m", block_m)?,
                 block_n: block(py, "block_n", block_n)?,
             },
-            ..PlanOptions::new(q_len)
+            order: order_request(py, order)?,
         };
         let program = &self.inner;
         let (result, ms) = py.detach(|| {

@@ -10,7 +10,8 @@ descriptor, for PyTorch users.
 [(0, 5)]
 
 Compiling and planning need nothing but this package. The functions that produce or take
-torch tensors (:func:`attention`, :meth:`Plan.to_block_mask`, :meth:`Plan.to_tensors`)
+torch tensors (:func:`attention`, :func:`permute`, :func:`unpermute`,
+:meth:`Plan.to_block_mask`, :meth:`Plan.to_tensors`)
 import torch when first called and raise :class:`ImportError` naming what is missing
 when it is not installed. See ``docs/python.md`` and ``docs/language.md``.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from . import _native
 from ._native import DENSE_LIMIT, Diagnostic, MaskSyntaxError, PlanError
 from ._program import Parameter, Plan, PlanTensors, Program, builtin, builtins, compile
-from ._torch import attention
+from ._torch import attention, permute, unpermute
 
 __version__: str = _native.__version__
 
@@ -38,4 +39,6 @@ __all__ = [
     "builtin",
     "builtins",
     "compile",
+    "permute",
+    "unpermute",
 ]

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 ParamValue = Union[int, Sequence[int]]
 DenseFormat = Literal["auto", "torch", "numpy", "list"]
+OrderRequest = Union[Literal["raster", "auto"], Sequence[int], None]
 
 
 class Parameter(NamedTuple):
@@ -33,7 +34,13 @@ class PlanTensors(NamedTuple):
     ``row_ptr`` is int32 ``[num_masks, q_len + 1]`` (each row's first interval in
     ``intervals``), ``intervals`` int32 ``[capacity, 2]`` (start, end; padded with zeros to a
     power of two past the last used entry), ``mask_index`` int32 ``[batch, num_heads]`` (the
-    distinct mask of each (b, h)). Build it with :meth:`Plan.to_tensors`.
+    distinct mask of each (b, h)), ``host_mask_index`` the same as a tuple of ints (so the
+    CUDA path can group its launches without reading the device). On a CUDA device,
+    ``kernel`` holds the CUDA kernels' tile descriptor of every distinct mask: one int32
+    ``[num_masks, capacity]`` tensor per array of ``compilemask._native.CUDA_PLAN_ARRAYS``,
+    each padded to a power of two (empty on other devices). Build it with
+    :meth:`Plan.to_tensors`; the CUDA kernels trust its contents, so never assemble one from
+    parts of different plans.
     """
 
     row_ptr: torch.Tensor
@@ -45,6 +52,8 @@ class PlanTensors(NamedTuple):
     num_heads: int
     uses_batch: bool
     uses_head: bool
+    host_mask_index: tuple[int, ...] = ()
+    kernel: tuple[torch.Tensor, ...] = ()
 
 
 def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
@@ -79,6 +88,29 @@ def _param_value(name: str, value: Any) -> int | list[int]:
             raise TypeError(
                 f"parameter `{name}`: expected ints, got {type(x).__name__} {x!r}"
             ) from None
+    return out
+
+
+def _order_value(order: Any) -> str | list[int] | None:
+    """``None``, ``"raster"``, ``"auto"``, or a list of ints from any sequence of ints (a
+    list, a range, a numpy array, a torch tensor)."""
+    if order is None or isinstance(order, str):
+        return order
+    if hasattr(order, "tolist"):
+        order = order.tolist()  # numpy / torch
+    if isinstance(order, (bytes, bytearray)) or not isinstance(order, Iterable):
+        raise TypeError(
+            "order must be 'raster', 'auto' or a sequence of ints (a permutation of "
+            f"range(q_len)), got {type(order).__name__}"
+        )
+    out: list[int] = []
+    for i, x in enumerate(order):
+        if isinstance(x, bool):
+            raise TypeError(f"order[{i}]: expected an int, got bool")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise TypeError(f"order[{i}]: expected an int, got {type(x).__name__}") from None
     return out
 
 
@@ -206,12 +238,22 @@ class Program:
         num_heads: int | None = None,
         *,
         block_size: int | tuple[int, int] = 128,
+        order: OrderRequest = None,
         **params: ParamValue,
     ) -> Plan:
         """Plans the program: binds lengths and parameters, solves every row, classifies
         the ``block_size`` tiles (default 128 x 128) and builds their transposes. Fast (the
         GIL is released) and with no recompilation, so call it per batch with new
         ``lengths=[...]``.
+
+        ``order`` plans the mask in a token order (queries and keys permuted together, so
+        ``kv_len`` must equal ``q_len``): ``None`` / ``"raster"`` (the program's own
+        positions), ``"auto"`` (the patch order of the mask's first grid with the fewest
+        computed pairs at ``block_size``, raster included; :attr:`Plan.order_candidates`
+        lists every candidate), or a permutation of ``range(q_len)`` where new position
+        ``i`` holds original token ``order[i]``. Run attention on tensors permuted with
+        :func:`compilemask.permute` and map the result back with
+        :func:`compilemask.unpermute`.
 
         ``kv_len`` defaults to ``q_len`` (positions are absolute: top-left aligned);
         ``batch`` and ``num_heads`` (default 1) only matter for masks that read ``b`` or
@@ -229,6 +271,7 @@ class Program:
             bm,
             bn,
             self._params(params),
+            _order_value(order),
         )
         return Plan(native, self)
 
@@ -373,9 +416,78 @@ class Plan:
         """Wall time of planning, in milliseconds."""
         return self._native.compile_ms
 
-    def stats(self) -> dict[str, Any]:
-        """The fields of ``compilemask plan --json``."""
+    # ------------------------------------------------------------------ token order
+    @property
+    def order(self) -> Any:
+        """The token order the masks are planned in: new position ``i`` holds original token
+        ``order[i]``. An int64 tensor of ``q_len`` entries when torch is installed (a list of
+        ints without it); ``None`` when the plan is in the program's own positions (raster).
+        See :func:`compilemask.permute`."""
+        raw = self._native.order
+        if raw is None:
+            return None
+        cached = self._cache.get("order")
+        if cached is None:
+            from ._torch import torch_or_none
+
+            torch = torch_or_none()
+            if torch is None:
+                a = array.array("I")
+                a.frombytes(raw)
+                cached = a.tolist()
+            else:
+                cached = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) \
+                    if raw else torch.zeros(0, dtype=torch.int64)
+            self._cache["order"] = cached
+        return cached
+
+    @property
+    def order_candidates(self) -> list[dict[str, Any]]:
+        """With ``order="auto"``: every candidate order, fewest computed pairs first, as
+        ``{"patch": (frames, rows, columns), "traversal": "rowmajor" | "boustrophedon" |
+        "hilbert", "computed_pairs": n, "tile_density": visible / computed}`` (a patch side
+        of ``None`` spans the whole grid, so ``(1, 1, None)`` is raster order). Empty for
+        other orders. Densities are of the (0, 0) mask."""
+        visible = self._native.pairs_00[0]
+        return [
+            {"patch": patch, "traversal": traversal, "computed_pairs": computed,
+             "tile_density": visible / max(computed, 1)}
+            for patch, traversal, computed in self._native.order_candidates
+        ]
+
+    @property
+    def raster_computed_pairs(self) -> int:
+        """Computed pairs of the (0, 0) mask in the program's own positions (raster order),
+        for comparison with :attr:`computed_pairs` of a plan in another order."""
+        return self._native.raster_computed_pairs
+
+    @property
+    def tile_density(self) -> float:
+        """``visible_pairs / computed_pairs``: the fraction of the pairs a tile kernel
+        computes that are visible (1.0 when every non-empty tile is full)."""
+        return self.visible_pairs / max(self.computed_pairs, 1)
+
+    def order_info(self) -> dict[str, Any] | None:
+        """The ``order`` object of ``compilemask plan --json``: ``patch``, ``traversal``
+        (``None`` for an explicit permutation), ``raster_computed_pairs``,
+        ``tile_density_before`` (raster) and ``tile_density_after`` (this order) of the (0, 0)
+        mask, and ``candidates`` (:attr:`order_candidates`). ``None`` for a raster plan."""
+        if self._native.order is None:
+            return None
+        visible, computed = self._native.pairs_00
         return {
+            "patch": self._native.order_patch,
+            "traversal": self._native.order_traversal,
+            "raster_computed_pairs": self.raster_computed_pairs,
+            "tile_density_before": visible / max(self.raster_computed_pairs, 1),
+            "tile_density_after": visible / max(computed, 1),
+            "candidates": self.order_candidates,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The fields of ``compilemask plan --json`` (with ``order`` for a plan in a token
+        order, see :meth:`order_info`)."""
+        out: dict[str, Any] = {
             "mask": self._program.name,
             "q_len": self.q_len,
             "kv_len": self.kv_len,
@@ -393,6 +505,10 @@ class Plan:
             "elementwise_pairs": self.elementwise_pairs,
             "compile_ms": self.compile_ms,
         }
+        info = self.order_info()
+        if info is not None:
+            out["order"] = info
+        return out
 
     def __repr__(self) -> str:
         return (

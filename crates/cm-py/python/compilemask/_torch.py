@@ -53,6 +53,27 @@ def _cache_key(torch: Any, device: Any) -> str:
     return str(torch.device("cpu") if device is None else torch.device(device))
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1): padding capacities this way lets plans whose
+    sizes differ a little share tensor shapes (and compiled graphs)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
+    """The CUDA kernels' descriptor arrays of every distinct mask, one int32 ``[num_masks,
+    capacity]`` tensor per array on ``dev``."""
+    per_mask = plan._native.kernel_arrays()
+    out = []
+    for i in range(len(_native.CUDA_PLAN_ARRAYS)):
+        lengths = [len(arrays[i]) // 4 for arrays in per_mask]
+        host = torch.zeros((len(per_mask), _pow2(max(lengths))), dtype=torch.int32)
+        for m, arrays in enumerate(per_mask):
+            if lengths[m]:
+                host[m, :lengths[m]] = torch.frombuffer(bytearray(arrays[i]), dtype=torch.int32)
+        out.append(host.to(dev))
+    return tuple(out)
+
+
 def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     torch = require_torch("Plan.to_tensors")
     key = ("tensors", _cache_key(torch, device))
@@ -64,15 +85,16 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     q_len = plan.q_len
     row_ptr = _int32(torch, row_raw, (plan.num_masks, q_len + 1), dev)
     used = len(iv_raw) // 8
-    capacity = 1 << max(used - 1, 0).bit_length()  # a power of two >= used, at least 1
-    intervals = torch.zeros((capacity, 2), dtype=torch.int32, device=dev)
+    intervals = torch.zeros((_pow2(used), 2), dtype=torch.int32, device=dev)
     if used:
         intervals[:used] = _int32(torch, iv_raw, (used, 2), dev)
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
+    kernel = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ()
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
-                      plan.num_heads, plan.uses_batch, plan.uses_head)
+                      plan.num_heads, plan.uses_batch, plan.uses_head,
+                      tuple(plan.mask_index), kernel)
     plan._cache[key] = out
     return out
 
@@ -156,14 +178,63 @@ def make_block_mask(plan: Plan, device: Any = None) -> Any:
     )
 
 
+# --------------------------------------------------------------------------- token orders
+
+def _order_index(plan: Plan, device: Any, inverse: bool) -> Any:
+    """The plan's order (or its inverse) as an int64 tensor on ``device``, cached."""
+    torch = require_torch("compilemask.permute")
+    key = ("inverse" if inverse else "order", _cache_key(torch, device))
+    cached = plan._cache.get(key)
+    if cached is None:
+        order = plan.order
+        if inverse:
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), dtype=order.dtype)
+            order = inv
+        cached = order.to(device)
+        plan._cache[key] = cached
+    return cached
+
+
+def _reorder(x: Any, plan: Plan, dim: int, inverse: bool, what: str) -> Any:
+    torch = require_torch(f"compilemask.{what}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim = {dim} is out of range for a {x.dim()}-D tensor")
+    if x.shape[dim] != plan.q_len:
+        raise ValueError(
+            f"x has {x.shape[dim]} tokens along dim {dim}, but the plan was built for "
+            f"q_len = {plan.q_len}"
+        )
+    if plan._native.order is None:
+        return x
+    return x.index_select(dim, _order_index(plan, x.device, inverse))
+
+
+def permute(x: torch.Tensor, plan: Plan, dim: int = 2) -> torch.Tensor:
+    """Puts the tokens of ``x`` (along ``dim``; 2 for ``[batch, num_heads, seq_len,
+    head_dim]``) into the plan's token order: new position ``i`` holds original token
+    ``plan.order[i]``. Returns ``x`` itself for a plan in raster order. Differentiable."""
+    return _reorder(x, plan, dim, False, "permute")
+
+
+def unpermute(x: torch.Tensor, plan: Plan, dim: int = 2) -> torch.Tensor:
+    """The inverse of :func:`permute`: tokens in the plan's order back to the original
+    positions, so ``unpermute(permute(x, plan), plan)`` equals ``x``."""
+    return _reorder(x, plan, dim, True, "unpermute")
+
+
 # --------------------------------------------------------------------------- the custom op
 
-def _ops() -> Any:
-    """The custom ops (registered on first use: importing ``_ops`` imports torch)."""
+def _forward_op() -> Any:
+    """The forward custom op (registered on first use: importing ``_ops`` imports torch)."""
     require_torch("compilemask.attention")
     from . import _ops
 
-    return _ops.attention_forward, _ops.attention_backward
+    return _ops.attention_forward
 
 
 # --------------------------------------------------------------------------- attention
@@ -208,12 +279,17 @@ def attention(
     ``[batch, num_heads, q_len, head_dim_v]`` in the input dtype, and with ``return_lse``
     also ``lse`` ``[batch, num_heads, q_len]`` (natural log; float32, float64 for float64
     inputs). Rows with no visible key give 0 and ``-inf``. Differentiable (``out`` and
-    ``lse``). ``deterministic`` asks for a deterministic backward (the CPU reference always
-    is).
+    ``lse``). ``deterministic`` selects the CUDA backward whose dQ needs no atomics (the same
+    bits every run; the CPU reference always is deterministic).
 
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
-    computed in float32). CUDA tensors raise ``NotImplementedError`` until the CUDA kernels
-    are wired. Wrong devices, dtypes, shapes or a plan for other lengths raise ``ValueError``.
+    computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
+    capability 9.0; bfloat16 / float16, head_dim 64 or 128 with ``head_dim_v == head_dim``;
+    other cases raise ``NotImplementedError``) on the current CUDA stream, without host
+    synchronisation, so it can be captured in a CUDA graph. Inputs there need a contiguous
+    last dim and 16-byte aligned addresses and strides (a ``.contiguous()`` tensor is fine).
+    Wrong devices, dtypes, shapes, strides or a plan for other lengths raise ``ValueError``;
+    a wheel built without the CUDA kernels raises ``RuntimeError`` on CUDA tensors.
     """
     torch = require_torch("compilemask.attention")
     tensors = {"query": query, "key": key, "value": value}
@@ -286,17 +362,25 @@ def attention(
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    if query.device.type == "cuda":
-        raise NotImplementedError(
-            "compilemask.attention on CUDA tensors: CUDA kernels not wired yet. Run on CPU "
-            "tensors (the CPU reference), or use plan.to_block_mask() with FlexAttention."
-        )
-    if query.device.type not in ("cpu", "meta"):
+    if query.device.type == "cuda" and not pt.kernel:
         raise ValueError(
-            f"compilemask.attention runs on CPU (and, later, CUDA) tensors, got {query.device}"
+            "the plan tensors hold no CUDA kernel descriptor; build them for the query's device "
+            f"with plan.to_tensors({str(query.device)!r})"
         )
-    del deterministic  # the CPU reference is deterministic
+    if query.device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(
+            f"compilemask.attention runs on CPU and CUDA tensors, got {query.device}"
+        )
     mask_index = pt.mask_index.expand(b, hq)
-    forward, _ = _ops()
-    out, lse = forward(query, key, value, pt.row_ptr, pt.intervals, mask_index, scale)
+    # With several distinct masks the CUDA path launches once per group of (b, h) sharing a
+    # mask; it reads the grouping from ints, never from the device.
+    host_index: list[int] = []
+    if query.device.type == "cuda" and pt.row_ptr.shape[0] > 1:
+        host_index = [
+            pt.host_mask_index[(i if pt.batch > 1 else 0) * pt.num_heads
+                               + (h if pt.num_heads > 1 else 0)]
+            for i in range(b) for h in range(hq)
+        ]
+    out, lse = _forward_op()(query, key, value, pt.row_ptr, pt.intervals, mask_index,
+                             list(pt.kernel), host_index, scale, bool(deterministic))
     return (out, lse) if return_lse else out
