@@ -5,8 +5,9 @@ The prompt and its 8 responses are packed into one sequence: prompt rows are cau
 each response sees the whole prompt and itself causally, never another response. So the
 prompt is encoded once instead of 8 times. Each response's score is read at its last
 token. `compilemask.attention` and SDPA with a dense mask (built here from the rule) must
-give the same scores and gradients. Where a GPU is present, the same compiled mask also
-runs through FlexAttention (`plan.to_block_mask()`).
+give the same scores and gradients (float32, on the CPU reference). Where a GPU is present,
+the same compiled mask also runs through FlexAttention (`plan.to_block_mask()`), and on a
+Hopper GPU through the CompileMask CUDA kernels in bfloat16.
 
 Run: python examples/reward_model_shared_prefix.py   (needs torch)
 """
@@ -24,15 +25,27 @@ PROMPT = 1536
 RESPONSES = [384, 512, 640, 256, 768, 448, 320, 576]
 
 
-def device_for_compilemask() -> str:
-    if torch.cuda.is_available():
-        x = torch.zeros(1, 1, 16, 16, device="cuda")
-        try:
-            cm.attention(x, x, x, cm.builtin("causal").plan(16))
-            return "cuda"
-        except NotImplementedError:
-            pass
-    return "cpu"
+def check_cuda_kernels(plan, dense: torch.Tensor, heads: int = 4) -> None:
+    """On a Hopper GPU: the same plan through the CompileMask CUDA kernels (bfloat16,
+    head_dim 64) against SDPA with the dense mask in float32, outputs and gradients."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("CUDA kernels: skipped (they need a Hopper GPU)")
+        return
+    n = plan.q_len
+    q, k, v = (torch.randn(1, heads, n, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = cm.attention(q, k, v, plan)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=dense.cuda())
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.bfloat16())
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
+    err = (out.float() - ref).abs().max().item()
+    grad_err = max(((a.float() - b).abs().max() / b.abs().max()).item()
+                   for a, b in zip(grads, ref_grads))
+    print(f"CUDA kernels (bfloat16, {heads} heads, head_dim 64): max output diff {err:.2e}, "
+          f"max relative grad diff {grad_err:.2e}")
+    assert err < 2e-2 and grad_err < 3e-2
 
 
 def shared_prefix_dense(prompt: int, responses: list[int]) -> torch.Tensor:
@@ -64,7 +77,7 @@ class RewardModel(torch.nn.Module):
 
 
 def main() -> None:
-    device = device_for_compilemask()
+    device = "cpu"  # the float32 model runs the CPU reference; check_cuda_kernels the GPU
     total = PROMPT + sum(RESPONSES)
     plan = cm.builtin("shared_prefix", prompts=[PROMPT], responses=RESPONSES,
                       group=len(RESPONSES)).plan(total)
@@ -104,6 +117,7 @@ def main() -> None:
         err = (out - out_ref).abs().max().item()
         print(f"FlexAttention with the compiled block mask on CUDA: max diff {err:.2e}")
         assert err < 1e-3
+    check_cuda_kernels(plan, dense)
     print(f"reward model: OK on {device}")
 
 

@@ -236,13 +236,17 @@ def test_require_failure_names_nearest_lengths():
 
 @pytest.mark.parametrize("params,code", [
     ({"lengths": [10, -1]}, "CM0307"),
-    ({"lengths": 7}, "CM0308"),
     ({"lengths": [0, 0]}, "CM0306"),
 ])
 def test_bad_parameter_values(params, code):
     with pytest.raises(cm.PlanError) as e:
         cm.builtin("document_causal").plan(100, **params)
     assert e.value.code == code
+
+
+def test_integer_for_an_array_parameter_is_one_element():
+    program = cm.builtin("document_causal")
+    assert program.plan(100, lengths=7).rows() == program.plan(100, lengths=[7]).rows()
 
 
 def test_scalar_given_an_array():

@@ -1,0 +1,219 @@
+"""The CUDA kernels behind `compilemask.attention` (Hopper GPUs; skipped elsewhere): forward,
+lse and gradients against a float64 dense masked softmax and against SDPA with a dense mask,
+for every workload at small odd sizes, GQA, bfloat16 / float16, head_dim 64 / 128, empty
+rows, per-batch / per-head masks, token orders, the deterministic backward, validation,
+torch.compile and CUDA graph capture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import compilemask as cm
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
+
+from test_torch import WORKLOADS, dense_attention  # noqa: E402
+
+F = torch.nn.functional
+# Max error allowed, relative to the reference's largest magnitude (at least 1).
+TOL = {torch.bfloat16: (2e-2, 4e-2), torch.float16: (4e-3, 1e-2)}
+
+
+def _inputs(b, hq, hk, lq, lk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, d))
+    return [torch.randn(s, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+            .requires_grad_() for s in shapes]
+
+
+def _err(a, ref):
+    return (a.double() - ref.double()).abs().max().item() / max(1.0, ref.abs().max().item())
+
+
+def _check(plan, q, k, v, enable_gqa=False, deterministic=False):
+    dtype = q.dtype
+    tol_out, tol_grad = TOL[dtype]
+    out, lse = cm.attention(q, k, v, plan, return_lse=True, enable_gqa=enable_gqa,
+                            deterministic=deterministic)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    mask = plan.to_dense(format="torch").cuda()
+    ref_out, ref_lse, empty = dense_attention(q, k, v, mask, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert _err(out, ref_out) <= tol_out
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty] == 0).all()
+    if (~empty).any():
+        assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() <= 1e-2
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, generator=g, device="cuda",
+                        dtype=torch.float64).masked_fill(empty, 0)
+    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert a.dtype == dtype and not torch.isnan(a).any(), name
+        assert _err(a, b) <= tol_grad, (name, _err(a, b))
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,q_len,kv_len,params", WORKLOADS)
+def test_workloads_gqa_against_dense(name, q_len, kv_len, params, dtype):
+    plan = cm.builtin(name, **params).plan(q_len, kv_len)
+    lk = q_len if kv_len is None else kv_len
+    q, k, v = _inputs(2, 4, 2, q_len, lk, 64, dtype)
+    _check(plan, q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,q_len,params", [
+    ("hstu", 203, {"lengths": [120, 33, 50]}),
+    ("clear", 16 + 13 * 13, {"text": 16, "grid": 13, "radius": 4}),
+])
+def test_head_dim_128_and_mha(name, q_len, params, dtype):
+    plan = cm.builtin(name, **params).plan(q_len)
+    q, k, v = _inputs(1, 3, 3, q_len, q_len, 128, dtype, seed=3)
+    _check(plan, q, k, v)
+
+
+@pytest.mark.parametrize("name,q_len,params", [
+    ("sliding_window", 333, {"window": 50}),
+    ("shared_prefix", 301, {"prompts": [101], "responses": [50, 70, 80], "group": 3}),
+])
+def test_against_sdpa(name, q_len, params):
+    plan = cm.builtin(name, **params).plan(q_len)
+    q, k, v = _inputs(2, 4, 4, q_len, q_len, 64, torch.bfloat16, seed=5)
+    out = cm.attention(q, k, v, plan)
+    mask = plan.to_dense(format="torch").cuda()
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask)
+    assert _err(out, ref) <= 2e-2
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k, v), w.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), w)
+    for a, b in zip(grads, ref_grads):
+        assert _err(a, b) <= 4e-2
+
+
+def test_deterministic_backward_repeats_its_bits():
+    plan = cm.builtin("document_causal", lengths=[100, 77, 140]).plan(317)
+    q, k, v = _inputs(2, 4, 2, 317, 317, 64, torch.bfloat16, seed=7)
+    first = _check(plan, q, k, v, enable_gqa=True, deterministic=True)
+    second = _check(plan, q, k, v, enable_gqa=True, deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_per_batch_and_per_head_masks():
+    program = cm.compile("param windows: [int] = [1, 30, 5];\nparam n: [int] = [40, 90];\n"
+                         "mask = if q < n[b] then q - windows[h % count(windows)] < k <= q "
+                         "else k < kv_len;")
+    plan = program.plan(97, batch=2, num_heads=3)
+    assert plan.num_masks == 6
+    q, k, v = _inputs(2, 3, 3, 97, 97, 64, torch.bfloat16, seed=9)
+    _check(plan, q, k, v)
+    per_batch = cm.compile("param n: [int] = [40, 90];\nmask = k <= q && k < n[b];")
+    q, k, v = _inputs(2, 4, 2, 97, 97, 64, torch.float16, seed=10)
+    _check(per_batch.plan(97, batch=2), q, k, v, enable_gqa=True)
+    # A GQA group whose query heads have different masks needs one launch per head.
+    q, k, v = _inputs(2, 6, 2, 97, 97, 64, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="GQA group"):
+        cm.attention(q, k, v, program.plan(97, batch=2, num_heads=6), enable_gqa=True)
+
+
+def test_token_order_on_the_gpu():
+    program = cm.builtin("clear", text=16, grid=32, radius=5)
+    n = 16 + 32 * 32
+    raster, auto = program.plan(n, block_size=64), program.plan(n, block_size=64, order="auto")
+    assert auto.computed_pairs <= raster.computed_pairs
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, n, n, 64, torch.bfloat16, seed=11))
+    out = cm.attention(q, k, v, raster)
+    pout = cm.attention(cm.permute(q, auto), cm.permute(k, auto), cm.permute(v, auto), auto)
+    assert _err(cm.unpermute(pout, auto), out) <= 1e-2
+
+
+def test_validation():
+    plan = cm.builtin("causal").plan(64)
+    q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+        cm.attention(q.float(), k.float(), v.float(), plan)
+    with pytest.raises(NotImplementedError, match="head_dim 64 or 128"):
+        cm.attention(q[..., :32], k[..., :32], v[..., :32], plan)
+    wide = torch.zeros(1, 2, 64, 72, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="aligned"):
+        cm.attention(wide[..., 1:65], k, v, plan)  # a 2-byte offset
+    strided = torch.zeros(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)[..., ::2]
+    with pytest.raises(ValueError, match="stride"):
+        cm.attention(strided, k, v, plan)
+    with pytest.raises(ValueError, match="to_tensors"):
+        cm.attention(q, k, v, plan.to_tensors("cpu"))
+    with pytest.raises(ValueError, match="q_len = 64"):
+        cm.attention(q[:, :, :63], k, v, plan)
+    with pytest.raises(ValueError, match="one device"):
+        cm.attention(q, k.cpu(), v, plan)
+    # Gradients whose layout autograd chooses (zero strides from sum()) are fine.
+    qg, kg, vg = (t.requires_grad_() for t in (q.clone(), k.clone(), v.clone()))
+    cm.attention(qg, kg, vg, plan).sum().backward()
+    assert qg.grad is not None and not torch.isnan(qg.grad).any()
+
+
+def test_torch_compile_module():
+    plan = cm.builtin("hstu", lengths=[70, 57]).plan(127)
+    pt = plan.to_tensors("cuda")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, x, pt):
+            return cm.attention(self.proj(x), x, x, pt)
+
+    block = Block()
+    x = torch.randn(1, 2, 127, 64, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x, pt)
+    assert _err(out, block(x, pt)) <= 1e-2
+    out.float().square().sum().backward()
+    grad = block.proj.weight.grad.clone()
+    block.proj.weight.grad = None
+    block(x, pt).float().square().sum().backward()
+    assert _err(grad, block.proj.weight.grad) <= 2e-2
+
+
+def test_cuda_graph_capture():
+    plan = cm.builtin("sliding_window", window=40).plan(200)
+    pt = plan.to_tensors("cuda")
+    q, k, v = (t.detach() for t in _inputs(1, 4, 2, 200, 200, 64, torch.bfloat16, seed=13))
+    static = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = cm.attention(*static, pt, enable_gqa=True)
+        return (out, *torch.autograd.grad(out, static, grad_out))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: loads the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new = _inputs(1, 4, 2, 200, 200, 64, torch.bfloat16, seed=14)
+    with torch.no_grad():
+        for s, t in zip(static, new):
+            s.copy_(t)
+    graph.replay()
+    eager_out = cm.attention(*new, pt, enable_gqa=True)
+    eager = (eager_out, *torch.autograd.grad(eager_out, new, grad_out))
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b) or _err(a, b) <= 1e-2
