@@ -67,14 +67,6 @@ fn runtime(ordinal: usize) -> Result<Arc<Runtime>, Error> {
     Ok(rt)
 }
 
-/// Loads the kernels into device `ordinal` (once per process; GIL released). Raises
-/// `RuntimeError` saying why they cannot run there: a wheel built without NVRTC, no driver,
-/// or a GPU other than compute capability 9.0.
-#[pyfunction]
-pub fn cuda_init(py: Python<'_>, device: usize) -> PyResult<()> {
-    py.detach(|| runtime(device)).map(drop).map_err(py_err)
-}
-
 /// fp32 elements of the backward workspace (`cm_cuda::backward_workspace_len`).
 #[pyfunction]
 pub fn cuda_workspace_len(

@@ -39,7 +39,6 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::reference_backward, m)?)?;
     m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_backward, m)?)?;

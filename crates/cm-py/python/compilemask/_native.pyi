@@ -72,6 +72,7 @@ class Program:
         block_m: int = 128,
         block_n: int = 128,
         params: dict[str, int | list[int]] | None = None,
+        order: str | Sequence[int] | None = None,
     ) -> Plan: ...
     def brute_force_row(
         self,
@@ -122,6 +123,21 @@ class Plan:
     def uses_head(self) -> bool: ...
     @property
     def compile_ms(self) -> float: ...
+    @property
+    def order(self) -> bytes | None: ...
+    @property
+    def order_patch(self) -> tuple[int | None, int | None, int | None] | None: ...
+    @property
+    def order_traversal(self) -> str | None: ...
+    @property
+    def order_candidates(
+        self,
+    ) -> list[tuple[tuple[int | None, int | None, int | None], str, int]]: ...
+    @property
+    def pairs_00(self) -> tuple[int, int]: ...
+    @property
+    def raster_computed_pairs(self) -> int: ...
+    def kernel_arrays(self) -> list[list[bytes]]: ...
     def intervals(self, q: int, b: int = 0, h: int = 0) -> list[tuple[int, int]]: ...
     def rows(self, start: int, stop: int, b: int = 0, h: int = 0) -> list[list[tuple[int, int]]]: ...
     def mask_id(self, b: int = 0, h: int = 0) -> int: ...
@@ -145,6 +161,42 @@ def reference_forward(
     scale: float,
     double: bool,
 ) -> tuple[bytearray, bytearray]: ...
+CUDA_PLAN_ARRAYS: list[str]
+
+def cuda_kernel_tile() -> tuple[int, int]: ...
+def cuda_workspace_len(
+    q_len: int, batch: int, num_heads: int, head_dim: int, deterministic: bool
+) -> int: ...
+def cuda_forward(
+    device: int,
+    stream: int,
+    dtype_name: str,
+    plan: tuple[int, int, list[tuple[int, int]]],
+    q: tuple[int, tuple[int, ...], tuple[int, ...]],
+    k: tuple[int, tuple[int, ...], tuple[int, ...]],
+    v: tuple[int, tuple[int, ...], tuple[int, ...]],
+    out: tuple[int, tuple[int, ...], tuple[int, ...]],
+    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
+    scale: float,
+) -> None: ...
+def cuda_backward(
+    device: int,
+    stream: int,
+    dtype_name: str,
+    plan: tuple[int, int, list[tuple[int, int]]],
+    q: tuple[int, tuple[int, ...], tuple[int, ...]],
+    k: tuple[int, tuple[int, ...], tuple[int, ...]],
+    v: tuple[int, tuple[int, ...], tuple[int, ...]],
+    out: tuple[int, tuple[int, ...], tuple[int, ...]],
+    dout: tuple[int, tuple[int, ...], tuple[int, ...]],
+    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
+    dq: tuple[int, tuple[int, ...], tuple[int, ...]],
+    dk: tuple[int, tuple[int, ...], tuple[int, ...]],
+    dv: tuple[int, tuple[int, ...], tuple[int, ...]],
+    workspace: tuple[int, int],
+    scale: float,
+    deterministic: bool,
+) -> None: ...
 def reference_backward(
     dims: tuple[int, int, int, int, int, int, int],
     q: Any,

@@ -308,9 +308,10 @@ def _backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) 
     dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals,
                                     mask_index, kernel, ctx.host_mask_index, ctx.scale,
                                     ctx.deterministic)
-    # List inputs take a list of per-element gradients (none here).
+    # torch.library matches the gradients' structure to the inputs': a list of tensors (or
+    # an empty list) takes a list of per-element gradients, a list of ints a single None.
     return (dq, dk, dv, None, None, None, [None] * len(kernel),
-            [None] * len(ctx.host_mask_index), None, None)
+            None if ctx.host_mask_index else [], None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -647,7 +647,9 @@ class Plan:
     # ------------------------------------------------------------------ torch
     def to_tensors(self, device: Any = None) -> PlanTensors:
         """The plan as int32 tensors on ``device`` (default CPU), cached per device: what
-        :func:`compilemask.attention` takes, and what to pass under ``torch.compile``."""
+        :func:`compilemask.attention` takes, and what to pass under ``torch.compile``. On a
+        CUDA device this also builds and uploads the CUDA kernels' tile descriptor (once;
+        every later call returns the cached tensors)."""
         from ._torch import plan_tensors
 
         return plan_tensors(self, device)
