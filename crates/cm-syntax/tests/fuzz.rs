@@ -1,0 +1,436 @@
+//! Fuzzing the lexer and parser on the stable toolchain (proptest as the engine): arbitrary
+//! bytes (decoded lossily), arbitrary Unicode, and soups of the language's own tokens must
+//! parse without panicking, every diagnostic carrying a `CM` code and a span inside the
+//! source on character boundaries; hostile nesting must give a diagnostic, never a stack
+//! overflow.
+//!
+//! Case counts: `CM_FUZZ_CASES` (default: a quick CI run), e.g.
+//! `CM_FUZZ_CASES=50000 cargo test -p cm-syntax --test fuzz`.
+
+use cm_syntax::{line_col, parse, parse_expr, Diagnostic};
+use proptest::prelude::*;
+
+fn config(default: u32) -> ProptestConfig {
+    let long = std::env::var("CM_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    ProptestConfig {
+        cases: long.unwrap_or(default),
+        failure_persistence: None,
+        // The quick CI run is reproducible; long runs explore (or set PROPTEST_RNG_SEED).
+        rng_seed: match long {
+            None => proptest::test_runner::RngSeed::Fixed(0x5eed_c0de),
+            Some(_) => ProptestConfig::default().rng_seed,
+        },
+        ..ProptestConfig::default()
+    }
+}
+
+/// Every diagnostic is well-formed against `src`.
+fn check_diags(src: &str, diags: &[Diagnostic]) {
+    for d in diags {
+        assert!(
+            d.code.starts_with("CM") && d.code.len() == 6,
+            "bad code {d:?}"
+        );
+        assert!(!d.message.is_empty(), "empty message {d:?}");
+        for span in std::iter::once(d.span).chain(d.related.iter().map(|r| r.0)) {
+            let (s, e) = (span.start as usize, span.end as usize);
+            assert!(s <= e, "span {s}..{e} is reversed: {d:?}\n{src:?}");
+            assert!(
+                e <= src.len(),
+                "span {s}..{e} is past the end ({}): {d:?}\n{src:?}",
+                src.len()
+            );
+            assert!(
+                src.is_char_boundary(s) && src.is_char_boundary(e),
+                "span {s}..{e} is not on char boundaries: {d:?}\n{src:?}"
+            );
+            let (line, col) = line_col(src, span.start);
+            assert!(line >= 1 && col >= 1);
+        }
+    }
+}
+
+fn parse_checked(src: &str) {
+    let (_, diags) = parse(src);
+    check_diags(src, &diags);
+    let (_, diags) = parse_expr(src);
+    check_diags(src, &diags);
+}
+
+/// Words and symbols of the language, plus near misses.
+const TOKENS: &[&str] = &[
+    "param",
+    "let",
+    "segments",
+    "part",
+    "grid",
+    "require",
+    "mask",
+    "if",
+    "then",
+    "else",
+    "in",
+    "and",
+    "or",
+    "not",
+    "true",
+    "false",
+    "fill",
+    "at",
+    "int",
+    "[int]",
+    "q",
+    "k",
+    "b",
+    "h",
+    "q_len",
+    "kv_len",
+    "batch",
+    "num_heads",
+    "len",
+    "min",
+    "max",
+    "abs",
+    "isqrt",
+    "count",
+    "sum",
+    "l1",
+    "l2",
+    "linf",
+    "box",
+    "elementwise",
+    "trace_context",
+    "trace_generated",
+    "start",
+    "end",
+    "index",
+    "x",
+    "y",
+    "t",
+    "doc",
+    "img",
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    ";",
+    ":",
+    "=",
+    "==",
+    "!=",
+    "<",
+    "<=",
+    ">",
+    ">=",
+    "+",
+    "-",
+    "*",
+    "/",
+    "%",
+    "&",
+    "&&",
+    "|",
+    "||",
+    "!",
+    ".",
+    "..",
+    "..=",
+    "...",
+    "#",
+    "# comment\n",
+    "\"",
+    "\"msg {q_len}\"",
+    "\"{\"",
+    "\"\\{\"",
+    "\"}{\"",
+    "\"\\\"",
+    "\"a\nb\"",
+    "0",
+    "1",
+    "7",
+    "4096",
+    "1_000",
+    "_1",
+    "1_",
+    "9223372036854775807",
+    "9223372036854775808",
+    "99999999999999999999999",
+    "12abc",
+    "1e5",
+    "0x10",
+    "é",
+    "ß",
+    "∑",
+    "𝕜",
+    "\u{0}",
+    "\u{7f}",
+    "\u{feff}",
+    "\u{200b}",
+    "\t",
+    "\r\n",
+    "\\",
+    "@",
+    "$",
+    "`",
+    "'",
+    "?",
+    "^",
+    "~",
+];
+
+fn token_soup() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        (
+            proptest::sample::select(TOKENS),
+            prop_oneof![Just(""), Just(" "), Just("\n"), Just("  ")],
+        ),
+        0..80,
+    )
+    .prop_map(|v| v.into_iter().map(|(t, s)| format!("{t}{s}")).collect())
+}
+
+proptest! {
+    #![proptest_config(config(3000))]
+
+    #[test]
+    fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+        parse_checked(&String::from_utf8_lossy(&bytes));
+    }
+
+    #[test]
+    fn arbitrary_unicode(src in "\\PC{0,200}") {
+        parse_checked(&src);
+    }
+
+    #[test]
+    fn arbitrary_text_with_any_char(src in any::<String>()) {
+        parse_checked(&src);
+    }
+
+    #[test]
+    fn token_soups(src in token_soup()) {
+        parse_checked(&src);
+    }
+
+    /// Valid statements with junk spliced in at a random point.
+    #[test]
+    fn spliced_statements(
+        pos in any::<prop::sample::Index>(),
+        junk in token_soup(),
+    ) {
+        let base = "param w: int = 4;\nsegments doc = [3, 0, 5];\npart doc.head = 0 .. len / 2;\n\
+                    grid img = [4, 4] at 2;\nrequire w >= 1 else \"w {w} \\{\";\n\
+                    let r = doc(q);\nmask = if q in img then l2(img) < w else k in r.start ..= q;\n";
+        let mut cut = pos.index(base.len() + 1);
+        while !base.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let src = format!("{}{junk}{}", &base[..cut], &base[cut..]);
+        parse_checked(&src);
+    }
+}
+
+/// Pieces of `require` messages: interpolations, braces, multi-byte characters. Escapes
+/// (`\t`, `\\`, `\"`, `\{`) are left out while `bug_interpolation_spans_after_escapes` is
+/// open: after one, the spans of diagnostics inside an interpolation are shifted.
+const MESSAGE_PIECES: &[&str] = &[
+    "{",
+    "}",
+    "{q_len}",
+    "{1 + }",
+    "{)}",
+    "{é}",
+    "{ 𝕜 }",
+    "q",
+    "+",
+    " ",
+    "é",
+    "𝕜",
+    "1",
+    "x",
+    "{{",
+    "}}",
+    "{k}",
+    "{\u{301}}",
+    "#",
+];
+
+proptest! {
+    #![proptest_config(config(3000))]
+
+    /// Interpolated `require` messages: diagnostics inside `{...}` point into the source.
+    #[test]
+    fn message_interpolations(
+        pieces in proptest::collection::vec(proptest::sample::select(MESSAGE_PIECES), 0..12),
+    ) {
+        let src = format!("require q_len > 0 else \"{}\";\nmask = k <= q;\n", pieces.concat());
+        parse_checked(&src);
+    }
+}
+
+/// Interpolations are parsed from the *unescaped* message, but their diagnostics are
+/// shifted by the byte offset of the `{` only: every escape before the error moves the span,
+/// here into the middle of `é` (rendering it with ariadne then panics, see the
+/// `compilemask` fuzz tests).
+#[test]
+#[ignore = "bug: a diagnostic inside an interpolation after an escape has a span inside a character: `require true else \"{\\té}\";`"]
+fn bug_interpolation_spans_after_escapes() {
+    for src in [
+        "require true else \"{\\té}\";\nmask = k <= q;\n",
+        "require true else \"{\\\"é}\";\nmask = k <= q;\n",
+        "require true else \"{\\t\\t1 + é}\";\nmask = k <= q;\n",
+    ] {
+        parse_checked(src);
+    }
+}
+
+/// `n` copies of `open`, an atom, `n` copies of `close`.
+fn nest(prefix: &str, open: &str, atom: &str, close: &str, n: usize) -> String {
+    format!("{prefix}{}{atom}{}", open.repeat(n), close.repeat(n))
+}
+
+/// Explicit nesting is refused with `CM0105` once it is deeper than the parser allows.
+#[test]
+fn deep_nesting_gives_a_diagnostic() {
+    let n = 10_000;
+    let cases = [
+        nest("mask = ", "(", "k < q", ")", n),
+        nest("mask = ", "(", "", "", n),
+        nest("mask = ", "-", "k < q", "", n),
+        nest("mask = k < ", "-", "q", "", n),
+        nest("mask = ", "not ", "k < q", "", n),
+        nest("mask = ", "!", "(k < q)", "", n),
+        nest("mask = ", "[", "1", "]", n),
+        nest("mask = ", "[", "", "", n),
+        nest("mask = ", "if q < 1 then ", "true", " else false", n),
+        nest("mask = ", "if ", "", "", n),
+        nest("mask = k < ", "min(", "1", ", 2)", n),
+        nest("mask = k < ", "abs(", "", "", n),
+        nest("mask = k < a", "[", "0", "]", n),
+        nest("mask = k in ", "(", "q .. q + 1", ")", n),
+        nest("let x = ", "(", "1", ")", n),
+        nest("param p: int = ", "-(", "1", ")", n),
+        nest("require ", "not ", "true", "", n) + " else \"m\";",
+        format!("require true else \"{}\";", "{(".repeat(n)),
+        format!(
+            "require true else \"{{{}1{}}}\";",
+            "(".repeat(n),
+            ")".repeat(n)
+        ),
+        "(".repeat(100_000),
+        "-".repeat(100_000),
+        "not ".repeat(100_000),
+        "{".repeat(100_000),
+    ];
+    for src in &cases {
+        let (_, diags) = parse(src);
+        check_diags(src, &diags);
+        assert!(
+            diags.iter().any(|d| d.is_error()),
+            "no error for {}...",
+            &src[..60.min(src.len())]
+        );
+        if diags.iter().any(|d| d.code == "CM0105") {
+            continue;
+        }
+        // Forms that are not nested expressions fail some other way; still an error.
+        assert!(
+            diags.iter().all(|d| d.code.starts_with("CM01")),
+            "{diags:?}"
+        );
+    }
+    for src in [
+        nest("", "(", "1", ")", n),
+        nest("", "-", "1", "", n),
+        nest("", "!", "1", "", n),
+    ] {
+        let (_, diags) = parse_expr(&src);
+        check_diags(&src, &diags);
+        assert!(diags.iter().any(|d| d.code == "CM0105"), "{diags:?}");
+    }
+}
+
+/// Long flat chains of binary operators (`1 + 1 + ... + 1`, `a | b | ...`, `a < b < ...`)
+/// are not nested in the source but build equally deep trees.
+fn operator_chains(n: usize) -> Vec<String> {
+    vec![
+        format!("mask = k < {};", vec!["1"; n].join(" + ")),
+        format!("mask = k < {};", vec!["q"; n].join(" * ")),
+        format!(
+            "mask = {};",
+            (0..n)
+                .map(|i| format!("k < {i}"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+        format!("mask = k < 1{};", " < 2".repeat(n)),
+        format!("mask = k in 0 .. 1{};", " .. 1".repeat(n)),
+    ]
+}
+
+/// Postfix chains: `x.f.f.f`, `f(1)(1)...`, `a[0][0]...`.
+fn postfix_chains(n: usize) -> Vec<String> {
+    vec![
+        format!("mask = k < q{};", ".x".repeat(n)),
+        format!("mask = k < f{};", "(1)".repeat(n)),
+        format!("mask = k < a{};", "[0]".repeat(n)),
+    ]
+}
+
+#[test]
+fn long_chains_parse() {
+    for src in operator_chains(2_000)
+        .into_iter()
+        .chain(postfix_chains(2_000))
+    {
+        let (_, diags) = parse(&src);
+        check_diags(&src, &diags);
+    }
+}
+
+/// Operator chains longer than the nesting limit are refused (and the tree stays shallow).
+#[test]
+fn very_long_operator_chains_give_a_diagnostic() {
+    for src in operator_chains(100_000) {
+        let (_, diags) = parse(&src);
+        check_diags(&src, &diags);
+        assert!(diags.iter().any(|d| d.is_error()), "{}", &src[..40]);
+    }
+}
+
+#[test]
+#[ignore = "bug: a 100_000-link postfix chain (`q.x.x...`, `f(1)(1)...`, `a[0][0]...`) overflows the stack in parse (dropping the tree)"]
+fn bug_very_long_postfix_chains_overflow_the_stack() {
+    for src in postfix_chains(100_000) {
+        let (_, diags) = parse(&src);
+        check_diags(&src, &diags);
+        assert!(diags.iter().any(|d| d.code == "CM0105"), "{diags:?}");
+    }
+}
+
+#[test]
+fn empty_and_trivial_inputs() {
+    for src in [
+        "",
+        " ",
+        "\n",
+        ";",
+        ";;;;",
+        "#",
+        "mask",
+        "mask =",
+        "mask = ;",
+        "\"",
+        "{",
+        "}",
+        "..=",
+        "\u{feff}mask = k <= q;",
+    ] {
+        parse_checked(src);
+    }
+}
