@@ -405,7 +405,6 @@ fn long_chains_compile() {
 
 /// Postfix chains do not count toward the nesting limit, and the checker recurses on them.
 #[test]
-#[ignore = "bug: a 1000-link postfix chain (`k < q.x.x...`, `f(1)(1)...`, `a[0][0]...`) overflows the stack in the checker"]
 fn bug_long_postfix_chains_overflow_the_stack() {
     for src in postfix_chains(1_000) {
         let (p, diags) = cm_ir::compile(&src);

@@ -697,10 +697,13 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 let rest = self.int(p, rest)?;
                 let (alpha, rest, d) = if d < 0 {
+                    let Some(neg_d) = d.checked_neg() else {
+                        return Err(overflow(div.span));
+                    };
                     (
                         alpha.checked_neg().ok_or_else(|| overflow(*span))?,
                         self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), *span)?,
-                        -d,
+                        neg_d,
                     )
                 } else {
                     (*alpha, rest, d)
@@ -926,11 +929,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
                 Metric::L1 => {
-                    let left = r - used - i64::from(strict);
+                    let left = r.saturating_sub(used).saturating_sub(i64::from(strict));
                     (left >= 0).then_some(left)
                 }
                 Metric::Linf => {
-                    let left = r - i64::from(strict);
+                    let left = r.saturating_sub(i64::from(strict));
                     (left >= 0).then_some(left)
                 }
             }
@@ -943,8 +946,16 @@ impl<'a, 'p> Solver<'a, 'p> {
         let Some(rt) = reach(0) else {
             return Ok(Vec::new());
         };
+        // Grid rows past the last key hold no visible key: bound the loops by kv_len, not
+        // only by the radius and the grid.
+        let kv_len = self.bound.shape.kv_len;
+        let w = gv.dims[nd - 1];
+        if kv_len <= gv.at {
+            return Ok(Vec::new());
+        }
+        let last_row = (kv_len - 1 - gv.at) / w;
         let t_range = if nd == 3 {
-            (-rt).max(-tq)..=rt.min(td - 1 - tq)
+            (-rt).max(-tq)..=rt.min(td - 1 - tq).min(last_row / hd - tq)
         } else {
             0..=0
         };
@@ -952,7 +963,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut runs: Vec<(i64, i64)> = Vec::new();
         for dt in t_range {
             let Some(ry) = reach(cost(dt)) else { continue };
-            for dy in (-ry).max(-yq)..=ry.min(hd - 1 - yq) {
+            let last_dy = (last_row - (tq + dt) * hd - yq).min(ry).min(hd - 1 - yq);
+            for dy in (-ry).max(-yq)..=last_dy {
                 if let Some(rx) = reach(cost(dt) + cost(dy)) {
                     runs.push(((tq + dt) * hd + (yq + dy), rx));
                 }
@@ -961,8 +973,6 @@ impl<'a, 'p> Solver<'a, 'p> {
         // x is affine in q over the piece (slope 0 or 1). Every clamp below flips at most
         // once; split at the first flip so that each is uniform, then build the runs with
         // plain arithmetic.
-        let w = gv.dims[nd - 1];
-        let kv_len = self.bound.shape.kv_len;
         let (x0, slope) = (xq.v0, xq.a);
         if slope != 0 {
             let mut first = i64::MAX;

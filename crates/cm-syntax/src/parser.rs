@@ -407,13 +407,26 @@ impl Parser {
                 if !lit.is_empty() {
                     pieces.push(MsgPiece::Text(std::mem::take(&mut lit)));
                 }
-                let inner: String = text[i + 1..i + close].iter().map(|c| c.0).collect();
+                let body = &text[i + 1..i + close];
+                let inner: String = body.iter().map(|c| c.0).collect();
+                // Source offset of every byte of `inner` (escapes make the text shorter than
+                // the source, and characters may be several bytes), then of its end.
+                let mut map: Vec<u32> = Vec::with_capacity(inner.len() + 1);
+                let mut last = off + 1;
+                for &(c, o) in body {
+                    if o != u32::MAX {
+                        last = o;
+                    }
+                    map.extend(std::iter::repeat_n(last, c.len_utf8()));
+                }
+                map.push(text[i + close].1);
+                let at = |x: u32| map.get(x as usize).copied().unwrap_or(text[i + close].1);
                 let (mut e, diags) = parse_expr(&inner);
-                shift(&mut e, off + 1);
+                remap(&mut e, &at);
                 for mut d in diags {
                     d.span = Span {
-                        start: d.span.start + off + 1,
-                        end: d.span.end + off + 1,
+                        start: at(d.span.start),
+                        end: at(d.span.end),
                     };
                     self.diags.push(d);
                 }
@@ -687,8 +700,22 @@ impl Parser {
     }
 
     fn postfix_expr(&mut self) -> Expr {
+        let depth = self.depth;
+        let e = self.postfix_chain();
+        self.depth = depth;
+        e
+    }
+
+    /// Calls, fields and indexing after a primary; each link counts toward the nesting limit.
+    fn postfix_chain(&mut self) -> Expr {
         let mut e = self.primary();
         loop {
+            if matches!(self.peek().tok, Tok::LParen | Tok::Dot | Tok::LBracket) {
+                self.depth += 1;
+                if self.depth > MAX_DEPTH {
+                    return self.too_deep();
+                }
+            }
             if self.eat(&Tok::LParen) {
                 let args = self.comma_list(&Tok::RParen);
                 let span = Span {
@@ -789,50 +816,50 @@ impl Parser {
     }
 }
 
-/// Moves every span of `e` right by `by` bytes (for interpolations parsed out of a string).
-fn shift(e: &mut Expr, by: u32) {
+/// Maps every span of `e` through `at` (from an interpolation's text to the source).
+fn remap(e: &mut Expr, at: &dyn Fn(u32) -> u32) {
     e.span = Span {
-        start: e.span.start + by,
-        end: e.span.end + by,
+        start: at(e.span.start),
+        end: at(e.span.end),
     };
     match &mut e.kind {
-        ExprKind::Array(xs) => xs.iter_mut().for_each(|x| shift(x, by)),
-        ExprKind::Unary(_, a) => shift(a, by),
+        ExprKind::Array(xs) => xs.iter_mut().for_each(|x| remap(x, at)),
+        ExprKind::Unary(_, a) => remap(a, at),
         ExprKind::Binary(_, a, b) => {
-            shift(a, by);
-            shift(b, by);
+            remap(a, at);
+            remap(b, at);
         }
         ExprKind::Compare { first, rest } => {
-            shift(first, by);
-            rest.iter_mut().for_each(|(_, x)| shift(x, by));
+            remap(first, at);
+            rest.iter_mut().for_each(|(_, x)| remap(x, at));
         }
         ExprKind::Range { lo, hi, .. } => {
-            shift(lo, by);
-            shift(hi, by);
+            remap(lo, at);
+            remap(hi, at);
         }
         ExprKind::In { elem, range } => {
-            shift(elem, by);
-            shift(range, by);
+            remap(elem, at);
+            remap(range, at);
         }
         ExprKind::Call { callee, args } => {
-            shift(callee, by);
-            args.iter_mut().for_each(|x| shift(x, by));
+            remap(callee, at);
+            args.iter_mut().for_each(|x| remap(x, at));
         }
         ExprKind::Field { base, name } => {
-            shift(base, by);
+            remap(base, at);
             name.span = Span {
-                start: name.span.start + by,
-                end: name.span.end + by,
+                start: at(name.span.start),
+                end: at(name.span.end),
             };
         }
         ExprKind::Index { base, index } => {
-            shift(base, by);
-            shift(index, by);
+            remap(base, at);
+            remap(index, at);
         }
         ExprKind::If { cond, then, els } => {
-            shift(cond, by);
-            shift(then, by);
-            shift(els, by);
+            remap(cond, at);
+            remap(then, at);
+            remap(els, at);
         }
         ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Name(_) | ExprKind::Error => {}
     }

@@ -278,7 +278,6 @@ proptest! {
 /// here into the middle of `é` (rendering it with ariadne then panics, see the
 /// `compilemask` fuzz tests).
 #[test]
-#[ignore = "bug: a diagnostic inside an interpolation after an escape has a span inside a character: `require true else \"{\\té}\";`"]
 fn bug_interpolation_spans_after_escapes() {
     for src in [
         "require true else \"{\\té}\";\nmask = k <= q;\n",
@@ -404,7 +403,6 @@ fn very_long_operator_chains_give_a_diagnostic() {
 }
 
 #[test]
-#[ignore = "bug: a 100_000-link postfix chain (`q.x.x...`, `f(1)(1)...`, `a[0][0]...`) overflows the stack in parse (dropping the tree)"]
 fn bug_very_long_postfix_chains_overflow_the_stack() {
     for src in postfix_chains(100_000) {
         let (_, diags) = parse(&src);

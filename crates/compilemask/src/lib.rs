@@ -268,6 +268,15 @@ impl Program {
     }
 }
 
+/// The largest character boundary of `source` at or before byte `at`.
+fn char_floor(source: &str, at: usize) -> usize {
+    let mut at = at.min(source.len());
+    while !source.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
+}
+
 /// Renders diagnostics against their source, without colour (ariadne).
 pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
     use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
@@ -278,8 +287,8 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         } else {
             ReportKind::Warning
         };
-        let start = (d.span.start as usize).min(source.len());
-        let end = (d.span.end as usize).clamp(start, source.len());
+        let start = char_floor(source, d.span.start as usize);
+        let end = char_floor(source, d.span.end as usize).max(start);
         let mut report = Report::build(kind, (name, start..end))
             .with_config(
                 Config::default()
@@ -290,8 +299,8 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
             .with_message(&d.message)
             .with_label(Label::new((name, start..end)).with_message(&d.label));
         for (span, label) in &d.related {
-            let s = (span.start as usize).min(source.len());
-            let e = (span.end as usize).clamp(s, source.len());
+            let s = char_floor(source, span.start as usize);
+            let e = char_floor(source, span.end as usize).max(s);
             report = report.with_label(Label::new((name, s..e)).with_message(label));
         }
         if let Some(h) = &d.hint {

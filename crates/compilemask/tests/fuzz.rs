@@ -135,7 +135,6 @@ proptest! {
 /// `bug_interpolation_spans_after_escapes` in cm-syntax), and rendering it panics in
 /// ariadne: `compile` itself panics on this one-line program.
 #[test]
-#[ignore = "bug: compiling `require true else \"{\\té}\";` panics while rendering a span inside a character"]
 fn bug_render_panics_on_a_span_inside_a_character() {
     let src = "require true else \"{\\té}\";\nmask = k <= q;\n";
     let r = std::panic::catch_unwind(|| compile(src).map(|_| ()));
