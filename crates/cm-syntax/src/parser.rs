@@ -538,25 +538,19 @@ impl Parser {
     }
 
     fn or_expr(&mut self) -> Expr {
-        let depth = self.depth;
-        let mut l = self.and_expr();
-        while self.eat(&Tok::Pipe) || self.eat_word("or") {
-            let r = self.chained(Self::and_expr);
-            l = self.binary(BinOp::Or, l, r);
-        }
-        self.depth = depth;
-        l
+        self.left_chain(Self::and_expr, |t| match t {
+            Tok::Pipe => Some(BinOp::Or),
+            Tok::Ident(w) if w == "or" => Some(BinOp::Or),
+            _ => None,
+        })
     }
 
     fn and_expr(&mut self) -> Expr {
-        let depth = self.depth;
-        let mut l = self.not_expr();
-        while self.eat(&Tok::Amp) || self.eat_word("and") {
-            let r = self.chained(Self::not_expr);
-            l = self.binary(BinOp::And, l, r);
-        }
-        self.depth = depth;
-        l
+        self.left_chain(Self::not_expr, |t| match t {
+            Tok::Amp => Some(BinOp::And),
+            Tok::Ident(w) if w == "and" => Some(BinOp::And),
+            _ => None,
+        })
     }
 
     fn not_expr(&mut self) -> Expr {
@@ -645,39 +639,38 @@ impl Parser {
         }
     }
 
-    fn add_expr(&mut self) -> Expr {
+    /// A left-associative chain of `operand`s joined by the operators `op_of` recognises.
+    fn left_chain(
+        &mut self,
+        operand: fn(&mut Self) -> Expr,
+        op_of: fn(&Tok) -> Option<BinOp>,
+    ) -> Expr {
         let depth = self.depth;
-        let mut l = self.mul_expr();
-        loop {
-            let op = match self.peek().tok {
-                Tok::Plus => BinOp::Add,
-                Tok::Minus => BinOp::Sub,
-                _ => break,
-            };
+        let mut l = operand(self);
+        while let Some(op) = op_of(&self.peek().tok) {
             self.bump();
-            let r = self.chained(Self::mul_expr);
+            let r = self.chained(operand);
             l = self.binary(op, l, r);
         }
         self.depth = depth;
         l
     }
 
+    fn add_expr(&mut self) -> Expr {
+        self.left_chain(Self::mul_expr, |t| match t {
+            Tok::Plus => Some(BinOp::Add),
+            Tok::Minus => Some(BinOp::Sub),
+            _ => None,
+        })
+    }
+
     fn mul_expr(&mut self) -> Expr {
-        let depth = self.depth;
-        let mut l = self.unary_expr();
-        loop {
-            let op = match self.peek().tok {
-                Tok::Star => BinOp::Mul,
-                Tok::Slash => BinOp::Div,
-                Tok::Percent => BinOp::Mod,
-                _ => break,
-            };
-            self.bump();
-            let r = self.chained(Self::unary_expr);
-            l = self.binary(op, l, r);
-        }
-        self.depth = depth;
-        l
+        self.left_chain(Self::unary_expr, |t| match t {
+            Tok::Star => Some(BinOp::Mul),
+            Tok::Slash => Some(BinOp::Div),
+            Tok::Percent => Some(BinOp::Mod),
+            _ => None,
+        })
     }
 
     fn unary_expr(&mut self) -> Expr {
