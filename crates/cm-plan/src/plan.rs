@@ -133,8 +133,11 @@ pub fn row_intervals(
         shape.q_len as usize,
     );
     let mut q0 = 0i64;
+    // Rows where evaluation found the structure to change, nearest last: after a piece
+    // succeeds, the next one is tried up to the nearest known change, not to the end.
+    let mut ends: Vec<i64> = vec![shape.q_len];
     while q0 < shape.q_len {
-        let mut end = shape.q_len;
+        let mut end = ends.last().copied().unwrap_or(shape.q_len);
         loop {
             let p = Piece {
                 q0,
@@ -159,11 +162,15 @@ pub fn row_intervals(
                     }
                     *pieces += 1;
                     q0 = end;
+                    while ends.last().is_some_and(|&e| e <= q0) {
+                        ends.pop();
+                    }
                     break;
                 }
                 Err(Flow::Split(s)) => {
                     debug_assert!(s > q0 && s < end, "split {s} outside ({q0}, {end})");
                     end = s;
+                    ends.push(s);
                 }
                 Err(Flow::Error(mut e)) => {
                     let rows = if p.n == 1 {
