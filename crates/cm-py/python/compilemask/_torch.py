@@ -155,6 +155,36 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     return mask_mod
 
 
+def _flex_edge_tiles(torch: Any, kv_num: Any, kv_idx: Any, full_num: Any, full_idx: Any,
+                     lengths: tuple[int, int], block: tuple[int, int]) -> tuple[Any, Any, Any, Any]:
+    """Flex's tables for the same mask: ``create_block_mask`` pads the sequences to whole
+    blocks with False, so a tile at a ragged edge is never full there (our descriptor counts
+    only in-range pairs and may call it full). Those tiles move to the partial lists, which
+    is exact either way (partial tiles apply ``mask_mod``), and every index row is rebuilt
+    as Flex orders it: counted blocks ascending, then the others ascending."""
+    num_masks, m, n = kv_idx.shape
+    cols = torch.arange(n)
+    cls = torch.zeros((num_masks, m, n), dtype=torch.int8)
+    for num, idx, value in ((kv_num, kv_idx, 1), (full_num, full_idx, 2)):
+        counted = cols.view(1, 1, n) < num.view(num_masks, m, 1).long()
+        cls.scatter_add_(2, idx.long(), torch.where(counted, value, 0).to(torch.int8))
+    ragged_rows = lengths[0] % block[0] != 0
+    ragged_cols = lengths[1] % block[1] != 0
+    if ragged_rows:
+        cls[:, -1, :][cls[:, -1, :] == 2] = 1
+    if ragged_cols:
+        cls[:, :, -1][cls[:, :, -1] == 2] = 1
+
+    def lists(value: int) -> tuple[Any, Any]:
+        hit = cls == value
+        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)
+        return hit.sum(-1).to(torch.int32), order.to(torch.int32)
+
+    kv_num, kv_idx = lists(1)
+    full_num, full_idx = lists(2)
+    return kv_num, kv_idx, full_num, full_idx
+
+
 def make_block_mask(plan: Plan, device: Any = None) -> Any:
     torch = require_torch("Plan.to_block_mask")
     from torch.nn.attention.flex_attention import BlockMask
@@ -164,15 +194,27 @@ def make_block_mask(plan: Plan, device: Any = None) -> Any:
     m, n = per_mask[0]["num_m_blocks"], per_mask[0]["num_n_blocks"]
     index = torch.tensor(plan.mask_index, dtype=torch.long)
 
-    def table(key: str, shape: tuple[int, ...]) -> Any:
-        stacked = torch.stack([_int32(torch, pm[key], shape, None) for pm in per_mask])
-        return stacked[index].reshape(plan.batch, plan.num_heads, *shape).contiguous().to(dev)
+    def stacked(key: str, shape: tuple[int, ...]) -> Any:
+        return torch.stack([_int32(torch, pm[key], shape, None) for pm in per_mask])
+
+    tables = _flex_edge_tiles(
+        torch,
+        stacked("kv_num_blocks", (m,)),
+        stacked("kv_indices", (m, n)),
+        stacked("full_kv_num_blocks", (m,)),
+        stacked("full_kv_indices", (m, n)),
+        (plan.q_len, plan.kv_len),
+        plan.block_size,
+    )
+
+    def table(t: Any, shape: tuple[int, ...]) -> Any:
+        return t[index].reshape(plan.batch, plan.num_heads, *shape).contiguous().to(dev)
 
     return BlockMask.from_kv_blocks(
-        table("kv_num_blocks", (m,)),
-        table("kv_indices", (m, n)),
-        table("full_kv_num_blocks", (m,)),
-        table("full_kv_indices", (m, n)),
+        table(tables[0], (m,)),
+        table(tables[1], (m, n)),
+        table(tables[2], (m,)),
+        table(tables[3], (m, n)),
         BLOCK_SIZE=plan.block_size,
         mask_mod=make_mask_mod(plan, dev),
         seq_lengths=(plan.q_len, plan.kv_len),
