@@ -129,6 +129,19 @@ fn plan_view(device: usize, plan: &PlanArg) -> Result<(Arc<Runtime>, PlanView), 
     Ok((rt, view))
 }
 
+/// Torch's stream (its address, as `torch.cuda.current_stream().cuda_stream` gives it) as a
+/// cudarc stream of the runtime's context, without taking ownership.
+fn torch_stream(rt: &Runtime, stream: usize) -> Arc<cudarc::driver::CudaStream> {
+    // SAFETY: `stream` is torch's current stream of the runtime's device, a live stream of the
+    // primary context the runtime was loaded into; torch keeps it alive while work is queued
+    // on it.
+    #[allow(unsafe_code)]
+    unsafe {
+        rt.context()
+            .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
+    }
+}
+
 /// Forward attention on `stream` (an address of a CUDA stream of device `device`, as torch
 /// gives it); returns once the kernel is enqueued (GIL released). `q`, `k`, `v`, `out` are
 /// `[batch, heads, seq_len, head_dim]` tensors, `lse` `[batch, num_heads, q_len]` fp32.
@@ -169,13 +182,7 @@ pub fn cuda_forward(
     };
     py.detach(|| {
         let (rt, view) = plan_view(device, &plan)?;
-        // SAFETY: `stream` is torch's current stream of `device`, a live stream of the primary
-        // context the runtime was loaded into; torch keeps it alive while work is queued on it.
-        #[allow(unsafe_code)]
-        let stream = unsafe {
-            rt.context()
-                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
-        };
+        let stream = torch_stream(&rt, stream);
         // SAFETY: every address is a torch tensor's data pointer on `device` (checked by the
         // Python side), with the tensor's own shape and strides, so each layout's span lies in
         // memory torch keeps allocated until stream-ordered work after this launch; `out` and
@@ -242,12 +249,7 @@ pub fn cuda_backward(
     };
     py.detach(|| {
         let (rt, view) = plan_view(device, &plan)?;
-        // SAFETY: as in `cuda_forward`.
-        #[allow(unsafe_code)]
-        let stream = unsafe {
-            rt.context()
-                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
-        };
+        let stream = torch_stream(&rt, stream);
         // SAFETY: as in `cuda_forward`; `dq`, `dk`, `dv` and the workspace are fresh torch
         // allocations that overlap nothing, the workspace holding `workspace.1` fp32 elements.
         #[allow(unsafe_code)]
