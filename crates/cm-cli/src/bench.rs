@@ -63,7 +63,7 @@ pub struct BenchArgs {
     )]
     workloads: Vec<String>,
     /// Forward kernel.
-    #[arg(long, value_enum, default_value = "wgmma")]
+    #[arg(long, value_enum, default_value = "ws")]
     kernel: KernelArg,
     /// Token orders to run each workload in, comma-separated: `raster` (the program's
     /// positions) and / or `auto` (the patch order the compiler chooses for the kernel's tile
@@ -114,7 +114,9 @@ impl OrderArg {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum KernelArg {
-    /// `fwd_wgmma`, the Hopper kernel.
+    /// `fwd_ws`, the warp-specialised Hopper kernel (TMA, 128x128 tiles).
+    Ws,
+    /// `fwd_wgmma`, the single-warpgroup Hopper kernel (64x64 tiles).
     Wgmma,
     /// `fwd_simple`, the mma.sync reference path.
     Simple,
@@ -243,6 +245,7 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
         DTypeArg::Fp16 => DType::F16,
     };
     let kernel = match a.kernel {
+        KernelArg::Ws => KernelKind::FwdWs,
         KernelArg::Wgmma => KernelKind::FwdWgmma,
         KernelArg::Simple => KernelKind::FwdSimple,
     };

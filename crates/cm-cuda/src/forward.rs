@@ -2,6 +2,7 @@
 
 use crate::layout::VECTOR_BYTES;
 use crate::plan::{PlanArray, PlanView};
+use crate::tma::TensorMap;
 use crate::{DType, Error, LseLayout, TensorLayout};
 use cm_kernels::{KernelKind, Variant};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -81,12 +82,14 @@ const _: () = assert!(
 #[allow(unsafe_code)]
 unsafe impl DeviceRepr for FwdParams {}
 
-/// What a validated launch needs: the kernel, the grid and the parameters; `None` when the
-/// launch has no work (an empty batch, no heads or no query rows).
+/// What a validated launch needs: the kernel, the grid and the parameters (for
+/// [`KernelKind::FwdWs`] also the TMA descriptors of Q, K and V); `None` when the launch has
+/// no work (an empty batch, no heads or no query rows).
 pub(crate) struct Launch {
     pub(crate) variant: usize,
     pub(crate) config: LaunchConfig,
     pub(crate) params: FwdParams,
+    pub(crate) tensor_maps: Option<[TensorMap; 3]>,
 }
 
 const MAX_GRID_YZ: usize = 65535;
@@ -174,10 +177,11 @@ pub(crate) fn prepare(
             a.softmax_scale
         )));
     }
-    let (tile_m, tile_n) = kernel.kernel.tile();
+    // Every plan carries the lists at WS_TILE for FwdWs; the other kernels read the plan's own.
+    let (tile_m, tile_n) = cm_kernels::TILE;
     if (plan.tile.block_m, plan.tile.block_n) != (tile_m, tile_n) {
         return Err(Error::invalid(format!(
-            "the plan was built at tile {}x{}, the kernel needs {tile_m}x{tile_n}; upload it with Runtime::upload_plan",
+            "the plan was built at tile {}x{}, the kernels need {tile_m}x{tile_n}; upload it with Runtime::upload_plan",
             plan.tile.block_m, plan.tile.block_n
         )));
     }
@@ -203,6 +207,26 @@ pub(crate) fn prepare(
     }
 
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
+    let ws = kernel_kind == KernelKind::FwdWs;
+    let lists = if ws {
+        [
+            PlanArray::WsMBlockOrder,
+            PlanArray::WsKvOffsets,
+            PlanArray::WsKvIndices,
+            PlanArray::WsFullKvOffsets,
+            PlanArray::WsFullKvIndices,
+            PlanArray::WsPartialRowFirst,
+        ]
+    } else {
+        [
+            PlanArray::MBlockOrder,
+            PlanArray::KvOffsets,
+            PlanArray::KvIndices,
+            PlanArray::FullKvOffsets,
+            PlanArray::FullKvIndices,
+            PlanArray::PartialRowFirst,
+        ]
+    };
     let params = FwdParams {
         q: a.q,
         k: a.k,
@@ -214,12 +238,12 @@ pub(crate) fn prepare(
         v_strides: s3(&a.v_layout),
         o_strides: s3(&a.out_layout),
         lse_strides: a.lse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
-        m_block_order: plan.addr(PlanArray::MBlockOrder),
-        kv_offsets: plan.addr(PlanArray::KvOffsets),
-        kv_indices: plan.addr(PlanArray::KvIndices),
-        full_kv_offsets: plan.addr(PlanArray::FullKvOffsets),
-        full_kv_indices: plan.addr(PlanArray::FullKvIndices),
-        partial_row_first: plan.addr(PlanArray::PartialRowFirst),
+        m_block_order: plan.addr(lists[0]),
+        kv_offsets: plan.addr(lists[1]),
+        kv_indices: plan.addr(lists[2]),
+        full_kv_offsets: plan.addr(lists[3]),
+        full_kv_indices: plan.addr(lists[4]),
+        partial_row_first: plan.addr(lists[5]),
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
         q_len: plan.q_len,
@@ -227,14 +251,33 @@ pub(crate) fn prepare(
         heads_per_kv_head: (h / h_kv) as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
     };
+    let tensor_maps = if ws {
+        let rows = kernel_kind.tile().0;
+        Some([
+            TensorMap::encode("q", a.dtype, a.q, &a.q_layout, rows)?,
+            TensorMap::encode("k", a.dtype, a.k, &a.k_layout, rows)?,
+            TensorMap::encode("v", a.dtype, a.v, &a.v_layout, rows)?,
+        ])
+    } else {
+        None
+    };
     let config = LaunchConfig {
-        grid_dim: (plan.num_m_blocks, h as u32, b as u32),
+        grid_dim: (
+            if ws {
+                plan.ws_num_m_blocks
+            } else {
+                plan.num_m_blocks
+            },
+            h as u32,
+            b as u32,
+        ),
         block_dim: (kernel.kernel.threads(), 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };
     Ok(Some(Launch {
         variant,
         config,
         params,
+        tensor_maps,
     }))
 }

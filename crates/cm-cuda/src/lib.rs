@@ -11,8 +11,10 @@
 //! Tensors are described by [`TensorLayout`] / [`LseLayout`] (shapes and strides in elements,
 //! dims `[batch, heads, seq_len, head_dim]` and `[batch, num_heads, q_len]`).
 //!
-//! Forward kernels ([`KernelKind`]): `FwdWgmma` (the default, Hopper wgmma) and `FwdSimple`
-//! (mma.sync, the reference GPU path), chosen with [`Runtime::set_forward_kernel`]. One plan
+//! Forward kernels ([`KernelKind`]): `FwdWs` (the default: warp-specialised, TMA loads into a
+//! two-stage ring, two wgmma consumer warpgroups, 128x128 tiles), `FwdWgmma` (one warpgroup,
+//! 64x64 tiles) and `FwdSimple` (mma.sync, the reference GPU path), chosen with
+//! [`Runtime::set_forward_kernel`]. One plan
 //! serves every (batch, head) of a launch; per-(batch, head) masks and `cu_seqlens` packing are
 //! not supported yet.
 //!
@@ -54,9 +56,10 @@ mod layout;
 mod plan;
 pub mod reference;
 mod runtime;
+mod tma;
 
 pub use backward::{backward_workspace_len, Backward, BackwardRaw};
-pub use cm_kernels::{DType, KernelKind};
+pub use cm_kernels::{DType, KernelKind, TILE, WS_TILE};
 pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};

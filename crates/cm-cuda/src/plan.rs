@@ -15,7 +15,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 14;
+pub const PLAN_ARRAY_COUNT: usize = 20;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -25,7 +25,9 @@ pub const PLAN_ARRAY_COUNT: usize = 14;
 /// and the order in which query blocks are scheduled (`[num_m_blocks]`, most tiles first, so the
 /// longest CTAs start first); for the backward pass also the transposed lists (`q_offsets
 /// [num_n_blocks + 1]`, `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and
-/// the key-block order (`[num_n_blocks]`, most tiles first).
+/// the key-block order (`[num_n_blocks]`, most tiles first). All of these are at the plan's
+/// tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists, their query-block
+/// order and `partial_row_first` at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
     Intervals,
@@ -42,6 +44,12 @@ pub enum PlanArray {
     QPartialIds,
     FullQOffsets,
     FullQIndices,
+    WsMBlockOrder,
+    WsKvOffsets,
+    WsKvIndices,
+    WsFullKvOffsets,
+    WsFullKvIndices,
+    WsPartialRowFirst,
 }
 
 impl PlanArray {
@@ -61,6 +69,12 @@ impl PlanArray {
         PlanArray::QPartialIds,
         PlanArray::FullQOffsets,
         PlanArray::FullQIndices,
+        PlanArray::WsMBlockOrder,
+        PlanArray::WsKvOffsets,
+        PlanArray::WsKvIndices,
+        PlanArray::WsFullKvOffsets,
+        PlanArray::WsFullKvIndices,
+        PlanArray::WsPartialRowFirst,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,15 +93,30 @@ impl PlanArray {
             PlanArray::QPartialIds => "q_partial_ids",
             PlanArray::FullQOffsets => "full_q_offsets",
             PlanArray::FullQIndices => "full_q_indices",
+            PlanArray::WsMBlockOrder => "ws_m_block_order",
+            PlanArray::WsKvOffsets => "ws_kv_offsets",
+            PlanArray::WsKvIndices => "ws_kv_indices",
+            PlanArray::WsFullKvOffsets => "ws_full_kv_offsets",
+            PlanArray::WsFullKvIndices => "ws_full_kv_indices",
+            PlanArray::WsPartialRowFirst => "ws_partial_row_first",
         }
     }
 
-    /// The array's length when the lengths alone fix it (`None` when the mask does).
-    fn fixed_len(self, q_len: u32, num_m_blocks: u32, num_n_blocks: u32) -> Option<usize> {
-        let (m, n) = (num_m_blocks as usize, num_n_blocks as usize);
+    /// The array's length when the lengths alone fix it (`None` when the mask does), given
+    /// the block counts at the plan's tile and `ws_m` query blocks at the `Ws*` tile.
+    fn fixed_len(
+        self,
+        q_len: u32,
+        num_m_blocks: u32,
+        num_n_blocks: u32,
+        ws_m: u32,
+    ) -> Option<usize> {
+        let (m, n, ws_m) = (num_m_blocks as usize, num_n_blocks as usize, ws_m as usize);
         match self {
             PlanArray::MBlockOrder => Some(m),
             PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
+            PlanArray::WsMBlockOrder => Some(ws_m),
+            PlanArray::WsKvOffsets | PlanArray::WsFullKvOffsets => Some(ws_m + 1),
             PlanArray::RowPtr => Some(q_len as usize + 1),
             PlanArray::NBlockOrder => Some(n),
             PlanArray::QOffsets | PlanArray::FullQOffsets => Some(n + 1),
@@ -112,6 +141,24 @@ fn block_counts(q_len: u32, kv_len: u32, tile: TileShape) -> (u32, u32) {
     (q_len.div_ceil(bm), kv_len.div_ceil(bn))
 }
 
+/// The tile shape of the `Ws*` arrays.
+pub(crate) fn ws_tile() -> TileShape {
+    let (block_m, block_n) = cm_kernels::WS_TILE;
+    TileShape { block_m, block_n }
+}
+
+/// Block indices `0..count` with the most work first (ties: the later block first, which for
+/// causal-like masks is also the longer row), so the longest CTAs start first.
+fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
+    let work = |i: u32| {
+        let i = i as usize;
+        offsets.iter().map(|o| o[i + 1] - o[i]).sum::<u32>()
+    };
+    let mut order: Vec<u32> = (0..count).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(work(i)), std::cmp::Reverse(i)));
+    order
+}
+
 /// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
 pub struct HostPlan {
     q_len: u32,
@@ -128,20 +175,10 @@ impl HostPlan {
     /// [`crate::KernelKind::tile`]).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
-        let mut order: Vec<u32> = (0..desc.num_m_blocks).collect();
-        let work = |m: u32| {
-            let m = m as usize;
-            (desc.kv_offsets[m + 1] - desc.kv_offsets[m])
-                + (desc.full_kv_offsets[m + 1] - desc.full_kv_offsets[m])
-        };
-        order.sort_by_key(|&m| (std::cmp::Reverse(work(m)), std::cmp::Reverse(m)));
-        let mut n_order: Vec<u32> = (0..desc.num_n_blocks).collect();
-        let n_work = |n: u32| {
-            let n = n as usize;
-            (desc.q_offsets[n + 1] - desc.q_offsets[n])
-                + (desc.full_q_offsets[n + 1] - desc.full_q_offsets[n])
-        };
-        n_order.sort_by_key(|&n| (std::cmp::Reverse(n_work(n)), std::cmp::Reverse(n)));
+        let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
+        let n_order = heaviest_first(desc.num_n_blocks, [&desc.q_offsets, &desc.full_q_offsets]);
+        let ws = TileDescriptor::build(rows, ws_tile());
+        let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
         let flat_intervals: Vec<u32> = rows
             .intervals()
             .iter()
@@ -165,6 +202,12 @@ impl HostPlan {
             desc.q_partial_ids,
             desc.full_q_offsets,
             desc.full_q_indices,
+            ws_order,
+            ws.kv_offsets,
+            ws.kv_indices,
+            ws.full_kv_offsets,
+            ws.full_kv_indices,
+            ws.partial_row_first,
         ];
         HostPlan {
             q_len: rows.q_len(),
@@ -199,6 +242,8 @@ pub struct PlanView {
     pub(crate) tile: TileShape,
     pub(crate) num_m_blocks: u32,
     pub(crate) num_n_blocks: u32,
+    /// Query blocks at [`cm_kernels::WS_TILE`].
+    pub(crate) ws_num_m_blocks: u32,
 }
 
 impl PlanView {
@@ -228,6 +273,7 @@ impl PlanView {
             )));
         }
         let (num_m_blocks, num_n_blocks) = block_counts(q_len, kv_len, tile);
+        let (ws_num_m_blocks, _) = block_counts(q_len, kv_len, ws_tile());
         for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
             if addr == 0 || addr % a.align() != 0 {
                 return Err(Error::invalid(format!(
@@ -236,7 +282,7 @@ impl PlanView {
                     a.align()
                 )));
             }
-            if let Some(need) = a.fixed_len(q_len, num_m_blocks, num_n_blocks) {
+            if let Some(need) = a.fixed_len(q_len, num_m_blocks, num_n_blocks, ws_num_m_blocks) {
                 if len < need {
                     return Err(Error::invalid(format!(
                         "plan array {} holds {len} elements; q_len = {q_len} and kv_len = {kv_len} \
@@ -254,6 +300,7 @@ impl PlanView {
             tile,
             num_m_blocks,
             num_n_blocks,
+            ws_num_m_blocks,
         })
     }
 
@@ -322,6 +369,7 @@ impl DevicePlan {
             ptr
         };
         let (num_m_blocks, num_n_blocks) = block_counts(host.q_len, host.kv_len, tile);
+        let (ws_num_m_blocks, _) = block_counts(host.q_len, host.kv_len, ws_tile());
         Ok(DevicePlan {
             view: PlanView {
                 ctx: stream.context().clone(),
@@ -331,6 +379,7 @@ impl DevicePlan {
                 tile,
                 num_m_blocks,
                 num_n_blocks,
+                ws_num_m_blocks,
             },
             buffer,
             visible_pairs: host.visible_pairs,
@@ -375,8 +424,10 @@ mod tests {
         let host = HostPlan::build(&rows, tile);
         let (m, n) = block_counts(150, 150, tile);
         assert_eq!((m, n), (3, 3));
+        let (ws_m, _) = block_counts(150, 150, ws_tile());
+        assert_eq!(ws_m, 2);
         for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
-            if let Some(len) = a.fixed_len(150, m, n) {
+            if let Some(len) = a.fixed_len(150, m, n, ws_m) {
                 assert_eq!(array.len(), len, "{}", a.name());
             }
         }
@@ -385,5 +436,14 @@ mod tests {
         // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full.
         assert_eq!(host.arrays()[PlanArray::KvIndices as usize].len(), 3);
         assert_eq!(host.arrays()[PlanArray::FullKvIndices as usize].len(), 3);
+        // At 128x128: the two diagonal tiles partial, the one below them full; the longer
+        // second query block is scheduled first.
+        assert_eq!(host.arrays()[PlanArray::WsKvIndices as usize], [0, 1]);
+        assert_eq!(host.arrays()[PlanArray::WsFullKvIndices as usize], [0]);
+        assert_eq!(host.arrays()[PlanArray::WsMBlockOrder as usize], [1, 0]);
+        assert_eq!(
+            host.arrays()[PlanArray::WsPartialRowFirst as usize].len(),
+            2 * 128
+        );
     }
 }

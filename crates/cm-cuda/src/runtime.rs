@@ -88,7 +88,7 @@ impl Runtime {
         Ok(Runtime {
             ctx,
             functions,
-            forward_kernel: KernelKind::FwdWgmma,
+            forward_kernel: KernelKind::FwdWs,
         })
     }
 
@@ -96,13 +96,13 @@ impl Runtime {
         &self.ctx
     }
 
-    /// The kernel forward launches use: [`KernelKind::FwdWgmma`] unless set otherwise.
+    /// The kernel forward launches use: [`KernelKind::FwdWs`] unless set otherwise.
     pub fn forward_kernel(&self) -> KernelKind {
         self.forward_kernel
     }
 
     /// Chooses the forward kernel, e.g. [`KernelKind::FwdSimple`], the mma.sync reference
-    /// path. Plans are shared: every forward kernel uses the same tile shape.
+    /// path. Plans are shared: every plan holds the lists of every forward kernel.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a kernel that is not a forward kernel.
@@ -117,8 +117,9 @@ impl Runtime {
         Ok(())
     }
 
-    /// Builds the tile descriptor of `rows` at the forward kernel's tile shape and uploads it
-    /// with the row intervals. Waits for the copy (once per plan, never per launch).
+    /// Builds the tile descriptor of `rows` at the kernels' tile shapes ([`cm_kernels::TILE`],
+    /// and the forward lists at [`cm_kernels::WS_TILE`]) and uploads it with the row
+    /// intervals. Waits for the copy (once per plan, never per launch).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `stream` belongs to another context; [`Error::Driver`].
@@ -128,7 +129,7 @@ impl Runtime {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
-        let (block_m, block_n) = self.forward_kernel.tile();
+        let (block_m, block_n) = cm_kernels::TILE;
         DevicePlan::upload(rows, TileShape { block_m, block_n }, stream)
     }
 
@@ -228,8 +229,16 @@ impl Runtime {
         let func = &self.functions[launch.variant];
         let mut builder = stream.launch_builder(func);
         builder.arg(&launch.params);
-        // SAFETY: `func` is the variant `prepare` chose for these arguments, and its only
-        // parameter is a by-value CmFwdParams, which `params` mirrors. `prepare` checked that
+        if let Some(maps) = &launch.tensor_maps {
+            for map in maps {
+                builder.arg(map);
+            }
+        }
+        // SAFETY: `func` is the variant `prepare` chose for these arguments, and its
+        // parameters are a by-value CmFwdParams, which `params` mirrors, followed for FwdWs
+        // (exactly when `tensor_maps` is set) by the TMA descriptors of Q, K and V, encoded
+        // from the same addresses and layouts; the block size and dynamic shared memory are
+        // the variant's. `prepare` checked that
         // every address is aligned and that the grid, shapes and strides match the plan and
         // each other, so the kernel touches only elements inside each layout's span; the
         // callers guarantee the spans are allocated and live (checked lengths in `forward`,

@@ -27,17 +27,20 @@ __device__ __forceinline__ u64 cm_wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-// A = Q tile or B = K tile (K-major) for k-step ks (head_dim columns 16 ks .. 16 ks + 15) of a 64-row tile:
-// 32 bytes per k-step inside a 128-byte atom row, 8 KB per atom; 8-row groups 1 KB apart.
-__device__ __forceinline__ u64 cm_desc_k_major64(u32 tile, int ks) {
-    return cm_wgmma_desc(tile + (ks >> 2) * 8192 + (ks & 3) * 32, 16, 1024);
+// A = Q tile or B = K tile (K-major) for k-step ks (head_dim columns 16 ks .. 16 ks + 15) of a
+// tile of `rows` rows: 32 bytes per k-step inside a 128-byte atom row, rows * 128 bytes per
+// column atom; 8-row groups 1 KB apart.
+__device__ __forceinline__ u64 cm_desc_k_major(u32 tile, u32 rows, int ks) {
+    return cm_wgmma_desc(tile + (ks >> 2) * rows * 128 + (ks & 3) * 32, 16, 1024);
 }
+__device__ __forceinline__ u64 cm_desc_k_major64(u32 tile, int ks) { return cm_desc_k_major(tile, 64, ks); }
 
-// B = V tile (MN-major) for k-step ks (keys 16 ks .. 16 ks + 15) of a 64-row tile: 16 rows of
-// 128 bytes per k-step; the next 64 head_dim columns (LBO) one 8 KB atom further.
-__device__ __forceinline__ u64 cm_desc_mn_major64(u32 tile, int ks) {
-    return cm_wgmma_desc(tile + ks * 2048, 8192, 1024);
+// B = V tile (MN-major) for k-step ks (keys 16 ks .. 16 ks + 15) of a tile of `rows` rows: 16
+// rows of 128 bytes per k-step; the next 64 head_dim columns (LBO) one column atom further.
+__device__ __forceinline__ u64 cm_desc_mn_major(u32 tile, u32 rows, int ks) {
+    return cm_wgmma_desc(tile + ks * 2048, rows * 128, 1024);
 }
+__device__ __forceinline__ u64 cm_desc_mn_major64(u32 tile, int ks) { return cm_desc_mn_major(tile, 64, ks); }
 
 __device__ __forceinline__ void cm_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cm_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -102,6 +105,21 @@ __device__ __forceinline__ void cm_wgmma_n128(float (&d)[16][4], const u32 (&a)[
         : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7),
           CM_ACC4(8), CM_ACC4(9), CM_ACC4(10), CM_ACC4(11), CM_ACC4(12), CM_ACC4(13), CM_ACC4(14), CM_ACC4(15)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TNSP_B));
+}
+
+// d (+)= A * B for m64n128k16 with both operands K-major in shared memory (descriptors).
+__device__ __forceinline__ void cm_wgmma_n128_ss(float (&d)[16][4], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32" CM_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0; }"
+        : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7),
+          CM_ACC4(8), CM_ACC4(9), CM_ACC4(10), CM_ACC4(11), CM_ACC4(12), CM_ACC4(13), CM_ACC4(14), CM_ACC4(15)
+        : "l"(a), "l"(b), "r"(accumulate));
 }
 
 #undef CM_ACC4

@@ -41,8 +41,12 @@ impl fmt::Display for DType {
 pub enum KernelKind {
     /// `kernels/fwd_simple.cu`: mma.sync forward, the reference GPU path and fallback.
     FwdSimple,
-    /// `kernels/fwd_wgmma.cu`: Hopper forward on wgmma from swizzled shared memory.
+    /// `kernels/fwd_wgmma.cu`: Hopper forward on wgmma from swizzled shared memory, one
+    /// warpgroup per 64-row query block.
     FwdWgmma,
+    /// `kernels/fwd_ws.cu`: the warp-specialised Hopper forward (TMA producer warpgroup, two
+    /// wgmma consumer warpgroups, 128x128 tiles); the default.
+    FwdWs,
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
     /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
     BwdPre,
@@ -60,6 +64,7 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "fwd_simple",
             KernelKind::FwdWgmma => "fwd_wgmma",
+            KernelKind::FwdWs => "fwd_ws",
             KernelKind::BwdPre => "bwd_pre",
             KernelKind::BwdDkDv => "bwd_dkdv",
             KernelKind::BwdDq => "bwd_dq",
@@ -72,6 +77,7 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "fwd_simple.cu",
             KernelKind::FwdWgmma => "fwd_wgmma.cu",
+            KernelKind::FwdWs => "fwd_ws.cu",
             KernelKind::BwdPre => "bwd_pre.cu",
             KernelKind::BwdDkDv => "bwd_dkdv.cu",
             KernelKind::BwdDq => "bwd_dq.cu",
@@ -84,6 +90,7 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "cm_fwd_simple",
             KernelKind::FwdWgmma => "cm_fwd_wgmma",
+            KernelKind::FwdWs => "cm_fwd_ws",
             KernelKind::BwdPre => "cm_bwd_pre",
             KernelKind::BwdDkDv => "cm_bwd_dkdv",
             KernelKind::BwdDq => "cm_bwd_dq",
@@ -94,7 +101,7 @@ impl KernelKind {
     /// Forward kernels must compile with no register spills.
     pub const fn is_forward(self) -> bool {
         match self {
-            KernelKind::FwdSimple | KernelKind::FwdWgmma => true,
+            KernelKind::FwdSimple | KernelKind::FwdWgmma | KernelKind::FwdWs => true,
             KernelKind::BwdPre | KernelKind::BwdDkDv | KernelKind::BwdDq | KernelKind::BwdPost => {
                 false
             }
@@ -104,14 +111,28 @@ impl KernelKind {
     /// The tile shape (`block_m` query rows x `block_n` keys) the kernel's descriptor must be
     /// built at.
     pub const fn tile(self) -> (u32, u32) {
-        (64, 64)
+        match self {
+            KernelKind::FwdWs => WS_TILE,
+            _ => TILE,
+        }
     }
 
     /// Threads per CTA.
     pub const fn threads(self) -> u32 {
-        128
+        match self {
+            KernelKind::FwdWs => 384,
+            _ => 128,
+        }
     }
 }
+
+/// The tile shape of every kernel but [`KernelKind::FwdWs`] (`block_m`, `block_n`): the
+/// descriptor the backward kernels and the reference forward read.
+pub const TILE: (u32, u32) = (64, 64);
+
+/// The tile shape of [`KernelKind::FwdWs`]: two consumer warpgroups of 64 query rows each and
+/// 128-key tiles, FlashAttention-3's shape for head_dim 128.
+pub const WS_TILE: (u32, u32) = (128, 128);
 
 /// One compiled instantiation: a kernel at a dtype and head dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -160,6 +181,9 @@ impl Variant {
             KernelKind::BwdDkDv => 4 * tile + 64 * 72 * 2 + 2 * 64 * 4 + 64 * 8,
             // Q, dO, K, V tiles; row visibility.
             KernelKind::BwdDq => 4 * tile + 64 * 8,
+            // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 128
+            // bytes of mbarriers and 1 KB to align the start to a swizzle atom.
+            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 128 + 1024,
             _ => 0,
         }
     }
@@ -167,9 +191,9 @@ impl Variant {
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index.
-pub const VARIANTS: [Variant; 24] = {
+pub const VARIANTS: [Variant; 28] = {
     use DType::{Bf16, F16};
-    use KernelKind::{BwdDkDv, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma};
+    use KernelKind::{BwdDkDv, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma, FwdWs};
     const fn v(kernel: KernelKind, dtype: DType, head_dim: u32) -> Variant {
         Variant {
             kernel,
@@ -186,6 +210,10 @@ pub const VARIANTS: [Variant; 24] = {
         v(FwdWgmma, Bf16, 128),
         v(FwdWgmma, F16, 64),
         v(FwdWgmma, F16, 128),
+        v(FwdWs, Bf16, 64),
+        v(FwdWs, Bf16, 128),
+        v(FwdWs, F16, 64),
+        v(FwdWs, F16, 128),
         v(BwdPre, Bf16, 64),
         v(BwdPre, Bf16, 128),
         v(BwdPre, F16, 64),
@@ -219,8 +247,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("fwd_common.cuh", include_str!("../kernels/fwd_common.cuh")),
     ("wgmma.cuh", include_str!("../kernels/wgmma.cuh")),
+    ("tma.cuh", include_str!("../kernels/tma.cuh")),
     ("fwd_simple.cu", include_str!("../kernels/fwd_simple.cu")),
     ("fwd_wgmma.cu", include_str!("../kernels/fwd_wgmma.cu")),
+    ("fwd_ws.cu", include_str!("../kernels/fwd_ws.cu")),
     ("bwd_common.cuh", include_str!("../kernels/bwd_common.cuh")),
     ("bwd_pre.cu", include_str!("../kernels/bwd_pre.cu")),
     ("bwd_dkdv.cu", include_str!("../kernels/bwd_dkdv.cu")),
@@ -418,8 +448,10 @@ mod tests {
     /// (227 KB per SM on sm_90).
     #[test]
     fn backward_shared_memory_fits_two_ctas() {
-        for v in VARIANTS.iter().filter(|v| v.dynamic_shared_bytes() > 0) {
-            assert!(!v.kernel.is_forward());
+        for v in VARIANTS
+            .iter()
+            .filter(|v| v.dynamic_shared_bytes() > 0 && !v.kernel.is_forward())
+        {
             assert!(2 * v.dynamic_shared_bytes() <= 227 * 1024, "{}", v.name());
             let define = format!("-DCM_DYNAMIC_SMEM_BYTES={}", v.dynamic_shared_bytes());
             assert!(v.defines().contains(&define), "{}", v.name());

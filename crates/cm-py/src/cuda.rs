@@ -12,17 +12,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cm_cuda::{
-    BackwardRaw, DType, Error, ForwardRaw, KernelKind, LseLayout, PlanView, Runtime, TensorLayout,
+    BackwardRaw, DType, Error, ForwardRaw, LseLayout, PlanView, Runtime, TensorLayout,
     PLAN_ARRAY_COUNT,
 };
 use compilemask::TileShape;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-/// The tile shape of every CUDA kernel (the forward ones and the backward ones share it), at
-/// which `Plan.kernel_arrays` builds the descriptor.
+/// The tile shape of the plan's descriptor (`cm_cuda::TILE`; the `ws_*` arrays of the default
+/// forward kernel are at `cm_cuda::WS_TILE`), at which `Plan.kernel_arrays` builds it.
 pub fn kernel_tile() -> TileShape {
-    let (block_m, block_n) = KernelKind::FwdWgmma.tile();
+    let (block_m, block_n) = cm_cuda::TILE;
     TileShape { block_m, block_n }
 }
 

@@ -372,7 +372,11 @@ fn cross_check(c: &Case, shape: Shape, x: &Inputs, exp: &Expected) -> Res<f64> {
 }
 
 /// The forward kernels every case runs on, on the same inputs.
-const KERNELS: [KernelKind; 2] = [KernelKind::FwdWgmma, KernelKind::FwdSimple];
+const KERNELS: [KernelKind; 3] = [
+    KernelKind::FwdWs,
+    KernelKind::FwdWgmma,
+    KernelKind::FwdSimple,
+];
 
 /// Fills the output (and lse) with NaN so that an element the kernel leaves unwritten shows.
 fn poison(gpu: &Gpu, bufs: &mut Buffers, dtype: DType) -> Res<()> {
@@ -457,7 +461,7 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
         v["pass"] = json!(pass);
         results.push(v);
     }
-    gpu.rt.set_forward_kernel(KernelKind::FwdWgmma)?;
+    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
     Ok(results)
 }
 
@@ -952,7 +956,7 @@ fn bench(gpu: &mut Gpu, rng: &mut Rng, name: &str, mask: RowIntervals) -> Res<Ve
             "plan_upload_ms": plan_ms, "sampled_rows_check": chk.json(), "pass": chk.pass(),
         }));
     }
-    gpu.rt.set_forward_kernel(KernelKind::FwdWgmma)?;
+    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
     Ok(results)
 }
 
