@@ -8,12 +8,14 @@
 //! with `q_len x kv_len` (except inside `elementwise`, which is counted and reported).
 
 pub mod order;
+pub mod packed;
 pub mod plan;
 pub mod rows;
 pub mod symbolic;
 pub mod tiles;
 
 pub use order::{TokenOrder, Traversal};
+pub use packed::{plan_packed, Packing};
 pub use plan::{plan, plan_in_order, MaskPlan, OrderRequest, Plan};
 pub use rows::{KeyInterval, RowIntervals};
 pub use tiles::{TileCounts, TileDescriptor, TileShape};

@@ -2,6 +2,7 @@
 //! intervals + tile descriptor) per distinct (batch, head) mask, shared where equal.
 
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
+use crate::packed::Packing;
 use crate::rows::RowIntervals;
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
@@ -46,6 +47,9 @@ pub struct Plan {
     pub order_candidates: Vec<Candidate>,
     /// Computed pairs of the first mask in the program's own order (for comparison).
     pub raster_computed_pairs: u64,
+    /// For a packed plan ([`crate::plan_packed`]): the samples' offsets. The plan is then a
+    /// batch-1 plan over `q_len = total_q` rows and `kv_len = total_k` keys.
+    pub packing: Option<Packing>,
 }
 
 /// Which token order to plan in.
@@ -301,5 +305,6 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         order,
         order_candidates,
         raster_computed_pairs,
+        packing: None,
     })
 }

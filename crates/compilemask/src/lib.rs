@@ -10,6 +10,7 @@
 //! ```
 //!
 //! The public boundary of the Rust crates: [`compile`], [`builtin`], [`Program::plan`],
+//! [`Program::plan_packed`] (samples packed back to back, FlashAttention's `cu_seqlens`),
 //! [`attention`] and the exports. Positions are 0-based and absolute (top-left aligned);
 //! every interval is half-open `[start, end)`. The language is documented in
 //! `docs/language.md`.
@@ -20,8 +21,8 @@ use std::sync::Arc;
 pub use cm_export::{CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT};
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
-    KeyInterval, MaskPlan, OrderRequest, Plan, RowIntervals, TileCounts, TileDescriptor, TileShape,
-    TokenOrder, Traversal,
+    KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals, TileCounts, TileDescriptor,
+    TileShape, TokenOrder, Traversal,
 };
 pub use cm_reference::{
     attention_backward, attention_forward, AttentionShape, Float, ForwardOutput, Gradients, Masks,
@@ -124,6 +125,57 @@ pub struct PlanOptions {
     pub order: OrderRequest,
 }
 
+/// One query row and one key, batch 1, one head, no parameters, 128 x 128 tiles, raster
+/// order: the starting point for [`Program::plan_packed`], whose lengths come from the
+/// packing.
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions::new(1)
+    }
+}
+
+/// Samples packed back to back in FlashAttention's varlen form, for
+/// [`Program::plan_packed`]: `cu_seqlens_q` / `cu_seqlens_k` are the prefix sums of the
+/// samples' query and key lengths (`batch + 1` entries each, starting at 0,
+/// non-decreasing), and every sample's positions start at 0.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackedShape {
+    pub cu_seqlens_q: Vec<i64>,
+    pub cu_seqlens_k: Vec<i64>,
+    /// Query heads; only read by masks that use the head index `h`. Default 1.
+    pub num_heads: i64,
+}
+
+impl PackedShape {
+    /// A packing of one head.
+    pub fn new(cu_seqlens_q: impl Into<Vec<i64>>, cu_seqlens_k: impl Into<Vec<i64>>) -> Self {
+        PackedShape {
+            cu_seqlens_q: cu_seqlens_q.into(),
+            cu_seqlens_k: cu_seqlens_k.into(),
+            num_heads: 1,
+        }
+    }
+
+    /// Samples of equal query and key lengths: `cu_seqlens_q == cu_seqlens_k`.
+    pub fn self_attention(cu_seqlens: impl Into<Vec<i64>>) -> Self {
+        let cu: Vec<i64> = cu_seqlens.into();
+        PackedShape::new(cu.clone(), cu)
+    }
+
+    pub fn num_heads(mut self, num_heads: i64) -> Self {
+        self.num_heads = num_heads;
+        self
+    }
+
+    /// Checks the offsets (see [`Packing::new`]).
+    ///
+    /// # Errors
+    /// `CM0409` for offsets that are not `batch + 1` non-decreasing prefix sums from 0.
+    pub fn packing(&self) -> Result<Packing, PlanError> {
+        Packing::new(&self.cu_seqlens_q, &self.cu_seqlens_k)
+    }
+}
+
 impl PlanOptions {
     pub fn new(q_len: i64) -> Self {
         PlanOptions {
@@ -173,6 +225,59 @@ impl Program {
     pub fn plan(&self, options: &PlanOptions) -> Result<Plan, PlanError> {
         let bound = self.ir.bind(options.shape(), &options.params)?;
         cm_plan::plan_in_order(&bound, options.tile, &options.order)
+    }
+
+    /// Plans the program for samples packed back to back (FlashAttention's `cu_seqlens`
+    /// form): a batch-1 plan over `total_q = cu_seqlens_q[batch]` rows and `total_k =
+    /// cu_seqlens_k[batch]` keys in which packed row `r` of sample `b` holds the program's
+    /// row `r - cu_seqlens_q[b]` planned at that sample's lengths (`q_len`, `kv_len`) with
+    /// batch index `b` (`batch` is the number of samples), its keys shifted by
+    /// `cu_seqlens_k[b]`. Keys of other samples are never visible. Samples of equal lengths
+    /// share their solution when the mask does not read `b`; a mask that reads `h` gets one
+    /// packed mask per distinct head (`plan.mask(0, h)`). The plan records the packing in
+    /// `Plan::packing`.
+    ///
+    /// `options` gives the parameters and the tile shape; its `q_len`, `kv_len`, `batch`
+    /// and `num_heads` are not read (start from `PlanOptions::default()`).
+    ///
+    /// ```
+    /// use compilemask::{PackedShape, PlanOptions};
+    /// let causal = compilemask::builtin("causal").unwrap();
+    /// let plan = causal
+    ///     .plan_packed(&PackedShape::self_attention([0, 3, 5]), &PlanOptions::default())
+    ///     .unwrap();
+    /// assert_eq!((plan.q_len, plan.kv_len), (5, 5));
+    /// assert_eq!(plan.mask(0, 0).rows.row(4)[0].start, 3); // sample 1's row 1 sees keys 3..5
+    /// ```
+    ///
+    /// # Errors
+    /// `CM0409` for bad offsets (length mismatch, not starting at 0, decreasing, totals
+    /// above `2^26`, no query or no key at all); `CM0410` for a token order other than
+    /// raster (orders and packing do not combine); otherwise as [`Program::plan`], with
+    /// a per-sample error naming the sample and its lengths.
+    pub fn plan_packed(
+        &self,
+        packed: &PackedShape,
+        options: &PlanOptions,
+    ) -> Result<Plan, PlanError> {
+        if options.order != OrderRequest::Raster {
+            return Err(PlanError::new(
+                "CM0410",
+                None,
+                "token orders are not supported with packed samples (cu_seqlens)",
+            )
+            .with_hint(
+                "plan each sample on its own to use a token order, or plan in raster order",
+            ));
+        }
+        let packing = packed.packing()?;
+        cm_plan::plan_packed(
+            &self.ir,
+            &packing,
+            packed.num_heads,
+            &options.params,
+            options.tile,
+        )
     }
 
     /// Whether the key `k` is visible from row `q`, by the pairwise reference semantics

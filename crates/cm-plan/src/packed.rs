@@ -1,0 +1,369 @@
+//! Packed (varlen) planning: samples of different lengths laid back to back, described by
+//! FlashAttention's `cu_seqlens_q` / `cu_seqlens_k` prefix sums, each sample with its own
+//! positions starting at 0 and the mask applied per sample.
+//!
+//! A packed plan is an ordinary batch-1 [`Plan`] over `total_q = cu_seqlens_q[batch]` rows
+//! and `total_k = cu_seqlens_k[batch]` keys, so kernels, exports and the reference need no
+//! change: packed row `r` of sample `b` (local row `i = r - cu_seqlens_q[b]`) holds the
+//! intervals of the program bound at `q_len = len_q(b)`, `kv_len = len_k(b)`, `batch =`
+//! the number of samples, for local row `i` with batch index `b`, shifted by
+//! `cu_seqlens_k[b]`. The tile descriptor is built over the packed rows as usual; tiles that
+//! straddle a sample boundary are simply partial (exact either way).
+//!
+//! Work is shared: a mask that does not read `b` is solved once per distinct
+//! `(len_q, len_k)` pair (and head, for masks that read `h`). A sample with no queries adds
+//! no rows; a sample with queries but no keys adds rows with no visible key. Neither is
+//! bound, so the mask's `require`s are not checked for them.
+
+use crate::plan::{row_intervals, MaskPlan, Plan, MAX_INTERVALS, MAX_TILE_ENTRIES};
+use crate::rows::RowIntervals;
+use crate::symbolic::Solver;
+use crate::tiles::{TileDescriptor, TileShape};
+use cm_ir::bind::{MAX_BATCH_HEADS, MAX_LEN};
+use cm_ir::{Bound, PResult, PlanError, Program, Shape, Value};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
+
+/// Most samples one packing may hold (the `batch` limit of ordinary plans).
+pub const MAX_SAMPLES: usize = 1 << 20;
+
+/// Validated `cu_seqlens_q` / `cu_seqlens_k`: `batch + 1` non-decreasing offsets each,
+/// starting at 0, totals at most `2^26`. Sample `b` owns query rows
+/// `cu_seqlens_q[b] .. cu_seqlens_q[b + 1]` and keys `cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Packing {
+    cu_seqlens_q: Vec<u32>,
+    cu_seqlens_k: Vec<u32>,
+}
+
+/// Checks one prefix-sum array; `what` names it in errors.
+fn offsets(what: &str, cu: &[i64]) -> PResult<Vec<u32>> {
+    let bad = |message: String| {
+        PlanError::new("CM0409", None, message).with_hint(
+            "cu_seqlens are prefix sums of the sample lengths: [0, len_0, len_0 + len_1, ...], \
+             batch + 1 entries",
+        )
+    };
+    match cu.first() {
+        None => {
+            return Err(bad(format!(
+                "{what} is empty; it needs batch + 1 >= 2 entries"
+            )))
+        }
+        Some(&first) if first != 0 => {
+            return Err(bad(format!(
+                "{what} must start at 0, got {what}[0] = {first}"
+            )))
+        }
+        Some(_) => {}
+    }
+    if cu.len() < 2 {
+        return Err(bad(format!(
+            "{what} has 1 entry; it needs batch + 1 >= 2 entries (one sample at least)"
+        )));
+    }
+    for (i, w) in cu.windows(2).enumerate() {
+        if w[1] < w[0] {
+            return Err(bad(format!(
+                "{what} decreases at index {}: {what}[{i}] = {} > {what}[{}] = {} (sample {i} would have a negative length)",
+                i + 1,
+                w[0],
+                i + 1,
+                w[1]
+            )));
+        }
+        if w[1] > MAX_LEN {
+            return Err(bad(format!(
+                "{what}[{}] = {} exceeds the longest supported packed length 2^26 = {MAX_LEN}",
+                i + 1,
+                w[1]
+            )));
+        }
+    }
+    Ok(cu.iter().map(|&x| x as u32).collect())
+}
+
+impl Packing {
+    /// Validates FlashAttention-style prefix sums.
+    ///
+    /// # Errors
+    /// `CM0409` when either array is empty or has a single entry, does not start at 0,
+    /// decreases, or ends above `2^26`; when the two differ in length; when there are more
+    /// than `2^20` samples; or when the packing holds no query or no key at all.
+    pub fn new(cu_seqlens_q: &[i64], cu_seqlens_k: &[i64]) -> PResult<Packing> {
+        let q = offsets("cu_seqlens_q", cu_seqlens_q)?;
+        let k = offsets("cu_seqlens_k", cu_seqlens_k)?;
+        if q.len() != k.len() {
+            return Err(PlanError::new(
+                "CM0409",
+                None,
+                format!(
+                    "cu_seqlens_q has {} entries but cu_seqlens_k has {}; both need batch + 1",
+                    q.len(),
+                    k.len()
+                ),
+            )
+            .with_hint("give one query length and one key length per sample"));
+        }
+        if q.len() - 1 > MAX_SAMPLES {
+            return Err(PlanError::new(
+                "CM0409",
+                None,
+                format!(
+                    "the packing has {} samples; at most 2^20 = {MAX_SAMPLES} are supported",
+                    q.len() - 1
+                ),
+            ));
+        }
+        let (tq, tk) = (q[q.len() - 1], k[k.len() - 1]);
+        if tq == 0 || tk == 0 {
+            return Err(PlanError::new(
+                "CM0409",
+                None,
+                format!(
+                    "the packing holds {tq} queries and {tk} keys in total; a plan needs at least one of each"
+                ),
+            ));
+        }
+        Ok(Packing {
+            cu_seqlens_q: q,
+            cu_seqlens_k: k,
+        })
+    }
+
+    /// Number of samples (`cu_seqlens_q.len() - 1`).
+    pub fn batch(&self) -> u32 {
+        (self.cu_seqlens_q.len() - 1) as u32
+    }
+
+    /// `[batch + 1]` query offsets.
+    pub fn cu_seqlens_q(&self) -> &[u32] {
+        &self.cu_seqlens_q
+    }
+
+    /// `[batch + 1]` key offsets.
+    pub fn cu_seqlens_k(&self) -> &[u32] {
+        &self.cu_seqlens_k
+    }
+
+    /// All query rows: `cu_seqlens_q[batch]`.
+    pub fn total_q(&self) -> u32 {
+        self.cu_seqlens_q[self.cu_seqlens_q.len() - 1]
+    }
+
+    /// All keys: `cu_seqlens_k[batch]`.
+    pub fn total_k(&self) -> u32 {
+        self.cu_seqlens_k[self.cu_seqlens_k.len() - 1]
+    }
+
+    /// `(q_len, kv_len)` of sample `b`.
+    ///
+    /// # Panics
+    /// If `b >= batch`.
+    pub fn lengths(&self, b: u32) -> (u32, u32) {
+        let b = b as usize;
+        (
+            self.cu_seqlens_q[b + 1] - self.cu_seqlens_q[b],
+            self.cu_seqlens_k[b + 1] - self.cu_seqlens_k[b],
+        )
+    }
+
+    /// The sample that owns packed query row `r` (the last of several that share the
+    /// offset, so empty samples own nothing), or `None` for `r >= total_q`.
+    pub fn sample_of_row(&self, r: u32) -> Option<u32> {
+        if r >= self.total_q() {
+            return None;
+        }
+        Some((self.cu_seqlens_q.partition_point(|&o| o <= r) - 1) as u32)
+    }
+}
+
+/// Unknown parameter names fail here, even when no sample is bound (every sample empty).
+fn check_names(program: &Program, values: &BTreeMap<String, Value>) -> PResult<()> {
+    for name in values.keys() {
+        if !program.params.iter().any(|p| &p.name == name) {
+            let hint =
+                match cm_ir::check::suggest(name, program.params.iter().map(|p| p.name.as_str())) {
+                    Some(s) => format!("did you mean `{s}`?"),
+                    None if program.params.is_empty() => {
+                        "this mask takes no parameters".to_string()
+                    }
+                    None => format!("its parameters are: {}", program.param_names().join(", ")),
+                };
+            return Err(
+                PlanError::new("CM0309", None, format!("unknown parameter `{name}`"))
+                    .with_hint(hint),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Names the sample in a per-sample error.
+fn in_sample(mut e: PlanError, b: u32, lq: u32, lk: u32) -> PlanError {
+    e.message = format!(
+        "{} (packed sample b = {b}: q_len = {lq}, kv_len = {lk})",
+        e.message
+    );
+    e
+}
+
+/// Plans `program` for packed samples: one batch-1 plan over every sample's rows (see the
+/// module docs), with `num_heads` heads (only read by masks that use `h`: one packed mask
+/// per distinct head mask, `mask_index` `[1, num_heads]`).
+///
+/// # Errors
+/// `CM0401` for a zero block size; `CM0402` for `num_heads` out of range; `CM0309` for an
+/// unknown parameter; `CM0404` when the packed rows or tiles are too large; any error of
+/// binding or planning one sample, its message naming the sample and its lengths.
+pub fn plan_packed(
+    program: &Program,
+    packing: &Packing,
+    num_heads: i64,
+    values: &BTreeMap<String, Value>,
+    tile: TileShape,
+) -> PResult<Plan> {
+    if tile.block_m == 0 || tile.block_n == 0 {
+        return Err(PlanError::new(
+            "CM0401",
+            None,
+            format!(
+                "tile {}x{} has a zero side; block_m and block_n must be >= 1",
+                tile.block_m, tile.block_n
+            ),
+        ));
+    }
+    if !(1..=1 << 16).contains(&num_heads) {
+        return Err(PlanError::new(
+            "CM0402",
+            None,
+            format!("num_heads = {num_heads} is out of range; expected 1 ..= 65536"),
+        ));
+    }
+    let batch = packing.batch();
+    if i64::from(batch) * num_heads > MAX_BATCH_HEADS {
+        return Err(PlanError::new(
+            "CM0402",
+            None,
+            format!(
+                "samples x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
+                i64::from(batch) * num_heads
+            ),
+        ));
+    }
+    check_names(program, values)?;
+    let hs = if program.uses_h { num_heads as u32 } else { 1 };
+    let (total_q, total_k) = (packing.total_q(), packing.total_k());
+    let mut packed: Vec<RowIntervals> = (0..hs)
+        .map(|_| RowIntervals::with_capacity(total_q, total_k, total_q as usize))
+        .collect();
+    // Bound programs by (len_q, len_k); for masks that do not read `b`, solved rows by
+    // (len_q, len_k, h), so samples of equal lengths share them.
+    let mut bounds: HashMap<(u32, u32), Bound<'_>> = HashMap::new();
+    let mut solved: HashMap<(u32, u32, u32), RowIntervals> = HashMap::new();
+    let mut pieces = 0u64;
+    let mut elementwise_pairs = 0u64;
+    for b in 0..batch {
+        let (lq, lk) = packing.lengths(b);
+        if lq == 0 {
+            continue;
+        }
+        if lk == 0 {
+            for rows in &mut packed {
+                for _ in 0..lq {
+                    rows.finish_row();
+                }
+            }
+            continue;
+        }
+        if let Entry::Vacant(slot) = bounds.entry((lq, lk)) {
+            let shape = Shape {
+                q_len: i64::from(lq),
+                kv_len: i64::from(lk),
+                batch: i64::from(batch),
+                num_heads,
+            };
+            let bound = program
+                .bind(shape, values)
+                .map_err(|e| in_sample(e, b, lq, lk))?;
+            slot.insert(bound);
+        }
+        let bound = &bounds[&(lq, lk)];
+        let solver = Solver::new(bound);
+        let shift = packing.cu_seqlens_k[b as usize];
+        for (h, rows) in packed.iter_mut().enumerate() {
+            let fresh;
+            let local = if program.uses_b {
+                // Every sample differs: nothing to share, nothing to keep.
+                fresh = row_intervals(&solver, i64::from(b), h as i64, &mut pieces)
+                    .map_err(|e| in_sample(e, b, lq, lk))?;
+                &fresh
+            } else {
+                let key = (lq, lk, h as u32);
+                match solved.entry(key) {
+                    Entry::Occupied(e) => &*e.into_mut(),
+                    Entry::Vacant(slot) => {
+                        let r = row_intervals(&solver, i64::from(b), h as i64, &mut pieces)
+                            .map_err(|e| in_sample(e, b, lq, lk))?;
+                        &*slot.insert(r)
+                    }
+                }
+            };
+            if rows.interval_count() + local.interval_count() > MAX_INTERVALS {
+                return Err(PlanError::new(
+                    "CM0404",
+                    None,
+                    format!("the packed mask needs more than {MAX_INTERVALS} intervals"),
+                ));
+            }
+            for i in 0..lq {
+                for iv in local.row(i) {
+                    rows.push_row_interval(iv.start + shift, iv.end + shift);
+                }
+                rows.finish_row();
+            }
+        }
+        elementwise_pairs += solver.elementwise_pairs.get();
+    }
+    let mut masks: Vec<MaskPlan> = Vec::new();
+    let mut mask_index = Vec::with_capacity(num_heads as usize);
+    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
+    let mut local = Vec::with_capacity(hs as usize);
+    for rows in packed {
+        let id = match seen.get(&rows) {
+            Some(&id) => id,
+            None => {
+                let id = masks.len() as u32;
+                let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).map_err(|n| {
+                    PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
+                        .with_hint("use larger tiles (--tile)")
+                })?;
+                if hs > 1 {
+                    seen.insert(rows.clone(), id);
+                }
+                masks.push(MaskPlan { rows, tiles });
+                id
+            }
+        };
+        local.push(id);
+    }
+    for h in 0..num_heads as usize {
+        mask_index.push(local[if program.uses_h { h } else { 0 }]);
+    }
+    let raster_computed_pairs = masks[0].tiles.computed_pairs;
+    Ok(Plan {
+        q_len: total_q,
+        kv_len: total_k,
+        batch: 1,
+        num_heads: num_heads as u32,
+        tile,
+        masks,
+        mask_index,
+        elementwise_pairs,
+        pieces,
+        order: None,
+        order_candidates: Vec::new(),
+        raster_computed_pairs,
+        packing: Some(packing.clone()),
+    })
+}
