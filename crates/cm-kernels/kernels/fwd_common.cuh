@@ -63,12 +63,15 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
     }
 }
 
-// Online softmax over one tile: turns s into unnormalised probabilities, rescales the output
-// accumulator. A row with nothing visible so far keeps max -inf; exponentiating against 0
-// instead gives exp2(-inf) = 0 everywhere and never -inf - -inf = NaN.
-template <int NB, int ND>
-__device__ __forceinline__ void cm_online_softmax(float (&s)[NB][4], float (&row_max)[2], float (&row_sum)[2],
-                                                  float (&acc_o)[ND][4]) {
+// Online softmax over one tile, score side: turns s into unnormalised probabilities against
+// the new running max, updates the running sums, and returns in alpha the factor by which the
+// output accumulated so far must be rescaled (cm_rescale), which a kernel may apply later,
+// once no matrix product is accumulating into it. A row with nothing visible so far keeps max
+// -inf; exponentiating against 0 instead gives exp2(-inf) = 0 everywhere and never
+// -inf - -inf = NaN.
+template <int NB>
+__device__ __forceinline__ void cm_softmax_step(float (&s)[NB][4], float (&row_max)[2], float (&row_sum)[2],
+                                                float (&alpha)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = row_max[h];
@@ -77,7 +80,7 @@ __device__ __forceinline__ void cm_online_softmax(float (&s)[NB][4], float (&row
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_use = mx == cm_neg_inf() ? 0.f : mx;
-        const float alpha = cm_exp2(row_max[h] - m_use);
+        alpha[h] = cm_exp2(row_max[h] - m_use);
         row_max[h] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -89,13 +92,29 @@ __device__ __forceinline__ void cm_online_softmax(float (&s)[NB][4], float (&row
                 sum += pe;
             }
         }
-        row_sum[h] = row_sum[h] * alpha + sum;
-#pragma unroll
-        for (int j = 0; j < ND; ++j) {
-            acc_o[j][h * 2] *= alpha;
-            acc_o[j][h * 2 + 1] *= alpha;
-        }
+        row_sum[h] = row_sum[h] * alpha[h] + sum;
     }
+}
+
+template <int ND>
+__device__ __forceinline__ void cm_rescale(float (&acc_o)[ND][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+        acc_o[j][0] *= alpha[0];
+        acc_o[j][1] *= alpha[0];
+        acc_o[j][2] *= alpha[1];
+        acc_o[j][3] *= alpha[1];
+    }
+}
+
+// Online softmax over one tile with the output rescaled at once (kernels that run the
+// matrix products one after the other).
+template <int NB, int ND>
+__device__ __forceinline__ void cm_online_softmax(float (&s)[NB][4], float (&row_max)[2], float (&row_sum)[2],
+                                                  float (&acc_o)[ND][4]) {
+    float alpha[2];
+    cm_softmax_step(s, row_max, row_sum, alpha);
+    cm_rescale(acc_o, alpha);
 }
 
 // The A fragment (16 rows x 16 keys) of probabilities for keys 16 kk .. 16 kk + 15, from the

@@ -4,9 +4,10 @@
 // two-stage ring of K and V buffers, each guarded by "full" (TMA bytes landed) and "empty"
 // (consumers done reading) mbarriers. Warpgroups 1 and 2 are consumers, 64 query rows each:
 // S = Q K^T on wgmma (both operands in 128B-swizzled shared memory), masking and the online
-// softmax in registers, O += P V on wgmma with P from registers. The two consumers run the
-// same tile sequence independently, so one's softmax overlaps the other's matrix products,
-// and the producer keeps the next tile's loads in flight behind both. The producer gives up
+// softmax in registers, O += P V on wgmma with P from registers; the softmax of tile i runs
+// while the tensor cores compute P V of tile i - 1. The two consumers run the same tile
+// sequence independently, so one's softmax also overlaps the other's matrix products, and the
+// producer keeps the next tile's loads in flight behind both. The producer gives up
 // registers (setmaxnreg) so the consumers can hold S, P and O.
 //
 // 128x128 tiles: the descriptor's forward lists at that shape (cm_cuda::PlanArray::Ws*), the
@@ -143,44 +144,32 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     float row_max[2] = {cm_neg_inf(), cm_neg_inf()};
     float row_sum[2] = {0.f, 0.f};
 
-    if (num_tiles > 0) {
-        cm_mbar_wait(bar(BAR_Q), 0);
-    }
-    for (u32 it = 0; it < num_tiles; ++it) {
-        const u32 s = it % STAGES;
-        const u32 phase = (it / STAGES) & 1;
-        const u32 key0 = tile_n_block(it) * BLOCK_N;
-        const u32 sK = sK0 + s * TILE_BYTES;
-        const u32 sV = sV0 + s * TILE_BYTES;
-
-        float sc[BLOCK_N / 8][4];
+    float sc[BLOCK_N / 8][4];
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
-            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-        }
-        cm_mbar_wait(bar(BAR_K_FULL(s)), phase);
-        cm_wgmma_fence();
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    }
+    u32 pa[BLOCK_N / 16][4];
+    float alpha[2];
+    // S = Q K^T of tile `it` into sc, issued (not waited for). The Q rows of this consumer are
+    // a 64-row slice of the 128-row Q tile: same column atoms (stride BLOCK_M * 128), starting
+    // 64 rows in.
+    auto issue_s = [&](u32 it) {
+        const u32 s = it % STAGES;
+        const u32 sK = sK0 + s * TILE_BYTES;
+        cm_mbar_wait(bar(BAR_K_FULL(s)), (it / STAGES) & 1);
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            // The Q rows of this consumer are a 64-row slice of the 128-row tile: same column
-            // atoms (stride BLOCK_M * 128), starting 64 rows in.
             cm_wgmma_n128_ss(sc, cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024),
                              cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
         }
         cm_wgmma_commit();
-        cm_wgmma_wait<0>();
-        cm_fence_acc(sc);
-        __syncwarp();
-        if (lane == 0) cm_mbar_arrive(bar(BAR_K_EMPTY(s)));
-
-        cm_scale_and_mask(sc, p, it < num_partial, p_begin + it, BLOCK_M, row0, key0, warp, g, t);
-        cm_online_softmax(sc, row_max, row_sum, acc_o);
-
-        u32 pa[BLOCK_N / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
-        cm_mbar_wait(bar(BAR_V_FULL(s)), phase);
-        cm_wgmma_fence();
+    };
+    // O += P V of tile `it`, issued (not waited for).
+    auto issue_pv = [&](u32 it) {
+        const u32 s = it % STAGES;
+        const u32 sV = sV0 + s * TILE_BYTES;
+        cm_mbar_wait(bar(BAR_V_FULL(s)), (it / STAGES) & 1);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
 #if HEAD_DIM == 128
@@ -190,10 +179,59 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #endif
         }
         cm_wgmma_commit();
+    };
+    auto release = [&](int which, u32 it) {
+        __syncwarp();
+        if (lane == 0) cm_mbar_arrive(bar(which + (int)(it % STAGES)));
+    };
+    // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha.
+    auto softmax = [&](u32 it) {
+        cm_scale_and_mask(sc, p, it < num_partial, p_begin + it, BLOCK_M, row0, tile_n_block(it) * BLOCK_N, warp, g,
+                          t);
+        cm_softmax_step(sc, row_max, row_sum, alpha);
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
+    };
+
+    // FlashAttention-3's intra-warpgroup overlap: while the tensor cores compute S of tile
+    // it and O += P V of tile it - 1, this warpgroup waits only for S, then masks and
+    // exponentiates it; the output is rescaled once the P V product has drained.
+    if (num_tiles > 0) {
+        cm_mbar_wait(bar(BAR_Q), 0);
+        cm_wgmma_fence();
+        issue_s(0);
+        cm_wgmma_wait<0>();
+        cm_fence_acc(sc);
+        release(BAR_K_EMPTY(0), 0);
+        softmax(0);
+        pack_p();
+    }
+    for (u32 it = 1; it < num_tiles; ++it) {
+        cm_fence_acc(acc_o);
+        cm_wgmma_fence();
+        issue_s(it);
+        issue_pv(it - 1);
+        cm_wgmma_wait<1>();
+        cm_fence_acc(sc);
+        release(BAR_K_EMPTY(0), it);
+        softmax(it);
         cm_wgmma_wait<0>();
         cm_fence_acc(acc_o);
-        __syncwarp();
-        if (lane == 0) cm_mbar_arrive(bar(BAR_V_EMPTY(s)));
+        cm_fence_frag(pa);
+        release(BAR_V_EMPTY(0), it - 1);
+        cm_rescale(acc_o, alpha);
+        pack_p();
+    }
+    if (num_tiles > 0) {
+        cm_fence_acc(acc_o);
+        cm_wgmma_fence();
+        issue_pv(num_tiles - 1);
+        cm_wgmma_wait<0>();
+        cm_fence_acc(acc_o);
+        cm_fence_frag(pa);
+        release(BAR_V_EMPTY(0), num_tiles - 1);
     }
 
     cm_store_output(p, acc_o, row_max, row_sum, batch, head, row0, warp, g, t);

@@ -59,6 +59,17 @@ __device__ __forceinline__ void cm_fence_acc(float (&d)[J][4]) {
     }
 }
 
+// As cm_fence_acc for register A fragments: placed after the wait of the wgmma that reads
+// them, it keeps their registers live (and unreused) until then.
+template <int J>
+__device__ __forceinline__ void cm_fence_frag(u32 (&a)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
+    }
+}
+
 // Makes this thread's generic-proxy shared-memory writes (cp.async included) visible to the
 // async proxy that wgmma reads through; each writing thread runs it before the barrier.
 __device__ __forceinline__ void cm_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -120,6 +131,55 @@ __device__ __forceinline__ void cm_wgmma_n128_ss(float (&d)[16][4], u64 a, u64 b
         : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7),
           CM_ACC4(8), CM_ACC4(9), CM_ACC4(10), CM_ACC4(11), CM_ACC4(12), CM_ACC4(13), CM_ACC4(14), CM_ACC4(15)
         : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (+)= A * B for m64n64k16 with both operands in shared memory, each K-major (0) or MN-major
+// (1, a transposed read: the operand stored with its K index along rows, as a V tile is).
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_n64_ss_t(float (&d)[8][4], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" CM_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36; }"
+        : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7)
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+}
+
+// As cm_wgmma_n64_ss_t for m64n128k16 (d is [16][4]).
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_n128_ss_t(float (&d)[16][4], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32" CM_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68; }"
+        : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7),
+          CM_ACC4(8), CM_ACC4(9), CM_ACC4(10), CM_ACC4(11), CM_ACC4(12), CM_ACC4(13), CM_ACC4(14), CM_ACC4(15)
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+}
+
+// d (+)= a * B at N = 64 (d [8][4]) or N = 128 (d [16][4]), A from registers, B K-major (0)
+// or MN-major (1): the head_dim-wide products pick the shape by overload.
+template <int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 b, int accumulate) {
+    cm_wgmma_n64<TNSP_B>(d, a, b, accumulate);
+}
+template <int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_rs(float (&d)[16][4], const u32 (&a)[4], u64 b, int accumulate) {
+    cm_wgmma_n128<TNSP_B>(d, a, b, accumulate);
+}
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_ss(float (&d)[8][4], u64 a, u64 b, int accumulate) {
+    cm_wgmma_n64_ss_t<TNSP_A, TNSP_B>(d, a, b, accumulate);
+}
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_ss(float (&d)[16][4], u64 a, u64 b, int accumulate) {
+    cm_wgmma_n128_ss_t<TNSP_A, TNSP_B>(d, a, b, accumulate);
 }
 
 #undef CM_ACC4
