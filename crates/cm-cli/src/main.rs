@@ -127,6 +127,22 @@ fn parse_rows(s: &str) -> Result<(u32, u32), String> {
 
 /// Refuses a batch or head index outside the plan.
 fn check_batch_head(plan: &compilemask::Plan, b: u32, h: u32) -> Result<()> {
+    if let (Some(p), true) = (&plan.packing, b >= plan.batch) {
+        let cu = p.cu_seqlens_q();
+        let sample = if b < p.batch() {
+            format!(
+                "; sample {b} is rows {}:{}",
+                cu[b as usize],
+                cu[b as usize + 1]
+            )
+        } else {
+            String::new()
+        };
+        return Err(anyhow!(
+            "--b {b}: a packed plan (--cu-seqlens-q) is one batch of {} packed rows, so --b must be 0; select a sample by its rows instead{sample}",
+            plan.q_len
+        ));
+    }
     if b >= plan.batch {
         return Err(anyhow!(
             "--b {b} is out of range; the plan has batch = {} (indices 0 ..= {})",
@@ -280,6 +296,11 @@ fn run(command: Command) -> Result<ExitCode> {
                 "compile_ms": ms,
             });
             let mut out = out;
+            if let Some(p) = &plan.packing {
+                out["samples"] = json!(p.batch());
+                out["cu_seqlens_q"] = json!(p.cu_seqlens_q());
+                out["cu_seqlens_k"] = json!(p.cu_seqlens_k());
+            }
             if let Some(o) = &plan.order {
                 out["order"] = json!({
                     "patch": o.patch,
@@ -293,7 +314,23 @@ fn run(command: Command) -> Result<ExitCode> {
             if json {
                 out!("{out}");
             } else {
-                let pairs = options.shape().q_len as f64 * options.shape().kv_len as f64;
+                // Pairs per (batch, head): q_len x kv_len, or for packed samples the sum of
+                // each sample's own q_len x kv_len (keys of other samples are never visible).
+                let (pairs, what) = match &plan.packing {
+                    Some(p) => (
+                        (0..p.batch())
+                            .map(|b| {
+                                let (lq, lk) = p.lengths(b);
+                                f64::from(lq) * f64::from(lk)
+                            })
+                            .sum::<f64>(),
+                        "of the samples' q_len x kv_len",
+                    ),
+                    None => (
+                        options.shape().q_len as f64 * options.shape().kv_len as f64,
+                        "of q_len x kv_len",
+                    ),
+                };
                 out!(
                     "{}: q_len {} kv_len {}, tile {}x{}",
                     program.name(),
@@ -302,10 +339,20 @@ fn run(command: Command) -> Result<ExitCode> {
                     plan.tile.block_m,
                     plan.tile.block_n
                 );
+                if let Some(p) = &plan.packing {
+                    out!(
+                        "  packed          {} samples, cu_seqlens_q {:?}, cu_seqlens_k {:?}",
+                        p.batch(),
+                        p.cu_seqlens_q(),
+                        p.cu_seqlens_k()
+                    );
+                }
                 out!(
-                    "  visible pairs   {} ({:.4} of q_len x kv_len)",
+                    "  visible pairs   {} ({:.4} {what})",
                     plan.visible_pairs(),
-                    plan.visible_pairs() as f64 / pairs / (plan.batch * plan.num_heads) as f64
+                    plan.visible_pairs() as f64
+                        / pairs.max(1.0)
+                        / (plan.batch * plan.num_heads) as f64
                 );
                 out!("  empty rows      {}", plan.empty_rows());
                 out!("  intervals/row   at most {}", plan.max_intervals_per_row());
@@ -379,18 +426,18 @@ fn run(command: Command) -> Result<ExitCode> {
             output,
         } => {
             // Refuse before planning what would be refused after it.
-            let shape = mask.options()?.shape();
+            let (q_len, kv_len) = mask.lengths()?;
             let (bm, bn) = (i64::from(mask.tile.block_m), i64::from(mask.tile.block_n));
             let (rows, cols, what, advice) = match format {
                 ExportFormat::Dense => (
-                    shape.q_len,
-                    shape.kv_len,
+                    q_len,
+                    kv_len,
                     "mask",
                     "use `intervals --json`, `--format cudnn` or `--format flex` instead",
                 ),
                 ExportFormat::Flex => (
-                    (shape.q_len + bm - 1) / bm,
-                    (shape.kv_len + bn - 1) / bn,
+                    (q_len + bm - 1) / bm,
+                    (kv_len + bn - 1) / bn,
                     "block table",
                     "use a larger --tile, or `--format cudnn`",
                 ),

@@ -3,7 +3,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use compilemask::{OrderRequest, PlanOptions, Program, TileShape, Value};
+use compilemask::{OrderRequest, PackedShape, PlanOptions, Program, TileShape, Value};
 
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
@@ -13,12 +13,32 @@ pub struct MaskArgs {
     /// A built-in mask instead of a file (see `compilemask list`).
     #[arg(long)]
     pub builtin: Option<String>,
-    /// Number of query rows.
-    #[arg(long, allow_negative_numbers = true)]
-    pub q_len: i64,
+    /// Number of query rows (or give --cu-seqlens-q for packed samples).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        required_unless_present = "cu_seqlens_q",
+        conflicts_with = "cu_seqlens_q"
+    )]
+    pub q_len: Option<i64>,
     /// Number of keys (default: q_len). Positions are absolute (top-left aligned).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true, conflicts_with = "cu_seqlens_q")]
     pub kv_len: Option<i64>,
+    /// Packed samples (FlashAttention's varlen form), instead of --q-len: the prefix sums of
+    /// the samples' query lengths, batch + 1 integers from 0 (`0,5,12` is two samples of 5
+    /// and 7 rows; `@FILE` reads them from a file). Each sample's positions start at 0 and
+    /// the mask is applied per sample, with `b` the sample index; the plan is one batch of
+    /// cu_seqlens_q[-1] packed rows.
+    #[arg(long, value_name = "OFFSETS", allow_negative_numbers = true)]
+    pub cu_seqlens_q: Option<String>,
+    /// The prefix sums of the samples' key lengths (default: --cu-seqlens-q).
+    #[arg(
+        long,
+        value_name = "OFFSETS",
+        allow_negative_numbers = true,
+        requires = "cu_seqlens_q"
+    )]
+    pub cu_seqlens_k: Option<String>,
     /// Set a parameter: NAME=INT, NAME=A,B,C (an integer array) or NAME=@FILE (integers
     /// separated by commas or whitespace).
     #[arg(long = "set", value_name = "NAME=VALUE")]
@@ -26,8 +46,14 @@ pub struct MaskArgs {
     /// Tile shape BLOCK_MxBLOCK_N.
     #[arg(long, default_value = "128x128", value_parser = parse_tile)]
     pub tile: TileShape,
-    /// Batch size, for masks that read the batch index `b`.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    /// Batch size, for masks that read the batch index `b` (with --cu-seqlens-q, the
+    /// samples are the batch).
+    #[arg(
+        long,
+        default_value_t = 1,
+        allow_negative_numbers = true,
+        conflicts_with = "cu_seqlens_q"
+    )]
     pub batch: i64,
     /// Token order to plan in: `raster` (the program's positions), `auto` (the best patch
     /// order of the mask's grid, for 2D/3D local masks) or a file holding a permutation of
@@ -61,7 +87,66 @@ pub fn read_source(path: &str) -> Result<String> {
     })
 }
 
+/// Integers separated by commas or whitespace, or `@FILE` holding them; `what` names the
+/// flag in errors.
+fn parse_ints(what: &str, text: &str) -> Result<Vec<i64>> {
+    let owned;
+    let body = match text.strip_prefix('@') {
+        Some(path) => {
+            owned = std::fs::read_to_string(path)
+                .with_context(|| format!("{what}: cannot read `{path}`"))?;
+            owned.as_str()
+        }
+        None => text,
+    };
+    let body = body.trim().trim_start_matches('[').trim_end_matches(']');
+    let items: Vec<&str> = body
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|x| !x.is_empty())
+        .collect();
+    if items.is_empty() {
+        bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
+    }
+    items
+        .iter()
+        .map(|x| {
+            x.parse::<i64>().map_err(|_| {
+                anyhow!("error[CM0409]: {what}: `{x}` is not an integer; give batch + 1 offsets from 0 separated by commas, e.g. 0,5,12")
+            })
+        })
+        .collect()
+}
+
 impl MaskArgs {
+    /// The packing of `--cu-seqlens-q` / `--cu-seqlens-k`, if given (offsets not yet
+    /// validated: planning does that).
+    pub fn packed(&self) -> Result<Option<PackedShape>> {
+        let Some(q) = &self.cu_seqlens_q else {
+            return Ok(None);
+        };
+        let cu_q = parse_ints("--cu-seqlens-q", q)?;
+        let cu_k = match &self.cu_seqlens_k {
+            Some(k) => parse_ints("--cu-seqlens-k", k)?,
+            None => cu_q.clone(),
+        };
+        Ok(Some(PackedShape::new(cu_q, cu_k).num_heads(self.num_heads)))
+    }
+
+    /// `(q_len, kv_len)` of the plan to be made: the totals of a packing (0 when the
+    /// offsets are empty), else `--q-len` and `--kv-len`.
+    pub fn lengths(&self) -> Result<(i64, i64)> {
+        Ok(match self.packed()? {
+            Some(p) => (
+                p.cu_seqlens_q.last().copied().unwrap_or(0),
+                p.cu_seqlens_k.last().copied().unwrap_or(0),
+            ),
+            None => {
+                let o = self.options()?;
+                (o.shape().q_len, o.shape().kv_len)
+            }
+        })
+    }
+
     pub fn program(&self) -> Result<Program> {
         let program = match (&self.file, &self.builtin) {
             (_, Some(name)) => compilemask::builtin(name),
@@ -79,7 +164,7 @@ impl MaskArgs {
     }
 
     pub fn options(&self) -> Result<PlanOptions> {
-        let mut o = PlanOptions::new(self.q_len);
+        let mut o = PlanOptions::new(self.q_len.unwrap_or(1));
         o.kv_len = self.kv_len;
         o.batch = self.batch;
         o.num_heads = self.num_heads;
@@ -131,10 +216,13 @@ impl MaskArgs {
     pub fn plan(&self) -> Result<(Program, PlanOptions, compilemask::Plan, f64)> {
         let program = self.program()?;
         let options = self.options()?;
+        let packed = self.packed()?;
         let t0 = std::time::Instant::now();
-        let plan = program
-            .plan(&options)
-            .map_err(|e| anyhow!("{}", program.render_error(&e).trim_end()))?;
+        let plan = match &packed {
+            Some(p) => program.plan_packed(p, &options),
+            None => program.plan(&options),
+        }
+        .map_err(|e| anyhow!("{}", program.render_error(&e).trim_end()))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok((program, options, plan, ms))
     }
