@@ -98,6 +98,24 @@ impl Plan {
         self.inner.num_heads
     }
 
+    /// `cu_seqlens_q` of a packed plan (`[samples + 1]`), else `None`.
+    #[getter]
+    fn cu_seqlens_q(&self) -> Option<Vec<u32>> {
+        self.inner
+            .packing
+            .as_ref()
+            .map(|p| p.cu_seqlens_q().to_vec())
+    }
+
+    /// `cu_seqlens_k` of a packed plan (`[samples + 1]`), else `None`.
+    #[getter]
+    fn cu_seqlens_k(&self) -> Option<Vec<u32>> {
+        self.inner
+            .packing
+            .as_ref()
+            .map(|p| p.cu_seqlens_k().to_vec())
+    }
+
     #[getter]
     fn block_size(&self) -> (u32, u32) {
         (self.inner.tile.block_m, self.inner.tile.block_n)

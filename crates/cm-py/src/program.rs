@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use compilemask::{OrderRequest, PlanOptions, TileShape};
+use compilemask::{OrderRequest, PackedShape, PlanOptions, TileShape};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -179,6 +179,52 @@ impl Program {
         let (result, ms) = py.detach(|| {
             let t0 = Instant::now();
             let r = program.plan(&options);
+            (r, t0.elapsed().as_secs_f64() * 1e3)
+        });
+        let (uses_batch, uses_head) = program.depends_on_batch_head();
+        match result {
+            Ok(plan) => Ok(Plan {
+                inner: Arc::new(plan),
+                uses_batch,
+                uses_head,
+                compile_ms: ms,
+            }),
+            Err(e) => Err(plan_error(py, Some(program), &e)),
+        }
+    }
+
+    /// Plans the program for packed samples (FlashAttention's `cu_seqlens`; GIL released):
+    /// one batch-1 plan over `cu_seqlens_q[-1]` rows and `cu_seqlens_k[-1]` keys (see
+    /// `compilemask::Program::plan_packed`). `cu_seqlens_k` defaults to `cu_seqlens_q`.
+    /// Raises `PlanError` (CM0409 for bad offsets, CM0410 for a token order).
+    #[pyo3(signature = (cu_seqlens_q, cu_seqlens_k = None, num_heads = 1, block_m = 128, block_n = 128, params = None, order = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn plan_packed(
+        &self,
+        py: Python<'_>,
+        cu_seqlens_q: Vec<i64>,
+        cu_seqlens_k: Option<Vec<i64>>,
+        num_heads: i64,
+        block_m: i64,
+        block_n: i64,
+        params: Option<&Bound<'_, PyDict>>,
+        order: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Plan> {
+        let cu_seqlens_k = cu_seqlens_k.unwrap_or_else(|| cu_seqlens_q.clone());
+        let shape = PackedShape::new(cu_seqlens_q, cu_seqlens_k).num_heads(num_heads);
+        let options = PlanOptions {
+            params: convert::params(params)?,
+            tile: TileShape {
+                block_m: block(py, "block_m", block_m)?,
+                block_n: block(py, "block_n", block_n)?,
+            },
+            order: order_request(py, order)?,
+            ..PlanOptions::default()
+        };
+        let program = &self.inner;
+        let (result, ms) = py.detach(|| {
+            let t0 = Instant::now();
+            let r = program.plan_packed(&shape, &options);
             (r, t0.elapsed().as_secs_f64() * 1e3)
         });
         let (uses_batch, uses_head) = program.depends_on_batch_head();

@@ -74,6 +74,16 @@ class Program:
         params: dict[str, int | list[int]] | None = None,
         order: str | Sequence[int] | None = None,
     ) -> Plan: ...
+    def plan_packed(
+        self,
+        cu_seqlens_q: list[int],
+        cu_seqlens_k: list[int] | None = None,
+        num_heads: int = 1,
+        block_m: int = 128,
+        block_n: int = 128,
+        params: dict[str, int | list[int]] | None = None,
+        order: str | Sequence[int] | None = None,
+    ) -> Plan: ...
     def brute_force_row(
         self,
         q: int,
@@ -95,6 +105,10 @@ class Plan:
     def batch(self) -> int: ...
     @property
     def num_heads(self) -> int: ...
+    @property
+    def cu_seqlens_q(self) -> list[int] | None: ...
+    @property
+    def cu_seqlens_k(self) -> list[int] | None: ...
     @property
     def block_size(self) -> tuple[int, int]: ...
     @property

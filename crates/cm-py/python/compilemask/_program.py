@@ -114,6 +114,42 @@ def _order_value(order: Any) -> str | list[int] | None:
     return out
 
 
+def _offsets(name: str, value: Any) -> list[int]:
+    """``cu_seqlens`` as a list of ints from a list, a tuple, a range, a numpy array or an
+    integer torch tensor (int32 or int64, on any device)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and hasattr(value, "tolist"):
+        kind = str(dtype).removeprefix("torch.")
+        if not (kind.startswith("int") or kind.startswith("uint")):
+            raise TypeError(f"{name} must hold integers (int32 or int64), got dtype {kind}")
+        if getattr(value, "ndim", 1) != 1:
+            raise ValueError(
+                f"{name} must be 1-D (batch + 1 offsets), got shape {tuple(value.shape)}"
+            )
+        value = value.tolist()
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a sequence of ints (batch + 1 offsets), got {type(value).__name__}"
+        )
+    out: list[int] = []
+    for i, x in enumerate(value):
+        if isinstance(x, bool):
+            raise TypeError(f"{name}[{i}]: expected an int, got bool")
+        try:
+            x = operator.index(x)
+        except TypeError:
+            raise TypeError(f"{name}[{i}]: expected an int, got {type(x).__name__}") from None
+        if not -(1 << 63) <= x < (1 << 63):
+            raise _plan_error(
+                "CM0409",
+                f"{name}[{i}] = {x} exceeds the longest supported packed length 2^26",
+                "cu_seqlens are prefix sums of the sample lengths: [0, len_0, len_0 + len_1, "
+                "...], batch + 1 entries",
+            )
+        out.append(x)
+    return out
+
+
 def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         return block_size, block_size
@@ -232,13 +268,15 @@ class Program:
 
     def plan(
         self,
-        q_len: int,
+        q_len: int | None = None,
         kv_len: int | None = None,
         batch: int | None = None,
         num_heads: int | None = None,
         *,
         block_size: int | tuple[int, int] = 128,
         order: OrderRequest = None,
+        cu_seqlens_q: Any = None,
+        cu_seqlens_k: Any = None,
         **params: ParamValue,
     ) -> Plan:
         """Plans the program: binds lengths and parameters, solves every row, classifies
@@ -260,9 +298,45 @@ class Program:
         ``h``. ``params`` override the program's defaults: an int, or a list of ints for
         array parameters (numpy arrays and torch tensors are accepted too).
 
-        Raises :class:`PlanError` (a ``ValueError``) with the rendered diagnostic.
+        **Packed samples** (FlashAttention's varlen form): instead of ``q_len``, give
+        ``cu_seqlens_q`` (and ``cu_seqlens_k``, default ``cu_seqlens_q``): the prefix sums of
+        the samples' query (key) lengths, ``batch + 1`` ints from 0, as a list or an int32 /
+        int64 tensor. Each sample's positions start at 0 and the mask is applied per sample
+        (``b`` is the sample index, ``batch`` the number of samples); the plan is one batch
+        of ``cu_seqlens_q[-1]`` packed rows over ``cu_seqlens_k[-1]`` keys, in which no row
+        sees another sample's keys. :func:`compilemask.attention` takes it with the varlen
+        layout ``[total, heads, head_dim]``. ``num_heads`` matters only for masks that read
+        ``h``; ``kv_len``, ``batch`` and ``order`` cannot be combined with a packing.
+
+        Raises :class:`PlanError` (a ``ValueError``) with the rendered diagnostic (CM0409 for
+        offsets that are not ``batch + 1`` non-decreasing prefix sums from 0, CM0410 for a
+        token order with a packing).
         """
         bm, bn = _block_size(block_size)
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            if cu_seqlens_q is None:
+                raise TypeError("cu_seqlens_k needs cu_seqlens_q")
+            given = [n for n, v in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch))
+                     if v is not None]
+            if given:
+                raise TypeError(
+                    f"plan(cu_seqlens_q=...) takes its lengths and batch from the offsets; "
+                    f"do not also pass {', '.join(given)}"
+                )
+            cu_q = _offsets("cu_seqlens_q", cu_seqlens_q)
+            cu_k = cu_q if cu_seqlens_k is None else _offsets("cu_seqlens_k", cu_seqlens_k)
+            native = self._native.plan_packed(
+                cu_q,
+                cu_k,
+                1 if num_heads is None else operator.index(num_heads),
+                bm,
+                bn,
+                self._params(params),
+                _order_value(order),
+            )
+            return Plan(native, self)
+        if q_len is None:
+            raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
         native = self._native.plan(
             operator.index(q_len),
             None if kv_len is None else operator.index(kv_len),
@@ -353,6 +427,22 @@ class Plan:
     @property
     def num_heads(self) -> int:
         return self._native.num_heads
+
+    @property
+    def cu_seqlens_q(self) -> list[int] | None:
+        """The query offsets of a packed plan (``batch + 1`` ints from 0), else ``None``.
+        Sample ``b`` owns packed rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1``."""
+        return self._native.cu_seqlens_q
+
+    @property
+    def cu_seqlens_k(self) -> list[int] | None:
+        """The key offsets of a packed plan, else ``None``."""
+        return self._native.cu_seqlens_k
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the plan was made for packed samples (``cu_seqlens_q=...``)."""
+        return self._native.cu_seqlens_q is not None
 
     @property
     def block_size(self) -> tuple[int, int]:
@@ -505,6 +595,11 @@ class Plan:
             "elementwise_pairs": self.elementwise_pairs,
             "compile_ms": self.compile_ms,
         }
+        cu_q = self.cu_seqlens_q
+        if cu_q is not None:
+            out["samples"] = len(cu_q) - 1
+            out["cu_seqlens_q"] = cu_q
+            out["cu_seqlens_k"] = self.cu_seqlens_k
         info = self.order_info()
         if info is not None:
             out["order"] = info
@@ -514,7 +609,9 @@ class Plan:
         return (
             f"Plan({self._program.name!r}, q_len={self.q_len}, kv_len={self.kv_len}, "
             f"batch={self.batch}, num_heads={self.num_heads}, "
-            f"visible_pairs={self.visible_pairs}, tiles={self.tiles}, "
+            + (f"cu_seqlens_q={self.cu_seqlens_q}, cu_seqlens_k={self.cu_seqlens_k}, "
+               if self.is_packed else "")
+            + f"visible_pairs={self.visible_pairs}, tiles={self.tiles}, "
             f"block_size={self.block_size})"
         )
 

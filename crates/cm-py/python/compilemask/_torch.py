@@ -325,6 +325,14 @@ def attention(
     ``lse``). ``deterministic`` selects the CUDA backward whose dQ needs no atomics (the same
     bits every run; the CPU reference always is deterministic).
 
+    Packed samples: with a plan from ``program.plan(cu_seqlens_q=..., cu_seqlens_k=...)``,
+    pass FlashAttention's varlen layout: ``query`` ``[total_q, num_heads, head_dim]``,
+    ``key`` ``[total_k, num_kv_heads, head_dim]``, ``value`` ``[total_k, num_kv_heads,
+    head_dim_v]``. They are viewed as batch 1 (``[1, heads, total, head_dim]``, no copy);
+    ``out`` comes back as ``[total_q, num_heads, head_dim_v]`` (contiguous) and ``lse`` as
+    ``[num_heads, total_q]``. (3-D inputs work with any plan of batch 1; 4-D inputs of batch 1
+    work with a packed plan.)
+
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
     computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
     capability 9.0; bfloat16 / float16, head_dim 64 or 128 with ``head_dim_v == head_dim``;
@@ -339,9 +347,27 @@ def attention(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if query.dim() == 3:
+        # FlashAttention's varlen layout [total, heads, head_dim]: one batch of packed rows,
+        # viewed (no copy) as [1, heads, total, head_dim].
+        for name, t in tensors.items():
+            if t.dim() != 3:
+                raise ValueError(
+                    f"query is 3-D (the varlen layout [total_q, num_heads, head_dim]), so "
+                    f"{name} must be 3-D too (or pass 4-D [batch, heads, seq_len, head_dim] "
+                    f"tensors), got shape {tuple(t.shape)}"
+                )
+        out = attention(query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
+                        value.unsqueeze(0).transpose(1, 2), plan, scale, enable_gqa, True,
+                        deterministic)
+        out4, lse4 = out
+        out3 = out4[0].transpose(0, 1).contiguous()
+        return (out3, lse4[0]) if return_lse else out3
+    for name, t in tensors.items():
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {tuple(t.shape)}"
+                f"{name} must be 4-D [batch, heads, seq_len, head_dim] (or 3-D [total, heads, "
+                f"head_dim] for a packed plan), got shape {tuple(t.shape)}"
             )
         if str(t.dtype).removeprefix("torch.") not in _DTYPES:
             raise ValueError(
@@ -387,6 +413,11 @@ def attention(
     else:
         raise TypeError(
             f"plan must be a compilemask.Plan or PlanTensors, got {type(plan).__name__}"
+        )
+    if (pt.q_len != lq or pt.kv_len != lk) and isinstance(plan, Plan) and plan.is_packed:
+        raise ValueError(
+            f"the packed plan holds cu_seqlens_q[-1] = {pt.q_len} query rows and "
+            f"cu_seqlens_k[-1] = {pt.kv_len} keys, but the tensors have {lq} and {lk}"
         )
     if pt.q_len != lq or pt.kv_len != lk:
         raise ValueError(
