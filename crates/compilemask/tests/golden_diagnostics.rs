@@ -365,6 +365,31 @@ fn cm0402_kv_len_too_large() {
 }
 
 #[test]
+fn cm0409_bad_cu_seqlens() {
+    let program = compilemask::compile_named("mask = k <= q;\n", NAME).unwrap();
+    let packed = compilemask::PackedShape::new([0, 5, 3], [0, 5, 6]);
+    let err = program
+        .plan_packed(&packed, &PlanOptions::default())
+        .unwrap_err();
+    assert_eq!(err.code, "CM0409");
+    insta::assert_snapshot!("cm0409", program.render_error(&err));
+}
+
+#[test]
+fn cm0410_order_with_packing() {
+    let program = compilemask::compile_named("mask = k <= q;\n", NAME).unwrap();
+    let options = PlanOptions {
+        order: compilemask::OrderRequest::Auto,
+        ..PlanOptions::default()
+    };
+    let err = program
+        .plan_packed(&compilemask::PackedShape::self_attention([0, 4]), &options)
+        .unwrap_err();
+    assert_eq!(err.code, "CM0410");
+    insta::assert_snapshot!("cm0410", program.render_error(&err));
+}
+
+#[test]
 fn unknown_builtin_lists_the_available_ones() {
     let e = compilemask::builtin("causl").unwrap_err();
     assert_eq!(e.diagnostics[0].code, "CM0201");
