@@ -1,6 +1,6 @@
 // Shared definitions of the backward kernels (bwd_pre.cu, bwd_dkdv.cu, bwd_dq.cu,
-// bwd_post.cu): the parameter block, the padded shared-memory tile loader and the per-row key
-// visibility of a partial tile.
+// bwd_post.cu): the parameter block, the 128B-swizzled shared-memory tile loader and the
+// per-row key visibility of a partial tile.
 //
 // The backward pass, for softmax_scale c, P = softmax(c Q K^T) over each row's visible keys:
 //   delta_i = sum_d dO[i, d] O[i, d]                       (bwd_pre)
@@ -11,6 +11,7 @@
 // P is recomputed from the forward's lse: P_ij = exp2(c log2(e) s_ij - log2(e) lse_i).
 #pragma once
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #ifndef CM_HEAD_DIM
 #error "CM_HEAD_DIM must be defined (64 or 128)"
@@ -23,13 +24,13 @@
 #define BLOCK_N 64
 #define NUM_THREADS 128
 #define HEAD_DIM CM_HEAD_DIM
-// 16 bytes of padding per shared-memory row put the 8 row addresses of every ldmatrix into
-// distinct bank groups.
-#define PITCH (HEAD_DIM + 8)
-#define TILE_ELEMS (BLOCK_M * PITCH)
+// Bytes of one 64-row tile of Q, dO, K or V in shared memory: HEAD_DIM / 64 column atoms of
+// [64 rows][128 bytes], 128B-swizzled (wgmma.cuh); a multiple of 1024, so tiles placed back
+// to back from a 1024-byte-aligned base stay swizzle-atom aligned.
+#define TILE_BYTES (BLOCK_M * HEAD_DIM * 2)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
-static_assert(BLOCK_M == BLOCK_N, "query and key tiles share one loader");
+static_assert(BLOCK_M == BLOCK_N, "query and key tiles share one loader and one shape");
 
 // Kernel parameters, passed by value. Must match cm_cuda::backward::BwdParams field for field
 // (#[repr(C)], 8-byte fields first, explicit padding at the end). Tensors are
@@ -87,21 +88,22 @@ struct CmBwdParams {
 
 static_assert(sizeof(CmBwdParams) == 448, "must match cm_cuda::backward::BwdParams");
 
-// Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into a padded shared tile,
-// zero-filling rows at or past `len` (zeros, never garbage that 0 * NaN could spread).
-__device__ __forceinline__ void cm_bwd_load_tile(u16* smem, const u16* base, i64 row_stride, u32 row0, u32 len) {
+// Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into the swizzled tile at shared
+// address `tile`, zero-filling rows at or past `len` (zeros, never garbage that 0 * NaN could
+// spread). Eight consecutive threads write the eight chunks of one atom row: distinct banks
+// after the swizzle, one coalesced global row.
+__device__ __forceinline__ void cm_bwd_load_tile(u32 tile, const u16* base, i64 row_stride, u32 row0, u32 len) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
     constexpr int PER_THREAD = BLOCK_M * CHUNKS_PER_ROW / NUM_THREADS;
-    const u32 smem_base = cm_smem_addr(smem);
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * NUM_THREADS;
-        const int r = c / CHUNKS_PER_ROW;
-        const int col = (c % CHUNKS_PER_ROW) * 8;
+        const u32 r = c / CHUNKS_PER_ROW;
+        const u32 chunk = c % CHUNKS_PER_ROW;
         const u32 row = row0 + r;
         const bool ok = row < len;
-        const u16* src = base + (ok ? (i64)row * row_stride + col : 0);
-        cm_cp_async16(smem_base + (u32)(r * PITCH + col) * 2, src, ok ? 16 : 0);
+        const u16* src = base + (ok ? (i64)row * row_stride + chunk * 8 : 0);
+        cm_cp_async16(tile + cm_sw128_offset(r, chunk, BLOCK_M), src, ok ? 16 : 0);
     }
 }
 

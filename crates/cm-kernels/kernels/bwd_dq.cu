@@ -1,26 +1,32 @@
-// Backward dQ of the deterministic mode, one CTA of 4 warps per (64-row query block, head,
-// batch): walks the query block's key tiles from the forward lists (partial tiles with the
-// per-row limits, then full tiles with no mask code), recomputes S = Q K^T and
+// Backward dQ of the deterministic mode, one CTA of one warpgroup (4 warps) per (64-row query
+// block, head, batch): walks the query block's key tiles from the forward lists (partial tiles
+// with the per-row limits, then full tiles with no mask code), recomputes S = Q K^T and
 // dP = dO V^T, P = exp2(S c log2e - lse_log2), dS = P (dP - delta), and accumulates
-// dQ = c dS K in registers in a fixed order, so its bits do not change run to run. Warp w owns
-// query rows 16 w .. 16 w + 15 (the forward's fragment layout); mma.sync m16n8k16 with
-// ldmatrix from padded shared memory. Query blocks with no tile write dQ = 0.
+// dQ = c dS K in registers in a fixed order, so its bits do not change run to run. All
+// products are Hopper wgmma on 128B-swizzled shared memory: S and dP with K-major operands
+// (SS), dQ with dS from registers and the K tile read MN-major (RS). Warp w owns query rows
+// 16 w .. 16 w + 15 (the forward's fragment layout). K and V are double buffered: the next
+// tile's loads run during the current tile's products. Query blocks with no tile write dQ = 0.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
 // CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
 #include "bwd_common.cuh"
 
-// Shared memory: Q, dO, K, V tiles and the per-row key visibility of a partial tile.
-#define SMEM_BYTES (4 * TILE_ELEMS * 2 + BLOCK_M * 8)
-static_assert(SMEM_BYTES <= CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes is too small");
+// Shared memory from a 1024-byte-aligned base: Q, dO, two stages of K and V, two stages of
+// the per-row key visibility of a partial tile (64 u64).
+#define OFF_DO TILE_BYTES
+#define OFF_K (2 * TILE_BYTES)
+#define OFF_V (4 * TILE_BYTES)
+#define OFF_BITS (6 * TILE_BYTES)
+#define SMEM_BYTES (OFF_BITS + 2 * BLOCK_M * 8 + 1024)
+static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmBwdParams p) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    u16* sQ = reinterpret_cast<u16*>(smem);
-    u16* sdO = sQ + TILE_ELEMS;
-    u16* sK = sdO + TILE_ELEMS;
-    u16* sV = sK + TILE_ELEMS;
-    u64* sBits = reinterpret_cast<u64*>(sV + TILE_ELEMS);
+    extern __shared__ unsigned char smem_raw[];
+    const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
+    u64* sBits = reinterpret_cast<u64*>(smem_raw + (base - cm_smem_addr(smem_raw)) + OFF_BITS);  // [stage][64]
+    const u32 sQ = base;
+    const u32 sdO = base + OFF_DO;
 
     const u32 m_block = p.m_block_order[blockIdx.x];
     const u32 head = blockIdx.y;
@@ -41,6 +47,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u16* k = p.k + batch * p.k_stride_batch + kv_head * p.k_stride_head;
     const u16* v = p.v + batch * p.v_stride_batch + kv_head * p.v_stride_head;
 
+    auto key_of = [&](u32 it) -> u32 {
+        return (it < num_partial ? p.kv_indices[p_begin + it] : p.full_kv_indices[f_begin + it - num_partial]) *
+               BLOCK_N;
+    };
+    auto load_kv = [&](u32 key0, u32 st) {
+        cm_bwd_load_tile(base + OFF_K + st * TILE_BYTES, k, p.k_stride_row, key0, p.kv_len);
+        cm_bwd_load_tile(base + OFF_V + st * TILE_BYTES, v, p.v_stride_row, key0, p.kv_len);
+    };
+    // The key masks of partial tile `it`'s 64 rows into stage `st`: the even threads of every
+    // warp take one row each.
+    auto row_bits = [&](u32 it, u32 key0, u32 st) {
+        if (it < num_partial && (threadIdx.x & 1) == 0) {
+            const u32 r = threadIdx.x >> 1;
+            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, p_begin + it, r, row0, key0);
+        }
+    };
+
     // Row statistics of the thread's rows g and g + 8 (padded workspace rows: in bounds).
     float lse2[2], dl[2];
 #pragma unroll
@@ -55,29 +78,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     for (int j = 0; j < HEAD_DIM / 8; ++j) acc_dq[j][0] = acc_dq[j][1] = acc_dq[j][2] = acc_dq[j][3] = 0.f;
 
     if (num_tiles > 0) {
+        const u32 key0 = key_of(0);
         cm_bwd_load_tile(sQ, p.q + batch * p.q_stride_batch + head * p.q_stride_head, p.q_stride_row, row0, p.q_len);
         cm_bwd_load_tile(sdO, p.dout + batch * p.do_stride_batch + head * p.do_stride_head, p.do_stride_row, row0,
                          p.q_len);
+        load_kv(key0, 0);
         cm_cp_async_commit();
+        row_bits(0, key0, 0);
     }
-    const u32 smem_q = cm_smem_addr(sQ);
-    const u32 smem_do = cm_smem_addr(sdO);
-    const u32 smem_k = cm_smem_addr(sK);
-    const u32 smem_v = cm_smem_addr(sV);
 
     for (u32 it = 0; it < num_tiles; ++it) {
-        const bool partial = it < num_partial;
-        const u32 key0 = (partial ? p.kv_indices[p_begin + it] : p.full_kv_indices[f_begin + it - num_partial]) * BLOCK_N;
-        cm_bwd_load_tile(sK, k, p.k_stride_row, key0, p.kv_len);
-        cm_bwd_load_tile(sV, v, p.v_stride_row, key0, p.kv_len);
+        const u32 st = it & 1;
+        const u32 sK = base + OFF_K + st * TILE_BYTES;
+        const u32 sV = base + OFF_V + st * TILE_BYTES;
+        const bool has_next = it + 1 < num_tiles;
+        const u32 key_next = has_next ? key_of(it + 1) : 0;
+        // Stage st ^ 1 was last read in iteration it - 1, before its closing barrier.
+        if (has_next) load_kv(key_next, st ^ 1);
         cm_cp_async_commit();
-        if (partial && threadIdx.x < BLOCK_M) {
-            sBits[threadIdx.x] = cm_bwd_row_bits(p, p_begin + it, threadIdx.x, row0, key0);
-        }
-        cm_cp_async_wait<0>();
+        cm_cp_async_wait<1>();  // tile it (and Q, dO) landed
+        cm_fence_proxy_async();
         __syncthreads();
 
-        // S and dP for the warp's 16 queries x 64 keys.
+        // S and dP for the block's 64 queries x 64 keys, contraction over head_dim.
         float s[BLOCK_N / 8][4];
         float dp[BLOCK_N / 8][4];
 #pragma unroll
@@ -85,31 +108,26 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
         }
+        cm_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            u32 qa[4], da[4];
-            const u32 a_off = (u32)((warp * 16 + (lane & 15)) * PITCH + ks * 16 + (lane >> 4) * 8) * 2;
-            cm_ldmatrix_x4(smem_q + a_off, qa[0], qa[1], qa[2], qa[3]);
-            cm_ldmatrix_x4(smem_do + a_off, da[0], da[1], da[2], da[3]);
-#pragma unroll
-            for (int jp = 0; jp < BLOCK_N / 16; ++jp) {
-                const int r = jp * 16 + (lane & 7) + ((lane >> 4) << 3);
-                const int c = ks * 16 + ((lane >> 3) & 1) * 8;
-                const u32 b_off = (u32)(r * PITCH + c) * 2;
-                u32 b0, b1, b2, b3;
-                cm_ldmatrix_x4(smem_k + b_off, b0, b1, b2, b3);
-                cm_mma16816(s[2 * jp], qa, b0, b1);
-                cm_mma16816(s[2 * jp + 1], qa, b2, b3);
-                cm_ldmatrix_x4(smem_v + b_off, b0, b1, b2, b3);
-                cm_mma16816(dp[2 * jp], da, b0, b1);
-                cm_mma16816(dp[2 * jp + 1], da, b2, b3);
-            }
+            cm_wgmma_n64_ss(s, cm_desc_k_major(sQ, BLOCK_M, ks), cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
         }
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            cm_wgmma_n64_ss(dp, cm_desc_k_major(sdO, BLOCK_M, ks), cm_desc_k_major(sV, BLOCK_N, ks), ks > 0);
+        }
+        cm_wgmma_commit();
+        if (has_next) row_bits(it + 1, key_next, st ^ 1);
+        cm_wgmma_wait<0>();
+        cm_fence_acc(s);
+        cm_fence_acc(dp);
 
         // dS. Element [j][e] is query 16 warp + g + 8 (e >> 1), key 8 j + 2 t + (e & 1).
+        const bool partial = it < num_partial;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u64 bits = partial ? sBits[warp * 16 + g + h * 8] : ~0ull;
+            const u64 bits = partial ? sBits[st * BLOCK_M + warp * 16 + g + h * 8] : ~0ull;
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
 #pragma unroll
@@ -123,22 +141,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
             }
         }
 
-        // dQ += dS K (keys are the contraction dim; K read transposed).
+        // dQ += dS K: contraction over the tile's 64 keys, K read transposed.
+        u32 dsa[BLOCK_N / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[4];
-            cm_bwd_a_fragment(dp, kk, a);
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
+        cm_wgmma_fence();
 #pragma unroll
-            for (int dd = 0; dd < HEAD_DIM / 16; ++dd) {
-                const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                const int c = dd * 16 + (lane >> 4) * 8;
-                u32 b0, b1, b2, b3;
-                cm_ldmatrix_x4_trans(smem_k + (u32)(r * PITCH + c) * 2, b0, b1, b2, b3);
-                cm_mma16816(acc_dq[2 * dd], a, b0, b1);
-                cm_mma16816(acc_dq[2 * dd + 1], a, b2, b3);
-            }
-        }
-        __syncthreads();  // every warp is done with sK, sV, sBits
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_wgmma_rs<1>(acc_dq, dsa[kk], cm_desc_mn_major(sK, BLOCK_N, kk), 1);
+        cm_wgmma_commit();
+        cm_wgmma_wait<0>();
+        cm_fence_acc(acc_dq);
+        cm_fence_frag(dsa);
+        __syncthreads();  // every warp is done with stage st (K, V, key masks)
     }
     cm_cp_async_wait<0>();
 

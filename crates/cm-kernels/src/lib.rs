@@ -171,16 +171,17 @@ impl Variant {
     }
 
     /// Dynamic shared memory per CTA in bytes the variant is launched with (0: static only).
-    /// The backward kernels' padded tiles (64 rows of `head_dim + 8` elements) exceed the
-    /// 48 KB static limit at head_dim 128.
+    /// The backward kernels' tiles (64 rows x `head_dim`, 128B-swizzled) with their double
+    /// buffers exceed the 48 KB static limit.
     pub const fn dynamic_shared_bytes(&self) -> u32 {
-        let tile = 64 * (self.head_dim + 8) * 2;
+        let tile = 64 * self.head_dim * 2;
         match self.kernel {
-            // K, V, Q, dO tiles; dS^T (64 x 72 elements); lse and delta (64 f32 each); row
-            // visibility (64 u64).
-            KernelKind::BwdDkDv => 4 * tile + 64 * 72 * 2 + 2 * 64 * 4 + 64 * 8,
-            // Q, dO, K, V tiles; row visibility.
-            KernelKind::BwdDq => 4 * tile + 64 * 8,
+            // K, V, two stages of Q and dO; dS^T (64 x 64 elements); two stages of lse and
+            // delta (64 f32 each) and of the row visibility (64 u64); 1 KB to align the start
+            // to a swizzle atom.
+            KernelKind::BwdDkDv => 6 * tile + 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 1024,
+            // Q, dO, two stages of K and V; two stages of row visibility; alignment.
+            KernelKind::BwdDq => 6 * tile + 2 * 64 * 8 + 1024,
             // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 128
             // bytes of mbarriers and 1 KB to align the start to a swizzle atom.
             KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 128 + 1024,
