@@ -63,6 +63,7 @@ pub(crate) struct FwdParams {
     full_kv_offsets: u64,
     full_kv_indices: u64,
     partial_row_first: u64,
+    partial_row_mask: u64,
     row_ptr: u64,
     intervals: u64,
     q_len: u32,
@@ -72,7 +73,7 @@ pub(crate) struct FwdParams {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 232,
+    std::mem::size_of::<FwdParams>() == 240,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -215,7 +216,6 @@ pub(crate) fn prepare(
             PlanArray::WsKvIndices,
             PlanArray::WsFullKvOffsets,
             PlanArray::WsFullKvIndices,
-            PlanArray::WsPartialRowFirst,
         ]
     } else {
         [
@@ -224,7 +224,6 @@ pub(crate) fn prepare(
             PlanArray::KvIndices,
             PlanArray::FullKvOffsets,
             PlanArray::FullKvIndices,
-            PlanArray::PartialRowFirst,
         ]
     };
     let params = FwdParams {
@@ -243,7 +242,16 @@ pub(crate) fn prepare(
         kv_indices: plan.addr(lists[2]),
         full_kv_offsets: plan.addr(lists[3]),
         full_kv_indices: plan.addr(lists[4]),
-        partial_row_first: plan.addr(lists[5]),
+        partial_row_first: if ws {
+            0
+        } else {
+            plan.addr(PlanArray::PartialRowFirst)
+        },
+        partial_row_mask: if ws {
+            plan.addr(PlanArray::WsPartialRowMask)
+        } else {
+            0
+        },
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
         q_len: plan.q_len,

@@ -26,8 +26,11 @@ pub const PLAN_ARRAY_COUNT: usize = 20;
 /// longest CTAs start first); for the backward pass also the transposed lists (`q_offsets
 /// [num_n_blocks + 1]`, `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and
 /// the key-block order (`[num_n_blocks]`, most tiles first). All of these are at the plan's
-/// tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists, their query-block
-/// order and `partial_row_first` at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`].
+/// tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists and their
+/// query-block order at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`], whose partial
+/// tiles read each row's visibility as bits (`ws_partial_row_mask [num_partial, block_m,
+/// block_n / 32]`: bit `c % 32` of word `c / 32` set when key `n_block * block_n + c` is
+/// visible from the row; rows past `q_len` have no bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
     Intervals,
@@ -49,7 +52,7 @@ pub enum PlanArray {
     WsKvIndices,
     WsFullKvOffsets,
     WsFullKvIndices,
-    WsPartialRowFirst,
+    WsPartialRowMask,
 }
 
 impl PlanArray {
@@ -74,7 +77,7 @@ impl PlanArray {
         PlanArray::WsKvIndices,
         PlanArray::WsFullKvOffsets,
         PlanArray::WsFullKvIndices,
-        PlanArray::WsPartialRowFirst,
+        PlanArray::WsPartialRowMask,
     ];
 
     pub fn name(self) -> &'static str {
@@ -98,7 +101,7 @@ impl PlanArray {
             PlanArray::WsKvIndices => "ws_kv_indices",
             PlanArray::WsFullKvOffsets => "ws_full_kv_offsets",
             PlanArray::WsFullKvIndices => "ws_full_kv_indices",
-            PlanArray::WsPartialRowFirst => "ws_partial_row_first",
+            PlanArray::WsPartialRowMask => "ws_partial_row_mask",
         }
     }
 
@@ -126,11 +129,12 @@ impl PlanArray {
 
     /// Byte alignment the kernels' loads of this array need.
     fn align(self) -> u64 {
-        // Intervals are read as 8-byte (start, end) pairs.
-        if self == PlanArray::Intervals {
-            8
-        } else {
-            4
+        match self {
+            // Read as 8-byte (start, end) pairs.
+            PlanArray::Intervals => 8,
+            // A row's 128 bits are one 16-byte load.
+            PlanArray::WsPartialRowMask => 16,
+            _ => 4,
         }
     }
 }
@@ -159,6 +163,54 @@ fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
     order
 }
 
+/// The visibility bits of every row of every partial tile of `desc` (see
+/// [`PlanArray::WsPartialRowMask`]), from the rows' intervals starting at each row's
+/// `partial_row_first`.
+fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
+    let block_m = desc.tile.block_m as usize;
+    let block_n = desc.tile.block_n;
+    let words = block_n.div_ceil(32) as usize;
+    let stride = desc.partial_row_stride as usize;
+    let mut masks = vec![0u32; desc.kv_indices.len() * block_m * words];
+    let intervals = rows.intervals();
+    let row_ptr = rows.row_ptr();
+    for m in 0..desc.num_m_blocks as usize {
+        let row0 = m * block_m;
+        let row_end = (row0 + block_m).min(rows.q_len() as usize);
+        for p in desc.kv_offsets[m] as usize..desc.kv_offsets[m + 1] as usize {
+            let key0 = desc.kv_indices[p] * block_n;
+            let key_end = key0 + block_n;
+            for q in row0..row_end {
+                let r = q - row0;
+                let out = &mut masks[(p * block_m + r) * words..][..words];
+                let first = desc.partial_row_first[p * stride + r] as usize;
+                for iv in &intervals[first..row_ptr[q + 1] as usize] {
+                    if iv.start >= key_end {
+                        break;
+                    }
+                    let lo = iv.start.max(key0) - key0;
+                    let hi = iv.end.min(key_end) - key0;
+                    set_bits(out, lo, hi);
+                }
+            }
+        }
+    }
+    masks
+}
+
+/// Sets bits `[lo, hi)` of a little-endian bit array of u32 words.
+fn set_bits(words: &mut [u32], lo: u32, hi: u32) {
+    let mut c = lo;
+    while c < hi {
+        let w = (c / 32) as usize;
+        let bit = c % 32;
+        let n = (hi - c).min(32 - bit);
+        let run = if n == 32 { u32::MAX } else { ((1u32 << n) - 1) << bit };
+        words[w] |= run;
+        c += n;
+    }
+}
+
 /// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
 pub struct HostPlan {
     q_len: u32,
@@ -179,6 +231,7 @@ impl HostPlan {
         let n_order = heaviest_first(desc.num_n_blocks, [&desc.q_offsets, &desc.full_q_offsets]);
         let ws = TileDescriptor::build(rows, ws_tile());
         let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
+        let ws_masks = partial_row_masks(&ws, rows);
         let flat_intervals: Vec<u32> = rows
             .intervals()
             .iter()
@@ -207,7 +260,7 @@ impl HostPlan {
             ws.kv_indices,
             ws.full_kv_offsets,
             ws.full_kv_indices,
-            ws.partial_row_first,
+            ws_masks,
         ];
         HostPlan {
             q_len: rows.q_len(),
@@ -350,11 +403,13 @@ impl DevicePlan {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         let host = HostPlan::build(rows, tile);
-        // Intervals first: offset 0 keeps their 8-byte pairs aligned for the kernel's loads.
-        debug_assert_eq!(PlanArray::ALL[0], PlanArray::Intervals);
+        // The allocation is 256-byte aligned; padding each array's offset to its alignment
+        // keeps every one aligned for the kernels' loads.
         let mut flat: Vec<u32> = Vec::new();
         let mut offsets = [0usize; PLAN_ARRAY_COUNT];
-        for (offset, array) in offsets.iter_mut().zip(&host.arrays) {
+        for ((offset, array), a) in offsets.iter_mut().zip(&host.arrays).zip(PlanArray::ALL) {
+            let align = (a.align() / 4) as usize;
+            flat.resize(flat.len().next_multiple_of(align), 0);
             *offset = flat.len();
             flat.extend_from_slice(array);
         }
@@ -441,9 +496,15 @@ mod tests {
         assert_eq!(host.arrays()[PlanArray::WsKvIndices as usize], [0, 1]);
         assert_eq!(host.arrays()[PlanArray::WsFullKvIndices as usize], [0]);
         assert_eq!(host.arrays()[PlanArray::WsMBlockOrder as usize], [1, 0]);
-        assert_eq!(
-            host.arrays()[PlanArray::WsPartialRowFirst as usize].len(),
-            2 * 128
-        );
+        // Row 100 of block 0 sees keys 0..=100 of tile 0: words 0-2 full, 5 bits of word 3.
+        let masks = &host.arrays()[PlanArray::WsPartialRowMask as usize];
+        assert_eq!(masks.len(), 2 * 128 * 4);
+        assert_eq!(masks[100 * 4..101 * 4], [u32::MAX, u32::MAX, u32::MAX, 0b11111]);
+        // Block 1's diagonal tile (keys 128..256): row 130 sees 128..=130; row 149 is the last
+        // row; rows from 150 on are past q_len and see nothing.
+        let diag = 128 * 4;
+        assert_eq!(masks[diag + 2 * 4..diag + 3 * 4], [0b111, 0, 0, 0]);
+        assert_eq!(masks[diag + 21 * 4..diag + 22 * 4], [(1 << 22) - 1, 0, 0, 0]);
+        assert!(masks[diag + 22 * 4..].iter().all(|&w| w == 0));
     }
 }

@@ -34,7 +34,8 @@ struct CmFwdParams {
     const u32* kv_indices;     // [num_partial]
     const u32* full_kv_offsets;  // [num_m_blocks + 1]
     const u32* full_kv_indices;  // [num_full]
-    const u32* partial_row_first;  // [num_partial, BLOCK_M]
+    const u32* partial_row_first;  // [num_partial, BLOCK_M]; null for fwd_ws
+    const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32] visibility bits; fwd_ws only
     const u32* row_ptr;            // [q_len + 1]
     const CmKeyInterval* intervals;  // [num_intervals]
     u32 q_len;
@@ -43,7 +44,7 @@ struct CmFwdParams {
     float scale_log2;       // softmax_scale * log2(e): scores are exponentiated with exp2
 };
 
-static_assert(sizeof(CmFwdParams) == 232, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 240, "must match cm_cuda::forward::FwdParams");
 
 __device__ __forceinline__ float cm_neg_inf() { return __int_as_float(0xff800000); }
 

@@ -63,6 +63,51 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
     }
 }
 
+// The visibility words of this thread's two rows (r = 16 warp + g and r + 8) of a partial
+// 128-key tile, from the descriptor's per-row bits; one 16-byte load per row. Loaded ahead of
+// the scores so their latency hides behind the matrix product.
+__device__ __forceinline__ void cm_load_row_bits(u32 (&bits)[2][4], const CmFwdParams& p, u32 partial_index,
+                                                 u32 block_m, int warp, int g) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32* src = p.partial_row_mask + ((u64)partial_index * block_m + warp * 16 + g + h * 8) * 4;
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(bits[h][0]), "=r"(bits[h][1]), "=r"(bits[h][2]), "=r"(bits[h][3])
+                     : "l"(src));
+    }
+}
+
+// As cm_scale_and_mask for 128-key tiles whose partial rows come as visibility bits
+// (cm_load_row_bits): element [j][e] of row half h is key 8 j + 2 t + (e & 1), bit
+// (8 j + 2 t + e) % 32 of word j / 4.
+__device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
+                                                       const u32 (&bits)[2][4], u32 key0, int t) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+    }
+    if (partial) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const u32 w = bits[h][j >> 2] >> ((j & 3) * 8 + t * 2);
+                if (!(w & 1u)) s[j][h * 2] = cm_neg_inf();
+                if (!(w & 2u)) s[j][h * 2 + 1] = cm_neg_inf();
+            }
+        }
+    } else if (key0 + 128 > p.kv_len) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (key0 + j * 8 + t * 2 + (e & 1) >= p.kv_len) s[j][e] = cm_neg_inf();
+            }
+        }
+    }
+}
+
 // Online softmax over one tile, score side: turns s into unnormalised probabilities against
 // the new running max, updates the running sums, and returns in alpha the factor by which the
 // output accumulated so far must be rescaled (cm_rescale), which a kernel may apply later,

@@ -10,9 +10,11 @@
 // producer keeps the next tile's loads in flight behind both. The producer gives up
 // registers (setmaxnreg) so the consumers can hold S, P and O.
 //
-// 128x128 tiles: the descriptor's forward lists at that shape (cm_cuda::PlanArray::Ws*), the
-// same per-row limits on partial tiles as every other kernel (fwd_common.cuh); empty tiles are
-// never loaded, full tiles run no mask code.
+// 128x128 tiles: the descriptor's forward lists at that shape (cm_cuda::PlanArray::Ws*);
+// partial tiles read each row's visibility as 128 precomputed bits (one 16-byte load per row,
+// issued before the tile's scores are computed), so a row with many short runs of keys (2D
+// windows in patch order) costs no more than one with a single run; empty tiles are never
+// loaded, full tiles run no mask code.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128),
 // CM_DYNAMIC_SMEM_BYTES (the launch's dynamic shared memory, checked against the layout).
@@ -184,10 +186,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         __syncwarp();
         if (lane == 0) cm_mbar_arrive(bar(which + (int)(it % STAGES)));
     };
+    // Visibility bits of this thread's rows in tile `it` when it is partial.
+    u32 bits[2][4];
+    auto load_bits = [&](u32 it) {
+        if (it < num_partial) cm_load_row_bits(bits, p, p_begin + it, BLOCK_M, warp, g);
+    };
     // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha.
     auto softmax = [&](u32 it) {
-        cm_scale_and_mask(sc, p, it < num_partial, p_begin + it, BLOCK_M, row0, tile_n_block(it) * BLOCK_N, warp, g,
-                          t);
+        cm_scale_and_mask_bits(sc, p, it < num_partial, bits, tile_n_block(it) * BLOCK_N, t);
         cm_softmax_step(sc, row_max, row_sum, alpha);
     };
     auto pack_p = [&]() {
@@ -199,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     // it and O += P V of tile it - 1, this warpgroup waits only for S, then masks and
     // exponentiates it; the output is rescaled once the P V product has drained.
     if (num_tiles > 0) {
+        load_bits(0);
         cm_mbar_wait(bar(BAR_Q), 0);
         cm_wgmma_fence();
         issue_s(0);
@@ -209,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         pack_p();
     }
     for (u32 it = 1; it < num_tiles; ++it) {
+        load_bits(it);
         cm_fence_acc(acc_o);
         cm_wgmma_fence();
         issue_s(it);
