@@ -254,82 +254,75 @@ pub fn plan_packed(
     check_names(program, values)?;
     let hs = if program.uses_h { num_heads as u32 } else { 1 };
     let (total_q, total_k) = (packing.total_q(), packing.total_k());
-    let mut packed: Vec<RowIntervals> = (0..hs)
-        .map(|_| RowIntervals::with_capacity(total_q, total_k, total_q as usize))
-        .collect();
-    // Bound programs by (len_q, len_k); for masks that do not read `b`, solved rows by
-    // (len_q, len_k, h), so samples of equal lengths share them.
+    // Bound programs by (len_q, len_k), shared by every head.
     let mut bounds: HashMap<(u32, u32), Bound<'_>> = HashMap::new();
-    let mut solved: HashMap<(u32, u32, u32), RowIntervals> = HashMap::new();
     let mut pieces = 0u64;
     let mut elementwise_pairs = 0u64;
-    for b in 0..batch {
-        let (lq, lk) = packing.lengths(b);
-        if lq == 0 {
-            continue;
-        }
-        if lk == 0 {
-            for rows in &mut packed {
+    let mut masks: Vec<MaskPlan> = Vec::new();
+    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
+    let mut local = Vec::with_capacity(hs as usize);
+    // One head's packed rows at a time, deduplicated as soon as they are complete.
+    for h in 0..hs {
+        let mut rows = RowIntervals::with_capacity(total_q, total_k, total_q as usize);
+        // For masks that do not read `b`: this head's rows per (len_q, len_k), so samples
+        // of equal lengths share them.
+        let mut solved: HashMap<(u32, u32), RowIntervals> = HashMap::new();
+        for b in 0..batch {
+            let (lq, lk) = packing.lengths(b);
+            if lq == 0 {
+                continue;
+            }
+            if lk == 0 {
                 for _ in 0..lq {
                     rows.finish_row();
                 }
+                continue;
             }
-            continue;
-        }
-        if let Entry::Vacant(slot) = bounds.entry((lq, lk)) {
-            let shape = Shape {
-                q_len: i64::from(lq),
-                kv_len: i64::from(lk),
-                batch: i64::from(batch),
-                num_heads,
-            };
-            let bound = program
-                .bind(shape, values)
-                .map_err(|e| in_sample(e, b, lq, lk))?;
-            slot.insert(bound);
-        }
-        let bound = &bounds[&(lq, lk)];
-        let solver = Solver::new(bound);
-        let shift = packing.cu_seqlens_k[b as usize];
-        for (h, rows) in packed.iter_mut().enumerate() {
+            if let Entry::Vacant(slot) = bounds.entry((lq, lk)) {
+                let shape = Shape {
+                    q_len: i64::from(lq),
+                    kv_len: i64::from(lk),
+                    batch: i64::from(batch),
+                    num_heads,
+                };
+                let bound = program
+                    .bind(shape, values)
+                    .map_err(|e| in_sample(e, b, lq, lk))?;
+                slot.insert(bound);
+            }
+            let solver = Solver::new(&bounds[&(lq, lk)]);
             let fresh;
-            let local = if program.uses_b {
+            let sample = if program.uses_b {
                 // Every sample differs: nothing to share, nothing to keep.
-                fresh = row_intervals(&solver, i64::from(b), h as i64, &mut pieces)
+                fresh = row_intervals(&solver, i64::from(b), i64::from(h), &mut pieces)
                     .map_err(|e| in_sample(e, b, lq, lk))?;
                 &fresh
             } else {
-                let key = (lq, lk, h as u32);
-                match solved.entry(key) {
+                match solved.entry((lq, lk)) {
                     Entry::Occupied(e) => &*e.into_mut(),
                     Entry::Vacant(slot) => {
-                        let r = row_intervals(&solver, i64::from(b), h as i64, &mut pieces)
+                        let r = row_intervals(&solver, i64::from(b), i64::from(h), &mut pieces)
                             .map_err(|e| in_sample(e, b, lq, lk))?;
                         &*slot.insert(r)
                     }
                 }
             };
-            if rows.interval_count() + local.interval_count() > MAX_INTERVALS {
+            elementwise_pairs += solver.elementwise_pairs.get();
+            if rows.interval_count() + sample.interval_count() > MAX_INTERVALS {
                 return Err(PlanError::new(
                     "CM0404",
                     None,
                     format!("the packed mask needs more than {MAX_INTERVALS} intervals"),
                 ));
             }
+            let shift = packing.cu_seqlens_k[b as usize];
             for i in 0..lq {
-                for iv in local.row(i) {
+                for iv in sample.row(i) {
                     rows.push_row_interval(iv.start + shift, iv.end + shift);
                 }
                 rows.finish_row();
             }
         }
-        elementwise_pairs += solver.elementwise_pairs.get();
-    }
-    let mut masks: Vec<MaskPlan> = Vec::new();
-    let mut mask_index = Vec::with_capacity(num_heads as usize);
-    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
-    let mut local = Vec::with_capacity(hs as usize);
-    for rows in packed {
         let id = match seen.get(&rows) {
             Some(&id) => id,
             None => {
@@ -347,6 +340,7 @@ pub fn plan_packed(
         };
         local.push(id);
     }
+    let mut mask_index = Vec::with_capacity(num_heads as usize);
     for h in 0..num_heads as usize {
         mask_index.push(local[if program.uses_h { h } else { 0 }]);
     }
