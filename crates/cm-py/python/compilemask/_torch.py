@@ -66,8 +66,9 @@ def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
     out = []
     for i in range(len(_native.CUDA_PLAN_ARRAYS)):
         lengths = [len(arrays[i]) // 4 for arrays in per_mask]
-        # At least 2: the per-mask stride of `intervals` must keep its 8-byte pairs aligned.
-        host = torch.zeros((len(per_mask), _pow2(max(*lengths, 2))), dtype=torch.int32)
+        # At least 4: the per-mask stride must keep every array's loads aligned (8-byte
+        # interval pairs, 16-byte rows of `ws_partial_row_mask`).
+        host = torch.zeros((len(per_mask), _pow2(max(*lengths, 4))), dtype=torch.int32)
         for m, arrays in enumerate(per_mask):
             if lengths[m]:
                 host[m, :lengths[m]] = torch.frombuffer(bytearray(arrays[i]), dtype=torch.int32)
