@@ -13,10 +13,20 @@
 //! also checks the permutation property on the GPU: the forward on raster tensors with the
 //! raster plan equals the forward on permuted tensors with the ordered plan, un-permuted.
 //! `--order-check` runs that property alone on a fixed set of small CLEAR and 3D cases.
+//!
+//! `--bwd` (issue 4) adds the backward by the protocol of BENCHMARKS.md's backward section
+//! (`cm_cuda::bench::measure_backward`): after the forward's check, the fast-mode gradients
+//! (and with `--deterministic` the deterministic mode's) are checked (NaN scan of dQ, dK, dV;
+//! sampled dQ rows and dK / dV keys against float64, within twice the dtype emulation's error
+//! plus 1e-3), then a forward with lse followed by a backward on one stream is timed:
+//! effective TFLOP/s = 3.5 x the forward's FLOPs over that time, the backward alone 2.5 x.
+//! It works in every `--order`: the backward runs on the same (permuted) plan.
 
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, ValueEnum};
-use cm_cuda::bench::{BenchInputs, BenchOptions, Measurement, MATMUL_PEAK_TFLOPS};
+use cm_cuda::bench::{
+    BackwardMeasurement, BenchInputs, BenchOptions, Measurement, MATMUL_PEAK_TFLOPS,
+};
 use cm_cuda::{DType, KernelKind, Runtime};
 use cm_cuda::{Forward, LseLayout, TensorLayout};
 use compilemask::{OrderRequest, PlanOptions, RowIntervals, TokenOrder, Traversal, Value as Param};
@@ -75,7 +85,15 @@ pub struct BenchArgs {
     /// patch orders, and the 16x32x32 video mask), then exit; ignores the workload options.
     #[arg(long)]
     order_check: bool,
-    /// Back-to-back calls timed per workload (the protocol asks for at least 50).
+    /// Also check and time the backward: a forward with lse then a fast-mode backward on one
+    /// stream (effective TFLOP/s = 3.5 x the forward's FLOPs / time), and the backward alone.
+    #[arg(long)]
+    bwd: bool,
+    /// With --bwd: also check and time the deterministic backward (dQ without atomics).
+    #[arg(long, requires = "bwd")]
+    deterministic: bool,
+    /// Back-to-back calls timed per workload and per timed quantity (the protocol asks for at
+    /// least 50).
     #[arg(long, default_value_t = 60)]
     runs: usize,
     /// Seed of the random inputs and sampled rows (default: fixed).
@@ -262,6 +280,22 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
             built.join(", ")
         );
     }
+    if a.bwd {
+        for k in [
+            KernelKind::BwdPre,
+            KernelKind::BwdDkDv,
+            KernelKind::BwdDq,
+            KernelKind::BwdPost,
+        ] {
+            if cm_kernels::find_variant(k, dtype, a.head_dim).is_none() {
+                bail!(
+                    "--bwd: {} is not built for head_dim {} {dtype}",
+                    k.name(),
+                    a.head_dim
+                );
+            }
+        }
+    }
     let opts = BenchOptions {
         heads: a.heads,
         kv_heads,
@@ -289,7 +323,8 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
     let device = rt.context().name()?;
     if !a.json {
         println!(
-            "compilemask bench on {device}: {} H={} H_kv={} head_dim={} {}, median of {} back-to-back calls",
+            "compilemask bench{} on {device}: {} H={} H_kv={} head_dim={} {}, median of {} back-to-back calls",
+            if a.bwd { " --bwd" } else { "" },
             kernel.name(),
             opts.heads,
             opts.kv_heads,
@@ -297,7 +332,11 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
             opts.dtype,
             opts.runs
         );
-        print_header();
+        if a.bwd {
+            print_bwd_header(a.deterministic);
+        } else {
+            print_header();
+        }
     }
     let mut results = Vec::new();
     let mut all_pass = true;
@@ -317,23 +356,30 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
                 cache.len() - 1
             }
         };
-        let m = cm_cuda::bench::measure(&rt, &stream, &mut cache[at], &job.rows)?;
-        all_pass &= m.check.pass();
-        let equivalence = match &job.ordered {
-            Some(o) => Some(equivalence(&rt, opts, &o.raster_rows, &job.rows, &o.order)?),
-            None => None,
+        let inputs = &mut cache[at];
+        let (pass, mut r) = if a.bwd {
+            let m =
+                cm_cuda::bench::measure_backward(&rt, &stream, inputs, &job.rows, a.deterministic)?;
+            if !a.json {
+                print_bwd_row(job, &m, a.deterministic);
+            }
+            (m.pass(), with_job(job, m.json()))
+        } else {
+            let m = cm_cuda::bench::measure(&rt, &stream, inputs, &job.rows)?;
+            if !a.json {
+                print_row(job, &m);
+            }
+            (m.check.pass(), with_job(job, m.json()))
         };
-        all_pass &= equivalence.as_ref().is_none_or(Equivalence::pass);
-        if !a.json {
-            print_row(job, &m);
-            if let Some(e) = &equivalence {
+        all_pass &= pass;
+        if let Some(o) = &job.ordered {
+            let e = equivalence(&rt, opts, &o.raster_rows, &job.rows, &o.order)?;
+            all_pass &= e.pass();
+            if !a.json {
                 println!("    {}", e.describe());
             }
-        }
-        let mut r = result_json(job, &m);
-        if let Some(e) = &equivalence {
             r["order_check"] = e.to_json();
-            r["pass"] = json!(m.check.pass() && e.pass());
+            r["pass"] = json!(pass && e.pass());
         }
         results.push(r);
     }
@@ -346,6 +392,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         "dtype": opts.dtype.name(),
         "runs": opts.runs,
         "seed": opts.seed,
+        "backward": a.bwd,
         "orders": a.order.iter().map(|o| o.name()).collect::<Vec<_>>(),
         "matmul_peak_tflops": MATMUL_PEAK_TFLOPS,
         "pass": all_pass,
@@ -357,8 +404,14 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         println!(
             "\nvisible = visible pairs / (q_len * kv_len); ceiling = visible / computed pairs at the kernel tile x {MATMUL_PEAK_TFLOPS} TFLOP/s;"
         );
-        println!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");
-        println!("of that call between events recorded around it (the rest of the overhead is the GPU's); enqueue = host time of the call.");
+        if a.bwd {
+            println!("fwd = forward with lse; bwd = fast-mode backward (dQ by fp32 atomics); fwd+bwd = the two back to back on one stream;");
+            println!("TFLOP/s = 3.5 x 4 x H x head_dim x visible pairs / fwd+bwd; bwd TFLOP/s = 2.5 x the forward's FLOPs / bwd;");
+            println!("grad err/tol = the largest error / tolerance over the checked dQ rows and dK / dV keys of every checked mode (<= 1 passes).");
+        } else {
+            println!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");
+            println!("of that call between events recorded around it (the rest of the overhead is the GPU's); enqueue = host time of the call.");
+        }
         if a.order.contains(&OrderArg::Auto) {
             println!("order auto: planned in the compiler's patch order (patch t,y,x and traversal in the order column) for the kernel tile;");
             println!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
@@ -431,6 +484,88 @@ fn print_row(job: &Job, m: &Measurement) {
     }
 }
 
+fn print_bwd_header(deterministic: bool) {
+    print!(
+        "{:<3} {:<20} {:<22} {:>6} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8}",
+        "id",
+        "workload",
+        "order",
+        "q_len",
+        "visible",
+        "density",
+        "ceiling",
+        "fwd_ms",
+        "bwd_ms",
+        "fwdbwd_ms",
+        "TFLOP/s",
+        "bwd_TF/s"
+    );
+    if deterministic {
+        print!(" {:>8} {:>8}", "det_ms", "det_TF/s");
+    }
+    println!(" {:>8} {:>5}", "err/tol", "check");
+}
+
+fn print_bwd_row(job: &Job, m: &BackwardMeasurement, deterministic: bool) {
+    let f = &m.forward;
+    let q_len = job.rows.q_len();
+    let vis = f.visible_pairs as f64 / (f64::from(q_len) * f64::from(job.rows.kv_len()));
+    let density = f.visible_pairs as f64 / f.computed_pairs.max(1) as f64;
+    let timing = match (&f.timing, &m.timing) {
+        (Some(ft), Some(t)) => {
+            let mut s = format!(
+                "{:>8.3} {:>8.3} {:>9.3} {:>8.1} {:>8.1}",
+                ft.median_ms, t.bwd_ms, t.fwd_bwd_ms, t.fwd_bwd_tflops, t.bwd_tflops
+            );
+            if let Some((ms, tf)) = t.deterministic_bwd {
+                s += &format!(" {ms:>8.3} {tf:>8.1}");
+            }
+            s
+        }
+        _ => {
+            let n = if deterministic { 7 } else { 5 };
+            vec![format!("{:>8}", "-"); n].join(" ")
+        }
+    };
+    // The worst error / tolerance over the forward output and every checked gradient.
+    let mut ratio = f.check.max_abs_err / f.check.tolerance;
+    for c in &m.checks {
+        for t in [c.grads.dq, c.grads.dk, c.grads.dv] {
+            ratio = ratio.max(t.max_err / t.tolerance());
+        }
+    }
+    println!(
+        "{:<3} {:<20} {:<22} {:>6} {:>7.4} {:>7.3} {:>8.0} {timing} {ratio:>8.3} {:>5}",
+        job.id,
+        job.name,
+        order_label(job),
+        q_len,
+        vis,
+        density,
+        f.density_ceiling_tflops,
+        if m.pass() { "PASS" } else { "FAIL" }
+    );
+    if !f.check.pass() {
+        println!(
+            "    forward check failed: max_err {:.2e} (tolerance {:.2e}), lse_err {:.2e}, nan {}, wrong empty rows {}",
+            f.check.max_abs_err, f.check.tolerance, f.check.lse_err, f.check.nan, f.check.empty_rows_wrong
+        );
+    }
+    for c in m.checks.iter().filter(|c| !c.pass()) {
+        println!(
+            "    {} backward check failed: {}, nan {}, nonzero rows that must be 0: {}",
+            if c.deterministic {
+                "deterministic"
+            } else {
+                "fast"
+            },
+            c.grads.describe(),
+            c.nan,
+            c.grads.zero_rows_wrong()
+        );
+    }
+}
+
 /// `raster`, or `auto` with the chosen patch (frames, rows, columns) and traversal.
 fn order_label(job: &Job) -> String {
     match (&job.ordered, job.order) {
@@ -467,41 +602,18 @@ fn order_json(job: &Job) -> Value {
     }
 }
 
-fn result_json(job: &Job, m: &Measurement) -> Value {
-    let c = &m.check;
-    let mut v = json!({
-        "id": job.id,
-        "workload": job.name,
-        "order": order_json(job),
-        "nominal_size": job.nominal,
-        "q_len": job.rows.q_len(),
-        "kv_len": job.rows.kv_len(),
-        "visible_pairs": m.visible_pairs,
-        "visible_fraction": m.visible_pairs as f64 / (f64::from(job.rows.q_len()) * f64::from(job.rows.kv_len())),
-        "tile": [m.tile.0, m.tile.1],
-        "computed_pairs": m.computed_pairs,
-        "tiles_full": m.tiles_full,
-        "tiles_partial": m.tiles_partial,
-        "tile_density": m.visible_pairs as f64 / m.computed_pairs.max(1) as f64,
-        "density_ceiling_tflops": m.density_ceiling_tflops,
-        "plan_ms": job.plan_ms,
-        "plan_upload_ms": m.plan_upload_ms,
-        "check": {
-            "rows": c.rows, "heads": c.heads, "max_abs_err": c.max_abs_err,
-            "emulated_err": c.emulated_err, "tolerance": c.tolerance, "lse_err": c.lse_err,
-            "nan": c.nan, "empty_rows_wrong": c.empty_rows_wrong, "pass": c.pass(),
-        },
-        "pass": c.pass(),
-    });
-    if let Some(t) = &m.timing {
-        v["median_ms"] = json!(t.median_ms);
-        v["mean_ms"] = json!(t.mean_ms);
-        v["tflops"] = json!(t.tflops);
-        v["single_call_ms"] = json!(t.single_call_ms);
-        v["single_call_gpu_ms"] = json!(t.single_call_gpu_ms);
-        v["host_overhead_us"] = json!(t.host_overhead_us);
-        v["enqueue_us"] = json!(t.enqueue_us);
-    }
+/// A measurement's JSON with the job's fields (workload, order, lengths, plan time) added.
+fn with_job(job: &Job, mut v: Value) -> Value {
+    let (q_len, kv_len) = (job.rows.q_len(), job.rows.kv_len());
+    v["id"] = json!(job.id);
+    v["workload"] = json!(job.name);
+    v["order"] = order_json(job);
+    v["nominal_size"] = json!(job.nominal);
+    v["q_len"] = json!(q_len);
+    v["kv_len"] = json!(kv_len);
+    v["visible_fraction"] =
+        json!(v["visible_pairs"].as_f64().unwrap_or(0.0) / (f64::from(q_len) * f64::from(kv_len)));
+    v["plan_ms"] = json!(job.plan_ms);
     v
 }
 

@@ -48,25 +48,35 @@ fn bad_arguments_are_refused_before_the_gpu() {
     );
     refused(&["--runs", "0"], &["--runs must be at least 1"]);
     refused(&["--dtype", "fp8"], &["invalid value 'fp8'"]);
+    refused(&["--deterministic"], &["--bwd"]);
+    refused(
+        &["--bwd", "--head-dim", "96"],
+        &["--head-dim 96 is not built"],
+    );
+    refused(&["--bwd", "--runs", "0"], &["--runs must be at least 1"]);
 }
 
 /// Without an H100 / H200 (CI), the run stops with a message that says what is missing; on a
-/// GPU machine with embedded kernels it checks and times one small workload.
+/// GPU machine with embedded kernels it checks and times one small workload, forward only and
+/// forward + backward (both backward modes).
 #[test]
 fn no_gpu_is_a_clear_error() {
-    let o = bench(&["--sizes", "256", "--workloads", "causal", "--runs", "3"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    if o.status.success() {
-        let out = String::from_utf8_lossy(&o.stdout);
-        assert!(out.contains("W1") && out.contains("PASS"), "{out}");
-        return;
+    let small = ["--sizes", "256", "--workloads", "causal", "--runs", "3"];
+    for extra in [&[][..], &["--bwd", "--deterministic"][..]] {
+        let o = bench(&[&small[..], extra].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        if o.status.success() {
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(out.contains("W1") && out.contains("PASS"), "{out}");
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(
+            err.contains("CM_NVRTC_DIR")
+                || err.contains("libcuda.so")
+                || err.contains("compute capability"),
+            "{err}"
+        );
     }
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(
-        err.contains("CM_NVRTC_DIR")
-            || err.contains("libcuda.so")
-            || err.contains("compute capability"),
-        "{err}"
-    );
 }

@@ -1,7 +1,10 @@
-//! Forward benchmarking by the protocol of `workloads.md`: correctness first (sampled rows of
-//! the output against the float64 reference on the same inputs, no NaN anywhere), then
-//! effective TFLOP/s from the median of back-to-back calls timed with CUDA events, and the
-//! single-call latency with the host launch included. `compilemask bench` prints these.
+//! Benchmarking by the protocol of `workloads.md`: correctness first (sampled rows of the
+//! output against the float64 reference on the same inputs, no NaN anywhere), then effective
+//! TFLOP/s from the median of back-to-back calls timed with CUDA events, and the single-call
+//! latency with the host launch included. [`measure`] does the forward; [`measure_backward`]
+//! adds the backward (a forward with lse then a backward on one stream: sampled dQ rows and
+//! dK / dV keys against the float64 gradients of [`grad`], no NaN in any gradient, then
+//! forward + backward timing). `compilemask bench [--bwd]` prints these.
 //!
 //! ```no_run
 //! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
@@ -12,13 +15,19 @@
 //! let mut inputs = BenchInputs::new(&stream, rows.q_len(), rows.kv_len(), opts)?;
 //! let m = cm_cuda::bench::measure(&rt, &stream, &mut inputs, rows)?;
 //! println!("{:.1} TFLOP/s", m.timing.map_or(0.0, |t| t.tflops));
+//! let b = cm_cuda::bench::measure_backward(&rt, &stream, &mut inputs, rows, false)?;
+//! println!("fwd+bwd {:.1} TFLOP/s", b.timing.map_or(0.0, |t| t.fwd_bwd_tflops));
 //! # Ok(()) }
 //! ```
 
+pub mod grad;
+
 use crate::reference::{self, Inputs, Shape};
-use crate::{DType, DevicePlan, Error, Forward, LseLayout, Runtime, TensorLayout};
+use crate::{Backward, DType, DevicePlan, Error, Forward, LseLayout, Runtime, TensorLayout};
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
+use grad::{ForwardResult, GradCheck, Tensors};
+use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -84,6 +93,19 @@ pub struct BenchInputs {
     v: CudaSlice<u16>,
     out: CudaSlice<u16>,
     lse: CudaSlice<f32>,
+    /// dO and the gradients, allocated by the first [`measure_backward`].
+    bwd: Option<BackwardBuffers>,
+}
+
+/// The backward's tensors of a [`BenchInputs`]: random dO (and its host copy), dQ, dK, dV
+/// and the workspace of the fast mode (which also fits the deterministic one).
+struct BackwardBuffers {
+    host_dout: Vec<u16>,
+    dout: CudaSlice<u16>,
+    dq: CudaSlice<u16>,
+    dk: CudaSlice<u16>,
+    dv: CudaSlice<u16>,
+    workspace: CudaSlice<f32>,
 }
 
 impl BenchInputs {
@@ -144,6 +166,7 @@ impl BenchInputs {
             q_layout,
             kv_layout,
             host,
+            bwd: None,
         })
     }
 
@@ -170,6 +193,73 @@ impl BenchInputs {
                 out: (&mut self.out, self.q_layout),
                 lse: Some((&mut self.lse, LseLayout::contiguous([b, h, s]))),
                 softmax_scale: 1.0 / (d as f32).sqrt(),
+            },
+        )
+    }
+
+    /// Draws dO and allocates the gradients and workspace for `plan`, once.
+    fn ensure_backward(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+    ) -> Result<(), Error> {
+        if self.bwd.is_some() {
+            return Ok(());
+        }
+        let drv = |what| move |e| Error::driver(what, e);
+        let o = self.opts;
+        let host_dout = random_bits(o.dtype, self.q_layout.span_elements(), o.seed ^ 0x44);
+        let ws = plan
+            .backward_workspace_len(1, o.heads, o.head_dim, false)
+            .ok_or_else(|| Error::invalid("backward workspace size overflows usize"))?;
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<u16>(n)
+                .map_err(drv("gradient allocation"))
+        };
+        self.bwd = Some(BackwardBuffers {
+            dout: stream.clone_htod(&host_dout).map_err(drv("dout upload"))?,
+            host_dout,
+            dq: alloc(self.q_layout.span_elements())?,
+            dk: alloc(self.kv_layout.span_elements())?,
+            dv: alloc(self.kv_layout.span_elements())?,
+            workspace: stream
+                .alloc_zeros(ws.max(1))
+                .map_err(drv("workspace allocation"))?,
+        });
+        Ok(())
+    }
+
+    /// One backward of the last forward's output and lse (after [`Self::ensure_backward`]).
+    fn backward(
+        &mut self,
+        rt: &Runtime,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+        deterministic: bool,
+    ) -> Result<(), Error> {
+        let [b, h, s, d] = self.q_layout.shape;
+        let g = self
+            .bwd
+            .as_mut()
+            .ok_or_else(|| Error::invalid("backward buffers are not allocated"))?;
+        rt.backward(
+            stream,
+            plan,
+            Backward {
+                dtype: self.opts.dtype,
+                q: (&self.q, self.q_layout),
+                k: (&self.k, self.kv_layout),
+                v: (&self.v, self.kv_layout),
+                out: (&self.out, self.q_layout),
+                dout: (&g.dout, self.q_layout),
+                lse: (&self.lse, LseLayout::contiguous([b, h, s])),
+                dq: (&mut g.dq, self.q_layout),
+                dk: (&mut g.dk, self.kv_layout),
+                dv: (&mut g.dv, self.kv_layout),
+                workspace: &mut g.workspace,
+                softmax_scale: 1.0 / (d as f32).sqrt(),
+                deterministic,
             },
         )
     }
@@ -220,14 +310,25 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn to_bits(dtype: DType, x: f32) -> u16 {
+/// `x` rounded to `dtype`, as raw bits.
+pub fn to_bits(dtype: DType, x: f32) -> u16 {
     match dtype {
         DType::Bf16 => half::bf16::from_f32(x).to_bits(),
         DType::F16 => half::f16::from_f32(x).to_bits(),
     }
 }
 
-fn from_bits(dtype: DType, b: u16) -> f64 {
+/// A quiet NaN of `dtype`, as raw bits: the fill that shows an element a kernel leaves
+/// unwritten.
+pub fn nan_bits(dtype: DType) -> u16 {
+    match dtype {
+        DType::Bf16 => 0x7FC0,
+        DType::F16 => 0x7E00,
+    }
+}
+
+/// The value of raw `dtype` bits.
+pub fn from_bits(dtype: DType, b: u16) -> f64 {
     match dtype {
         DType::Bf16 => half::bf16::from_bits(b).to_f64(),
         DType::F16 => half::f16::from_bits(b).to_f64(),
@@ -311,6 +412,40 @@ pub struct Measurement {
     pub timing: Option<Timing>,
 }
 
+impl Measurement {
+    /// The measurement as the JSON object `compilemask bench` reports (without the
+    /// workload's name and lengths, which the caller knows).
+    pub fn json(&self) -> Value {
+        let c = &self.check;
+        let mut v = json!({
+            "visible_pairs": self.visible_pairs,
+            "tile": [self.tile.0, self.tile.1],
+            "computed_pairs": self.computed_pairs,
+            "tiles_full": self.tiles_full,
+            "tiles_partial": self.tiles_partial,
+            "tile_density": self.visible_pairs as f64 / self.computed_pairs.max(1) as f64,
+            "density_ceiling_tflops": self.density_ceiling_tflops,
+            "plan_upload_ms": self.plan_upload_ms,
+            "check": {
+                "rows": c.rows, "heads": c.heads, "max_abs_err": c.max_abs_err,
+                "emulated_err": c.emulated_err, "tolerance": c.tolerance, "lse_err": c.lse_err,
+                "nan": c.nan, "empty_rows_wrong": c.empty_rows_wrong, "pass": c.pass(),
+            },
+            "pass": c.pass(),
+        });
+        if let Some(t) = &self.timing {
+            v["median_ms"] = json!(t.median_ms);
+            v["mean_ms"] = json!(t.mean_ms);
+            v["tflops"] = json!(t.tflops);
+            v["single_call_ms"] = json!(t.single_call_ms);
+            v["single_call_gpu_ms"] = json!(t.single_call_gpu_ms);
+            v["host_overhead_us"] = json!(t.host_overhead_us);
+            v["enqueue_us"] = json!(t.enqueue_us);
+        }
+        v
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -328,6 +463,18 @@ pub fn measure(
     inputs: &mut BenchInputs,
     rows: &RowIntervals,
 ) -> Result<Measurement, Error> {
+    let (plan, plan_upload_ms) = upload(rt, stream, inputs, rows)?;
+    measure_plan(rt, stream, inputs, rows, &plan, plan_upload_ms)
+}
+
+/// Uploads the plan of `rows` after checking its lengths against the inputs'; returns it with
+/// the host milliseconds it took.
+fn upload(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &BenchInputs,
+    rows: &RowIntervals,
+) -> Result<(DevicePlan, f64), Error> {
     if (rows.q_len(), rows.kv_len()) != (inputs.q_len, inputs.kv_len) {
         return Err(Error::invalid(format!(
             "the mask has q_len = {} and kv_len = {}, the inputs {} and {}",
@@ -339,12 +486,22 @@ pub fn measure(
     }
     let t0 = Instant::now();
     let plan = rt.upload_plan(rows, stream)?;
-    let plan_upload_ms = t0.elapsed().as_secs_f64() * 1e3;
+    Ok((plan, t0.elapsed().as_secs_f64() * 1e3))
+}
+
+fn measure_plan(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    rows: &RowIntervals,
+    plan: &DevicePlan,
+    plan_upload_ms: f64,
+) -> Result<Measurement, Error> {
     let counts = plan.tile_counts();
     let density = plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64;
-    let check = check(rt, stream, inputs, rows, &plan)?;
+    let check = check(rt, stream, inputs, rows, plan)?;
     let timing = if check.pass() {
-        Some(time(rt, stream, inputs, &plan)?)
+        Some(time(rt, stream, inputs, plan)?)
     } else {
         None
     };
@@ -361,11 +518,84 @@ pub fn measure(
     })
 }
 
-fn nan_bits(dtype: DType) -> u16 {
-    match dtype {
-        DType::Bf16 => 0x7FC0,
-        DType::F16 => 0x7E00,
+/// Fills a device buffer with `value`.
+fn fill<T: cudarc::driver::DeviceRepr + Copy>(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+    value: T,
+    what: &'static str,
+) -> Result<(), Error> {
+    let n = buf.len();
+    stream
+        .memcpy_htod(&vec![value; n], buf)
+        .map_err(|e| Error::driver(what, e))
+}
+
+/// The query rows a check compares: the first, last and middle rows, those at the first tile
+/// edges, and `opts.check_rows` random ones (deterministic in the seed), sorted, distinct.
+fn sample_rows(opts: &BenchOptions, len: u32, salt: u64) -> Vec<u32> {
+    let mut rng = splitmix(opts.seed ^ u64::from(len) ^ salt);
+    let last = len - 1;
+    let mut sel: Vec<u32> = vec![
+        0,
+        1,
+        63,
+        64,
+        65,
+        len / 3,
+        len / 2,
+        last.saturating_sub(1),
+        last,
+    ];
+    sel.extend((0..opts.check_rows).map(|_| {
+        rng = splitmix(rng);
+        (rng % u64::from(len)) as u32
+    }));
+    sel.retain(|&r| r < len);
+    sel.sort_unstable();
+    sel.dedup();
+    sel
+}
+
+/// First, middle and last of `n` heads.
+fn sample_heads(n: usize) -> Vec<usize> {
+    let mut heads = vec![0, n / 2, n - 1];
+    heads.dedup();
+    heads
+}
+
+/// Logical values of a `[1, n, len, d]` tensor's bits: rows `rows` (every row when `None`)
+/// of the heads `heads`, in that order (`[heads.len(), rows, d]`).
+fn gather(
+    bits: &[u16],
+    dt: DType,
+    (len, d): (usize, usize),
+    heads: &[usize],
+    rows: Option<&[u32]>,
+) -> Vec<f64> {
+    let mut out = Vec::new();
+    for &h in heads {
+        let head = &bits[h * len * d..(h + 1) * len * d];
+        match rows {
+            Some(rows) => {
+                for &r in rows {
+                    let at = r as usize * d;
+                    out.extend(head[at..at + d].iter().map(|&b| from_bits(dt, b)));
+                }
+            }
+            None => out.extend(head.iter().map(|&b| from_bits(dt, b))),
+        }
     }
+    out
+}
+
+/// The rows `sel` of `rows`, as a mask of `sel.len()` rows over the same keys.
+fn sub_mask(rows: &RowIntervals, sel: &[u32]) -> Result<RowIntervals, Error> {
+    let sub: Vec<Vec<(u32, u32)>> = sel
+        .iter()
+        .map(|&r| rows.row(r).iter().map(|iv| (iv.start, iv.end)).collect())
+        .collect();
+    RowIntervals::from_rows(rows.kv_len(), &sub).map_err(Error::invalid)
 }
 
 /// Runs one call over a NaN-filled output, then compares sampled rows of sampled heads with
@@ -379,14 +609,8 @@ fn check(
 ) -> Result<Check, Error> {
     let opts = inputs.opts;
     let drv = |what| move |e| Error::driver(what, e);
-    let out_len = inputs.out.len();
-    stream
-        .memcpy_htod(&vec![nan_bits(opts.dtype); out_len], &mut inputs.out)
-        .map_err(drv("output fill"))?;
-    let lse_len = inputs.lse.len();
-    stream
-        .memcpy_htod(&vec![f32::NAN; lse_len], &mut inputs.lse)
-        .map_err(drv("lse fill"))?;
+    fill(stream, &mut inputs.out, nan_bits(opts.dtype), "output fill")?;
+    fill(stream, &mut inputs.lse, f32::NAN, "lse fill")?;
     inputs.forward(rt, stream, plan)?;
     let out = stream
         .clone_dtoh(&inputs.out)
@@ -396,51 +620,19 @@ fn check(
         .map_err(drv("lse download"))?;
 
     let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len() as usize, opts.head_dim);
-    let mut rng = splitmix(opts.seed ^ u64::from(q_len));
-    let last = q_len - 1;
-    let mut sel: Vec<u32> = vec![
-        0,
-        1,
-        63,
-        64,
-        65,
-        q_len / 3,
-        q_len / 2,
-        last.saturating_sub(1),
-        last,
-    ];
-    sel.extend((0..opts.check_rows).map(|_| {
-        rng = splitmix(rng);
-        (rng % u64::from(q_len)) as u32
-    }));
-    sel.retain(|&r| r < q_len);
-    sel.sort_unstable();
-    sel.dedup();
-    let mut heads = vec![0, opts.heads / 2, opts.heads - 1];
-    heads.dedup();
-    let group = opts.heads / opts.kv_heads;
+    let sel = sample_rows(&opts, q_len, 0);
+    let heads = sample_heads(opts.heads);
+    let kv_heads: Vec<usize> = heads
+        .iter()
+        .map(|h| h / (opts.heads / opts.kv_heads))
+        .collect();
 
     // A reduced problem with the same answer on the checked rows: one head per checked head,
     // the sampled query rows, every key of that head's KV head.
     let x = &inputs.host;
     let dt = opts.dtype;
-    let mut q = Vec::with_capacity(heads.len() * sel.len() * d);
-    let mut k = Vec::with_capacity(heads.len() * kv_len * d);
-    let mut v = Vec::with_capacity(heads.len() * kv_len * d);
-    for &h in &heads {
-        for &r in &sel {
-            let at = (h * q_len as usize + r as usize) * d;
-            q.extend(x[0][at..at + d].iter().map(|&b| from_bits(dt, b)));
-        }
-        let at = h / group * kv_len * d;
-        k.extend(x[1][at..at + kv_len * d].iter().map(|&b| from_bits(dt, b)));
-        v.extend(x[2][at..at + kv_len * d].iter().map(|&b| from_bits(dt, b)));
-    }
-    let sub_rows: Vec<Vec<(u32, u32)>> = sel
-        .iter()
-        .map(|&r| rows.row(r).iter().map(|iv| (iv.start, iv.end)).collect())
-        .collect();
-    let sub = RowIntervals::from_rows(rows.kv_len(), &sub_rows).map_err(Error::invalid)?;
+    let (ql, kl) = ((q_len as usize, d), (kv_len, d));
+    let sub = sub_mask(rows, &sel)?;
     let shape = Shape {
         batch: 1,
         heads: heads.len(),
@@ -451,7 +643,12 @@ fn check(
     };
     let all: Vec<u32> = (0..sel.len() as u32).collect();
     let scale = 1.0 / (d as f64).sqrt();
-    let exp = reference::compute(shape, &Inputs { q, k, v }, &sub, &all, scale, dt);
+    let reduced = Inputs {
+        q: gather(&x[0], dt, ql, &heads, Some(&sel)),
+        k: gather(&x[1], dt, kl, &kv_heads, None),
+        v: gather(&x[2], dt, kl, &kv_heads, None),
+    };
+    let exp = reference::compute(shape, &reduced, &sub, &all, scale, dt);
 
     let mut c = Check {
         rows: sel.clone(),
@@ -490,18 +687,20 @@ fn check(
     Ok(c)
 }
 
-fn time(
+/// Per-call GPU milliseconds of `runs` back-to-back calls of `f`, each between two CUDA
+/// events, after `warmup` untimed calls.
+fn time_calls(
     rt: &Runtime,
     stream: &Arc<CudaStream>,
-    inputs: &mut BenchInputs,
-    plan: &DevicePlan,
-) -> Result<Timing, Error> {
-    let opts = inputs.opts;
+    warmup: usize,
+    runs: usize,
+    mut f: impl FnMut() -> Result<(), Error>,
+) -> Result<Vec<f64>, Error> {
     let drv = |what| move |e| Error::driver(what, e);
-    for _ in 0..opts.warmup {
-        inputs.forward(rt, stream, plan)?;
+    for _ in 0..warmup {
+        f()?;
     }
-    let events = (0..=opts.runs)
+    let events = (0..=runs)
         .map(|_| {
             rt.context()
                 .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -510,18 +709,38 @@ fn time(
         .map_err(drv("cuEventCreate"))?;
     events[0].record(stream).map_err(drv("cuEventRecord"))?;
     for e in &events[1..] {
-        inputs.forward(rt, stream, plan)?;
+        f()?;
         e.record(stream).map_err(drv("cuEventRecord"))?;
     }
     stream.synchronize().map_err(drv("cuStreamSynchronize"))?;
-    let per_call: Vec<f64> = events
+    events
         .windows(2)
         .map(|w| w[0].elapsed_ms(&w[1]).map(f64::from))
         .collect::<Result<_, _>>()
-        .map_err(drv("cuEventElapsedTime"))?;
+        .map_err(drv("cuEventElapsedTime"))
+}
+
+fn time(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    plan: &DevicePlan,
+) -> Result<Timing, Error> {
+    let opts = inputs.opts;
+    let drv = |what| move |e| Error::driver(what, e);
+    let per_call = time_calls(rt, stream, opts.warmup, opts.runs, || {
+        inputs.forward(rt, stream, plan)
+    })?;
     let mean_ms = per_call.iter().sum::<f64>() / per_call.len() as f64;
     let median_ms = median(per_call);
 
+    let events = (0..2)
+        .map(|_| {
+            rt.context()
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(drv("cuEventCreate"))?;
     let (mut single, mut single_gpu, mut enqueue) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..opts.latency_runs {
         let t = Instant::now();
@@ -537,7 +756,7 @@ fn time(
         single_gpu.push(f64::from(gpu));
     }
     let single_call_ms = median(single);
-    let flops = 4.0 * opts.heads as f64 * opts.head_dim as f64 * plan.visible_pairs() as f64;
+    let flops = forward_flops(&opts, plan.visible_pairs());
     Ok(Timing {
         median_ms,
         mean_ms,
@@ -546,6 +765,300 @@ fn time(
         single_call_gpu_ms: median(single_gpu),
         enqueue_us: median(enqueue),
         host_overhead_us: (single_call_ms - median_ms) * 1e3,
+    })
+}
+
+/// `4 * heads * head_dim * visible_pairs`: the forward's FLOPs by workloads.md.
+fn forward_flops(opts: &BenchOptions, visible_pairs: u64) -> f64 {
+    4.0 * opts.heads as f64 * opts.head_dim as f64 * visible_pairs as f64
+}
+
+/// The correctness check of one backward mode, run before it is timed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackwardCheck {
+    /// Whether this is the deterministic mode's check (else the fast mode's).
+    pub deterministic: bool,
+    /// Query rows whose dQ was compared with the float64 reference, from scratch
+    /// ([`grad::dq_rows`]), on the query heads `heads`.
+    pub rows: Vec<u32>,
+    /// See `rows`.
+    pub heads: Vec<usize>,
+    /// Keys whose dK and dV were compared with the float64 gradients of the forward's own lse
+    /// and output ([`grad::dkdv_keys`]), summed over the query heads of each of `kv_heads`.
+    pub keys: Vec<u32>,
+    /// See `keys`.
+    pub kv_heads: Vec<usize>,
+    /// The errors; empty query rows must give dQ = 0 and keys no row sees dK = dV = 0.
+    pub grads: GradCheck,
+    /// NaN values anywhere in dQ, dK and dV.
+    pub nan: usize,
+}
+
+impl BackwardCheck {
+    pub fn pass(&self) -> bool {
+        self.nan == 0 && self.grads.pass()
+    }
+
+    pub fn json(&self) -> Value {
+        json!({
+            "mode": if self.deterministic { "deterministic" } else { "fast" },
+            "dq_rows": self.rows, "dq_heads": self.heads, "dkdv_keys": self.keys,
+            "dkdv_kv_heads": self.kv_heads, "dq": self.grads.dq.json(),
+            "dk": self.grads.dk.json(), "dv": self.grads.dv.json(), "nan": self.nan,
+            "pass": self.pass(),
+        })
+    }
+}
+
+/// Forward + backward timings of one configuration (the forward alone is in
+/// [`BackwardMeasurement::forward`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BackwardTiming {
+    /// Median GPU time of a forward with lse followed by a fast-mode backward on one stream,
+    /// each pair between two CUDA events, milliseconds.
+    pub fwd_bwd_ms: f64,
+    /// `3.5 * 4 * heads * head_dim * visible_pairs / fwd_bwd_ms`, in TFLOP/s.
+    pub fwd_bwd_tflops: f64,
+    /// Median GPU time of the fast-mode backward alone, milliseconds.
+    pub bwd_ms: f64,
+    /// `2.5 * 4 * heads * head_dim * visible_pairs / bwd_ms`, in TFLOP/s.
+    pub bwd_tflops: f64,
+    /// The deterministic backward alone (milliseconds, TFLOP/s), when asked for.
+    pub deterministic_bwd: Option<(f64, f64)>,
+}
+
+/// Everything measured for one mask, forward and backward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackwardMeasurement {
+    /// The forward's check and timing, as [`measure`] gives them.
+    pub forward: Measurement,
+    /// The fast mode's gradient check, then the deterministic mode's when it is timed too.
+    pub checks: Vec<BackwardCheck>,
+    /// `None` when a check (forward or backward) failed.
+    pub timing: Option<BackwardTiming>,
+}
+
+impl BackwardMeasurement {
+    /// Whether the forward and every backward check passed.
+    pub fn pass(&self) -> bool {
+        self.forward.check.pass() && self.checks.iter().all(BackwardCheck::pass)
+    }
+
+    /// [`Measurement::json`] of the forward with a `backward` object (checks and timings)
+    /// and the overall `pass`.
+    pub fn json(&self) -> Value {
+        let mut v = self.forward.json();
+        let mut b = json!({
+            "checks": self.checks.iter().map(BackwardCheck::json).collect::<Vec<_>>(),
+        });
+        if let Some(t) = &self.timing {
+            b["fwd_bwd_ms"] = json!(t.fwd_bwd_ms);
+            b["fwd_bwd_tflops"] = json!(t.fwd_bwd_tflops);
+            b["bwd_ms"] = json!(t.bwd_ms);
+            b["bwd_tflops"] = json!(t.bwd_tflops);
+            if let Some((ms, tf)) = t.deterministic_bwd {
+                b["deterministic_bwd_ms"] = json!(ms);
+                b["deterministic_bwd_tflops"] = json!(tf);
+            }
+        }
+        v["backward"] = b;
+        v["pass"] = json!(self.pass());
+        v
+    }
+}
+
+/// Checks and times forward + backward on `rows` over `inputs` (dO drawn on first use), by
+/// the backward protocol of BENCHMARKS.md: the forward as [`measure`] does it, then each
+/// backward mode's gradients against the float64 references ([`BackwardCheck`]), then the
+/// median of `opts.runs` back-to-back calls between CUDA events, after `opts.warmup`, of the
+/// fast backward alone, of forward + fast backward, and with `deterministic` of the
+/// deterministic backward alone. Nothing is timed when a check fails.
+///
+/// # Errors
+/// As [`measure`].
+pub fn measure_backward(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    rows: &RowIntervals,
+    deterministic: bool,
+) -> Result<BackwardMeasurement, Error> {
+    let (plan, plan_upload_ms) = upload(rt, stream, inputs, rows)?;
+    let forward = measure_plan(rt, stream, inputs, rows, &plan, plan_upload_ms)?;
+    inputs.ensure_backward(stream, &plan)?;
+    let mut checks = vec![check_backward(rt, stream, inputs, rows, &plan, false)?];
+    if deterministic {
+        checks.push(check_backward(rt, stream, inputs, rows, &plan, true)?);
+    }
+    let mut m = BackwardMeasurement {
+        forward,
+        checks,
+        timing: None,
+    };
+    if !m.pass() {
+        return Ok(m);
+    }
+    let opts = inputs.opts;
+    let fwd_flops = forward_flops(&opts, plan.visible_pairs());
+    let tflops = |flops: f64, ms: f64| flops / (ms * 1e-3) / 1e12;
+    let mut timed = |f: &mut dyn FnMut(&mut BenchInputs) -> Result<(), Error>| {
+        time_calls(rt, stream, opts.warmup, opts.runs, || f(inputs)).map(median)
+    };
+    let bwd_ms = timed(&mut |i| i.backward(rt, stream, &plan, false))?;
+    let fwd_bwd_ms = timed(&mut |i| {
+        i.forward(rt, stream, &plan)?;
+        i.backward(rt, stream, &plan, false)
+    })?;
+    let deterministic_bwd = if deterministic {
+        let ms = timed(&mut |i| i.backward(rt, stream, &plan, true))?;
+        Some((ms, tflops(2.5 * fwd_flops, ms)))
+    } else {
+        None
+    };
+    m.timing = Some(BackwardTiming {
+        fwd_bwd_ms,
+        fwd_bwd_tflops: tflops(3.5 * fwd_flops, fwd_bwd_ms),
+        bwd_ms,
+        bwd_tflops: tflops(2.5 * fwd_flops, bwd_ms),
+        deterministic_bwd,
+    });
+    Ok(m)
+}
+
+/// A forward with lse, then one backward over NaN-filled gradients; then a NaN scan of the
+/// whole dQ, dK and dV, sampled dQ rows against [`grad::dq_rows`] and sampled dK / dV keys
+/// against [`grad::dkdv_keys`] (on the first, middle and last query / KV heads).
+fn check_backward(
+    rt: &Runtime,
+    stream: &Arc<CudaStream>,
+    inputs: &mut BenchInputs,
+    rows: &RowIntervals,
+    plan: &DevicePlan,
+    deterministic: bool,
+) -> Result<BackwardCheck, Error> {
+    let drv = |what| move |e| Error::driver(what, e);
+    let opts = inputs.opts;
+    let dt = opts.dtype;
+    inputs.forward(rt, stream, plan)?;
+    {
+        let g = inputs
+            .bwd
+            .as_mut()
+            .ok_or_else(|| Error::invalid("backward buffers are not allocated"))?;
+        for buf in [&mut g.dq, &mut g.dk, &mut g.dv] {
+            fill(stream, buf, nan_bits(dt), "gradient fill")?;
+        }
+    }
+    inputs.backward(rt, stream, plan, deterministic)?;
+    let down = |b: &CudaSlice<u16>| stream.clone_dtoh(b).map_err(drv("gradient download"));
+    let g = inputs
+        .bwd
+        .as_ref()
+        .ok_or_else(|| Error::invalid("backward buffers are not allocated"))?;
+    let (dq, dk, dv) = (down(&g.dq)?, down(&g.dk)?, down(&g.dv)?);
+    let out = down(&inputs.out)?;
+    let lse = stream
+        .clone_dtoh(&inputs.lse)
+        .map_err(drv("lse download"))?;
+    let nan = [&dq, &dk, &dv]
+        .iter()
+        .map(|t| t.iter().filter(|&&b| from_bits(dt, b).is_nan()).count())
+        .sum();
+
+    let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len(), opts.head_dim);
+    let (ql, kl) = ((q_len as usize, d), (kv_len as usize, d));
+    let group = opts.heads / opts.kv_heads;
+    let scale = 1.0 / (d as f64).sqrt();
+    let x = &inputs.host;
+
+    // dQ of sampled rows: a reduced problem as in the forward check, plus those rows of dO.
+    let sel = sample_rows(&opts, q_len, 0);
+    let heads = sample_heads(opts.heads);
+    let kvh: Vec<usize> = heads.iter().map(|h| h / group).collect();
+    let sub = sub_mask(rows, &sel)?;
+    let reduced = Tensors {
+        q: gather(&x[0], dt, ql, &heads, Some(&sel)),
+        k: gather(&x[1], dt, kl, &kvh, None),
+        v: gather(&x[2], dt, kl, &kvh, None),
+        dout: gather(&g.host_dout, dt, ql, &heads, Some(&sel)),
+    };
+    let shape = Shape {
+        batch: 1,
+        heads: heads.len(),
+        kv_heads: heads.len(),
+        q_len: sel.len(),
+        kv_len: kv_len as usize,
+        head_dim: d,
+    };
+    let all: Vec<u32> = (0..sel.len() as u32).collect();
+    let (exact, emulated) = grad::dq_rows(shape, &reduced, &sub, scale, dt, &all);
+    let got = gather(&dq, dt, ql, &heads, Some(&sel));
+    let n = sel.len();
+    let dq_check = grad::check_tensor(&got, &exact, &emulated, d, |r| {
+        sub.row((r % n) as u32).is_empty()
+    });
+
+    // dK / dV of sampled keys on sampled KV heads, from every row of their query heads.
+    let keys = sample_rows(&opts, kv_len, 0x6b65_7973);
+    let kv_sel = sample_heads(opts.kv_heads);
+    let q_heads: Vec<usize> = kv_sel
+        .iter()
+        .flat_map(|&k| k * group..(k + 1) * group)
+        .collect();
+    let reduced = Tensors {
+        q: gather(&x[0], dt, ql, &q_heads, None),
+        k: gather(&x[1], dt, kl, &kv_sel, None),
+        v: gather(&x[2], dt, kl, &kv_sel, None),
+        dout: gather(&g.host_dout, dt, ql, &q_heads, None),
+    };
+    let fwd_out = gather(&out, dt, ql, &q_heads, None);
+    let fwd_lse: Vec<f64> = q_heads
+        .iter()
+        .flat_map(|&h| &lse[h * q_len as usize..(h + 1) * q_len as usize])
+        .map(|&l| f64::from(l))
+        .collect();
+    let shape = Shape {
+        heads: q_heads.len(),
+        kv_heads: kv_sel.len(),
+        q_len: q_len as usize,
+        ..shape
+    };
+    let fwd = ForwardResult {
+        out: &fwd_out,
+        lse: &fwd_lse,
+    };
+    let (exact, emulated) = grad::dkdv_keys(shape, &reduced, rows, scale, dt, &keys, &fwd);
+    let unseen: Vec<bool> = keys
+        .iter()
+        .map(|&j| grad::rows_seeing(rows, j).is_empty())
+        .collect();
+    let nk = keys.len();
+    let dk_check = grad::check_tensor(
+        &gather(&dk, dt, kl, &kv_sel, Some(&keys)),
+        &exact.dk,
+        &emulated.dk,
+        d,
+        |r| unseen[r % nk],
+    );
+    let dv_check = grad::check_tensor(
+        &gather(&dv, dt, kl, &kv_sel, Some(&keys)),
+        &exact.dv,
+        &emulated.dv,
+        d,
+        |r| unseen[r % nk],
+    );
+    Ok(BackwardCheck {
+        deterministic,
+        rows: sel,
+        heads,
+        keys,
+        kv_heads: kv_sel,
+        grads: GradCheck {
+            dq: dq_check,
+            dk: dk_check,
+            dv: dv_check,
+        },
+        nan,
     })
 }
 
