@@ -66,14 +66,20 @@ pub(crate) struct FwdParams {
     partial_row_mask: u64,
     row_ptr: u64,
     intervals: u64,
+    /// Set by the runtime at launch (its per-stream work counter), for FwdWs.
+    pub(crate) scheduler: u64,
     q_len: u32,
     kv_len: u32,
     heads_per_kv_head: u32,
     scale_log2: f32,
+    num_m_blocks: u32,
+    num_heads: u32,
+    batch: u32,
+    pad: u32,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 240,
+    std::mem::size_of::<FwdParams>() == 264,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -84,8 +90,9 @@ const _: () = assert!(
 unsafe impl DeviceRepr for FwdParams {}
 
 /// What a validated launch needs: the kernel, the grid and the parameters (for
-/// [`KernelKind::FwdWs`] also the TMA descriptors of Q, K and V); `None` when the launch has
-/// no work (an empty batch, no heads or no query rows).
+/// [`KernelKind::FwdWs`] also the TMA descriptors of Q, K and V, and a grid of one CTA per
+/// work item that the runtime caps at one per SM and gives a work counter: the kernel is
+/// persistent); `None` when the launch has no work (an empty batch, no heads or no query rows).
 pub(crate) struct Launch {
     pub(crate) variant: usize,
     pub(crate) config: LaunchConfig,
@@ -254,10 +261,19 @@ pub(crate) fn prepare(
         },
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
+        scheduler: 0,
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
+        num_m_blocks: if ws {
+            plan.ws_num_m_blocks
+        } else {
+            plan.num_m_blocks
+        },
+        num_heads: h as u32,
+        batch: b as u32,
+        pad: 0,
     };
     let tensor_maps = if ws {
         let rows = kernel_kind.tile().0;
@@ -269,16 +285,20 @@ pub(crate) fn prepare(
     } else {
         None
     };
-    let config = LaunchConfig {
-        grid_dim: (
-            if ws {
+    let grid_dim = if ws {
+        let items = u64::from(plan.ws_num_m_blocks) * h as u64 * b as u64;
+        let items = u32::try_from(items).map_err(|_| {
+            Error::invalid(format!(
+                "{} query blocks x num_heads = {h} x batch = {b} = {items} work items exceed 2^32",
                 plan.ws_num_m_blocks
-            } else {
-                plan.num_m_blocks
-            },
-            h as u32,
-            b as u32,
-        ),
+            ))
+        })?;
+        (items, 1, 1)
+    } else {
+        (plan.num_m_blocks, h as u32, b as u32)
+    };
+    let config = LaunchConfig {
+        grid_dim,
         block_dim: (kernel.kernel.threads(), 1, 1),
         shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };

@@ -205,7 +205,11 @@ fn set_bits(words: &mut [u32], lo: u32, hi: u32) {
         let w = (c / 32) as usize;
         let bit = c % 32;
         let n = (hi - c).min(32 - bit);
-        let run = if n == 32 { u32::MAX } else { ((1u32 << n) - 1) << bit };
+        let run = if n == 32 {
+            u32::MAX
+        } else {
+            ((1u32 << n) - 1) << bit
+        };
         words[w] |= run;
         c += n;
     }
@@ -499,12 +503,18 @@ mod tests {
         // Row 100 of block 0 sees keys 0..=100 of tile 0: words 0-2 full, 5 bits of word 3.
         let masks = &host.arrays()[PlanArray::WsPartialRowMask as usize];
         assert_eq!(masks.len(), 2 * 128 * 4);
-        assert_eq!(masks[100 * 4..101 * 4], [u32::MAX, u32::MAX, u32::MAX, 0b11111]);
+        assert_eq!(
+            masks[100 * 4..101 * 4],
+            [u32::MAX, u32::MAX, u32::MAX, 0b11111]
+        );
         // Block 1's diagonal tile (keys 128..256): row 130 sees 128..=130; row 149 is the last
         // row; rows from 150 on are past q_len and see nothing.
         let diag = 128 * 4;
         assert_eq!(masks[diag + 2 * 4..diag + 3 * 4], [0b111, 0, 0, 0]);
-        assert_eq!(masks[diag + 21 * 4..diag + 22 * 4], [(1 << 22) - 1, 0, 0, 0]);
+        assert_eq!(
+            masks[diag + 21 * 4..diag + 22 * 4],
+            [(1 << 22) - 1, 0, 0, 0]
+        );
         assert!(masks[diag + 22 * 4..].iter().all(|&w| w == 0));
     }
 }

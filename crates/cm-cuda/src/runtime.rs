@@ -5,12 +5,13 @@ use crate::{DevicePlan, Error, Forward, ForwardRaw, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// The embedded kernels loaded into one CUDA context. Cheap to share (`&Runtime` is all a
 /// launch needs); create one per context.
@@ -19,7 +20,20 @@ pub struct Runtime {
     /// One function per entry of `cm_kernels::VARIANTS`.
     functions: Vec<CudaFunction>,
     forward_kernel: KernelKind,
+    /// Streaming multiprocessors of the device: the grid of the persistent kernels.
+    num_sms: u32,
+    /// Owns the work counters of the persistent kernels, two u32 per slot, all zero between
+    /// launches (each launch leaves its counter as it found it).
+    _schedulers: CudaSlice<u32>,
+    /// Their device address, taken once so that launches record no events on them.
+    schedulers_base: u64,
+    /// The slot of each stream that has launched a persistent kernel, by stream handle:
+    /// launches on one stream run one after another, so they can share a counter.
+    scheduler_slots: Mutex<HashMap<usize, usize>>,
 }
+
+/// Streams with a work counter of their own ([`Runtime::scheduler_for`]).
+const MAX_SCHEDULER_STREAMS: usize = 1024;
 
 impl Runtime {
     /// Opens device `ordinal` (its primary context) and loads the kernels.
@@ -85,10 +99,27 @@ impl Runtime {
                 Ok(f)
             })
             .collect::<Result<Vec<_>, Error>>()?;
+        let num_sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        let init = ctx.default_stream();
+        let schedulers = init
+            .alloc_zeros::<u32>(2 * MAX_SCHEDULER_STREAMS)
+            .map_err(|e| Error::driver("work counter allocation", e))?;
+        init.synchronize()
+            .map_err(|e| Error::driver("work counter allocation", e))?;
+        let schedulers_base = {
+            let (ptr, _guard) = schedulers.device_ptr(&init);
+            ptr
+        };
         Ok(Runtime {
             ctx,
             functions,
             forward_kernel: KernelKind::FwdWs,
+            num_sms: num_sms.max(1) as u32,
+            _schedulers: schedulers,
+            schedulers_base,
+            scheduler_slots: Mutex::new(HashMap::new()),
         })
     }
 
@@ -224,8 +255,33 @@ impl Runtime {
         }
     }
 
+    /// The device address of `stream`'s work counter.
+    fn scheduler_for(&self, stream: &CudaStream) -> Result<u64, Error> {
+        // A poisoned lock only means another thread panicked while inserting; the map is
+        // consistent (an entry is inserted whole or not at all).
+        let mut slots = self
+            .scheduler_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let next = slots.len();
+        let slot = *slots.entry(stream.cu_stream() as usize).or_insert(next);
+        if slot >= MAX_SCHEDULER_STREAMS {
+            slots.remove(&(stream.cu_stream() as usize));
+            return Err(Error::invalid(format!(
+                "forward launches on more than {MAX_SCHEDULER_STREAMS} distinct streams of one runtime; \
+                 reuse streams or Runtime::set_forward_kernel(KernelKind::FwdWgmma)"
+            )));
+        }
+        Ok(self.schedulers_base + 8 * slot as u64)
+    }
+
     #[allow(unsafe_code)]
-    fn launch(&self, stream: &CudaStream, launch: Launch) -> Result<(), Error> {
+    fn launch(&self, stream: &CudaStream, mut launch: Launch) -> Result<(), Error> {
+        if launch.tensor_maps.is_some() {
+            // FwdWs is persistent: one CTA per SM takes work items from the stream's counter.
+            launch.config.grid_dim.0 = launch.config.grid_dim.0.min(self.num_sms);
+            launch.params.scheduler = self.scheduler_for(stream)?;
+        }
         let func = &self.functions[launch.variant];
         let mut builder = stream.launch_builder(func);
         builder.arg(&launch.params);
@@ -237,8 +293,9 @@ impl Runtime {
         // SAFETY: `func` is the variant `prepare` chose for these arguments, and its
         // parameters are a by-value CmFwdParams, which `params` mirrors, followed for FwdWs
         // (exactly when `tensor_maps` is set) by the TMA descriptors of Q, K and V, encoded
-        // from the same addresses and layouts; the block size and dynamic shared memory are
-        // the variant's. `prepare` checked that
+        // from the same addresses and layouts, its work counter a live slot of `schedulers`
+        // that only launches on this stream use (so never two at once); the block size and
+        // dynamic shared memory are the variant's. `prepare` checked that
         // every address is aligned and that the grid, shapes and strides match the plan and
         // each other, so the kernel touches only elements inside each layout's span; the
         // callers guarantee the spans are allocated and live (checked lengths in `forward`,

@@ -38,13 +38,19 @@ struct CmFwdParams {
     const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32] visibility bits; fwd_ws only
     const u32* row_ptr;            // [q_len + 1]
     const CmKeyInterval* intervals;  // [num_intervals]
+    u32* scheduler;  // fwd_ws: [next work item, finished CTAs], zero between launches
     u32 q_len;
     u32 kv_len;
     u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
     float scale_log2;       // softmax_scale * log2(e): scores are exponentiated with exp2
+    // The launch's extent; the persistent fwd_ws walks num_m_blocks x num_heads x batch items.
+    u32 num_m_blocks;
+    u32 num_heads;
+    u32 batch;
+    u32 pad;
 };
 
-static_assert(sizeof(CmFwdParams) == 240, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 264, "must match cm_cuda::forward::FwdParams");
 
 __device__ __forceinline__ float cm_neg_inf() { return __int_as_float(0xff800000); }
 

@@ -1,8 +1,17 @@
-// The warp-specialised Hopper forward kernel (FlashAttention-3's structure): per (128-row
-// query block, head, batch) one CTA of three warpgroups. Warpgroup 0 is the producer: one
-// thread issues TMA loads of the Q block and of every key tile the descriptor lists into a
-// two-stage ring of K and V buffers, each guarded by "full" (TMA bytes landed) and "empty"
-// (consumers done reading) mbarriers. Warpgroups 1 and 2 are consumers, 64 query rows each:
+// The warp-specialised Hopper forward kernel (FlashAttention-3's structure), persistent: one
+// CTA of three warpgroups per SM takes work items (128-row query block, head, batch) from a
+// global counter until none is left. Items are numbered batch, head, then query block in the
+// descriptor's heaviest-first order, so the longest blocks of each head start first, the
+// last items are the lightest, and the CTAs running at one time share one head's K and V in
+// L2. Warpgroup 0 is the producer: one thread issues TMA loads of each
+// item's Q block and of every key tile the descriptor lists into a two-stage ring of K and V
+// buffers, each guarded by "full" (TMA bytes landed) and "empty" (consumers done reading)
+// mbarriers; the ring and its phases run on across items, the next item's number reaches the
+// consumers through a two-slot ring in shared memory, and its Q is loaded as soon as the
+// consumers' last Q K^T of the current one has completed, so loads of the next item overlap
+// the end of this one and its output stores. The counter (p.scheduler: next item, finished
+// CTAs) starts at zero and the last CTA to finish puts it back to zero, so launches on one
+// stream can reuse it (the runtime keeps one per stream). Warpgroups 1 and 2 are consumers, 64 query rows each:
 // S = Q K^T on wgmma (both operands in 128B-swizzled shared memory), masking and the online
 // softmax in registers, O += P V on wgmma with P from registers; the softmax of tile i runs
 // while the tensor cores compute P V of tile i - 1. The two consumers run the same tile
@@ -36,7 +45,7 @@
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
 // Q, STAGES x (K, V), then the barriers; plus 1 KB to align the start.
 #define BAR_OFFSET ((1 + 2 * STAGES) * TILE_BYTES)
-#define SMEM_BYTES (BAR_OFFSET + 128 + 1024)
+#define SMEM_BYTES (BAR_OFFSET + 256 + 1024)
 // Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536.
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
@@ -47,15 +56,47 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must m
 
 // Barriers, 8 bytes each, after the tiles.
 #define BAR_Q 0
-#define BAR_K_FULL(s) (1 + (s))
-#define BAR_V_FULL(s) (1 + STAGES + (s))
-#define BAR_K_EMPTY(s) (1 + 2 * STAGES + (s))
-#define BAR_V_EMPTY(s) (1 + 3 * STAGES + (s))
-#define NUM_BARS (1 + 4 * STAGES)
-static_assert(NUM_BARS * 8 <= 128, "barrier area");
+#define BAR_Q_EMPTY 1
+#define BAR_K_FULL(s) (2 + (s))
+#define BAR_V_FULL(s) (2 + STAGES + (s))
+#define BAR_K_EMPTY(s) (2 + 2 * STAGES + (s))
+#define BAR_V_EMPTY(s) (2 + 3 * STAGES + (s))
+#define BAR_ITEM_FULL(k) (2 + 4 * STAGES + (k))
+#define BAR_ITEM_EMPTY(k) (4 + 4 * STAGES + (k))
+#define NUM_BARS (6 + 4 * STAGES)
+// The two item slots (a WsItem each, 32 bytes) follow the barriers.
+#define ITEM_SLOTS_OFFSET (NUM_BARS * 8)
+static_assert(ITEM_SLOTS_OFFSET % 16 == 0 && ITEM_SLOTS_OFFSET + 64 <= 256, "barrier area");
 
 // Consumer warps that arrive on an "empty" barrier once their warpgroup's wgmma has read a slot.
 #define CONSUMER_WARPS 8
+
+// One work item: a query block of one (head, batch) and its key tiles, partial first. The
+// producer decodes it once and hands it to the consumers whole through shared memory.
+struct WsItem {
+    u32 head, batch, row0, p_begin, num_partial, f_begin, num_tiles;
+    u32 valid;  // 0: no work is left
+};
+
+__device__ __forceinline__ WsItem ws_item(const CmFwdParams& p, u32 item) {
+    WsItem w;
+    const u32 head_batch = item / p.num_m_blocks;
+    const u32 rank = item - head_batch * p.num_m_blocks;
+    w.head = head_batch % p.num_heads;
+    w.batch = head_batch / p.num_heads;
+    const u32 m_block = p.m_block_order[rank];
+    w.row0 = m_block * BLOCK_M;
+    w.p_begin = p.kv_offsets[m_block];
+    w.num_partial = p.kv_offsets[m_block + 1] - w.p_begin;
+    w.f_begin = p.full_kv_offsets[m_block];
+    w.num_tiles = w.num_partial + (p.full_kv_offsets[m_block + 1] - w.f_begin);
+    w.valid = 1;
+    return w;
+}
+
+__device__ __forceinline__ u32 ws_n_block(const CmFwdParams& p, const WsItem& w, u32 it) {
+    return it < w.num_partial ? p.kv_indices[w.p_begin + it] : p.full_kv_indices[w.f_begin + it - w.num_partial];
+}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     cm_fwd_ws(const __grid_constant__ CmFwdParams p, const __grid_constant__ CmTensorMap tm_q,
@@ -67,23 +108,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const u32 sV0 = sK0 + STAGES * TILE_BYTES;
     const u32 bars = base + BAR_OFFSET;
     auto bar = [&](int i) -> u32 { return bars + 8 * i; };
-
-    const u32 m_block = p.m_block_order[blockIdx.x];
-    const u32 head = blockIdx.y;
-    const u32 batch = blockIdx.z;
-    const u32 kv_head = head / p.heads_per_kv_head;
-    const u32 row0 = m_block * BLOCK_M;
-
-    const u32 p_begin = p.kv_offsets[m_block];
-    const u32 num_partial = p.kv_offsets[m_block + 1] - p_begin;
-    const u32 f_begin = p.full_kv_offsets[m_block];
-    const u32 num_tiles = num_partial + (p.full_kv_offsets[m_block + 1] - f_begin);
-    auto tile_n_block = [&](u32 it) -> u32 {
-        return it < num_partial ? p.kv_indices[p_begin + it] : p.full_kv_indices[f_begin + it - num_partial];
-    };
+    const u32 item_slots = bars + ITEM_SLOTS_OFFSET;
+    const u32 num_items = p.num_m_blocks * p.num_heads * p.batch;
 
     if (threadIdx.x == 0) {
         cm_mbar_init(bar(BAR_Q), 1);
+        cm_mbar_init(bar(BAR_Q_EMPTY), CONSUMER_WARPS);
+        cm_mbar_init(bar(BAR_ITEM_FULL(0)), 1);
+        cm_mbar_init(bar(BAR_ITEM_FULL(1)), 1);
+        cm_mbar_init(bar(BAR_ITEM_EMPTY(0)), CONSUMER_WARPS);
+        cm_mbar_init(bar(BAR_ITEM_EMPTY(1)), CONSUMER_WARPS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             cm_mbar_init(bar(BAR_K_FULL(s)), 1);
@@ -98,32 +132,64 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         cm_regs_dealloc<PRODUCER_REGS>();
-        if (threadIdx.x == 0 && num_tiles > 0) {
+        if (threadIdx.x == 0) {
+            cm_tma_prefetch_map(&tm_q);
             cm_tma_prefetch_map(&tm_k);
             cm_tma_prefetch_map(&tm_v);
-            cm_mbar_arrive_expect_tx(bar(BAR_Q), TILE_BYTES);
+            u32 tile_no = 0;  // key tiles loaded so far, over all items: the ring position
+            u32 q_no = 0;     // Q blocks loaded so far
+            u32 item = blockIdx.x;
+            for (u32 k = 0;; ++k) {
+                const u32 slot = k & 1;
+                WsItem w = {};
+                if (item < num_items) w = ws_item(p, item);
+                cm_mbar_wait(bar(BAR_ITEM_EMPTY(slot)), ((k >> 1) & 1) ^ 1);
+                const u32 dst = item_slots + 32 * slot;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(w.head), "r"(w.batch),
+                             "r"(w.row0), "r"(w.p_begin)
+                             : "memory");
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + 16), "r"(w.num_partial),
+                             "r"(w.f_begin), "r"(w.num_tiles), "r"(w.valid)
+                             : "memory");
+                cm_mbar_arrive(bar(BAR_ITEM_FULL(slot)));
+                if (!w.valid) break;
+                item = gridDim.x + atomicAdd(p.scheduler, 1u);
+                if (w.num_tiles == 0) continue;
+                const u32 kv_head = w.head / p.heads_per_kv_head;
+                cm_mbar_wait(bar(BAR_Q_EMPTY), (q_no & 1) ^ 1);
+                cm_mbar_arrive_expect_tx(bar(BAR_Q), TILE_BYTES);
 #pragma unroll
-            for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, bar(BAR_Q), a * 64, row0, head, batch);
+                for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                    cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, bar(BAR_Q), a * 64, w.row0, w.head, w.batch);
+                }
+                ++q_no;
+                for (u32 it = 0; it < w.num_tiles; ++it, ++tile_no) {
+                    const u32 s = tile_no % STAGES;
+                    const u32 phase = (tile_no / STAGES) & 1;
+                    const int key0 = (int)(ws_n_block(p, w, it) * BLOCK_N);
+                    const u32 sK = sK0 + s * TILE_BYTES;
+                    const u32 sV = sV0 + s * TILE_BYTES;
+                    cm_mbar_wait(bar(BAR_K_EMPTY(s)), phase ^ 1);
+                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), TILE_BYTES);
+#pragma unroll
+                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                        cm_tma_load4(sK + a * BLOCK_N * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head,
+                                     w.batch);
+                    }
+                    cm_mbar_wait(bar(BAR_V_EMPTY(s)), phase ^ 1);
+                    cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), TILE_BYTES);
+#pragma unroll
+                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                        cm_tma_load4(sV + a * BLOCK_N * 128, &tm_v, bar(BAR_V_FULL(s)), a * 64, key0, kv_head,
+                                     w.batch);
+                    }
+                }
             }
-            for (u32 it = 0; it < num_tiles; ++it) {
-                const u32 s = it % STAGES;
-                const u32 phase = (it / STAGES) & 1;
-                const int key0 = (int)(tile_n_block(it) * BLOCK_N);
-                const u32 sK = sK0 + s * TILE_BYTES;
-                const u32 sV = sV0 + s * TILE_BYTES;
-                cm_mbar_wait(bar(BAR_K_EMPTY(s)), phase ^ 1);
-                cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), TILE_BYTES);
-#pragma unroll
-                for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                    cm_tma_load4(sK + a * BLOCK_N * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head, batch);
-                }
-                cm_mbar_wait(bar(BAR_V_EMPTY(s)), phase ^ 1);
-                cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), TILE_BYTES);
-#pragma unroll
-                for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                    cm_tma_load4(sV + a * BLOCK_N * 128, &tm_v, bar(BAR_V_FULL(s)), a * 64, key0, kv_head, batch);
-                }
+            // Every CTA has taken its last number once all have counted themselves here, so
+            // the last one can rearm the counter for the next launch on the stream.
+            if (atomicAdd(p.scheduler + 1, 1u) == gridDim.x - 1) {
+                atomicExch(p.scheduler, 0u);
+                atomicExch(p.scheduler + 1, 0u);
             }
         }
         return;
@@ -138,109 +204,137 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const int t = lane & 3;
     const u32 sQ_rows = sQ + (warpgroup - 1) * 64 * 128;
 
-    float acc_o[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
-        acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
-    }
-    float row_max[2] = {cm_neg_inf(), cm_neg_inf()};
-    float row_sum[2] = {0.f, 0.f};
-
     float sc[BLOCK_N / 8][4];
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j) {
         sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     }
     u32 pa[BLOCK_N / 16][4];
-    float alpha[2];
-    // S = Q K^T of tile `it` into sc, issued (not waited for). The Q rows of this consumer are
-    // a 64-row slice of the 128-row Q tile: same column atoms (stride BLOCK_M * 128), starting
-    // 64 rows in.
-    auto issue_s = [&](u32 it) {
-        const u32 s = it % STAGES;
-        const u32 sK = sK0 + s * TILE_BYTES;
-        cm_mbar_wait(bar(BAR_K_FULL(s)), (it / STAGES) & 1);
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            cm_wgmma_n128_ss(sc, cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024),
-                             cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
-        }
-        cm_wgmma_commit();
-    };
-    // O += P V of tile `it`, issued (not waited for).
-    auto issue_pv = [&](u32 it) {
-        const u32 s = it % STAGES;
-        const u32 sV = sV0 + s * TILE_BYTES;
-        cm_mbar_wait(bar(BAR_V_FULL(s)), (it / STAGES) & 1);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-#if HEAD_DIM == 128
-            cm_wgmma_n128<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
-#else
-            cm_wgmma_n64<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
-#endif
-        }
-        cm_wgmma_commit();
-    };
-    auto release = [&](int which, u32 it) {
-        __syncwarp();
-        if (lane == 0) cm_mbar_arrive(bar(which + (int)(it % STAGES)));
-    };
-    // Visibility bits of this thread's rows in tile `it` when it is partial.
+    float acc_o[HEAD_DIM / 8][4];
+    float row_max[2], row_sum[2], alpha[2];
     u32 bits[2][4];
-    auto load_bits = [&](u32 it) {
-        if (it < num_partial) cm_load_row_bits(bits, p, p_begin + it, BLOCK_M, warp, g);
+    u32 tile_no = 0;
+    u32 q_no = 0;
+
+    auto release = [&](int which) {
+        __syncwarp();
+        if (lane == 0) cm_mbar_arrive(bar(which));
     };
-    // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha.
-    auto softmax = [&](u32 it) {
-        cm_scale_and_mask_bits(sc, p, it < num_partial, bits, tile_n_block(it) * BLOCK_N, t);
-        cm_softmax_step(sc, row_max, row_sum, alpha);
-    };
-    auto pack_p = [&]() {
+    for (u32 k = 0;; ++k) {
+        const u32 slot = k & 1;
+        cm_mbar_wait(bar(BAR_ITEM_FULL(slot)), (k >> 1) & 1);
+        WsItem w;
+        const u32 src = item_slots + 32 * slot;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w.head), "=r"(w.batch), "=r"(w.row0), "=r"(w.p_begin)
+                     : "r"(src)
+                     : "memory");
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w.num_partial), "=r"(w.f_begin), "=r"(w.num_tiles), "=r"(w.valid)
+                     : "r"(src + 16)
+                     : "memory");
+        release(BAR_ITEM_EMPTY(slot));
+        if (!w.valid) break;
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
-    };
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
+        }
+        row_max[0] = row_max[1] = cm_neg_inf();
+        row_sum[0] = row_sum[1] = 0.f;
 
-    // FlashAttention-3's intra-warpgroup overlap: while the tensor cores compute S of tile
-    // it and O += P V of tile it - 1, this warpgroup waits only for S, then masks and
-    // exponentiates it; the output is rescaled once the P V product has drained.
-    if (num_tiles > 0) {
-        load_bits(0);
-        cm_mbar_wait(bar(BAR_Q), 0);
-        cm_wgmma_fence();
-        issue_s(0);
-        cm_wgmma_wait<0>();
-        cm_fence_acc(sc);
-        release(BAR_K_EMPTY(0), 0);
-        softmax(0);
-        pack_p();
-    }
-    for (u32 it = 1; it < num_tiles; ++it) {
-        load_bits(it);
-        cm_fence_acc(acc_o);
-        cm_wgmma_fence();
-        issue_s(it);
-        issue_pv(it - 1);
-        cm_wgmma_wait<1>();
-        cm_fence_acc(sc);
-        release(BAR_K_EMPTY(0), it);
-        softmax(it);
-        cm_wgmma_wait<0>();
-        cm_fence_acc(acc_o);
-        cm_fence_frag(pa);
-        release(BAR_V_EMPTY(0), it - 1);
-        cm_rescale(acc_o, alpha);
-        pack_p();
-    }
-    if (num_tiles > 0) {
-        cm_fence_acc(acc_o);
-        cm_wgmma_fence();
-        issue_pv(num_tiles - 1);
-        cm_wgmma_wait<0>();
-        cm_fence_acc(acc_o);
-        cm_fence_frag(pa);
-        release(BAR_V_EMPTY(0), num_tiles - 1);
-    }
+        // S = Q K^T of the item's tile `it` (ring slot `slot`) into sc, issued (not waited
+        // for). The Q rows of this consumer are a 64-row slice of the 128-row Q tile: same
+        // column atoms (stride BLOCK_M * 128), starting 64 rows in.
+        auto issue_s = [&](u32 slot) {
+            const u32 s = slot % STAGES;
+            const u32 sK = sK0 + s * TILE_BYTES;
+            cm_mbar_wait(bar(BAR_K_FULL(s)), (slot / STAGES) & 1);
+#pragma unroll
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+                cm_wgmma_n128_ss(sc, cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024),
+                                 cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
+            }
+            cm_wgmma_commit();
+        };
+        // O += P V of ring slot `slot`, issued (not waited for).
+        auto issue_pv = [&](u32 slot) {
+            const u32 s = slot % STAGES;
+            const u32 sV = sV0 + s * TILE_BYTES;
+            cm_mbar_wait(bar(BAR_V_FULL(s)), (slot / STAGES) & 1);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#if HEAD_DIM == 128
+                cm_wgmma_n128<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
+#else
+                cm_wgmma_n64<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
+#endif
+            }
+            cm_wgmma_commit();
+        };
+        // Tile `it`'s first key and, when it is partial, the visibility bits of this thread's
+        // rows: loaded before the tile's scores are issued, used after.
+        u32 key0 = 0;
+        auto load_bits = [&](u32 it) {
+            key0 = ws_n_block(p, w, it) * BLOCK_N;
+            if (it < w.num_partial) cm_load_row_bits(bits, p, w.p_begin + it, BLOCK_M, warp, g);
+        };
+        // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha.
+        auto softmax = [&](u32 it) {
+            cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+            cm_softmax_step(sc, row_max, row_sum, alpha);
+        };
+        auto pack_p = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
+        };
 
-    cm_store_output(p, acc_o, row_max, row_sum, batch, head, row0, warp, g, t);
+        // FlashAttention-3's intra-warpgroup overlap: while the tensor cores compute S of
+        // tile it and O += P V of tile it - 1, this warpgroup waits only for S, then masks and
+        // exponentiates it; the output is rescaled once the P V product has drained. Q is
+        // handed back to the producer as soon as the item's last S has been computed.
+        const u32 n = w.num_tiles;
+        if (n > 0) {
+            load_bits(0);
+            cm_mbar_wait(bar(BAR_Q), q_no & 1);
+            ++q_no;
+            cm_wgmma_fence();
+            issue_s(tile_no);
+            cm_wgmma_wait<0>();
+            cm_fence_acc(sc);
+            release(BAR_K_EMPTY(tile_no % STAGES));
+            if (n == 1) release(BAR_Q_EMPTY);
+            softmax(0);
+            pack_p();
+        }
+        for (u32 it = 1; it < n; ++it) {
+            load_bits(it);
+            cm_fence_acc(acc_o);
+            cm_wgmma_fence();
+            issue_s(tile_no + it);
+            issue_pv(tile_no + it - 1);
+            cm_wgmma_wait<1>();
+            cm_fence_acc(sc);
+            release(BAR_K_EMPTY((tile_no + it) % STAGES));
+            if (it + 1 == n) release(BAR_Q_EMPTY);
+            softmax(it);
+            cm_wgmma_wait<0>();
+            cm_fence_acc(acc_o);
+            cm_fence_frag(pa);
+            release(BAR_V_EMPTY((tile_no + it - 1) % STAGES));
+            cm_rescale(acc_o, alpha);
+            pack_p();
+        }
+        if (n > 0) {
+            cm_fence_acc(acc_o);
+            cm_wgmma_fence();
+            issue_pv(tile_no + n - 1);
+            cm_wgmma_wait<0>();
+            cm_fence_acc(acc_o);
+            cm_fence_frag(pa);
+            release(BAR_V_EMPTY((tile_no + n - 1) % STAGES));
+        }
+        tile_no += n;
+
+        cm_store_output(p, acc_o, row_max, row_sum, w.batch, w.head, w.row0, warp, g, t);
+    }
 }

@@ -50,10 +50,10 @@ pub enum KernelKind {
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
     /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
     BwdPre,
-    /// `kernels/bwd_dkdv.cu`: dK and dV per key block; in the fast mode also dQ, added into
-    /// an fp32 accumulator by atomic reductions.
+    /// `kernels/bwd_dkdv.cu`: dK and dV per 64-key block on wgmma, one warpgroup; in the
+    /// fast mode also dQ, added into an fp32 accumulator by atomic reductions.
     BwdDkDv,
-    /// `kernels/bwd_dq.cu`: dQ per query block, no atomics (deterministic mode).
+    /// `kernels/bwd_dq.cu`: dQ per query block on wgmma, no atomics (deterministic mode).
     BwdDq,
     /// `kernels/bwd_post.cu`: the fast mode's fp32 dQ accumulator scaled and rounded.
     BwdPost,
@@ -182,9 +182,10 @@ impl Variant {
             KernelKind::BwdDkDv => 6 * tile + 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 1024,
             // Q, dO, two stages of K and V; two stages of row visibility; alignment.
             KernelKind::BwdDq => 6 * tile + 2 * 64 * 8 + 1024,
-            // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 128
-            // bytes of mbarriers and 1 KB to align the start to a swizzle atom.
-            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 128 + 1024,
+            // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 256
+            // bytes of mbarriers and work-item slots, and 1 KB to align the start to a swizzle
+            // atom.
+            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 256 + 1024,
             _ => 0,
         }
     }
