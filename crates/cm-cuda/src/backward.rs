@@ -17,6 +17,9 @@
 //!    `bwd_dq`, per query block, walking the forward lists, recomputes the tile's
 //!    probabilities and accumulates dQ in registers.
 //!
+//! `bwd_dkdv` and `bwd_dq` run every matrix product on Hopper wgmma (one warpgroup per CTA,
+//! 128B-swizzled shared tiles, the next tile's loads double buffered).
+//!
 //! The only atomic accumulation is the fast mode's dQ: fp32 addition in an order that depends
 //! on CTA timing, so its last bits can differ run to run. dK and dV are never atomic, and the
 //! deterministic mode gives the same bits on every run.
