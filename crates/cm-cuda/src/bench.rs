@@ -497,8 +497,12 @@ fn measure_plan(
     plan: &DevicePlan,
     plan_upload_ms: f64,
 ) -> Result<Measurement, Error> {
-    let counts = plan.tile_counts();
-    let density = plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64;
+    // The forward kernel's own tiles: its work and its density ceiling.
+    let kernel = rt.forward_kernel();
+    let counts = plan.kernel_tile_counts(kernel);
+    let computed_pairs = plan.kernel_computed_pairs(kernel);
+    let tile = plan.kernel_tile(kernel);
+    let density = plan.visible_pairs() as f64 / computed_pairs.max(1) as f64;
     let check = check(rt, stream, inputs, rows, plan)?;
     let timing = if check.pass() {
         Some(time(rt, stream, inputs, plan)?)
@@ -507,8 +511,8 @@ fn measure_plan(
     };
     Ok(Measurement {
         visible_pairs: plan.visible_pairs(),
-        computed_pairs: plan.computed_pairs(),
-        tile: (plan.tile().block_m, plan.tile().block_n),
+        computed_pairs,
+        tile: (tile.block_m, tile.block_n),
         tiles_full: counts.full,
         tiles_partial: counts.partial,
         density_ceiling_tflops: density * MATMUL_PEAK_TFLOPS,

@@ -7,7 +7,7 @@
 //! `Deref`) or arrays someone else owns ([`PlanView::borrowed`], e.g. torch tensors, so that
 //! torch's allocator orders their lifetime with the launches that read them).
 
-use crate::Error;
+use crate::{Error, KernelKind};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::{TileCounts, TileDescriptor, TileShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
@@ -224,6 +224,8 @@ pub struct HostPlan {
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
+    ws_computed_pairs: u64,
+    ws_counts: TileCounts,
 }
 
 impl HostPlan {
@@ -236,6 +238,7 @@ impl HostPlan {
         let ws = TileDescriptor::build(rows, ws_tile());
         let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
         let ws_masks = partial_row_masks(&ws, rows);
+        let (ws_computed_pairs, ws_counts) = (ws.computed_pairs, ws.counts());
         let flat_intervals: Vec<u32> = rows
             .intervals()
             .iter()
@@ -274,6 +277,8 @@ impl HostPlan {
             visible_pairs,
             computed_pairs,
             counts,
+            ws_computed_pairs,
+            ws_counts,
         }
     }
 
@@ -388,6 +393,8 @@ pub struct DevicePlan {
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
+    ws_computed_pairs: u64,
+    ws_counts: TileCounts,
 }
 
 impl Deref for DevicePlan {
@@ -444,6 +451,8 @@ impl DevicePlan {
             visible_pairs: host.visible_pairs,
             computed_pairs: host.computed_pairs,
             counts: host.counts,
+            ws_computed_pairs: host.ws_computed_pairs,
+            ws_counts: host.ws_counts,
         })
     }
 
@@ -460,6 +469,35 @@ impl DevicePlan {
     /// Tiles by class at [`PlanView::tile`].
     pub fn tile_counts(&self) -> TileCounts {
         self.counts
+    }
+
+    /// The tile shape `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
+    /// [`KernelKind::FwdWs`], [`PlanView::tile`] for the others.
+    pub fn kernel_tile(&self, kernel: KernelKind) -> TileShape {
+        if kernel == KernelKind::FwdWs {
+            ws_tile()
+        } else {
+            self.tile
+        }
+    }
+
+    /// [`DevicePlan::computed_pairs`] at [`DevicePlan::kernel_tile`]: the work `kernel` does
+    /// per head.
+    pub fn kernel_computed_pairs(&self, kernel: KernelKind) -> u64 {
+        if kernel == KernelKind::FwdWs {
+            self.ws_computed_pairs
+        } else {
+            self.computed_pairs
+        }
+    }
+
+    /// [`DevicePlan::tile_counts`] at [`DevicePlan::kernel_tile`].
+    pub fn kernel_tile_counts(&self, kernel: KernelKind) -> TileCounts {
+        if kernel == KernelKind::FwdWs {
+            self.ws_counts
+        } else {
+            self.counts
+        }
     }
 
     /// Bytes of device memory the plan holds.
