@@ -25,9 +25,18 @@ fn main() {
         let t1 = Instant::now();
         let solver = cm_plan::symbolic::Solver::new(&b);
         let mut pieces = 0;
-        let rows = cm_plan::plan::row_intervals(&solver, 0, 0, &mut pieces).unwrap();
+        let mut runs = Vec::new();
+        let rows =
+            cm_plan::plan::row_intervals_runs(&solver, 0, 0, &mut pieces, &mut runs).unwrap();
         let t2 = Instant::now();
-        let t = cm_plan::TileDescriptor::build(&rows, cm_plan::TileShape::default());
+        // As `plan` does: the tiles classified per piece of affine rows.
+        let t = cm_plan::TileDescriptor::try_build_runs(
+            &rows,
+            &runs,
+            cm_plan::TileShape::default(),
+            usize::MAX,
+        )
+        .unwrap();
         let t3 = Instant::now();
         best[0] = best[0].min((t1 - t0).as_secs_f64() * 1e3);
         best[1] = best[1].min((t2 - t1).as_secs_f64() * 1e3);

@@ -256,11 +256,12 @@ pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
     let mut total = 0u64;
     let mut ranges: Vec<(u32, u32)> = Vec::new();
     let mut scratch = Vec::new();
+    let div_n = crate::tiles::DivU32::new(bn);
     for m in 0..q_len.div_ceil(bm) {
         let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
         ranges.clear();
         for q in r0..r1 {
-            crate::tiles::merge_tile_ranges(&mut ranges, &mut scratch, rows.row(q), bn);
+            crate::tiles::merge_tile_ranges(&mut ranges, &mut scratch, rows.row(q), div_n);
         }
         let cols: u64 = ranges
             .iter()

@@ -3,7 +3,7 @@
 
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
-use crate::rows::RowIntervals;
+use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError};
@@ -130,6 +130,20 @@ pub fn row_intervals(
     h: i64,
     pieces: &mut u64,
 ) -> PResult<RowIntervals> {
+    row_intervals_runs(solver, b, h, pieces, &mut Vec::new())
+}
+
+/// As [`row_intervals`], also reporting the first row of every piece in `runs` (cleared
+/// first): within a piece every row has the same number of intervals and every endpoint is
+/// affine in the row, what [`TileDescriptor::try_build_runs`] needs.
+pub fn row_intervals_runs(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    pieces: &mut u64,
+    runs: &mut Vec<u32>,
+) -> PResult<RowIntervals> {
+    runs.clear();
     let shape = solver.bound.shape;
     let mut rows = RowIntervals::with_capacity(
         shape.q_len as u32,
@@ -140,6 +154,8 @@ pub fn row_intervals(
     // Rows where evaluation found the structure to change, nearest last: after a piece
     // succeeds, the next one is tried up to the nearest known change, not to the end.
     let mut ends: Vec<i64> = vec![shape.q_len];
+    let mut hints: Vec<i64> = Vec::new();
+    let (mut first, mut step) = (Vec::new(), Vec::new());
     while q0 < shape.q_len {
         let mut end = ends.last().copied().unwrap_or(shape.q_len);
         loop {
@@ -149,6 +165,7 @@ pub fn row_intervals(
                 b,
                 h,
             };
+            solver.clear_split_hints();
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
                     if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
@@ -158,12 +175,20 @@ pub fn row_intervals(
                             format!("the mask needs more than {MAX_INTERVALS} intervals"),
                         ));
                     }
-                    for t in 0..p.n {
-                        for iv in &list {
-                            rows.push_row_interval(iv.s.at(t) as u32, iv.e.at(t) as u32);
-                        }
-                        rows.finish_row();
-                    }
+                    // Every endpoint is in [0, kv_len] on every row of the piece, so the
+                    // rows follow from the first by adding each endpoint's slope.
+                    first.clear();
+                    first.extend(list.iter().map(|iv| KeyInterval {
+                        start: iv.s.v0 as u32,
+                        end: iv.e.v0 as u32,
+                    }));
+                    step.clear();
+                    step.extend(list.iter().map(|iv| KeyInterval {
+                        start: iv.s.a as u32,
+                        end: iv.e.a as u32,
+                    }));
+                    rows.push_affine_rows(&first, &step, p.n as usize, (shape.q_len - q0) as usize);
+                    runs.push(q0 as u32);
                     *pieces += 1;
                     q0 = end;
                     while ends.last().is_some_and(|&e| e <= q0) {
@@ -173,6 +198,9 @@ pub fn row_intervals(
                 }
                 Err(Flow::Split(s)) => {
                     debug_assert!(s > q0 && s < end, "split {s} outside ({q0}, {end})");
+                    // Later change points the evaluation already found, nearest last.
+                    solver.take_split_hints(&mut hints);
+                    ends.extend(hints.iter().rev().filter(|&&x| x > s && x < end));
                     end = s;
                     ends.push(s);
                 }
@@ -237,9 +265,10 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     let mut order: Option<TokenOrder> = None;
     let mut order_candidates = Vec::new();
     let mut raster_computed_pairs = 0u64;
+    let mut runs: Vec<u32> = Vec::new();
     for b in 0..bs {
         for h in 0..hs {
-            let mut rows = row_intervals(&solver, b, h, &mut pieces)?;
+            let mut rows = row_intervals_runs(&solver, b, h, &mut pieces, &mut runs)?;
             if b == 0 && h == 0 && *request != OrderRequest::Raster {
                 raster_computed_pairs = computed_pairs(&rows, tile);
                 order = match request {
@@ -267,7 +296,13 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                 Some(&id) => id,
                 None => {
                     let id = masks.len() as u32;
-                    let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).map_err(|n| {
+                    // The solver's pieces are affine runs of the program's own rows; a
+                    // permuted order has none, and is classified row by row.
+                    let tiles = match order {
+                        None => TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES),
+                        Some(_) => TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES),
+                    }
+                    .map_err(|n| {
                         PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
                             .with_hint("use larger tiles (--tile)")
                     })?;

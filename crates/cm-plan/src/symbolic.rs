@@ -15,7 +15,7 @@
 use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
 use cm_ir::ir::*;
 use cm_syntax::{CmpOp, Span};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 /// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
@@ -73,6 +73,32 @@ pub struct Solver<'a, 'p> {
     pub bound: &'a Bound<'p>,
     /// Pairs evaluated one by one inside `elementwise(...)`.
     pub elementwise_pairs: Cell<u64>,
+    /// Further rows, ascending, where the construct that stopped the last evaluation with
+    /// [`Flow::Split`] changes again (after the split's row, inside the piece): known
+    /// change points the driver need not rediscover by failing again.
+    hints: RefCell<Vec<i64>>,
+    /// The last ball's runs (see [`Solver::ball`]).
+    ball_runs: RefCell<BallRuns>,
+}
+
+/// A ball's runs, one per grid row within reach: (flattened grid row, half-width), and
+/// what they depend on.
+#[derive(Default)]
+struct BallRuns {
+    key: Option<BallKey>,
+    runs: Vec<(i64, i64)>,
+}
+
+/// What a ball's runs (grid row, half-width) depend on: the grid, the metric, the radius
+/// and the query's slow coordinates (t, y).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct BallKey {
+    grid: GridId,
+    metric: Metric,
+    strict: bool,
+    radius: i64,
+    tq: i64,
+    yq: i64,
 }
 
 fn overflow(span: Span) -> Flow {
@@ -87,7 +113,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         Solver {
             bound,
             elementwise_pairs: Cell::new(0),
+            hints: RefCell::new(Vec::new()),
+            ball_runs: RefCell::default(),
         }
+    }
+
+    /// Takes the change points recorded by the evaluation that last returned
+    /// [`Flow::Split`] (ascending, after the split's row); clears them.
+    pub fn take_split_hints(&self, out: &mut Vec<i64>) {
+        out.clear();
+        std::mem::swap(out, &mut self.hints.borrow_mut());
+    }
+
+    /// Forgets recorded change points; called before each evaluation of a piece.
+    pub fn clear_split_hints(&self) {
+        self.hints.borrow_mut().clear();
     }
 
     fn env(&self, p: &Piece) -> Env {
@@ -138,6 +178,10 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// Sign-uniform comparison `x op y` over the piece, or a split where it changes.
     fn cmp(&self, p: &Piece, op: CmpOp, x: Aff, y: Aff) -> F<bool> {
+        if x.a == y.a {
+            // The difference is constant over the piece.
+            return Ok(bind::cmp(op, x.v0, y.v0));
+        }
         let d0 = i128::from(x.v0) - i128::from(y.v0);
         let da = i128::from(x.a) - i128::from(y.a);
         let d = |t: i64| d0 + da * i128::from(t);
@@ -205,15 +249,23 @@ impl<'a, 'p> Solver<'a, 'p> {
             // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
             return self.mk(p, Some(q0), Some(x.a / d), span);
         }
-        let f = |t: i64| {
-            floor_i128(
-                i128::from(x.v0) + i128::from(x.a) * i128::from(t),
-                i128::from(d),
-            )
+        // The quotient is monotone in t: it first changes where the numerator crosses the
+        // next multiple of d in its direction of travel (d made positive by negating both).
+        let (v, a, d) = if d > 0 {
+            (i128::from(x.v0), i128::from(x.a), i128::from(d))
+        } else {
+            (-i128::from(x.v0), -i128::from(x.a), -i128::from(d))
         };
-        let first = f(0);
-        if let Some(s) = self.split_where(p, |t| f(t) == first) {
-            return Err(s);
+        let q = floor_i128(v, d);
+        let change = if a > 0 {
+            // First t with v + a t >= (q + 1) d.
+            ((q + 1) * d - v + a - 1) / a
+        } else {
+            // First t with v + a t < q d.
+            (v - q * d) / -a + 1
+        };
+        if change < i128::from(p.n) {
+            return Err(Flow::Split(p.q0 + change as i64));
         }
         Ok(Aff::c(q0))
     }
@@ -549,6 +601,29 @@ impl<'a, 'p> Solver<'a, 'p> {
         if b.is_empty() {
             return Ok(a);
         }
+        // One list entirely before the other (at most touching) on every row: the merge
+        // below would take all of it, then the other's first interval (merging it when they
+        // touch), then the rest of the other, which cannot touch (canonical lists). Only the
+        // touching test can split; it is made the same way.
+        let before = |x: &[Iv], y: &[Iv]| {
+            let (e, s) = (x[x.len() - 1].e, y[0].s);
+            e.at(0) <= s.at(0) && e.at(p.n - 1) <= s.at(p.n - 1)
+        };
+        let (mut out, rest) = if before(&a, &b) {
+            (a, b)
+        } else if before(&b, &a) {
+            (b, a)
+        } else {
+            return self.union_merge(p, a, b);
+        };
+        out.reserve(rest.len());
+        self.push_sorted(p, &mut out, rest[0])?;
+        out.extend_from_slice(&rest[1..]);
+        Ok(out)
+    }
+
+    /// The general merge of two canonical lists.
+    fn union_merge(&self, p: &Piece, a: Vec<Iv>, b: Vec<Iv>) -> F<Vec<Iv>> {
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() || j < b.len() {
@@ -943,45 +1018,60 @@ impl<'a, 'p> Solver<'a, 'p> {
             Metric::L1 => d.abs(),
             Metric::Linf => 0,
         };
-        let Some(rt) = reach(0) else {
-            return Ok(Vec::new());
-        };
-        // Grid rows past the last key hold no visible key: bound the loops by kv_len, not
-        // only by the radius and the grid.
         let kv_len = self.bound.shape.kv_len;
         let w = gv.dims[nd - 1];
-        if kv_len <= gv.at {
-            return Ok(Vec::new());
-        }
-        let last_row = (kv_len - 1 - gv.at) / w;
-        let t_range = if nd == 3 {
-            (-rt).max(-tq)..=rt.min(td - 1 - tq).min(last_row / hd - tq)
-        } else {
-            0..=0
+        // One run per grid row within reach: (flattened row, half-width). They depend only
+        // on the key below, the same for every piece of a grid row, so the last ones are
+        // kept.
+        let key = BallKey {
+            grid: g,
+            metric,
+            strict,
+            radius: r,
+            tq,
+            yq,
         };
-        // One run per grid row within reach: (flattened row, half-width).
-        let mut runs: Vec<(i64, i64)> = Vec::new();
-        for dt in t_range {
-            let Some(ry) = reach(cost(dt)) else { continue };
-            let last_dy = (last_row - (tq + dt) * hd - yq).min(ry).min(hd - 1 - yq);
-            for dy in (-ry).max(-yq)..=last_dy {
-                if let Some(rx) = reach(cost(dt) + cost(dy)) {
-                    runs.push(((tq + dt) * hd + (yq + dy), rx));
+        let mut cache = self.ball_runs.borrow_mut();
+        if cache.key != Some(key) {
+            let runs = &mut cache.runs;
+            runs.clear();
+            // Grid rows past the last key hold no visible key: bound the loops by kv_len,
+            // not only by the radius and the grid.
+            if let (Some(rt), true) = (reach(0), kv_len > gv.at) {
+                let last_row = (kv_len - 1 - gv.at) / w;
+                let t_range = if nd == 3 {
+                    (-rt).max(-tq)..=rt.min(td - 1 - tq).min(last_row / hd - tq)
+                } else {
+                    0..=0
+                };
+                for dt in t_range {
+                    let Some(ry) = reach(cost(dt)) else { continue };
+                    let last_dy = (last_row - (tq + dt) * hd - yq).min(ry).min(hd - 1 - yq);
+                    for dy in (-ry).max(-yq)..=last_dy {
+                        if let Some(rx) = reach(cost(dt) + cost(dy)) {
+                            runs.push(((tq + dt) * hd + (yq + dy), rx));
+                        }
+                    }
                 }
             }
+            cache.key = Some(key);
         }
+        let runs = &cache.runs;
         // x is affine in q over the piece (slope 0 or 1). Every clamp below flips at most
         // once; split at the first flip so that each is uniform, then build the runs with
-        // plain arithmetic.
+        // plain arithmetic. The later flips are the next pieces' ends: hints.
         let (x0, slope) = (xq.v0, xq.a);
         if slope != 0 {
             let mut first = i64::MAX;
+            let mut later = self.hints.borrow_mut();
+            later.clear();
             let mut flip_at = |t: i64| {
                 if t > 0 && t < p.n {
                     first = first.min(t);
+                    later.push(p.q0 + t);
                 }
             };
-            for &(row, rx) in &runs {
+            for &(row, rx) in runs {
                 let base = gv.at + row * w;
                 flip_at(rx.saturating_sub(x0).saturating_add(1));
                 flip_at(w.saturating_sub(rx).saturating_sub(x0).saturating_sub(1));
@@ -999,11 +1089,15 @@ impl<'a, 'p> Solver<'a, 'p> {
                 );
             }
             if first != i64::MAX {
+                later.sort_unstable();
+                later.dedup();
+                later.remove(0);
                 return Err(Flow::Split(p.q0 + first));
             }
+            later.clear();
         }
         let mut out: Vec<Iv> = Vec::with_capacity(runs.len());
-        for &(row, rx) in &runs {
+        for &(row, rx) in runs {
             let base = gv.at + row * w;
             // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
             // grid rows touch exactly when both are clamped (both constant).

@@ -7,6 +7,10 @@
 //! and *partial* otherwise; empty tiles are never stored; index lists are ascending; the
 //! transposed lists hold exactly the same tiles. Memory is O(rows x intervals + non-empty
 //! tiles x block_m), never O(num_m_blocks x num_n_blocks).
+//!
+//! Two builders give the same descriptor: [`TileDescriptor::build`] classifies rows one by
+//! one; [`TileDescriptor::try_build_runs`], which the planner uses, classifies the solver's
+//! affine pieces as wholes (see `tests/tiles_fast.rs` for their comparison).
 
 use crate::rows::{KeyInterval, RowIntervals};
 use serde::Serialize;
@@ -97,38 +101,94 @@ fn ceil_div(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
 }
 
+/// Exact `n / d` for every `u32` `n` and a fixed divisor `d >= 1`, by one multiply-high
+/// instead of a hardware division: with `c = ceil(2^64 / d)`, `n / d = (c * n) >> 64` for
+/// all 32-bit `n` (Lemire, Kaser and Kurz, "Faster remainder by direct computation", 2019:
+/// exact whenever the 64 fraction bits cover the numerator's 32 bits plus `log2 d`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DivU32 {
+    /// `ceil(2^64 / d)`; 0 stands for `d == 1`, whose `2^64` does not fit.
+    c: u64,
+}
+
+impl DivU32 {
+    pub(crate) fn new(d: u32) -> DivU32 {
+        assert!(d > 0, "division by zero");
+        DivU32 {
+            c: if d == 1 {
+                0
+            } else {
+                (u64::MAX / u64::from(d)) + 1
+            },
+        }
+    }
+
+    #[inline]
+    pub(crate) fn div(self, n: u32) -> u32 {
+        if self.c == 0 {
+            n
+        } else {
+            ((u128::from(self.c) * u128::from(n)) >> 64) as u32
+        }
+    }
+}
+
+/// Merges inclusive tile-index ranges sorted by start (`next`) into the sorted, merged
+/// ranges `acc` (adjacent ranges join).
+fn merge_ranges(
+    acc: &mut Vec<(u32, u32)>,
+    scratch: &mut Vec<(u32, u32)>,
+    next: impl ExactSizeIterator<Item = (u32, u32)>,
+) {
+    let mut next = next.peekable();
+    // The common case of one range each needs no scratch list.
+    if let ([last], 1) = (acc.as_mut_slice(), next.len()) {
+        let r = next.next().expect("one range");
+        if r.0 <= last.1 + 1 && last.0 <= r.1 + 1 {
+            *last = (last.0.min(r.0), last.1.max(r.1));
+        } else if r.0 < last.0 {
+            acc.insert(0, r);
+        } else {
+            acc.push(r);
+        }
+        return;
+    }
+    scratch.clear();
+    let mut i = 0usize;
+    loop {
+        let item = match (acc.get(i), next.peek()) {
+            (Some(&x), Some(&y)) if x.0 <= y.0 => {
+                i += 1;
+                x
+            }
+            (_, Some(_)) => next.next().expect("peeked"),
+            (Some(&x), None) => {
+                i += 1;
+                x
+            }
+            (None, None) => break,
+        };
+        match scratch.last_mut() {
+            Some(last) if item.0 <= last.1 + 1 => last.1 = last.1.max(item.1),
+            _ => scratch.push(item),
+        }
+    }
+    std::mem::swap(acc, scratch);
+}
+
 /// Merges one row's intervals, as inclusive key-tile ranges, into the sorted, merged
 /// ranges `acc` (adjacent ranges join).
 pub(crate) fn merge_tile_ranges(
     acc: &mut Vec<(u32, u32)>,
     scratch: &mut Vec<(u32, u32)>,
     row: &[KeyInterval],
-    bn: u32,
+    bn: DivU32,
 ) {
-    let tiles = |iv: &KeyInterval| (iv.start / bn, (iv.end - 1) / bn);
-    if let ([last], [iv]) = (acc.as_mut_slice(), row) {
-        let (a, b) = tiles(iv);
-        if a <= last.1 + 1 && last.0 <= b + 1 {
-            *last = (last.0.min(a), last.1.max(b));
-            return;
-        }
-    }
-    scratch.clear();
-    let (mut i, mut j) = (0usize, 0usize);
-    while i < acc.len() || j < row.len() {
-        let next = if j >= row.len() || (i < acc.len() && acc[i].0 <= row[j].start / bn) {
-            i += 1;
-            acc[i - 1]
-        } else {
-            j += 1;
-            tiles(&row[j - 1])
-        };
-        match scratch.last_mut() {
-            Some(last) if next.0 <= last.1 + 1 => last.1 = last.1.max(next.1),
-            _ => scratch.push(next),
-        }
-    }
-    std::mem::swap(acc, scratch);
+    merge_ranges(
+        acc,
+        scratch,
+        row.iter().map(|iv| (bn.div(iv.start), bn.div(iv.end - 1))),
+    );
 }
 
 fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterval>) {
@@ -146,6 +206,98 @@ fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterva
             j += 1;
         }
     }
+}
+
+/// Intersects the running intersection `inter` of a block's rows with one more row.
+fn intersect_row(
+    inter: &mut Vec<KeyInterval>,
+    scratch: &mut Vec<KeyInterval>,
+    row: &[KeyInterval],
+) {
+    match (inter.as_mut_slice(), row) {
+        ([], _) => {}
+        // The common single-interval case needs no scratch list.
+        ([only], [iv]) => {
+            only.start = only.start.max(iv.start);
+            only.end = only.end.min(iv.end);
+            if only.start >= only.end {
+                inter.clear();
+            }
+        }
+        _ => {
+            intersect_into(inter, row, scratch);
+            std::mem::swap(inter, scratch);
+        }
+    }
+}
+
+/// Affine runs shorter than this are classified row by row: their few rows cost less one
+/// at a time than a run's bookkeeping per partial tile.
+const MIN_RUN: u32 = 4;
+
+/// Rows `[a, b)` of one query block, classified together.
+struct Segment<'r> {
+    a: u32,
+    b: u32,
+    kind: Kind<'r>,
+}
+
+enum Kind<'r> {
+    /// Rows classified one by one (the straightforward pass).
+    Rows,
+    /// Rows of short affine runs, classified in stretches of rows whose intervals move
+    /// little from one row to the next (see [`classify_group`]).
+    Group,
+    /// The rows of one affine run (see [`TileDescriptor::try_build_runs`]).
+    Run(Run<'r>),
+}
+
+/// An affine run's rows within a block: every row has the same number of intervals and each
+/// endpoint is affine in the row, so its extremes over the rows are at the first and last.
+struct Run<'r> {
+    first: &'r [KeyInterval],
+    last: &'r [KeyInterval],
+    /// While filling partial tiles: intervals of the first (`ja`) and last (`jb`) row
+    /// ending by the current tile's first key.
+    ja: usize,
+    jb: usize,
+}
+
+impl<'r> Run<'r> {
+    fn new(first: &'r [KeyInterval], last: &'r [KeyInterval]) -> Self {
+        Run {
+            first,
+            last,
+            ja: 0,
+            jb: 0,
+        }
+    }
+
+    /// Whether every start and end moves by at most `limit` keys per row over `n` rows.
+    fn slopes_within(&self, n: u32, limit: u32) -> bool {
+        let span = u64::from(limit) * u64::from(n - 1);
+        self.first.iter().zip(self.last).all(|(f, l)| {
+            u64::from(f.start.abs_diff(l.start)) <= span && u64::from(f.end.abs_diff(l.end)) <= span
+        })
+    }
+}
+
+/// The per-block scratch lists, reused across blocks.
+#[derive(Default)]
+struct Scratch {
+    touched: Vec<(u32, u32)>,
+    ranges: Vec<(u32, u32)>,
+    /// Keys every row of the block sees, holding every full tile (see [`add_stretch`]).
+    inter: Vec<KeyInterval>,
+    inter_scratch: Vec<KeyInterval>,
+    seg_inter: Vec<KeyInterval>,
+    full: Vec<(u32, u32)>,
+    /// While filling partial tiles, for rows classified one by one: the index into
+    /// `RowIntervals::intervals()` of the row's first interval ending after the current
+    /// tile's first key (by local row).
+    cursor: Vec<u32>,
+    /// A stretch's extremes of each interval (see [`add_stretch`]).
+    extremes: Vec<[u32; 4]>,
 }
 
 impl TileDescriptor {
@@ -174,12 +326,60 @@ impl TileDescriptor {
         tile: TileShape,
         max_entries: usize,
     ) -> Result<TileDescriptor, usize> {
+        Self::build_impl(rows, None, tile, max_entries)
+    }
+
+    /// As [`TileDescriptor::try_build`] (the same descriptor, bit for bit), for rows the
+    /// solver produced in *affine runs*: `runs` holds the first row of every run, ascending
+    /// from 0, each run lasting until the next one starts (the last until `q_len`). Within a
+    /// run every row must have the same number of intervals and every interval endpoint
+    /// must be affine in the row, as the solver's pieces are
+    /// ([`crate::plan::row_intervals_runs`] reports them; debug builds check it).
+    ///
+    /// A block's rows are then classified run by run from each run's first and last rows
+    /// (when its endpoints move by at most a tile per row; else row by row), runs shorter
+    /// than a few rows in stretches of similar rows, and the per-row data of partial tiles
+    /// is filled run by run from the rows where an interval end crosses the tile's first
+    /// key. Cost O(runs x intervals + rows in short runs x intervals + non-empty tiles x
+    /// (runs + block_m)).
+    ///
+    /// # Errors
+    /// As [`TileDescriptor::try_build`].
+    ///
+    /// # Panics
+    /// If a block size is zero, or `runs` does not start at 0 or is not ascending.
+    pub fn try_build_runs(
+        rows: &RowIntervals,
+        runs: &[u32],
+        tile: TileShape,
+        max_entries: usize,
+    ) -> Result<TileDescriptor, usize> {
+        assert!(
+            rows.q_len() == 0 || runs.first() == Some(&0),
+            "runs start at row 0"
+        );
+        assert!(
+            runs.windows(2).all(|w| w[0] < w[1])
+                && runs.last().is_none_or(|&r| r < rows.q_len().max(1)),
+            "runs are ascending row indices"
+        );
+        debug_assert!(runs_are_affine(rows, runs), "runs are affine");
+        Self::build_impl(rows, Some(runs), tile, max_entries)
+    }
+
+    fn build_impl(
+        rows: &RowIntervals,
+        runs: Option<&[u32]>,
+        tile: TileShape,
+        max_entries: usize,
+    ) -> Result<TileDescriptor, usize> {
         assert!(
             tile.block_m > 0 && tile.block_n > 0,
             "tile sizes are validated by the caller"
         );
         let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
         let (bm, bn) = tile.clamped(q_len, kv_len);
+        let div_n = DivU32::new(bn);
         let num_m = ceil_div(q_len, bm);
         let num_n = ceil_div(kv_len, bn);
         let row_ptr = rows.row_ptr();
@@ -208,59 +408,46 @@ impl TileDescriptor {
         };
         d.kv_offsets.push(0);
         d.full_kv_offsets.push(0);
-        let mut touched_ranges: Vec<(u32, u32)> = Vec::new();
-        let mut scratch_ranges: Vec<(u32, u32)> = Vec::new();
-        let mut inter: Vec<KeyInterval> = Vec::new();
-        let mut scratch: Vec<KeyInterval> = Vec::new();
-        let mut full: Vec<(u32, u32)> = Vec::new();
+        let mut s = Scratch::default();
+        // The segments (runs cut at block edges) of the current block.
+        let mut segments: Vec<Segment<'_>> = Vec::new();
+        let mut run_at = 0usize;
+        let stride = d.partial_row_stride as usize;
+        // First pass: the tile lists, block by block.
         for m in 0..num_m {
-            let r0 = m * bm;
-            let r1 = (r0 + bm).min(q_len);
-            // Key tiles any row of the block touches, as merged inclusive tile-index ranges;
-            // rows are merged one by one (each row is sorted), so no sort is needed.
-            touched_ranges.clear();
-            for q in r0..r1 {
-                merge_tile_ranges(&mut touched_ranges, &mut scratch_ranges, rows.row(q), bn);
+            let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
+            block_segments(rows, runs, (r0, r1), &mut run_at, &mut segments);
+            // Key tiles any row of the block touches, as merged inclusive tile-index
+            // ranges, and keys every row of the block sees, among them every full tile's.
+            s.touched.clear();
+            s.inter.clear();
+            for (i, seg) in segments.iter().enumerate() {
+                classify_segment(rows, seg, i == 0, (bn, div_n), &mut s);
             }
-            inter.clear();
-            inter.extend_from_slice(rows.row(r0));
-            for q in r0 + 1..r1 {
-                let row = rows.row(q);
-                match (inter.as_mut_slice(), row) {
-                    ([], _) => break,
-                    // The common single-interval case needs no scratch list.
-                    ([only], [iv]) => {
-                        only.start = only.start.max(iv.start);
-                        only.end = only.end.min(iv.end);
-                        if only.start >= only.end {
-                            inter.clear();
-                        }
-                    }
-                    _ => {
-                        intersect_into(&inter, row, &mut scratch);
-                        std::mem::swap(&mut inter, &mut scratch);
-                    }
-                }
-            }
-            // Full tiles: those whose in-range keys lie inside the intersection of all rows.
-            full.clear();
-            for iv in &inter {
+            // Full tiles: those whose in-range keys every row sees, i.e. lie inside `inter`.
+            s.full.clear();
+            for iv in &s.inter {
                 let first = ceil_div(iv.start, bn);
-                let last_excl = if iv.end == kv_len { num_n } else { iv.end / bn };
+                let last_excl = if iv.end == kv_len {
+                    num_n
+                } else {
+                    div_n.div(iv.end)
+                };
                 if first < last_excl {
-                    full.push((first, last_excl));
+                    s.full.push((first, last_excl));
                 }
             }
             let rows_in = u64::from(r1 - r0);
             let mut fi = 0usize;
-            for &(first, last) in &touched_ranges {
+            let partial_start = d.kv_indices.len();
+            for &(first, last) in &s.touched {
                 let end = last + 1;
                 let cols_in = u64::from((end * bn).min(kv_len) - first * bn);
                 d.computed_pairs += rows_in * cols_in;
                 // Split [first, end) into partial and full runs; full runs lie inside it.
                 let mut at = first;
-                while fi < full.len() && full[fi].0 < end {
-                    let (fs, fe) = full[fi];
+                while fi < s.full.len() && s.full[fi].0 < end {
+                    let (fs, fe) = s.full[fi];
                     d.kv_indices.extend(at..fs);
                     d.full_kv_indices.extend(fs..fe);
                     at = fe;
@@ -268,32 +455,45 @@ impl TileDescriptor {
                 }
                 d.kv_indices.extend(at..end);
             }
-            let partial_start = d.kv_offsets[m as usize] as usize;
             d.kv_offsets.push(d.kv_indices.len() as u32);
             d.full_kv_offsets.push(d.full_kv_indices.len() as u32);
-            let partial = &d.kv_indices[partial_start..];
-            let base = d.partial_row_first.len();
-            let stride = d.partial_row_stride as usize;
             let entries = d.kv_indices.len()
                 + d.full_kv_indices.len()
-                + base
-                + partial.len().saturating_mul(stride);
+                + partial_start.saturating_mul(stride)
+                + (d.kv_indices.len() - partial_start).saturating_mul(stride);
             if entries > max_entries {
                 return Err(entries);
             }
-            d.partial_row_first
-                .resize(base + partial.len() * stride, row_ptr[q_len as usize]);
-            for q in r0..r1 {
-                let row = rows.row(q);
-                let mut j = 0usize;
-                for (p, &n) in partial.iter().enumerate() {
-                    let tile_start = n * bn;
-                    while j < row.len() && row[j].end <= tile_start {
-                        j += 1;
+        }
+        // Second pass: the per-row data of partial tiles, allocated once at its final size
+        // (growing it block by block costs more in fresh pages than filling it), tile by
+        // tile, segment by segment, in its final order.
+        d.partial_row_first = Vec::with_capacity(d.kv_indices.len() * stride);
+        run_at = 0;
+        for m in 0..num_m {
+            let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
+            block_segments(rows, runs, (r0, r1), &mut run_at, &mut segments);
+            let partial = &d.kv_indices
+                [d.kv_offsets[m as usize] as usize..d.kv_offsets[m as usize + 1] as usize];
+            let pad = stride - (r1 - r0) as usize;
+            s.cursor.clear();
+            s.cursor
+                .extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
+            for &nb in partial {
+                for seg in &mut segments {
+                    let out = &mut d.partial_row_first;
+                    match &mut seg.kind {
+                        Kind::Run(run) => push_run_rows(rows, (seg.a, seg.b), run, nb * bn, out),
+                        Kind::Rows | Kind::Group => {
+                            let cursor =
+                                &mut s.cursor[(seg.a - r0) as usize..(seg.b - r0) as usize];
+                            push_rows(rows, seg.a, cursor, nb * bn, out);
+                        }
                     }
-                    d.partial_row_first[base + p * stride + (q - r0) as usize] =
-                        row_ptr[q as usize] + j as u32;
                 }
+                // Rows past q_len.
+                d.partial_row_first
+                    .extend(std::iter::repeat_n(row_ptr[q_len as usize], pad));
             }
         }
         d.build_transpose();
@@ -368,6 +568,306 @@ impl TileDescriptor {
     }
 }
 
+/// Whether every run of `rows` holds rows of equally many intervals whose endpoints are
+/// affine in the row ([`TileDescriptor::try_build_runs`]' contract; checked in debug builds).
+fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
+    let q_len = rows.q_len();
+    runs.iter().enumerate().all(|(i, &a)| {
+        let b = runs.get(i + 1).map_or(q_len, |&e| e);
+        let (first, last) = (rows.row(a), rows.row(b - 1));
+        let steps = i64::from(b - a - 1).max(1);
+        let at = |v0: u32, v1: u32, t: u32| {
+            let (v0, v1) = (i64::from(v0), i64::from(v1));
+            ((v1 - v0) % steps == 0).then(|| v0 + (v1 - v0) / steps * i64::from(t))
+        };
+        first.len() == last.len()
+            && (a..b).all(|q| {
+                let row = rows.row(q);
+                row.len() == first.len()
+                    && row.iter().zip(first.iter().zip(last)).all(|(iv, (f, l))| {
+                        at(f.start, l.start, q - a) == Some(i64::from(iv.start))
+                            && at(f.end, l.end, q - a) == Some(i64::from(iv.end))
+                    })
+            })
+    })
+}
+
+/// The segments of the block of rows `[r0, r1)`: without `runs`, one segment of rows
+/// classified one by one; else the runs cut at the block's edges (`run_at`: the run holding
+/// `r0`, advanced block by block), those shorter than [`MIN_RUN`] rows joined into
+/// segments of rows classified one by one.
+fn block_segments<'r>(
+    rows: &'r RowIntervals,
+    runs: Option<&[u32]>,
+    (r0, r1): (u32, u32),
+    run_at: &mut usize,
+    segments: &mut Vec<Segment<'r>>,
+) {
+    segments.clear();
+    let Some(runs) = runs else {
+        segments.push(Segment {
+            a: r0,
+            b: r1,
+            kind: Kind::Rows,
+        });
+        return;
+    };
+    let mut a = r0;
+    while a < r1 {
+        while *run_at + 1 < runs.len() && runs[*run_at + 1] <= a {
+            *run_at += 1;
+        }
+        let b = runs.get(*run_at + 1).map_or(rows.q_len(), |&e| e).min(r1);
+        if b - a >= MIN_RUN {
+            segments.push(Segment {
+                a,
+                b,
+                kind: Kind::Run(Run::new(rows.row(a), rows.row(b - 1))),
+            });
+        } else {
+            match segments.last_mut() {
+                Some(Segment {
+                    b: last_b,
+                    kind: Kind::Group,
+                    ..
+                }) => *last_b = b,
+                _ => segments.push(Segment {
+                    a,
+                    b,
+                    kind: Kind::Group,
+                }),
+            }
+        }
+        a = b;
+    }
+}
+
+/// Adds one segment's rows to the block's touched tile ranges and to `inter`, the keys that
+/// can lie in a full tile (`first`: the block's first segment, which starts `inter`).
+fn classify_segment(
+    rows: &RowIntervals,
+    seg: &Segment<'_>,
+    first: bool,
+    (bn, div_n): (u32, DivU32),
+    s: &mut Scratch,
+) {
+    match &seg.kind {
+        Kind::Rows => classify_rows(rows, (seg.a, seg.b), first, div_n, s),
+        Kind::Group => classify_group(rows, (seg.a, seg.b), first, (bn, div_n), s),
+        // An affine run is a stretch when its slopes are at most a tile; each endpoint's
+        // extremes over it are at its first or last row.
+        Kind::Run(run) if run.slopes_within(seg.b - seg.a, bn) => {
+            s.extremes.clear();
+            s.extremes
+                .extend(run.first.iter().zip(run.last).map(|(f, l)| {
+                    [
+                        f.start.min(l.start),
+                        f.end.max(l.end),
+                        f.start.max(l.start),
+                        f.end.min(l.end),
+                    ]
+                }));
+            add_stretch(first, div_n, s);
+        }
+        Kind::Run(_) => classify_rows(rows, (seg.a, seg.b), first, div_n, s),
+    }
+}
+
+/// Adds rows `[a, b)` one by one to the block's touched tile ranges and to `inter` (their
+/// exact intersection).
+fn classify_rows(
+    rows: &RowIntervals,
+    (a, b): (u32, u32),
+    first: bool,
+    div_n: DivU32,
+    s: &mut Scratch,
+) {
+    for q in a..b {
+        merge_tile_ranges(&mut s.touched, &mut s.ranges, rows.row(q), div_n);
+    }
+    let mut q = a;
+    if first {
+        s.inter.extend_from_slice(rows.row(q));
+        q += 1;
+    }
+    while q < b && !s.inter.is_empty() {
+        intersect_row(&mut s.inter, &mut s.inter_scratch, rows.row(q));
+        q += 1;
+    }
+}
+
+/// Adds rows `[a, b)` to the block's touched tile ranges and to `inter`, as stretches (see
+/// [`add_stretch`]) of as many consecutive rows as qualify.
+fn classify_group(
+    rows: &RowIntervals,
+    (a, b): (u32, u32),
+    mut first: bool,
+    (bn, div_n): (u32, DivU32),
+    s: &mut Scratch,
+) {
+    let mut q = a;
+    while q < b {
+        let mut prev = rows.row(q);
+        s.extremes.clear();
+        s.extremes
+            .extend(prev.iter().map(|iv| [iv.start, iv.end, iv.start, iv.end]));
+        q += 1;
+        while q < b {
+            let row = rows.row(q);
+            let close = row.len() == prev.len()
+                && prev
+                    .iter()
+                    .zip(row)
+                    .all(|(p, r)| p.start.abs_diff(r.start) <= bn && p.end.abs_diff(r.end) <= bn);
+            if !close {
+                break;
+            }
+            for (x, iv) in s.extremes.iter_mut().zip(row) {
+                x[0] = x[0].min(iv.start);
+                x[1] = x[1].max(iv.end);
+                x[2] = x[2].max(iv.start);
+                x[3] = x[3].min(iv.end);
+            }
+            prev = row;
+            q += 1;
+        }
+        add_stretch(first, div_n, s);
+        first = false;
+    }
+}
+
+/// Adds a *stretch* to the block's touched tile ranges and to `inter`: consecutive rows with
+/// equally many intervals, each start and end moving by at most a tile (`block_n` keys) from
+/// one row to the next, given as each interval's extremes over the rows in `s.extremes`
+/// (smallest start, largest end, largest start, smallest end).
+///
+/// Touched tiles: one interval's tile ranges on consecutive rows overlap or touch, so
+/// together they are the tiles from its smallest start to its largest end; these ranges
+/// come sorted by start, as the intervals do.
+///
+/// Full tiles: in a tile that every row sees whole, a key stays in the same interval on
+/// every row. Were it in interval `i` on one row and in a later one on the next, the first
+/// row's gap after `i` would lie past the tile and the next row's gap before `i + 1` before
+/// it, so the start of `i + 1` would have moved by more than a tile (for an earlier one, the
+/// end of `i - 1`). So every full tile lies in some interval's [largest start, smallest
+/// end), which is seen by every row: intersected into `inter`, these keep `inter` inside
+/// the rows' intersection and every full tile inside `inter`, which is all the
+/// classification needs (they may leave out keys outside full tiles).
+fn add_stretch(first: bool, div_n: DivU32, s: &mut Scratch) {
+    merge_ranges(
+        &mut s.touched,
+        &mut s.ranges,
+        s.extremes
+            .iter()
+            .map(|x| (div_n.div(x[0]), div_n.div(x[1] - 1))),
+    );
+    if !first && s.inter.is_empty() {
+        return;
+    }
+    s.seg_inter.clear();
+    s.seg_inter.extend(s.extremes.iter().filter_map(|x| {
+        (x[2] < x[3]).then_some(KeyInterval {
+            start: x[2],
+            end: x[3],
+        })
+    }));
+    if first {
+        std::mem::swap(&mut s.inter, &mut s.seg_inter);
+    } else {
+        intersect_row(&mut s.inter, &mut s.inter_scratch, &s.seg_inter);
+    }
+}
+
+/// Appends, for rows `a..` classified one by one, the index of each row's first interval
+/// ending after `tile_start`, advancing each row's `cursor` (tiles come in ascending order).
+fn push_rows(rows: &RowIntervals, a: u32, cursor: &mut [u32], tile_start: u32, out: &mut Vec<u32>) {
+    let ends = &rows.row_ptr()[a as usize + 1..a as usize + 1 + cursor.len()];
+    let ivs = rows.intervals();
+    out.extend(cursor.iter_mut().zip(ends).map(|(i, &end)| {
+        while *i < end && ivs[*i as usize].end <= tile_start {
+            *i += 1;
+        }
+        *i
+    }));
+}
+
+/// Appends one run's entries of the per-row data of a partial tile whose first key is
+/// `tile_start`: for each of the run's rows `[a, b)`, the index of its first interval ending
+/// after `tile_start`. Tiles come in ascending order; the run keeps its place.
+///
+/// On row `t` that interval's position `j(t)` counts the ends at or before `tile_start`.
+/// Each end is affine, so the rows where it is at or before `tile_start` are a prefix or a
+/// suffix of the run; and as the ends are sorted on every row, those row sets are nested
+/// (end `i + 1` at or before `tile_start` implies end `i` too). Nested prefixes and
+/// suffixes that are not empty or everything are all prefixes or all suffixes, so `j` is
+/// monotone over the run: it goes from `ja` on the first row to `jb` on the last, stepping
+/// by one at each row where one of the ends in between crosses `tile_start`, in order.
+fn push_run_rows(
+    rows: &RowIntervals,
+    (a, b): (u32, u32),
+    run: &mut Run<'_>,
+    tile_start: u32,
+    out: &mut Vec<u32>,
+) {
+    let k = run.first.len();
+    let row_ptr = &rows.row_ptr()[a as usize..b as usize];
+    let n = row_ptr.len();
+    while run.ja < k && run.first[run.ja].end <= tile_start {
+        run.ja += 1;
+    }
+    while run.jb < k && run.last[run.jb].end <= tile_start {
+        run.jb += 1;
+    }
+    let (ja, jb) = (run.ja, run.jb);
+    let mut t0 = 0usize;
+    let mut j = ja;
+    while j != jb {
+        let i = if ja > jb { j - 1 } else { j };
+        let t = crossing(run.first[i].end, run.last[i].end, n, tile_start).max(t0);
+        push_from(out, &row_ptr[t0..t], j as u32);
+        t0 = t;
+        j = if ja > jb { j - 1 } else { j + 1 };
+    }
+    push_from(out, &row_ptr[t0..], jb as u32);
+}
+
+/// Appends `row_ptr[t] + j` for every `t`.
+#[inline]
+fn push_from(out: &mut Vec<u32>, row_ptr: &[u32], j: u32) {
+    out.extend(row_ptr.iter().map(|&r| r + j));
+}
+
+/// For an end moving affinely from `first` (row 0) to `last` (row `n - 1`) across
+/// `tile_start` (`first <= tile_start < last`, or `last <= tile_start < first`): the first
+/// row on the other side, in `1..n`.
+fn crossing(first: u32, last: u32, n: usize, tile_start: u32) -> usize {
+    let steps = (n - 1) as u64;
+    // The slope's magnitude, (last - first) / steps; one key per row needs no division.
+    let slope = |rise: u32| {
+        if u64::from(rise) == steps {
+            1
+        } else {
+            (u64::from(rise) / steps).max(1)
+        }
+    };
+    let t = if first <= tile_start {
+        // Rising: the first row past tile_start.
+        let gap = u64::from(tile_start - first);
+        match slope(last - first) {
+            1 => gap + 1,
+            a => gap / a + 1,
+        }
+    } else {
+        // Falling: the first row at or below tile_start.
+        let gap = u64::from(first - tile_start);
+        match slope(first - last) {
+            1 => gap,
+            a => gap.div_ceil(a),
+        }
+    };
+    (t as usize).min(n)
+}
+
 /// Transposes a CSR (rows -> ascending column ids) into columns -> ascending (row, entry id).
 fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, Vec<(u32, u32)>) {
     let mut counts = vec![0u32; num_cols + 1];
@@ -388,4 +888,47 @@ fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, V
         }
     }
     (out_offsets, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DivU32;
+
+    #[test]
+    fn division_by_multiply_high_is_exact() {
+        let mut divisors = vec![1u32, 2, 3, 5, 7, 37, 64, 100, 127, 128, 129, 1000, 5000];
+        divisors.extend([
+            1 << 31,
+            (1 << 31) - 1,
+            (1 << 31) + 1,
+            u32::MAX - 1,
+            u32::MAX,
+        ]);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..2000 {
+            divisors.push((next() as u32).max(1));
+            divisors.push(((next() % 4096) as u32).max(1));
+        }
+        for &d in &divisors {
+            let f = DivU32::new(d);
+            let d64 = u64::from(d);
+            let mut numerators = vec![0u32, 1, d - 1, d, u32::MAX, u32::MAX - 1];
+            for m in [1u64, 2, 3, 1000] {
+                let v = d64 * m;
+                if v <= u64::from(u32::MAX) {
+                    numerators.extend([v as u32, (v - 1) as u32]);
+                }
+            }
+            numerators.extend((0..50).map(|_| next() as u32));
+            for n in numerators {
+                assert_eq!(f.div(n), n / d, "{n} / {d}");
+            }
+        }
+    }
 }
