@@ -87,8 +87,9 @@ enum Command {
     },
     /// List the built-in masks and their parameters.
     List,
-    /// Check and time the forward kernel on the benchmark workloads (needs an H100 / H200 and
-    /// a build with embedded kernels); exit 1 if a correctness check fails.
+    /// Check and time the forward kernel (with --bwd also the backward) on the benchmark
+    /// workloads (needs an H100 / H200 and a build with embedded kernels); exit 1 if a
+    /// correctness check fails.
     Bench(bench::BenchArgs),
     /// The main job on built-in defaults: plan, draw and check the eight benchmark workloads.
     Demo {
