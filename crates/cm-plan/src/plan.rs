@@ -187,7 +187,7 @@ pub fn row_intervals_runs(
                         start: iv.s.a as u32,
                         end: iv.e.a as u32,
                     }));
-                    rows.push_affine_rows(&first, &step, p.n as usize, (shape.q_len - q0) as usize);
+                    rows.push_affine_rows(&first, &step, p.n as usize);
                     runs.push(q0 as u32);
                     *pieces += 1;
                     q0 = end;

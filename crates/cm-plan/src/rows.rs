@@ -76,29 +76,17 @@ impl RowIntervals {
     /// Appends `n` rows of `first.len()` intervals each: row `t` holds `first[i] + t *
     /// step[i]` (start and end), computed in wrapping `u32` arithmetic, which is exact when
     /// every endpoint of every row lies in `[0, kv_len]` (as the solver's affine pieces'
-    /// do). `rows_left` (at least `n`) is the number of rows still to come, this piece's
-    /// included: when the intervals need more room, room is made for twice as many as if
-    /// every one of those rows had this piece's number of intervals (bounded), so the
-    /// largest array grows once or twice (each growth may copy it) instead of doubling
-    /// through every size. The excess is address space only: its pages are never touched.
+    /// do).
     pub(crate) fn push_affine_rows(
         &mut self,
         first: &[KeyInterval],
         step: &[KeyInterval],
         n: usize,
-        rows_left: usize,
     ) {
-        /// At most this many intervals (128 MiB) are reserved beyond the need.
-        const AHEAD: usize = 1 << 24;
         let k = first.len();
-        let needed = k * n;
-        let (len, cap) = (self.intervals.len(), self.intervals.capacity());
-        if len + needed > cap {
-            let guess = k.saturating_mul(rows_left).saturating_mul(2).min(AHEAD);
-            self.intervals.reserve_exact(needed.max(guess).max(cap));
-        }
+        let at = self.intervals.len() as u32;
+        self.intervals.reserve(k * n);
         self.row_ptr.reserve(n);
-        let at = len as u32;
         if let ([f], [d]) = (first, step) {
             self.intervals.extend((0..n as u32).map(|t| KeyInterval {
                 start: f.start.wrapping_add(d.start.wrapping_mul(t)),
