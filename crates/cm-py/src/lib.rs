@@ -20,6 +20,20 @@ mod reference;
 
 use pyo3::prelude::*;
 
+/// Stack the recursive work (parsing, checking, binding and planning walk expressions
+/// recursively, up to the parser's nesting limit of 128) needs with a wide margin.
+const RED_ZONE: usize = 4 << 20;
+/// The stack [`deep`] switches to when less than [`RED_ZONE`] is left on the caller's.
+const DEEP_STACK: usize = 16 << 20;
+
+/// Runs `f` with at least [`RED_ZONE`] bytes of stack, on a fresh [`DEEP_STACK`] segment
+/// when the calling thread has less left (a Python thread started after
+/// `threading.stack_size(256 * 1024)`, say): the native entry points that parse, check,
+/// bind or plan go through it, so their depth never depends on the caller's thread.
+pub(crate) fn deep<R>(f: impl FnOnce() -> R) -> R {
+    stacker::maybe_grow(RED_ZONE, DEEP_STACK, f)
+}
+
 /// The extension module. Its name is `_native` (imported as `compilemask._native`).
 #[pymodule]
 #[pyo3(name = "_native")]

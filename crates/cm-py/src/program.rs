@@ -60,7 +60,7 @@ fn order_request(py: Python<'_>, order: Option<&Bound<'_, PyAny>>) -> PyResult<O
 #[pyfunction]
 #[pyo3(signature = (source, name = "<mask>"))]
 pub fn compile(py: Python<'_>, source: &str, name: &str) -> PyResult<Program> {
-    let result = py.detach(|| compilemask::compile_named(source, name));
+    let result = py.detach(|| crate::deep(|| compilemask::compile_named(source, name)));
     match result {
         Ok(inner) => Ok(Program { inner }),
         Err(e) => Err(compile_error(py, &e, source)),
@@ -70,7 +70,7 @@ pub fn compile(py: Python<'_>, source: &str, name: &str) -> PyResult<Program> {
 /// A built-in mask of the standard library; `MaskSyntaxError` (CM0201) for unknown names.
 #[pyfunction]
 pub fn builtin(py: Python<'_>, name: &str) -> PyResult<Program> {
-    match compilemask::builtin(name) {
+    match crate::deep(|| compilemask::builtin(name)) {
         Ok(inner) => Ok(Program { inner }),
         Err(e) => Err(compile_error(py, &e, "")),
     }
@@ -178,7 +178,7 @@ impl Program {
         let program = &self.inner;
         let (result, ms) = py.detach(|| {
             let t0 = Instant::now();
-            let r = program.plan(&options);
+            let r = crate::deep(|| program.plan(&options));
             (r, t0.elapsed().as_secs_f64() * 1e3)
         });
         let (uses_batch, uses_head) = program.depends_on_batch_head();
@@ -224,7 +224,7 @@ impl Program {
         let program = &self.inner;
         let (result, ms) = py.detach(|| {
             let t0 = Instant::now();
-            let r = program.plan_packed(&shape, &options);
+            let r = crate::deep(|| program.plan_packed(&shape, &options));
             (r, t0.elapsed().as_secs_f64() * 1e3)
         });
         let (uses_batch, uses_head) = program.depends_on_batch_head();
@@ -275,7 +275,7 @@ impl Program {
         options.num_heads = num_heads;
         options.params = convert::params(params)?;
         let program = &self.inner;
-        py.detach(|| program.brute_force_row(&options, q, b, h))
+        py.detach(|| crate::deep(|| program.brute_force_row(&options, q, b, h)))
             .map_err(|e| plan_error(py, Some(program), &e))
     }
 
