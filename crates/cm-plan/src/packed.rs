@@ -329,7 +329,7 @@ pub fn plan_packed(
                 let id = masks.len() as u32;
                 let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).map_err(|n| {
                     PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
-                        .with_hint("use larger tiles (--tile)")
+                        .with_hint("use larger tiles")
                 })?;
                 if hs > 1 {
                     seen.insert(rows.clone(), id);

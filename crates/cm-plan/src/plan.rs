@@ -280,7 +280,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     ),
                     OrderRequest::Auto => {
                         let Some(grid) = bound.grids.first() else {
-                            return Err(PlanError::new("CM0406", None, "--order auto needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
+                            return Err(PlanError::new("CM0406", None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
                                 .with_hint("give an explicit order instead, or use raster"));
                         };
                         let (o, candidates) = choose_grid_order(&rows, grid, tile);
@@ -304,7 +304,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     }
                     .map_err(|n| {
                         PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
-                            .with_hint("use larger tiles (--tile)")
+                            .with_hint("use larger tiles")
                     })?;
                     if bs * hs > 1 {
                         seen.insert(rows.clone(), id);

@@ -16,8 +16,6 @@ import torch when first called and raise :class:`ImportError` naming what is mis
 when it is not installed. See ``docs/python.md`` and ``docs/language.md``.
 """
 
-from __future__ import annotations
-
 from . import _native
 from ._native import DENSE_LIMIT, Diagnostic, MaskSyntaxError, PlanError
 from ._program import Parameter, Plan, PlanTensors, Program, builtin, builtins, compile

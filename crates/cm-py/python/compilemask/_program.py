@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
 
 from . import _native
@@ -66,6 +66,71 @@ def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
     return err
 
 
+_I64 = 1 << 63
+# The ranges `bind` accepts (CM0402), for ints too large to reach it.
+_LENGTH_MAX = {"q_len": 1 << 26, "kv_len": 1 << 26, "batch": 1 << 20, "num_heads": 1 << 16}
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _int(name: str, value: Any) -> int:
+    """An int argument (any ``__index__`` type, never a bool), or ``TypeError`` naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {_type_name(value)} {value!r}") from None
+
+
+def _length(name: str, value: Any) -> int:
+    """``q_len``, ``kv_len``, ``batch`` or ``num_heads``: an int; one too large for the
+    native layer is the ``PlanError`` CM0402 that the planner gives any other bad length."""
+    v = _int(name, value)
+    if not -_I64 <= v < _I64:
+        raise _plan_error("CM0402", f"{name} = {v} is out of range; expected 1 ..= "
+                                    f"{_LENGTH_MAX[name]}")
+    return v
+
+
+def _index(name: str, value: Any) -> int:
+    """A row, batch or head index: an int; one too large for the native layer is an
+    ``IndexError`` like any other index out of range."""
+    v = _int(name, value)
+    if not -_I64 <= v < _I64:
+        raise IndexError(f"{name} = {v} is out of range")
+    return v
+
+
+def _ordered(name: str, value: Any, what: str) -> Iterable[Any]:
+    """``value`` if it is an ordered collection (a sequence, an iterator, or what a numpy
+    array or torch tensor's ``tolist()`` gives); ``TypeError`` naming ``name`` for sets,
+    mappings, strings and everything else."""
+    if isinstance(value, (Set, Mapping)):
+        raise TypeError(
+            f"{name} must be {what}, got {_type_name(value)} (it has no order; pass a list)"
+        )
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (Sequence, Iterator)):
+        raise TypeError(f"{name} must be {what}, got {_type_name(value)}")
+    return value
+
+
+def _source_text(name: str, text: Any) -> str:
+    """``text`` if it is a ``str`` that encodes as UTF-8 (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {_type_name(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} must be valid Unicode text: character {e.start} is a lone surrogate "
+            f"U+{ord(text[e.start]):04X}, which has no UTF-8 encoding"
+        ) from None
+    return text
+
+
 def _param_value(name: str, value: Any) -> int | list[int]:
     """An int or a list of ints from an int, a sequence, a numpy array or a torch tensor."""
     if not isinstance(value, (int, list, tuple)) and hasattr(value, "tolist"):
@@ -74,10 +139,7 @@ def _param_value(name: str, value: Any) -> int | list[int]:
         raise TypeError(f"parameter `{name}`: expected an int or a list of ints, got bool")
     if isinstance(value, int):
         return value
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"parameter `{name}`: expected an int or a list of ints, got {type(value).__name__}"
-        )
+    value = _ordered(f"parameter `{name}`", value, "an int or a list of ints")
     out: list[int] = []
     for x in value:
         if isinstance(x, bool):
@@ -98,11 +160,9 @@ def _order_value(order: Any) -> str | list[int] | None:
         return order
     if hasattr(order, "tolist"):
         order = order.tolist()  # numpy / torch
-    if isinstance(order, (bytes, bytearray)) or not isinstance(order, Iterable):
-        raise TypeError(
-            "order must be 'raster', 'auto' or a sequence of ints (a permutation of "
-            f"range(q_len)), got {type(order).__name__}"
-        )
+    order = _ordered(
+        "order", order, "'raster', 'auto' or a sequence of ints (a permutation of range(q_len))"
+    )
     out: list[int] = []
     for i, x in enumerate(order):
         if isinstance(x, bool):
@@ -111,6 +171,12 @@ def _order_value(order: Any) -> str | list[int] | None:
             out.append(operator.index(x))
         except TypeError:
             raise TypeError(f"order[{i}]: expected an int, got {type(x).__name__}") from None
+        if not -_I64 <= out[-1] < _I64:
+            raise _plan_error(
+                "CM0407",
+                f"bad token order: order[{i}] = {out[-1]} is out of range",
+                "an order lists every position 0 .. q_len - 1 once",
+            )
     return out
 
 
@@ -127,10 +193,7 @@ def _offsets(name: str, value: Any) -> list[int]:
                 f"{name} must be 1-D (batch + 1 offsets), got shape {tuple(value.shape)}"
             )
         value = value.tolist()
-    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{name} must be a sequence of ints (batch + 1 offsets), got {type(value).__name__}"
-        )
+    value = _ordered(name, value, "a sequence of ints (batch + 1 offsets)")
     out: list[int] = []
     for i, x in enumerate(value):
         if isinstance(x, bool):
@@ -151,12 +214,26 @@ def _offsets(name: str, value: Any) -> list[int]:
 
 
 def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(block_size, int) and not isinstance(block_size, bool):
-        return block_size, block_size
+    def side(v: Any) -> int:
+        if isinstance(v, bool):
+            raise TypeError
+        v = operator.index(v)
+        if not 0 <= v < (1 << 32):
+            raise _plan_error("CM0401", f"block_size side {v} is not a valid tile side",
+                              "tile sides are positive integers, e.g. block_size=(128, 128)")
+        return v
+
     try:
+        if isinstance(block_size, (Set, Mapping)):
+            raise TypeError
+        if isinstance(block_size, int) or hasattr(block_size, "__index__"):
+            m = side(block_size)
+            return m, m
         m, n = block_size  # type: ignore[misc]
-        return operator.index(m), operator.index(n)
-    except (TypeError, ValueError):
+        return side(m), side(n)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
         raise TypeError(
             f"block_size must be an int or a (block_m, block_n) pair of ints, got {block_size!r}"
         ) from None
@@ -169,9 +246,7 @@ def compile(source: str, *, name: str = "<mask>") -> Program:  # noqa: A001 (lik
     diagnostics and whose ``.diagnostics`` lists each one (code, message, line, column,
     severity, hint).
     """
-    if not isinstance(source, str):
-        raise TypeError(f"source must be a str, got {type(source).__name__}")
-    return Program(_native.compile(source, name))
+    return Program(_native.compile(_source_text("source", source), _source_text("name", name)))
 
 
 def builtin(name: str, /, **params: ParamValue) -> Program:
@@ -179,7 +254,7 @@ def builtin(name: str, /, **params: ParamValue) -> Program:
     ``sliding_window``, ``document_causal``, ``trace_documents``, ``trace_prompt_groups``,
     ...; see :func:`builtins`). Keyword arguments become the program's parameter defaults,
     overridable per :meth:`Program.plan`."""
-    program = Program(_native.builtin(name))
+    program = Program(_native.builtin(_source_text("name", name)))
     return program.with_params(params) if params else program
 
 
@@ -262,6 +337,11 @@ class Program:
                     **kwargs: ParamValue) -> Program:
         """A copy of this program with new parameter defaults (a mapping, keywords, or
         both). Use the mapping form for parameters named like an argument of :meth:`plan`."""
+        if params is not None and not isinstance(params, Mapping):
+            raise TypeError(
+                "with_params: params must be a mapping of parameter names to values (a dict), "
+                f"got {_type_name(params)}"
+            )
         given = dict(params or {})
         given.update(kwargs)
         return Program(self._native, self._params(given))
@@ -328,7 +408,7 @@ class Program:
             native = self._native.plan_packed(
                 cu_q,
                 cu_k,
-                1 if num_heads is None else operator.index(num_heads),
+                1 if num_heads is None else _length("num_heads", num_heads),
                 bm,
                 bn,
                 self._params(params),
@@ -338,10 +418,10 @@ class Program:
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
         native = self._native.plan(
-            operator.index(q_len),
-            None if kv_len is None else operator.index(kv_len),
-            1 if batch is None else operator.index(batch),
-            1 if num_heads is None else operator.index(num_heads),
+            _length("q_len", q_len),
+            None if kv_len is None else _length("kv_len", kv_len),
+            1 if batch is None else _length("batch", batch),
+            1 if num_heads is None else _length("num_heads", num_heads),
             bm,
             bn,
             self._params(params),
@@ -365,8 +445,11 @@ class Program:
         O(kv_len), for tests and spot checks of :meth:`Plan.intervals`."""
         return list(
             self._native.brute_force_row(
-                q, q_len, kv_len, 1 if batch is None else batch,
-                1 if num_heads is None else num_heads, b, h, self._params(params),
+                _index("q", q), _length("q_len", q_len),
+                None if kv_len is None else _length("kv_len", kv_len),
+                1 if batch is None else _length("batch", batch),
+                1 if num_heads is None else _length("num_heads", num_heads),
+                _index("b", b), _index("h", h), self._params(params),
             )
         )
 
@@ -618,16 +701,19 @@ class Plan:
     # ------------------------------------------------------------------ intervals
     def intervals(self, q: int, b: int = 0, h: int = 0) -> list[tuple[int, int]]:
         """Row ``q``'s visible keys as sorted, disjoint, maximal ``[start, end)`` pairs."""
-        return self._native.intervals(q, b, h)
+        return self._native.intervals(_index("q", q), _index("b", b), _index("h", h))
 
     def rows(self, start: int = 0, stop: int | None = None, b: int = 0,
              h: int = 0) -> list[list[tuple[int, int]]]:
         """:meth:`intervals` of rows ``start .. stop - 1`` (default: every row)."""
-        return self._native.rows(start, self.q_len if stop is None else stop, b, h)
+        return self._native.rows(
+            _index("start", start), self.q_len if stop is None else _index("stop", stop),
+            _index("b", b), _index("h", h),
+        )
 
     def mask_id(self, b: int = 0, h: int = 0) -> int:
         """Index of the distinct mask that (b, h) uses."""
-        return self._native.mask_id(b, h)
+        return self._native.mask_id(_index("b", b), _index("h", h))
 
     def _one(self, b: int | None, h: int | None, what: str) -> tuple[int, int]:
         if b is None and h is None:

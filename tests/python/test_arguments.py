@@ -1,0 +1,241 @@
+"""Argument checking of the Python API: every bad argument is a clear exception naming it
+(never a crash, never a silently different value), and deep programs work on small thread
+stacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import compilemask as cm
+
+
+def _run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter, so that a crash fails the test instead of
+    killing pytest."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
+NESTED_120 = "mask = k <= " + "(" * 120 + "q" + ")" * 120 + ";"
+NESTED_200 = "mask = k <= " + "(" * 200 + "q" + ")" * 200 + ";"
+LETS_70 = "let a0 = q;\n" + "".join(f"let a{i} = a{i - 1} + 1;\n" for i in range(1, 70)) \
+    + "mask = k <= a69 - 69;"
+
+
+@pytest.mark.parametrize("stack_kib", [256, 512])
+def test_deep_programs_on_small_thread_stacks(stack_kib):
+    script = f"""
+        import threading
+        import compilemask as cm
+        NESTED_120 = {NESTED_120!r}
+        NESTED_200 = {NESTED_200!r}
+        LETS_70 = {LETS_70!r}
+        out = {{}}
+
+        def work():
+            try:
+                plan = cm.compile(NESTED_120).plan(5)
+                out["nested"] = plan.visible_pairs
+                out["row"] = cm.compile(NESTED_120).brute_force_row(3, 5)
+                out["packed"] = cm.compile(NESTED_120).plan(cu_seqlens_q=[0, 2, 5]).visible_pairs
+                for name, src in (("too_deep", NESTED_200), ("lets", LETS_70)):
+                    try:
+                        cm.compile(src)
+                        out[name] = "compiled"
+                    except cm.MaskSyntaxError as e:
+                        out[name] = sorted({{d.code for d in e.diagnostics}})
+            except BaseException as e:  # reported below
+                out["error"] = repr(e)
+
+        threading.stack_size({stack_kib} * 1024)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        print(out)
+    """
+    r = _run_isolated(script)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (our own repr)
+    assert "error" not in out, out
+    assert out["nested"] == 15
+    assert out["row"] == [(0, 4)]
+    assert out["packed"] == 3 + 6
+    assert out["too_deep"] == ["CM0105"]
+    assert out["lets"] == ["CM0105"]
+
+
+def test_deep_programs_on_the_main_thread():
+    assert cm.compile(NESTED_120).plan(5).visible_pairs == 15
+    for src in (NESTED_200, LETS_70):
+        with pytest.raises(cm.MaskSyntaxError) as e:
+            cm.compile(src)
+        assert {d.code for d in e.value.diagnostics} == {"CM0105"}
+
+
+# ---------------------------------------------------------------------------- token orders
+@pytest.mark.parametrize("order", [{4, 3, 2, 1, 0}, frozenset(range(5)),
+                                   {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}, {4: 0}.keys()])
+def test_unordered_orders_are_rejected(order):
+    with pytest.raises(TypeError, match=r"^order must be .*no order"):
+        cm.builtin("causal").plan(5, order=order)
+
+
+@pytest.mark.parametrize("order, error, match", [
+    (5, TypeError, "order must be"),
+    (2.5, TypeError, "order must be"),
+    ([0, 1, 2, 3, 4.0], TypeError, r"order\[4\]"),
+    ([0, 1, 2, True, 4], TypeError, r"order\[3\]"),
+    ("bogus", ValueError, "order must be"),
+    (b"\x00\x01", TypeError, "order must be"),
+    ([0, 1, 2, 3], cm.PlanError, "CM0407"),
+    ([0, 1, 2, 3, 3], cm.PlanError, "CM0407"),
+    ([0, 1, 2, 3, -1], cm.PlanError, "CM0407"),
+    ([0, 1, 2, 3, 2**70], cm.PlanError, "CM0407"),
+])
+def test_bad_orders(order, error, match):
+    with pytest.raises(error, match=match):
+        cm.builtin("causal").plan(5, order=order)
+
+
+def test_ordered_iterables_are_accepted():
+    program = cm.builtin("causal")
+    want = program.plan(5, order=[4, 3, 2, 1, 0]).rows()
+    assert program.plan(5, order=(4, 3, 2, 1, 0)).rows() == want
+    assert program.plan(5, order=range(4, -1, -1)).rows() == want
+    assert program.plan(5, order=iter([4, 3, 2, 1, 0])).rows() == want
+
+
+def test_order_errors_do_not_quote_cli_flags():
+    with pytest.raises(cm.PlanError) as e:
+        cm.builtin("causal").plan(5, order="auto")
+    assert e.value.code == "CM0406"
+    assert "--" not in str(e.value)
+
+
+def test_sets_are_rejected_for_array_parameters_and_offsets():
+    with pytest.raises(TypeError, match="lengths"):
+        cm.builtin("document_causal").plan(100, lengths={30, 70})
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        cm.builtin("causal").plan(cu_seqlens_q={0, 3, 5})
+
+
+# ---------------------------------------------------------------------------- ints
+@pytest.mark.parametrize("name", ["q_len", "kv_len", "batch", "num_heads"])
+def test_lengths_reject_bools_and_non_ints(name):
+    args = {"q_len": 8}
+    for bad in (True, False, 8.0, "8", None if name == "q_len" else [8]):
+        if bad is None:
+            continue
+        with pytest.raises(TypeError, match=f"^{name} must be an int"):
+            cm.builtin("causal").plan(**{**args, name: bad})
+
+
+@pytest.mark.parametrize("name", ["q_len", "kv_len", "batch", "num_heads"])
+def test_huge_lengths_are_plan_errors(name):
+    with pytest.raises(cm.PlanError, match=f"{name} = {2**70} is out of range") as e:
+        cm.builtin("causal").plan(**{"q_len": 8, name: 2**70})
+    assert e.value.code == "CM0402"
+    with pytest.raises(cm.PlanError, match=f"{name} = {-(2**70)} is out of range"):
+        cm.builtin("causal").plan(**{"q_len": 8, name: -(2**70)})
+
+
+def test_packed_num_heads_is_checked():
+    with pytest.raises(TypeError, match="num_heads must be an int"):
+        cm.builtin("causal").plan(cu_seqlens_q=[0, 3], num_heads=True)
+
+
+@pytest.mark.parametrize("block_size, error", [
+    (True, TypeError), ((True, 8), TypeError), (8.0, TypeError), ({8, 16}, TypeError),
+    ((8, 8, 8), TypeError), (2**70, cm.PlanError), ((8, -1), cm.PlanError),
+    ((0, 8), cm.PlanError),
+])
+def test_bad_block_sizes(block_size, error):
+    with pytest.raises(error, match="block_size|tile"):
+        cm.builtin("causal").plan(8, block_size=block_size)
+
+
+def test_indices_reject_bools_and_huge_values():
+    plan = cm.builtin("causal").plan(8)
+    with pytest.raises(TypeError, match="q must be an int"):
+        plan.intervals(True)
+    with pytest.raises(IndexError, match="q = "):
+        plan.intervals(2**70)
+    with pytest.raises(IndexError, match="b = "):
+        plan.mask_id(2**70, 0)
+    with pytest.raises(TypeError, match="stop must be an int"):
+        plan.rows(0, 2.0)
+    with pytest.raises(TypeError, match="q_len must be an int"):
+        cm.builtin("causal").brute_force_row(0, True)
+
+
+# ---------------------------------------------------------------------------- params, text
+@pytest.mark.parametrize("bad", [[1], [("window", 3)], "window", 3])
+def test_with_params_needs_a_mapping(bad):
+    with pytest.raises(TypeError, match="with_params: params must be a mapping"):
+        cm.builtin("sliding_window").with_params(bad)
+
+
+def test_with_params_accepts_mappings_and_keywords():
+    p = cm.builtin("sliding_window")
+    assert p.with_params({"window": 3}).defaults == {"window": 3}
+    assert p.with_params(window=3).defaults == {"window": 3}
+    assert p.with_params(None, window=3).defaults == {"window": 3}
+
+
+def test_surrogates_in_source_and_names():
+    with pytest.raises(ValueError, match=r"^source must be valid Unicode text.*U\+D800") as e:
+        cm.compile("mask = k <= q; \ud800")
+    assert not isinstance(e.value, UnicodeError)
+    with pytest.raises(ValueError, match=r"^name must be valid Unicode text"):
+        cm.compile("mask = k <= q;", name="\udfff")
+    with pytest.raises(ValueError, match=r"^name must be valid Unicode text"):
+        cm.builtin("causal\ud800")
+    with pytest.raises(TypeError, match="name must be a str"):
+        cm.compile("mask = k <= q;", name=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- namespace
+def test_public_namespace_is_clean():
+    assert "annotations" not in cm.__all__
+    assert not hasattr(cm, "annotations")
+    public = {n for n in dir(cm) if not n.startswith("_")}
+    assert public == set(cm.__all__) - {"__version__"}
+
+
+# ---------------------------------------------------------------------------- docs
+def test_plan_stats_keys_are_those_of_plan_json():
+    plan = cm.builtin("causal").plan(100, block_size=16)
+    assert set(plan.stats()) == {
+        "mask", "q_len", "kv_len", "batch", "num_heads", "tile", "visible_pairs",
+        "empty_rows", "max_intervals_per_row", "tiles", "computed_pairs", "descriptor_bytes",
+        "distinct_masks", "pieces", "elementwise_pairs", "compile_ms",
+    }
+    assert plan.stats()["tile"] == [16, 16]
+    assert plan.stats()["distinct_masks"] == plan.num_masks
+
+
+def test_documented_plan_attributes_exist():
+    plan = cm.builtin("causal").plan(100)
+    for name in ("q_len", "kv_len", "batch", "num_heads", "block_size", "visible_pairs",
+                 "empty_rows", "max_intervals_per_row", "tiles", "computed_pairs",
+                 "tile_density", "descriptor_bytes", "elementwise_pairs", "num_masks",
+                 "mask_index", "uses_batch", "uses_head", "compile_ms", "program", "is_packed",
+                 "cu_seqlens_q", "cu_seqlens_k", "order", "order_candidates",
+                 "raster_computed_pairs", "intervals", "rows", "interval_arrays", "mask_id",
+                 "order_info", "stats", "to_dense", "block_tensors", "to_block_mask",
+                 "mask_mod", "to_cudnn_endpoints", "to_flashmask", "to_tensors"):
+        assert hasattr(plan, name), name
+
+
+def test_one_element_lists_for_int_parameters_are_documented_coercions():
+    program = cm.builtin("sliding_window")
+    assert program.plan(10, window=[3]).rows() == program.plan(10, window=3).rows()
+    with pytest.raises(cm.PlanError) as e:
+        program.plan(10, window=[3, 4])
+    assert e.value.code == "CM0308"
+    doc = cm.builtin("document_causal")
+    assert doc.plan(10, lengths=5).rows() == doc.plan(10, lengths=[5]).rows()
