@@ -32,6 +32,22 @@ use cm_cuda::{Forward, LseLayout, TensorLayout};
 use compilemask::{OrderRequest, PlanOptions, RowIntervals, TokenOrder, Traversal, Value as Param};
 use serde_json::{json, Value};
 
+/// `println!` that never panics: a closed standard output (`bench | head`) drops the text.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `print!` that never panics, as [`outln!`].
+macro_rules! outp {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 /// The eight workloads of workloads.md: (id, built-in mask).
 pub const WORKLOADS: [(&str, &str); 8] = [
     ("W1", "causal"),
@@ -322,7 +338,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
     let stream = rt.context().default_stream();
     let device = rt.context().name()?;
     if !a.json {
-        println!(
+        outln!(
             "compilemask bench{} on {device}: {} H={} H_kv={} head_dim={} {}, median of {} back-to-back calls",
             if a.bwd { " --bwd" } else { "" },
             kernel.name(),
@@ -376,7 +392,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
             let e = equivalence(&rt, opts, &o.raster_rows, &job.rows, &o.order)?;
             all_pass &= e.pass();
             if !a.json {
-                println!("    {}", e.describe());
+                outln!("    {}", e.describe());
             }
             r["order_check"] = e.to_json();
             r["pass"] = json!(pass && e.pass());
@@ -399,22 +415,22 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         "results": results,
     });
     if a.json {
-        println!("{report}");
+        outln!("{report}");
     } else {
-        println!(
+        outln!(
             "\nvisible = visible pairs / (q_len * kv_len); ceiling = visible / computed pairs at the kernel tile x {MATMUL_PEAK_TFLOPS} TFLOP/s;"
         );
         if a.bwd {
-            println!("fwd = forward with lse; bwd = fast-mode backward (dQ by fp32 atomics); fwd+bwd = the two back to back on one stream;");
-            println!("TFLOP/s = 3.5 x 4 x H x head_dim x visible pairs / fwd+bwd; bwd TFLOP/s = 2.5 x the forward's FLOPs / bwd;");
-            println!("grad err/tol = the largest error / tolerance over the checked dQ rows and dK / dV keys of every checked mode (<= 1 passes).");
+            outln!("fwd = forward with lse; bwd = fast-mode backward (dQ by fp32 atomics); fwd+bwd = the two back to back on one stream;");
+            outln!("TFLOP/s = 3.5 x 4 x H x head_dim x visible pairs / fwd+bwd; bwd TFLOP/s = 2.5 x the forward's FLOPs / bwd;");
+            outln!("grad err/tol = the largest error / tolerance over the checked dQ rows and dK / dV keys of every checked mode (<= 1 passes).");
         } else {
-            println!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");
-            println!("of that call between events recorded around it (the rest of the overhead is the GPU's); enqueue = host time of the call.");
+            outln!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");
+            outln!("of that call between events recorded around it (the rest of the overhead is the GPU's); enqueue = host time of the call.");
         }
         if a.order.contains(&OrderArg::Auto) {
-            println!("order auto: planned in the compiler's patch order (patch t,y,x and traversal in the order column) for the kernel tile;");
-            println!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
+            outln!("order auto: planned in the compiler's patch order (patch t,y,x and traversal in the order column) for the kernel tile;");
+            outln!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
         }
     }
     if let Some(path) = &a.output {
@@ -425,7 +441,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
 }
 
 fn print_header() {
-    println!(
+    outln!(
         "{:<3} {:<20} {:<22} {:>6} {:>7} {:>7} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5}",
         "id",
         "workload",
@@ -464,7 +480,7 @@ fn print_row(job: &Job, m: &Measurement) {
             "-", "-", "-", "-", "-", "-"
         ),
     };
-    println!(
+    outln!(
         "{:<3} {:<20} {:<22} {:>6} {:>7.4} {:>7.3} {:>8.0} {timing} {:>9.2e} {:>5}",
         job.id,
         job.name,
@@ -477,7 +493,7 @@ fn print_row(job: &Job, m: &Measurement) {
         if m.check.pass() { "PASS" } else { "FAIL" }
     );
     if !m.check.pass() {
-        println!(
+        outln!(
             "    check failed: max_err {:.2e} (tolerance {:.2e}), lse_err {:.2e}, nan {}, wrong empty rows {}",
             m.check.max_abs_err, m.check.tolerance, m.check.lse_err, m.check.nan, m.check.empty_rows_wrong
         );
@@ -485,7 +501,7 @@ fn print_row(job: &Job, m: &Measurement) {
 }
 
 fn print_bwd_header(deterministic: bool) {
-    print!(
+    outp!(
         "{:<3} {:<20} {:<22} {:>6} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8}",
         "id",
         "workload",
@@ -501,9 +517,9 @@ fn print_bwd_header(deterministic: bool) {
         "bwd_TF/s"
     );
     if deterministic {
-        print!(" {:>8} {:>8}", "det_ms", "det_TF/s");
+        outp!(" {:>8} {:>8}", "det_ms", "det_TF/s");
     }
-    println!(" {:>8} {:>5}", "err/tol", "check");
+    outln!(" {:>8} {:>5}", "err/tol", "check");
 }
 
 fn print_bwd_row(job: &Job, m: &BackwardMeasurement, deterministic: bool) {
@@ -534,7 +550,7 @@ fn print_bwd_row(job: &Job, m: &BackwardMeasurement, deterministic: bool) {
             ratio = ratio.max(t.max_err / t.tolerance());
         }
     }
-    println!(
+    outln!(
         "{:<3} {:<20} {:<22} {:>6} {:>7.4} {:>7.3} {:>8.0} {timing} {ratio:>8.3} {:>5}",
         job.id,
         job.name,
@@ -546,13 +562,13 @@ fn print_bwd_row(job: &Job, m: &BackwardMeasurement, deterministic: bool) {
         if m.pass() { "PASS" } else { "FAIL" }
     );
     if !f.check.pass() {
-        println!(
+        outln!(
             "    forward check failed: max_err {:.2e} (tolerance {:.2e}), lse_err {:.2e}, nan {}, wrong empty rows {}",
             f.check.max_abs_err, f.check.tolerance, f.check.lse_err, f.check.nan, f.check.empty_rows_wrong
         );
     }
     for c in m.checks.iter().filter(|c| !c.pass()) {
-        println!(
+        outln!(
             "    {} backward check failed: {}, nan {}, nonzero rows that must be 0: {}",
             if c.deterministic {
                 "deterministic"
@@ -995,7 +1011,7 @@ fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Res
     rt.set_forward_kernel(kernel)?;
     let device = rt.context().name()?;
     if !a.json {
-        println!(
+        outln!(
             "compilemask bench --order-check on {device}: {} H={} H_kv={} head_dim={} {}, tile {}x{}",
             kernel.name(),
             opts.heads,
@@ -1026,7 +1042,7 @@ fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Res
             describe_order(order)
         );
         if !a.json {
-            println!(
+            outln!(
                 "{label}: density {:.3} -> {:.3}\n    {}",
                 p.visible_pairs as f64 / p.raster_pairs.max(1) as f64,
                 p.visible_pairs as f64 / p.ordered_pairs.max(1) as f64,
@@ -1058,7 +1074,7 @@ fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Res
         "order_check": results,
     });
     if a.json {
-        println!("{report}");
+        outln!("{report}");
     }
     if let Some(path) = &a.output {
         let text = serde_json::to_string_pretty(&report)?;

@@ -118,8 +118,22 @@ const CLI_DENSE_LIMIT: i64 = 1 << 24;
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
     let bad = || format!("`{s}` is not a row range; expected A:B with 0 <= A < B, e.g. 0:16");
     let (a, b) = s.split_once(':').ok_or_else(bad)?;
-    let a: u32 = a.trim().parse().map_err(|_| bad())?;
-    let b: u32 = b.trim().parse().map_err(|_| bad())?;
+    let end = |t: &str, which: &str| -> Result<u32, String> {
+        let t = t.trim();
+        t.parse::<u32>().map_err(|_| {
+            // A non-negative integer too large for a row index: name the limit.
+            if !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit()) {
+                format!(
+                    "`{s}` is not a row range: {which} = {t} is too large; A:B are u32 row indices, at most {}",
+                    u32::MAX
+                )
+            } else {
+                bad()
+            }
+        })
+    };
+    let a = end(a, "A")?;
+    let b = end(b, "B")?;
     if a >= b {
         return Err(bad());
     }
@@ -224,12 +238,18 @@ macro_rules! out {
     };
 }
 
+/// Writes `text` to standard error, ignoring a closed or broken stream (`2>&1 | head`):
+/// unlike `eprint!`, never panics.
+pub(crate) fn write_stderr(text: &str) {
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("{e:#}");
+            write_stderr(&format!("{e:#}\n"));
             ExitCode::from(1)
         }
     }
@@ -241,7 +261,12 @@ fn run(command: Command) -> Result<ExitCode> {
             let src = mask_args::read_source(&file)?;
             match compilemask::compile_named(&src, &file) {
                 Ok(p) => {
-                    eprint!("{}", compilemask::render(&src, &file, p.warnings()));
+                    write_stderr(&compilemask::render_limited(
+                        &src,
+                        &file,
+                        p.warnings(),
+                        compilemask::RENDER_LIMIT,
+                    ));
                     let params: Vec<String> = p
                         .params()
                         .iter()
@@ -270,7 +295,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     Ok(ExitCode::SUCCESS)
                 }
                 Err(e) => {
-                    eprint!("{}", e.rendered);
+                    write_stderr(&e.rendered);
                     Ok(ExitCode::from(1))
                 }
             }
@@ -414,6 +439,19 @@ fn run(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Show { mask, output } => {
+            // Refuse before planning: `show` writes PNG data whatever the name says.
+            let ext = std::path::Path::new(&output)
+                .extension()
+                .and_then(|e| e.to_str());
+            if !ext.is_some_and(|e| e.eq_ignore_ascii_case("png")) {
+                return Err(anyhow!(
+                    "-o {output}: `show` writes PNG images only; give a file name ending in .png (got {})",
+                    match ext {
+                        Some(e) => format!("extension .{e}"),
+                        None => "no extension".into(),
+                    }
+                ));
+            }
             let (program, _, plan, _) = mask.plan()?;
             let (w, h) = show::write_png(plan.mask(0, 0), &output)?;
             out!("wrote {output} ({w}x{h} pixels) for {}", program.name());
@@ -456,10 +494,10 @@ fn run(command: Command) -> Result<ExitCode> {
             let unnamed_h = uses_h && h.is_none() && plan.num_heads > 1;
             let (b, h) = (b.unwrap_or(0), h.unwrap_or(0));
             if unnamed_b || unnamed_h {
-                eprintln!(
-                    "note: the mask depends on the {} index; exporting b = {b}, h = {h} only (choose with --b / --h)",
+                write_stderr(&format!(
+                    "note: the mask depends on the {} index; exporting b = {b}, h = {h} only (choose with --b / --h)\n",
                     if unnamed_b && unnamed_h { "batch and head" } else if unnamed_b { "batch" } else { "head" }
-                );
+                ));
             }
             let m = plan.mask(b, h);
             let mut value = match format {

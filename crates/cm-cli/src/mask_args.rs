@@ -70,17 +70,59 @@ pub fn parse_tile(s: &str) -> Result<TileShape, String> {
         format!("`{s}` is not a tile shape; expected BLOCK_MxBLOCK_N with positive integers, e.g. 128x128")
     };
     let (m, n) = s.split_once(['x', 'X']).ok_or_else(bad)?;
-    let block_m: u32 = m.trim().parse().map_err(|_| bad())?;
-    let block_n: u32 = n.trim().parse().map_err(|_| bad())?;
-    if block_m == 0 || block_n == 0 {
-        return Err(bad());
-    }
+    let side = |t: &str, which: &str| -> Result<u32, String> {
+        let t = t.trim();
+        match t.parse::<u32>() {
+            Ok(0) => Err(bad()),
+            Ok(v) => Ok(v),
+            // A positive integer too large for a tile side: name the limit, not the sign.
+            Err(_) if !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit()) => Err(format!(
+                "`{s}` is not a tile shape: {which} = {t} is too large; the sides of BLOCK_MxBLOCK_N must be at most {} (u32)",
+                u32::MAX
+            )),
+            Err(_) => Err(bad()),
+        }
+    };
+    let block_m = side(m, "BLOCK_M")?;
+    let block_n = side(n, "BLOCK_N")?;
     Ok(TileShape { block_m, block_n })
+}
+
+/// Largest file the CLI reads: a mask source, `--set NAME=@FILE`, `--order FILE` or
+/// `--cu-seqlens-q/-k @FILE` (64 MiB).
+pub const MAX_INPUT_BYTES: u64 = 64 << 20;
+
+/// Reads at most [`MAX_INPUT_BYTES`] of `path` (a regular file, a pipe or a device such
+/// as `/dev/zero` alike); a longer input is an error naming the file, the limit and
+/// `what` it is. Open and read errors are `cannot read {what} `{path}``.
+pub fn read_capped(path: &str, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot read {what} `{path}`"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_INPUT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {what} `{path}`"))?;
+    if bytes.len() as u64 > MAX_INPUT_BYTES {
+        bail!(
+            "{what} `{path}` is larger than the limit of {} MiB ({MAX_INPUT_BYTES} bytes) for a file the CLI reads",
+            MAX_INPUT_BYTES >> 20
+        );
+    }
+    Ok(bytes)
+}
+
+/// [`read_capped`] as UTF-8 text.
+pub fn read_capped_text(path: &str, what: &str) -> Result<String> {
+    let bytes = read_capped(path, what)?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        anyhow!("{what} `{path}` is not valid UTF-8 (first bad byte at offset {at})")
+    })
 }
 
 /// Reads a program file, turning invalid UTF-8 into a clear error.
 pub fn read_source(path: &str) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read `{path}`"))?;
+    let bytes = read_capped(path, "the mask program")?;
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
         anyhow!("error[CM0100]: `{path}` is not valid UTF-8 (first bad byte at offset {at})")
@@ -93,7 +135,7 @@ fn parse_ints(what: &str, text: &str) -> Result<Vec<i64>> {
     let owned;
     let body = match text.strip_prefix('@') {
         Some(path) => {
-            owned = std::fs::read_to_string(path)
+            owned = read_capped_text(path, &format!("the {what} file"))
                 .with_context(|| format!("{what}: cannot read `{path}`"))?;
             owned.as_str()
         }
@@ -122,6 +164,9 @@ impl MaskArgs {
     /// validated: planning does that).
     pub fn packed(&self) -> Result<Option<PackedShape>> {
         let Some(q) = &self.cu_seqlens_q else {
+            if let Some(k) = &self.cu_seqlens_k {
+                bail!("error[CM0409]: --cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample");
+            }
             return Ok(None);
         };
         let cu_q = parse_ints("--cu-seqlens-q", q)?;
@@ -155,10 +200,12 @@ impl MaskArgs {
         };
         let program = program.map_err(|e| anyhow!("{}", e.rendered.trim_end()))?;
         if !program.warnings().is_empty() {
-            eprint!(
-                "{}",
-                compilemask::render(program.source(), program.name(), program.warnings())
-            );
+            crate::write_stderr(&compilemask::render_limited(
+                program.source(),
+                program.name(),
+                program.warnings(),
+                compilemask::RENDER_LIMIT,
+            ));
         }
         Ok(program)
     }
@@ -173,9 +220,10 @@ impl MaskArgs {
             "raster" => OrderRequest::Raster,
             "auto" => OrderRequest::Auto,
             path => {
-                let t = std::fs::read_to_string(path).with_context(|| {
-                    format!("--order: `{path}` is not `raster`, `auto` or a readable file")
-                })?;
+                let t =
+                    read_capped_text(path, "the --order permutation file").with_context(|| {
+                        format!("--order: `{path}` is not `raster`, `auto` or a readable file")
+                    })?;
                 let order: Result<Vec<u32>, _> = t
                     .split(|c: char| c == ',' || c.is_whitespace())
                     .filter(|x| !x.is_empty())
@@ -191,7 +239,7 @@ impl MaskArgs {
                 .ok_or_else(|| anyhow!("--set `{s}`: expected NAME=VALUE"))?;
             let text = match value.strip_prefix('@') {
                 Some(path) => {
-                    let t = std::fs::read_to_string(path)
+                    let t = read_capped_text(path, &format!("the --set {name} value file"))
                         .with_context(|| format!("--set {name}: cannot read `{path}`"))?;
                     let items: Vec<&str> = t
                         .split(|c: char| c == ',' || c.is_whitespace())

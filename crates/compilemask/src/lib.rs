@@ -37,7 +37,8 @@ pub use cm_syntax::{line_col, Diagnostic, Severity, Span};
 pub struct CompileError {
     /// Every diagnostic, errors and warnings, in source order.
     pub diagnostics: Vec<Diagnostic>,
-    /// The diagnostics rendered against the source, without colour.
+    /// The diagnostics rendered against the source, without colour: the first
+    /// [`RENDER_LIMIT`], then one line counting the rest (`diagnostics` holds them all).
     pub rendered: String,
 }
 
@@ -72,7 +73,7 @@ pub fn compile_named(source: &str, name: &str) -> Result<Program, CompileError> 
             warnings: diagnostics,
         }),
         None => {
-            let rendered = render(source, name, &diagnostics);
+            let rendered = render_limited(source, name, &diagnostics, RENDER_LIMIT);
             Err(CompileError {
                 diagnostics,
                 rendered,
@@ -430,6 +431,46 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// How many diagnostics [`CompileError::rendered`] and the CLI render before one line
+/// counting the rest: a chain of thousands of errors does not flood the terminal.
+pub const RENDER_LIMIT: usize = 50;
+
+/// [`render`] of at most the first `limit` diagnostics, then one line `... and N more
+/// errors` (or `warnings`, or `diagnostics (E errors, W warnings)`) for the rest.
+pub fn render_limited(
+    source: &str,
+    name: &str,
+    diagnostics: &[Diagnostic],
+    limit: usize,
+) -> String {
+    if diagnostics.len() <= limit {
+        return render(source, name, diagnostics);
+    }
+    let (shown, rest) = diagnostics.split_at(limit);
+    let mut out = render(source, name, shown);
+    let errors = rest.iter().filter(|d| d.is_error()).count();
+    let warnings = rest.len() - errors;
+    let plural = |n: usize, one: &str, many: &str| {
+        if n == 1 {
+            format!("{n} {one}")
+        } else {
+            format!("{n} {many}")
+        }
+    };
+    let more = match (errors, warnings) {
+        (_, 0) => plural(errors, "more error", "more errors"),
+        (0, _) => plural(warnings, "more warning", "more warnings"),
+        _ => format!(
+            "{} ({}, {})",
+            plural(rest.len(), "more diagnostic", "more diagnostics"),
+            plural(errors, "error", "errors"),
+            plural(warnings, "warning", "warnings")
+        ),
+    };
+    out.push_str(&format!("... and {more}\n"));
+    out
 }
 
 /// Parses a `--set` style value: an integer, a comma-separated list, or `[a, b, c]`.

@@ -1,0 +1,389 @@
+//! Problems a fresh user hit, each pinned: `--cu-seqlens-k` without `--cu-seqlens-q`,
+//! unbounded file reads, a closed standard error, built-in parameters out of range,
+//! misleading limits of `--tile` / `--rows`, floods of diagnostics and `show -o x.jpg`.
+//! Every bad input exits 1 or 2 with a message naming the value, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_compilemask");
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("cli-fresh-user")
+        .join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn write(dir: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("the binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?} failed ({:?}):\n{}",
+        o.status,
+        stderr(&o)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A command that must fail cleanly (exit 1 or 2, no panic) with every one of `needles`
+/// on stderr. Returns stderr.
+fn fails(args: &[&str], needles: &[&str]) -> String {
+    let o = run(args);
+    let err = stderr(&o);
+    assert!(
+        matches!(o.status.code(), Some(1) | Some(2)),
+        "{args:?}: expected exit 1 or 2, got {:?}\nstderr:\n{err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}:\n{err}");
+    }
+    err
+}
+
+/// `--cu-seqlens-k` alone used to be ignored (an unpacked plan of --q-len rows).
+#[test]
+fn cu_seqlens_k_needs_cu_seqlens_q() {
+    let base = [
+        "--builtin",
+        "causal",
+        "--cu-seqlens-k",
+        "0,5,12",
+        "--q-len",
+        "12",
+    ];
+    let needles = ["--cu-seqlens-k 0,5,12", "needs --cu-seqlens-q"];
+    fails(&[&["plan"][..], &base].concat(), &needles);
+    fails(
+        &[&["intervals"][..], &base, &["--rows", "0:2"]].concat(),
+        &needles,
+    );
+    let dir = scratch("cu_seqlens_k");
+    let png = dir.join("m.png");
+    fails(
+        &[&["show"][..], &base, &["-o", png.to_str().unwrap()]].concat(),
+        &needles,
+    );
+    assert!(!png.exists());
+    fails(
+        &[&["export"][..], &base, &["--format", "cudnn"]].concat(),
+        &needles,
+    );
+    // Both together still plan.
+    ok(&[
+        "plan",
+        "--builtin",
+        "causal",
+        "--cu-seqlens-q",
+        "0,5,12",
+        "--cu-seqlens-k",
+        "0,5,12",
+    ]);
+}
+
+/// Every file the CLI reads is capped at 64 MiB, devices and pipes included.
+#[test]
+fn input_files_are_capped() {
+    if !Path::new("/dev/zero").exists() {
+        return;
+    }
+    let z = "/dev/zero";
+    fails(&["check", z], &["the mask program `/dev/zero`", "64 MiB"]);
+    fails(&["plan", z, "--q-len", "4"], &["`/dev/zero`", "64 MiB"]);
+    let causal = ["--builtin", "causal", "--q-len", "4"];
+    fails(
+        &[&["plan"][..], &causal, &["--set", "x=@/dev/zero"]].concat(),
+        &["--set x", "`/dev/zero`", "64 MiB"],
+    );
+    fails(
+        &[&["plan"][..], &causal, &["--order", z]].concat(),
+        &["--order", "`/dev/zero`", "64 MiB"],
+    );
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--cu-seqlens-q",
+            "@/dev/zero",
+        ],
+        &["--cu-seqlens-q", "`/dev/zero`", "64 MiB"],
+    );
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--cu-seqlens-q",
+            "0,4",
+            "--cu-seqlens-k",
+            "@/dev/zero",
+        ],
+        &["--cu-seqlens-k", "`/dev/zero`", "64 MiB"],
+    );
+    // A regular file just over the limit; one at it would still be read.
+    let dir = scratch("capped");
+    let big = write(&dir, "big.cmask", vec![b' '; (64 << 20) + 1]);
+    fails(&["check", &big], &["big.cmask", "64 MiB"]);
+}
+
+/// A closed standard error (`2>&1 | head` after head exits) must not panic: the error
+/// path ends with exit status 1, silently.
+#[cfg(unix)]
+#[test]
+fn closed_stderr_does_not_panic() {
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use std::process::Stdio;
+    for args in [
+        &[
+            "plan",
+            "--builtin",
+            "sliding_window",
+            "--q-len",
+            "10",
+            "--set",
+            "window=0",
+        ][..],
+        &["check", "/nonexistent/m.cmask"][..],
+    ] {
+        // A socket whose peer is closed: every write fails with EPIPE, deterministically.
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(ours);
+        let o = Command::new(BIN)
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(OwnedFd::from(theirs)))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {:?}", o.status);
+    }
+}
+
+/// Built-in parameters that divided by zero or were out of range get a `require`.
+#[test]
+fn builtin_parameters_are_checked() {
+    for (builtin, q_len, set, needle) in [
+        (
+            "hstu",
+            "64",
+            "target_divisor=0",
+            "target_divisor must be >= 1, got 0",
+        ),
+        (
+            "hstu",
+            "64",
+            "contextual=-1",
+            "contextual must be >= 0, got -1",
+        ),
+        (
+            "dilated_window",
+            "16",
+            "window=0",
+            "window must be >= 1, got 0",
+        ),
+        ("sink_local", "16", "window=0", "window must be >= 1, got 0"),
+        ("sink_local", "16", "sink=-1", "sink must be >= 0, got -1"),
+        (
+            "global_local",
+            "16",
+            "radius=-1",
+            "radius must be >= 0, got -1",
+        ),
+        (
+            "global_local",
+            "16",
+            "global=-1",
+            "global must be >= 0, got -1",
+        ),
+        (
+            "prefix_lm",
+            "16",
+            "prefix=-1",
+            "prefix must be >= 0, got -1",
+        ),
+        (
+            "neighborhood_2d",
+            "16",
+            "kernel=0",
+            "kernel must be >= 1, got 0",
+        ),
+        (
+            "neighborhood_3d",
+            "16",
+            "radius=-1",
+            "radius must be >= 0, got -1",
+        ),
+        (
+            "neighborhood_3d",
+            "16",
+            "dt_radius=-1",
+            "dt_radius must be >= 0, got -1",
+        ),
+    ] {
+        fails(
+            &["plan", "--builtin", builtin, "--q-len", q_len, "--set", set],
+            &["CM0305", needle],
+        );
+    }
+    // Malformed tree `ends` (a `require` cannot loop over an array, so rows are checked
+    // as they are planned): the error names the row and what it needs.
+    for (q_len, ends, row, needle) in [
+        (
+            "5",
+            "ends=5,1,2,3,4",
+            "q = 1",
+            "row q needs q < ends[q] <= count(ends)",
+        ),
+        (
+            "3",
+            "ends=3,9,3",
+            "q = 1",
+            "row q needs q < ends[q] <= count(ends)",
+        ),
+        (
+            "3",
+            "ends=3,2,-1",
+            "q = 2",
+            "row q needs q < ends[q] <= count(ends)",
+        ),
+        (
+            "4",
+            "ends=4,3,4,4",
+            "q = 2",
+            "not inside ancestor k's ends[k]",
+        ),
+    ] {
+        fails(
+            &["plan", "--builtin", "tree", "--q-len", q_len, "--set", ends],
+            &["bad ends", row, needle],
+        );
+    }
+    // Well-formed trees still plan: a chain and a root with two leaves.
+    ok(&[
+        "plan",
+        "--builtin",
+        "tree",
+        "--q-len",
+        "3",
+        "--set",
+        "ends=3,3,3",
+    ]);
+    ok(&[
+        "plan",
+        "--builtin",
+        "tree",
+        "--q-len",
+        "3",
+        "--set",
+        "ends=3,2,3",
+    ]);
+    ok(&["plan", "--builtin", "tree", "--q-len", "64"]);
+}
+
+/// Numbers too large for u32 name the limit, not "positive" or "0 <= A < B".
+#[test]
+fn tile_and_rows_limits() {
+    let e = fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4",
+            "--tile",
+            "4294967296x1",
+        ],
+        &["4294967296", "at most 4294967295"],
+    );
+    assert!(!e.contains("positive integers"), "{e}");
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4",
+            "--tile",
+            "0x128",
+        ],
+        &["positive integers"],
+    );
+    let e = fails(
+        &[
+            "intervals",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4",
+            "--rows",
+            "0:99999999999999999999",
+        ],
+        &["99999999999999999999", "at most 4294967295"],
+    );
+    assert!(!e.contains("0 <= A < B"), "{e}");
+}
+
+/// A chain of thousands of errors prints the first 50 and one line counting the rest.
+#[test]
+fn diagnostics_are_capped() {
+    let dir = scratch("flood");
+    let mut src = String::from("let a0 = 1;\n");
+    for i in 1..5000 {
+        src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
+    }
+    src.push_str("mask = k <= q;\n");
+    let f = write(&dir, "chain.cmask", src);
+    for args in [&["check", &f][..], &["plan", &f, "--q-len", "4"][..]] {
+        let e = fails(args, &["CM0105", "more errors"]);
+        assert_eq!(e.matches("[CM0105]").count(), 50, "{e}");
+        let last = e.trim_end().lines().last().unwrap();
+        assert!(
+            last.starts_with("... and ") && last.ends_with(" more errors"),
+            "{last}"
+        );
+    }
+}
+
+/// `show` writes PNG only: another extension is refused before planning.
+#[test]
+fn show_refuses_other_extensions() {
+    let dir = scratch("show_ext");
+    let causal = ["show", "--builtin", "causal", "--q-len", "8", "-o"];
+    for name in ["m.jpg", "m.JPEG", "m", "m.png.gif"] {
+        let p = dir.join(name);
+        fails(
+            &[&causal[..], &[p.to_str().unwrap()]].concat(),
+            &[name, ".png"],
+        );
+        assert!(!p.exists(), "{name} was written");
+    }
+    for name in ["m.png", "m.PNG"] {
+        let p = dir.join(name);
+        ok(&[&causal[..], &[p.to_str().unwrap()]].concat());
+        assert!(std::fs::read(&p).unwrap().starts_with(b"\x89PNG"));
+    }
+}
