@@ -34,7 +34,11 @@ elif [ -z "${CM_NVRTC_DIR:-}" ]; then
         echo "build-wheel: warning: NVRTC could not be installed; building without CUDA kernels" >&2
     fi
 fi
-echo "build-wheel: CUDA kernels ${CM_NVRTC_DIR:+embedded (NVRTC: $CM_NVRTC_DIR)}${CM_NVRTC_DIR:-not embedded}" >&2
+if [ -n "${CM_NVRTC_DIR:-}" ]; then
+    echo "build-wheel: CUDA kernels embedded (NVRTC: $CM_NVRTC_DIR)" >&2
+else
+    echo "build-wheel: CUDA kernels not embedded" >&2
+fi
 
 rm -f dist/compilemask-*.whl
 mkdir -p dist

@@ -26,9 +26,10 @@ fn main() {
     let generated = match std::env::var_os("CM_NVRTC_DIR").filter(|d| !d.is_empty()) {
         None => {
             println!(
-                "cargo:warning=cm-cuda: CM_NVRTC_DIR is not set, so no CUDA kernels are embedded and \
-                 launches will fail; run scripts/install-nvrtc.sh and rebuild with \
-                 CM_NVRTC_DIR=<the directory it prints>"
+                "cargo:warning=cm-cuda: CM_NVRTC_DIR is not set, so no CUDA kernels are embedded; \
+                 CPU commands (check, plan, intervals, show, export, list, demo) are unaffected. \
+                 Only GPU kernel launches (bench, compilemask.attention) need them: run \
+                 scripts/install-nvrtc.sh and rebuild with CM_NVRTC_DIR=<the directory it prints>"
             );
             unavailable(
                 "cm-cuda was built without CUBINs (CM_NVRTC_DIR was not set at build time); run \
