@@ -19,8 +19,7 @@ PLAN_FIELDS = ("q_len", "kv_len", "visible_pairs", "empty_rows", "max_intervals_
 # segments, zero lengths and merged intervals all occur (the oracle's own self-test cases).
 CASES = [c for c in oracle.SELFTEST_CASES
          if not (c[0] == "trace_prompt_groups" and c[2])  # the built-in fixes group = 8
-         and c[2].get("window") != 0  # the built-in requires window >= 1 (tested below)
-         and not (c[0] == "clear" and c[2].get("radius", 1) < 1)]  # and clear radius >= 1
+         and c[2].get("window") != 0]  # the built-in requires window >= 1 (tested below)
 
 TILES = [(128, 128), (64, 96), (7, 13), (16, 16)]
 
