@@ -7,46 +7,16 @@
 //! Case counts: `CM_FUZZ_CASES` (default: a quick CI run), e.g.
 //! `CM_FUZZ_CASES=50000 cargo test -p cm-ir --test fuzz`.
 
-use cm_ir::{Shape, Value};
+use cm_ir::Value;
 use cm_syntax::Diagnostic;
+use cm_testkit::config::fuzz_config;
+use cm_testkit::source::{
+    binary_chain, comparison_chain, disjunction_chain, lossy_bytes, postfix_chains,
+};
+use cm_testkit::{check_diags, shape, tokens};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
-
-fn config(default: u32) -> ProptestConfig {
-    let long = std::env::var("CM_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    ProptestConfig {
-        cases: long.unwrap_or(default),
-        failure_persistence: None,
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x5eed_c0de),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
-    }
-}
-
-fn check_diags(src: &str, diags: &[Diagnostic]) {
-    for d in diags {
-        assert!(
-            d.code.starts_with("CM") && d.code.len() == 6,
-            "bad code {d:?}"
-        );
-        for span in std::iter::once(d.span).chain(d.related.iter().map(|r| r.0)) {
-            let (s, e) = (span.start as usize, span.end as usize);
-            assert!(
-                s <= e && e <= src.len(),
-                "span {s}..{e} outside the source ({}): {d:?}\n{src:?}",
-                src.len()
-            );
-            assert!(
-                src.is_char_boundary(s) && src.is_char_boundary(e),
-                "span {s}..{e} not on char boundaries: {d:?}\n{src:?}"
-            );
-        }
-    }
-}
+use std::sync::LazyLock;
 
 /// Compiles `src`; when it compiles, binds it at a few small shapes with default
 /// parameters. Nothing may panic; every error is a `CM` code.
@@ -59,12 +29,7 @@ fn compile_checked(src: &str) {
     }
     let Some(program) = program else { return };
     for (q_len, kv_len) in [(1, 1), (5, 3), (0, 1), (1, -1)] {
-        let shape = Shape {
-            q_len,
-            kv_len,
-            batch: 1,
-            num_heads: 2,
-        };
+        let shape = shape(q_len, kv_len, 1, 2);
         match program.bind(shape, &BTreeMap::new()) {
             Ok(bound) => {
                 // A few pairs of the reference semantics (errors are fine, panics not).
@@ -84,85 +49,21 @@ fn compile_checked(src: &str) {
     }
 }
 
-const TOKENS: &[&str] = &[
-    "param",
-    "let",
-    "segments",
-    "part",
-    "grid",
-    "require",
-    "mask",
-    "if",
-    "then",
-    "else",
-    "in",
-    "and",
-    "or",
-    "not",
-    "true",
-    "false",
-    "fill",
-    "at",
-    "int",
-    "q",
-    "k",
-    "b",
-    "h",
-    "q_len",
-    "kv_len",
-    "batch",
-    "num_heads",
-    "len",
-    "min",
-    "max",
-    "abs",
-    "isqrt",
-    "count",
-    "sum",
-    "l1",
-    "l2",
-    "linf",
-    "box",
-    "elementwise",
-    "trace_context",
-    "trace_generated",
-    "start",
-    "end",
-    "index",
-    "x",
-    "y",
-    "t",
-    "a",
-    "s",
-    "g",
-    "p",
-    "(",
-    ")",
-    "[",
-    "]",
-    "{",
-    "}",
-    ",",
-    ";",
-    ":",
-    "=",
-    "==",
-    "!=",
-    "<",
-    "<=",
-    ">",
-    ">=",
-    "+",
-    "-",
-    "*",
-    "/",
-    "%",
-    "&",
-    "|",
-    "!",
-    ".",
-    "..",
-    "..=",
+/// The language's words and symbols, a few names that programs declare, and literals.
+static TOKENS: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    tokens::concat(&[
+        tokens::KEYWORDS,
+        tokens::NAMES,
+        tokens::FIELDS,
+        &["a", "s", "g", "p"],
+        tokens::SYMBOLS,
+        tokens::DOTS,
+        LITERALS,
+    ])
+});
+
+/// Strings, numbers and a character outside ASCII.
+const LITERALS: &[&str] = &[
     "\"m {q_len}\"",
     "0",
     "1",
@@ -174,7 +75,7 @@ const TOKENS: &[&str] = &[
 ];
 
 fn token_soup() -> impl Strategy<Value = String> {
-    proptest::collection::vec(proptest::sample::select(TOKENS), 0..60).prop_map(|v| v.join(" "))
+    cm_testkit::source::token_soup(TOKENS.as_slice(), 60)
 }
 
 /// A small expression over a fixed pool of names, often ill-typed or out of context.
@@ -295,11 +196,11 @@ fn statement() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(config(3000))]
+    #![proptest_config(fuzz_config(3000))]
 
     #[test]
-    fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
-        compile_checked(&String::from_utf8_lossy(&bytes));
+    fn arbitrary_bytes(src in lossy_bytes(600)) {
+        compile_checked(&src);
     }
 
     #[test]
@@ -364,24 +265,10 @@ fn deep_nesting_gives_a_diagnostic() {
 /// `n`-term flat chains: not nested in the source, but as deep as `n` in the tree.
 fn operator_chains(n: usize) -> Vec<String> {
     vec![
-        format!("mask = k < {};", vec!["1"; n].join(" + ")),
-        format!("mask = k < {};", vec!["q"; n].join(" - ")),
-        format!(
-            "mask = {};",
-            (0..n)
-                .map(|i| format!("k < {i}"))
-                .collect::<Vec<_>>()
-                .join(" | ")
-        ),
-        format!("mask = k < 1{};", " < 2".repeat(n)),
-    ]
-}
-
-fn postfix_chains(n: usize) -> Vec<String> {
-    vec![
-        format!("mask = k < q{};", ".x".repeat(n)),
-        format!("mask = k < f{};", "(1)".repeat(n)),
-        format!("mask = k < a{};", "[0]".repeat(n)),
+        binary_chain(n, "1", " + "),
+        binary_chain(n, "q", " - "),
+        disjunction_chain(n, "<"),
+        comparison_chain(n),
     ]
 }
 
@@ -446,12 +333,7 @@ fn bind_with_hostile_values() {
     let ints = [0, 1, -1, -4, 7, i64::MAX, i64::MIN, 1 << 40];
     let arrays: [&[i64]; 6] = [&[], &[0], &[0, 0], &[-1], &[i64::MAX, 1], &[1 << 30]];
     for (q_len, kv_len) in [(1, 1), (3, 9), (64, 64), (1 << 26, 1)] {
-        let shape = Shape {
-            q_len,
-            kv_len,
-            batch: 1,
-            num_heads: 1,
-        };
+        let shape = shape(q_len, kv_len, 1, 1);
         for &n in &ints {
             for &lens in &arrays {
                 let mut v = BTreeMap::new();
@@ -485,12 +367,7 @@ fn bind_with_hostile_values() {
         (1, 1, i64::MAX, 1),
         (1, 1, 1, 1 << 17),
     ] {
-        let shape = Shape {
-            q_len,
-            kv_len,
-            batch,
-            num_heads,
-        };
+        let shape = shape(q_len, kv_len, batch, num_heads);
         assert_eq!(p.bind(shape, &BTreeMap::new()).unwrap_err().code, "CM0402");
     }
 }

@@ -14,29 +14,14 @@
 
 use cm_ir::{PlanError, Shape, Value};
 use cm_plan::{plan, TileShape};
+use cm_testkit::config::fuzz_config;
+use cm_testkit::source::{comparison_chain, disjunction_chain, floor_boundary};
+use cm_testkit::{shape, tokens};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-
-fn long_cases() -> Option<u32> {
-    std::env::var("CM_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-}
-
-fn config(default: u32) -> ProptestConfig {
-    let long = long_cases();
-    ProptestConfig {
-        cases: long.unwrap_or(default),
-        failure_persistence: None,
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x5eed_c0de),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
-    }
-}
+use std::sync::LazyLock;
 
 /// Valid programs beyond the built-ins: the examples of docs/language.md and programs
 /// that use every construct.
@@ -59,80 +44,19 @@ const EXTRA: &[&str] = &[
 ];
 
 /// Tokens and keywords to insert.
-const TOKENS: &[&str] = &[
-    "param",
-    "let",
-    "segments",
-    "part",
-    "grid",
-    "require",
-    "mask",
-    "if",
-    "then",
-    "else",
-    "in",
-    "and",
-    "or",
-    "not",
-    "true",
-    "false",
-    "fill",
-    "at",
-    "int",
-    "q",
-    "k",
-    "b",
-    "h",
-    "q_len",
-    "kv_len",
-    "batch",
-    "num_heads",
-    "len",
-    "min",
-    "max",
-    "abs",
-    "isqrt",
-    "count",
-    "sum",
-    "l1",
-    "l2",
-    "linf",
-    "box",
-    "elementwise",
-    "trace_context",
-    "trace_generated",
-    ".start",
-    ".end",
-    ".len",
-    ".index",
-    ".count",
-    "(",
-    ")",
-    "[",
-    "]",
-    "{",
-    "}",
-    ",",
-    ";",
-    ":",
-    "=",
-    "==",
-    "!=",
-    "<",
-    "<=",
-    ">",
-    ">=",
-    "+",
-    "-",
-    "*",
-    "/",
-    "%",
-    "&",
-    "|",
-    "!",
-    ".",
-    "..",
-    "..=",
+static TOKENS: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    tokens::concat(&[
+        tokens::KEYWORDS,
+        tokens::NAMES,
+        &[".start", ".end", ".len", ".index", ".count"],
+        tokens::SYMBOLS,
+        tokens::DOTS,
+        EXTRA_TOKENS,
+    ])
+});
+
+/// Comments, quotes, numbers (`i64::MIN` among them) and a whole statement.
+const EXTRA_TOKENS: &[&str] = &[
     "#",
     "\"",
     "0",
@@ -185,7 +109,7 @@ enum Mutation {
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
-    let tok = proptest::sample::select(TOKENS);
+    let tok = proptest::sample::select(TOKENS.as_slice());
     prop_oneof![
         1 => (any::<Index>(), 1usize..8).prop_map(|(i, n)| Mutation::DeleteBytes(i, n)),
         1 => (any::<Index>(), 1usize..12).prop_map(|(i, n)| Mutation::DuplicateBytes(i, n)),
@@ -228,14 +152,6 @@ fn tokens(src: &str) -> Vec<String> {
         out.push(cur);
     }
     out
-}
-
-fn floor_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
 }
 
 fn mutate(src: &str, m: &Mutation) -> String {
@@ -385,12 +301,7 @@ fn setup() -> impl Strategy<Value = Setup> {
     )
         .prop_map(
             |((q_len, kv_len, batch, num_heads), (bm, bn), values)| Setup {
-                shape: Shape {
-                    q_len,
-                    kv_len,
-                    batch,
-                    num_heads,
-                },
+                shape: shape(q_len, kv_len, batch, num_heads),
                 tile: TileShape {
                     block_m: bm,
                     block_n: bn,
@@ -721,7 +632,7 @@ fn corpus() -> Vec<&'static str> {
 
 fn run(name: &str, default_cases: u32, strategy: impl Strategy<Value = (String, Setup)>) {
     STATS.with(|st| *st.borrow_mut() = Stats::default());
-    let mut runner = proptest::test_runner::TestRunner::new(config(default_cases));
+    let mut runner = proptest::test_runner::TestRunner::new(fuzz_config(default_cases));
     let trace = std::env::var("CM_FUZZ_TRACE").ok();
     let result = runner.run(&strategy, |(src, setup)| {
         if let Some(path) = &trace {
@@ -750,12 +661,7 @@ fn corpus_is_valid() {
     for src in corpus() {
         let (p, diags) = cm_ir::compile(src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}\n{src}"));
-        let shape = Shape {
-            q_len: 127,
-            kv_len: 127,
-            batch: 2,
-            num_heads: 2,
-        };
+        let shape = shape(127, 127, 2, 2);
         if let Ok(bound) = p.bind(shape, &BTreeMap::new()) {
             plan(&bound, TileShape::default()).unwrap_or_else(|e| panic!("{e}\n{src}"));
         }
@@ -797,24 +703,13 @@ fn long_region_chains_plan() {
     for n in [50, 120] {
         for src in [
             format!("mask = {};", vec!["k < q"; n].join(" & ")),
-            format!(
-                "mask = {};",
-                (0..n)
-                    .map(|i| format!("k == {i}"))
-                    .collect::<Vec<_>>()
-                    .join(" | ")
-            ),
-            format!("mask = k < 1{};", " < 2".repeat(n)),
+            disjunction_chain(n, "=="),
+            comparison_chain(n),
             format!("mask = k < q{};", " - 0".repeat(n)),
         ] {
             let (p, diags) = cm_ir::compile(&src);
             let p = p.unwrap_or_else(|| panic!("{diags:?}"));
-            let shape = Shape {
-                q_len: 300,
-                kv_len: 300,
-                batch: 1,
-                num_heads: 1,
-            };
+            let shape = shape(300, 300, 1, 1);
             let bound = p.bind(shape, &BTreeMap::new()).unwrap();
             plan(&bound, TileShape::default()).unwrap();
         }
@@ -825,7 +720,7 @@ fn long_region_chains_plan() {
 /// now it is refused (CM0105).
 #[test]
 fn long_region_chain_10000_is_refused() {
-    let src = format!("mask = k < 1{};", " < 2".repeat(10_000));
+    let src = comparison_chain(10_000);
     let (p, diags) = cm_ir::compile(&src);
     assert!(p.is_none());
     assert!(diags.iter().any(|d| d.code == "CM0105"), "{diags:?}");
@@ -836,12 +731,7 @@ fn long_region_chain_10000_is_refused() {
 #[test]
 fn huge_tile_costs_no_memory_per_block_row() {
     let (p, _) = cm_ir::compile("mask = k <= q;");
-    let shape = Shape {
-        q_len: 2,
-        kv_len: 2,
-        batch: 1,
-        num_heads: 1,
-    };
+    let shape = shape(2, 2, 1, 1);
     let p = p.unwrap();
     let bound = p.bind(shape, &BTreeMap::new()).unwrap();
     let tile = TileShape {
@@ -859,12 +749,7 @@ fn huge_tile_costs_no_memory_per_block_row() {
 fn bug_ball_cost_grows_with_the_grid() {
     let (p, _) = cm_ir::compile("grid g = [67108864, 1];\nmask = l1(g) <= 67108864;");
     let p = p.unwrap();
-    let shape = Shape {
-        q_len: 1,
-        kv_len: 1,
-        batch: 1,
-        num_heads: 1,
-    };
+    let shape = shape(1, 1, 1, 1);
     let bound = p.bind(shape, &BTreeMap::new()).unwrap();
     let t = std::time::Instant::now();
     plan(&bound, TileShape::default()).unwrap();
@@ -883,12 +768,7 @@ fn bug_division_by_i64_min_panics() {
     ] {
         let (p, diags) = cm_ir::compile(src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}"));
-        let shape = Shape {
-            q_len: 4,
-            kv_len: 4,
-            batch: 1,
-            num_heads: 1,
-        };
+        let shape = shape(4, 4, 1, 1);
         let values: BTreeMap<String, Value> = values
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -907,12 +787,7 @@ fn bug_ball_radius_near_i64_min_panics() {
         let src = format!("param r: int = 1;\ngrid g = [2, 2];\nmask = {metric}(g) < r;");
         let (p, diags) = cm_ir::compile(&src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}"));
-        let shape = Shape {
-            q_len: 4,
-            kv_len: 4,
-            batch: 1,
-            num_heads: 1,
-        };
+        let shape = shape(4, 4, 1, 1);
         let values: BTreeMap<String, Value> = [("r".to_string(), Value::Int(i64::MIN))].into();
         let bound = p.bind(shape, &values).unwrap();
         let plan = plan(&bound, TileShape::default()).unwrap();

@@ -13,29 +13,18 @@ mod common;
 
 use cm_ir::{Program, Shape, Value};
 use cm_plan::{plan, Plan, TileShape};
+use cm_testkit::config::{env_cases, env_config, PROPTEST_CASES};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use std::collections::BTreeMap;
 
 /// `CM_PROPTEST_CASES` for longer runs (random seeds, or `PROPTEST_RNG_SEED`); without it,
-/// the quick CI run with a fixed seed, so CI is reproducible.
+/// the quick CI run with a fixed seed, so CI is reproducible. Reproductions of what these
+/// tests found live as named tests at the end. `CM_PROPTEST_SHRINK` bounds shrinking.
 fn config(default: u32) -> ProptestConfig {
-    let long: Option<u32> = std::env::var("CM_PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok());
     ProptestConfig {
-        cases: long.unwrap_or(default),
-        // Reproductions of what these tests found live as named tests at the end.
-        failure_persistence: None,
-        max_shrink_iters: std::env::var("CM_PROPTEST_SHRINK")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1024),
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x00c0_ffee),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
+        max_shrink_iters: env_cases("CM_PROPTEST_SHRINK").unwrap_or(1024),
+        ..env_config(PROPTEST_CASES, default, 0x00c0_ffee)
     }
 }
 
@@ -598,12 +587,7 @@ fn sizes() -> BoxedStrategy<Sizes> {
                 (1, 1)
             };
             Sizes {
-                shape: Shape {
-                    q_len,
-                    kv_len,
-                    batch,
-                    num_heads,
-                },
+                shape: cm_testkit::shape(q_len, kv_len, batch, num_heads),
                 tile: TileShape {
                     block_m: bm,
                     block_n: bn,
@@ -979,12 +963,7 @@ proptest! {
 
 fn sizes_of(q_len: i64, kv_len: i64, block_m: u32, block_n: u32) -> Sizes {
     Sizes {
-        shape: Shape {
-            q_len,
-            kv_len,
-            batch: 1,
-            num_heads: 1,
-        },
+        shape: cm_testkit::shape(q_len, kv_len, 1, 1),
         tile: TileShape { block_m, block_n },
     }
 }

@@ -15,23 +15,14 @@ use cm_ir::{Shape, Value};
 use cm_plan::plan::row_intervals_runs;
 use cm_plan::symbolic::Solver;
 use cm_plan::{TileDescriptor, TileShape};
+use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
+/// `CM_PROPTEST_CASES`, else `default` cases with a fixed seed.
 fn config(default: u32) -> ProptestConfig {
-    let long: Option<u32> = std::env::var("CM_PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    ProptestConfig {
-        cases: long.unwrap_or(default),
-        failure_persistence: None,
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x711e_5eed),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
-    }
+    env_config(PROPTEST_CASES, default, 0x711e_5eed)
 }
 
 fn side() -> BoxedStrategy<u32> {

@@ -8,44 +8,21 @@
 //! `CM_FUZZ_CASES=50000 cargo test -p cm-syntax --test fuzz`.
 
 use cm_syntax::{line_col, parse, parse_expr, Diagnostic};
+use cm_testkit::config::fuzz_config;
+use cm_testkit::source::{
+    binary_chain, comparison_chain, disjunction_chain, lossy_bytes, postfix_chains, splice,
+};
+use cm_testkit::tokens;
 use proptest::prelude::*;
+use std::sync::LazyLock;
 
-fn config(default: u32) -> ProptestConfig {
-    let long = std::env::var("CM_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    ProptestConfig {
-        cases: long.unwrap_or(default),
-        failure_persistence: None,
-        // The quick CI run is reproducible; long runs explore (or set PROPTEST_RNG_SEED).
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x5eed_c0de),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
-    }
-}
-
-/// Every diagnostic is well-formed against `src`.
+/// Every diagnostic is well-formed against `src` (`cm_testkit::check_diags`), has a message
+/// and a line and column.
 fn check_diags(src: &str, diags: &[Diagnostic]) {
+    cm_testkit::check_diags(src, diags);
     for d in diags {
-        assert!(
-            d.code.starts_with("CM") && d.code.len() == 6,
-            "bad code {d:?}"
-        );
         assert!(!d.message.is_empty(), "empty message {d:?}");
         for span in std::iter::once(d.span).chain(d.related.iter().map(|r| r.0)) {
-            let (s, e) = (span.start as usize, span.end as usize);
-            assert!(s <= e, "span {s}..{e} is reversed: {d:?}\n{src:?}");
-            assert!(
-                e <= src.len(),
-                "span {s}..{e} is past the end ({}): {d:?}\n{src:?}",
-                src.len()
-            );
-            assert!(
-                src.is_char_boundary(s) && src.is_char_boundary(e),
-                "span {s}..{e} is not on char boundaries: {d:?}\n{src:?}"
-            );
             let (line, col) = line_col(src, span.start);
             assert!(line >= 1 && col >= 1);
         }
@@ -60,86 +37,21 @@ fn parse_checked(src: &str) {
 }
 
 /// Words and symbols of the language, plus near misses.
-const TOKENS: &[&str] = &[
-    "param",
-    "let",
-    "segments",
-    "part",
-    "grid",
-    "require",
-    "mask",
-    "if",
-    "then",
-    "else",
-    "in",
-    "and",
-    "or",
-    "not",
-    "true",
-    "false",
-    "fill",
-    "at",
-    "int",
-    "[int]",
-    "q",
-    "k",
-    "b",
-    "h",
-    "q_len",
-    "kv_len",
-    "batch",
-    "num_heads",
-    "len",
-    "min",
-    "max",
-    "abs",
-    "isqrt",
-    "count",
-    "sum",
-    "l1",
-    "l2",
-    "linf",
-    "box",
-    "elementwise",
-    "trace_context",
-    "trace_generated",
-    "start",
-    "end",
-    "index",
-    "x",
-    "y",
-    "t",
-    "doc",
-    "img",
-    "(",
-    ")",
-    "[",
-    "]",
-    "{",
-    "}",
-    ",",
-    ";",
-    ":",
-    "=",
-    "==",
-    "!=",
-    "<",
-    "<=",
-    ">",
-    ">=",
-    "+",
-    "-",
-    "*",
-    "/",
-    "%",
-    "&",
-    "&&",
-    "|",
-    "||",
-    "!",
-    ".",
-    "..",
-    "..=",
+static TOKENS: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    tokens::concat(&[
+        tokens::KEYWORDS,
+        &["[int]"],
+        tokens::NAMES,
+        tokens::FIELDS,
+        &["doc", "img"],
+        tokens::SYMBOLS,
+        &["&&", "|", "||", "!", ".", "..", "..="],
+        NEAR_MISSES,
+    ])
+});
+
+/// Dots, comments, strings, numbers, characters and symbols that are not the language's.
+const NEAR_MISSES: &[&str] = &[
     "...",
     "#",
     "# comment\n",
@@ -186,7 +98,7 @@ const TOKENS: &[&str] = &[
 fn token_soup() -> impl Strategy<Value = String> {
     proptest::collection::vec(
         (
-            proptest::sample::select(TOKENS),
+            proptest::sample::select(TOKENS.as_slice()),
             prop_oneof![Just(""), Just(" "), Just("\n"), Just("  ")],
         ),
         0..80,
@@ -195,11 +107,11 @@ fn token_soup() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(config(3000))]
+    #![proptest_config(fuzz_config(3000))]
 
     #[test]
-    fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
-        parse_checked(&String::from_utf8_lossy(&bytes));
+    fn arbitrary_bytes(src in lossy_bytes(600)) {
+        parse_checked(&src);
     }
 
     #[test]
@@ -226,11 +138,7 @@ proptest! {
         let base = "param w: int = 4;\nsegments doc = [3, 0, 5];\npart doc.head = 0 .. len / 2;\n\
                     grid img = [4, 4] at 2;\nrequire w >= 1 else \"w {w} \\{\";\n\
                     let r = doc(q);\nmask = if q in img then l2(img) < w else k in r.start ..= q;\n";
-        let mut cut = pos.index(base.len() + 1);
-        while !base.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let src = format!("{}{junk}{}", &base[..cut], &base[cut..]);
+        let src = splice(base, pos, &junk);
         parse_checked(&src);
     }
 }
@@ -261,7 +169,7 @@ const MESSAGE_PIECES: &[&str] = &[
 ];
 
 proptest! {
-    #![proptest_config(config(3000))]
+    #![proptest_config(fuzz_config(3000))]
 
     /// Interpolated `require` messages: diagnostics inside `{...}` point into the source.
     #[test]
@@ -358,26 +266,11 @@ fn deep_nesting_gives_a_diagnostic() {
 /// are not nested in the source but build equally deep trees.
 fn operator_chains(n: usize) -> Vec<String> {
     vec![
-        format!("mask = k < {};", vec!["1"; n].join(" + ")),
-        format!("mask = k < {};", vec!["q"; n].join(" * ")),
-        format!(
-            "mask = {};",
-            (0..n)
-                .map(|i| format!("k < {i}"))
-                .collect::<Vec<_>>()
-                .join(" | ")
-        ),
-        format!("mask = k < 1{};", " < 2".repeat(n)),
+        binary_chain(n, "1", " + "),
+        binary_chain(n, "q", " * "),
+        disjunction_chain(n, "<"),
+        comparison_chain(n),
         format!("mask = k in 0 .. 1{};", " .. 1".repeat(n)),
-    ]
-}
-
-/// Postfix chains: `x.f.f.f`, `f(1)(1)...`, `a[0][0]...`.
-fn postfix_chains(n: usize) -> Vec<String> {
-    vec![
-        format!("mask = k < q{};", ".x".repeat(n)),
-        format!("mask = k < f{};", "(1)".repeat(n)),
-        format!("mask = k < a{};", "[0]".repeat(n)),
     ]
 }
 

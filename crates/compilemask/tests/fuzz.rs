@@ -5,23 +5,10 @@
 //!
 //! Case counts: `CM_FUZZ_CASES` (default: a quick CI run).
 
+use cm_testkit::config::fuzz_config;
+use cm_testkit::source::{lossy_bytes, splice, token_soup};
 use compilemask::{compile, PlanOptions, Value};
 use proptest::prelude::*;
-
-fn config(default: u32) -> ProptestConfig {
-    let long = std::env::var("CM_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    ProptestConfig {
-        cases: long.unwrap_or(default),
-        failure_persistence: None,
-        rng_seed: match long {
-            None => proptest::test_runner::RngSeed::Fixed(0x5eed_c0de),
-            Some(_) => ProptestConfig::default().rng_seed,
-        },
-        ..ProptestConfig::default()
-    }
-}
 
 const TOKENS: &[&str] = &[
     "param",
@@ -77,28 +64,20 @@ const TOKENS: &[&str] = &[
 
 fn source() -> impl Strategy<Value = String> {
     prop_oneof![
-        proptest::collection::vec(any::<u8>(), 0..300)
-            .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        lossy_bytes(300),
         any::<String>(),
-        proptest::collection::vec(proptest::sample::select(TOKENS), 0..60)
-            .prop_map(|v| v.join(" ")),
+        token_soup(TOKENS, 60),
         (
             proptest::sample::select(compilemask::BUILTINS),
             any::<prop::sample::Index>(),
             proptest::sample::select(TOKENS),
         )
-            .prop_map(|(b, i, t)| {
-                let mut cut = i.index(b.source.len() + 1);
-                while !b.source.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                format!("{}{t}{}", &b.source[..cut], &b.source[cut..])
-            }),
+            .prop_map(|(b, i, t)| splice(b.source, i, t)),
     ]
 }
 
 proptest! {
-    #![proptest_config(config(1500))]
+    #![proptest_config(fuzz_config(1500))]
 
     #[test]
     fn compile_and_render(src in source(), q_len in 1i64..40, int in any::<i64>()) {
