@@ -216,22 +216,33 @@ pub(crate) fn prepare(
 
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
     let ws = kernel_kind == KernelKind::FwdWs;
-    let lists = if ws {
-        [
-            PlanArray::WsMBlockOrder,
-            PlanArray::WsKvOffsets,
-            PlanArray::WsKvIndices,
-            PlanArray::WsFullKvOffsets,
-            PlanArray::WsFullKvIndices,
-        ]
+    // The forward lists at the kernel's tile, and how its partial tiles read their rows:
+    // fwd_ws through per-row visibility bits, the others through `partial_row_first` into
+    // the intervals.
+    let (lists, row_limits, num_m_blocks) = if ws {
+        (
+            [
+                PlanArray::WsMBlockOrder,
+                PlanArray::WsKvOffsets,
+                PlanArray::WsKvIndices,
+                PlanArray::WsFullKvOffsets,
+                PlanArray::WsFullKvIndices,
+            ],
+            (0, plan.addr(PlanArray::WsPartialRowMask)),
+            plan.ws_num_m_blocks,
+        )
     } else {
-        [
-            PlanArray::MBlockOrder,
-            PlanArray::KvOffsets,
-            PlanArray::KvIndices,
-            PlanArray::FullKvOffsets,
-            PlanArray::FullKvIndices,
-        ]
+        (
+            [
+                PlanArray::MBlockOrder,
+                PlanArray::KvOffsets,
+                PlanArray::KvIndices,
+                PlanArray::FullKvOffsets,
+                PlanArray::FullKvIndices,
+            ],
+            (plan.addr(PlanArray::PartialRowFirst), 0),
+            plan.num_m_blocks,
+        )
     };
     let params = FwdParams {
         q: a.q,
@@ -249,16 +260,8 @@ pub(crate) fn prepare(
         kv_indices: plan.addr(lists[2]),
         full_kv_offsets: plan.addr(lists[3]),
         full_kv_indices: plan.addr(lists[4]),
-        partial_row_first: if ws {
-            0
-        } else {
-            plan.addr(PlanArray::PartialRowFirst)
-        },
-        partial_row_mask: if ws {
-            plan.addr(PlanArray::WsPartialRowMask)
-        } else {
-            0
-        },
+        partial_row_first: row_limits.0,
+        partial_row_mask: row_limits.1,
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
         scheduler: 0,
@@ -266,11 +269,7 @@ pub(crate) fn prepare(
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
-        num_m_blocks: if ws {
-            plan.ws_num_m_blocks
-        } else {
-            plan.num_m_blocks
-        },
+        num_m_blocks,
         num_heads: h as u32,
         batch: b as u32,
         pad: 0,
@@ -286,16 +285,15 @@ pub(crate) fn prepare(
         None
     };
     let grid_dim = if ws {
-        let items = u64::from(plan.ws_num_m_blocks) * h as u64 * b as u64;
+        let items = u64::from(num_m_blocks) * h as u64 * b as u64;
         let items = u32::try_from(items).map_err(|_| {
             Error::invalid(format!(
-                "{} query blocks x num_heads = {h} x batch = {b} = {items} work items exceed 2^32",
-                plan.ws_num_m_blocks
+                "{num_m_blocks} query blocks x num_heads = {h} x batch = {b} = {items} work items exceed 2^32"
             ))
         })?;
         (items, 1, 1)
     } else {
-        (plan.num_m_blocks, h as u32, b as u32)
+        (num_m_blocks, h as u32, b as u32)
     };
     let config = LaunchConfig {
         grid_dim,
