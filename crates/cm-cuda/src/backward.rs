@@ -25,7 +25,7 @@
 //! deterministic mode gives the same bits on every run.
 
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
-use crate::layout::VECTOR_BYTES;
+use crate::layout::{check_buffer_len, VECTOR_BYTES};
 use crate::plan::{PlanArray, PlanView};
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
@@ -396,23 +396,15 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
-        let check_len = |name: &str, len: usize, span: usize| {
-            if span > len {
-                return Err(Error::invalid(format!(
-                    "{name}: the layout spans {span} elements but the buffer holds {len}"
-                )));
-            }
-            Ok(())
-        };
-        check_len("q", args.q.0.len(), args.q.1.span_elements())?;
-        check_len("k", args.k.0.len(), args.k.1.span_elements())?;
-        check_len("v", args.v.0.len(), args.v.1.span_elements())?;
-        check_len("out", args.out.0.len(), args.out.1.span_elements())?;
-        check_len("dout", args.dout.0.len(), args.dout.1.span_elements())?;
-        check_len("lse", args.lse.0.len(), args.lse.1.span_elements())?;
-        check_len("dq", args.dq.0.len(), args.dq.1.span_elements())?;
-        check_len("dk", args.dk.0.len(), args.dk.1.span_elements())?;
-        check_len("dv", args.dv.0.len(), args.dv.1.span_elements())?;
+        check_buffer_len("q", args.q.0.len(), args.q.1.span_elements())?;
+        check_buffer_len("k", args.k.0.len(), args.k.1.span_elements())?;
+        check_buffer_len("v", args.v.0.len(), args.v.1.span_elements())?;
+        check_buffer_len("out", args.out.0.len(), args.out.1.span_elements())?;
+        check_buffer_len("dout", args.dout.0.len(), args.dout.1.span_elements())?;
+        check_buffer_len("lse", args.lse.0.len(), args.lse.1.span_elements())?;
+        check_buffer_len("dq", args.dq.0.len(), args.dq.1.span_elements())?;
+        check_buffer_len("dk", args.dk.0.len(), args.dk.1.span_elements())?;
+        check_buffer_len("dv", args.dv.0.len(), args.dv.1.span_elements())?;
         // The guards record the buffers' use on `stream` (when the context tracks events), so
         // freeing one waits for this launch; they must live until the launches are enqueued.
         let (q, _gq) = args.q.0.device_ptr(stream);

@@ -10,6 +10,17 @@ const DIMS3: [&str; 3] = ["batch", "num_heads", "q_len"];
 /// move Q, K and V in 16-byte vectors.
 pub(crate) const VECTOR_BYTES: u64 = 16;
 
+/// Checks that a caller-owned buffer of `len` elements holds the `span` elements its layout
+/// reaches (`span_elements`), for the launches over Rust-owned buffers.
+pub(crate) fn check_buffer_len(name: &str, len: usize, span: usize) -> Result<(), Error> {
+    if span > len {
+        return Err(Error::invalid(format!(
+            "{name}: the layout spans {span} elements but the buffer holds {len}"
+        )));
+    }
+    Ok(())
+}
+
 /// A `[batch, heads, seq_len, head_dim]` view: `shape` in elements, `strides` in elements
 /// (torch's `stride()`), last stride 1. `heads` is `num_heads` for Q and the output and
 /// `num_kv_heads` for K and V; `seq_len` is `q_len` or `kv_len`.

@@ -1,6 +1,7 @@
 //! The loaded kernels of one CUDA context and the launch entry points.
 
 use crate::forward::{prepare, Launch};
+use crate::layout::check_buffer_len;
 use crate::{DevicePlan, Error, Forward, ForwardRaw, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
@@ -179,20 +180,12 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
-        let check_len = |name: &str, len: usize, span: usize| {
-            if span > len {
-                return Err(Error::invalid(format!(
-                    "{name}: the layout spans {span} elements but the buffer holds {len}"
-                )));
-            }
-            Ok(())
-        };
-        check_len("q", args.q.0.len(), args.q.1.span_elements())?;
-        check_len("k", args.k.0.len(), args.k.1.span_elements())?;
-        check_len("v", args.v.0.len(), args.v.1.span_elements())?;
-        check_len("out", args.out.0.len(), args.out.1.span_elements())?;
+        check_buffer_len("q", args.q.0.len(), args.q.1.span_elements())?;
+        check_buffer_len("k", args.k.0.len(), args.k.1.span_elements())?;
+        check_buffer_len("v", args.v.0.len(), args.v.1.span_elements())?;
+        check_buffer_len("out", args.out.0.len(), args.out.1.span_elements())?;
         if let Some((buf, layout)) = &args.lse {
-            check_len("lse", buf.len(), layout.span_elements())?;
+            check_buffer_len("lse", buf.len(), layout.span_elements())?;
         }
         // The guards record the buffers' use on `stream` (when the context tracks events), so
         // freeing one waits for this launch; they must live until the launch is enqueued.
