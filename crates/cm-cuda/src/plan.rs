@@ -510,6 +510,64 @@ impl DevicePlan {
 mod tests {
     use super::*;
 
+    /// Every bit of `ws_partial_row_mask` against membership in the row's intervals, on rows
+    /// with several runs per tile, ragged lengths (q_len and kv_len not multiples of 128) and
+    /// empty rows; and each partial tile's bits neither all set nor all clear over its
+    /// in-range pairs (those would be full or empty tiles).
+    #[test]
+    fn partial_row_masks_match_the_intervals() {
+        let (q_len, kv_len) = (333u32, 301u32);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |bound: u32| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % u64::from(bound)) as u32
+        };
+        let rows: Vec<Vec<(u32, u32)>> = (0..q_len)
+            .map(|_| {
+                let mut row = Vec::new();
+                let mut k = next(40);
+                while k < kv_len && row.len() < 12 {
+                    let end = (k + 1 + next(30)).min(kv_len);
+                    row.push((k, end));
+                    k = end + 1 + next(40);
+                }
+                row
+            })
+            .collect();
+        let rows = RowIntervals::from_rows(kv_len, &rows).unwrap();
+        let desc = TileDescriptor::build(&rows, ws_tile());
+        let masks = partial_row_masks(&desc, &rows);
+        let (bm, bn) = (128usize, 128u32);
+        assert!(!desc.kv_indices.is_empty());
+        assert_eq!(masks.len(), desc.kv_indices.len() * bm * 4);
+        for m in 0..desc.num_m_blocks as usize {
+            for p in desc.kv_offsets[m] as usize..desc.kv_offsets[m + 1] as usize {
+                let key0 = desc.kv_indices[p] * bn;
+                let (mut set, mut clear) = (0, 0);
+                for r in 0..bm {
+                    let q = (m * bm + r) as u32;
+                    for c in 0..bn {
+                        let bit = masks[(p * bm + r) * 4 + (c / 32) as usize] >> (c % 32) & 1 == 1;
+                        let k = key0 + c;
+                        let visible =
+                            q < q_len && rows.row(q).iter().any(|iv| iv.start <= k && k < iv.end);
+                        assert_eq!(bit, visible, "tile {p} row {q} key {k}");
+                        if q < q_len && k < kv_len {
+                            if visible {
+                                set += 1;
+                            } else {
+                                clear += 1;
+                            }
+                        }
+                    }
+                }
+                assert!(set > 0 && clear > 0, "tile {p} is not partial");
+            }
+        }
+    }
+
     #[test]
     fn host_plan_arrays_have_the_lengths_the_view_checks() {
         let rows: Vec<Vec<(u32, u32)>> = (0..150u32).map(|q| vec![(0, q + 1)]).collect();
