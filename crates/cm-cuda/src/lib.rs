@@ -64,5 +64,5 @@ pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, PLAN_ARRAY_COUNT};
+pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, BWD_TILE, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;

@@ -15,7 +15,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 20;
+pub const PLAN_ARRAY_COUNT: usize = 26;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -30,7 +30,15 @@ pub const PLAN_ARRAY_COUNT: usize = 20;
 /// query-block order at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`], whose partial
 /// tiles read each row's visibility as bits (`ws_partial_row_mask [num_partial, block_m,
 /// block_n / 32]`: bit `c % 32` of word `c / 32` set when key `n_block * block_n + c` is
-/// visible from the row; rows past `q_len` have no bits).
+/// visible from the row; rows past `q_len` have no bits). The `Bwd*` arrays are the backward
+/// lists at [`BWD_TILE`] for the warp-specialised dK/dV kernel: the key-block order
+/// (`bwd_n_block_order [num_n_blocks]`, most tiles first), the transposed lists
+/// (`bwd_q_offsets [num_n_blocks + 1]`, `bwd_q_indices [num_partial]`, `bwd_full_q_*`
+/// likewise) and each partial tile's visibility as bits per *key*, in the transposed lists'
+/// order (`bwd_partial_key_mask [num_partial, block_n, block_m / 32]`: for the `i`-th entry of
+/// `bwd_q_indices`, in key block `n_block`, bit `r % 32` of word `r / 32` of key `c` set when
+/// query row `bwd_q_indices[i] * block_m + r` sees key `n_block * block_n + c`; rows past
+/// `q_len` and keys past `kv_len` have no bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
     Intervals,
@@ -53,6 +61,12 @@ pub enum PlanArray {
     WsFullKvOffsets,
     WsFullKvIndices,
     WsPartialRowMask,
+    BwdNBlockOrder,
+    BwdQOffsets,
+    BwdQIndices,
+    BwdFullQOffsets,
+    BwdFullQIndices,
+    BwdPartialKeyMask,
 }
 
 impl PlanArray {
@@ -78,6 +92,12 @@ impl PlanArray {
         PlanArray::WsFullKvOffsets,
         PlanArray::WsFullKvIndices,
         PlanArray::WsPartialRowMask,
+        PlanArray::BwdNBlockOrder,
+        PlanArray::BwdQOffsets,
+        PlanArray::BwdQIndices,
+        PlanArray::BwdFullQOffsets,
+        PlanArray::BwdFullQIndices,
+        PlanArray::BwdPartialKeyMask,
     ];
 
     pub fn name(self) -> &'static str {
@@ -102,19 +122,28 @@ impl PlanArray {
             PlanArray::WsFullKvOffsets => "ws_full_kv_offsets",
             PlanArray::WsFullKvIndices => "ws_full_kv_indices",
             PlanArray::WsPartialRowMask => "ws_partial_row_mask",
+            PlanArray::BwdNBlockOrder => "bwd_n_block_order",
+            PlanArray::BwdQOffsets => "bwd_q_offsets",
+            PlanArray::BwdQIndices => "bwd_q_indices",
+            PlanArray::BwdFullQOffsets => "bwd_full_q_offsets",
+            PlanArray::BwdFullQIndices => "bwd_full_q_indices",
+            PlanArray::BwdPartialKeyMask => "bwd_partial_key_mask",
         }
     }
 
     /// The array's length when the lengths alone fix it (`None` when the mask does), given
-    /// the block counts at the plan's tile and `ws_m` query blocks at the `Ws*` tile.
+    /// the block counts at the plan's tile, `ws_m` query blocks at the `Ws*` tile and `bwd_n`
+    /// key blocks at the `Bwd*` tile.
     fn fixed_len(
         self,
         q_len: u32,
         num_m_blocks: u32,
         num_n_blocks: u32,
         ws_m: u32,
+        bwd_n: u32,
     ) -> Option<usize> {
-        let (m, n, ws_m) = (num_m_blocks as usize, num_n_blocks as usize, ws_m as usize);
+        let (m, n) = (num_m_blocks as usize, num_n_blocks as usize);
+        let (ws_m, bwd_n) = (ws_m as usize, bwd_n as usize);
         match self {
             PlanArray::MBlockOrder => Some(m),
             PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
@@ -123,6 +152,8 @@ impl PlanArray {
             PlanArray::RowPtr => Some(q_len as usize + 1),
             PlanArray::NBlockOrder => Some(n),
             PlanArray::QOffsets | PlanArray::FullQOffsets => Some(n + 1),
+            PlanArray::BwdNBlockOrder => Some(bwd_n),
+            PlanArray::BwdQOffsets | PlanArray::BwdFullQOffsets => Some(bwd_n + 1),
             _ => None,
         }
     }
@@ -134,6 +165,8 @@ impl PlanArray {
             PlanArray::Intervals => 8,
             // A row's 128 bits are one 16-byte load.
             PlanArray::WsPartialRowMask => 16,
+            // Each tile's 1 KB is one bulk async copy.
+            PlanArray::BwdPartialKeyMask => 16,
             _ => 4,
         }
     }
@@ -148,6 +181,17 @@ fn block_counts(q_len: u32, kv_len: u32, tile: TileShape) -> (u32, u32) {
 /// The tile shape of the `Ws*` arrays.
 pub(crate) fn ws_tile() -> TileShape {
     let (block_m, block_n) = cm_kernels::WS_TILE;
+    TileShape { block_m, block_n }
+}
+
+/// The tile of the warp-specialised backward dK/dV kernel, `(block_m, block_n)`: 128-key
+/// blocks (two consumer warpgroups of 64 keys), 64-row query tiles. The `Bwd*` arrays are
+/// built at it.
+pub const BWD_TILE: (u32, u32) = (64, 128);
+
+/// The tile shape of the `Bwd*` arrays.
+pub(crate) fn bwd_tile() -> TileShape {
+    let (block_m, block_n) = BWD_TILE;
     TileShape { block_m, block_n }
 }
 
@@ -198,6 +242,49 @@ fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     masks
 }
 
+/// The visibility bits of every partial tile of `desc` by key, in the order of the transposed
+/// lists (see [`PlanArray::BwdPartialKeyMask`]): `[num_partial, block_n, block_m / 32]`. Each
+/// row's intervals are walked from its `partial_row_first` (found through `q_partial_ids`);
+/// the cost is the partial tiles' bits, not `q_len x kv_len`.
+fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
+    let block_m = desc.tile.block_m as usize;
+    let block_n = desc.tile.block_n;
+    let words = block_m.div_ceil(32);
+    let tile_words = block_n as usize * words;
+    let stride = desc.partial_row_stride as usize;
+    let mut masks = vec![0u32; desc.q_indices.len() * tile_words];
+    let intervals = rows.intervals();
+    let row_ptr = rows.row_ptr();
+    // With a block clamped to a shorter length there is one block, index 0, so
+    // `index * block` (at the unclamped tile) still gives its first row or key.
+    for n in 0..desc.num_n_blocks as usize {
+        let key0 = n as u32 * block_n;
+        let key_end = key0 + block_n;
+        for i in desc.q_offsets[n] as usize..desc.q_offsets[n + 1] as usize {
+            let row0 = desc.q_indices[i] as usize * block_m;
+            let row_end = (row0 + block_m).min(rows.q_len() as usize);
+            let p = desc.q_partial_ids[i] as usize;
+            let out = &mut masks[i * tile_words..][..tile_words];
+            for q in row0..row_end {
+                let r = q - row0;
+                let (word, bit) = (r / 32, 1u32 << (r % 32));
+                let first = desc.partial_row_first[p * stride + r] as usize;
+                for iv in &intervals[first..row_ptr[q + 1] as usize] {
+                    if iv.start >= key_end {
+                        break;
+                    }
+                    let lo = (iv.start.max(key0) - key0) as usize;
+                    let hi = (iv.end.min(key_end) - key0) as usize;
+                    for key in out[lo * words..hi * words].chunks_exact_mut(words) {
+                        key[word] |= bit;
+                    }
+                }
+            }
+        }
+    }
+    masks
+}
+
 /// Sets bits `[lo, hi)` of a little-endian bit array of u32 words.
 fn set_bits(words: &mut [u32], lo: u32, hi: u32) {
     let mut c = lo;
@@ -230,7 +317,8 @@ pub struct HostPlan {
 
 impl HostPlan {
     /// Builds the descriptor of `rows` at `tile` (the kernels' tile shape, see
-    /// [`crate::KernelKind::tile`]).
+    /// [`crate::KernelKind::tile`]), with the `Ws*` arrays at [`cm_kernels::WS_TILE`] and the
+    /// `Bwd*` arrays at [`BWD_TILE`].
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
@@ -238,6 +326,9 @@ impl HostPlan {
         let ws = TileDescriptor::build(rows, ws_tile());
         let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
         let ws_masks = partial_row_masks(&ws, rows);
+        let bwd = TileDescriptor::build(rows, bwd_tile());
+        let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
+        let bwd_masks = partial_key_masks(&bwd, rows);
         let (ws_computed_pairs, ws_counts) = (ws.computed_pairs, ws.counts());
         let flat_intervals: Vec<u32> = rows
             .intervals()
@@ -268,6 +359,12 @@ impl HostPlan {
             ws.full_kv_offsets,
             ws.full_kv_indices,
             ws_masks,
+            bwd_order,
+            bwd.q_offsets,
+            bwd.q_indices,
+            bwd.full_q_offsets,
+            bwd.full_q_indices,
+            bwd_masks,
         ];
         HostPlan {
             q_len: rows.q_len(),
@@ -306,6 +403,9 @@ pub struct PlanView {
     pub(crate) num_n_blocks: u32,
     /// Query blocks at [`cm_kernels::WS_TILE`].
     pub(crate) ws_num_m_blocks: u32,
+    /// Key blocks at [`BWD_TILE`].
+    #[allow(dead_code)] // Read by the dK/dV kernel's launch once it lands.
+    pub(crate) bwd_num_n_blocks: u32,
 }
 
 impl PlanView {
@@ -336,6 +436,7 @@ impl PlanView {
         }
         let (num_m_blocks, num_n_blocks) = block_counts(q_len, kv_len, tile);
         let (ws_num_m_blocks, _) = block_counts(q_len, kv_len, ws_tile());
+        let (_, bwd_num_n_blocks) = block_counts(q_len, kv_len, bwd_tile());
         for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
             if addr == 0 || addr % a.align() != 0 {
                 return Err(Error::invalid(format!(
@@ -344,7 +445,14 @@ impl PlanView {
                     a.align()
                 )));
             }
-            if let Some(need) = a.fixed_len(q_len, num_m_blocks, num_n_blocks, ws_num_m_blocks) {
+            let need = a.fixed_len(
+                q_len,
+                num_m_blocks,
+                num_n_blocks,
+                ws_num_m_blocks,
+                bwd_num_n_blocks,
+            );
+            if let Some(need) = need {
                 if len < need {
                     return Err(Error::invalid(format!(
                         "plan array {} holds {len} elements; q_len = {q_len} and kv_len = {kv_len} \
@@ -363,6 +471,7 @@ impl PlanView {
             num_m_blocks,
             num_n_blocks,
             ws_num_m_blocks,
+            bwd_num_n_blocks,
         })
     }
 
@@ -436,6 +545,7 @@ impl DevicePlan {
         };
         let (num_m_blocks, num_n_blocks) = block_counts(host.q_len, host.kv_len, tile);
         let (ws_num_m_blocks, _) = block_counts(host.q_len, host.kv_len, ws_tile());
+        let (_, bwd_num_n_blocks) = block_counts(host.q_len, host.kv_len, bwd_tile());
         Ok(DevicePlan {
             view: PlanView {
                 ctx: stream.context().clone(),
@@ -446,6 +556,7 @@ impl DevicePlan {
                 num_m_blocks,
                 num_n_blocks,
                 ws_num_m_blocks,
+                bwd_num_n_blocks,
             },
             buffer,
             visible_pairs: host.visible_pairs,
@@ -517,25 +628,7 @@ mod tests {
     #[test]
     fn partial_row_masks_match_the_intervals() {
         let (q_len, kv_len) = (333u32, 301u32);
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |bound: u32| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % u64::from(bound)) as u32
-        };
-        let rows: Vec<Vec<(u32, u32)>> = (0..q_len)
-            .map(|_| {
-                let mut row = Vec::new();
-                let mut k = next(40);
-                while k < kv_len && row.len() < 12 {
-                    let end = (k + 1 + next(30)).min(kv_len);
-                    row.push((k, end));
-                    k = end + 1 + next(40);
-                }
-                row
-            })
-            .collect();
+        let rows = random_rows(q_len, kv_len, 0x2545_f491_4f6c_dd1d);
         let rows = RowIntervals::from_rows(kv_len, &rows).unwrap();
         let desc = TileDescriptor::build(&rows, ws_tile());
         let masks = partial_row_masks(&desc, &rows);
@@ -568,6 +661,171 @@ mod tests {
         }
     }
 
+    /// Rows of `kv_len` keys with up to 12 random runs each (xorshift from `seed`).
+    fn random_rows(q_len: u32, kv_len: u32, seed: u64) -> Vec<Vec<(u32, u32)>> {
+        let mut seed = seed;
+        let mut next = |bound: u32| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % u64::from(bound)) as u32
+        };
+        (0..q_len)
+            .map(|_| {
+                let mut row = Vec::new();
+                let mut k = next(40);
+                while k < kv_len && row.len() < 12 {
+                    let end = (k + 1 + next(30)).min(kv_len);
+                    row.push((k, end));
+                    k = end + 1 + next(40);
+                }
+                row
+            })
+            .collect()
+    }
+
+    /// The `Bwd*` arrays of `rows` against brute force: the lists are
+    /// `TileDescriptor::build`'s at [`BWD_TILE`] and classify every (query block, key block)
+    /// tile exactly (all in-range pairs visible: full; none: in neither list; else partial),
+    /// every bit of every partial tile's key-major mask is the pair's visibility (no bits
+    /// past `q_len` or `kv_len`), and the key-block order is heaviest first. Returns the
+    /// numbers of partial and full tiles.
+    fn check_bwd_arrays(rows: &RowIntervals) -> (usize, usize) {
+        let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+        let host = HostPlan::build(
+            rows,
+            TileShape {
+                block_m: 64,
+                block_n: 64,
+            },
+        );
+        let array = |a: PlanArray| host.arrays()[a as usize].as_slice();
+        let desc = TileDescriptor::build(rows, bwd_tile());
+        let (q_offsets, q_indices) = (array(PlanArray::BwdQOffsets), array(PlanArray::BwdQIndices));
+        let full_offsets = array(PlanArray::BwdFullQOffsets);
+        let full_indices = array(PlanArray::BwdFullQIndices);
+        assert_eq!(q_offsets, desc.q_offsets);
+        assert_eq!(q_indices, desc.q_indices);
+        assert_eq!(full_offsets, desc.full_q_offsets);
+        assert_eq!(full_indices, desc.full_q_indices);
+        let (num_m, num_n) = block_counts(q_len, kv_len, bwd_tile());
+        assert_eq!((desc.num_m_blocks, desc.num_n_blocks), (num_m, num_n));
+        let visible = |q: u32, k: u32| {
+            q < q_len && k < kv_len && rows.row(q).iter().any(|iv| iv.start <= k && k < iv.end)
+        };
+        let (bm, bn) = (64u32, 128u32);
+        let masks = array(PlanArray::BwdPartialKeyMask);
+        assert_eq!(masks.len(), q_indices.len() * 128 * 2);
+        for n in 0..num_n {
+            let partial =
+                &q_indices[q_offsets[n as usize] as usize..q_offsets[n as usize + 1] as usize];
+            let full = &full_indices
+                [full_offsets[n as usize] as usize..full_offsets[n as usize + 1] as usize];
+            for m in 0..num_m {
+                let (mut set, mut clear) = (0, 0);
+                for q in m * bm..((m + 1) * bm).min(q_len) {
+                    for k in n * bn..((n + 1) * bn).min(kv_len) {
+                        if visible(q, k) {
+                            set += 1;
+                        } else {
+                            clear += 1;
+                        }
+                    }
+                }
+                let class = (partial.contains(&m), full.contains(&m));
+                let want = (set > 0 && clear > 0, set > 0 && clear == 0);
+                assert_eq!(
+                    class, want,
+                    "tile (q block {m}, key block {n}): {set} set, {clear} clear"
+                );
+            }
+            for i in q_offsets[n as usize] as usize..q_offsets[n as usize + 1] as usize {
+                let m = q_indices[i];
+                for c in 0..bn {
+                    for w in 0..2 {
+                        let word = masks[(i * 128 + c as usize) * 2 + w as usize];
+                        for b in 0..32 {
+                            let (q, k) = (m * bm + 32 * w + b, n * bn + c);
+                            assert_eq!(
+                                word >> b & 1 == 1,
+                                visible(q, k),
+                                "entry {i} (q block {m}, key block {n}) row {q} key {k}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let order = array(PlanArray::BwdNBlockOrder);
+        let work = |n: u32| {
+            let n = n as usize;
+            q_offsets[n + 1] - q_offsets[n] + full_offsets[n + 1] - full_offsets[n]
+        };
+        let mut sorted = order.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..num_n).collect::<Vec<_>>());
+        assert!(order.windows(2).all(|w| work(w[0]) >= work(w[1])));
+        (q_indices.len(), full_indices.len())
+    }
+
+    /// `bwd_partial_key_mask` bit by bit, and the `Bwd*` lists tile by tile, on rows with
+    /// several runs per tile, ragged lengths (neither a multiple of the block), a block of
+    /// rows that sees every key (full tiles) and one that sees none (empty tiles).
+    #[test]
+    fn partial_key_masks_match_the_intervals() {
+        let (q_len, kv_len) = (333u32, 301u32);
+        let mut rows = random_rows(q_len, kv_len, 0x9e37_79b9_7f4a_7c15);
+        for (q, row) in rows.iter_mut().enumerate() {
+            match q {
+                64..128 => *row = vec![(0, kv_len)],
+                192..256 => row.clear(),
+                _ if q % 7 == 3 => row.clear(),
+                _ => {}
+            }
+        }
+        let rows = RowIntervals::from_rows(kv_len, &rows).unwrap();
+        let (partial, full) = check_bwd_arrays(&rows);
+        // Blocks 0, 2, 4 and 5 partial with each of the 3 key blocks; block 1 full.
+        assert_eq!((partial, full), (12, 3));
+    }
+
+    /// Lengths shorter than the blocks (the tile clamps to one block each way): bits only for
+    /// rows < q_len and keys < kv_len, at the fixed `[128, 2]` stride per tile.
+    #[test]
+    fn partial_key_masks_of_lengths_shorter_than_a_block() {
+        let (q_len, kv_len) = (10u32, 70u32);
+        // Row q sees keys [5q, 5q + 20) and [60, 70) (joined where they meet).
+        let partial: Vec<Vec<(u32, u32)>> = (0..q_len)
+            .map(|q| {
+                let (a, b) = (5 * q, (5 * q + 20).min(kv_len));
+                if b >= 60 {
+                    vec![(a, kv_len)]
+                } else {
+                    vec![(a, b), (60, kv_len)]
+                }
+            })
+            .collect();
+        let rows = RowIntervals::from_rows(kv_len, &partial).unwrap();
+        assert_eq!(check_bwd_arrays(&rows), (1, 0));
+        let host = HostPlan::build(&rows, TileShape::default());
+        let masks = &host.arrays()[PlanArray::BwdPartialKeyMask as usize];
+        // Key 0 is seen by row 0 only; key 65 by all 10 rows; keys past 70 by none.
+        assert_eq!(masks[..2], [1, 0]);
+        assert_eq!(masks[65 * 2..66 * 2], [(1 << 10) - 1, 0]);
+        assert!(masks[70 * 2..].iter().all(|&w| w == 0));
+        // Every pair visible: one full tile; none: no tile.
+        let all =
+            RowIntervals::from_rows(kv_len, &vec![vec![(0, kv_len)]; q_len as usize]).unwrap();
+        assert_eq!(check_bwd_arrays(&all), (0, 1));
+        let none = RowIntervals::from_rows(kv_len, &vec![vec![]; q_len as usize]).unwrap();
+        assert_eq!(check_bwd_arrays(&none), (0, 0));
+        // Only the keys shorter than a block, and only the rows.
+        let rows = RowIntervals::from_rows(70, &random_rows(100, 70, 7)).unwrap();
+        check_bwd_arrays(&rows);
+        let rows = RowIntervals::from_rows(300, &random_rows(10, 300, 11)).unwrap();
+        check_bwd_arrays(&rows);
+    }
+
     #[test]
     fn host_plan_arrays_have_the_lengths_the_view_checks() {
         let rows: Vec<Vec<(u32, u32)>> = (0..150u32).map(|q| vec![(0, q + 1)]).collect();
@@ -581,8 +839,10 @@ mod tests {
         assert_eq!((m, n), (3, 3));
         let (ws_m, _) = block_counts(150, 150, ws_tile());
         assert_eq!(ws_m, 2);
+        let (_, bwd_n) = block_counts(150, 150, bwd_tile());
+        assert_eq!(bwd_n, 2);
         for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
-            if let Some(len) = a.fixed_len(150, m, n, ws_m) {
+            if let Some(len) = a.fixed_len(150, m, n, ws_m, bwd_n) {
                 assert_eq!(array.len(), len, "{}", a.name());
             }
         }
@@ -612,5 +872,32 @@ mod tests {
             [(1 << 22) - 1, 0, 0, 0]
         );
         assert!(masks[diag + 22 * 4..].iter().all(|&w| w == 0));
+        // At 64x128, key block 0 (keys 0..128): query blocks 0 and 1 partial (row r sees
+        // keys 0..=r), block 2 (rows 128..150) full; key block 1 (keys 128..150): block 2
+        // partial. Key block 0, with 3 tiles, is scheduled first.
+        let array = |a: PlanArray| host.arrays()[a as usize].as_slice();
+        assert_eq!(array(PlanArray::BwdQOffsets), [0, 2, 3]);
+        assert_eq!(array(PlanArray::BwdQIndices), [0, 1, 2]);
+        assert_eq!(array(PlanArray::BwdFullQOffsets), [0, 1, 1]);
+        assert_eq!(array(PlanArray::BwdFullQIndices), [2]);
+        assert_eq!(array(PlanArray::BwdNBlockOrder), [0, 1]);
+        // Key-major: 128 keys of 2 words (rows 0..32, 32..64) per tile.
+        let masks = array(PlanArray::BwdPartialKeyMask);
+        assert_eq!(masks.len(), 3 * 128 * 2);
+        let key = |tile: usize, c: usize| &masks[(tile * 128 + c) * 2..][..2];
+        // Tile (0, 0): key 0 seen by every row, key 40 by rows 40..64, keys 64.. by none.
+        assert_eq!(key(0, 0), [u32::MAX, u32::MAX]);
+        assert_eq!(key(0, 40), [0, !((1 << 8) - 1)]);
+        assert!(masks[64 * 2..128 * 2].iter().all(|&w| w == 0));
+        // Tile (1, 0), rows 64..128: keys 0..=64 seen by every row, key 100 by rows 100..,
+        // key 127 by row 127 only.
+        assert!((0..=64).all(|c| key(1, c) == [u32::MAX, u32::MAX]));
+        assert_eq!(key(1, 100), [0, !((1 << 4) - 1)]);
+        assert_eq!(key(1, 127), [0, 1 << 31]);
+        // Tile (2, 1), rows 128..150 and keys 128..150: key 128 seen by all 22 rows, key 149
+        // by row 149; rows from 150 and keys from 150 on are past the lengths.
+        assert_eq!(key(2, 0), [(1 << 22) - 1, 0]);
+        assert_eq!(key(2, 21), [1 << 21, 0]);
+        assert!(masks[(2 * 128 + 22) * 2..].iter().all(|&w| w == 0));
     }
 }

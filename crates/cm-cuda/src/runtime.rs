@@ -150,8 +150,8 @@ impl Runtime {
     }
 
     /// Builds the tile descriptor of `rows` at the kernels' tile shapes ([`cm_kernels::TILE`],
-    /// and the forward lists at [`cm_kernels::WS_TILE`]) and uploads it with the row
-    /// intervals. Waits for the copy (once per plan, never per launch).
+    /// the forward lists at [`cm_kernels::WS_TILE`] and the transposed lists at
+    /// [`crate::BWD_TILE`]) and uploads it with the row intervals. Waits for the copy (once per plan, never per launch).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `stream` belongs to another context; [`Error::Driver`].

@@ -20,7 +20,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 /// The tile shape of the plan's descriptor (`cm_cuda::TILE`; the `ws_*` arrays of the default
-/// forward kernel are at `cm_cuda::WS_TILE`), at which `Plan.kernel_arrays` builds it.
+/// forward kernel are at `cm_cuda::WS_TILE`, the `bwd_*` arrays of the warp-specialised
+/// backward at `cm_cuda::BWD_TILE`), at which `Plan.kernel_arrays` builds it.
 pub fn kernel_tile() -> TileShape {
     let (block_m, block_n) = cm_cuda::TILE;
     TileShape { block_m, block_n }

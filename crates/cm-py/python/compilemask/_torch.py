@@ -67,7 +67,8 @@ def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
     for i in range(len(_native.CUDA_PLAN_ARRAYS)):
         lengths = [len(arrays[i]) // 4 for arrays in per_mask]
         # At least 4: the per-mask stride must keep every array's loads aligned (8-byte
-        # interval pairs, 16-byte rows of `ws_partial_row_mask`).
+        # interval pairs, 16-byte rows of `ws_partial_row_mask` and tiles of
+        # `bwd_partial_key_mask`).
         host = torch.zeros((len(per_mask), _pow2(max(*lengths, 4))), dtype=torch.int32)
         for m, arrays in enumerate(per_mask):
             if lengths[m]:
