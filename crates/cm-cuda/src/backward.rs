@@ -1,24 +1,25 @@
 //! Backward attention: argument checking and the launches.
 //!
-//! A backward is three kernels on one stream, every one driven by the plan's 64x64 tile
-//! descriptor (partial tiles apply the forward's per-row limits, full tiles run no mask code,
-//! empty tiles are never visited):
+//! A backward is three kernels on one stream, every one driven by the plan's tile descriptor
+//! (partial tiles apply the forward's per-row limits, full tiles run no mask code, empty tiles
+//! are never visited):
 //!
-//! 1. `bwd_pre`, per query block: `delta = rowsum(dO * O)` in fp32 and the forward's lse in the
-//!    exp2 domain, into the workspace (rows with no visible key get a `+inf` lse there, so the
-//!    probabilities recomputed for them are exactly 0); in the fast mode it also zeroes the
-//!    fp32 dQ accumulator.
-//! 2. `bwd_dkdv`, per (key block, kv head, batch), walking the transposed lists: dK and dV,
-//!    summed over the query heads of a GQA group and over query tiles in registers in a fixed
-//!    order, written once. In the fast mode (the workspace has a dQ accumulator) it also adds
-//!    each tile's dQ into that fp32 accumulator with atomic reductions
-//!    (`red.global.add.v2.f32`), overlapped with the next tile's loads.
+//! 1. `bwd_pre`, per 64-row query block: `delta = rowsum(dO * O)` in fp32 and the forward's lse
+//!    in the exp2 domain, into the workspace (rows with no visible key get a `+inf` lse there,
+//!    so the probabilities recomputed for them are exactly 0); in the fast mode it also zeroes
+//!    the fp32 dQ accumulator.
+//! 2. `bwd_dkdv`, per (128-key block, kv head, batch), walking the transposed lists at
+//!    [`cm_kernels::BWD_TILE`] (64-row query tiles): dK and dV, summed over the query heads of a
+//!    GQA group and over query tiles in registers in a fixed order, written once. It is
+//!    warp-specialised: a TMA producer warpgroup streams Q, dO and the row statistics through a
+//!    two-stage ring while two wgmma consumer warpgroups (64 keys each) compute. In the fast
+//!    mode (the workspace has a dQ accumulator) it also adds each tile's dQ into that fp32
+//!    accumulator with one bulk asynchronous reduction per tile (`cp.reduce.async.bulk .add`),
+//!    in a fragment-ordered layout that `bwd_post` reads back.
 //! 3. Fast mode: `bwd_post` scales and rounds the accumulator into dQ. Deterministic mode:
-//!    `bwd_dq`, per query block, walking the forward lists, recomputes the tile's
-//!    probabilities and accumulates dQ in registers.
-//!
-//! `bwd_dkdv` and `bwd_dq` run every matrix product on Hopper wgmma (one warpgroup per CTA,
-//! 128B-swizzled shared tiles, the next tile's loads double buffered).
+//!    `bwd_dq`, per 64-row query block, walking the forward lists at [`cm_kernels::TILE`],
+//!    recomputes the tile's probabilities and accumulates dQ in registers (one warpgroup,
+//!    wgmma, the next tile's loads double buffered).
 //!
 //! The only atomic accumulation is the fast mode's dQ: fp32 addition in an order that depends
 //! on CTA timing, so its last bits can differ run to run. dK and dV are never atomic, and the
@@ -27,6 +28,7 @@
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
 use crate::plan::{PlanArray, PlanView};
+use crate::tma::TensorMap;
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
 use cm_plan::tiles::TileShape;
@@ -130,12 +132,12 @@ struct BwdParams {
     partial_row_first: u64,
     row_ptr: u64,
     intervals: u64,
-    n_block_order: u64,
-    q_offsets: u64,
-    q_indices: u64,
-    q_partial_ids: u64,
-    full_q_offsets: u64,
-    full_q_indices: u64,
+    bwd_n_block_order: u64,
+    bwd_q_offsets: u64,
+    bwd_q_indices: u64,
+    bwd_full_q_offsets: u64,
+    bwd_full_q_indices: u64,
+    bwd_partial_key_mask: u64,
     q_len: u32,
     kv_len: u32,
     q_pad: u32,
@@ -157,16 +159,20 @@ const _: () = assert!(
 #[allow(unsafe_code)]
 unsafe impl DeviceRepr for BwdParams {}
 
-/// One kernel of a backward: the variant (index into `cm_kernels::VARIANTS`) and its grid.
+/// One kernel of a backward: the variant (index into `cm_kernels::VARIANTS`), its grid, and
+/// whether it also takes the TMA descriptors of Q, dO, K and V (`bwd_dkdv`).
 struct Step {
     variant: usize,
     grid: (u32, u32, u32),
+    tensor_maps: bool,
 }
 
-/// A validated backward: its parameters and the kernels to run in order.
+/// A validated backward: its parameters, the kernels to run in order, and the TMA
+/// descriptors of Q and dO (64-row boxes) and K and V (128-row boxes) for `bwd_dkdv`.
 struct Plan {
     params: BwdParams,
     steps: Vec<Step>,
+    tensor_maps: [TensorMap; 4],
 }
 
 /// fp32 elements of workspace a backward over a `q_len`-row plan at `tile` needs: `lse_log2`
@@ -298,12 +304,13 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
             steps.push(Step {
                 variant: variant(kind)?,
                 grid,
+                tensor_maps: kind == KernelKind::BwdDkDv,
             });
         }
         Ok(())
     };
     push(KernelKind::BwdPre, per_query_block)?;
-    let per_key_block = (plan.num_n_blocks, h_kv32, b32);
+    let per_key_block = (plan.bwd_num_n_blocks, h_kv32, b32);
     // bwd_dkdv adds dQ atomically exactly when the workspace has a dQ accumulator.
     push(KernelKind::BwdDkDv, per_key_block)?;
     push(
@@ -353,12 +360,12 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         partial_row_first: plan.addr(PlanArray::PartialRowFirst),
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
-        n_block_order: plan.addr(PlanArray::NBlockOrder),
-        q_offsets: plan.addr(PlanArray::QOffsets),
-        q_indices: plan.addr(PlanArray::QIndices),
-        q_partial_ids: plan.addr(PlanArray::QPartialIds),
-        full_q_offsets: plan.addr(PlanArray::FullQOffsets),
-        full_q_indices: plan.addr(PlanArray::FullQIndices),
+        bwd_n_block_order: plan.addr(PlanArray::BwdNBlockOrder),
+        bwd_q_offsets: plan.addr(PlanArray::BwdQOffsets),
+        bwd_q_indices: plan.addr(PlanArray::BwdQIndices),
+        bwd_full_q_offsets: plan.addr(PlanArray::BwdFullQOffsets),
+        bwd_full_q_indices: plan.addr(PlanArray::BwdFullQIndices),
+        bwd_partial_key_mask: plan.addr(PlanArray::BwdPartialKeyMask),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         q_pad: plan.q_pad(),
@@ -368,7 +375,18 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         softmax_scale: a.softmax_scale,
         pad: 0,
     };
-    Ok(Some(Plan { params, steps }))
+    let (query_rows, key_rows) = cm_kernels::BWD_TILE;
+    let tensor_maps = [
+        TensorMap::encode("q", a.dtype, a.q, &a.q_layout, query_rows)?,
+        TensorMap::encode("dout", a.dtype, a.dout, &a.dout_layout, query_rows)?,
+        TensorMap::encode("k", a.dtype, a.k, &a.k_layout, key_rows)?,
+        TensorMap::encode("v", a.dtype, a.v, &a.v_layout, key_rows)?,
+    ];
+    Ok(Some(Plan {
+        params,
+        steps,
+        tensor_maps,
+    }))
 }
 
 impl Runtime {
@@ -376,9 +394,9 @@ impl Runtime {
     /// waiting for the GPU.
     ///
     /// Three kernels run in order on `stream`: `bwd_pre` (delta = rowsum(dO * O) and the lse
-    /// into the workspace), `bwd_dkdv` (per key block over the plan's transposed lists; dK and
-    /// dV summed in registers in a fixed order, never atomic; in the fast mode also dQ, added
-    /// into an fp32 workspace accumulator with atomic reductions), then `bwd_post` (fast mode:
+    /// into the workspace), `bwd_dkdv` (per 128-key block over the plan's transposed lists; dK
+    /// and dV summed in registers in a fixed order, never atomic; in the fast mode also dQ,
+    /// added into an fp32 workspace accumulator with bulk asynchronous reductions), then `bwd_post` (fast mode:
     /// the accumulator scaled and rounded into dQ) or `bwd_dq` (deterministic mode: dQ per
     /// query block in registers). The fast mode's dQ is the only atomic sum, so only its last
     /// bits can vary run to run; the deterministic mode repeats its bits exactly.
@@ -489,8 +507,15 @@ impl Runtime {
             };
             let mut builder = stream.launch_builder(self.function(step.variant));
             builder.arg(&plan.params);
-            // SAFETY: the function is the variant `prepare` chose for these arguments; its only
-            // parameter is a by-value CmBwdParams, which `params` mirrors, and the dynamic
+            if step.tensor_maps {
+                for map in &plan.tensor_maps {
+                    builder.arg(map);
+                }
+            }
+            // SAFETY: the function is the variant `prepare` chose for these arguments; its
+            // parameters are a by-value CmBwdParams, which `params` mirrors, followed for
+            // bwd_dkdv (exactly when `tensor_maps` is set) by the four CmTensorMaps of Q, dO, K
+            // and V, encoded from the validated layouts at the box heights the kernel loads; the dynamic
             // shared memory is the size the kernel was compiled for (and opted in to when the
             // runtime loaded it). `prepare` checked that every address is aligned and that the
             // grid, shapes and strides match the plan and each other, and sized the workspace,

@@ -59,10 +59,10 @@ mod runtime;
 mod tma;
 
 pub use backward::{backward_workspace_len, Backward, BackwardRaw};
-pub use cm_kernels::{DType, KernelKind, TILE, WS_TILE};
+pub use cm_kernels::{DType, KernelKind, BWD_TILE, TILE, WS_TILE};
 pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, BWD_TILE, PLAN_ARRAY_COUNT};
+pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;

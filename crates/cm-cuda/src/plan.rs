@@ -15,7 +15,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 26;
+pub const PLAN_ARRAY_COUNT: usize = 20;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -23,15 +23,13 @@ pub const PLAN_ARRAY_COUNT: usize = 26;
 /// [num_partial]`, `full_kv_*` likewise), `partial_row_first [num_partial, block_m]`, the row
 /// intervals (`row_ptr [q_len + 1]`, `intervals [2 * num_intervals]` as `[start, end)` pairs)
 /// and the order in which query blocks are scheduled (`[num_m_blocks]`, most tiles first, so the
-/// longest CTAs start first); for the backward pass also the transposed lists (`q_offsets
-/// [num_n_blocks + 1]`, `q_indices` and `q_partial_ids [num_partial]`, `full_q_*` likewise) and
-/// the key-block order (`[num_n_blocks]`, most tiles first). All of these are at the plan's
-/// tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists and their
+/// longest CTAs start first), read by the reference forwards and the backward's `bwd_dq`. All
+/// of these are at the plan's tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists and their
 /// query-block order at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`], whose partial
 /// tiles read each row's visibility as bits (`ws_partial_row_mask [num_partial, block_m,
 /// block_n / 32]`: bit `c % 32` of word `c / 32` set when key `n_block * block_n + c` is
 /// visible from the row; rows past `q_len` have no bits). The `Bwd*` arrays are the backward
-/// lists at [`BWD_TILE`] for the warp-specialised dK/dV kernel: the key-block order
+/// lists at [`cm_kernels::BWD_TILE`] for the warp-specialised dK/dV kernel: the key-block order
 /// (`bwd_n_block_order [num_n_blocks]`, most tiles first), the transposed lists
 /// (`bwd_q_offsets [num_n_blocks + 1]`, `bwd_q_indices [num_partial]`, `bwd_full_q_*`
 /// likewise) and each partial tile's visibility as bits per *key*, in the transposed lists'
@@ -49,12 +47,6 @@ pub enum PlanArray {
     FullKvIndices,
     PartialRowFirst,
     RowPtr,
-    NBlockOrder,
-    QOffsets,
-    QIndices,
-    QPartialIds,
-    FullQOffsets,
-    FullQIndices,
     WsMBlockOrder,
     WsKvOffsets,
     WsKvIndices,
@@ -80,12 +72,6 @@ impl PlanArray {
         PlanArray::FullKvIndices,
         PlanArray::PartialRowFirst,
         PlanArray::RowPtr,
-        PlanArray::NBlockOrder,
-        PlanArray::QOffsets,
-        PlanArray::QIndices,
-        PlanArray::QPartialIds,
-        PlanArray::FullQOffsets,
-        PlanArray::FullQIndices,
         PlanArray::WsMBlockOrder,
         PlanArray::WsKvOffsets,
         PlanArray::WsKvIndices,
@@ -110,12 +96,6 @@ impl PlanArray {
             PlanArray::FullKvIndices => "full_kv_indices",
             PlanArray::PartialRowFirst => "partial_row_first",
             PlanArray::RowPtr => "row_ptr",
-            PlanArray::NBlockOrder => "n_block_order",
-            PlanArray::QOffsets => "q_offsets",
-            PlanArray::QIndices => "q_indices",
-            PlanArray::QPartialIds => "q_partial_ids",
-            PlanArray::FullQOffsets => "full_q_offsets",
-            PlanArray::FullQIndices => "full_q_indices",
             PlanArray::WsMBlockOrder => "ws_m_block_order",
             PlanArray::WsKvOffsets => "ws_kv_offsets",
             PlanArray::WsKvIndices => "ws_kv_indices",
@@ -132,26 +112,16 @@ impl PlanArray {
     }
 
     /// The array's length when the lengths alone fix it (`None` when the mask does), given
-    /// the block counts at the plan's tile, `ws_m` query blocks at the `Ws*` tile and `bwd_n`
-    /// key blocks at the `Bwd*` tile.
-    fn fixed_len(
-        self,
-        q_len: u32,
-        num_m_blocks: u32,
-        num_n_blocks: u32,
-        ws_m: u32,
-        bwd_n: u32,
-    ) -> Option<usize> {
-        let (m, n) = (num_m_blocks as usize, num_n_blocks as usize);
-        let (ws_m, bwd_n) = (ws_m as usize, bwd_n as usize);
+    /// `num_m_blocks` query blocks at the plan's tile, `ws_m` query blocks at the `Ws*` tile
+    /// and `bwd_n` key blocks at the `Bwd*` tile.
+    fn fixed_len(self, q_len: u32, num_m_blocks: u32, ws_m: u32, bwd_n: u32) -> Option<usize> {
+        let (m, ws_m, bwd_n) = (num_m_blocks as usize, ws_m as usize, bwd_n as usize);
         match self {
             PlanArray::MBlockOrder => Some(m),
             PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
             PlanArray::WsMBlockOrder => Some(ws_m),
             PlanArray::WsKvOffsets | PlanArray::WsFullKvOffsets => Some(ws_m + 1),
             PlanArray::RowPtr => Some(q_len as usize + 1),
-            PlanArray::NBlockOrder => Some(n),
-            PlanArray::QOffsets | PlanArray::FullQOffsets => Some(n + 1),
             PlanArray::BwdNBlockOrder => Some(bwd_n),
             PlanArray::BwdQOffsets | PlanArray::BwdFullQOffsets => Some(bwd_n + 1),
             _ => None,
@@ -184,14 +154,9 @@ pub(crate) fn ws_tile() -> TileShape {
     TileShape { block_m, block_n }
 }
 
-/// The tile of the warp-specialised backward dK/dV kernel, `(block_m, block_n)`: 128-key
-/// blocks (two consumer warpgroups of 64 keys), 64-row query tiles. The `Bwd*` arrays are
-/// built at it.
-pub const BWD_TILE: (u32, u32) = (64, 128);
-
 /// The tile shape of the `Bwd*` arrays.
 pub(crate) fn bwd_tile() -> TileShape {
-    let (block_m, block_n) = BWD_TILE;
+    let (block_m, block_n) = cm_kernels::BWD_TILE;
     TileShape { block_m, block_n }
 }
 
@@ -318,11 +283,10 @@ pub struct HostPlan {
 impl HostPlan {
     /// Builds the descriptor of `rows` at `tile` (the kernels' tile shape, see
     /// [`crate::KernelKind::tile`]), with the `Ws*` arrays at [`cm_kernels::WS_TILE`] and the
-    /// `Bwd*` arrays at [`BWD_TILE`].
+    /// `Bwd*` arrays at [`cm_kernels::BWD_TILE`].
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
-        let n_order = heaviest_first(desc.num_n_blocks, [&desc.q_offsets, &desc.full_q_offsets]);
         let ws = TileDescriptor::build(rows, ws_tile());
         let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
         let ws_masks = partial_row_masks(&ws, rows);
@@ -347,12 +311,6 @@ impl HostPlan {
             desc.full_kv_indices,
             desc.partial_row_first,
             rows.row_ptr().to_vec(),
-            n_order,
-            desc.q_offsets,
-            desc.q_indices,
-            desc.q_partial_ids,
-            desc.full_q_offsets,
-            desc.full_q_indices,
             ws_order,
             ws.kv_offsets,
             ws.kv_indices,
@@ -400,11 +358,9 @@ pub struct PlanView {
     pub(crate) kv_len: u32,
     pub(crate) tile: TileShape,
     pub(crate) num_m_blocks: u32,
-    pub(crate) num_n_blocks: u32,
     /// Query blocks at [`cm_kernels::WS_TILE`].
     pub(crate) ws_num_m_blocks: u32,
-    /// Key blocks at [`BWD_TILE`].
-    #[allow(dead_code)] // Read by the dK/dV kernel's launch once it lands.
+    /// Key blocks at [`cm_kernels::BWD_TILE`].
     pub(crate) bwd_num_n_blocks: u32,
 }
 
@@ -434,7 +390,7 @@ impl PlanView {
                 tile.block_m, tile.block_n
             )));
         }
-        let (num_m_blocks, num_n_blocks) = block_counts(q_len, kv_len, tile);
+        let (num_m_blocks, _) = block_counts(q_len, kv_len, tile);
         let (ws_num_m_blocks, _) = block_counts(q_len, kv_len, ws_tile());
         let (_, bwd_num_n_blocks) = block_counts(q_len, kv_len, bwd_tile());
         for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
@@ -445,13 +401,7 @@ impl PlanView {
                     a.align()
                 )));
             }
-            let need = a.fixed_len(
-                q_len,
-                num_m_blocks,
-                num_n_blocks,
-                ws_num_m_blocks,
-                bwd_num_n_blocks,
-            );
+            let need = a.fixed_len(q_len, num_m_blocks, ws_num_m_blocks, bwd_num_n_blocks);
             if let Some(need) = need {
                 if len < need {
                     return Err(Error::invalid(format!(
@@ -469,7 +419,6 @@ impl PlanView {
             kv_len,
             tile,
             num_m_blocks,
-            num_n_blocks,
             ws_num_m_blocks,
             bwd_num_n_blocks,
         })
@@ -543,7 +492,7 @@ impl DevicePlan {
             let (ptr, _guard) = buffer.device_ptr(stream);
             ptr
         };
-        let (num_m_blocks, num_n_blocks) = block_counts(host.q_len, host.kv_len, tile);
+        let (num_m_blocks, _) = block_counts(host.q_len, host.kv_len, tile);
         let (ws_num_m_blocks, _) = block_counts(host.q_len, host.kv_len, ws_tile());
         let (_, bwd_num_n_blocks) = block_counts(host.q_len, host.kv_len, bwd_tile());
         Ok(DevicePlan {
@@ -554,7 +503,6 @@ impl DevicePlan {
                 kv_len: host.kv_len,
                 tile,
                 num_m_blocks,
-                num_n_blocks,
                 ws_num_m_blocks,
                 bwd_num_n_blocks,
             },
@@ -685,7 +633,7 @@ mod tests {
     }
 
     /// The `Bwd*` arrays of `rows` against brute force: the lists are
-    /// `TileDescriptor::build`'s at [`BWD_TILE`] and classify every (query block, key block)
+    /// `TileDescriptor::build`'s at [`cm_kernels::BWD_TILE`] and classify every (query block, key block)
     /// tile exactly (all in-range pairs visible: full; none: in neither list; else partial),
     /// every bit of every partial tile's key-major mask is the pair's visibility (no bits
     /// past `q_len` or `kv_len`), and the key-block order is heaviest first. Returns the
@@ -842,7 +790,7 @@ mod tests {
         let (_, bwd_n) = block_counts(150, 150, bwd_tile());
         assert_eq!(bwd_n, 2);
         for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
-            if let Some(len) = a.fixed_len(150, m, n, ws_m, bwd_n) {
+            if let Some(len) = a.fixed_len(150, m, ws_m, bwd_n) {
                 assert_eq!(array.len(), len, "{}", a.name());
             }
         }

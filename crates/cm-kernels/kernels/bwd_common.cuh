@@ -60,8 +60,8 @@ struct CmBwdParams {
     i64 dk_stride_batch, dk_stride_head, dk_stride_row;
     i64 dv_stride_batch, dv_stride_head, dv_stride_row;
     i64 lse_stride_batch, lse_stride_head;
-    // Tile descriptor at BLOCK_M x BLOCK_N (see cm_plan::TileDescriptor): forward lists per
-    // query block, transposed lists per key block.
+    // Tile descriptor at BLOCK_M x BLOCK_N (see cm_plan::TileDescriptor): the forward lists
+    // per query block that bwd_dq walks.
     const u32* m_block_order;      // [num_m_blocks] query blocks, most tiles first
     const u32* kv_offsets;         // [num_m_blocks + 1]
     const u32* kv_indices;         // [num_partial]
@@ -70,12 +70,15 @@ struct CmBwdParams {
     const u32* partial_row_first;  // [num_partial, BLOCK_M]
     const u32* row_ptr;            // [q_len + 1]
     const CmKeyInterval* intervals;  // [num_intervals]
-    const u32* n_block_order;      // [num_n_blocks] key blocks, most tiles first
-    const u32* q_offsets;          // [num_n_blocks + 1]
-    const u32* q_indices;          // [num_partial] query blocks of each key block's partial tiles
-    const u32* q_partial_ids;      // [num_partial] position of that tile in the forward list
-    const u32* full_q_offsets;     // [num_n_blocks + 1]
-    const u32* full_q_indices;     // [num_full]
+    // The transposed lists at 64-row query tiles x 128-key blocks (cm_cuda::BWD_TILE) that
+    // bwd_dkdv walks, and the key-major visibility of each of their partial tiles: [num_partial,
+    // 128 keys, 2 u32] (bit b of word w: query row q_index * 64 + 32 w + b sees the key).
+    const u32* bwd_n_block_order;      // [bwd_num_n_blocks] key blocks, most tiles first
+    const u32* bwd_q_offsets;          // [bwd_num_n_blocks + 1]
+    const u32* bwd_q_indices;          // [num_partial]
+    const u32* bwd_full_q_offsets;     // [bwd_num_n_blocks + 1]
+    const u32* bwd_full_q_indices;     // [num_full]
+    const u32* bwd_partial_key_mask;   // [num_partial, 128, 2]
     u32 q_len;
     u32 kv_len;
     u32 q_pad;
@@ -87,6 +90,18 @@ struct CmBwdParams {
 };
 
 static_assert(sizeof(CmBwdParams) == 448, "must match cm_cuda::backward::BwdParams");
+
+// Columns of a dQ tile each of bwd_dkdv's two consumer warpgroups computes.
+#define CM_DQ_COLS (HEAD_DIM / 2)
+
+// Float offset, inside one 64 x HEAD_DIM tile of the fast mode's dQ accumulator, of
+// bwd_dkdv's accumulator element [j][e] of lane `lane` of warp `warp` of consumer `c`: row
+// 16 warp + lane / 4 + 8 (e >> 1), column c * CM_DQ_COLS + 8 j + 2 (lane % 4) + (e & 1), at
+// offset + e. A warp's four elements of one j are one 16-byte vector and its 32 vectors are
+// contiguous, so the shared-memory stores are conflict-free; bwd_post reads it back.
+__device__ __forceinline__ u32 cm_dq_offset(u32 c, u32 warp, u32 j, u32 lane) {
+    return (((c * 4 + warp) * (CM_DQ_COLS / 8) + j) * 32 + lane) * 4;
+}
 
 // Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into the swizzled tile at shared
 // address `tile`, zero-filling rows at or past `len` (zeros, never garbage that 0 * NaN could

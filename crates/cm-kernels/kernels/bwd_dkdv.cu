@@ -1,207 +1,285 @@
-// Backward dK / dV, one CTA of one warpgroup (4 warps) per (64-key block, kv head, batch):
-// walks the key block's query tiles from the transposed descriptor lists (partial tiles with
-// the forward's per-row limits, then full tiles with no mask code; empty tiles are never
-// visited) for every query head of the GQA group, so dK and dV of a kv head are summed in
-// registers in a fixed order: no atomics, the same bits run to run. All matrix products are
-// Hopper wgmma (sm_90a) on 128B-swizzled shared memory, FlashAttention-3's backward in one
-// warpgroup. Per 64-row query tile, with the key block's K and V resident:
-//   S^T = K Q^T, dP^T = V dO^T            SS wgmma, K-major operands (keys x queries, M = keys)
+// Backward dK / dV (and the fast mode's dQ), warp-specialised on Hopper after
+// FlashAttention-3's backward: one CTA of three warpgroups per (128-key block, kv head, batch),
+// key blocks heaviest first. The CTA walks the key block's 64-row query tiles from the
+// transposed descriptor lists at 64 x 128 (cm_cuda::BWD_TILE: partial tiles first, then full
+// tiles with no mask code; empty tiles are never visited) for every query head of the GQA
+// group, so dK and dV of a kv head are summed in registers in a fixed order: no atomics, the
+// same bits run to run.
+//
+// Warpgroup 0 is the producer: one thread loads K and V once (TMA), then streams each query
+// tile's Q and dO (TMA), its lse_log2 and delta rows and, for a partial tile, its key-major
+// visibility bits (bulk copies) into a two-stage ring guarded by "full" and "empty" mbarriers.
+// Warpgroups 1 and 2 are consumers that own keys 0..63 and 64..127 of the block; per tile,
+//   S^T = K Q^T, dP^T = V dO^T            SS wgmma, keys x queries (M = this warpgroup's keys)
 //   P^T = exp2(S^T c log2e - lse_log2), dS^T = P^T (dP^T - delta)      in registers
-//   dV += P^T dO, dK += dS^T Q             RS wgmma, dO and Q tiles read MN-major
-// Warp w holds keys 16 w .. 16 w + 15 of every product (the m16n8 accumulator layout).
-// When the workspace has a dQ accumulator (the fast mode) it also computes dQ = dS K for the
-// tile: dS^T goes to a swizzled shared tile and is read back as an MN-major A operand, K as an
-// MN-major B operand, and the product is added into the fp32 workspace with vector atomic
-// reductions, whose order between CTAs varies run to run; bwd_post scales and rounds it.
-// Without the accumulator (the deterministic mode) dQ is left to bwd_dq; the mode is a
-// uniform branch. Q, dO and the row statistics of the next tile stream in (cp.async, double
-// buffered) while the current one is computed, and the next partial tile's per-row key masks
-// are computed while the current tile's first products run.
+//   dV += P^T dO, dK += dS^T Q             RS wgmma, dO and Q read MN-major
+// Warp w of a consumer holds keys 16 w .. 16 w + 15 of its 64 (the m16n8 accumulator layout).
+// With a dQ accumulator in the workspace (the fast mode) both consumers also write dS^T to a
+// double-buffered shared tile, meet on a named barrier, and each computes half of the tile's
+// dQ = dS K (split along head_dim; dS read MN-major from the dS^T tile, K read MN-major), stores
+// it to shared memory in the accumulator's fragment-ordered layout (conflict-free; bwd_post
+// reads it back into row order), and one thread adds the whole 64 x head_dim tile into the
+// fp32 accumulator with a single bulk asynchronous reduction (cp.reduce.async.bulk .add.f32),
+// which overlaps the next tile. The order of those additions between CTAs varies run to run.
+// Without the accumulator (the deterministic mode) the consumers never synchronise with each
+// other and dQ is left to bwd_dq; the mode is a uniform branch.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
 // CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
 #include "bwd_common.cuh"
+#include "tma.cuh"
 
-// Shared memory from a 1024-byte-aligned base: K, V, two stages of Q and dO, dS^T
-// ([64 keys][64 queries], one swizzle atom wide), then two stages of lse_log2 and delta
-// (64 f32 each) and of the per-row key visibility of a partial tile (64 u64).
-#define DS_BYTES (BLOCK_N * BLOCK_M * 2)
-#define OFF_V TILE_BYTES
-#define OFF_Q (2 * TILE_BYTES)
-#define OFF_DO (4 * TILE_BYTES)
-#define OFF_DS (6 * TILE_BYTES)
-#define OFF_STATS (OFF_DS + DS_BYTES)
-#define OFF_BITS (OFF_STATS + 2 * 2 * BLOCK_M * 4)
-#define SMEM_BYTES (OFF_BITS + 2 * BLOCK_M * 8 + 1024)
+// Keys per CTA (two consumer warpgroups of 64) and threads (producer + two consumers).
+#define KEY_BLOCK 128
+#define DKDV_THREADS 384
+#define STAGES 2
+// K or V of the key block: HEAD_DIM / 64 column atoms of [128 rows][128 bytes].
+#define KV_BYTES (KEY_BLOCK * HEAD_DIM * 2)
+// dS^T of one tile: [128 keys][64 queries], one column atom.
+#define DS_BYTES (KEY_BLOCK * BLOCK_M * 2)
+// The tile's dQ in fp32, fragment-ordered (see dq_offset).
+#define DQ_BYTES (BLOCK_M * HEAD_DIM * 4)
+#define STATS_BYTES (2 * BLOCK_M * 4)
+#define MASK_BYTES (KEY_BLOCK * 8)
+
+#define OFF_V KV_BYTES
+#define OFF_Q (2 * KV_BYTES)
+#define OFF_DO (OFF_Q + STAGES * TILE_BYTES)
+#define OFF_DS (OFF_DO + STAGES * TILE_BYTES)
+#define OFF_DQ (OFF_DS + STAGES * DS_BYTES)
+#define OFF_STATS (OFF_DQ + DQ_BYTES)
+#define OFF_MASK (OFF_STATS + STAGES * STATS_BYTES)
+#define OFF_BARS (OFF_MASK + STAGES * MASK_BYTES)
+#define SMEM_BYTES (OFF_BARS + 64 + 1024)
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
 
-// dq_accum[0..2) += (a, b): one vector reduction (sm_90) instead of two scalar atomics.
-__device__ __forceinline__ void cm_red_add2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+// Producer and consumer register budgets: 128 x 24 + 256 x 240 <= 65536.
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
+#define CONSUMER_WARPS 8
+
+#define BAR_KV 0
+#define BAR_FULL(s) (1 + (s))
+#define BAR_EMPTY(s) (1 + STAGES + (s))
+// Named barriers of the 256 consumer threads (0 is __syncthreads).
+#define NAMED_DS 1
+#define NAMED_DQ 2
+
+__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// Copies `bytes` (a multiple of 16) from global `src` to shared `dst`, completing that many
+// bytes of `bar`'s transaction count.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
 }
 
-// One query tile of the walk: `it` counts heads outer, tiles inner (the fixed order of the
-// fp32 sums).
-struct BwdTile {
+struct DkdvTile {
     u32 head;
     u32 row0;
     bool partial;
-    u32 partial_id;  // index of the tile in the forward's partial list (partial tiles only)
+    u32 index;  // position in the transposed partial (or full) list
 };
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const CmBwdParams p) {
+__device__ __forceinline__ DkdvTile dkdv_tile(const CmBwdParams& p, u32 kv_head, u32 p_begin, u32 num_partial,
+                                              u32 f_begin, u32 num_tiles, u32 it) {
+    const u32 head_in_group = it / num_tiles;
+    const u32 ti = it - head_in_group * num_tiles;
+    DkdvTile tl;
+    tl.head = kv_head * p.heads_per_kv_head + head_in_group;
+    tl.partial = ti < num_partial;
+    tl.index = tl.partial ? p_begin + ti : f_begin + ti - num_partial;
+    tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
+    return tl;
+}
+
+// P^T and dS^T of one tile in place (s becomes P^T, dp becomes dS^T). Element [j][e] is key
+// 16 warp + g + 8 (e >> 1) of this consumer, query 8 j + 2 t + (e & 1). A masked pair gets
+// exponent -inf whatever its score, so P = 0 and dS = 0 exactly.
+template <bool MASKED>
+__device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4],
+                                              const float* lse2s, const float* deltas, const u64 (&bits)[2],
+                                              float scale_log2, int t) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j) {
+        const float2 lse2v = *reinterpret_cast<const float2*>(lse2s + j * 8 + t * 2);
+        const float2 dlv = *reinterpret_cast<const float2*>(deltas + j * 8 + t * 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = e & 1;
+            const float lse2 = c ? lse2v.y : lse2v.x;
+            const float dl = c ? dlv.y : dlv.x;
+            float x = fmaf(s[j][e], scale_log2, -lse2);
+            if (MASKED) {
+                // bits[h] is already shifted right by 2 t.
+                if (!((bits[e >> 1] >> (j * 8 + c)) & 1ull)) x = cm_neg_inf();
+            }
+            const float pr = cm_exp2(x);
+            s[j][e] = pr;
+            dp[j][e] = pr * (dp[j][e] - dl);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
+    cm_bwd_dkdv(const __grid_constant__ CmBwdParams p, const __grid_constant__ CmTensorMap tm_q,
+                const __grid_constant__ CmTensorMap tm_do, const __grid_constant__ CmTensorMap tm_k,
+                const __grid_constant__ CmTensorMap tm_v) {
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (base - cm_smem_addr(smem_raw));
     const u32 sK = base;
     const u32 sV = base + OFF_V;
-    const u32 sDS = base + OFF_DS;
-    float* sStats = reinterpret_cast<float*>(smem + OFF_STATS);  // [stage][lse | delta][64]
-    u64* sBits = reinterpret_cast<u64*>(smem + OFF_BITS);        // [stage][64]
+    const u32 sDQ = base + OFF_DQ;
+    auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
-    const u32 n_block = p.n_block_order[blockIdx.x];
+    const u32 n_block = p.bwd_n_block_order[blockIdx.x];
     const u32 kv_head = blockIdx.y;
     const u32 batch = blockIdx.z;
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2;  // fragment row within the warp's 16 keys (and g + 8)
-    const int t = lane & 3;   // fragment column pair
-    const u32 key0 = n_block * BLOCK_N;
-
-    const u32 p_begin = p.q_offsets[n_block];
-    const u32 num_partial = p.q_offsets[n_block + 1] - p_begin;
-    const u32 f_begin = p.full_q_offsets[n_block];
-    const u32 num_tiles = num_partial + (p.full_q_offsets[n_block + 1] - f_begin);
+    const u32 key0 = n_block * KEY_BLOCK;
+    const u32 p_begin = p.bwd_q_offsets[n_block];
+    const u32 num_partial = p.bwd_q_offsets[n_block + 1] - p_begin;
+    const u32 f_begin = p.bwd_full_q_offsets[n_block];
+    const u32 num_tiles = num_partial + (p.bwd_full_q_offsets[n_block + 1] - f_begin);
     const u32 total = num_tiles * p.heads_per_kv_head;
-
-    const u16* k = p.k + batch * p.k_stride_batch + kv_head * p.k_stride_head;
-    const u16* v = p.v + batch * p.v_stride_batch + kv_head * p.v_stride_head;
     const bool atomic_dq = p.dq_accum != nullptr;
 
-    auto tile_at = [&](u32 it) -> BwdTile {
-        const u32 head_in_group = it / num_tiles;
-        const u32 ti = it - head_in_group * num_tiles;
-        BwdTile tl;
-        tl.head = kv_head * p.heads_per_kv_head + head_in_group;
-        tl.partial = ti < num_partial;
-        tl.partial_id = tl.partial ? p.q_partial_ids[p_begin + ti] : 0;
-        tl.row0 = (tl.partial ? p.q_indices[p_begin + ti] : p.full_q_indices[f_begin + ti - num_partial]) * BLOCK_M;
-        return tl;
-    };
-    // Q, dO and the row statistics of tile `tl` into stage `st` (no commit).
-    auto load_tile = [&](const BwdTile& tl, u32 st) {
-        const u64 bh = (u64)batch * p.num_heads + tl.head;
-        cm_bwd_load_tile(base + OFF_Q + st * TILE_BYTES, p.q + batch * p.q_stride_batch + tl.head * p.q_stride_head,
-                         p.q_stride_row, tl.row0, p.q_len);
-        cm_bwd_load_tile(base + OFF_DO + st * TILE_BYTES,
-                         p.dout + batch * p.do_stride_batch + tl.head * p.do_stride_head, p.do_stride_row, tl.row0,
-                         p.q_len);
-        float* stats = sStats + st * 2 * BLOCK_M;
-        cm_bwd_load_row_stats(stats, stats + BLOCK_M, p.lse_log2 + bh * p.q_pad, p.delta + bh * p.q_pad, tl.row0);
-    };
-    // The key masks of a partial tile's 64 rows into stage `st`: the even threads of every
-    // warp take one row each, so each warp waits on the interval walk of 16 rows.
-    auto row_bits = [&](const BwdTile& tl, u32 st) {
-        if (tl.partial && (threadIdx.x & 1) == 0) {
-            const u32 r = threadIdx.x >> 1;
-            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, tl.partial_id, r, tl.row0, key0);
+    if (threadIdx.x == 0) {
+        cm_mbar_init(bar(BAR_KV), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            cm_mbar_init(bar(BAR_FULL(s)), 1);
+            cm_mbar_init(bar(BAR_EMPTY(s)), CONSUMER_WARPS);
         }
-    };
+        cm_mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        cm_regs_dealloc<PRODUCER_REGS>();
+        if (threadIdx.x == 0 && total > 0) {
+            cm_tma_prefetch_map(&tm_q);
+            cm_tma_prefetch_map(&tm_do);
+            cm_mbar_arrive_expect_tx(bar(BAR_KV), 2 * KV_BYTES);
+#pragma unroll
+            for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
+                cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
+            }
+            for (u32 it = 0; it < total; ++it) {
+                const u32 s = it % STAGES;
+                const DkdvTile tl = dkdv_tile(p, kv_head, p_begin, num_partial, f_begin, num_tiles, it);
+                const u64 rows = ((u64)batch * p.num_heads + tl.head) * p.q_pad + tl.row0;
+                cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
+                const u32 full = bar(BAR_FULL(s));
+                cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
+                const u32 sQ = base + OFF_Q + s * TILE_BYTES;
+                const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+#pragma unroll
+                for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                    cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, tl.head, batch);
+                    cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, tl.head, batch);
+                }
+                const u32 stats = base + OFF_STATS + s * STATS_BYTES;
+                bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
+                bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
+                if (tl.partial) {
+                    bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
+                              MASK_BYTES, full);
+                }
+            }
+        }
+        return;
+    }
+
+    cm_regs_alloc<CONSUMER_REGS>();
+    const u32 c = warpgroup - 1;  // this consumer's keys: 64 c .. 64 c + 63 of the block
+    const int warp = (threadIdx.x >> 5) & 3;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    // The thread that issues the dQ reductions (it alone can wait for them).
+    const bool dq_issuer = threadIdx.x == 128;
+    const u32 sKc = sK + c * 64 * 128;
+    const u32 sVc = sV + c * 64 * 128;
 
     float acc_dk[HEAD_DIM / 8][4];
     float acc_dv[HEAD_DIM / 8][4];
+    float acc_dq[CM_DQ_COLS / 8][4];
+    float sc[BLOCK_M / 8][4];
+    float dp[BLOCK_M / 8][4];
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
     }
-
-    BwdTile cur;
-    if (total > 0) {
-        cur = tile_at(0);
-        cm_bwd_load_tile(sK, k, p.k_stride_row, key0, p.kv_len);
-        cm_bwd_load_tile(sV, v, p.v_stride_row, key0, p.kv_len);
-        load_tile(cur, 0);
-        cm_cp_async_commit();
-        row_bits(cur, 0);
+    // Every product that writes these starts with accumulate = 0; zeroing them once keeps
+    // their first use from reading undefined registers.
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] = dp[j][e] = 0.f;
     }
+#pragma unroll
+    for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
+    }
+    if (total > 0) cm_mbar_wait(bar(BAR_KV), 0);
 
     for (u32 it = 0; it < total; ++it) {
-        const u32 st = it & 1;
-        const u32 sQ = base + OFF_Q + st * TILE_BYTES;
-        const u32 sdO = base + OFF_DO + st * TILE_BYTES;
-        const bool has_next = it + 1 < total;
-        BwdTile next;
-        if (has_next) {
-            // Stage st ^ 1 was last read in iteration it - 1, before its closing barrier.
-            next = tile_at(it + 1);
-            load_tile(next, st ^ 1);
-        }
-        cm_cp_async_commit();
-        cm_cp_async_wait<1>();  // tile it (and K, V) landed; only tile it + 1 may be in flight
-        cm_fence_proxy_async();
-        __syncthreads();
+        const u32 s = it % STAGES;
+        const u32 head_in_group = it / num_tiles;
+        const bool partial = it - head_in_group * num_tiles < num_partial;
+        const u32 sQ = base + OFF_Q + s * TILE_BYTES;
+        const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+        const u32 sDS = base + OFF_DS + s * DS_BYTES;
+        cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
 
-        // S^T and dP^T: keys x queries, contraction over head_dim.
-        float s[BLOCK_M / 8][4];
-        float dp[BLOCK_M / 8][4];
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-        }
+        // S^T and dP^T: this consumer's 64 keys x the tile's 64 queries, contraction over
+        // head_dim. The keys are a 64-row slice of the 128-row K and V tiles (same column
+        // atoms, 64 rows in).
         cm_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            cm_wgmma_n64_ss(s, cm_desc_k_major(sK, BLOCK_N, ks), cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
+            cm_wgmma_n64_ss(sc, cm_wgmma_desc(sKc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                            cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
         }
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            cm_wgmma_n64_ss(dp, cm_desc_k_major(sV, BLOCK_N, ks), cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
+            cm_wgmma_n64_ss(dp, cm_wgmma_desc(sVc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                            cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
         }
         cm_wgmma_commit();
-        // While they run: the next partial tile's key masks (stage st ^ 1 was last read in
-        // iteration it - 1).
-        if (has_next) row_bits(next, st ^ 1);
+        // While they run: this thread's two key rows' visibility of the tile's 64 queries,
+        // shifted to its query columns.
+        u64 bits[2] = {0, 0};
+        if (partial) {
+            const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + s * MASK_BYTES);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
+        }
         cm_wgmma_wait<0>();
-        cm_fence_acc(s);
+        cm_fence_acc(sc);
         cm_fence_acc(dp);
 
-        // P^T and dS^T. Element [j][e] is key 16 warp + g + 8 (e >> 1), query 8 j + 2 t + (e & 1).
-        // A masked pair gets exponent -inf whatever its score, so P = 0 and dS = 0 exactly.
-        const float* sLse = sStats + st * 2 * BLOCK_M;
-        const float* sDelta = sLse + BLOCK_M;
-        const u64* bits_st = sBits + st * BLOCK_M;
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-            const float2 lse2v = *reinterpret_cast<const float2*>(sLse + j * 8 + t * 2);
-            const float2 dlv = *reinterpret_cast<const float2*>(sDelta + j * 8 + t * 2);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int col = j * 8 + t * 2 + c;
-                const float lse2 = c ? lse2v.y : lse2v.x;
-                const float dl = c ? dlv.y : dlv.x;
-                const u64 bits = cur.partial ? bits_st[col] : ~0ull;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int e = h * 2 + c;
-                    const bool vis = (bits >> (warp * 16 + g + h * 8)) & 1ull;
-                    const float x = vis ? fmaf(s[j][e], p.scale_log2, -lse2) : cm_neg_inf();
-                    const float pr = cm_exp2(x);
-                    s[j][e] = pr;
-                    dp[j][e] = pr * (dp[j][e] - dl);
-                }
-            }
+        const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
+        if (partial) {
+            probabilities<true>(sc, dp, lse2s, lse2s + BLOCK_M, bits, p.scale_log2, t);
+        } else {
+            probabilities<false>(sc, dp, lse2s, lse2s + BLOCK_M, bits, p.scale_log2, t);
         }
 
         // The operands in the element type: P^T and dS^T as register A fragments (16 queries
-        // per k-step), and dS^T into its swizzled tile for dQ (last read by iteration it - 1's
-        // dQ product, finished before its closing barrier).
+        // per k-step), and dS^T into this stage's shared tile for dQ (last read by tile it - 2's
+        // dQ products, which both consumers finished before tile it - 1's NAMED_DQ barrier).
         u32 pa[BLOCK_M / 16][4];
         u32 dsa[BLOCK_M / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            cm_bwd_a_fragment(s, kk, pa[kk]);
+            cm_bwd_a_fragment(sc, kk, pa[kk]);
             cm_bwd_a_fragment(dp, kk, dsa[kk]);
         }
         if (atomic_dq) {
@@ -209,11 +287,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const C
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const u32 row = warp * 16 + g + h * 8;
+                    const u32 row = c * 64 + warp * 16 + g + h * 8;
                     // Queries 16 kk + 2 t (chunk 2 kk) and 16 kk + 8 + 2 t (chunk 2 kk + 1).
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk, BLOCK_N) + t * 4),
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk, KEY_BLOCK) + t * 4),
                                  "r"(dsa[kk][h]));
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk + 1, BLOCK_N) + t * 4),
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk + 1, KEY_BLOCK) +
+                                                                 t * 4),
                                  "r"(dsa[kk][2 + h]));
                 }
             }
@@ -227,50 +306,60 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dkdv(const C
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
         cm_wgmma_commit();
-        // Every warp's dS^T rows in shared memory (the barrier overlaps the products above).
-        if (atomic_dq) __syncthreads();
-        // The fragments must stay intact until the products have read them; waiting here
-        // also keeps them and the dQ accumulator from being live at once (no spill at
-        // head_dim 128).
+        if (atomic_dq) {
+            // The previous tile's reduction must have read the dQ tile before anyone rewrites
+            // it below; both halves of dS^T are in shared memory after the barrier.
+            if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            consumers_sync(NAMED_DS);
+        }
         cm_wgmma_wait<0>();
         cm_fence_acc(acc_dv);
         cm_fence_acc(acc_dk);
         cm_fence_frag(pa);
         cm_fence_frag(dsa);
+        // Q, dO, the statistics and the bits of stage s are no longer read.
+        __syncwarp();
+        if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
 
         if (atomic_dq) {
-            // dQ [queries x head_dim] = dS K, contraction over the block's 64 keys: A is dS read
-            // transposed from the dS^T tile, B the K tile read transposed.
-            float acc_dq[HEAD_DIM / 8][4];
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j) acc_dq[j][0] = acc_dq[j][1] = acc_dq[j][2] = acc_dq[j][3] = 0.f;
+            // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
+            // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
+            // at this consumer's columns (a column atom at head_dim 128, half of one at 64).
+            const u32 sK_cols = sK + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
             cm_wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            for (int kk = 0; kk < KEY_BLOCK / 16; ++kk) {
                 cm_wgmma_ss<1, 1>(acc_dq, cm_wgmma_desc(sDS + kk * 2048, BLOCK_M * 128, 1024),
-                                  cm_desc_mn_major(sK, BLOCK_N, kk), kk > 0);
+                                  cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
             }
             cm_wgmma_commit();
             cm_wgmma_wait<0>();
             cm_fence_acc(acc_dq);
-            const u64 bh = (u64)batch * p.num_heads + cur.head;
-            float* dq_rows = p.dq_accum + (bh * p.q_pad + cur.row0 + warp * 16) * HEAD_DIM;
 #pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    cm_red_add2(dq_rows + (g + h * 8) * HEAD_DIM + j * 8 + t * 2, acc_dq[j][h * 2],
-                                acc_dq[j][h * 2 + 1]);
-                }
+            for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c, warp, j, lane)),
+                             "f"(acc_dq[j][0]), "f"(acc_dq[j][1]), "f"(acc_dq[j][2]), "f"(acc_dq[j][3])
+                             : "memory");
+            }
+            cm_fence_proxy_async();
+            consumers_sync(NAMED_DQ);
+            if (dq_issuer) {
+                const DkdvTile tl = dkdv_tile(p, kv_head, p_begin, num_partial, f_begin, num_tiles, it);
+                float* dst = p.dq_accum + (((u64)batch * p.num_heads + tl.head) * p.q_pad + tl.row0) * HEAD_DIM;
+                asm volatile(
+                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(sDQ),
+                    "n"(DQ_BYTES)
+                    : "memory");
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
             }
         }
-        __syncthreads();  // every warp is done with stage st, dS^T and the statistics
-        if (has_next) cur = next;
     }
-    cm_cp_async_wait<0>();
+    // The last reduction must finish reading shared memory before the CTA exits.
+    if (dq_issuer) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 
+    const u32 row0 = key0 + c * 64;
     cm_bwd_store_rows(p.dk + batch * p.dk_stride_batch + kv_head * p.dk_stride_head, p.dk_stride_row, acc_dk,
-                      p.softmax_scale, key0, p.kv_len, warp, g, t);
+                      p.softmax_scale, row0, p.kv_len, warp, g, t);
     cm_bwd_store_rows(p.dv + batch * p.dv_stride_batch + kv_head * p.dv_stride_head, p.dv_stride_row, acc_dv, 1.f,
-                      key0, p.kv_len, warp, g, t);
+                      row0, p.kv_len, warp, g, t);
 }

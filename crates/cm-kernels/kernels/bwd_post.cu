@@ -1,7 +1,7 @@
 // Backward post-processing of the fast mode, one CTA of 128 threads per (64-row query block,
-// head, batch): dQ = softmax_scale * the fp32 accumulator that bwd_dkdv added into
-// atomically, rounded to the element type. Rows no tile reached were zeroed by bwd_pre, so
-// rows with no visible key get dQ = 0.
+// head, batch): dQ = softmax_scale * the fp32 accumulator that bwd_dkdv added into with bulk
+// reductions (in its fragment order, cm_dq_offset), rounded to the element type. Rows no tile
+// reached were zeroed by bwd_pre, so rows with no visible key get dQ = 0.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128).
 #include "bwd_common.cuh"
@@ -16,18 +16,26 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_post(const CmBw
     u16* dq = p.dq + batch * p.dq_stride_batch + head * p.dq_stride_head;
     constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
 #pragma unroll
-    for (int c = threadIdx.x; c < BLOCK_M * CHUNKS_PER_ROW; c += NUM_THREADS) {
-        const u32 r = c / CHUNKS_PER_ROW;
-        const u32 col = (c % CHUNKS_PER_ROW) * 8;
+    for (int i = threadIdx.x; i < BLOCK_M * CHUNKS_PER_ROW; i += NUM_THREADS) {
+        const u32 r = i / CHUNKS_PER_ROW;
+        const u32 col = (i % CHUNKS_PER_ROW) * 8;
         if (row0 + r >= p.q_len) continue;
-        const float4 a = *reinterpret_cast<const float4*>(acc + r * HEAD_DIM + col);
-        const float4 b = *reinterpret_cast<const float4*>(acc + r * HEAD_DIM + col + 4);
-        const float s = p.softmax_scale;
+        // Row r's eight columns col .. col + 7 are element pair 2 h of lanes 4 (r % 8) .. + 3.
+        const u32 c = col / CM_DQ_COLS;
+        const u32 j = (col % CM_DQ_COLS) / 8;
+        const u32 at = cm_dq_offset(c, r / 16, j, (r % 8) * 4) + 2 * ((r / 8) % 2);
+        float v[8];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const float2 a = *reinterpret_cast<const float2*>(acc + at + 4 * t);
+            v[2 * t] = a.x * p.softmax_scale;
+            v[2 * t + 1] = a.y * p.softmax_scale;
+        }
         uint4 out;
-        out.x = cm_pack2(a.x * s, a.y * s);
-        out.y = cm_pack2(a.z * s, a.w * s);
-        out.z = cm_pack2(b.x * s, b.y * s);
-        out.w = cm_pack2(b.z * s, b.w * s);
+        out.x = cm_pack2(v[0], v[1]);
+        out.y = cm_pack2(v[2], v[3]);
+        out.z = cm_pack2(v[4], v[5]);
+        out.w = cm_pack2(v[6], v[7]);
         *reinterpret_cast<uint4*>(dq + (i64)(row0 + r) * p.dq_stride_row + col) = out;
     }
 }

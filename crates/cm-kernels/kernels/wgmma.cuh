@@ -163,8 +163,22 @@ __device__ __forceinline__ void cm_wgmma_n128_ss_t(float (&d)[16][4], u64 a, u64
         : "l"(a), "l"(b), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
 }
 
+// As cm_wgmma_n64_ss_t for m64n32k16 (d is [4][4]): half a 128-byte swizzle atom of N, for
+// head_dim-64 products split between two warpgroups.
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_n32_ss_t(float (&d)[4][4], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32" CM_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, %19, %20; }"
+        : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3)
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+}
+
 // d (+)= a * B at N = 64 (d [8][4]) or N = 128 (d [16][4]), A from registers, B K-major (0)
-// or MN-major (1): the head_dim-wide products pick the shape by overload.
+// or MN-major (1); cm_wgmma_ss likewise with both operands in shared memory, also at N = 32
+// (d [4][4]): the head_dim-wide products pick the shape by overload.
 template <int TNSP_B>
 __device__ __forceinline__ void cm_wgmma_rs(float (&d)[8][4], const u32 (&a)[4], u64 b, int accumulate) {
     cm_wgmma_n64<TNSP_B>(d, a, b, accumulate);
@@ -172,6 +186,10 @@ __device__ __forceinline__ void cm_wgmma_rs(float (&d)[8][4], const u32 (&a)[4],
 template <int TNSP_B>
 __device__ __forceinline__ void cm_wgmma_rs(float (&d)[16][4], const u32 (&a)[4], u64 b, int accumulate) {
     cm_wgmma_n128<TNSP_B>(d, a, b, accumulate);
+}
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_ss(float (&d)[4][4], u64 a, u64 b, int accumulate) {
+    cm_wgmma_n32_ss_t<TNSP_A, TNSP_B>(d, a, b, accumulate);
 }
 template <int TNSP_A, int TNSP_B>
 __device__ __forceinline__ void cm_wgmma_ss(float (&d)[8][4], u64 a, u64 b, int accumulate) {
