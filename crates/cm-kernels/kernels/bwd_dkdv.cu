@@ -94,31 +94,36 @@ __device__ __forceinline__ DkdvTile dkdv_tile(const CmBwdParams& p, u32 kv_head,
     return tl;
 }
 
-// P^T and dS^T of one tile in place (s becomes P^T, dp becomes dS^T). Element [j][e] is key
-// 16 warp + g + 8 (e >> 1) of this consumer, query 8 j + 2 t + (e & 1). A masked pair gets
-// exponent -inf whatever its score, so P = 0 and dS = 0 exactly.
+// P^T of one tile in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
+// consumer, query 8 j + 2 t + (e & 1). A masked pair gets exponent -inf whatever its score, so
+// P = 0 (and with it dS) exactly.
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4],
-                                              const float* lse2s, const float* deltas, const u64 (&bits)[2],
+__device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], const float* lse2s, const u64 (&bits)[2],
                                               float scale_log2, int t) {
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j) {
         const float2 lse2v = *reinterpret_cast<const float2*>(lse2s + j * 8 + t * 2);
-        const float2 dlv = *reinterpret_cast<const float2*>(deltas + j * 8 + t * 2);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = e & 1;
-            const float lse2 = c ? lse2v.y : lse2v.x;
-            const float dl = c ? dlv.y : dlv.x;
-            float x = fmaf(s[j][e], scale_log2, -lse2);
+            float x = fmaf(s[j][e], scale_log2, -(c ? lse2v.y : lse2v.x));
             if (MASKED) {
                 // bits[h] is already shifted right by 2 t.
                 if (!((bits[e >> 1] >> (j * 8 + c)) & 1ull)) x = cm_neg_inf();
             }
-            const float pr = cm_exp2(x);
-            s[j][e] = pr;
-            dp[j][e] = pr * (dp[j][e] - dl);
+            s[j][e] = cm_exp2(x);
         }
+    }
+}
+
+// dS^T = P^T (dP^T - delta) in place of dP^T (same element order as probabilities).
+__device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const float (&pr)[BLOCK_M / 8][4],
+                                            const float* deltas, int t) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j) {
+        const float2 dlv = *reinterpret_cast<const float2*>(deltas + j * 8 + t * 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = pr[j][e] * (dp[j][e] - ((e & 1) ? dlv.y : dlv.x));
     }
 }
 
@@ -247,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_wgmma_n64_ss(sc, cm_wgmma_desc(sKc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
                             cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
         }
+        cm_wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
             cm_wgmma_n64_ss(dp, cm_wgmma_desc(sVc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
@@ -261,27 +267,33 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 #pragma unroll
             for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
         }
-        cm_wgmma_wait<0>();
+        // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
+        // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
+        cm_wgmma_wait<1>();
         cm_fence_acc(sc);
-        cm_fence_acc(dp);
-
         const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
         if (partial) {
-            probabilities<true>(sc, dp, lse2s, lse2s + BLOCK_M, bits, p.scale_log2, t);
+            probabilities<true>(sc, lse2s, bits, p.scale_log2, t);
         } else {
-            probabilities<false>(sc, dp, lse2s, lse2s + BLOCK_M, bits, p.scale_log2, t);
+            probabilities<false>(sc, lse2s, bits, p.scale_log2, t);
         }
-
         // The operands in the element type: P^T and dS^T as register A fragments (16 queries
-        // per k-step), and dS^T into this stage's shared tile for dQ (last read by tile it - 2's
-        // dQ products, which both consumers finished before tile it - 1's NAMED_DQ barrier).
+        // per k-step).
         u32 pa[BLOCK_M / 16][4];
         u32 dsa[BLOCK_M / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            cm_bwd_a_fragment(sc, kk, pa[kk]);
-            cm_bwd_a_fragment(dp, kk, dsa[kk]);
-        }
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+        cm_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
+        cm_wgmma_commit();
+        cm_wgmma_wait<1>();
+        cm_fence_acc(dp);
+        score_grads(dp, sc, lse2s + BLOCK_M, t);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
+        // dS^T into this stage's shared tile for dQ (last read by tile it - 2's dQ products,
+        // which both consumers finished before tile it - 1's NAMED_DQ barrier).
         if (atomic_dq) {
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
@@ -299,10 +311,8 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_fence_proxy_async();
         }
 
-        // dV += P^T dO, dK += dS^T Q: contraction over the tile's 64 queries.
+        // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
         cm_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
         cm_wgmma_commit();
@@ -312,6 +322,8 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
             consumers_sync(NAMED_DS);
         }
+        // Waiting here keeps the fragments and the dQ accumulator from being live at once
+        // (no spill at head_dim 128).
         cm_wgmma_wait<0>();
         cm_fence_acc(acc_dv);
         cm_fence_acc(acc_dk);

@@ -77,24 +77,24 @@ __device__ __forceinline__ void cm_load_row_bits(u32 (&bits)[2][4], const CmFwdP
     }
 }
 
-// As cm_scale_and_mask for 128-key tiles whose partial rows come as visibility bits
+// Masks a 128-key tile's raw scores: a partial tile's rows come as visibility bits
 // (cm_load_row_bits): element [j][e] of row half h is key 8 j + 2 t + (e & 1), bit
-// (8 j + 2 t + e) % 32 of word j / 4.
-__device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
-                                                       const u32 (&bits)[2][4], u32 key0, int t) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
-    }
+// (8 j + 2 t + e) % 32 of word j / 4; a full tile that overhangs kv_len masks the zero-filled
+// keys past it. Masked scores become -inf.
+__device__ __forceinline__ void cm_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
+                                             const u32 (&bits)[2][4], u32 key0, int t) {
     if (partial) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+            // Shifted once by this thread's column pair, every test below is by a constant.
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) w[k] = bits[h][k] >> (t * 2);
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                const u32 w = bits[h][j >> 2] >> ((j & 3) * 8 + t * 2);
-                if (!(w & 1u)) s[j][h * 2] = cm_neg_inf();
-                if (!(w & 2u)) s[j][h * 2 + 1] = cm_neg_inf();
+                const u32 bit = 1u << ((j & 3) * 8);
+                if (!(w[j >> 2] & bit)) s[j][h * 2] = cm_neg_inf();
+                if (!(w[j >> 2] & (bit << 1))) s[j][h * 2 + 1] = cm_neg_inf();
             }
         }
     } else if (key0 + 128 > p.kv_len) {
@@ -106,6 +106,19 @@ __device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[16][4], const 
             }
         }
     }
+}
+
+// As cm_scale_and_mask for 128-key tiles whose partial rows come as visibility bits: scales
+// into the exp2 domain, then cm_mask_bits (scaling first keeps a masked score at -inf
+// whatever the sign of the scale).
+__device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
+                                                       const u32 (&bits)[2][4], u32 key0, int t) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+    }
+    cm_mask_bits(s, p, partial, bits, key0, t);
 }
 
 // Online softmax over one tile, score side: turns s into unnormalised probabilities against
@@ -133,6 +146,38 @@ __device__ __forceinline__ void cm_softmax_step(float (&s)[NB][4], float (&row_m
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float pe = cm_exp2(s[j][h * 2 + e] - m_use);
+                s[j][h * 2 + e] = pe;
+                sum += pe;
+            }
+        }
+        row_sum[h] = row_sum[h] * alpha[h] + sum;
+    }
+}
+
+// cm_softmax_step on raw (unscaled, masked) scores for a positive scale_log2, folding the
+// scale into the exponent (FlashAttention-3's exp2(s * scale - max * scale) as one FMA per
+// score instead of a separate multiply): the raw maximum scaled is the scaled maximum, and a
+// masked -inf stays -inf. row_max stays in the scaled log2 domain, as cm_softmax_step keeps it.
+template <int NB>
+__device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float scale_log2, float (&row_max)[2],
+                                                       float (&row_sum)[2], float (&alpha)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = cm_neg_inf();
+#pragma unroll
+        for (int j = 0; j < NB; ++j) mx = fmaxf(mx, fmaxf(s[j][h * 2], s[j][h * 2 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[h], mx * scale_log2);
+        const float m_use = mx == cm_neg_inf() ? 0.f : mx;
+        alpha[h] = cm_exp2(row_max[h] - m_use);
+        row_max[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pe = cm_exp2(fmaf(s[j][h * 2 + e], scale_log2, -m_use));
                 s[j][h * 2 + e] = pe;
                 sum += pe;
             }

@@ -278,10 +278,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             key0 = ws_n_block(p, w, it) * BLOCK_N;
             if (it < w.num_partial) cm_load_row_bits(bits, p, w.p_begin + it, BLOCK_M, warp, g);
         };
-        // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha.
+        // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha;
+        // a positive scale (the usual case; a uniform branch) folds into the exponent.
         auto softmax = [&](u32 it) {
-            cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
-            cm_softmax_step(sc, row_max, row_sum, alpha);
+            if (p.scale_log2 > 0.f) {
+                cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_softmax_step_folded(sc, p.scale_log2, row_max, row_sum, alpha);
+            } else {
+                cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_softmax_step(sc, row_max, row_sum, alpha);
+            }
         };
         auto pack_p = [&]() {
 #pragma unroll

@@ -306,6 +306,26 @@ fn cases() -> Vec<Case> {
             true,
             Some(0.5),
         ),
+        // A scale <= 0 takes fwd_ws's unfolded softmax (the scale cannot fold into the
+        // exponent's maximum); partial tiles must still mask to -inf.
+        (
+            "document_causal_scale-0.3",
+            masks::document_causal(1000, &w6),
+            (1, 4, 2),
+            (Bf16, 128),
+            Mem::Contiguous,
+            true,
+            Some(-0.3),
+        ),
+        (
+            "hstu_scale0",
+            masks::hstu(1000, &w2),
+            (1, 4, 2),
+            (F16, 64),
+            Mem::Contiguous,
+            true,
+            Some(0.0),
+        ),
     ] {
         let mut c = Case::new(name, mask, heads, combo, mem);
         c.lse = lse;
