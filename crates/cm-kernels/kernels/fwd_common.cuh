@@ -154,10 +154,19 @@ __device__ __forceinline__ void cm_softmax_step(float (&s)[NB][4], float (&row_m
     }
 }
 
+// The growth of a row's maximum (log2 domain) below which cm_softmax_step_folded keeps the
+// old one: probabilities against a stale maximum are at most 2^8, far from overflowing
+// fp16 / bf16 P or the fp32 sums, and the output needs no rescale (FlashAttention-4's
+// conditional rescaling).
+#define CM_RESCALE_THRESHOLD 8.0f
+
 // cm_softmax_step on raw (unscaled, masked) scores for a positive scale_log2, folding the
 // scale into the exponent (FlashAttention-3's exp2(s * scale - max * scale) as one FMA per
 // score instead of a separate multiply): the raw maximum scaled is the scaled maximum, and a
-// masked -inf stays -inf. row_max stays in the scaled log2 domain, as cm_softmax_step keeps it.
+// masked -inf stays -inf. row_max stays in the scaled log2 domain, as cm_softmax_step keeps
+// it, but moves only when the tile's maximum exceeds it by more than CM_RESCALE_THRESHOLD
+// (alpha is then exactly 1 and cm_rescale_if_needed skips the multiply); the sum and the
+// output stay relative to the same row_max, so out and lse are unchanged.
 template <int NB>
 __device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float scale_log2, float (&row_max)[2],
                                                        float (&row_sum)[2], float (&alpha)[2]) {
@@ -168,7 +177,8 @@ __device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float 
         for (int j = 0; j < NB; ++j) mx = fmaxf(mx, fmaxf(s[j][h * 2], s[j][h * 2 + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(row_max[h], mx * scale_log2);
+        mx *= scale_log2;
+        mx = mx > row_max[h] + CM_RESCALE_THRESHOLD ? mx : row_max[h];
         const float m_use = mx == cm_neg_inf() ? 0.f : mx;
         alpha[h] = cm_exp2(row_max[h] - m_use);
         row_max[h] = mx;
@@ -195,6 +205,13 @@ __device__ __forceinline__ void cm_rescale(float (&acc_o)[ND][4], const float (&
         acc_o[j][2] *= alpha[1];
         acc_o[j][3] *= alpha[1];
     }
+}
+
+// cm_rescale unless every row of the warp keeps its maximum (alpha exactly 1), which after
+// the first tiles of a row is the common case; the vote is warp-uniform.
+template <int ND>
+__device__ __forceinline__ void cm_rescale_if_needed(float (&acc_o)[ND][4], const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) cm_rescale(acc_o, alpha);
 }
 
 // Online softmax over one tile with the output rescaled at once (kernels that run the

@@ -327,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             cm_fence_acc(acc_o);
             cm_fence_frag(pa);
             release(BAR_V_EMPTY((tile_no + it - 1) % STAGES));
-            cm_rescale(acc_o, alpha);
+            cm_rescale_if_needed(acc_o, alpha);
             pack_p();
         }
         if (n > 0) {
