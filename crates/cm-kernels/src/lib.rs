@@ -337,13 +337,18 @@ pub struct PtxasReport {
     pub stack_frame_bytes: u32,
     /// Bytes of static shared memory per CTA.
     pub shared_bytes: u32,
+    /// ptxas serialised the function's wgmma instructions (its C7520 "Potential Performance
+    /// Loss" note): each product then waits for the previous one, several times slower.
+    pub wgmma_serialized: bool,
 }
 
 /// Extracts the report of `entry` from an NVRTC log compiled with `--ptxas-options=-v`.
 ///
 /// ptxas prints, per function, `Compiling entry function 'NAME'`, then
 /// `N bytes stack frame, N bytes spill stores, N bytes spill loads` and
-/// `Used N registers, ... N bytes smem, ...`.
+/// `Used N registers, ... N bytes smem, ...`. Notes about a function that ptxas prints before
+/// those sections (`... wgmma.mma_async instructions are serialized ... in the function
+/// 'NAME'`) are read from the whole log.
 ///
 /// # Errors
 /// A message when the log has no report for `entry` (e.g. `-v` was dropped).
@@ -375,14 +380,27 @@ pub fn parse_ptxas_log(log: &str, entry: &str) -> Result<PtxasReport, String> {
         spill_load_bytes: number_before(section, "bytes spill loads").unwrap_or(0),
         stack_frame_bytes: number_before(section, "bytes stack frame").unwrap_or(0),
         shared_bytes: number_before(used_line, "bytes smem").unwrap_or(0),
+        wgmma_serialized: log.lines().any(|line| {
+            line.contains("wgmma.mma_async instructions are serialized")
+                && line.contains(&format!("function '{entry}'"))
+        }),
     })
 }
 
-/// The build policy: forward kernels must not spill registers.
+/// The build policy: forward kernels must not spill registers, and no kernel may have its
+/// wgmma products serialised.
 ///
 /// # Errors
-/// A message naming the variant and the spill sizes.
+/// A message naming the variant and the spill sizes or the serialisation.
 pub fn check_report(variant: &Variant, report: &PtxasReport) -> Result<(), String> {
+    if report.wgmma_serialized {
+        return Err(format!(
+            "kernel {} has its wgmma products serialised by ptxas (C7520: a warpgroup.arrive \
+             the compiler had to insert, e.g. on a divergent path); keep every wgmma batch in \
+             warpgroup-uniform straight-line code with explicit cm_wgmma_fence",
+            variant.name()
+        ));
+    }
     let spills = report.spill_store_bytes + report.spill_load_bytes;
     if variant.kernel.is_forward() && spills > 0 {
         return Err(format!(
@@ -421,7 +439,8 @@ mod tests {
                 spill_store_bytes: 0,
                 spill_load_bytes: 0,
                 stack_frame_bytes: 0,
-                shared_bytes: 34816
+                shared_bytes: 34816,
+                wgmma_serialized: false,
             }
         );
         let other = parse_ptxas_log(LOG, "cm_other").unwrap();
@@ -436,6 +455,32 @@ mod tests {
         assert!(parse_ptxas_log(LOG, "missing")
             .unwrap_err()
             .contains("'missing'"));
+    }
+
+    #[test]
+    fn serialized_wgmma_fails_the_build() {
+        let log = format!(
+            "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are \
+             serialized due to program dependence on compiler-inserted WG.AR in divergent path in \
+             the function 'cm_fwd_simple'\n{LOG}"
+        );
+        let r = parse_ptxas_log(&log, "cm_fwd_simple").unwrap();
+        assert!(r.wgmma_serialized);
+        assert!(!parse_ptxas_log(&log, "cm_other").unwrap().wgmma_serialized);
+        assert!(
+            !parse_ptxas_log(LOG, "cm_fwd_simple")
+                .unwrap()
+                .wgmma_serialized
+        );
+        let bwd = VARIANTS
+            .iter()
+            .find(|v| v.kernel == KernelKind::BwdDkDv)
+            .unwrap();
+        let err = check_report(bwd, &r).unwrap_err();
+        assert!(
+            err.contains(&bwd.name()) && err.contains("serialised"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -470,8 +515,16 @@ mod tests {
             .iter()
             .filter(|v| v.dynamic_shared_bytes() > 0 && !v.kernel.is_forward())
         {
-            let ctas = if v.kernel == KernelKind::BwdDkDv { 1 } else { 2 };
-            assert!(ctas * v.dynamic_shared_bytes() <= 227 * 1024, "{}", v.name());
+            let ctas = if v.kernel == KernelKind::BwdDkDv {
+                1
+            } else {
+                2
+            };
+            assert!(
+                ctas * v.dynamic_shared_bytes() <= 227 * 1024,
+                "{}",
+                v.name()
+            );
             let define = format!("-DCM_DYNAMIC_SMEM_BYTES={}", v.dynamic_shared_bytes());
             assert!(v.defines().contains(&define), "{}", v.name());
         }
