@@ -414,6 +414,7 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
+        self.bind_context()?;
         check_buffer_len("q", args.q.0.len(), args.q.1.span_elements())?;
         check_buffer_len("k", args.k.0.len(), args.k.1.span_elements())?;
         check_buffer_len("v", args.v.0.len(), args.v.1.span_elements())?;
@@ -490,6 +491,7 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
+        self.bind_context()?;
         match prepare(plan, args)? {
             Some(launches) => self.launch_backward(stream, &launches),
             None => Ok(()),

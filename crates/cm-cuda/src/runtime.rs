@@ -180,6 +180,7 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
+        self.bind_context()?;
         check_buffer_len("q", args.q.0.len(), args.q.1.span_elements())?;
         check_buffer_len("k", args.k.0.len(), args.k.1.span_elements())?;
         check_buffer_len("v", args.v.0.len(), args.v.1.span_elements())?;
@@ -242,6 +243,7 @@ impl Runtime {
     ) -> Result<(), Error> {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
+        self.bind_context()?;
         match prepare(plan, args, self.forward_kernel)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
@@ -309,6 +311,16 @@ impl Runtime {
             ));
         }
         Ok(())
+    }
+
+    /// Makes the runtime's context current on the calling thread. Encoding a TMA descriptor
+    /// (`cuTensorMapEncodeTiled`) needs one, and a caller's thread may have none: PyTorch runs
+    /// backward passes on its own autograd threads, where the driver reported
+    /// `CUDA_ERROR_INVALID_CONTEXT`. Every launch entry point calls it before `prepare`.
+    pub(crate) fn bind_context(&self) -> Result<(), Error> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::driver("binding the CUDA context to this thread", e))
     }
 
     pub(crate) fn check_plan(&self, plan: &PlanView) -> Result<(), Error> {

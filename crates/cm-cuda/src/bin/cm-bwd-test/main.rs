@@ -394,6 +394,18 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
     let mut overlapping = l(4, 64);
     overlapping.strides[1] = 0;
     e.check("dq overlap", "overlap", bwd(overlapping, &mut ws, true));
+    // A thread with no current CUDA context (as PyTorch's autograd threads can be): the
+    // runtime binds its own before encoding the TMA descriptors.
+    let on_new_thread = std::thread::scope(|scope| {
+        scope
+            .spawn(|| bwd(l(4, 64), &mut ws, false))
+            .join()
+            .expect("the backward thread panicked")
+    });
+    e.accepts(
+        "backward on a thread with no current context",
+        on_new_thread,
+    );
     Ok(e.results)
 }
 

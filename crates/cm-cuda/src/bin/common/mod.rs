@@ -422,6 +422,23 @@ impl Expect {
     }
 }
 
+impl Expect {
+    /// Passes when `r` succeeded.
+    pub fn accepts(&mut self, what: &str, r: Result<(), cm_cuda::Error>) {
+        let (ok, msg) = match r {
+            Ok(()) => (true, "accepted".to_string()),
+            Err(e) => (false, e.to_string()),
+        };
+        println!(
+            "{} {} {what}: {msg}",
+            if ok { "PASS" } else { "FAIL" },
+            self.label
+        );
+        self.results
+            .push(json!({"case": what, "message": msg, "pass": ok}));
+    }
+}
+
 /// The command line both binaries take: `--seed N`, `--json PATH` and their own flags.
 pub struct Args {
     pub seed: u64,
