@@ -67,14 +67,6 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 
 __device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
-// Copies `bytes` (a multiple of 16) from global `src` to shared `dst`, completing that many
-// bytes of `bar`'s transaction count.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-
 struct DkdvTile {
     u32 head;
     u32 row0;
@@ -188,10 +180,10 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, tl.head, batch);
                 }
                 const u32 stats = base + OFF_STATS + s * STATS_BYTES;
-                bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
-                bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
+                cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
+                cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
                 if (tl.partial) {
-                    bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
+                    cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
                               MASK_BYTES, full);
                 }
             }

@@ -63,22 +63,8 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
     }
 }
 
-// The visibility words of this thread's two rows (r = 16 warp + g and r + 8) of a partial
-// 128-key tile, from the descriptor's per-row bits; one 16-byte load per row. Loaded ahead of
-// the scores so their latency hides behind the matrix product.
-__device__ __forceinline__ void cm_load_row_bits(u32 (&bits)[2][4], const CmFwdParams& p, u32 partial_index,
-                                                 u32 block_m, int warp, int g) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32* src = p.partial_row_mask + ((u64)partial_index * block_m + warp * 16 + g + h * 8) * 4;
-        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(bits[h][0]), "=r"(bits[h][1]), "=r"(bits[h][2]), "=r"(bits[h][3])
-                     : "l"(src));
-    }
-}
-
-// Masks a 128-key tile's raw scores: a partial tile's rows come as visibility bits
-// (cm_load_row_bits): element [j][e] of row half h is key 8 j + 2 t + (e & 1), bit
+// Masks a 128-key tile's raw scores: a partial tile's rows come as visibility bits (four
+// words per row, as cm_cuda's ws_partial_row_mask holds them): element [j][e] of row half h is key 8 j + 2 t + (e & 1), bit
 // (8 j + 2 t + e) % 32 of word j / 4; a full tile that overhangs kv_len masks the zero-filled
 // keys past it. Masked scores become -inf.
 __device__ __forceinline__ void cm_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,

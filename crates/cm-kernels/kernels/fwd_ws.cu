@@ -20,8 +20,9 @@
 // registers (setmaxnreg) so the consumers can hold S, P and O.
 //
 // 128x128 tiles: the descriptor's forward lists at that shape (cm_cuda::PlanArray::Ws*);
-// partial tiles read each row's visibility as 128 precomputed bits (one 16-byte load per row,
-// issued before the tile's scores are computed), so a row with many short runs of keys (2D
+// partial tiles read each row's visibility as 128 precomputed bits, which the producer copies
+// into shared memory with the tile's K (one bulk copy of 2 KB; a consumer reads its rows' 16
+// bytes once the scores are done), so a row with many short runs of keys (2D
 // windows in patch order) costs no more than one with a single run; empty tiles are never
 // loaded, full tiles run no mask code.
 //
@@ -43,9 +44,12 @@
 // Bytes of one 128-row tile, a multiple of 1024, so every tile and column atom stays
 // swizzle-atom aligned.
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
-// Q, STAGES x (K, V), then the barriers; plus 1 KB to align the start.
+// Q, STAGES x (K, V), the barriers, then STAGES x the visibility bits of a partial tile's 128
+// rows (16 bytes each); plus 1 KB to align the start.
 #define BAR_OFFSET ((1 + 2 * STAGES) * TILE_BYTES)
-#define SMEM_BYTES (BAR_OFFSET + 256 + 1024)
+#define BITS_OFFSET (BAR_OFFSET + 256)
+#define BITS_BYTES (BLOCK_M * 16)
+#define SMEM_BYTES (BITS_OFFSET + STAGES * BITS_BYTES + 1024)
 // Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536.
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
@@ -169,12 +173,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                     const int key0 = (int)(ws_n_block(p, w, it) * BLOCK_N);
                     const u32 sK = sK0 + s * TILE_BYTES;
                     const u32 sV = sV0 + s * TILE_BYTES;
+                    // A partial tile's row bits travel with its K tile (same slot, same barrier).
+                    const bool partial = it < w.num_partial;
                     cm_mbar_wait(bar(BAR_K_EMPTY(s)), phase ^ 1);
-                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), TILE_BYTES);
+                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), TILE_BYTES + (partial ? BITS_BYTES : 0));
 #pragma unroll
                     for (int a = 0; a < HEAD_DIM / 64; ++a) {
                         cm_tma_load4(sK + a * BLOCK_N * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head,
                                      w.batch);
+                    }
+                    if (partial) {
+                        cm_bulk_load(base + BITS_OFFSET + s * BITS_BYTES,
+                                     p.partial_row_mask + (u64)(w.p_begin + it) * BLOCK_M * 4, BITS_BYTES,
+                                     bar(BAR_K_FULL(s)));
                     }
                     cm_mbar_wait(bar(BAR_V_EMPTY(s)), phase ^ 1);
                     cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), TILE_BYTES);
@@ -271,12 +282,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             }
             cm_wgmma_commit();
         };
-        // Tile `it`'s first key and, when it is partial, the visibility bits of this thread's
-        // rows: loaded before the tile's scores are issued, used after.
+        // Tile `it`'s first key, read before its scores are issued.
         u32 key0 = 0;
-        auto load_bits = [&](u32 it) {
-            key0 = ws_n_block(p, w, it) * BLOCK_N;
-            if (it < w.num_partial) cm_load_row_bits(bits, p, w.p_begin + it, BLOCK_M, warp, g);
+        auto load_bits = [&](u32 it) { key0 = ws_n_block(p, w, it) * BLOCK_N; };
+        // When tile `it` (ring slot `slot`) is partial, the visibility bits of this thread's
+        // rows, which arrived with its K tile: read once its scores are done, before the slot
+        // is released.
+        auto read_bits = [&](u32 it, u32 slot) {
+            if (it < w.num_partial) {
+                const u32 tile_bits = base + BITS_OFFSET + (slot % STAGES) * BITS_BYTES;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(bits[h][0]), "=r"(bits[h][1]), "=r"(bits[h][2]), "=r"(bits[h][3])
+                                 : "r"(tile_bits + (warp * 16 + g + h * 8) * 16)
+                                 : "memory");
+                }
+            }
         };
         // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha;
         // a positive scale (the usual case; a uniform branch) folds into the exponent.
@@ -307,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             issue_s(tile_no);
             cm_wgmma_wait<0>();
             cm_fence_acc(sc);
+            read_bits(0, tile_no);
             release(BAR_K_EMPTY(tile_no % STAGES));
             if (n == 1) release(BAR_Q_EMPTY);
             softmax(0);
@@ -320,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             issue_pv(tile_no + it - 1);
             cm_wgmma_wait<1>();
             cm_fence_acc(sc);
+            read_bits(it, tile_no + it);
             release(BAR_K_EMPTY((tile_no + it) % STAGES));
             if (it + 1 == n) release(BAR_Q_EMPTY);
             softmax(it);

@@ -49,6 +49,15 @@ __device__ __forceinline__ void cm_tma_load4(u32 dst, const CmTensorMap* map, u3
         : "memory");
 }
 
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to
+// shared `dst` with the bulk copy engine, completing that many bytes of `bar`'s transaction
+// count.
+__device__ __forceinline__ void cm_bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cm_tma_prefetch_map(const CmTensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

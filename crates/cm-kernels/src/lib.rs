@@ -199,9 +199,9 @@ impl Variant {
             // Q, dO, two stages of K and V; two stages of row visibility; alignment.
             KernelKind::BwdDq => 6 * tile + 2 * 64 * 8 + 1024,
             // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 256
-            // bytes of mbarriers and work-item slots, and 1 KB to align the start to a swizzle
-            // atom.
-            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 256 + 1024,
+            // bytes of mbarriers and work-item slots, two stages of a partial tile's row bits
+            // (128 rows x 16 bytes), and 1 KB to align the start to a swizzle atom.
+            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 256 + 2 * 128 * 16 + 1024,
             _ => 0,
         }
     }
