@@ -129,34 +129,59 @@ pub fn read_source(path: &str) -> Result<String> {
     })
 }
 
-/// Integers separated by commas or whitespace, or `@FILE` holding them; `what` names the
-/// flag in errors.
-fn parse_ints(what: &str, text: &str) -> Result<Vec<i64>> {
-    let owned;
-    let body = match text.strip_prefix('@') {
-        Some(path) => {
-            owned = read_capped_text(path, &format!("the {what} file"))
-                .with_context(|| format!("{what}: cannot read `{path}`"))?;
-            owned.as_str()
+/// Integers separated by commas and / or whitespace (`0,5,12`, `[0, 5, 12]`, or one per line
+/// in a file). An empty entry (`0,,5`, a leading or trailing comma) is an error, as `--set`
+/// rejects it inline; errors name `what`, the entry and its position (from 0).
+fn parse_int_list(what: &str, text: &str) -> Result<Vec<i64>> {
+    let body = text.trim();
+    let body = body
+        .strip_prefix('[')
+        .and_then(|b| b.strip_suffix(']'))
+        .unwrap_or(body)
+        .trim();
+    if body.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for piece in body.split(',') {
+        let piece = piece.trim();
+        if piece.is_empty() {
+            bail!(
+                "{what}: empty entry at position {} (between two commas, or a comma at an end); \
+                 separate integers with single commas or whitespace, e.g. 0,5,12",
+                out.len()
+            );
         }
-        None => text,
-    };
-    let body = body.trim().trim_start_matches('[').trim_end_matches(']');
-    let items: Vec<&str> = body
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|x| !x.is_empty())
-        .collect();
+        for token in piece.split_whitespace() {
+            let at = out.len();
+            let v = token.replace('_', "").parse::<i64>().map_err(|e| match e.kind() {
+                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => anyhow!(
+                    "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
+                ),
+                _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
+            })?;
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// `text`, or the contents of FILE when `text` is `@FILE` (`what` names the flag in errors).
+fn text_or_file(what: &str, text: &str) -> Result<String> {
+    match text.strip_prefix('@') {
+        Some(path) => read_capped_text(path, &format!("the {what} file"))
+            .with_context(|| format!("{what}: cannot read `{path}`")),
+        None => Ok(text.to_string()),
+    }
+}
+
+/// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
+fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
+    let items = parse_int_list(&format!("error[CM0409]: {what}"), &text_or_file(what, text)?)?;
     if items.is_empty() {
         bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
     }
-    items
-        .iter()
-        .map(|x| {
-            x.parse::<i64>().map_err(|_| {
-                anyhow!("error[CM0409]: {what}: `{x}` is not an integer; give batch + 1 offsets from 0 separated by commas, e.g. 0,5,12")
-            })
-        })
-        .collect()
+    Ok(items)
 }
 
 impl MaskArgs {
@@ -169,9 +194,9 @@ impl MaskArgs {
             }
             return Ok(None);
         };
-        let cu_q = parse_ints("--cu-seqlens-q", q)?;
+        let cu_q = parse_offsets("--cu-seqlens-q", q)?;
         let cu_k = match &self.cu_seqlens_k {
-            Some(k) => parse_ints("--cu-seqlens-k", k)?,
+            Some(k) => parse_offsets("--cu-seqlens-k", k)?,
             None => cu_q.clone(),
         };
         Ok(Some(PackedShape::new(cu_q, cu_k).num_heads(self.num_heads)))
@@ -224,12 +249,17 @@ impl MaskArgs {
                     read_capped_text(path, "the --order permutation file").with_context(|| {
                         format!("--order: `{path}` is not `raster`, `auto` or a readable file")
                     })?;
-                let order: Result<Vec<u32>, _> = t
-                    .split(|c: char| c == ',' || c.is_whitespace())
-                    .filter(|x| !x.is_empty())
-                    .map(str::parse::<u32>)
-                    .collect();
-                OrderRequest::Explicit(order.map_err(|_| anyhow!("--order {path}: expected non-negative integers separated by commas or whitespace"))?)
+                let what = format!("--order {path}");
+                let order = parse_int_list(&what, &t)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        u32::try_from(v).map_err(|_| {
+                            anyhow!("{what}: entry {i} is {v}; a token order holds positions 0 ..= q_len - 1")
+                        })
+                    })
+                    .collect::<Result<Vec<u32>>>()?;
+                OrderRequest::Explicit(order)
             }
         };
         let mut seen: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
@@ -237,20 +267,12 @@ impl MaskArgs {
             let (name, value) = s
                 .split_once('=')
                 .ok_or_else(|| anyhow!("--set `{s}`: expected NAME=VALUE"))?;
-            let text = match value.strip_prefix('@') {
-                Some(path) => {
-                    let t = read_capped_text(path, &format!("the --set {name} value file"))
-                        .with_context(|| format!("--set {name}: cannot read `{path}`"))?;
-                    let items: Vec<&str> = t
-                        .split(|c: char| c == ',' || c.is_whitespace())
-                        .filter(|x| !x.is_empty())
-                        .collect();
-                    format!("[{}]", items.join(","))
-                }
-                None => value.to_string(),
+            let v: Value = if value.starts_with('@') {
+                let what = format!("--set {name}");
+                Value::Array(parse_int_list(&what, &text_or_file(&what, value)?)?.into())
+            } else {
+                compilemask::parse_value(value).map_err(|e| anyhow!("--set {name}: {}", e.message))?
             };
-            let v: Value = compilemask::parse_value(&text)
-                .map_err(|e| anyhow!("--set {name}: {}", e.message))?;
             let name = name.trim();
             if let Some(first) = seen.insert(name.to_string(), s.as_str()) {
                 bail!("--set: parameter `{name}` is given twice (`{first}` and `{s}`); give each parameter once");

@@ -387,3 +387,61 @@ fn show_refuses_other_extensions() {
         assert!(std::fs::read(&p).unwrap().starts_with(b"\x89PNG"));
     }
 }
+
+/// Integer lists read the same everywhere (`--cu-seqlens-q` inline or `@FILE`, `--set
+/// NAME=@FILE`, `--order FILE`): an empty entry is an error naming its position, not
+/// silently dropped, and a bad or out-of-range entry is named.
+#[test]
+fn integer_lists_reject_empty_and_bad_entries() {
+    let dir = scratch("integer_lists");
+    let plan = |extra: &[&str]| -> Vec<String> {
+        ["plan", "--builtin", "causal", "--json"]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    fn args(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    for bad in ["0,,5,12", ",0,5,12", "0,5,12,"] {
+        let v = plan(&["--cu-seqlens-q", bad]);
+        fails(&args(&v), &["--cu-seqlens-q", "empty entry at position"]);
+    }
+    let f = write(&dir, "offsets.txt", "0,\n,5,12\n");
+    let v = plan(&["--cu-seqlens-q", &format!("@{f}")]);
+    fails(&args(&v), &["empty entry at position 1"]);
+    // One per line, or comma and whitespace separated, is fine: 5 + 7 causal rows.
+    let f = write(&dir, "lines.txt", "0\n5\n12\n");
+    let v = plan(&["--cu-seqlens-q", &format!("@{f}")]);
+    let out = ok(&args(&v));
+    assert!(out.contains("\"visible_pairs\":43"), "{out}");
+    let v = plan(&["--cu-seqlens-q", "0,5,x"]);
+    fails(&args(&v), &["entry 2, `x`, is not an integer"]);
+    let v = plan(&["--cu-seqlens-q", "0,99999999999999999999"]);
+    fails(&args(&v), &["entry 1", "outside the 64-bit integer range"]);
+
+    let f = write(&dir, "lengths.txt", "3,,4");
+    let set = format!("lengths=@{f}");
+    fails(
+        &["plan", "--builtin", "document_causal", "--q-len", "7", "--set", &set],
+        &["--set lengths", "empty entry at position 1"],
+    );
+    fails(
+        &["plan", "--builtin", "causal", "--q-len", "7", "--set", "x=99999999999999999999"],
+        &["outside the 64-bit integer range"],
+    );
+
+    for (name, text, needle) in [
+        ("dup.txt", "0,1,,2", "empty entry at position 2"),
+        ("word.txt", "0 1 x 3", "entry 2, `x`, is not an integer"),
+        ("neg.txt", "0 1 -2 3", "entry 2 is -2"),
+        ("big.txt", "0 99999999999999999999", "entry 1"),
+    ] {
+        let f = write(&dir, name, text);
+        fails(
+            &["plan", "--builtin", "causal", "--q-len", "4", "--order", &f],
+            &["--order", needle],
+        );
+    }
+}

@@ -282,8 +282,14 @@ pub fn parse_value(text: &str) -> PResult<Value> {
             )
             .with_hint("separate integers with single commas, e.g. 2048,1536,3072"));
         }
-        let v = piece.replace('_', "").parse::<i64>().map_err(|_| {
-            PlanError::new("CM0308", None, format!("`{piece}` is not an integer")).with_hint(
+        let v = piece.replace('_', "").parse::<i64>().map_err(|e| {
+            let what = match e.kind() {
+                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
+                    "is outside the 64-bit integer range"
+                }
+                _ => "is not an integer",
+            };
+            PlanError::new("CM0308", None, format!("`{piece}` {what}")).with_hint(
                 "values are integers, or comma-separated integer lists such as 2048,1536,3072",
             )
         })?;
