@@ -424,11 +424,27 @@ fn integer_lists_reject_empty_and_bad_entries() {
     let f = write(&dir, "lengths.txt", "3,,4");
     let set = format!("lengths=@{f}");
     fails(
-        &["plan", "--builtin", "document_causal", "--q-len", "7", "--set", &set],
+        &[
+            "plan",
+            "--builtin",
+            "document_causal",
+            "--q-len",
+            "7",
+            "--set",
+            &set,
+        ],
         &["--set lengths", "empty entry at position 1"],
     );
     fails(
-        &["plan", "--builtin", "causal", "--q-len", "7", "--set", "x=99999999999999999999"],
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "7",
+            "--set",
+            "x=99999999999999999999",
+        ],
         &["outside the 64-bit integer range"],
     );
 
@@ -444,4 +460,18 @@ fn integer_lists_reject_empty_and_bad_entries() {
             &["--order", needle],
         );
     }
+}
+
+/// A diagnostic on a line of megabytes shows a window of it, not the whole line per
+/// diagnostic; the note still gives the true position.
+#[test]
+fn long_lines_are_cut_in_diagnostics() {
+    let dir = scratch("long_lines");
+    let program = format!("mask = q >= k{} & zz;\n", " & q >= k".repeat(20_000));
+    let f = write(&dir, "long.cmask", &program);
+    let err = fails(&["check", &f], &["CM0105", "...", "long.cmask:1:1156"]);
+    assert!(err.len() < 2_000, "{} bytes:\n{err}", err.len());
+    // Short lines are shown whole.
+    let f = write(&dir, "short.cmask", "mask = q >= k & zz;\n");
+    fails(&["check", &f], &["mask = q >= k & zz;", "short.cmask:1:17"]);
 }

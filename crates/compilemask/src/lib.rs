@@ -383,7 +383,55 @@ fn char_floor(source: &str, at: usize) -> usize {
     at
 }
 
-/// Renders diagnostics against their source, without colour (ariadne).
+/// Source lines longer than this many bytes are shown only around a diagnostic's labels.
+const MAX_SHOWN_LINE: usize = 240;
+
+/// Bytes of context kept on each side of the labels when a line is cut.
+const LINE_CONTEXT: usize = 80;
+
+/// What ariadne draws for one diagnostic: the source and its labels' byte ranges in it. When
+/// every label sits on one line longer than [`MAX_SHOWN_LINE`], that is a stand-in: the line's
+/// window around the labels (`...` where cut) at the same line number, so a one-line program of
+/// megabytes does not print megabytes per diagnostic.
+fn excerpt<'s>(
+    source: &'s str,
+    spans: &[std::ops::Range<usize>],
+) -> (std::borrow::Cow<'s, str>, Vec<std::ops::Range<usize>>) {
+    let whole = (std::borrow::Cow::Borrowed(source), spans.to_vec());
+    let lo = spans.iter().map(|r| r.start).min().unwrap_or(0);
+    let hi = spans.iter().map(|r| r.end).max().unwrap_or(0);
+    let line_start = source[..lo].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = source[lo..].find('\n').map_or(source.len(), |i| lo + i);
+    if line_end - line_start <= MAX_SHOWN_LINE || hi > line_end {
+        return whole;
+    }
+    let win_lo = char_floor(source, lo.saturating_sub(LINE_CONTEXT).max(line_start));
+    let win_hi = char_floor(
+        source,
+        (hi + LINE_CONTEXT).min(line_end).min(lo + MAX_SHOWN_LINE),
+    );
+    let mut text = "\n".repeat(source[..line_start].matches('\n').count());
+    if win_lo > line_start {
+        text.push_str("...");
+    }
+    let base = text.len();
+    text.push_str(&source[win_lo..win_hi]);
+    if win_hi < line_end {
+        text.push_str("...");
+    }
+    let moved = spans
+        .iter()
+        .map(|r| {
+            let at = |x: usize| base + x.clamp(win_lo, win_hi) - win_lo;
+            at(r.start)..at(r.end)
+        })
+        .collect();
+    (std::borrow::Cow::Owned(text), moved)
+}
+
+/// Renders diagnostics against their source, without colour (ariadne). Lines longer than
+/// [`MAX_SHOWN_LINE`] bytes are cut to a window around the labels (the header's column then
+/// counts within the window); the `at FILE:LINE:COL` note always gives the true position.
 pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
     use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
     let mut out = Vec::new();
@@ -393,9 +441,15 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         } else {
             ReportKind::Warning
         };
-        let start = char_floor(source, d.span.start as usize);
-        let end = char_floor(source, d.span.end as usize).max(start);
-        let mut report = Report::build(kind, (name, start..end))
+        let span = |sp: &Span| {
+            let start = char_floor(source, sp.start as usize);
+            start..char_floor(source, sp.end as usize).max(start)
+        };
+        let spans: Vec<_> = std::iter::once(span(&d.span))
+            .chain(d.related.iter().map(|(sp, _)| span(sp)))
+            .collect();
+        let (shown, spans) = excerpt(source, &spans);
+        let mut report = Report::build(kind, (name, spans[0].clone()))
             .with_config(
                 Config::default()
                     .with_color(false)
@@ -403,11 +457,9 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
             )
             .with_code(d.code)
             .with_message(&d.message)
-            .with_label(Label::new((name, start..end)).with_message(&d.label));
-        for (span, label) in &d.related {
-            let s = char_floor(source, span.start as usize);
-            let e = char_floor(source, span.end as usize).max(s);
-            report = report.with_label(Label::new((name, s..e)).with_message(label));
+            .with_label(Label::new((name, spans[0].clone())).with_message(&d.label));
+        for ((_, label), range) in d.related.iter().zip(&spans[1..]) {
+            report = report.with_label(Label::new((name, range.clone())).with_message(label));
         }
         if let Some(h) = &d.hint {
             report = report.with_help(h);
@@ -416,7 +468,7 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         report = report.with_note(format!("at {name}:{line}:{col}"));
         if report
             .finish()
-            .write((name, Source::from(source)), &mut out)
+            .write((name, Source::from(shown.as_ref())), &mut out)
             .is_err()
         {
             out.extend_from_slice(
