@@ -154,12 +154,17 @@ fn parse_int_list(what: &str, text: &str) -> Result<Vec<i64>> {
         }
         for token in piece.split_whitespace() {
             let at = out.len();
-            let v = token.replace('_', "").parse::<i64>().map_err(|e| match e.kind() {
-                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => anyhow!(
-                    "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
-                ),
-                _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
-            })?;
+            let v = token
+                .replace('_', "")
+                .parse::<i64>()
+                .map_err(|e| match e.kind() {
+                    std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
+                        anyhow!(
+                            "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
+                        )
+                    }
+                    _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
+                })?;
             out.push(v);
         }
     }
@@ -177,7 +182,10 @@ fn text_or_file(what: &str, text: &str) -> Result<String> {
 
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
 fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
-    let items = parse_int_list(&format!("error[CM0409]: {what}"), &text_or_file(what, text)?)?;
+    let items = parse_int_list(
+        &format!("error[CM0409]: {what}"),
+        &text_or_file(what, text)?,
+    )?;
     if items.is_empty() {
         bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
     }
@@ -271,7 +279,8 @@ impl MaskArgs {
                 let what = format!("--set {name}");
                 Value::Array(parse_int_list(&what, &text_or_file(&what, value)?)?.into())
             } else {
-                compilemask::parse_value(value).map_err(|e| anyhow!("--set {name}: {}", e.message))?
+                compilemask::parse_value(value)
+                    .map_err(|e| anyhow!("--set {name}: {}", e.message))?
             };
             let name = name.trim();
             if let Some(first) = seen.insert(name.to_string(), s.as_str()) {
