@@ -307,7 +307,7 @@ fn unknown_or_ill_typed_parameters() {
             "--set",
             &format!("lengths=@{bad}"),
         ],
-        &["--set lengths", "`four` is not an integer"],
+        &["--set lengths", "entry 1, `four`, is not an integer"],
     );
     fails(
         &[
@@ -367,7 +367,7 @@ fn unknown_or_ill_typed_parameters() {
             "--set",
             "window=99999999999999999999",
         ],
-        &["not an integer"],
+        &["outside the 64-bit integer range"],
     );
     let f = write(
         &dir,

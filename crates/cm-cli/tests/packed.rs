@@ -274,7 +274,7 @@ fn bad_packings_fail_clearly() {
     );
     fails(
         &with(&["--cu-seqlens-q", "0,5,x"]),
-        &["CM0409", "`x` is not an integer"],
+        &["CM0409", "entry 2, `x`, is not an integer"],
     );
     fails(&with(&["--cu-seqlens-q", ""]), &["CM0409", "is empty"]);
     fails(&with(&["--cu-seqlens-q", "0"]), &["CM0409", "1 entry"]);
@@ -288,7 +288,7 @@ fn bad_packings_fail_clearly() {
     );
     fails(
         &with(&["--cu-seqlens-q", "0,99999999999999999999"]),
-        &["CM0409", "not an integer"],
+        &["CM0409", "outside the 64-bit integer range"],
     );
     fails(
         &with(&["--cu-seqlens-q", "0,5", "--q-len", "5"]),
