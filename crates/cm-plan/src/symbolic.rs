@@ -813,28 +813,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                 rhs,
                 span,
             } => {
-                if p.n > 1 {
-                    return Err(self.single(p));
-                }
-                let env = self.env(p);
-                let d = self.bound.eval_int(div, &env)?;
-                if d == 0 {
-                    return Err(PlanError::new("CM0301", Some(div.span), "modulo by zero").into());
-                }
-                let r = self.bound.eval_int(rest, &env)?;
-                let v = self.bound.eval_int(rhs, &env)?;
-                let m = d.checked_abs().ok_or_else(|| overflow(*span))?;
+                let residue = self.kmod_residue(p, *alpha, rest, div, rhs, *span)?;
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-                let reachable = if d > 0 {
-                    (0..d).contains(&v)
-                } else {
-                    (d + 1..=0).contains(&v)
-                };
                 let mut eq = Vec::new();
-                if reachable {
-                    // alpha*k + r = v (mod d)  <=>  k = alpha*(v - r) (mod |d|).
-                    let target = bind::mul(*alpha, bind::sub(v, r, *span)?, *span)?;
-                    let c = bind::floor_mod(target, m, *span)?;
+                if let Some((c, m)) = residue {
                     let mut k = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
                     while k < hi {
                         if m == 1 {
@@ -903,6 +885,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 self.union(p, x, y)
             }
             Region::Inter(a, b) | Region::Diff(a, b) => {
+                let is_inter = matches!(r, Region::Inter(..));
+                if is_inter {
+                    if let Some(v) = self.sparse_first_inter(p, a, b, hull)? {
+                        return Ok(v);
+                    }
+                }
                 let x = self.region(p, a, hull)?;
                 if x.is_empty() {
                     return Ok(x);
@@ -913,7 +901,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     None
                 };
                 let y = self.region(p, b, inner)?;
-                if matches!(r, Region::Inter(..)) {
+                if is_inter {
                     self.inter(p, &x, &y)
                 } else {
                     let not_y = self.complement(p, &y)?;
@@ -932,6 +920,87 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
             }
         }
+    }
+
+    /// The keys `k` with `(alpha * k + rest) % div == rhs` in row `p` as `Some((c, m))`: every
+    /// `k` congruent to `c` modulo `m > 0`, or `None` when none is (`rhs` unreachable). Row-level
+    /// only: `div`, `rest` and `rhs` are evaluated once, so their errors do not depend on `k`.
+    fn kmod_residue(
+        &self,
+        p: &Piece,
+        alpha: i64,
+        rest: &Int,
+        div: &Int,
+        rhs: &Int,
+        span: Span,
+    ) -> F<Option<(i64, i64)>> {
+        if p.n > 1 {
+            return Err(self.single(p));
+        }
+        let env = self.env(p);
+        let d = self.bound.eval_int(div, &env)?;
+        if d == 0 {
+            return Err(PlanError::new("CM0301", Some(div.span), "modulo by zero").into());
+        }
+        let r = self.bound.eval_int(rest, &env)?;
+        let v = self.bound.eval_int(rhs, &env)?;
+        let m = d.checked_abs().ok_or_else(|| overflow(span))?;
+        let reachable = if d > 0 {
+            (0..d).contains(&v)
+        } else {
+            (d + 1..=0).contains(&v)
+        };
+        if !reachable {
+            return Ok(None);
+        }
+        // alpha*k + r = v (mod d)  <=>  k = alpha*(v - r) (mod |d|).
+        let target = bind::mul(alpha, bind::sub(v, r, span)?, span)?;
+        Ok(Some((bind::floor_mod(target, m, span)?, m)))
+    }
+
+    /// `a & b` when `a` is a `%` equality and `b` holds no `elementwise`: `a`'s keys are every
+    /// `m`-th key of the hull, so it is enumerated only within `b`'s keys, and
+    /// `(q - k) % 2 == 0 & q - 5 < k <= q` walks 5 keys per row, not kv_len / 2. Errors stay
+    /// those of left-to-right evaluation: `a`'s row-level values are evaluated first, and `b`
+    /// only when `a` has a key in the hull (the reference evaluates `b` only where `a`
+    /// holds; `b`'s errors do not depend on `k`, as it has no `elementwise`). `None` when the
+    /// sides are not of that form.
+    fn sparse_first_inter(
+        &self,
+        p: &Piece,
+        a: &Region,
+        b: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> F<Option<Vec<Iv>>> {
+        let Region::KMod {
+            alpha,
+            rest,
+            div,
+            equal: true,
+            rhs,
+            span,
+        } = a
+        else {
+            return Ok(None);
+        };
+        if contains_elementwise(b) {
+            return Ok(None);
+        }
+        let Some((c, m)) = self.kmod_residue(p, *alpha, rest, div, rhs, *span)? else {
+            return Ok(Some(Vec::new()));
+        };
+        let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+        let first = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
+        if first >= hi {
+            return Ok(Some(Vec::new()));
+        }
+        let y = self.region(p, b, hull)?;
+        if y.is_empty() {
+            return Ok(Some(y));
+        }
+        let inner = (y[0].s.v0.max(lo), y[y.len() - 1].e.v0.min(hi));
+        let x = self.region(p, a, Some(inner))?;
+        Ok(Some(self.inter(p, &y, &x)?))
     }
 
     /// Appends the keys of grid row `row` (flattened index of its slow coordinates) with x
@@ -1155,6 +1224,23 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
         }
         Ok(out)
+    }
+}
+
+/// Whether `r` holds an `elementwise` region, the only kind whose errors can depend on `k`.
+fn contains_elementwise(r: &Region) -> bool {
+    match r {
+        Region::Elementwise(..) => true,
+        Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) | Region::Cond(_, a, b) => {
+            contains_elementwise(a) || contains_elementwise(b)
+        }
+        Region::Not(a) => contains_elementwise(a),
+        Region::Rows(_)
+        | Region::KCmp { .. }
+        | Region::KDiv { .. }
+        | Region::KMod { .. }
+        | Region::Ball { .. }
+        | Region::Box { .. } => false,
     }
 }
 
