@@ -475,3 +475,26 @@ fn long_lines_are_cut_in_diagnostics() {
     let f = write(&dir, "short.cmask", "mask = q >= k & zz;\n");
     fails(&["check", &f], &["mask = q >= k & zz;", "short.cmask:1:17"]);
 }
+
+/// A descriptor over the entry limit says what to change (tiles or lengths) and no
+/// misleading total: the builder stops counting at the limit.
+#[test]
+fn descriptor_limit_names_the_remedies() {
+    let err = fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "100000",
+            "--tile",
+            "8x8",
+        ],
+        &[
+            "CM0404",
+            "more than 67108864 entries at 8x8 tiles",
+            "larger tiles or shorter sequences",
+        ],
+    );
+    assert!(!err.contains("67108865"), "{err}");
+}

@@ -15,7 +15,9 @@
 //! no rows; a sample with queries but no keys adds rows with no visible key. Neither is
 //! bound, so the mask's `require`s are not checked for them.
 
-use crate::plan::{row_intervals, MaskPlan, Plan, MAX_INTERVALS, MAX_TILE_ENTRIES};
+use crate::plan::{
+    row_intervals, too_many_tile_entries, MaskPlan, Plan, MAX_INTERVALS, MAX_TILE_ENTRIES,
+};
 use crate::rows::RowIntervals;
 use crate::symbolic::Solver;
 use crate::tiles::{TileDescriptor, TileShape};
@@ -327,10 +329,8 @@ pub fn plan_packed(
             Some(&id) => id,
             None => {
                 let id = masks.len() as u32;
-                let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).map_err(|n| {
-                    PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
-                        .with_hint("use larger tiles")
-                })?;
+                let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES)
+                    .map_err(|_| too_many_tile_entries(tile))?;
                 if hs > 1 {
                     seen.insert(rows.clone(), id);
                 }

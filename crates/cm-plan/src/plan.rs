@@ -17,6 +17,23 @@ pub const MAX_INTERVALS: usize = 1 << 27;
 /// so tiny tiles on long sequences fail clearly instead of exhausting memory.
 pub const MAX_TILE_ENTRIES: usize = 1 << 26;
 
+/// CM0404 for a mask whose descriptor at `tile` would exceed [`MAX_TILE_ENTRIES`] (the
+/// builder stops counting there, so no total is known).
+pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
+    PlanError::new(
+        "CM0404",
+        None,
+        format!(
+            "the tile descriptor needs more than {MAX_TILE_ENTRIES} entries at {}x{} tiles",
+            tile.block_m, tile.block_n
+        ),
+    )
+    .with_hint(
+        "it holds one entry per non-empty tile plus one per row of each partial tile: use \
+         larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)",
+    )
+}
+
 /// The compiled form of one distinct mask.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MaskPlan {
@@ -299,13 +316,12 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     // The solver's pieces are affine runs of the program's own rows; a
                     // permuted order has none, and is classified row by row.
                     let tiles = match order {
-                        None => TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES),
+                        None => {
+                            TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES)
+                        }
                         Some(_) => TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES),
                     }
-                    .map_err(|n| {
-                        PlanError::new("CM0404", None, format!("the tile descriptor needs more than {n} entries at {}x{} tiles (limit {MAX_TILE_ENTRIES})", tile.block_m, tile.block_n))
-                            .with_hint("use larger tiles")
-                    })?;
+                    .map_err(|_| too_many_tile_entries(tile))?;
                     if bs * hs > 1 {
                         seen.insert(rows.clone(), id);
                     }
