@@ -1,32 +1,18 @@
 //! `compilemask bench` end to end on any machine: bad arguments are refused before the GPU is
 //! touched, and a machine without a GPU or without embedded kernels gets a clear error.
 
-use std::process::{Command, Output};
+mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_compilemask");
+use common::{fails, run, stderr, stdout};
+use std::process::Output;
 
 fn bench(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("bench")
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
+    run(&[&["bench"][..], args].concat())
 }
 
 /// Exit code 1 or 2 (clap), no panic, every needle on stderr.
 fn refused(args: &[&str], needles: &[&str]) {
-    let o = bench(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        matches!(o.status.code(), Some(1) | Some(2)),
-        "{args:?}: {:?}\n{err}",
-        o.status
-    );
-    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}:\n{err}");
-    }
+    fails(&[&["bench"][..], args].concat(), needles);
 }
 
 #[test]
@@ -64,9 +50,9 @@ fn no_gpu_is_a_clear_error() {
     let small = ["--sizes", "256", "--workloads", "causal", "--runs", "3"];
     for extra in [&[][..], &["--bwd", "--deterministic"][..]] {
         let o = bench(&[&small[..], extra].concat());
-        let err = String::from_utf8_lossy(&o.stderr);
+        let err = stderr(&o);
         if o.status.success() {
-            let out = String::from_utf8_lossy(&o.stdout);
+            let out = stdout(&o);
             assert!(out.contains("W1") && out.contains("PASS"), "{out}");
             continue;
         }

@@ -2,78 +2,15 @@
 //! message and never panics; the happy paths follow design.md's contracts (plan --json
 //! fields, intervals --json format, --set from @file, show writes a PNG, exports parse).
 
+mod common;
+
+use common::*;
+
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_compilemask");
-
-/// A scratch folder per test, under the target directory.
-fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("cli")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn write(dir: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, bytes).unwrap();
-    p.to_str().unwrap().to_string()
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Runs a command that must succeed; returns stdout.
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "{args:?} failed ({:?}):\n{}",
-        o.status,
-        stderr(&o)
-    );
-    stdout(&o)
-}
-
-/// Runs a command that must fail cleanly: a non-zero exit code (not a crash or signal),
-/// no panic, a message on stderr containing every one of `needles`. Returns stderr.
-fn fails(args: &[&str], needles: &[&str]) -> String {
-    let o = run(args);
-    let err = stderr(&o);
-    let code = o.status.code();
-    assert!(
-        matches!(code, Some(1) | Some(2)),
-        "{args:?}: expected exit 1 or 2, got {:?}\nstderr:\n{err}",
-        o.status
-    );
-    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-    assert!(!err.trim().is_empty(), "{args:?}: no message on stderr");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}:\n{err}");
-    }
-    err
-}
-
-fn json(args: &[&str]) -> Value {
-    let out = ok(args);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}):\n{out}"))
+/// A scratch folder per test.
+fn scratch(test: &str) -> std::path::PathBuf {
+    common::scratch("cli", test)
 }
 
 /// Deterministic pseudo-random bytes.

@@ -3,67 +3,16 @@
 //! misleading limits of `--tile` / `--rows`, floods of diagnostics and `show -o x.jpg`.
 //! Every bad input exits 1 or 2 with a message naming the value, never a panic.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_compilemask");
+use common::*;
+use std::path::Path;
+use std::process::Command;
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("cli-fresh-user")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(test: &str) -> std::path::PathBuf {
+    common::scratch("cli-fresh-user", test)
 }
 
-fn write(dir: &Path, name: &str, bytes: impl AsRef<[u8]>) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, bytes).unwrap();
-    p.to_str().unwrap().to_string()
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "{args:?} failed ({:?}):\n{}",
-        o.status,
-        stderr(&o)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// A command that must fail cleanly (exit 1 or 2, no panic) with every one of `needles`
-/// on stderr. Returns stderr.
-fn fails(args: &[&str], needles: &[&str]) -> String {
-    let o = run(args);
-    let err = stderr(&o);
-    assert!(
-        matches!(o.status.code(), Some(1) | Some(2)),
-        "{args:?}: expected exit 1 or 2, got {:?}\nstderr:\n{err}",
-        o.status
-    );
-    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}:\n{err}");
-    }
-    err
-}
-
-/// `--cu-seqlens-k` alone used to be ignored (an unpacked plan of --q-len rows).
 #[test]
 fn cu_seqlens_k_needs_cu_seqlens_q() {
     let base = [

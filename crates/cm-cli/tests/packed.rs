@@ -2,58 +2,14 @@
 //! `export`: packed rows equal each sample's own `intervals` shifted into place, statistics
 //! sum over the samples, and every bad input exits non-zero with a clear message.
 
-use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_compilemask");
+use common::*;
 
-fn scratch(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("cli-packed")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use serde_json::json;
 
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "{args:?} failed ({:?}):\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn json(args: &[&str]) -> Value {
-    let out = ok(args);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}):\n{out}"))
-}
-
-/// A clean failure: exit 1 or 2, no panic, every needle on stderr.
-fn fails(args: &[&str], needles: &[&str]) {
-    let o = run(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        matches!(o.status.code(), Some(1) | Some(2)),
-        "{args:?}: expected exit 1 or 2, got {:?}\n{err}",
-        o.status
-    );
-    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: stderr lacks {n:?}:\n{err}");
-    }
+fn scratch(test: &str) -> std::path::PathBuf {
+    common::scratch("cli-packed", test)
 }
 
 /// `intervals --json` rows of `args`, as `(q, [[start, end], ...])`.
