@@ -412,23 +412,19 @@ impl Expect {
             Ok(()) => (false, "accepted".to_string()),
             Err(e) => (e.to_string().contains(needle), e.to_string()),
         };
-        println!(
-            "{} {} {what}: {msg}",
-            if ok { "PASS" } else { "FAIL" },
-            self.label
-        );
-        self.results
-            .push(json!({"case": what, "message": msg, "pass": ok}));
+        self.record(what, ok, msg);
     }
-}
 
-impl Expect {
     /// Passes when `r` succeeded.
     pub fn accepts(&mut self, what: &str, r: Result<(), cm_cuda::Error>) {
         let (ok, msg) = match r {
             Ok(()) => (true, "accepted".to_string()),
             Err(e) => (false, e.to_string()),
         };
+        self.record(what, ok, msg);
+    }
+
+    fn record(&mut self, what: &str, ok: bool, msg: String) {
         println!(
             "{} {} {what}: {msg}",
             if ok { "PASS" } else { "FAIL" },
