@@ -530,8 +530,9 @@ impl DevicePlan {
         self.counts
     }
 
-    /// The tile shape `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
-    /// [`KernelKind::FwdWs`], [`PlanView::tile`] for the others.
+    /// The tile shape forward kernel `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
+    /// [`KernelKind::FwdWs`], [`PlanView::tile`] for the others (the backward's dK/dV kernel
+    /// runs at [`cm_kernels::BWD_TILE`], whose counts the plan does not keep).
     pub fn kernel_tile(&self, kernel: KernelKind) -> TileShape {
         if kernel == KernelKind::FwdWs {
             ws_tile()

@@ -128,8 +128,9 @@ impl KernelKind {
     }
 }
 
-/// The tile shape of every kernel but [`KernelKind::FwdWs`] (`block_m`, `block_n`): the
-/// descriptor the backward kernels and the reference forward read.
+/// The tile shape of every kernel but [`KernelKind::FwdWs`] and [`KernelKind::BwdDkDv`]
+/// (`block_m`, `block_n`): the descriptor the reference forwards and `bwd_dq` read, and the
+/// 64-row blocks of `bwd_pre` / `bwd_post` and of the backward workspace.
 pub const TILE: (u32, u32) = (64, 64);
 
 /// The tile shape of [`KernelKind::FwdWs`]: two consumer warpgroups of 64 query rows each and
