@@ -179,32 +179,42 @@ fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let block_m = desc.tile.block_m as usize;
     let block_n = desc.tile.block_n;
     let words = block_n.div_ceil(32) as usize;
-    let stride = desc.partial_row_stride as usize;
     let mut masks = vec![0u32; desc.kv_indices.len() * block_m * words];
-    let intervals = rows.intervals();
-    let row_ptr = rows.row_ptr();
     for m in 0..desc.num_m_blocks as usize {
         let row0 = m * block_m;
         let row_end = (row0 + block_m).min(rows.q_len() as usize);
         for p in desc.kv_offsets[m] as usize..desc.kv_offsets[m + 1] as usize {
             let key0 = desc.kv_indices[p] * block_n;
-            let key_end = key0 + block_n;
             for q in row0..row_end {
                 let r = q - row0;
                 let out = &mut masks[(p * block_m + r) * words..][..words];
-                let first = desc.partial_row_first[p * stride + r] as usize;
-                for iv in &intervals[first..row_ptr[q + 1] as usize] {
-                    if iv.start >= key_end {
-                        break;
-                    }
-                    let lo = iv.start.max(key0) - key0;
-                    let hi = iv.end.min(key_end) - key0;
+                for (lo, hi) in runs_in_tile(desc, rows, p, q, r, key0) {
                     set_bits(out, lo, hi);
                 }
             }
         }
     }
     masks
+}
+
+/// The keys row `q` (row `r` of partial tile `p` of `desc`) sees in the tile's keys
+/// `[key0, key0 + block_n)`, as runs `[lo, hi)` relative to `key0`: its intervals walked from
+/// the tile's `partial_row_first` entry for the row, so only the intervals reaching the tile
+/// are read.
+fn runs_in_tile<'a>(
+    desc: &'a TileDescriptor,
+    rows: &'a RowIntervals,
+    p: usize,
+    q: usize,
+    r: usize,
+    key0: u32,
+) -> impl Iterator<Item = (u32, u32)> + 'a {
+    let key_end = key0 + desc.tile.block_n;
+    let first = desc.partial_row_first[p * desc.partial_row_stride as usize + r] as usize;
+    rows.intervals()[first..rows.row_ptr()[q + 1] as usize]
+        .iter()
+        .take_while(move |iv| iv.start < key_end)
+        .map(move |iv| (iv.start.max(key0) - key0, iv.end.min(key_end) - key0))
 }
 
 /// The visibility bits of every partial tile of `desc` by key, in the order of the transposed
@@ -216,15 +226,11 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let block_n = desc.tile.block_n;
     let words = block_m.div_ceil(32);
     let tile_words = block_n as usize * words;
-    let stride = desc.partial_row_stride as usize;
     let mut masks = vec![0u32; desc.q_indices.len() * tile_words];
-    let intervals = rows.intervals();
-    let row_ptr = rows.row_ptr();
     // With a block clamped to a shorter length there is one block, index 0, so
     // `index * block` (at the unclamped tile) still gives its first row or key.
     for n in 0..desc.num_n_blocks as usize {
         let key0 = n as u32 * block_n;
-        let key_end = key0 + block_n;
         for i in desc.q_offsets[n] as usize..desc.q_offsets[n + 1] as usize {
             let row0 = desc.q_indices[i] as usize * block_m;
             let row_end = (row0 + block_m).min(rows.q_len() as usize);
@@ -233,14 +239,9 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
             for q in row0..row_end {
                 let r = q - row0;
                 let (word, bit) = (r / 32, 1u32 << (r % 32));
-                let first = desc.partial_row_first[p * stride + r] as usize;
-                for iv in &intervals[first..row_ptr[q + 1] as usize] {
-                    if iv.start >= key_end {
-                        break;
-                    }
-                    let lo = (iv.start.max(key0) - key0) as usize;
-                    let hi = (iv.end.min(key_end) - key0) as usize;
-                    for key in out[lo * words..hi * words].chunks_exact_mut(words) {
+                for (lo, hi) in runs_in_tile(desc, rows, p, q, r, key0) {
+                    for key in out[lo as usize * words..hi as usize * words].chunks_exact_mut(words)
+                    {
                         key[word] |= bit;
                     }
                 }
