@@ -201,6 +201,12 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const bool dq_issuer = threadIdx.x == 128;
     const u32 sKc = sK + c * 64 * 128;
     const u32 sVc = sV + c * 64 * 128;
+    // The block overhangs kv_len (its last keys are TMA's zero fill), and whether each of
+    // this thread's two key rows is below kv_len.
+    const bool overhangs = key0 + KEY_BLOCK > p.kv_len;
+    bool key_in_range[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) key_in_range[h] = key0 + c * 64 + warp * 16 + g + h * 8 < p.kv_len;
 
     float acc_dk[HEAD_DIM / 8][4];
     float acc_dv[HEAD_DIM / 8][4];
@@ -252,19 +258,25 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
         }
         cm_wgmma_commit();
         // While they run: this thread's two key rows' visibility of the tile's 64 queries,
-        // shifted to its query columns.
+        // shifted to its query columns. A full tile of the block that overhangs kv_len sees
+        // every query from its keys below kv_len and none from the zero-filled keys past it:
+        // their score 0 would give P = exp2(-lse_log2), which overflows to inf for a row
+        // with lse below -88.7 (ln FLT_MAX) and reaches dQ through dS K as inf * 0 = NaN.
         u64 bits[2] = {0, 0};
         if (partial) {
             const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + s * MASK_BYTES);
 #pragma unroll
             for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
+        } else if (overhangs) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) bits[h] = key_in_range[h] ? ~0ull : 0ull;
         }
         // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
         // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
         cm_wgmma_wait<1>();
         cm_fence_acc(sc);
         const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
-        if (partial) {
+        if (partial || overhangs) {
             probabilities<true>(sc, lse2s, bits, p.scale_log2, t);
         } else {
             probabilities<false>(sc, lse2s, bits, p.scale_log2, t);
