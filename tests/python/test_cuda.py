@@ -192,10 +192,63 @@ def test_per_batch_and_per_head_masks():
     per_batch = cm.compile("param n: [int] = [40, 90];\nmask = k <= q && k < n[b];")
     q, k, v = _inputs(2, 4, 2, 97, 97, 64, torch.float16, seed=10)
     _check(per_batch.plan(97, batch=2), q, k, v, enable_gqa=True)
-    # A GQA group whose query heads have different masks needs one launch per head.
-    q, k, v = _inputs(2, 6, 2, 97, 97, 64, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="GQA group"):
-        cm.attention(q, k, v, program.plan(97, batch=2, num_heads=6), enable_gqa=True)
+
+
+# Per-(batch, head) masks under MHA, GQA 4:1 and 32:8, and MQA: heads that see nothing, causal
+# heads, per-head windows, masks that differ per batch; one launch per call in every case.
+PER_HEAD_MASKS = {
+    "head 0 empty, others causal": "mask = h > 0 && k <= q + kv_len - q_len;",
+    "per-head windows": "mask = q + kv_len - q_len - 3 * h - 1 < k <= q + kv_len - q_len;",
+    "per-batch and per-head": "param n: [int] = [40, 90, 7];\n"
+                              "mask = (k <= q && k < n[b % 3] + h) || (h % 3 == 2 && k < 5);",
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("heads,batch,lq,lk,d,dtype", [
+    ((4, 4), 2, 97, 97, 64, torch.bfloat16),      # MHA
+    ((8, 2), 2, 129, 200, 128, torch.float16),    # GQA 4:1
+    ((32, 8), 1, 8, 8, 128, torch.bfloat16),      # GQA 32:8, decode length 8
+    ((32, 8), 1, 8, 300, 64, torch.float16),      # GQA 32:8, 8 new rows over a longer cache
+    ((6, 1), 2, 65, 65, 64, torch.bfloat16),      # MQA
+])
+@pytest.mark.parametrize("mask", sorted(PER_HEAD_MASKS))
+def test_per_head_masks_under_gqa(mask, heads, batch, lq, lk, d, dtype, deterministic):
+    hq, hk = heads
+    plan = cm.compile(PER_HEAD_MASKS[mask]).plan(lq, lk, batch=batch, num_heads=hq)
+    assert plan.num_masks > 1
+    q, k, v = _inputs(batch, hq, hk, lq, lk, d, dtype, seed=hq + lq)
+    _check(plan, q, k, v, enable_gqa=hq != hk, deterministic=deterministic)
+
+
+def _kernel_launches(fn) -> dict:
+    """Names and counts of the CUDA kernels ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("cm_"):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    return counts
+
+
+def test_one_launch_for_a_plan_of_sixteen_per_head_masks():
+    """Sliding windows of 16, 32, ..., 256 keys, one per head: one forward kernel launch and
+    one backward sequence (pre, dK/dV, post) per call, whatever the number of masks."""
+    program = cm.compile("mask = q - 16 * (h + 1) < k <= q;")
+    plan = program.plan(300, num_heads=16)
+    assert plan.num_masks == 16
+    q, k, v = _inputs(2, 16, 4, 300, 300, 64, torch.bfloat16, seed=21)
+    _check(plan, q, k, v, enable_gqa=True)
+    fwd = _kernel_launches(lambda: cm.attention(q, k, v, plan, enable_gqa=True))
+    assert fwd == {"cm_fwd_ws": 1}, fwd
+    out = cm.attention(q, k, v, plan, enable_gqa=True)
+    bwd = _kernel_launches(lambda: torch.autograd.grad(out.sum(), (q, k, v)))
+    assert bwd == {"cm_bwd_pre": 1, "cm_bwd_dkdv": 1, "cm_bwd_post": 1}, bwd
 
 
 def test_token_order_on_the_gpu():

@@ -138,6 +138,7 @@ struct BwdParams {
     bwd_full_q_offsets: u64,
     bwd_full_q_indices: u64,
     bwd_partial_key_mask: u64,
+    mask_index: u64,
     q_len: u32,
     kv_len: u32,
     q_pad: u32,
@@ -145,11 +146,14 @@ struct BwdParams {
     heads_per_kv_head: u32,
     scale_log2: f32,
     softmax_scale: f32,
-    pad: u32,
+    num_masks: u32,
+    mask_strides: [u32; 2],
+    num_m_blocks: u32,
+    bwd_num_n_blocks: u32,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 448,
+    std::mem::size_of::<BwdParams>() == 472,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -366,6 +370,7 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         bwd_full_q_offsets: plan.addr(PlanArray::BwdFullQOffsets),
         bwd_full_q_indices: plan.addr(PlanArray::BwdFullQIndices),
         bwd_partial_key_mask: plan.addr(PlanArray::BwdPartialKeyMask),
+        mask_index: plan.addr(PlanArray::MaskIndex),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         q_pad: plan.q_pad(),
@@ -373,7 +378,10 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         heads_per_kv_head: (h / h_kv) as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
         softmax_scale: a.softmax_scale,
-        pad: 0,
+        num_masks: plan.num_masks,
+        mask_strides: plan.mask_strides(b, h)?,
+        num_m_blocks: plan.num_m_blocks,
+        bwd_num_n_blocks: plan.bwd_num_n_blocks,
     };
     let (query_rows, key_rows) = cm_kernels::BWD_TILE;
     let tensor_maps = [

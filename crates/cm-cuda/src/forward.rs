@@ -68,6 +68,7 @@ pub(crate) struct FwdParams {
     intervals: u64,
     /// Set by the runtime at launch (its per-stream work counter), for FwdWs.
     pub(crate) scheduler: u64,
+    mask_index: u64,
     q_len: u32,
     kv_len: u32,
     heads_per_kv_head: u32,
@@ -75,11 +76,12 @@ pub(crate) struct FwdParams {
     num_m_blocks: u32,
     num_heads: u32,
     batch: u32,
-    pad: u32,
+    num_masks: u32,
+    mask_strides: [u32; 2],
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 264,
+    std::mem::size_of::<FwdParams>() == 280,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -205,6 +207,7 @@ pub(crate) fn prepare(
         lse.validate()?;
         check_addr("lse", *addr, 4)?;
     }
+    let mask_strides = plan.mask_strides(b, h)?;
     if b > MAX_GRID_YZ || h > MAX_GRID_YZ {
         return Err(Error::invalid(format!(
             "batch = {b} and num_heads = {h} must each be at most {MAX_GRID_YZ} (CUDA grid limits)"
@@ -265,6 +268,7 @@ pub(crate) fn prepare(
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
         scheduler: 0,
+        mask_index: plan.addr(PlanArray::MaskIndex),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,
@@ -272,7 +276,8 @@ pub(crate) fn prepare(
         num_m_blocks,
         num_heads: h as u32,
         batch: b as u32,
-        pad: 0,
+        num_masks: plan.num_masks,
+        mask_strides,
     };
     let tensor_maps = if ws {
         let rows = kernel_kind.tile().0;

@@ -51,9 +51,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u32 sQ = base;
     const u32 sdO = base + OFF_DO;
 
-    const u32 m_block = p.m_block_order[blockIdx.x];
     const u32 head = blockIdx.y;
     const u32 batch = blockIdx.z;
+    // This (batch, head)'s mask: its fixed-stride lists (cm_cuda::PlanArray).
+    const u64 mask = cm_bwd_mask(p, batch, head);
+    const u32* kv_offsets = p.kv_offsets + mask * (p.num_m_blocks + 1);
+    const u32* full_kv_offsets = p.full_kv_offsets + mask * (p.num_m_blocks + 1);
+    const u32* row_ptr = p.row_ptr + mask * (p.q_len + 1);
+    const u32 m_block = p.m_block_order[mask * p.num_m_blocks + blockIdx.x];
     const u32 kv_head = head / p.heads_per_kv_head;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -62,10 +67,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u32 row0 = m_block * BLOCK_M;
     const u64 bh = (u64)batch * p.num_heads + head;
 
-    const u32 p_begin = p.kv_offsets[m_block];
-    const u32 num_partial = p.kv_offsets[m_block + 1] - p_begin;
-    const u32 f_begin = p.full_kv_offsets[m_block];
-    const u32 num_tiles = num_partial + (p.full_kv_offsets[m_block + 1] - f_begin);
+    const u32 p_begin = kv_offsets[m_block];
+    const u32 num_partial = kv_offsets[m_block + 1] - p_begin;
+    const u32 f_begin = full_kv_offsets[m_block];
+    const u32 num_tiles = num_partial + (full_kv_offsets[m_block + 1] - f_begin);
 
     const u16* k = p.k + batch * p.k_stride_batch + kv_head * p.k_stride_head;
     const u16* v = p.v + batch * p.v_stride_batch + kv_head * p.v_stride_head;
@@ -83,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     auto row_bits = [&](u32 it, u32 key0, u32 st) {
         if (it < num_partial && (threadIdx.x & 1) == 0) {
             const u32 r = threadIdx.x >> 1;
-            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, p_begin + it, r, row0, key0);
+            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, row_ptr, p_begin + it, r, row0, key0);
         }
     };
 

@@ -6,12 +6,12 @@
 #include "common.cuh"
 
 // Scales scores into the exp2 domain, then masks: a partial tile applies each row's intervals
-// from the descriptor, a full tile that overhangs kv_len masks the zero-filled keys past it.
+// from the descriptor (`row_ptr`: the mask's), a full tile that overhangs kv_len masks the zero-filled keys past it.
 // Scaling first keeps a masked score at -inf whatever the sign of the scale.
 template <int NB>
-__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, bool partial,
-                                                  u32 partial_index, u32 block_m, u32 row0, u32 key0,
-                                                  int warp, int g, int t) {
+__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, const u32* row_ptr,
+                                                  bool partial, u32 partial_index, u32 block_m, u32 row0,
+                                                  u32 key0, int warp, int g, int t) {
     constexpr u32 BN = NB * 8;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
@@ -27,7 +27,7 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
             // Bit (j * 2 + e) set: key key0 + j * 8 + t * 2 + e is visible from this row.
             u32 visible = 0;
             if (qrow < p.q_len) {
-                const u32 end = p.row_ptr[qrow + 1];
+                const u32 end = row_ptr[qrow + 1];
                 for (u32 i = first[r]; i < end; ++i) {
                     const CmKeyInterval iv = p.intervals[i];
                     if (iv.start >= key0 + BN) break;

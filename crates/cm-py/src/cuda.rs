@@ -91,8 +91,9 @@ pub fn cuda_workspace_len(
 /// A tensor as the Python side passes it: `(data_ptr, shape, strides)`, strides in elements.
 type Tensor4 = (u64, [usize; 4], [i64; 4]);
 type Tensor3 = (u64, [usize; 3], [i64; 3]);
-/// A plan: `(q_len, kv_len, [(address, length in u32 elements); PLAN_ARRAY_COUNT])`.
-type PlanArg = (u32, u32, Vec<(u64, usize)>);
+/// A plan: `(q_len, kv_len, num_masks, [mask_batch, mask_heads], [(address, length in u32
+/// elements); PLAN_ARRAY_COUNT])`.
+type PlanArg = (u32, u32, u32, [u32; 2], Vec<(u64, usize)>);
 
 fn dtype(name: &str) -> PyResult<DType> {
     match name {
@@ -114,19 +115,29 @@ fn layout(t: &Tensor4) -> TensorLayout {
 /// The runtime of `device` and a view of the plan's arrays in its context.
 fn plan_view(device: usize, plan: &PlanArg) -> Result<(Arc<Runtime>, PlanView), Error> {
     let rt = runtime(device)?;
-    let arrays: [(u64, usize); PLAN_ARRAY_COUNT] = plan.2.as_slice().try_into().map_err(|_| {
+    let arrays: [(u64, usize); PLAN_ARRAY_COUNT] = plan.4.as_slice().try_into().map_err(|_| {
         Error::InvalidArgument(format!(
             "the plan has {} kernel arrays, expected {PLAN_ARRAY_COUNT}",
-            plan.2.len()
+            plan.4.len()
         ))
     })?;
-    // SAFETY: the Python side passes the data pointers of the `PlanTensors.kernel` tensors of
-    // one mask, made by `Plan.to_tensors` from `HostPlan::build` at `kernel_tile()` and held
-    // on this device by the caller (and, through torch's stream-ordered allocator, until the
-    // launches that read them have run); their lengths are the tensors' own.
+    // SAFETY: the Python side passes the data pointers of the `PlanTensors.kernel` tensors,
+    // made by `Plan.to_tensors` from `HostPlan::build_masks` at `kernel_tile()` for the
+    // plan's `num_masks` masks and `mask_index` dims, and held on this device by the caller
+    // (and, through torch's stream-ordered allocator, until the launches that read them have
+    // run); their lengths are the tensors' own.
     #[allow(unsafe_code)]
-    let view =
-        unsafe { PlanView::borrowed(rt.context().clone(), plan.0, plan.1, kernel_tile(), arrays)? };
+    let view = unsafe {
+        PlanView::borrowed(
+            rt.context().clone(),
+            plan.0,
+            plan.1,
+            kernel_tile(),
+            plan.2,
+            plan.3,
+            arrays,
+        )?
+    };
     Ok((rt, view))
 }
 
