@@ -983,7 +983,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         else {
             return Ok(None);
         };
-        if contains_elementwise(b) {
+        if b.uses_elementwise() {
             return Ok(None);
         }
         let Some((c, m)) = self.kmod_residue(p, *alpha, rest, div, rhs, *span)? else {
@@ -1224,23 +1224,6 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
         }
         Ok(out)
-    }
-}
-
-/// Whether `r` holds an `elementwise` region, the only kind whose errors can depend on `k`.
-fn contains_elementwise(r: &Region) -> bool {
-    match r {
-        Region::Elementwise(..) => true,
-        Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) | Region::Cond(_, a, b) => {
-            contains_elementwise(a) || contains_elementwise(b)
-        }
-        Region::Not(a) => contains_elementwise(a),
-        Region::Rows(_)
-        | Region::KCmp { .. }
-        | Region::KDiv { .. }
-        | Region::KMod { .. }
-        | Region::Ball { .. }
-        | Region::Box { .. } => false,
     }
 }
 
