@@ -3,7 +3,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use compilemask::{OrderRequest, PackedShape, PlanOptions, Program, TileShape, Value};
+use compilemask::{
+    Code, OrderRequest, PackedShape, PlanError, PlanOptions, Program, TileShape, Value,
+};
 
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
@@ -125,7 +127,12 @@ pub fn read_source(path: &str) -> Result<String> {
     let bytes = read_capped(path, "the mask program")?;
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
-        anyhow!("error[CM0100]: `{path}` is not valid UTF-8 (first bad byte at offset {at})")
+        PlanError::new(
+            Code::InvalidUtf8,
+            None,
+            format!("`{path}` is not valid UTF-8 (first bad byte at offset {at})"),
+        )
+        .into()
     })
 }
 
@@ -182,12 +189,14 @@ fn text_or_file(what: &str, text: &str) -> Result<String> {
 
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
 fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
-    let items = parse_int_list(
-        &format!("error[CM0409]: {what}"),
-        &text_or_file(what, text)?,
-    )?;
+    let bad = |message: String| PlanError::new(Code::BadCuSeqlens, None, message);
+    let items =
+        parse_int_list(what, &text_or_file(what, text)?).map_err(|e| bad(format!("{e:#}")))?;
     if items.is_empty() {
-        bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
+        return Err(bad(format!(
+            "{what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12"
+        ))
+        .into());
     }
     Ok(items)
 }
@@ -198,7 +207,12 @@ impl MaskArgs {
     pub fn packed(&self) -> Result<Option<PackedShape>> {
         let Some(q) = &self.cu_seqlens_q else {
             if let Some(k) = &self.cu_seqlens_k {
-                bail!("error[CM0409]: --cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample");
+                return Err(PlanError::new(
+                    Code::BadCuSeqlens,
+                    None,
+                    format!("--cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample"),
+                )
+                .into());
             }
             return Ok(None);
         };

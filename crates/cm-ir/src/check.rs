@@ -4,6 +4,7 @@
 
 use crate::ir::*;
 use cm_syntax::ast::{self, BinOp, CmpOp, ExprKind, Item, MsgPiece, SegSpec, UnOp};
+use cm_syntax::Code;
 use cm_syntax::{Diagnostic, Span};
 use std::collections::HashMap;
 
@@ -178,7 +179,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     (None, None) => {
                         c.err(
                             Diagnostic::error(
-                                "CM0203",
+                                Code::TypeMismatch,
                                 name.span,
                                 format!("parameter `{}` needs a type or a default", name.name),
                             )
@@ -195,7 +196,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                             "an integer"
                         };
                         c.err(Diagnostic::error(
-                            "CM0203",
+                            Code::TypeMismatch,
                             v.span(),
                             format!(
                                 "default of `{}` is {}, expected {want}",
@@ -240,7 +241,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                         for p in pieces {
                             if out.iter().any(|o| o.name == p.name.name) {
                                 c.err(Diagnostic::error(
-                                    "CM0202",
+                                    Code::DuplicateName,
                                     p.name.span,
                                     format!("piece `{}` is declared twice", p.name.name),
                                 ));
@@ -297,7 +298,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     || ["index", "count"].contains(&name.name.as_str());
                 if taken {
                     c.err(Diagnostic::error(
-                        "CM0202",
+                        Code::DuplicateName,
                         name.span,
                         format!("`{}.{}` is already defined", seg.name, name.name),
                     ));
@@ -309,7 +310,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 let RangeKind::Lit(lo, hi) = r.kind else {
                     c.err(
                         Diagnostic::error(
-                            "CM0203",
+                            Code::TypeMismatch,
                             range.span,
                             "a part is a range `lo..hi` in segment-local positions",
                         )
@@ -336,7 +337,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 if dims.len() != 2 && dims.len() != 3 {
                     c.err(
                         Diagnostic::error(
-                            "CM0204",
+                            Code::WrongArity,
                             *span,
                             format!("a grid has 2 or 3 dimensions, found {}", dims.len()),
                         )
@@ -389,10 +390,14 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
             Item::Mask { value, span } => {
                 if mask.is_some() {
                     c.err(
-                        Diagnostic::error("CM0210", *span, "the mask is defined more than once")
-                            .with_hint(
-                                "combine regions with `|`, `&` and `-` in a single `mask = ...;`",
-                            ),
+                        Diagnostic::error(
+                            Code::SecondMask,
+                            *span,
+                            "the mask is defined more than once",
+                        )
+                        .with_hint(
+                            "combine regions with `|`, `&` and `-` in a single `mask = ...;`",
+                        ),
                     );
                     continue;
                 }
@@ -420,7 +425,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 if let Some((Def::Let(id), _)) = c.names.get(&name.name) {
                     if !c.lets[*id].1 {
                         c.diags.push(Diagnostic::warning(
-                            "CM0250",
+                            Code::UnusedLet,
                             name.span,
                             format!("`{}` is never used", name.name),
                         ));
@@ -433,7 +438,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
     let Some((mask, _)) = mask else {
         if !has_errors {
             c.diags.push(
-                Diagnostic::error("CM0205", Span::new(0, 0), "the program defines no mask")
+                Diagnostic::error(Code::NoMask, Span::new(0, 0), "the program defines no mask")
                     .with_hint("end the program with `mask = <region>;`, e.g. `mask = k <= q;`"),
             );
         }
@@ -550,7 +555,7 @@ impl<'a> Checker<'a> {
             || BUILTIN_FUNCS.contains(&name.name.as_str());
         if reserved {
             self.err(Diagnostic::error(
-                "CM0202",
+                Code::DuplicateName,
                 name.span,
                 format!("`{}` is a built-in name and cannot be redefined", name.name),
             ));
@@ -560,7 +565,7 @@ impl<'a> Checker<'a> {
             let prev = *prev;
             self.err(
                 Diagnostic::error(
-                    "CM0202",
+                    Code::DuplicateName,
                     name.span,
                     format!("`{}` is already defined", name.name),
                 )
@@ -582,7 +587,7 @@ impl<'a> Checker<'a> {
             _ => {
                 let hint = suggest(&id.name, self.segs.iter().map(|s| s.name.as_str()));
                 let mut d = Diagnostic::error(
-                    "CM0201",
+                    Code::UnknownName,
                     id.span,
                     format!("`{}` is not a segmentation", id.name),
                 );
@@ -598,7 +603,7 @@ impl<'a> Checker<'a> {
 
     fn type_err(&mut self, v: &Val, want: &str) {
         self.err(Diagnostic::error(
-            "CM0203",
+            Code::TypeMismatch,
             v.span(),
             format!("expected {want}, found {}", v.describe()),
         ));
@@ -607,7 +612,7 @@ impl<'a> Checker<'a> {
     fn no_k(&mut self, i: Int, ctx: Ctx) -> R<Int> {
         if ctx != Ctx::Elementwise && i.has_k() {
             self.err(
-                Diagnostic::error("CM0206", i.span, "`k` cannot be used here")
+                Diagnostic::error(Code::UnsolvableK, i.span, "`k` cannot be used here")
                     .with_hint("outside `elementwise(...)`, `k` may only appear in comparisons such as `k <= q`, `k in r` or `k / w == q / w`"),
             );
             return Err(());
@@ -644,7 +649,7 @@ impl<'a> Checker<'a> {
         match self.lower(e, ctx)? {
             Val::Bool(b, _) => Ok(b),
             v @ Val::Region(..) => {
-                self.err(Diagnostic::error("CM0206", v.span(), "this condition depends on `k`")
+                self.err(Diagnostic::error(Code::UnsolvableK, v.span(), "this condition depends on `k`")
                     .with_hint("conditions of `if` and `require` may only depend on q, b, h and parameters; combine regions with `&` and `|` instead"));
                 Err(())
             }
@@ -660,7 +665,7 @@ impl<'a> Checker<'a> {
             Val::Range(r) => {
                 if ctx != Ctx::Elementwise && r.has_k() {
                     self.err(Diagnostic::error(
-                        "CM0206",
+                        Code::UnsolvableK,
                         r.span,
                         "range bounds cannot depend on `k`",
                     ));
@@ -692,7 +697,7 @@ impl<'a> Checker<'a> {
         if self.nodes > MAX_NODES {
             if self.nodes == MAX_NODES + 1 {
                 self.err(
-                    Diagnostic::error("CM0105", span, format!("the program is too large: more than {MAX_NODES} expression nodes after inlining `let`s"))
+                    Diagnostic::error(Code::TooDeep, span, format!("the program is too large: more than {MAX_NODES} expression nodes after inlining `let`s"))
                         .with_hint("a `let` is copied into every place that uses it; a chain of lets that each use the previous one twice doubles in size at every step"),
                 );
             }
@@ -782,7 +787,7 @@ impl<'a> Checker<'a> {
                 let c = self.expect_bool(cond, ctx)?;
                 if c.has_k() && ctx != Ctx::Elementwise {
                     self.err(Diagnostic::error(
-                        "CM0206",
+                        Code::UnsolvableK,
                         cond.span,
                         "this condition depends on `k`",
                     ));
@@ -812,7 +817,7 @@ impl<'a> Checker<'a> {
                     }
                     (t, f) => {
                         self.err(Diagnostic::error(
-                            "CM0203",
+                            Code::TypeMismatch,
                             span,
                             format!(
                                 "the branches of `if` differ: {} and {}",
@@ -864,7 +869,7 @@ impl<'a> Checker<'a> {
         let mask_only = |c: Ctx| c == Ctx::Mask || c == Ctx::Elementwise;
         let builtin = match n {
             "q" | "k" | "b" | "h" if !mask_only(ctx) => {
-                self.err(Diagnostic::error("CM0208", span, format!("`{n}` cannot be used here"))
+                self.err(Diagnostic::error(Code::WrongContext, span, format!("`{n}` cannot be used here"))
                     .with_hint("parameter defaults, segmentations, grids, parts and requirements depend only on lengths and parameters"));
                 return Err(());
             }
@@ -886,7 +891,7 @@ impl<'a> Checker<'a> {
             "len" => {
                 self.err(
                     Diagnostic::error(
-                        "CM0208",
+                        Code::WrongContext,
                         span,
                         "`len` names the segment length only inside a `part` declaration",
                     )
@@ -907,7 +912,7 @@ impl<'a> Checker<'a> {
         if let Some(&at) = self.declared_at.get(n) {
             if at >= self.visible_before {
                 self.err(
-                    Diagnostic::error("CM0201", span, format!("`{n}` is used before its definition"))
+                    Diagnostic::error(Code::UnknownName, span, format!("`{n}` is used before its definition"))
                         .with_hint("a name is visible only in statements after the one that defines it; move the definition up"),
                 );
                 return Err(());
@@ -925,7 +930,7 @@ impl<'a> Checker<'a> {
                 if self.let_depth > 64 {
                     self.let_depth -= 1;
                     self.err(
-                        Diagnostic::error("CM0105", span, "`let` bindings nest too deeply")
+                        Diagnostic::error(Code::TooDeep, span, "`let` bindings nest too deeply")
                             .with_hint("at most 64 `let`s may refer to one another in a chain"),
                     );
                     return Err(());
@@ -941,7 +946,8 @@ impl<'a> Checker<'a> {
             None => {
                 let mut cands: Vec<&str> = self.names.keys().map(String::as_str).collect();
                 cands.extend(BUILTIN_VALUES);
-                let mut d = Diagnostic::error("CM0201", span, format!("unknown name `{n}`"));
+                let mut d =
+                    Diagnostic::error(Code::UnknownName, span, format!("unknown name `{n}`"));
                 if BUILTIN_FUNCS.contains(&n) {
                     d = d.with_hint(format!("`{n}` is a function; call it as `{n}(...)`"));
                 } else if let Some(s) = suggest(n, cands.into_iter()) {
@@ -987,7 +993,7 @@ impl<'a> Checker<'a> {
                     Ok(Val::Region(Region::Diff(Box::new(x), Box::new(y)), span))
                 }
                 (x, y) => {
-                    self.err(Diagnostic::error("CM0203", span, format!("cannot apply this operator to {} and {}", x.describe(), y.describe()))
+                    self.err(Diagnostic::error(Code::TypeMismatch, span, format!("cannot apply this operator to {} and {}", x.describe(), y.describe()))
                         .with_hint("arithmetic works on integers, `+` also on arrays of equal length, `-` also on regions (difference)"));
                     Err(())
                 }
@@ -1105,7 +1111,7 @@ impl<'a> Checker<'a> {
 
     fn not_solvable(&mut self, span: Span) {
         self.err(
-            Diagnostic::error("CM0207", span, "this comparison cannot be solved for `k` analytically")
+            Diagnostic::error(Code::UnsolvableComparison, span, "this comparison cannot be solved for `k` analytically")
                 .with_hint("solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d == g(q)`; wrap anything else in `elementwise(...)` to evaluate it pair by pair"),
         );
     }
@@ -1126,7 +1132,7 @@ impl<'a> Checker<'a> {
             _ => {
                 self.err(
                     Diagnostic::error(
-                        "CM0211",
+                        Code::BadDistanceComparison,
                         span,
                         format!(
                             "a grid distance can only be compared with `<` or `<=`, found `{}`",
@@ -1143,7 +1149,7 @@ impl<'a> Checker<'a> {
         if ctx == Ctx::Elementwise {
             self.err(
                 Diagnostic::error(
-                    "CM0206",
+                    Code::UnsolvableK,
                     span,
                     "grid distances cannot be used inside `elementwise`",
                 )
@@ -1180,7 +1186,7 @@ impl<'a> Checker<'a> {
                     _ => {
                         self.err(
                             Diagnostic::error(
-                                "CM0209",
+                                Code::UnknownField,
                                 name.span,
                                 format!("a range has no field `{f}`"),
                             )
@@ -1212,7 +1218,7 @@ impl<'a> Checker<'a> {
                 }
                 self.err(
                     Diagnostic::error(
-                        "CM0209",
+                        Code::UnknownField,
                         name.span,
                         format!("segmentation `{}` has no part `{f}`", self.segs[s].name),
                     )
@@ -1232,7 +1238,7 @@ impl<'a> Checker<'a> {
                     None => {
                         self.err(
                             Diagnostic::error(
-                                "CM0209",
+                                Code::UnknownField,
                                 name.span,
                                 format!("grid `{}` has no axis `{f}`", self.grids[g].name),
                             )
@@ -1244,7 +1250,7 @@ impl<'a> Checker<'a> {
             }
             v => {
                 self.err(Diagnostic::error(
-                    "CM0209",
+                    Code::UnknownField,
                     name.span,
                     format!("{} has no field `{f}`", v.describe()),
                 ));
@@ -1269,7 +1275,7 @@ impl<'a> Checker<'a> {
             format!("{} to {}", want.start(), want.end())
         };
         self.err(Diagnostic::error(
-            "CM0204",
+            Code::WrongArity,
             span,
             format!(
                 "`{what}` takes {expected} argument(s), found {}",
@@ -1364,7 +1370,7 @@ impl<'a> Checker<'a> {
                 };
                 if ctx != Ctx::Mask {
                     self.err(Diagnostic::error(
-                        "CM0208",
+                        Code::WrongContext,
                         span,
                         format!("`{n}` can only be used in the mask"),
                     ));
@@ -1375,7 +1381,7 @@ impl<'a> Checker<'a> {
             "box" => {
                 if ctx != Ctx::Mask {
                     self.err(Diagnostic::error(
-                        "CM0208",
+                        Code::WrongContext,
                         span,
                         "`box` can only be used in the mask (not inside `elementwise`)",
                     ));
@@ -1404,7 +1410,7 @@ impl<'a> Checker<'a> {
                 self.arity(n, args, 1..=1, span)?;
                 if ctx != Ctx::Mask {
                     self.err(Diagnostic::error(
-                        "CM0208",
+                        Code::WrongContext,
                         span,
                         "`elementwise` can only be used in the mask, and not nested",
                     ));

@@ -16,6 +16,7 @@ pub mod trace;
 
 pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};
 pub use check::check;
+pub use cm_syntax::Code;
 pub use ir::*;
 
 /// Parses and checks `source` in one step.

@@ -14,6 +14,7 @@
 
 use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
 use cm_ir::ir::*;
+use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
 
@@ -103,7 +104,7 @@ struct BallKey {
 
 fn overflow(span: Span) -> Flow {
     Flow::Error(
-        PlanError::new("CM0302", Some(span), "integer overflow")
+        PlanError::new(Code::Overflow, Some(span), "integer overflow")
             .with_hint("values are 64-bit signed integers"),
     )
 }
@@ -242,7 +243,9 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// quotient is constant over the piece; otherwise split where it first changes.
     fn fdiv(&self, p: &Piece, x: Aff, d: i64, span: Span) -> F<Aff> {
         if d == 0 {
-            return Err(PlanError::new("CM0301", Some(span), "division by zero").into());
+            return Err(
+                PlanError::new(Code::DivisionByZero, Some(span), "division by zero").into(),
+            );
         }
         let q0 = bind::floor_div(x.v0, d, span)?;
         if x.a % d == 0 {
@@ -313,7 +316,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let a = self.bound.eval_arr(arr, &Env::default())?;
                 if idx.v0 < 0 || idx.v0 as usize >= a.len() {
                     return Err(PlanError::new(
-                        "CM0304",
+                        Code::IndexOutOfRange,
                         Some(span),
                         format!(
                             "index {} is out of range for an array of length {}",
@@ -418,7 +421,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         if !self.within(p, pos, 0, fill)? {
             let name = &self.bound.program.segs[s].name;
             return Err(PlanError::new(
-                "CM0303",
+                Code::OutsideSegmentation,
                 Some(span),
                 format!(
                     "position {} is outside segmentation `{name}`, which covers [0, {fill})",
@@ -768,7 +771,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let d = self.int(p, div)?;
                 let d = self.constant(p, d)?;
                 if d == 0 {
-                    return Err(PlanError::new("CM0301", Some(div.span), "division by zero").into());
+                    return Err(PlanError::new(
+                        Code::DivisionByZero,
+                        Some(div.span),
+                        "division by zero",
+                    )
+                    .into());
                 }
                 let rest = self.int(p, rest)?;
                 let (alpha, rest, d) = if d < 0 {
@@ -849,7 +857,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
                 let total = self.elementwise_pairs.get() + (hi - lo).max(0) as u64;
                 if total > MAX_ELEMENTWISE_PAIRS {
-                    return Err(PlanError::new("CM0404", Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
+                    return Err(PlanError::new(Code::TooLargeToPlan, Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
                         .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
                         .into());
                 }
@@ -940,7 +948,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         let env = self.env(p);
         let d = self.bound.eval_int(div, &env)?;
         if d == 0 {
-            return Err(PlanError::new("CM0301", Some(div.span), "modulo by zero").into());
+            return Err(
+                PlanError::new(Code::DivisionByZero, Some(div.span), "modulo by zero").into(),
+            );
         }
         let r = self.bound.eval_int(rest, &env)?;
         let v = self.bound.eval_int(rhs, &env)?;

@@ -336,7 +336,7 @@ thread_local! {
 
 fn code_ok(e: &PlanError) {
     assert!(
-        e.code.starts_with("CM") && e.code.len() == 6,
+        e.code.as_str().starts_with("CM") && e.code.as_str().len() == 6,
         "bad error code: {e}"
     );
 }
@@ -348,7 +348,7 @@ fn run_pipeline(src: &str, s: &Setup) {
     STATS.with(|st| st.borrow_mut().cases += 1);
     let (program, diags) = cm_ir::compile(src);
     for d in &diags {
-        assert!(d.code.starts_with("CM"), "{d:?}");
+        assert!(d.code.as_str().starts_with("CM"), "{d:?}");
         assert!(d.span.start <= d.span.end && d.span.end as usize <= src.len());
     }
     let Some(program) = program else { return };
@@ -368,7 +368,7 @@ fn run_pipeline(src: &str, s: &Setup) {
         Ok(b) => b,
         Err(e) => {
             code_ok(&e);
-            STATS.with(|st| *st.borrow_mut().codes.entry(e.code).or_default() += 1);
+            STATS.with(|st| *st.borrow_mut().codes.entry(e.code.as_str()).or_default() += 1);
             return;
         }
     };
@@ -382,7 +382,7 @@ fn run_pipeline(src: &str, s: &Setup) {
     }
     if let Err(e) = &planned {
         code_ok(e);
-        STATS.with(|st| *st.borrow_mut().codes.entry(e.code).or_default() += 1);
+        STATS.with(|st| *st.borrow_mut().codes.entry(e.code.as_str()).or_default() += 1);
     }
     let sh = s.shape;
     let bs = if program.uses_b { sh.batch } else { 1 };
@@ -638,7 +638,7 @@ fn regression_division_by_i64_min_does_not_panic() {
             .collect();
         let bound = p.bind(shape, &values).unwrap();
         if let Err(e) = plan(&bound, TileShape::default()) {
-            assert!(e.code.starts_with("CM"));
+            assert!(e.code.as_str().starts_with("CM"));
         }
     }
 }

@@ -732,7 +732,7 @@ fn check_case(
     let bound = match program.bind(sz.shape, values) {
         Ok(b) => b,
         Err(e) => {
-            prop_assert!(e.code.starts_with("CM03"), "bind error {e}");
+            prop_assert!(e.code.as_str().starts_with("CM03"), "bind error {e}");
             prop_assert!(!expect_no_error, "bind failed: {e}");
             return Ok(false);
         }
@@ -746,7 +746,7 @@ fn check_case(
             )))
         }
         (Err(e), Err(pe)) => {
-            prop_assert!(pe.code.starts_with("CM"), "planner error {pe}");
+            prop_assert!(pe.code.as_str().starts_with("CM"), "planner error {pe}");
             prop_assert!(
                 !expect_no_error,
                 "reference semantics raised {e} on a safe program"

@@ -34,6 +34,15 @@ pub fn cuda_kernel_tile() -> (u32, u32) {
     (t.block_m, t.block_n)
 }
 
+/// The head dimensions the CUDA kernels are built for (every kernel of
+/// `cm_kernels::VARIANTS` at each), ascending.
+pub fn head_dims() -> Vec<u32> {
+    let mut dims: Vec<u32> = cm_kernels::VARIANTS.iter().map(|v| v.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
 /// Names of the descriptor arrays, in the order `Plan.kernel_arrays` returns them and the
 /// launches take their addresses.
 pub fn plan_array_names() -> Vec<&'static str> {
