@@ -136,48 +136,6 @@ pub fn read_source(path: &str) -> Result<String> {
     })
 }
 
-/// Integers separated by commas and / or whitespace (`0,5,12`, `[0, 5, 12]`, or one per line
-/// in a file). An empty entry (`0,,5`, a leading or trailing comma) is an error, as `--set`
-/// rejects it inline; errors name `what`, the entry and its position (from 0).
-fn parse_int_list(what: &str, text: &str) -> Result<Vec<i64>> {
-    let body = text.trim();
-    let body = body
-        .strip_prefix('[')
-        .and_then(|b| b.strip_suffix(']'))
-        .unwrap_or(body)
-        .trim();
-    if body.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    for piece in body.split(',') {
-        let piece = piece.trim();
-        if piece.is_empty() {
-            bail!(
-                "{what}: empty entry at position {} (between two commas, or a comma at an end); \
-                 separate integers with single commas or whitespace, e.g. 0,5,12",
-                out.len()
-            );
-        }
-        for token in piece.split_whitespace() {
-            let at = out.len();
-            let v = token
-                .replace('_', "")
-                .parse::<i64>()
-                .map_err(|e| match e.kind() {
-                    std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-                        anyhow!(
-                            "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
-                        )
-                    }
-                    _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
-                })?;
-            out.push(v);
-        }
-    }
-    Ok(out)
-}
-
 /// `text`, or the contents of FILE when `text` is `@FILE` (`what` names the flag in errors).
 fn text_or_file(what: &str, text: &str) -> Result<String> {
     match text.strip_prefix('@') {
@@ -190,8 +148,8 @@ fn text_or_file(what: &str, text: &str) -> Result<String> {
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
 fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
     let bad = |message: String| PlanError::new(Code::BadCuSeqlens, None, message);
-    let items =
-        parse_int_list(what, &text_or_file(what, text)?).map_err(|e| bad(format!("{e:#}")))?;
+    let items = compilemask::parse_int_list(&text_or_file(what, text)?)
+        .map_err(|e| bad(format!("{what}: {e}")))?;
     if items.is_empty() {
         return Err(bad(format!(
             "{what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12"
@@ -272,7 +230,8 @@ impl MaskArgs {
                         format!("--order: `{path}` is not `raster`, `auto` or a readable file")
                     })?;
                 let what = format!("--order {path}");
-                let order = parse_int_list(&what, &t)?
+                let order = compilemask::parse_int_list(&t)
+                    .map_err(|e| anyhow!("{what}: {e}"))?
                     .into_iter()
                     .enumerate()
                     .map(|(i, v)| {
@@ -289,12 +248,18 @@ impl MaskArgs {
             let (name, value) = s
                 .split_once('=')
                 .ok_or_else(|| anyhow!("--set `{s}`: expected NAME=VALUE"))?;
+            let what = format!("--set {name}");
             let v: Value = if value.starts_with('@') {
-                let what = format!("--set {name}");
-                Value::Array(parse_int_list(&what, &text_or_file(&what, value)?)?.into())
+                let items =
+                    compilemask::parse_int_list(&text_or_file(&what, value)?).map_err(|e| {
+                        PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
+                    })?;
+                Value::Array(items.into())
             } else {
-                compilemask::parse_value(value)
-                    .map_err(|e| anyhow!("--set {name}: {}", e.message))?
+                compilemask::parse_value(value).map_err(|e| PlanError {
+                    message: format!("{what}: {}", e.message),
+                    ..e
+                })?
             };
             let name = name.trim();
             if let Some(first) = seen.insert(name.to_string(), s.as_str()) {

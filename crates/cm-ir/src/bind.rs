@@ -274,59 +274,6 @@ pub struct Env {
     pub seg_len: i64,
 }
 
-/// Parses a parameter value written on a command line: an integer, or a comma-separated
-/// list of integers (`2048,1536` or `[2048, 1536]`).
-///
-/// # Errors
-/// `CM0308` naming the offending text.
-pub fn parse_value(text: &str) -> PResult<Value> {
-    let t = text.trim();
-    let inner = t.strip_prefix('[').and_then(|x| x.strip_suffix(']'));
-    let is_list = inner.is_some() || t.contains(',');
-    let body = inner.unwrap_or(t).trim();
-    let pieces: Vec<&str> = if body.is_empty() {
-        Vec::new()
-    } else if body.contains(',') {
-        body.split(',').map(str::trim).collect()
-    } else {
-        body.split_whitespace().collect()
-    };
-    let mut items = Vec::with_capacity(pieces.len());
-    for (i, piece) in pieces.iter().enumerate() {
-        if piece.is_empty() {
-            return Err(PlanError::new(
-                Code::BadParamValue,
-                None,
-                format!("`{text}` has an empty entry at position {i}"),
-            )
-            .with_hint("separate integers with single commas, e.g. 2048,1536,3072"));
-        }
-        let v = piece.replace('_', "").parse::<i64>().map_err(|e| {
-            let what = match e.kind() {
-                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-                    "is outside the 64-bit integer range"
-                }
-                _ => "is not an integer",
-            };
-            PlanError::new(Code::BadParamValue, None, format!("`{piece}` {what}")).with_hint(
-                "values are integers, or comma-separated integer lists such as 2048,1536,3072",
-            )
-        })?;
-        items.push(v);
-    }
-    if is_list {
-        return Ok(Value::Array(items.into()));
-    }
-    match items.as_slice() {
-        [v] => Ok(Value::Int(*v)),
-        _ => Err(PlanError::new(
-            Code::BadParamValue,
-            None,
-            format!("`{text}` is not an integer or a list of integers"),
-        )),
-    }
-}
-
 impl Program {
     /// Names of the declared parameters, in declaration order.
     pub fn param_names(&self) -> Vec<&str> {

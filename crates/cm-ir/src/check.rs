@@ -18,8 +18,6 @@ const BUILTIN_VALUES: &[&str] = &[
     "kv_len",
     "batch",
     "num_heads",
-    "trace_context",
-    "trace_generated",
     "len",
 ];
 /// Built-in functions.
@@ -113,6 +111,8 @@ impl Val {
 type R<T> = Result<T, ()>;
 
 struct Checker<'a> {
+    /// The named constant arrays programs may read (the standard library's data).
+    arrays: &'a [NamedArray],
     diags: Vec<Diagnostic>,
     names: HashMap<String, (Def, Span)>,
     /// Each `let`: its body, whether it was used, and its item index.
@@ -134,10 +134,11 @@ struct Checker<'a> {
 /// Most IR nodes a program may lower to (after inlining `let`s).
 const MAX_NODES: usize = 200_000;
 
-/// Checks a parsed program. Returns the IR when there are no errors, and every diagnostic
-/// (warnings included) either way.
-pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
+/// Checks a parsed program in which `arrays` are built-in names. Returns the IR when there
+/// are no errors, and every diagnostic (warnings included) either way.
+pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>, Vec<Diagnostic>) {
     let mut c = Checker {
+        arrays,
         diags: Vec::new(),
         names: HashMap::new(),
         lets: Vec::new(),
@@ -552,7 +553,8 @@ impl<'a> Checker<'a> {
         // Statement words are keywords only at the start of a statement, so they may name
         // things; built-in values and functions may not.
         let reserved = BUILTIN_VALUES.contains(&name.name.as_str())
-            || BUILTIN_FUNCS.contains(&name.name.as_str());
+            || BUILTIN_FUNCS.contains(&name.name.as_str())
+            || self.arrays.iter().any(|a| a.name == name.name);
         if reserved {
             self.err(Diagnostic::error(
                 Code::DuplicateName,
@@ -899,12 +901,12 @@ impl<'a> Checker<'a> {
                 );
                 return Err(());
             }
-            "trace_context" | "trace_generated" => {
-                let (c, g) = crate::trace::conv_trace();
-                let a = if n == "trace_context" { c } else { g };
-                return Ok(Val::Arr(Arr::Const(a), span));
+            _ => {
+                if let Some(a) = self.arrays.iter().find(|a| a.name == n) {
+                    return Ok(Val::Arr(Arr::Const((a.values)()), span));
+                }
+                None
             }
-            _ => None,
         };
         if let Some(kind) = builtin {
             return Ok(Val::Int(Int::new(kind, span)));
@@ -946,6 +948,7 @@ impl<'a> Checker<'a> {
             None => {
                 let mut cands: Vec<&str> = self.names.keys().map(String::as_str).collect();
                 cands.extend(BUILTIN_VALUES);
+                cands.extend(self.arrays.iter().map(|a| a.name));
                 let mut d =
                     Diagnostic::error(Code::UnknownName, span, format!("unknown name `{n}`"));
                 if BUILTIN_FUNCS.contains(&n) {

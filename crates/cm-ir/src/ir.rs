@@ -257,6 +257,16 @@ impl Region {
     }
 }
 
+/// A named constant integer array that programs read as a built-in name, like a parameter
+/// that cannot be set (the standard library's `trace_context`, say). The checker knows no
+/// such names of its own; its caller passes them. `values` is called each time a program
+/// reads the name, so data that is costly to build should be built once behind it.
+#[derive(Clone, Copy, Debug)]
+pub struct NamedArray {
+    pub name: &'static str,
+    pub values: fn() -> Arc<[i64]>,
+}
+
 /// A declared parameter.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDecl {

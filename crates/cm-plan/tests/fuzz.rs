@@ -346,7 +346,7 @@ const BRUTE_PAIRS: i64 = 40_000;
 
 fn run_pipeline(src: &str, s: &Setup) {
     STATS.with(|st| st.borrow_mut().cases += 1);
-    let (program, diags) = cm_ir::compile(src);
+    let (program, diags) = cm_stdlib::compile(src);
     for d in &diags {
         assert!(d.code.as_str().starts_with("CM"), "{d:?}");
         assert!(d.span.start <= d.span.end && d.span.end as usize <= src.len());
@@ -520,7 +520,7 @@ fn run(name: &str, default_cases: u32, strategy: impl Strategy<Value = (String, 
 #[test]
 fn corpus_is_valid() {
     for src in corpus() {
-        let (p, diags) = cm_ir::compile(src);
+        let (p, diags) = cm_stdlib::compile(src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}\n{src}"));
         let shape = shape(127, 127, 2, 2);
         if let Ok(bound) = p.bind(shape, &BTreeMap::new()) {
@@ -568,7 +568,7 @@ fn long_region_chains_plan() {
             comparison_chain(n),
             format!("mask = k < q{};", " - 0".repeat(n)),
         ] {
-            let (p, diags) = cm_ir::compile(&src);
+            let (p, diags) = cm_stdlib::compile(&src);
             let p = p.unwrap_or_else(|| panic!("{diags:?}"));
             let shape = shape(300, 300, 1, 1);
             let bound = p.bind(shape, &BTreeMap::new()).unwrap();
@@ -582,7 +582,7 @@ fn long_region_chains_plan() {
 #[test]
 fn long_region_chain_10000_is_refused() {
     let src = comparison_chain(10_000);
-    let (p, diags) = cm_ir::compile(&src);
+    let (p, diags) = cm_stdlib::compile(&src);
     assert!(p.is_none());
     assert!(diags.iter().any(|d| d.code == "CM0105"), "{diags:?}");
 }
@@ -591,7 +591,7 @@ fn long_region_chain_10000_is_refused() {
 /// (`partial_row_first` held `block_m` entries per partial tile: 16 GiB for `u32::MAX x 1`).
 #[test]
 fn huge_tile_costs_no_memory_per_block_row() {
-    let (p, _) = cm_ir::compile("mask = k <= q;");
+    let (p, _) = cm_stdlib::compile("mask = k <= q;");
     let shape = shape(2, 2, 1, 1);
     let p = p.unwrap();
     let bound = p.bind(shape, &BTreeMap::new()).unwrap();
@@ -609,7 +609,7 @@ fn huge_tile_costs_no_memory_per_block_row() {
 /// bounded by `kv_len`.
 #[test]
 fn regression_ball_cost_is_bounded_by_kv_len() {
-    let (p, _) = cm_ir::compile("grid g = [67108864, 1];\nmask = l1(g) <= 67108864;");
+    let (p, _) = cm_stdlib::compile("grid g = [67108864, 1];\nmask = l1(g) <= 67108864;");
     let p = p.unwrap();
     let shape = shape(1, 1, 1, 1);
     let bound = p.bind(shape, &BTreeMap::new()).unwrap();
@@ -629,7 +629,7 @@ fn regression_division_by_i64_min_does_not_panic() {
             vec![("chunk", Value::Int(i64::MIN))],
         ),
     ] {
-        let (p, diags) = cm_ir::compile(src);
+        let (p, diags) = cm_stdlib::compile(src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}"));
         let shape = shape(4, 4, 1, 1);
         let values: BTreeMap<String, Value> = values
@@ -649,7 +649,7 @@ fn regression_division_by_i64_min_does_not_panic() {
 fn regression_ball_radius_near_i64_min_is_empty() {
     for metric in ["l1", "linf"] {
         let src = format!("param r: int = 1;\ngrid g = [2, 2];\nmask = {metric}(g) < r;");
-        let (p, diags) = cm_ir::compile(&src);
+        let (p, diags) = cm_stdlib::compile(&src);
         let p = p.unwrap_or_else(|| panic!("{diags:?}"));
         let shape = shape(4, 4, 1, 1);
         let values: BTreeMap<String, Value> = [("r".to_string(), Value::Int(i64::MIN))].into();

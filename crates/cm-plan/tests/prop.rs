@@ -630,7 +630,7 @@ fn values(mode: Mode) -> BoxedStrategy<BTreeMap<String, Value>> {
 // ---------------------------------------------------------------------------------------
 
 fn compile(src: &str) -> Program {
-    let (p, diags) = cm_ir::compile(src);
+    let (p, diags) = cm_stdlib::compile(src);
     match p {
         Some(p) => p,
         None => panic!("generated program failed to compile: {diags:#?}\n{src}"),
@@ -1025,7 +1025,7 @@ fn negative_literal_coefficient() {
         "mask = k*(-2) + q >= 0;",
         "mask = (-2*k + q) / 3 == 1;",
     ] {
-        let (p, diags) = cm_ir::compile(src);
+        let (p, diags) = cm_stdlib::compile(src);
         assert!(p.is_some(), "{src}: {diags:?}");
         assert_agrees(src, 9, 7, &[]);
     }

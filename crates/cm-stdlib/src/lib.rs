@@ -1,8 +1,32 @@
 //! The standard library: built-in masks written in the mask language, embedded in the
 //! binary. Names and parameters of the workload masks follow design.md and workloads.md.
 
+mod trace;
+
+use cm_ir::NamedArray;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, PoisonError};
+
+/// The standard library's named arrays, built-in names of every program compiled with it
+/// (`compilemask::compile` passes them): `trace_context` and `trace_generated`, the
+/// `ContextTokens` and `GeneratedTokens` columns of the bundled Azure LLM inference trace
+/// 2023 (conversation service, in file order; see data/README.md).
+pub const ARRAYS: &[NamedArray] = &[
+    NamedArray {
+        name: "trace_context",
+        values: trace::context_tokens,
+    },
+    NamedArray {
+        name: "trace_generated",
+        values: trace::generated_tokens,
+    },
+];
+
+/// Parses and checks `source` with the standard library's [`ARRAYS`] as built-in names
+/// (`cm_ir::compile` with them).
+pub fn compile(source: &str) -> (Option<cm_ir::Program>, Vec<cm_ir::Diagnostic>) {
+    cm_ir::compile(source, ARRAYS)
+}
 
 /// One built-in mask: its name and source text.
 #[derive(Clone, Copy, Debug)]

@@ -18,6 +18,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+pub mod text;
+pub use text::{parse_int_list, parse_value, ListError};
+
 pub use cm_export::{
     CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT, JSON_LIMIT,
 };
@@ -67,7 +70,7 @@ pub fn compile(source: &str) -> Result<Program, CompileError> {
 /// # Errors
 /// As [`compile`].
 pub fn compile_named(source: &str, name: &str) -> Result<Program, CompileError> {
-    let (ir, diagnostics) = cm_ir::compile(source);
+    let (ir, diagnostics) = cm_stdlib::compile(source);
     match ir {
         Some(ir) => Ok(Program {
             ir: Arc::new(ir),
@@ -519,14 +522,6 @@ pub fn render_limited(
     };
     out.push_str(&format!("... and {more}\n"));
     out
-}
-
-/// Parses a `--set` style value: an integer, a comma-separated list, or `[a, b, c]`.
-///
-/// # Errors
-/// `CM0308` naming the text that is not an integer.
-pub fn parse_value(text: &str) -> Result<Value, PlanError> {
-    cm_ir::bind::parse_value(text)
 }
 
 /// Exports of one planned mask.
