@@ -1,5 +1,6 @@
 //! The standard library: built-in masks written in the mask language, embedded in the
-//! binary. Names and parameters of the workload masks follow design.md and workloads.md.
+//! binary. Names and parameters of the workload masks follow docs/design.md and
+//! docs/workloads.md.
 
 mod trace;
 
@@ -54,8 +55,8 @@ impl Builtin {
 
 /// The leading `#` comment lines of `source` joined with spaces, up to and including the
 /// first sentence's full stop: a `.` at the end of the comment, or followed by a space and
-/// then a capital letter or a backtick (so `et al. 2024`, `workloads.md` and `2.1` do not
-/// end a sentence).
+/// then a capital letter or a backtick (so `et al. 2024`, `docs/workloads.md` and `2.1` do
+/// not end a sentence).
 fn first_sentence(source: &str) -> String {
     let text = source
         .lines()
@@ -176,7 +177,7 @@ mod tests {
         assert_eq!(
             s("clear"),
             "CLEAR local 2D attention for diffusion transformers (Liu et al. 2024), \
-             workloads.md W4: `text` tokens first, then a grid x grid image in raster order."
+             docs/workloads.md W4: `text` tokens first, then a grid x grid image in raster order."
         );
         assert_eq!(
             s("causal_bottom_right"),
