@@ -197,13 +197,13 @@ pub fn row_intervals_runs(
                     // rows follow from the first by adding each endpoint's slope.
                     first.clear();
                     first.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.s.v0 as u32,
-                        end: iv.e.v0 as u32,
+                        start: iv.start.first as u32,
+                        end: iv.end.first as u32,
                     }));
                     step.clear();
                     step.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.s.a as u32,
-                        end: iv.e.a as u32,
+                        start: iv.start.step as u32,
+                        end: iv.end.step as u32,
                     }));
                     rows.push_affine_rows(&first, &step, p.n as usize);
                     runs.push(q0 as u32);
