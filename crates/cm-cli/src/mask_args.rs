@@ -3,7 +3,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use compilemask::{OrderRequest, PackedShape, PlanOptions, Program, TileShape, Value};
+use compilemask::{
+    Code, OrderRequest, PackedShape, PlanError, PlanOptions, Program, TileShape, Value,
+};
 
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
@@ -125,50 +127,13 @@ pub fn read_source(path: &str) -> Result<String> {
     let bytes = read_capped(path, "the mask program")?;
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
-        anyhow!("error[CM0100]: `{path}` is not valid UTF-8 (first bad byte at offset {at})")
+        PlanError::new(
+            Code::InvalidUtf8,
+            None,
+            format!("`{path}` is not valid UTF-8 (first bad byte at offset {at})"),
+        )
+        .into()
     })
-}
-
-/// Integers separated by commas and / or whitespace (`0,5,12`, `[0, 5, 12]`, or one per line
-/// in a file). An empty entry (`0,,5`, a leading or trailing comma) is an error, as `--set`
-/// rejects it inline; errors name `what`, the entry and its position (from 0).
-fn parse_int_list(what: &str, text: &str) -> Result<Vec<i64>> {
-    let body = text.trim();
-    let body = body
-        .strip_prefix('[')
-        .and_then(|b| b.strip_suffix(']'))
-        .unwrap_or(body)
-        .trim();
-    if body.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    for piece in body.split(',') {
-        let piece = piece.trim();
-        if piece.is_empty() {
-            bail!(
-                "{what}: empty entry at position {} (between two commas, or a comma at an end); \
-                 separate integers with single commas or whitespace, e.g. 0,5,12",
-                out.len()
-            );
-        }
-        for token in piece.split_whitespace() {
-            let at = out.len();
-            let v = token
-                .replace('_', "")
-                .parse::<i64>()
-                .map_err(|e| match e.kind() {
-                    std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-                        anyhow!(
-                            "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
-                        )
-                    }
-                    _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
-                })?;
-            out.push(v);
-        }
-    }
-    Ok(out)
 }
 
 /// `text`, or the contents of FILE when `text` is `@FILE` (`what` names the flag in errors).
@@ -182,12 +147,14 @@ fn text_or_file(what: &str, text: &str) -> Result<String> {
 
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
 fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
-    let items = parse_int_list(
-        &format!("error[CM0409]: {what}"),
-        &text_or_file(what, text)?,
-    )?;
+    let bad = |message: String| PlanError::new(Code::BadCuSeqlens, None, message);
+    let items = compilemask::parse_int_list(&text_or_file(what, text)?)
+        .map_err(|e| bad(format!("{what}: {e}")))?;
     if items.is_empty() {
-        bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
+        return Err(bad(format!(
+            "{what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12"
+        ))
+        .into());
     }
     Ok(items)
 }
@@ -198,7 +165,12 @@ impl MaskArgs {
     pub fn packed(&self) -> Result<Option<PackedShape>> {
         let Some(q) = &self.cu_seqlens_q else {
             if let Some(k) = &self.cu_seqlens_k {
-                bail!("error[CM0409]: --cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample");
+                return Err(PlanError::new(
+                    Code::BadCuSeqlens,
+                    None,
+                    format!("--cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample"),
+                )
+                .into());
             }
             return Ok(None);
         };
@@ -258,7 +230,8 @@ impl MaskArgs {
                         format!("--order: `{path}` is not `raster`, `auto` or a readable file")
                     })?;
                 let what = format!("--order {path}");
-                let order = parse_int_list(&what, &t)?
+                let order = compilemask::parse_int_list(&t)
+                    .map_err(|e| anyhow!("{what}: {e}"))?
                     .into_iter()
                     .enumerate()
                     .map(|(i, v)| {
@@ -275,12 +248,18 @@ impl MaskArgs {
             let (name, value) = s
                 .split_once('=')
                 .ok_or_else(|| anyhow!("--set `{s}`: expected NAME=VALUE"))?;
+            let what = format!("--set {name}");
             let v: Value = if value.starts_with('@') {
-                let what = format!("--set {name}");
-                Value::Array(parse_int_list(&what, &text_or_file(&what, value)?)?.into())
+                let items =
+                    compilemask::parse_int_list(&text_or_file(&what, value)?).map_err(|e| {
+                        PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
+                    })?;
+                Value::Array(items.into())
             } else {
-                compilemask::parse_value(value)
-                    .map_err(|e| anyhow!("--set {name}: {}", e.message))?
+                compilemask::parse_value(value).map_err(|e| PlanError {
+                    message: format!("{what}: {}", e.message),
+                    ..e
+                })?
             };
             let name = name.trim();
             if let Some(first) = seen.insert(name.to_string(), s.as_str()) {

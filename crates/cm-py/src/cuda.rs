@@ -34,6 +34,15 @@ pub fn cuda_kernel_tile() -> (u32, u32) {
     (t.block_m, t.block_n)
 }
 
+/// The head dimensions the CUDA kernels are built for (every kernel of
+/// `cm_kernels::VARIANTS` at each), ascending.
+pub fn head_dims() -> Vec<u32> {
+    let mut dims: Vec<u32> = cm_kernels::VARIANTS.iter().map(|v| v.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
 /// Names of the descriptor arrays, in the order `Plan.kernel_arrays` returns them and the
 /// launches take their addresses.
 pub fn plan_array_names() -> Vec<&'static str> {
@@ -91,9 +100,9 @@ pub fn cuda_workspace_len(
 /// A tensor as the Python side passes it: `(data_ptr, shape, strides)`, strides in elements.
 type Tensor4 = (u64, [usize; 4], [i64; 4]);
 type Tensor3 = (u64, [usize; 3], [i64; 3]);
-/// A plan: `(q_len, kv_len, num_masks, [mask_batch, mask_heads], [(address, length in u32
-/// elements); PLAN_ARRAY_COUNT])`.
-type PlanArg = (u32, u32, u32, [u32; 2], Vec<(u64, usize)>);
+/// A plan's kernel descriptor as the Python side passes it: `(q_len, kv_len, num_masks,
+/// [mask_batch, mask_heads], [(address, length in u32 elements); PLAN_ARRAY_COUNT])`.
+type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<(u64, usize)>);
 
 fn dtype(name: &str) -> PyResult<DType> {
     match name {
@@ -113,7 +122,7 @@ fn layout(t: &Tensor4) -> TensorLayout {
 }
 
 /// The runtime of `device` and a view of the plan's arrays in its context.
-fn plan_view(device: usize, plan: &PlanArg) -> Result<(Arc<Runtime>, PlanView), Error> {
+fn plan_view(device: usize, plan: &DescriptorArg) -> Result<(Arc<Runtime>, PlanView), Error> {
     let rt = runtime(device)?;
     let arrays: [(u64, usize); PLAN_ARRAY_COUNT] = plan.4.as_slice().try_into().map_err(|_| {
         Error::InvalidArgument(format!(
@@ -165,7 +174,7 @@ pub fn cuda_forward(
     device: usize,
     stream: usize,
     dtype_name: &str,
-    plan: PlanArg,
+    plan: DescriptorArg,
     q: Tensor4,
     k: Tensor4,
     v: Tensor4,
@@ -217,7 +226,7 @@ pub fn cuda_backward(
     device: usize,
     stream: usize,
     dtype_name: &str,
-    plan: PlanArg,
+    plan: DescriptorArg,
     q: Tensor4,
     k: Tensor4,
     v: Tensor4,

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert::py_bytes;
-use crate::errors::plan_error_msg;
+use crate::errors::plan_error;
 
 /// A complete plan (private; wrapped by `compilemask.Plan`).
 #[pyclass(frozen, module = "compilemask._native", name = "Plan")]
@@ -20,19 +20,9 @@ pub struct Plan {
 }
 
 /// A `PlanError` for an export that was refused: `CM0403` (over the size limit) or
-/// `CM0408` (not expressible in the format), with the export's message (less the
-/// `error[CODE]: ` prefix it may carry).
+/// `CM0408` (not expressible in the format).
 fn export_error(py: Python<'_>, e: &compilemask::ExportError) -> PyErr {
-    let code = match e {
-        compilemask::ExportError::TooLarge { .. } => "CM0403",
-        _ => "CM0408",
-    };
-    let text = e.to_string();
-    let message = text
-        .strip_prefix("error[")
-        .and_then(|rest| rest.split_once("]: "))
-        .map_or(text.as_str(), |(_, m)| m);
-    plan_error_msg(py, code, message.to_string(), None)
+    plan_error(py, None, &e.clone().into())
 }
 
 /// The traversal's name, as `compilemask plan --json` writes it.

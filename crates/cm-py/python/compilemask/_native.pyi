@@ -4,6 +4,7 @@ from typing import Any, Sequence
 
 __version__: str
 DENSE_LIMIT: int
+LENGTH_MAX: dict[str, int]
 
 class MaskSyntaxError(ValueError):
     """A mask program failed to parse or check; the message is the rendered diagnostics."""
@@ -164,6 +165,7 @@ class Plan:
 def compile(source: str, name: str = "<mask>") -> Program: ...
 def builtin(name: str) -> Program: ...
 def builtins() -> list[tuple[str, str]]: ...
+def plan_error(code: str, message: str, hint: str | None = None) -> PlanError: ...
 def reference_forward(
     dims: tuple[int, int, int, int, int, int, int],
     q: Any,
@@ -176,6 +178,7 @@ def reference_forward(
     double: bool,
 ) -> tuple[bytearray, bytearray]: ...
 CUDA_PLAN_ARRAYS: list[str]
+CUDA_HEAD_DIMS: list[int]
 
 def cuda_kernel_tile() -> tuple[int, int]: ...
 def cuda_workspace_len(

@@ -91,15 +91,16 @@ def _cpu_backward(grad_out, grad_lse, q, k, v, row_ptr, intervals, mask_index, s
 # --------------------------------------------------------------------------- CUDA kernels
 
 _CUDA_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_CUDA_HEAD_DIMS = (64, 128)
+# The head dimensions of the kernels' variant table (cm-kernels), from the extension.
+_CUDA_HEAD_DIMS = tuple(_native.CUDA_HEAD_DIMS)
 
 
 def _check_cuda_supported(q: Tensor, v: Tensor, kernel: list) -> None:
     d, dv = q.shape[-1], v.shape[-1]
     if q.dtype not in _CUDA_DTYPES or d not in _CUDA_HEAD_DIMS or dv != d:
         raise NotImplementedError(
-            f"compilemask.attention on CUDA supports bfloat16 and float16 with head_dim 64 or "
-            f"128 and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
+            f"compilemask.attention on CUDA supports bfloat16 and float16 with head_dim "
+            f"{' or '.join(map(str, _CUDA_HEAD_DIMS))} and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
             f"head_dim {d} and head_dim_v {dv}. Use CPU tensors (the CPU reference) or "
             "plan.to_block_mask() with FlexAttention for other cases."
         )

@@ -56,18 +56,14 @@ class PlanTensors(NamedTuple):
 
 
 def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
-    rendered = f"error[{code}]: {message}" + (f"\n  = hint: {hint}" if hint else "")
-    err = PlanError(rendered)
-    err.code = code
-    err.hint = hint
-    err.diagnostics = []
-    err.rendered = rendered
-    return err
+    """The ``PlanError`` of an argument check made here, built and rendered by the extension
+    (the Rust renderer) so that it reads as every other error."""
+    return _native.plan_error(code, message, hint)
 
 
 _I64 = 1 << 63
-# The ranges `bind` accepts (CM0402), for ints too large to reach it.
-_LENGTH_MAX = {"q_len": 1 << 26, "kv_len": 1 << 26, "batch": 1 << 20, "num_heads": 1 << 16}
+# The ranges `bind` accepts (CM0402), for ints too large to reach it: the Rust limits.
+_LENGTH_MAX = _native.LENGTH_MAX
 
 
 def _type_name(value: Any) -> str:
