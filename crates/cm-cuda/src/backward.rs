@@ -27,7 +27,7 @@
 
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
-use crate::plan::{PlanArray, PlanView};
+use crate::plan::{PlanArray, PlanLayout, PlanView};
 use crate::tma::TensorMap;
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
@@ -58,7 +58,7 @@ pub struct Backward<'a> {
     pub dq: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dk: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dv: (&'a mut CudaSlice<u16>, TensorLayout),
-    /// Scratch of at least [`PlanView::backward_workspace_len`] fp32 elements; its contents
+    /// Scratch of at least [`PlanLayout::backward_workspace_len`] fp32 elements; its contents
     /// on entry do not matter.
     pub workspace: &'a mut CudaSlice<f32>,
     /// The forward's `softmax_scale`.
@@ -199,7 +199,7 @@ pub fn backward_workspace_len(
     rows.checked_mul(per_row)
 }
 
-impl PlanView {
+impl PlanLayout {
     /// [`backward_workspace_len`] for this plan.
     pub fn backward_workspace_len(
         &self,
@@ -243,7 +243,7 @@ fn check_output(
 }
 
 /// Every host-side check of a backward; no device work and no synchronisation.
-fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
+fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
     // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
     let forward = ForwardRaw {
         dtype: a.dtype,
@@ -412,7 +412,7 @@ impl Runtime {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first check that fails (every check of
     /// [`Runtime::forward`] on q, k, v, out and lse; dout, dq, dk and dv shapes, strides and
-    /// alignment; a workspace shorter than [`PlanView::backward_workspace_len`]; a buffer
+    /// alignment; a workspace shorter than [`PlanLayout::backward_workspace_len`]; a buffer
     /// shorter than its layout spans); [`Error::Driver`] if a launch is refused.
     pub fn backward(
         &self,

@@ -1,6 +1,6 @@
 //! The CompileMask CUDA runtime: loads the sm_90a CUBINs that the build embedded, uploads a
 //! plan's tile descriptor and row intervals once ([`DevicePlan`], or [`HostPlan`] arrays the
-//! caller uploads itself and views with [`PlanView::borrowed`]), and launches attention on a
+//! caller uploads itself, lays out with [`PlanLayout::new`] and views with [`PlanView::borrowed`]), and launches attention on a
 //! caller-given stream over caller-owned device memory, with no host synchronisation in the
 //! launch path (so a launch can be captured in a CUDA graph).
 //!
@@ -53,6 +53,7 @@
 mod backward;
 pub mod bench;
 mod error;
+pub mod external;
 mod forward;
 mod kernels;
 mod layout;
@@ -67,5 +68,5 @@ pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, PLAN_ARRAY_COUNT};
+pub use plan::{DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;

@@ -520,12 +520,12 @@ impl HostPlan {
     }
 }
 
-/// Where a plan's descriptor lives on the device and the sizes a launch needs: what
-/// [`crate::Runtime::forward_raw`] and [`crate::Runtime::backward_raw`] read. A
-/// [`DevicePlan`] derefs to its view; [`PlanView::borrowed`] makes one over arrays someone else
-/// owns.
-pub struct PlanView {
-    pub(crate) ctx: Arc<CudaContext>,
+/// Where a plan's descriptor arrays are and the sizes a launch needs, checked against each
+/// other but bound to no device: what the launches' argument checks read. Its addresses are
+/// plain numbers, so making one is safe and needs no GPU; only a [`PlanView`] over it can be
+/// launched.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanLayout {
     addrs: [u64; PLAN_ARRAY_COUNT],
     pub(crate) q_len: u32,
     pub(crate) kv_len: u32,
@@ -541,30 +541,53 @@ pub struct PlanView {
     pub(crate) mask_dims: [u32; 2],
 }
 
+/// A [`PlanLayout`] in device memory of one CUDA context: what [`crate::Runtime::forward_raw`]
+/// and [`crate::Runtime::backward_raw`] read. A [`DevicePlan`] derefs to its view;
+/// [`PlanView::borrowed`] makes one over arrays someone else owns.
+pub struct PlanView {
+    pub(crate) ctx: Arc<CudaContext>,
+    layout: PlanLayout,
+}
+
+impl Deref for PlanView {
+    type Target = PlanLayout;
+
+    fn deref(&self) -> &PlanLayout {
+        &self.layout
+    }
+}
+
 impl PlanView {
-    /// A view of descriptor arrays in device memory that the caller owns: `arrays[i]` is the
-    /// address and length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
-    /// [`HostPlan::build_masks`] made them for `num_masks` masks of `q_len x kv_len` at `tile`
-    /// with `mask_index [mask_dims[0], mask_dims[1]]`.
+    /// A view of descriptor arrays in device memory of `ctx` that the caller owns, laid out as
+    /// `layout` says.
     ///
     /// # Safety
-    /// Each array must hold the contents [`HostPlan::arrays`] gave (a prefix of at least its
-    /// length, then anything), in device memory of `ctx` that stays allocated and unwritten
-    /// until every launch reading this view has finished.
+    /// Each array of `layout` must hold the contents [`HostPlan::arrays`] gave (a prefix of at
+    /// least its length, then anything), in device memory of `ctx` that stays allocated and
+    /// unwritten until every launch reading this view has finished.
+    #[allow(unsafe_code)]
+    pub unsafe fn borrowed(ctx: Arc<CudaContext>, layout: PlanLayout) -> PlanView {
+        PlanView { ctx, layout }
+    }
+}
+
+impl PlanLayout {
+    /// The layout of descriptor arrays at the given addresses: `arrays[i]` is the address and
+    /// length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
+    /// [`HostPlan::build_masks`] made them for `num_masks` masks of `q_len x kv_len` at `tile`
+    /// with `mask_index [mask_dims[0], mask_dims[1]]`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when an array is misaligned or shorter than the lengths, the
     /// number of masks and `mask_dims` fix, or `num_masks` or a side of `mask_dims` is 0.
-    #[allow(unsafe_code)]
-    pub unsafe fn borrowed(
-        ctx: Arc<CudaContext>,
+    pub fn new(
         q_len: u32,
         kv_len: u32,
         tile: TileShape,
         num_masks: u32,
         mask_dims: [u32; 2],
         arrays: [(u64, usize); PLAN_ARRAY_COUNT],
-    ) -> Result<PlanView, Error> {
+    ) -> Result<PlanLayout, Error> {
         if tile.block_m == 0 || tile.block_n == 0 {
             return Err(Error::invalid(format!(
                 "plan tile {}x{} has a zero side",
@@ -604,8 +627,7 @@ impl PlanView {
                 }
             }
         }
-        Ok(PlanView {
-            ctx,
+        Ok(PlanLayout {
             addrs: arrays.map(|(addr, _)| addr),
             q_len,
             kv_len,
@@ -701,15 +723,17 @@ impl DevicePlan {
         Ok(DevicePlan {
             view: PlanView {
                 ctx: stream.context().clone(),
-                addrs: offsets.map(|o| base + 4 * o as u64),
-                q_len: host.q_len,
-                kv_len: host.kv_len,
-                tile,
-                num_m_blocks,
-                ws_num_m_blocks,
-                bwd_num_n_blocks,
-                num_masks: host.num_masks,
-                mask_dims: host.mask_dims,
+                layout: PlanLayout {
+                    addrs: offsets.map(|o| base + 4 * o as u64),
+                    q_len: host.q_len,
+                    kv_len: host.kv_len,
+                    tile,
+                    num_m_blocks,
+                    ws_num_m_blocks,
+                    bwd_num_n_blocks,
+                    num_masks: host.num_masks,
+                    mask_dims: host.mask_dims,
+                },
             },
             buffer,
             stats: host.stats,
@@ -729,13 +753,13 @@ impl DevicePlan {
         self.stats.computed_pairs
     }
 
-    /// Tiles by class at [`PlanView::tile`], summed like [`DevicePlan::visible_pairs`].
+    /// Tiles by class at [`PlanLayout::tile`], summed like [`DevicePlan::visible_pairs`].
     pub fn tile_counts(&self) -> TileCounts {
         self.stats.counts
     }
 
     /// The tile shape forward kernel `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
-    /// [`KernelKind::FwdWs`], [`PlanView::tile`] for the others (the backward's dK/dV kernel
+    /// [`KernelKind::FwdWs`], [`PlanLayout::tile`] for the others (the backward's dK/dV kernel
     /// runs at [`cm_kernels::BWD_TILE`], whose counts the plan does not keep).
     pub fn kernel_tile(&self, kernel: KernelKind) -> TileShape {
         if kernel == KernelKind::FwdWs {

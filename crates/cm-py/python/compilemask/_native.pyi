@@ -184,33 +184,35 @@ def cuda_kernel_tile() -> tuple[int, int]: ...
 def cuda_workspace_len(
     q_len: int, batch: int, num_heads: int, head_dim: int, deterministic: bool
 ) -> int: ...
+# A tensor as the CUDA entry points take it: (data_ptr, shape, strides in elements, dtype name
+# without "torch.", CUDA ordinal or -1); every one is checked before a launch.
+_Tensor = tuple[int, tuple[int, ...], tuple[int, ...], str, int]
+# A plan's descriptor: (q_len, kv_len, num_masks, (mask_batch, mask_heads), arrays).
+_Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor]]
+
 def cuda_forward(
-    device: int,
     stream: int,
-    dtype_name: str,
-    plan: tuple[int, int, list[tuple[int, int]]],
-    q: tuple[int, tuple[int, ...], tuple[int, ...]],
-    k: tuple[int, tuple[int, ...], tuple[int, ...]],
-    v: tuple[int, tuple[int, ...], tuple[int, ...]],
-    out: tuple[int, tuple[int, ...], tuple[int, ...]],
-    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
+    plan: _Descriptor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
     scale: float,
 ) -> None: ...
 def cuda_backward(
-    device: int,
     stream: int,
-    dtype_name: str,
-    plan: tuple[int, int, list[tuple[int, int]]],
-    q: tuple[int, tuple[int, ...], tuple[int, ...]],
-    k: tuple[int, tuple[int, ...], tuple[int, ...]],
-    v: tuple[int, tuple[int, ...], tuple[int, ...]],
-    out: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dout: tuple[int, tuple[int, ...], tuple[int, ...]],
-    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dq: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dk: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dv: tuple[int, tuple[int, ...], tuple[int, ...]],
-    workspace: tuple[int, int],
+    plan: _Descriptor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    dout: _Tensor,
+    lse: _Tensor,
+    dq: _Tensor,
+    dk: _Tensor,
+    dv: _Tensor,
+    workspace: _Tensor,
     scale: float,
     deterministic: bool,
 ) -> None: ...

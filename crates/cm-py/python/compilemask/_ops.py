@@ -95,7 +95,7 @@ _CUDA_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _CUDA_HEAD_DIMS = tuple(_native.CUDA_HEAD_DIMS)
 
 
-def _check_cuda_supported(q: Tensor, v: Tensor, kernel: list) -> None:
+def _check_cuda_supported(q: Tensor, v: Tensor) -> None:
     d, dv = q.shape[-1], v.shape[-1]
     if q.dtype not in _CUDA_DTYPES or d not in _CUDA_HEAD_DIMS or dv != d:
         raise NotImplementedError(
@@ -104,23 +104,13 @@ def _check_cuda_supported(q: Tensor, v: Tensor, kernel: list) -> None:
             f"head_dim {d} and head_dim_v {dv}. Use CPU tensors (the CPU reference) or "
             "plan.to_block_mask() with FlexAttention for other cases."
         )
-    if len(kernel) != len(_native.CUDA_PLAN_ARRAYS):
-        raise ValueError(
-            f"the plan's kernel descriptor has {len(kernel)} arrays, expected "
-            f"{len(_native.CUDA_PLAN_ARRAYS)}: build it with plan.to_tensors({str(q.device)!r})"
-        )
-    for t in kernel:
-        if t.device != q.device or t.dtype != torch.int32 or t.dim() != 1 \
-                or not t.is_contiguous():
-            raise ValueError(
-                f"the plan's kernel descriptor is not int32 tensors on {q.device}; build it "
-                f"with plan.to_tensors({str(q.device)!r})"
-            )
 
 
 def _raw(t: Tensor) -> tuple:
-    """A tensor as the extension takes it: address, shape, strides (in elements)."""
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    """A tensor as the extension takes it: address, shape, strides (in elements), dtype name
+    and CUDA ordinal (-1 off CUDA); the extension checks every one before a launch."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+            str(t.dtype).removeprefix("torch."), t.device.index if t.is_cuda else -1)
 
 
 def _kernel_ready(t: Tensor) -> Tensor:
@@ -134,11 +124,10 @@ def _kernel_ready(t: Tensor) -> Tensor:
 
 
 def _plan_arg(kernel: list, plan_dims: list, q_len: int, kv_len: int) -> tuple:
-    """The kernels' view of the plan: lengths, mask count and mask index sides, and the
-    address and capacity of each descriptor array."""
+    """The kernels' view of the plan: lengths, mask count and mask index sides, and its
+    descriptor arrays."""
     num_masks, batch, num_heads = plan_dims
-    return (q_len, kv_len, num_masks, (batch, num_heads),
-            [(t.data_ptr(), t.shape[0]) for t in kernel])
+    return (q_len, kv_len, num_masks, (batch, num_heads), [_raw(t) for t in kernel])
 
 
 def _stream(device: torch.device) -> int:
@@ -146,7 +135,7 @@ def _stream(device: torch.device) -> int:
 
 
 def _cuda_forward(q, k, v, kernel, plan_dims, scale):
-    _check_cuda_supported(q, v, kernel)
+    _check_cuda_supported(q, v)
     b, hq, lq, d = q.shape
     lk = k.shape[2]
     out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
@@ -155,9 +144,8 @@ def _cuda_forward(q, k, v, kernel, plan_dims, scale):
     # device too, so torch's idea of the current device does not change under it.
     with torch.cuda.device(q.device):
         _native.cuda_forward(
-            q.device.index, _stream(q.device), _CUDA_DTYPES[q.dtype],
-            _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k), _raw(v), _raw(out),
-            _raw(lse), scale)
+            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
+            _raw(v), _raw(out), _raw(lse), scale)
     return out, lse
 
 
@@ -172,16 +160,15 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
                             dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         _native.cuda_backward(
-            q.device.index, _stream(q.device), _CUDA_DTYPES[q.dtype],
-            _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k), _raw(v), _raw(out),
-            _raw(dout), _raw(lse), _raw(dq), _raw(dk), _raw(dv),
-            (workspace.data_ptr(), workspace.numel()), scale, deterministic)
+            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
+            _raw(v), _raw(out), _raw(dout), _raw(lse), _raw(dq), _raw(dk), _raw(dv),
+            _raw(workspace), scale, deterministic)
     return dq, dk, dv
 
 
 def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale,
                    deterministic):
-    _check_cuda_supported(q, v, kernel)
+    _check_cuda_supported(q, v)
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
     dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
                                     deterministic)
