@@ -11,20 +11,18 @@ use crate::ir::*;
 use cm_syntax::ast::{Expr, ExprKind, Ident};
 use cm_syntax::{Code, Diagnostic, Span};
 
-/// Built-in names that are values.
-pub(super) const BUILTIN_VALUES: &[&str] = &[
-    "q",
-    "k",
-    "b",
-    "h",
-    "q_len",
-    "kv_len",
-    "batch",
-    "num_heads",
-    "len",
-];
+/// The built-in values only the mask may read: the query, key, batch and head indices.
+const INDICES: &[&str] = &["q", "k", "b", "h"];
+/// The built-in values every part of a program may read: the lengths, and `len` (a
+/// segment's length, inside `part`).
+const LENGTHS: &[&str] = &["q_len", "kv_len", "batch", "num_heads", "len"];
+
+/// Every built-in name that is a value.
+fn builtin_values() -> impl Iterator<Item = &'static str> {
+    INDICES.iter().chain(LENGTHS).copied()
+}
 /// Built-in functions.
-pub(super) const BUILTIN_FUNCS: &[&str] = &[
+const BUILTIN_FUNCS: &[&str] = &[
     "min",
     "max",
     "abs",
@@ -44,7 +42,7 @@ impl Checker<'_> {
     pub(super) fn declare(&mut self, name: &Ident, def: Def) -> bool {
         // Statement words are keywords only at the start of a statement, so they may name
         // things; built-in values and functions may not.
-        let reserved = BUILTIN_VALUES.contains(&name.name.as_str())
+        let reserved = builtin_values().any(|v| v == name.name)
             || BUILTIN_FUNCS.contains(&name.name.as_str())
             || self.arrays.iter().any(|a| a.name == name.name);
         if reserved {
@@ -179,7 +177,7 @@ impl Checker<'_> {
             Some((Def::Let(id), _)) => self.inline_let(id, span, ctx),
             None => {
                 let mut cands: Vec<&str> = self.names.keys().map(String::as_str).collect();
-                cands.extend(BUILTIN_VALUES);
+                cands.extend(INDICES.iter().chain(LENGTHS));
                 cands.extend(self.arrays.iter().map(|a| a.name));
                 let mut d =
                     Diagnostic::error(Code::UnknownName, span, format!("unknown name `{n}`"));

@@ -361,7 +361,8 @@ impl Checker<'_> {
         Err(())
     }
 
-    /// A call of built-in function `n` (one of `names::BUILTIN_FUNCS`).
+    /// A call of built-in function `n` (`min`, `max`, `abs`, `isqrt`, `sum`, `count`, `l1`,
+    /// `l2`, `linf`, `box` or `elementwise`).
     pub(super) fn builtin_call(&mut self, n: &str, args: &[Expr], span: Span, ctx: Ctx) -> R<Val> {
         match n {
             "min" | "max" => {
