@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The kernel build CI runs: installs the pinned NVRTC (scripts/install-nvrtc.sh), compiles
-# every kernel variant for sm_90a into the release build of cm-cuda (failing on a compile
+# every kernel variant for sm_90a into the release build of cm-cuda (through cm-bench's binaries) (failing on a compile
 # error or a register spill in a forward kernel), and prints each variant's ptxas facts.
 # CUBINs are cached by source hash under target/cm-kernels-cache (or $CM_KERNEL_CACHE_DIR),
 # so a rerun with unchanged kernels compiles nothing.
@@ -14,6 +14,6 @@ cd "$(dirname "$0")/.."
 CM_NVRTC_DIR="$(bash scripts/install-nvrtc.sh | tail -n 1)"
 export CM_NVRTC_DIR
 echo "== NVRTC: $CM_NVRTC_DIR"
-cargo build --release --locked -p cm-cuda --bins
+cargo build --release --locked -p cm-bench --bins
 echo "== embedded kernels (ptxas)"
 target/release/cm-gpu-test --kernels

@@ -15,7 +15,7 @@
 //! `--order-check` runs that property alone on a fixed set of small CLEAR and 3D cases.
 //!
 //! `--bwd` (issue 4) adds the backward by the protocol of BENCHMARKS.md's backward section
-//! (`cm_cuda::bench::measure_backward`): after the forward's check, the fast-mode gradients
+//! (`cm_bench::measure_backward`): after the forward's check, the fast-mode gradients
 //! (and with `--deterministic` the deterministic mode's) are checked (NaN scan of dQ, dK, dV;
 //! sampled dQ rows and dK / dV keys against float64, within twice the dtype emulation's error
 //! plus 1e-3), then a forward with lse followed by a backward on one stream is timed:
@@ -24,8 +24,9 @@
 
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, ValueEnum};
-use cm_cuda::bench::{
-    BackwardMeasurement, BenchInputs, BenchOptions, Measurement, MATMUL_PEAK_TFLOPS,
+use cm_bench::{
+    from_bits, random_bits, BackwardMeasurement, BenchInputs, BenchOptions, Measurement,
+    MATMUL_PEAK_TFLOPS,
 };
 use cm_cuda::{DType, KernelKind, Runtime};
 use cm_cuda::{Forward, LseLayout, TensorLayout};
@@ -374,14 +375,13 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         };
         let inputs = &mut cache[at];
         let (pass, mut r) = if a.bwd {
-            let m =
-                cm_cuda::bench::measure_backward(&rt, &stream, inputs, &job.rows, a.deterministic)?;
+            let m = cm_bench::measure_backward(&rt, &stream, inputs, &job.rows, a.deterministic)?;
             if !a.json {
                 print_bwd_row(job, &m, a.deterministic);
             }
             (m.pass(), with_job(job, m.json()))
         } else {
-            let m = cm_cuda::bench::measure(&rt, &stream, inputs, &job.rows)?;
+            let m = cm_bench::measure(&rt, &stream, inputs, &job.rows)?;
             if !a.json {
                 print_row(job, &m);
             }
@@ -704,58 +704,6 @@ impl Equivalence {
     }
 }
 
-/// Random values of `dtype` as raw bits: a random sign and magnitude in [1/8, 2) (exponent
-/// and mantissa drawn directly), deterministic in `seed`. Random tensors suit the property
-/// check whatever their distribution.
-fn random_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
-    const CHUNK: usize = 1 << 20;
-    let mut out = vec![0u16; n];
-    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
-    let per_thread = n.div_ceil(CHUNK).div_ceil(threads).max(1) * CHUNK;
-    std::thread::scope(|s| {
-        for (g, group) in out.chunks_mut(per_thread).enumerate() {
-            s.spawn(move || {
-                let mut state = seed ^ (g as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                for x in group {
-                    state = splitmix(state);
-                    let sign = (state >> 63) as u16;
-                    let exp = ((state >> 40) & 3) as u16; // 2^-3 .. 2^0
-                    let mant = state as u16;
-                    *x = match dtype {
-                        DType::Bf16 => sign << 15 | (124 + exp) << 7 | (mant & 0x7f),
-                        DType::F16 => sign << 15 | (12 + exp) << 10 | (mant & 0x3ff),
-                    };
-                }
-            });
-        }
-    });
-    out
-}
-
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The value of raw `dtype` bits.
-fn value(dtype: DType, bits: u16) -> f64 {
-    match dtype {
-        DType::Bf16 => f64::from(f32::from_bits(u32::from(bits) << 16)),
-        DType::F16 => {
-            let sign = if bits >> 15 == 1 { -1.0 } else { 1.0 };
-            let (exp, mant) = (i32::from((bits >> 10) & 0x1f), f64::from(bits & 0x3ff));
-            match exp {
-                0 => sign * mant * 2f64.powi(-24),
-                31 if mant == 0.0 => sign * f64::INFINITY,
-                31 => f64::NAN,
-                _ => sign * (1.0 + mant / 1024.0) * 2f64.powi(exp - 15),
-            }
-        }
-    }
-}
-
 /// `[heads, len, d]` rows gathered into token order: row `i` of the result is row
 /// `order[i]` of `x`.
 fn permute_rows_of(x: &[u16], heads: usize, d: usize, order: &[u32]) -> Vec<u16> {
@@ -858,7 +806,7 @@ fn equivalence(
             let a = (hh * s + i) * d;
             let b = (hh * s + p as usize) * d;
             for (&x, &y) in out_p[a..a + d].iter().zip(&out_r[b..b + d]) {
-                let (xv, yv) = (value(dt, x), value(dt, y));
+                let (xv, yv) = (from_bits(dt, x), from_bits(dt, y));
                 e.nan += usize::from(xv.is_nan()) + usize::from(yv.is_nan());
                 same += usize::from(x == y);
                 let diff = (xv - yv).abs();
@@ -1096,33 +1044,12 @@ mod tests {
         assert_eq!(length_for("causal", 8192), 8192);
     }
 
-    #[test]
-    fn value_decodes_both_dtypes() {
-        assert_eq!(value(DType::Bf16, 0x3F80), 1.0);
-        assert_eq!(value(DType::Bf16, 0xC040), -3.0);
-        assert!(value(DType::Bf16, 0x7FC0).is_nan());
-        assert_eq!(value(DType::F16, 0x3C00), 1.0);
-        assert_eq!(value(DType::F16, 0xC200), -3.0);
-        assert_eq!(value(DType::F16, 0x0001), 2f64.powi(-24));
-        assert_eq!(value(DType::F16, 0x7C00), f64::INFINITY);
-        assert!(value(DType::F16, 0x7E00).is_nan());
-        for dt in [DType::Bf16, DType::F16] {
-            let x = random_bits(dt, 3 << 20, 9);
-            assert_eq!(x, random_bits(dt, 3 << 20, 9));
-            assert!(x
-                .iter()
-                .all(|&b| (0.125..2.0).contains(&value(dt, b).abs())));
-            let neg = x.iter().filter(|&&b| value(dt, b) < 0.0).count();
-            assert!((neg as f64 / x.len() as f64 - 0.5).abs() < 0.01);
-        }
-    }
-
     /// The property the GPU check tests, on the float64 reference: the permuted plan on
     /// tensors permuted by `permute_rows_of`, read back through the order, is the raster
     /// answer (so a GPU failure is the kernel's, not this file's indexing).
     #[test]
     fn permuted_plan_on_permuted_tensors_equals_raster() {
-        use cm_cuda::reference::{compute, Inputs, Shape};
+        use cm_bench::reference::{compute, Inputs, Shape};
         for c in ORDER_CASES.iter().filter(|c| c.q_len < 5000) {
             let p = plan_order_case(c, (64, 64)).unwrap();
             let s = c.q_len as usize;
@@ -1150,7 +1077,7 @@ mod tests {
                 head_dim: d,
             };
             let all: Vec<u32> = (0..s as u32).collect();
-            let f = |x: &[u16]| x.iter().map(|&b| value(dt, b)).collect::<Vec<f64>>();
+            let f = |x: &[u16]| x.iter().map(|&b| from_bits(dt, b)).collect::<Vec<f64>>();
             let raster = compute(
                 shape,
                 &Inputs {

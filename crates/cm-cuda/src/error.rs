@@ -30,7 +30,9 @@ impl Error {
         Error::Driver { what, source }
     }
 
-    pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+    /// An argument the caller must change, described by `msg` (which names the value and
+    /// what was expected).
+    pub fn invalid(msg: impl Into<String>) -> Error {
         Error::InvalidArgument(msg.into())
     }
 }

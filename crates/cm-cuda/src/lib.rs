@@ -51,14 +51,12 @@
 //! ```
 
 mod backward;
-pub mod bench;
 mod error;
 pub mod external;
 mod forward;
 mod kernels;
 mod layout;
 mod plan;
-pub mod reference;
 mod runtime;
 mod tma;
 

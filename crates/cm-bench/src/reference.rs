@@ -5,7 +5,7 @@
 //! dtype" in the accuracy rule of design.md: a kernel passes when its error is at most twice
 //! that plus 1e-3 ([`tolerance`]).
 
-use crate::DType;
+use cm_cuda::DType;
 use cm_plan::rows::RowIntervals;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

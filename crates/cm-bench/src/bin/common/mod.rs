@@ -6,8 +6,8 @@
 
 pub mod masks;
 
-use cm_cuda::bench::{from_bits, nan_bits, to_bits};
-use cm_cuda::reference::{round_to, Inputs, Shape};
+use cm_bench::reference::{round_to, Inputs, Shape};
+use cm_bench::{from_bits, nan_bits, to_bits};
 use cm_cuda::{DType, DevicePlan, Forward, LseLayout, Runtime, TensorLayout};
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{CudaSlice, CudaStream};

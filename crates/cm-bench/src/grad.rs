@@ -15,7 +15,7 @@
 //! `[batch, kv_heads, kv_len, head_dim]`.
 
 use crate::reference::{round_to, tolerance, Shape};
-use crate::DType;
+use cm_cuda::DType;
 use cm_plan::rows::RowIntervals;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -527,8 +527,8 @@ impl GradCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{from_bits, random_bits};
     use crate::reference::{self, Inputs};
+    use crate::{from_bits, random_bits};
 
     /// With the float64 forward's lse and output, the sampled-key gradients are exactly the
     /// full reference's (GQA, empty rows, keys no row sees, q_len != kv_len), and the

@@ -12,8 +12,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use cm_cuda::bench::{from_bits, nan_bits, BenchInputs, BenchOptions};
-use cm_cuda::reference::{self, Expected, Inputs, Shape};
+use cm_bench::reference::{self, Expected, Inputs, Shape};
+use cm_bench::{from_bits, nan_bits, BenchInputs, BenchOptions};
 use cm_cuda::{DType, Forward, ForwardRaw, KernelKind, LseLayout, TensorLayout};
 use cm_plan::rows::RowIntervals;
 use common::{masks, stray_writes, Buffers, Case, Expect, Gpu, Mem, Res, Rng};
@@ -544,7 +544,7 @@ fn graph_capture(gpu: &Gpu, rng: &mut Rng) -> Res<Value> {
     Ok(json!({"pass": pass}))
 }
 
-/// Checks and times every forward kernel on one workload with `cm_cuda::bench::measure`
+/// Checks and times every forward kernel on one workload with `cm_bench::measure`
 /// (sampled rows of three heads against float64 first, then CUDA-event timings of
 /// back-to-back calls and the single-call latency).
 fn bench(gpu: &mut Gpu, name: &str, mask: &RowIntervals, seed: u64) -> Res<Vec<Value>> {
@@ -556,7 +556,7 @@ fn bench(gpu: &mut Gpu, name: &str, mask: &RowIntervals, seed: u64) -> Res<Vec<V
     let mut results = Vec::new();
     for kernel in KERNELS {
         gpu.rt.set_forward_kernel(kernel)?;
-        let m = cm_cuda::bench::measure(&gpu.rt, &gpu.stream, &mut inputs, mask)?;
+        let m = cm_bench::measure(&gpu.rt, &gpu.stream, &mut inputs, mask)?;
         let c = &m.check;
         let timing = m.timing.map_or("not timed".to_string(), |t| {
             format!(

@@ -5,7 +5,7 @@
 //! GQA / MQA, head_dim 64 and 128, bf16 and fp16, the FM-01 and GR-01 cases of
 //! public-reports.md; checks that the deterministic mode repeats its bits, then checks and
 //! times forward + backward on the eight workloads at 8K and 32K with
-//! `cm_cuda::bench::measure_backward` (as `compilemask bench --bwd` does). Built on the CPU
+//! `cm_bench::measure_backward` (as `compilemask bench --bwd` does). Built on the CPU
 //! machine, run on the GPU machine:
 //!
 //! ```text
@@ -16,8 +16,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use cm_cuda::bench::grad::{self, check_tensor, GradCheck, Grads, Tensors};
-use cm_cuda::bench::{nan_bits, BenchInputs, BenchOptions};
+use cm_bench::grad::{self, check_tensor, GradCheck, Grads, Tensors};
+use cm_bench::{nan_bits, BenchInputs, BenchOptions};
 use cm_cuda::{Backward, DType, DevicePlan, LseLayout, TensorLayout};
 use cm_plan::rows::RowIntervals;
 use common::{
@@ -411,7 +411,7 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
 }
 
 /// Checks and times forward + backward on one workload (batch 1, H = 16, head_dim 128,
-/// bf16) with `cm_cuda::bench::measure_backward`: the forward's sampled rows, both backward
+/// bf16) with `cm_bench::measure_backward`: the forward's sampled rows, both backward
 /// modes' sampled dQ rows and dK / dV keys against float64 and a NaN scan of every gradient
 /// first, then CUDA-event medians.
 fn bench(gpu: &Gpu, name: &str, mask: &RowIntervals, seed: u64) -> Res<Value> {
@@ -422,7 +422,7 @@ fn bench(gpu: &Gpu, name: &str, mask: &RowIntervals, seed: u64) -> Res<Value> {
         ..BenchOptions::default()
     };
     let mut inputs = BenchInputs::new(&gpu.stream, mask.q_len(), mask.kv_len(), opts)?;
-    let m = cm_cuda::bench::measure_backward(&gpu.rt, &gpu.stream, &mut inputs, mask, true)?;
+    let m = cm_bench::measure_backward(&gpu.rt, &gpu.stream, &mut inputs, mask, true)?;
     let fwd_ms = m.forward.timing.map_or(f64::NAN, |t| t.median_ms);
     let timing = m.timing.map_or("not timed".to_string(), |t| {
         let (det_ms, det_tf) = t.deterministic_bwd.unwrap_or((f64::NAN, f64::NAN));

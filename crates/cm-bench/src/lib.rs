@@ -8,25 +8,26 @@
 //!
 //! ```no_run
 //! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
-//! use cm_cuda::bench::{BenchInputs, BenchOptions};
+//! use cm_bench::{BenchInputs, BenchOptions};
 //! let rt = cm_cuda::Runtime::new_on_device(0)?;
 //! let stream = rt.context().default_stream();
 //! let opts = BenchOptions::default();
 //! let mut inputs = BenchInputs::new(&stream, rows.q_len(), rows.kv_len(), opts)?;
-//! let m = cm_cuda::bench::measure(&rt, &stream, &mut inputs, rows)?;
+//! let m = cm_bench::measure(&rt, &stream, &mut inputs, rows)?;
 //! println!("{:.1} TFLOP/s", m.timing.map_or(0.0, |t| t.tflops));
-//! let b = cm_cuda::bench::measure_backward(&rt, &stream, &mut inputs, rows, false)?;
+//! let b = cm_bench::measure_backward(&rt, &stream, &mut inputs, rows, false)?;
 //! println!("fwd+bwd {:.1} TFLOP/s", b.timing.map_or(0.0, |t| t.fwd_bwd_tflops));
 //! # Ok(()) }
 //! ```
 
 pub mod grad;
+pub mod reference;
 
-use crate::reference::{self, Inputs, Shape};
-use crate::{Backward, DType, DevicePlan, Error, Forward, LseLayout, Runtime, TensorLayout};
+use cm_cuda::{Backward, DType, DevicePlan, Error, Forward, LseLayout, Runtime, TensorLayout};
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use grad::{ForwardResult, GradCheck, Tensors};
+use reference::{Inputs, Shape};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -267,7 +268,7 @@ impl BenchInputs {
 
 /// Standard-normal values rounded to `dtype`, as raw bits; deterministic in `seed` whatever
 /// the number of cores.
-fn random_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
+pub fn random_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
     const CHUNK: usize = 1 << 20;
     let mut out = vec![0u16; n];
     let chunks: Vec<(usize, &mut [u16])> = out.chunks_mut(CHUNK).enumerate().collect();
@@ -1083,5 +1084,20 @@ mod tests {
             "{mean} {var}"
         );
         assert!(xs.iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn bits_round_trip_and_decode_both_dtypes() {
+        assert_eq!(from_bits(DType::Bf16, 0x3F80), 1.0);
+        assert_eq!(from_bits(DType::Bf16, 0xC040), -3.0);
+        assert!(from_bits(DType::Bf16, nan_bits(DType::Bf16)).is_nan());
+        assert_eq!(from_bits(DType::F16, 0x3C00), 1.0);
+        assert_eq!(from_bits(DType::F16, 0xC200), -3.0);
+        assert_eq!(from_bits(DType::F16, 0x0001), 2f64.powi(-24));
+        assert_eq!(from_bits(DType::F16, 0x7C00), f64::INFINITY);
+        assert!(from_bits(DType::F16, nan_bits(DType::F16)).is_nan());
+        for dt in [DType::Bf16, DType::F16] {
+            assert_eq!(from_bits(dt, to_bits(dt, -0.375)), -0.375);
+        }
     }
 }
