@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernel build CI runs: installs the pinned NVRTC (scripts/install-nvrtc.sh), compiles
-# every kernel variant for sm_90a into the release build of cm-cuda (through cm-bench's binaries) (failing on a compile
-# error or a register spill in a forward kernel), and prints each variant's ptxas facts.
+# every kernel variant for sm_90a into the release build of cm-cuda, which cm-bench's GPU test
+# binaries embed (failing on a compile error or a register spill in a forward kernel), and
+# prints each variant's ptxas facts.
 # CUBINs are cached by source hash under target/cm-kernels-cache (or $CM_KERNEL_CACHE_DIR),
 # so a rerun with unchanged kernels compiles nothing.
 #
