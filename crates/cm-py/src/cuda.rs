@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cm_cuda::external::{self, ExternalTensor};
-use cm_cuda::{BackwardRaw, Error, ForwardRaw, PlanLayout, PlanView, Runtime};
+use cm_cuda::{BackwardRaw, Error, ForwardRaw, LseLayout, PlanLayout, PlanView, Runtime};
 use compilemask::TileShape;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -120,6 +120,47 @@ fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> 
     external::descriptor_layout(device, plan.0, plan.1, plan.2, plan.3, &arrays)
 }
 
+/// q, k, v, out and lse as a forward's arguments, each checked to be on q's device with q's
+/// dtype (lse float32); returns the device, the arguments (lse included), lse alone, and q's
+/// dtype name.
+fn forward_args(
+    q: TensorArg<4>,
+    k: TensorArg<4>,
+    v: TensorArg<4>,
+    out: TensorArg<4>,
+    lse: TensorArg<3>,
+    softmax_scale: f32,
+) -> Result<(usize, ForwardRaw, (u64, LseLayout), String), Error> {
+    let (q, k, v, out, lse) = (
+        to_external(q),
+        to_external(k),
+        to_external(v),
+        to_external(out),
+        to_external(lse),
+    );
+    let (device, dtype) = external::launch_device_and_dtype(&[
+        ("q", &q.dtype, q.device, true),
+        ("k", &k.dtype, k.device, true),
+        ("v", &v.dtype, v.device, true),
+        ("out", &out.dtype, out.device, true),
+        ("lse", &lse.dtype, lse.device, false),
+    ])?;
+    let raw = ForwardRaw {
+        dtype,
+        q: q.addr,
+        q_layout: q.layout(),
+        k: k.addr,
+        k_layout: k.layout(),
+        v: v.addr,
+        v_layout: v.layout(),
+        out: out.addr,
+        out_layout: out.layout(),
+        lse: Some((lse.addr, lse.lse_layout())),
+        softmax_scale,
+    };
+    Ok((device, raw, (lse.addr, lse.lse_layout()), q.dtype))
+}
+
 /// The runtime of `device` and a view of the plan's arrays in its context.
 fn plan_view(device: usize, layout: PlanLayout) -> Result<(Arc<Runtime>, PlanView), Error> {
     let rt = runtime(device)?;
@@ -168,33 +209,7 @@ pub fn cuda_forward(
     scale: f32,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
-        let (q, k, v, out, lse) = (
-            to_external(q),
-            to_external(k),
-            to_external(v),
-            to_external(out),
-            to_external(lse),
-        );
-        let (device, dt) = external::launch_device_and_dtype(&[
-            ("q", &q.dtype, q.device, true),
-            ("k", &k.dtype, k.device, true),
-            ("v", &v.dtype, v.device, true),
-            ("out", &out.dtype, out.device, true),
-            ("lse", &lse.dtype, lse.device, false),
-        ])?;
-        let raw = ForwardRaw {
-            dtype: dt,
-            q: q.addr,
-            q_layout: q.layout(),
-            k: k.addr,
-            k_layout: k.layout(),
-            v: v.addr,
-            v_layout: v.layout(),
-            out: out.addr,
-            out_layout: out.layout(),
-            lse: Some((lse.addr, lse.lse_layout())),
-            softmax_scale: scale,
-        };
+        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale)?;
         Ok((device, raw, plan_layout(device, plan)?))
     };
     let (device, raw, layout) = checked().map_err(py_err)?;
@@ -238,47 +253,33 @@ pub fn cuda_backward(
     deterministic: bool,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, BackwardRaw, PlanLayout), Error> {
-        let (q, k, v, out, dout) = (
-            to_external(q),
-            to_external(k),
-            to_external(v),
-            to_external(out),
+        let (device, f, (lse, lse_layout), q_dtype) = forward_args(q, k, v, out, lse, scale)?;
+        let (dout, dq, dk, dv) = (
             to_external(dout),
-        );
-        let (lse, dq, dk, dv, ws) = (
-            to_external(lse),
             to_external(dq),
             to_external(dk),
             to_external(dv),
-            to_external(workspace),
         );
-        let (device, dt) = external::launch_device_and_dtype(&[
-            ("q", &q.dtype, q.device, true),
-            ("k", &k.dtype, k.device, true),
-            ("v", &v.dtype, v.device, true),
-            ("out", &out.dtype, out.device, true),
-            ("dout", &dout.dtype, dout.device, true),
-            ("lse", &lse.dtype, lse.device, false),
-            ("dq", &dq.dtype, dq.device, true),
-            ("dk", &dk.dtype, dk.device, true),
-            ("dv", &dv.dtype, dv.device, true),
-            ("workspace", &ws.dtype, ws.device, false),
-        ])?;
+        for (name, t) in [("dout", &dout), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
+            external::check_tensor(name, &t.dtype, t.device, &q_dtype, device)?;
+        }
+        let ws = to_external(workspace);
+        external::check_tensor("workspace", &ws.dtype, ws.device, "float32", device)?;
         let (workspace, workspace_len) = ws.contiguous("workspace")?;
         let raw = BackwardRaw {
-            dtype: dt,
-            q: q.addr,
-            q_layout: q.layout(),
-            k: k.addr,
-            k_layout: k.layout(),
-            v: v.addr,
-            v_layout: v.layout(),
-            out: out.addr,
-            out_layout: out.layout(),
+            dtype: f.dtype,
+            q: f.q,
+            q_layout: f.q_layout,
+            k: f.k,
+            k_layout: f.k_layout,
+            v: f.v,
+            v_layout: f.v_layout,
+            out: f.out,
+            out_layout: f.out_layout,
             dout: dout.addr,
             dout_layout: dout.layout(),
-            lse: lse.addr,
-            lse_layout: lse.lse_layout(),
+            lse,
+            lse_layout,
             dq: dq.addr,
             dq_layout: dq.layout(),
             dk: dk.addr,
