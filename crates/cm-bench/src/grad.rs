@@ -3,7 +3,7 @@
 //! computes them (fp32 scores, sums and accumulators; the forward output, the probabilities
 //! fed to dV and dS fed to dQ / dK rounded to the dtype). The error of the latter against
 //! float64 stands in for "PyTorch's own attention in the same dtype" in the accuracy rule of
-//! design.md: a kernel's gradient passes when its error is at most twice that plus 1e-3
+//! docs/design.md: a kernel's gradient passes when its error is at most twice that plus 1e-3
 //! ([`TensorCheck`]).
 //!
 //! Three entry points: [`compute`] (every row and key: the small-size tests of `cm-bwd-test`),

@@ -1,4 +1,4 @@
-//! Benchmarking by the protocol of `workloads.md`: correctness first (sampled rows of the
+//! Benchmarking by the protocol of `docs/workloads.md`: correctness first (sampled rows of the
 //! output against the float64 reference on the same inputs, no NaN anywhere), then effective
 //! TFLOP/s from the median of back-to-back calls timed with CUDA events, and the single-call
 //! latency with the host launch included. [`measure`] does the forward; [`measure_backward`]
@@ -773,7 +773,7 @@ fn time(
     })
 }
 
-/// `4 * heads * head_dim * visible_pairs`: the forward's FLOPs by workloads.md.
+/// `4 * heads * head_dim * visible_pairs`: the forward's FLOPs by docs/workloads.md.
 fn forward_flops(opts: &BenchOptions, visible_pairs: u64) -> f64 {
     4.0 * opts.heads as f64 * opts.head_dim as f64 * visible_pairs as f64
 }

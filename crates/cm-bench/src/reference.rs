@@ -2,7 +2,7 @@
 //! answer, and the same attention computed the way a FlashAttention-style kernel in the input
 //! dtype computes it (fp32 scores and sums, probabilities and output rounded to the dtype).
 //! The error of the latter against float64 stands in for "PyTorch's own attention in the same
-//! dtype" in the accuracy rule of design.md: a kernel passes when its error is at most twice
+//! dtype" in the accuracy rule of docs/design.md: a kernel passes when its error is at most twice
 //! that plus 1e-3 ([`tolerance`]).
 
 use cm_cuda::DType;

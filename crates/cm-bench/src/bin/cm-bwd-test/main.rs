@@ -1,9 +1,9 @@
 //! `cm-bwd-test`: checks the backward kernels (fast mode with atomic dQ, deterministic mode)
-//! against the float64 CPU reference on fresh random inputs: every workload of workloads.md
+//! against the float64 CPU reference on fresh random inputs: every workload of docs/workloads.md
 //! at small and odd sizes (W1 causal, W2 HSTU, W3 shared prefix, W4 CLEAR, W5 sliding window,
 //! W6 document causal, W7 / W8 on the bundled trace), striped and empty rows, q_len != kv_len,
 //! GQA / MQA, head_dim 64 and 128, bf16 and fp16, the FM-01 and GR-01 cases of
-//! public-reports.md; checks that the deterministic mode repeats its bits, then checks and
+//! docs/public-reports.md; checks that the deterministic mode repeats its bits, then checks and
 //! times forward + backward on the eight workloads at 8K and 32K with
 //! `cm_bench::measure_backward` (as `compilemask bench --bwd` does). Built on the CPU
 //! machine, run on the GPU machine:
@@ -232,7 +232,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
     })))
 }
 
-/// Rows of the reduced GR-01 mask (public-reports.md): segment length t = 16, chunk w = 4,
+/// Rows of the reduced GR-01 mask (docs/public-reports.md): segment length t = 16, chunk w = 4,
 /// floor semantics; with `offset` = 0 the rows with `r mod w == 0` of segment 2 are empty.
 fn gr01(offset: i64) -> RowIntervals {
     let (t, w) = (16i64, 4i64);

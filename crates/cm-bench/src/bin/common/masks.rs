@@ -1,5 +1,5 @@
 //! Test masks as per-row visible key intervals (half-open `[start, end)`), built directly so
-//! the GPU tests do not depend on the mask compiler; each follows workloads.md where it has a
+//! the GPU tests do not depend on the mask compiler; each follows docs/workloads.md where it has a
 //! counterpart there. A unit test compares the W3, W7 and W8 builders with the compiler's
 //! built-ins (`shared_prefix`, `trace_documents`, `trace_prompt_groups`).
 
@@ -148,7 +148,7 @@ pub fn trace_prompt_groups(len: u32) -> RowIntervals {
     shared_prefix(len, &context, &generated, 8)
 }
 
-/// The eight workloads of workloads.md at sequence length `len` with their default
+/// The eight workloads of docs/workloads.md at sequence length `len` with their default
 /// parameters (CLEAR at the `180 x 180` grid of the 32K headline when `len >= 32768`, else
 /// the `90 x 90` one), named `W1 causal 8K` etc.
 pub fn workloads(len: u32) -> Vec<(String, RowIntervals)> {
@@ -246,7 +246,7 @@ pub fn causal_with_empty_rows(len: u32) -> RowIntervals {
 }
 
 /// The masks both GPU tests run at small and odd sizes, with their (batch, heads, kv_heads):
-/// every workload of workloads.md (W3, W7 and W8 included), q_len != kv_len, striped and empty
+/// every workload of docs/workloads.md (W3, W7 and W8 included), q_len != kv_len, striped and empty
 /// rows, ragged key tails, GQA and MQA.
 pub fn shared_cases() -> Vec<(&'static str, RowIntervals, (usize, usize, usize))> {
     let w2 = [700, 300, 1200, 64, 9, 1000, 0, 513];
