@@ -173,7 +173,7 @@ struct Step {
 
 /// A validated backward: its parameters, the kernels to run in order, and the TMA
 /// descriptors of Q and dO (64-row boxes) and K and V (128-row boxes) for `bwd_dkdv`.
-struct Plan {
+struct Launches {
     params: BwdParams,
     steps: Vec<Step>,
     tensor_maps: [TensorMap; 4],
@@ -243,7 +243,7 @@ fn check_output(
 }
 
 /// Every host-side check of a backward; no device work and no synchronisation.
-fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
+fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error> {
     // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
     let forward = ForwardRaw {
         dtype: a.dtype,
@@ -390,7 +390,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         TensorMap::encode("k", a.dtype, a.k, &a.k_layout, key_rows)?,
         TensorMap::encode("v", a.dtype, a.v, &a.v_layout, key_rows)?,
     ];
-    Ok(Some(Plan {
+    Ok(Some(Launches {
         params,
         steps,
         tensor_maps,
@@ -507,8 +507,8 @@ impl Runtime {
     }
 
     #[allow(unsafe_code)]
-    fn launch_backward(&self, stream: &CudaStream, plan: &Plan) -> Result<(), Error> {
-        for step in &plan.steps {
+    fn launch_backward(&self, stream: &CudaStream, launches: &Launches) -> Result<(), Error> {
+        for step in &launches.steps {
             let variant = &cm_kernels::VARIANTS[step.variant];
             let config = LaunchConfig {
                 grid_dim: step.grid,
@@ -516,9 +516,9 @@ impl Runtime {
                 shared_mem_bytes: variant.dynamic_shared_bytes(),
             };
             let mut builder = stream.launch_builder(self.function(step.variant));
-            builder.arg(&plan.params);
+            builder.arg(&launches.params);
             if step.tensor_maps {
-                for map in &plan.tensor_maps {
+                for map in &launches.tensor_maps {
                     builder.arg(map);
                 }
             }
