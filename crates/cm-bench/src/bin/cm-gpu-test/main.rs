@@ -56,22 +56,24 @@ impl Check {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check(
+/// The output (and lse) of every (batch, head) on `rows_sel` against the references of its
+/// mask: `mask_of(b, h)` gives that mask and the references computed with it for every
+/// (batch, head) of `shape`.
+fn check<'a>(
     dtype: DType,
-    mask: &RowIntervals,
+    mask_of: impl Fn(usize, usize) -> (&'a RowIntervals, &'a Expected),
     shape: Shape,
     layout: &TensorLayout,
     out_mem: &[u16],
     lse: Option<&[f32]>,
     rows_sel: &[u32],
-    exp: &Expected,
 ) -> Check {
     let mut c = Check::default();
     let d = shape.head_dim;
     let n = rows_sel.len();
     for b in 0..shape.batch {
         for h in 0..shape.heads {
+            let (mask, exp) = mask_of(b, h);
             for (r, &i) in rows_sel.iter().enumerate() {
                 let item = (b * shape.heads + h) * n + r;
                 let at = common::offset(layout, b, h, i as usize);
@@ -179,13 +181,12 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
             .transpose()?;
         let mut chk = check(
             c.dtype,
-            &c.mask,
+            |_, _| (&c.mask, &exp),
             shape,
             &bufs.q_layout,
             &out_mem,
             lse.as_deref(),
             &rows_sel,
-            &exp,
         );
         chk.stray_writes = stray_writes(c.dtype, &bufs.q_layout, &out_mem);
         let pass = chk.pass() && cross.is_none_or(|d| d < 1e-9);
@@ -208,6 +209,91 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
         v["cm_reference_diff"] = json!(cross);
         v["pass"] = json!(pass);
         results.push(v);
+    }
+    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
+    Ok(results)
+}
+
+/// A plan of several masks (a causal, an all-visible, an empty and a striped one) assigned
+/// per (batch, head) under GQA 4:1, different in each batch: every forward kernel runs it in
+/// one launch, and each (batch, head) is checked against the references of its own mask.
+fn per_head_masks(gpu: &mut Gpu, rng: &mut Rng) -> Res<Vec<Value>> {
+    let (q_len, kv_len) = (193u32, 321u32);
+    let empty = RowIntervals::from_rows(kv_len, &vec![Vec::new(); q_len as usize])?;
+    let plan_masks = [
+        masks::causal(q_len, kv_len),
+        masks::full(q_len, kv_len),
+        empty,
+        masks::striped(q_len, kv_len),
+    ];
+    let (batch, heads, kv_heads) = (2usize, 8usize, 2usize);
+    let index: Vec<u32> = (0..batch * heads)
+        .map(|i| {
+            let (b, h) = (i / heads, i % heads);
+            (if b == 0 { h % 4 } else { 3 - h % 4 }) as u32
+        })
+        .collect();
+    let refs: Vec<&RowIntervals> = plan_masks.iter().collect();
+    let plan = gpu
+        .rt
+        .upload_plan_masks(&refs, &index, [batch, heads], &gpu.stream)?;
+    let mut results = Vec::new();
+    for combo in [(DType::Bf16, 128), (DType::F16, 64)] {
+        let c = Case::new(
+            "per-head masks",
+            plan_masks[0].clone(),
+            (batch, heads, kv_heads),
+            combo,
+            Mem::Contiguous,
+        );
+        let (x, mut bufs) = Buffers::random(gpu, rng, &c)?;
+        let shape = c.shape();
+        let rows_sel: Vec<u32> = (0..q_len).collect();
+        let scale = f64::from(c.softmax_scale);
+        let exps: Vec<Expected> = plan_masks
+            .iter()
+            .map(|m| reference::compute(shape, &x, m, &rows_sel, scale, c.dtype))
+            .collect();
+        let mask_of = |b: usize, h: usize| {
+            let m = index[b * heads + h] as usize;
+            (&plan_masks[m], &exps[m])
+        };
+        for kernel in KERNELS {
+            gpu.rt.set_forward_kernel(kernel)?;
+            poison(gpu, &mut bufs, c.dtype)?;
+            bufs.forward(gpu, &plan, &c)?;
+            gpu.stream.synchronize()?;
+            let out_mem = gpu.stream.clone_dtoh(&bufs.out)?;
+            let lse = bufs
+                .lse
+                .as_ref()
+                .map(|l| gpu.stream.clone_dtoh(l))
+                .transpose()?;
+            let chk = check(
+                c.dtype,
+                mask_of,
+                shape,
+                &bufs.q_layout,
+                &out_mem,
+                lse.as_deref(),
+                &rows_sel,
+            );
+            println!(
+                "{} {:<10} {:<44} max_err {:.2e} (tol {:.2e}) lse_err {:.1e} empty {} nan {}",
+                if chk.pass() { "PASS" } else { "FAIL" },
+                kernel.name(),
+                c.name,
+                chk.max_err,
+                chk.tolerance(),
+                chk.lse_err,
+                chk.empty_rows,
+                chk.nan,
+            );
+            let mut v = c.json(chk.json());
+            v["kernel"] = json!(kernel.name());
+            v["masks"] = json!(plan_masks.len());
+            results.push(v);
+        }
     }
     gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
     Ok(results)
@@ -619,6 +705,11 @@ fn run(args: &common::Args, report: &mut Value) -> Res<bool> {
         );
     }
     all_pass &= common::record(report, "cases", results);
+    all_pass &= common::record(
+        report,
+        "per_head_masks",
+        per_head_masks(&mut gpu, &mut rng)?,
+    );
     all_pass &= common::record(report, "validation", validation(&gpu)?);
     let g = graph_capture(&gpu, &mut rng)?;
     all_pass &= g["pass"] == json!(true);
