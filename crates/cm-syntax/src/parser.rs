@@ -554,8 +554,10 @@ impl Parser {
         })
     }
 
+    /// `not X`: the word form binds loosely, below comparisons, arithmetic and region `-`
+    /// (`not k < 2` is `not (k < 2)`); `!` binds tightly, as unary `-` does (`unary_expr`).
     fn not_expr(&mut self) -> Expr {
-        if self.at(&Tok::Bang) || self.at_word("not") {
+        if self.at_word("not") {
             let start = self.bump().span;
             self.depth += 1;
             let inner = if self.depth > MAX_DEPTH {
@@ -674,23 +676,28 @@ impl Parser {
         })
     }
 
+    /// Unary `-` and `!` bind tighter than every binary operator, so `!(k < 2) - (k > 5)` is
+    /// `(!(k < 2)) - (k > 5)` and `A - !B` parses; `!k < 2` is `(!k) < 2`, which the checker
+    /// refuses with a hint (`not` is the loose form).
     fn unary_expr(&mut self) -> Expr {
-        if self.at(&Tok::Minus) {
-            let start = self.bump().span;
-            self.depth += 1;
-            let inner = if self.depth > MAX_DEPTH {
-                self.expr()
-            } else {
-                self.unary_expr()
-            };
-            self.depth -= 1;
-            let span = start.to(inner.span);
-            return Expr {
-                kind: ExprKind::Unary(UnOp::Neg, Box::new(inner)),
-                span,
-            };
+        let op = match self.peek().tok {
+            Tok::Minus => UnOp::Neg,
+            Tok::Bang => UnOp::Not,
+            _ => return self.postfix_expr(),
+        };
+        let start = self.bump().span;
+        self.depth += 1;
+        let inner = if self.depth > MAX_DEPTH {
+            self.expr()
+        } else {
+            self.unary_expr()
+        };
+        self.depth -= 1;
+        let span = start.to(inner.span);
+        Expr {
+            kind: ExprKind::Unary(op, Box::new(inner)),
+            span,
         }
-        self.postfix_expr()
     }
 
     fn postfix_expr(&mut self) -> Expr {

@@ -169,7 +169,18 @@ impl Checker<'_> {
                 Val::Bool(b, _) => Ok(Val::Bool(Bool::Not(Box::new(b)), span)),
                 Val::Region(r, _) => Ok(Val::Region(Region::Not(Box::new(r)), span)),
                 v => {
-                    self.type_err(&v, "a boolean or a region");
+                    self.err(
+                        Diagnostic::error(
+                            Code::TypeMismatch,
+                            v.span(),
+                            format!("expected a boolean or a region after `!`, found {}", v.describe()),
+                        )
+                        .with_hint(
+                            "`!` binds tighter than comparisons and arithmetic, as unary `-` does \
+                             (`!k < 2` is `(!k) < 2`): write `!(k < 2)`, or `not k < 2` (the word \
+                             form binds loosely)",
+                        ),
+                    );
                     Err(())
                 }
             },
@@ -475,7 +486,7 @@ mod tests {
             ),
             (
                 "mask = !(q + 1) & k < q;",
-                "expected a boolean or a region, found an integer",
+                "expected a boolean or a region after `!`, found an integer",
             ),
             (
                 "mask = k < q & 3;",
