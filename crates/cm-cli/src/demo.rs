@@ -57,8 +57,16 @@ pub fn run(out_dir: &str) -> Result<()> {
             .map_err(|e| anyhow!("{}", program.render_error(&e)))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mask = plan.mask(0, 0);
-        let path = format!("{out_dir}/{name}.png");
-        crate::show::write_png(mask, &path)?;
+        let path = std::path::Path::new(out_dir).join(format!("{name}.png"));
+        let structure = crate::show::structure(&program, &options, &plan)?;
+        crate::show::write(
+            &program,
+            &plan,
+            structure.as_ref(),
+            &cm_view::View::default(),
+            &path,
+            crate::show::Format::Png,
+        )?;
         let err = slice_error(&mask.rows)?;
         let t = plan.tile_counts();
         let frac = plan.visible_pairs() as f64 / (*q_len as f64 * *q_len as f64);
@@ -79,8 +87,9 @@ pub fn run(out_dir: &str) -> Result<()> {
     }
     say!("\nvisible = visible pairs / q_len^2; max_iv = most key intervals in one row; desc_KiB = bytes a kernel reads;");
     say!("attn_err = max |CPU reference attention (f32) - dense float64 softmax| on {SLICE_ROWS} rows, head_dim {HEAD_DIM}.");
-    say!("Pictures: {out_dir}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles;");
-    say!("hidden pairs of partial tiles light amber, empty tiles light grey.");
+    say!("Pictures: {out_dir}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles,");
+    say!("hidden pairs of partial tiles light amber, empty tiles light grey; dashed lines and the lanes on the right");
+    say!("mark the mask's segments, parts and grids.");
     Ok(())
 }
 

@@ -55,15 +55,29 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Draw the mask and its tile classes as a PNG: visible pairs dark green in full tiles and
-    /// dark amber in partial tiles, hidden pairs of partial tiles light amber, empty tiles
-    /// light grey.
+    /// Draw the mask as a picture (PNG or SVG, by the output's extension): a title with the
+    /// lengths and the visible fraction, axes with token indices, the tile grid, the
+    /// program's segments, parts and grids, and a legend. Visible pairs are dark green in
+    /// full tiles and dark amber in partial tiles, hidden pairs of partial tiles light
+    /// amber, empty tiles light grey; small masks are upscaled, long ones downsampled.
     Show {
         #[command(flatten)]
         mask: MaskArgs,
-        /// Output file.
+        /// Output file: NAME.png or NAME.svg.
         #[arg(short, long)]
-        output: String,
+        output: std::path::PathBuf,
+        /// Batch index to draw, for masks that read `b`: 0 (the default) ..= --batch - 1.
+        #[arg(long, default_value_t = 0)]
+        b: u32,
+        /// Head index to draw, for masks that read `h`: 0 (the default) ..= --num-heads - 1.
+        #[arg(long, default_value_t = 0)]
+        h: u32,
+        /// Draw only rows A:B (half-open, 0-based; default: every row).
+        #[arg(long, value_parser = parse_rows)]
+        rows: Option<(u32, u32)>,
+        /// Draw only keys C:D (half-open, 0-based; default: every key).
+        #[arg(long, value_parser = parse_cols)]
+        cols: Option<(u32, u32)>,
     },
     /// Export the mask in another system's format, as JSON (layouts: docs/exports.md).
     ///
@@ -116,15 +130,24 @@ enum ExportFormat {
 const CLI_DENSE_LIMIT: i64 = 1 << 24;
 
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
-    let bad = || format!("`{s}` is not a row range; expected A:B with 0 <= A < B, e.g. 0:16");
+    parse_range(s, "row")
+}
+
+fn parse_cols(s: &str) -> Result<(u32, u32), String> {
+    parse_range(s, "key")
+}
+
+/// `A:B` with `0 <= A < B`, both u32 (`what` is `row` or `key`).
+fn parse_range(s: &str, what: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("`{s}` is not a {what} range; expected A:B with 0 <= A < B, e.g. 0:16");
     let (a, b) = s.split_once(':').ok_or_else(bad)?;
     let end = |t: &str, which: &str| -> Result<u32, String> {
         let t = t.trim();
         t.parse::<u32>().map_err(|_| {
-            // A non-negative integer too large for a row index: name the limit.
+            // A non-negative integer too large for an index: name the limit.
             if !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit()) {
                 format!(
-                    "`{s}` is not a row range: {which} = {t} is too large; A:B are u32 row indices, at most {}",
+                    "`{s}` is not a {what} range: {which} = {t} is too large; A:B are u32 {what} indices, at most {}",
                     u32::MAX
                 )
             } else {
@@ -438,23 +461,32 @@ fn run(command: Command) -> Result<ExitCode> {
             )?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Show { mask, output } => {
-            // Refuse before planning: `show` writes PNG data whatever the name says.
-            let ext = std::path::Path::new(&output)
-                .extension()
-                .and_then(|e| e.to_str());
-            if !ext.is_some_and(|e| e.eq_ignore_ascii_case("png")) {
-                return Err(anyhow!(
-                    "-o {output}: `show` writes PNG images only; give a file name ending in .png (got {})",
-                    match ext {
-                        Some(e) => format!("extension .{e}"),
-                        None => "no extension".into(),
-                    }
-                ));
-            }
-            let (program, _, plan, _) = mask.plan()?;
-            let (w, h) = show::write_png(plan.mask(0, 0), &output)?;
-            out!("wrote {output} ({w}x{h} pixels) for {}", program.name());
+        Command::Show {
+            mask,
+            output,
+            b,
+            h,
+            rows,
+            cols,
+        } => {
+            // Refuse before planning what would be refused after it.
+            let format = show::Format::of(&output)?;
+            let (program, options, plan, _) = mask.plan()?;
+            check_batch_head(&plan, b, h)?;
+            let structure = show::structure(&program, &options, &plan)?;
+            let view = cm_view::View { b, h, rows, cols };
+            let p = show::write(&program, &plan, structure.as_ref(), &view, &output, format)?;
+            let (sx, sy) = p.scale();
+            let [x, y, w, hh] = p.plot;
+            out!(
+                "wrote {} ({}x{} pixels; plot {w}x{hh} at ({x}, {y}), {:.4} x {:.4} pixels per key x row) for {}",
+                output.display(),
+                p.width,
+                p.height,
+                sx,
+                sy,
+                program.name()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Export {

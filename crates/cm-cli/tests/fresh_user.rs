@@ -317,7 +317,7 @@ fn diagnostics_are_capped() {
     }
 }
 
-/// `show` writes PNG only: another extension is refused before planning.
+/// `show` writes PNG or SVG only: another extension is refused before planning.
 #[test]
 fn show_refuses_other_extensions() {
     let dir = scratch("show_ext");
@@ -326,7 +326,7 @@ fn show_refuses_other_extensions() {
         let p = dir.join(name);
         fails(
             &[&causal[..], &[p.to_str().unwrap()]].concat(),
-            &[name, ".png"],
+            &[name, ".png or .svg"],
         );
         assert!(!p.exists(), "{name} was written");
     }
