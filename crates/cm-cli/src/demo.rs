@@ -31,8 +31,9 @@ macro_rules! say {
     };
 }
 
-pub fn run(out_dir: &str) -> Result<()> {
-    std::fs::create_dir_all(out_dir).map_err(|e| anyhow!("cannot create `{out_dir}`: {e}"))?;
+pub fn run(out_dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(out_dir)
+        .map_err(|e| anyhow!("cannot create `{}`: {e}", out_dir.display()))?;
     say!("CompileMask demo: the eight workloads of workloads.md, tile 128x128, planned on one core\n");
     say!(
         "{:<3} {:<20} {:>6} {:>8} {:>9} {:>7} {:>8} {:>7} {:>10} {:>8} {:>11}",
@@ -57,7 +58,7 @@ pub fn run(out_dir: &str) -> Result<()> {
             .map_err(|e| anyhow!("{}", program.render_error(&e)))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mask = plan.mask(0, 0);
-        let path = std::path::Path::new(out_dir).join(format!("{name}.png"));
+        let path = out_dir.join(format!("{name}.png"));
         let structure = crate::show::structure(&program, &options, &plan)?;
         crate::show::write(
             &program,
@@ -87,7 +88,7 @@ pub fn run(out_dir: &str) -> Result<()> {
     }
     say!("\nvisible = visible pairs / q_len^2; max_iv = most key intervals in one row; desc_KiB = bytes a kernel reads;");
     say!("attn_err = max |CPU reference attention (f32) - dense float64 softmax| on {SLICE_ROWS} rows, head_dim {HEAD_DIM}.");
-    say!("Pictures: {out_dir}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles,");
+    say!("Pictures: {}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles,", out_dir.display());
     say!("hidden pairs of partial tiles light amber, empty tiles light grey; dashed lines and the lanes on the right");
     say!("mark the mask's segments, parts and grids.");
     Ok(())

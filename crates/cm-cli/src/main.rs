@@ -27,8 +27,12 @@ struct Cli {
 enum Command {
     /// Check a mask program and print its diagnostics; exit 1 on error.
     Check {
-        /// The program file.
-        file: String,
+        /// The program file, or `-` for standard input.
+        #[arg(conflicts_with = "builtin")]
+        file: Option<std::path::PathBuf>,
+        /// A built-in mask instead of a file (see `compilemask list`).
+        #[arg(long)]
+        builtin: Option<String>,
     },
     /// Plan a mask: intervals, tiles and transposes; print statistics.
     Plan {
@@ -99,8 +103,13 @@ enum Command {
         #[arg(short, long)]
         output: Option<String>,
     },
-    /// List the built-in masks and their parameters.
-    List,
+    /// List the built-in masks with their parameters and defaults.
+    List {
+        /// Print one JSON array: each built-in's name, summary and parameters (name, type
+        /// `int` or `[int]`, default as written, and its value when it is a literal).
+        #[arg(long)]
+        json: bool,
+    },
     /// Check and time the forward kernel (with --bwd also the backward) on the benchmark
     /// workloads (needs an H100 / H200 and a build with embedded kernels); exit 1 if a
     /// correctness check fails.
@@ -109,7 +118,7 @@ enum Command {
     Demo {
         /// Folder for the pictures.
         #[arg(long, default_value = "compilemask-demo")]
-        out: String,
+        out: std::path::PathBuf,
     },
 }
 
@@ -280,48 +289,41 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<ExitCode> {
     match command {
-        Command::Check { file } => {
-            let src = mask_args::read_source(&file)?;
-            match compilemask::compile_named(&src, &file) {
-                Ok(p) => {
-                    write_stderr(&compilemask::render_limited(
-                        &src,
-                        &file,
-                        p.warnings(),
-                        compilemask::RENDER_LIMIT,
-                    ));
-                    let params: Vec<String> = p
-                        .params()
-                        .iter()
-                        .map(|(n, arr, _)| {
-                            if *arr {
-                                format!("{n}: [int]")
-                            } else {
-                                format!("{n}: int")
-                            }
-                        })
-                        .collect();
-                    let how = if p.uses_elementwise() {
-                        "; uses elementwise (evaluated pair by pair)"
+        Command::Check { file, builtin } => {
+            let p = mask_args::load_program(file.as_deref(), builtin.as_deref())?;
+            write_stderr(&compilemask::render_limited(
+                p.source(),
+                p.name(),
+                p.warnings(),
+                compilemask::RENDER_LIMIT,
+            ));
+            let params: Vec<String> = p
+                .params()
+                .iter()
+                .map(|(n, arr, _)| {
+                    if *arr {
+                        format!("{n}: [int]")
                     } else {
-                        ""
-                    };
-                    out!(
-                        "ok: {file} ({} warning(s); parameters: {}{how})",
-                        p.warnings().len(),
-                        if params.is_empty() {
-                            "none".into()
-                        } else {
-                            params.join(", ")
-                        }
-                    );
-                    Ok(ExitCode::SUCCESS)
+                        format!("{n}: int")
+                    }
+                })
+                .collect();
+            let how = if p.uses_elementwise() {
+                "; uses elementwise (evaluated pair by pair)"
+            } else {
+                ""
+            };
+            out!(
+                "ok: {} ({} warning(s); parameters: {}{how})",
+                p.name(),
+                p.warnings().len(),
+                if params.is_empty() {
+                    "none".into()
+                } else {
+                    params.join(", ")
                 }
-                Err(e) => {
-                    write_stderr(&e.rendered);
-                    Ok(ExitCode::from(1))
-                }
-            }
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Command::Plan { mask, json } => {
             let (program, options, plan, ms) = mask.plan()?;
@@ -574,25 +576,62 @@ fn run(command: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::List => {
+        Command::List { json } => {
+            let mut all = Vec::new();
             for b in compilemask::BUILTINS {
                 let p = compilemask::builtin(b.name).map_err(|e| anyhow!("{}", e.rendered))?;
-                let params: Vec<String> = p
-                    .params()
+                let params = p.parameters();
+                if json {
+                    let params: Vec<serde_json::Value> = params
+                        .iter()
+                        .map(|q| {
+                            let value = q
+                                .default
+                                .as_deref()
+                                .and_then(|d| compilemask::parse_value(d).ok())
+                                .map(|v| match v {
+                                    compilemask::Value::Int(i) => json!(i),
+                                    compilemask::Value::Array(a) => json!(a.to_vec()),
+                                });
+                            json!({
+                                "name": q.name,
+                                "type": if q.is_array { "[int]" } else { "int" },
+                                "default": q.default,
+                                "default_value": value,
+                            })
+                        })
+                        .collect();
+                    all.push(json!({
+                        "name": b.name,
+                        "summary": b.summary(),
+                        "parameters": params,
+                    }));
+                    continue;
+                }
+                let shown: Vec<String> = params
                     .iter()
-                    .map(|(n, arr, _)| if *arr { format!("{n}=[..]") } else { n.clone() })
+                    .map(|q| {
+                        let ty = if q.is_array { "[int]" } else { "int" };
+                        match &q.default {
+                            Some(d) => format!("{}: {ty} = {d}", q.name),
+                            None => format!("{}: {ty}", q.name),
+                        }
+                    })
                     .collect();
-                out!(
-                    "{:<20} {}\n{:<20} parameters: {}",
-                    b.name,
-                    b.summary(),
-                    "",
-                    if params.is_empty() {
-                        "none".into()
-                    } else {
-                        params.join(", ")
-                    }
-                );
+                out!("{:<20} {}", b.name, b.summary());
+                if shown.is_empty() {
+                    out!("{:<20} parameters: none", "");
+                }
+                for (i, q) in shown.iter().enumerate() {
+                    out!(
+                        "{:<20} {} {q}",
+                        "",
+                        if i == 0 { "parameters:" } else { "           " }
+                    );
+                }
+            }
+            if json {
+                out!("{}", serde_json::Value::Array(all));
             }
             Ok(ExitCode::SUCCESS)
         }

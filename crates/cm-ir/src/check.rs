@@ -121,7 +121,8 @@ struct Checker<'a> {
     grids: Vec<GridDecl>,
     uses_b: bool,
     uses_h: bool,
-    let_depth: u32,
+    /// Each `let`'s expression depth with the `let`s it uses inlined ([`Checker::inlined_depth`]).
+    let_depths: Vec<u32>,
     /// The item each name was declared in: a name is visible only in later items.
     declared_at: HashMap<String, usize>,
     /// Index of the item being checked (or of the `let` whose body is being lowered).
@@ -132,6 +133,54 @@ struct Checker<'a> {
 
 /// Most IR nodes a program may lower to (after inlining `let`s).
 const MAX_NODES: usize = 200_000;
+
+/// Deepest expression a `let` may stand for once the `let`s it uses are inlined: 64 times
+/// the parser's nesting limit, so checking, binding and planning (which recurse over
+/// expressions) keep to a bounded stack, while a chain of a thousand `let`s that each add
+/// one term (`let u2 = u1 | t2;`) fits.
+pub const MAX_INLINED_DEPTH: u32 = 8192;
+
+/// [`Checker::inlined_depth`] of an expression that names a failed definition.
+const POISONED: u32 = u32::MAX;
+
+/// The span of the default expression of the `param` item `idx`.
+fn default_expr_span(program: &ast::Program, idx: usize) -> Span {
+    match &program.items[idx] {
+        Item::Param {
+            default: Some(e), ..
+        } => e.span,
+        _ => Span::default(),
+    }
+}
+
+/// Calls `f` on each direct operand of `e`.
+fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
+    match &e.kind {
+        ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Error | ExprKind::Name(_) => {}
+        ExprKind::Array(xs) => xs.iter().for_each(f),
+        ExprKind::Unary(_, a) | ExprKind::Field { base: a, .. } => f(a),
+        ExprKind::Binary(_, a, b)
+        | ExprKind::Range { lo: a, hi: b, .. }
+        | ExprKind::In { elem: a, range: b }
+        | ExprKind::Index { base: a, index: b } => {
+            f(a);
+            f(b);
+        }
+        ExprKind::Compare { first, rest } => {
+            f(first);
+            rest.iter().for_each(|(_, x)| f(x));
+        }
+        ExprKind::Call { callee, args } => {
+            f(callee);
+            args.iter().for_each(f);
+        }
+        ExprKind::If { cond, then, els } => {
+            f(cond);
+            f(then);
+            f(els);
+        }
+    }
+}
 
 /// Checks a parsed program. Returns the IR when there are no errors, and every diagnostic
 /// (warnings included) either way.
@@ -145,7 +194,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
         grids: Vec::new(),
         uses_b: false,
         uses_h: false,
-        let_depth: 0,
+        let_depths: Vec::new(),
         declared_at: HashMap::new(),
         visible_before: 0,
         nodes: 0,
@@ -211,14 +260,37 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 c.params.push(ParamDecl {
                     name: name.name.clone(),
                     is_array,
+                    default_span: default.as_ref().map(|_| default_expr_span(program, idx)),
                     default,
                     span: *span,
                 });
             }
             Item::Let { name, value, .. } => {
+                // Measured before declaring, so a use of the name inside is not this let.
+                let depth = c.inlined_depth(value);
+                if depth == POISONED {
+                    // It uses a name that failed (already reported): so does every use.
+                    c.declare(name, Def::Failed);
+                    continue;
+                }
+                if depth > MAX_INLINED_DEPTH {
+                    // Reported once, here; uses of the name then fail silently.
+                    c.err(
+                        Diagnostic::error(
+                            "CM0105",
+                            name.span,
+                            format!("`{}` nests too deeply: with the `let`s it uses inlined, its expression is {depth} levels deep (at most {MAX_INLINED_DEPTH})", name.name),
+                        )
+                        .with_hint("a long chain of `let`s that each use the previous one adds up; join terms in groups (`let g1 = t1 | ... | t100;`) and combine the groups"),
+                    );
+                    c.mark_used(value);
+                    c.declare(name, Def::Failed);
+                    continue;
+                }
                 let id = c.lets.len();
                 if c.declare(name, Def::Let(id)) {
                     c.lets.push((value, false, idx));
+                    c.let_depths.push(depth);
                 }
             }
             Item::Segments {
@@ -397,14 +469,16 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                     continue;
                 }
                 if let Ok(r) = c.lower(value, Ctx::Mask).and_then(|v| c.region_of(v)) {
-                    mask = Some((r, *span));
+                    mask = Some((r.balanced(), *span));
                 }
             }
         }
     }
     // A `let` nobody uses is still checked (as if used in the mask), so its errors show.
+    // Last first: checking a `let` checks (and marks used) the earlier ones it names, so a
+    // chain of unused `let`s is checked once, not once per link.
     let (uses_b, uses_h) = (c.uses_b, c.uses_h);
-    for id in 0..c.lets.len() {
+    for id in (0..c.lets.len()).rev() {
         let (body, used, idx) = c.lets[id];
         if !used {
             c.visible_before = idx;
@@ -686,7 +760,39 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// The depth of `e` with every earlier `let` it names inlined: 1 for a leaf, one more
+    /// than its deepest operand otherwise (recursion bounded by the parser's nesting limit);
+    /// [`POISONED`] when it names something that failed to check.
+    fn inlined_depth(&self, e: &ast::Expr) -> u32 {
+        if let ExprKind::Name(n) = &e.kind {
+            return match self.names.get(n) {
+                Some((Def::Let(id), _)) => self.let_depths[*id].saturating_add(1),
+                Some((Def::Failed, _)) => POISONED,
+                _ => 1,
+            };
+        }
+        let mut below = 0;
+        each_operand(e, &mut |x| below = below.max(self.inlined_depth(x)));
+        below.saturating_add(1)
+    }
+
+    /// Marks the `let`s that `e` names as used (their user failed, so a second report of
+    /// them as unused or as checked on their own would only repeat its error).
+    fn mark_used(&mut self, e: &ast::Expr) {
+        if let ExprKind::Name(n) = &e.kind {
+            if let Some((Def::Let(id), _)) = self.names.get(n) {
+                self.lets[*id].1 = true;
+            }
+        }
+        each_operand(e, &mut |x| self.mark_used(x));
+    }
+
+    /// Lowers `e`; a chain of `let`s inlines thousands deep, so on a stack that grows.
     fn lower(&mut self, e: &ast::Expr, ctx: Ctx) -> R<Val> {
+        crate::deep(|| self.lower_here(e, ctx))
+    }
+
+    fn lower_here(&mut self, e: &ast::Expr, ctx: Ctx) -> R<Val> {
         let span = e.span;
         self.nodes += 1;
         if self.nodes > MAX_NODES {
@@ -921,20 +1027,10 @@ impl<'a> Checker<'a> {
             Some((Def::Failed, _)) => Err(()),
             Some((Def::Let(id), _)) => {
                 self.lets[id].1 = true;
-                self.let_depth += 1;
-                if self.let_depth > 64 {
-                    self.let_depth -= 1;
-                    self.err(
-                        Diagnostic::error("CM0105", span, "`let` bindings nest too deeply")
-                            .with_hint("at most 64 `let`s may refer to one another in a chain"),
-                    );
-                    return Err(());
-                }
                 let (expr, _, at) = self.lets[id];
                 let outer = std::mem::replace(&mut self.visible_before, at);
                 let v = self.lower(expr, ctx);
                 self.visible_before = outer;
-                self.let_depth -= 1;
                 // Report errors inside the let at the use site too, so the cause is found.
                 v.map(|v| respan(v, span))
             }

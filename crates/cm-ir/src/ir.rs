@@ -236,6 +236,29 @@ pub enum Region {
 }
 
 impl Region {
+    /// The same region with every chain of unions rebuilt as a balanced tree of the same
+    /// operands in the same order. Union is associative, and the solver and the pairwise
+    /// interpreter visit its operands left to right in either shape, so the meaning and the
+    /// first error are unchanged; a union of a thousand terms built by a chain of `let`s
+    /// then nests ten deep, not a thousand. Intersections keep their shape: the solver
+    /// narrows each right operand to the keys of the left one, so a left-deep chain is
+    /// evaluated in ever smaller ranges.
+    pub fn balanced(self) -> Region {
+        match self {
+            r @ Region::Union(..) => {
+                let operands = unions(r).into_iter().map(Region::balanced).collect();
+                tree(operands)
+            }
+            Region::Inter(a, b) => Region::Inter(Box::new(a.balanced()), Box::new(b.balanced())),
+            Region::Diff(a, b) => Region::Diff(Box::new(a.balanced()), Box::new(b.balanced())),
+            Region::Not(a) => Region::Not(Box::new(a.balanced())),
+            Region::Cond(c, a, b) => {
+                Region::Cond(c, Box::new(a.balanced()), Box::new(b.balanced()))
+            }
+            leaf => leaf,
+        }
+    }
+
     pub fn uses_elementwise(&self) -> bool {
         match self {
             Region::Elementwise(..) => true,
@@ -249,12 +272,37 @@ impl Region {
     }
 }
 
+/// The operands of a chain of unions, left to right, taken apart without recursion (the
+/// chain may be thousands deep).
+fn unions(r: Region) -> Vec<Region> {
+    let mut out = Vec::new();
+    let mut todo = vec![r];
+    while let Some(r) = todo.pop() {
+        match r {
+            Region::Union(a, b) => todo.extend([*b, *a]),
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// A balanced tree of unions of `operands`, in order; non-empty.
+fn tree(mut operands: Vec<Region>) -> Region {
+    if operands.len() == 1 {
+        return operands.pop().expect("one operand");
+    }
+    let right = operands.split_off(operands.len() / 2);
+    Region::Union(Box::new(tree(operands)), Box::new(tree(right)))
+}
+
 /// A declared parameter.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDecl {
     pub name: String,
     pub is_array: bool,
     pub default: Option<ParamDefault>,
+    /// Where the default expression is written in the source.
+    pub default_span: Option<Span>,
     pub span: Span,
 }
 

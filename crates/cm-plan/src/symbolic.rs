@@ -291,6 +291,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     pub fn int(&self, p: &Piece, e: &Int) -> F<Aff> {
+        cm_ir::deep(|| self.int_at(p, e))
+    }
+
+    fn int_at(&self, p: &Piece, e: &Int) -> F<Aff> {
         let span = e.span;
         let sh = &self.bound.shape;
         Ok(match &e.kind {
@@ -547,6 +551,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     pub fn boolean(&self, p: &Piece, c: &Bool) -> F<bool> {
+        cm_ir::deep(|| self.boolean_at(p, c))
+    }
+
+    fn boolean_at(&self, p: &Piece, c: &Bool) -> F<bool> {
         match c {
             Bool::Const(v) => Ok(*v),
             Bool::Cmp(op, a, b) => {
@@ -742,6 +750,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// Evaluates a region over a piece. `hull` (only for one-row pieces) bounds the keys the
     /// caller will keep, so enumerating atoms need not look beyond it.
     pub fn region(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
+        cm_ir::deep(|| self.region_in(p, r, hull))
+    }
+
+    fn region_in(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
         match r {
             Region::Rows(c) => Ok(if self.boolean(p, c)? {
                 self.all()

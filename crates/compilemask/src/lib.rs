@@ -308,6 +308,26 @@ impl Program {
             .collect()
     }
 
+    /// The declared parameters with their defaults as written in the source (`4096`,
+    /// `[2048, 1536]`, `q_len / 4`), in declaration order.
+    pub fn parameters(&self) -> Vec<Parameter> {
+        self.ir
+            .params
+            .iter()
+            .map(|p| Parameter {
+                name: p.name.clone(),
+                is_array: p.is_array,
+                default: p.default_span.map(|sp| {
+                    let (lo, hi) = (
+                        char_floor(&self.source, sp.start as usize),
+                        char_floor(&self.source, sp.end as usize),
+                    );
+                    self.source[lo..hi.max(lo)].to_string()
+                }),
+            })
+            .collect()
+    }
+
     /// Whether the mask reads the batch index `b` / the head index `h`.
     pub fn depends_on_batch_head(&self) -> (bool, bool) {
         (self.ir.uses_b, self.ir.uses_h)
@@ -435,6 +455,16 @@ impl Program {
             }
         }
     }
+}
+
+/// A declared parameter ([`Program::parameters`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Parameter {
+    pub name: String,
+    /// `[int]` rather than `int`.
+    pub is_array: bool,
+    /// The default's source text, if it has one.
+    pub default: Option<String>,
 }
 
 /// The named structure of a bound program or a packed plan ([`Program::structure`],
