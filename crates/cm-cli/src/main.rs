@@ -33,6 +33,9 @@ enum Command {
         /// A built-in mask instead of a file (see `compilemask list`).
         #[arg(long)]
         builtin: Option<String>,
+        /// Treat the program's warnings as errors (exit 1).
+        #[arg(long)]
+        deny_warnings: bool,
     },
     /// Plan a mask: intervals, tiles and transposes; print statistics.
     Plan {
@@ -289,14 +292,13 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<ExitCode> {
     match command {
-        Command::Check { file, builtin } => {
+        Command::Check {
+            file,
+            builtin,
+            deny_warnings,
+        } => {
             let p = mask_args::load_program(file.as_deref(), builtin.as_deref())?;
-            write_stderr(&compilemask::render_limited(
-                p.source(),
-                p.name(),
-                p.warnings(),
-                compilemask::RENDER_LIMIT,
-            ));
+            mask_args::report_warnings(&p, p.warnings(), deny_warnings)?;
             let params: Vec<String> = p
                 .params()
                 .iter()

@@ -65,6 +65,35 @@ pub struct MaskArgs {
     /// Query heads, for masks that read the head index `h`.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub num_heads: i64,
+    /// Treat warnings (the program's and the plan's: no visible pair, rows that see
+    /// nothing, `h` / `b` read with one head / batch, unread parameters, large
+    /// `elementwise`) as errors: print them and exit 1.
+    #[arg(long)]
+    pub deny_warnings: bool,
+}
+
+/// Prints `warnings` of `program` on standard error; with `deny`, any warning at all is an
+/// error naming how many there were.
+pub fn report_warnings(
+    program: &Program,
+    warnings: &[compilemask::Diagnostic],
+    deny: bool,
+) -> Result<()> {
+    if !warnings.is_empty() {
+        crate::write_stderr(&compilemask::render_limited(
+            program.source(),
+            program.name(),
+            warnings,
+            compilemask::RENDER_LIMIT,
+        ));
+    }
+    if deny && !warnings.is_empty() {
+        bail!(
+            "error: {} warning(s) and --deny-warnings: treating them as errors",
+            warnings.len()
+        );
+    }
+    Ok(())
 }
 
 pub fn parse_tile(s: &str) -> Result<TileShape, String> {
@@ -293,14 +322,7 @@ impl MaskArgs {
 
     pub fn program(&self) -> Result<Program> {
         let program = load_program(self.file.as_deref(), self.builtin.as_deref())?;
-        if !program.warnings().is_empty() {
-            crate::write_stderr(&compilemask::render_limited(
-                program.source(),
-                program.name(),
-                program.warnings(),
-                compilemask::RENDER_LIMIT,
-            ));
-        }
+        report_warnings(&program, program.warnings(), self.deny_warnings)?;
         Ok(program)
     }
 
@@ -381,6 +403,11 @@ impl MaskArgs {
         }
         .map_err(|e| anyhow!("{}", program.render_error(&e).trim_end()))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        report_warnings(
+            &program,
+            &program.plan_warnings(&options, &plan),
+            self.deny_warnings,
+        )?;
         Ok((program, options, plan, ms))
     }
 }

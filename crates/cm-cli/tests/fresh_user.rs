@@ -648,3 +648,107 @@ fn a_thousand_term_union_written_with_let_plans() {
     let want: u64 = (0..3000u64).map(|q| (q + 1).min(1000)).sum();
     assert_eq!(v["visible_pairs"], want);
 }
+
+/// Plan-time warnings: each silent mistake gets its code on standard error with the span
+/// it is about, the plan still succeeds, and `--deny-warnings` turns any into exit 1.
+#[test]
+fn silent_mistakes_warn() {
+    let cases: &[(&str, &[&str], Option<&str>, &str)] = &[
+        (
+            "mask = k > q + 100;",
+            &["--q-len", "8"],
+            Some("CM0260"),
+            "the mask sees nothing",
+        ),
+        (
+            "mask = k < q;",
+            &["--q-len", "8"],
+            Some("CM0261"),
+            "1 of 8 query rows see no key",
+        ),
+        (
+            "mask = k < q;",
+            &["--q-len", "8", "--num-heads", "3"],
+            Some("CM0261"),
+            "3 of 24 query rows",
+        ),
+        (
+            "mask = k <= q + h;",
+            &["--q-len", "8"],
+            Some("CM0262"),
+            "reads the head index `h`",
+        ),
+        (
+            "mask = k <= q + h;",
+            &["--q-len", "8", "--num-heads", "2"],
+            None,
+            "",
+        ),
+        (
+            "mask = k <= q + b;",
+            &["--q-len", "8"],
+            Some("CM0263"),
+            "reads the batch index `b`",
+        ),
+        (
+            "mask = k <= q + b;",
+            &["--cu-seqlens-q", "0,8"],
+            Some("CM0263"),
+            "one batch",
+        ),
+        ("mask = k <= q + b;", &["--cu-seqlens-q", "0,4,8"], None, ""),
+        (
+            "param unused: int = 3;\nmask = k <= q;",
+            &["--q-len", "8", "--set", "unused=4"],
+            Some("CM0264"),
+            "parameter `unused` was set, but nothing in the program reads it",
+        ),
+        (
+            "param unused: int = 3;\nmask = k <= q;",
+            &["--q-len", "8"],
+            None,
+            "",
+        ),
+        (
+            "mask = elementwise(k <= q);",
+            &["--q-len", "1001"],
+            Some("CM0265"),
+            "`elementwise` evaluated 1002001 (q, k) pairs",
+        ),
+        (
+            "mask = elementwise(k <= q);",
+            &["--q-len", "1000"],
+            None,
+            "",
+        ),
+        ("mask = k <= q;", &["--q-len", "8"], None, ""),
+    ];
+    for (src, args, code, text) in cases {
+        let o = run_stdin(&[&["plan", "-"][..], args].concat(), src.as_bytes());
+        let err = stderr(&o);
+        assert!(o.status.success(), "{src} {args:?}: {err}");
+        match code {
+            Some(code) => {
+                assert!(
+                    err.contains(&format!("[{code}] Warning")),
+                    "{src} {args:?}: {err}"
+                );
+                assert!(err.contains(text), "{src} {args:?}: {err}");
+                assert!(err.contains("<stdin>:"), "no span: {err}");
+                let o = run_stdin(
+                    &[&["plan", "-", "--deny-warnings"][..], args].concat(),
+                    src.as_bytes(),
+                );
+                assert_eq!(o.status.code(), Some(1), "{src} {args:?}");
+                assert!(stderr(&o).contains("--deny-warnings"), "{}", stderr(&o));
+            }
+            None => assert!(!err.contains("Warning"), "{src} {args:?}: {err}"),
+        }
+    }
+    // The program's own warnings, too: an unused `let`.
+    let src = b"let x = 3;\nmask = k <= q;\n";
+    let o = run_stdin(&["check", "-"], src);
+    assert!(o.status.success() && stderr(&o).contains("CM0250"), "{o:?}");
+    let o = run_stdin(&["check", "-", "--deny-warnings"], src);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+}

@@ -119,8 +119,11 @@ struct Checker<'a> {
     params: Vec<ParamDecl>,
     segs: Vec<SegDecl>,
     grids: Vec<GridDecl>,
-    uses_b: bool,
-    uses_h: bool,
+    /// Where the batch index `b` / the head index `h` is first read.
+    uses_b: Option<Span>,
+    uses_h: Option<Span>,
+    /// Whether each parameter is read.
+    params_read: Vec<bool>,
     /// Each `let`'s expression depth with the `let`s it uses inlined ([`Checker::inlined_depth`]).
     let_depths: Vec<u32>,
     /// The item each name was declared in: a name is visible only in later items.
@@ -192,8 +195,9 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
         params: Vec::new(),
         segs: Vec::new(),
         grids: Vec::new(),
-        uses_b: false,
-        uses_h: false,
+        uses_b: None,
+        uses_h: None,
+        params_read: Vec::new(),
         let_depths: Vec::new(),
         declared_at: HashMap::new(),
         visible_before: 0,
@@ -257,8 +261,10 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
                 };
                 c.names
                     .insert(name.name.clone(), (Def::Param(id, is_array), name.span));
+                c.params_read.push(false);
                 c.params.push(ParamDecl {
                     name: name.name.clone(),
+                    read: false,
                     is_array,
                     default_span: default.as_ref().map(|_| default_expr_span(program, idx)),
                     default,
@@ -504,7 +510,7 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
         }
     }
     c.diags.sort_by_key(|d| (d.span.start, d.span.end));
-    let Some((mask, _)) = mask else {
+    let Some((mask, mask_span)) = mask else {
         if !has_errors {
             c.diags.push(
                 Diagnostic::error("CM0205", Span::new(0, 0), "the program defines no mask")
@@ -516,14 +522,20 @@ pub fn check(program: &ast::Program) -> (Option<Program>, Vec<Diagnostic>) {
     if has_errors {
         return (None, c.diags);
     }
+    for (p, read) in c.params.iter_mut().zip(&c.params_read) {
+        p.read = *read;
+    }
     let program = Program {
         params: c.params,
         segs: c.segs,
         grids: c.grids,
         requires,
         mask,
-        uses_b: c.uses_b,
-        uses_h: c.uses_h,
+        mask_span,
+        uses_b: c.uses_b.is_some(),
+        uses_h: c.uses_h.is_some(),
+        b_span: c.uses_b,
+        h_span: c.uses_h,
     };
     (Some(program), c.diags)
 }
@@ -977,11 +989,11 @@ impl<'a> Checker<'a> {
             "q" => Some(IntKind::Q),
             "k" => Some(IntKind::K),
             "b" => {
-                self.uses_b = true;
+                self.uses_b = self.uses_b.or(Some(span));
                 Some(IntKind::B)
             }
             "h" => {
-                self.uses_h = true;
+                self.uses_h = self.uses_h.or(Some(span));
                 Some(IntKind::H)
             }
             "q_len" => Some(IntKind::QLen),
@@ -1020,8 +1032,14 @@ impl<'a> Checker<'a> {
             }
         }
         match self.names.get(n).cloned() {
-            Some((Def::Param(id, false), _)) => Ok(Val::Int(Int::new(IntKind::Param(id), span))),
-            Some((Def::Param(id, true), _)) => Ok(Val::Arr(Arr::Param(id), span)),
+            Some((Def::Param(id, false), _)) => {
+                self.params_read[id] = true;
+                Ok(Val::Int(Int::new(IntKind::Param(id), span)))
+            }
+            Some((Def::Param(id, true), _)) => {
+                self.params_read[id] = true;
+                Ok(Val::Arr(Arr::Param(id), span))
+            }
             Some((Def::Seg(s), _)) => Ok(Val::Seg(s, span)),
             Some((Def::Grid(g), _)) => Ok(Val::Grid(g, span)),
             Some((Def::Failed, _)) => Err(()),

@@ -299,6 +299,9 @@ fn tree(mut operands: Vec<Region>) -> Region {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDecl {
     pub name: String,
+    /// Whether anything in the program reads it (a value given for an unread parameter
+    /// changes nothing: a plan-time warning).
+    pub read: bool,
     pub is_array: bool,
     pub default: Option<ParamDefault>,
     /// Where the default expression is written in the source.
@@ -377,7 +380,12 @@ pub struct Program {
     pub grids: Vec<GridDecl>,
     pub requires: Vec<Require>,
     pub mask: Region,
+    /// The `mask = ...;` statement.
+    pub mask_span: Span,
     /// Whether the mask reads the batch index `b` / the head index `h`.
     pub uses_b: bool,
     pub uses_h: bool,
+    /// Where `b` / `h` is first read.
+    pub b_span: Option<Span>,
+    pub h_span: Option<Span>,
 }

@@ -20,6 +20,8 @@ pub struct Plan {
     /// The program's name and named structure, for pictures.
     pub name: String,
     pub structure: Option<compilemask::Structure>,
+    /// The plan-time warnings, each with its rendering against the source.
+    pub warnings: Vec<(crate::errors::Diagnostic, String)>,
 }
 
 /// A `PlanError` for an export that was refused: `CM0403` (over the size limit) or
@@ -60,10 +62,22 @@ impl Plan {
         plan: compilemask::Plan,
         program: &compilemask::Program,
         structure: Option<compilemask::Structure>,
+        options: &compilemask::PlanOptions,
         compile_ms: f64,
     ) -> Plan {
         let (uses_batch, uses_head) = program.depends_on_batch_head();
+        let warnings = program
+            .plan_warnings(options, &plan)
+            .iter()
+            .map(|d| {
+                (
+                    crate::errors::Diagnostic::new(d, program.source()),
+                    compilemask::render(program.source(), program.name(), std::slice::from_ref(d)),
+                )
+            })
+            .collect();
         Plan {
+            warnings,
             inner: Arc::new(plan),
             uses_batch,
             uses_head,
@@ -98,6 +112,14 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
+    /// `(Diagnostic, rendered)` of every plan-time warning (no visible pair, rows that see
+    /// nothing, `h` / `b` read with one head / batch, unread parameters, large
+    /// `elementwise`).
+    #[getter]
+    fn warnings(&self) -> Vec<(crate::errors::Diagnostic, String)> {
+        self.warnings.clone()
+    }
+
     #[getter]
     fn q_len(&self) -> u32 {
         self.inner.q_len

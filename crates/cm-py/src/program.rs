@@ -187,7 +187,7 @@ impl Program {
                     None => program.structure(&options).ok(),
                     Some(_) => None,
                 };
-                Ok(Plan::new(plan, program, structure, ms))
+                Ok(Plan::new(plan, program, structure, &options, ms))
             }
             Err(e) => Err(plan_error(py, Some(program), &e)),
         }
@@ -230,7 +230,7 @@ impl Program {
         match result {
             Ok(plan) => {
                 let structure = plan.packing.as_ref().map(compilemask::Structure::packed);
-                Ok(Plan::new(plan, program, structure, ms))
+                Ok(Plan::new(plan, program, structure, &options, ms))
             }
             Err(e) => Err(plan_error(py, Some(program), &e)),
         }

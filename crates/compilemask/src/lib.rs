@@ -18,6 +18,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+pub mod warnings;
+
 pub use cm_export::{CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT};
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{

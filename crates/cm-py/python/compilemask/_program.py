@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import operator
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
 
@@ -54,6 +55,26 @@ class PlanTensors(NamedTuple):
     uses_head: bool
     host_mask_index: tuple[int, ...] = ()
     kernel: tuple[torch.Tensor, ...] = ()
+
+
+class CompileMaskWarning(UserWarning):
+    """A plan that is valid but very likely not what was meant: no visible pair (CM0260),
+    rows that see no key (CM0261), a mask that reads ``h`` / ``b`` planned with one head /
+    batch (CM0262 / CM0263), a parameter set but never read (CM0264), ``elementwise``
+    evaluating more than a million pairs (CM0265). The message is the rendered warning;
+    ``.diagnostic`` holds its parts (code, span, hint). Make them errors with
+    ``warnings.simplefilter("error", compilemask.CompileMaskWarning)``."""
+
+    def __init__(self, rendered: str, diagnostic: _native.Diagnostic):
+        super().__init__(rendered)
+        self.diagnostic = diagnostic
+        self.code = diagnostic.code
+
+
+def _warn(native: _native.Plan) -> None:
+    # stacklevel 3: the caller of Program.plan, not this helper or plan itself.
+    for diagnostic, rendered in native.warnings:
+        warnings.warn(CompileMaskWarning(rendered, diagnostic), stacklevel=3)
 
 
 def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
@@ -414,6 +435,7 @@ class Program:
                 self._params(params),
                 _order_value(order),
             )
+            _warn(native)
             return Plan(native, self)
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
@@ -427,6 +449,7 @@ class Program:
             self._params(params),
             _order_value(order),
         )
+        _warn(native)
         return Plan(native, self)
 
     def brute_force_row(
