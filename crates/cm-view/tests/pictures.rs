@@ -15,8 +15,7 @@ struct Case {
     plan: Plan,
 }
 
-fn case(source: &str, options: PlanOptions) -> Case {
-    let program = compilemask::compile(source).unwrap();
+fn planned(program: Program, options: PlanOptions) -> Case {
     let plan = program.plan(&options).unwrap();
     Case {
         program,
@@ -25,14 +24,12 @@ fn case(source: &str, options: PlanOptions) -> Case {
     }
 }
 
+fn case(source: &str, options: PlanOptions) -> Case {
+    planned(compilemask::compile(source).unwrap(), options)
+}
+
 fn builtin(name: &str, options: PlanOptions) -> Case {
-    let program = compilemask::builtin(name).unwrap();
-    let plan = program.plan(&options).unwrap();
-    Case {
-        program,
-        options,
-        plan,
-    }
+    planned(compilemask::builtin(name).unwrap(), options)
 }
 
 fn draw(c: &Case, view: &View) -> (Picture, Vec<u8>) {
