@@ -150,6 +150,32 @@ def test_huge_lengths_are_plan_errors(name):
         cm.builtin("causal").plan(**{"q_len": 8, name: -(2**70)})
 
 
+@pytest.mark.parametrize("name", ["q_len", "kv_len", "batch", "num_heads"])
+def test_python_checks_read_as_the_planner(name):
+    """A length too large for the extension is refused in Python, a merely out-of-range one
+    by the planner; both name the planner's own limit and read the same (one renderer)."""
+    limit = {"q_len": 1 << 26, "kv_len": 1 << 26, "batch": 1 << 20, "num_heads": 1 << 16}[name]
+    errors = []
+    for bad in (2**70, limit + 1):
+        with pytest.raises(cm.PlanError) as e:
+            cm.builtin("causal").plan(**{"q_len": 8, name: bad})
+        errors.append(e.value)
+    for e, bad in zip(errors, (2**70, limit + 1)):
+        assert str(e) == f"[CM0402] Error: {name} = {bad} is out of range; expected 1 ..= {limit}"
+        assert e.rendered == str(e) and [d.code for d in e.diagnostics] == ["CM0402"]
+
+
+def test_native_plan_error_refuses_unknown_codes():
+    from compilemask import _native
+
+    with pytest.raises(ValueError, match="CM9999"):
+        _native.plan_error("CM9999", "message")
+    e = _native.plan_error("CM0407", "bad order", "a hint")
+    assert isinstance(e, cm.PlanError)
+    assert (e.code, e.hint, str(e)) == ("CM0407", "a hint",
+                                        "[CM0407] Error: bad order\n    Help: a hint")
+
+
 def test_packed_num_heads_is_checked():
     with pytest.raises(TypeError, match="num_heads must be an int"):
         cm.builtin("causal").plan(cu_seqlens_q=[0, 3], num_heads=True)

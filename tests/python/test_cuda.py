@@ -103,6 +103,75 @@ def test_against_sdpa(name, q_len, params):
         assert _err(a, b) <= 4e-2
 
 
+def _edge_plans():
+    """The tile-edge class: lengths congruent to 1, 63, 64, 65 and 127 modulo 128 (ends inside
+    every kernel's 64-row, 128-row and 128-key tiles), q_len below and above kv_len, an
+    all-visible mask (full edge tiles), top-left and bottom-right causal (partial edge tiles),
+    packed documents that end mid-tile, and a cu_seqlens plan whose samples end mid-tile."""
+    full = cm.compile("mask = k >= 0;")
+    for r in (1, 63, 64, 65, 127):
+        yield f"full {128 + r}x{256 + 128 - r}", full.plan(128 + r, 256 + 128 - r)
+        yield f"full {256 + 128 - r}x{128 + r}", full.plan(256 + 128 - r, 128 + r)
+        yield f"causal {128 + r}", cm.builtin("causal").plan(128 + r)
+        yield f"causal_bottom_right {128 + r}x{384 + 128 - r}", \
+            cm.builtin("causal_bottom_right").plan(128 + r, 384 + 128 - r)
+        yield f"document_causal {256 + r}", \
+            cm.builtin("document_causal", lengths=[100, 77, 150]).plan(256 + r)
+    yield "cu_seqlens 0,65,193,320", cm.builtin("causal").plan(cu_seqlens_q=[0, 65, 193, 320])
+
+
+EDGE_PLANS = list(_edge_plans()) if HOPPER else []
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("logit_mean", [-120.0, 60.0])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("index", range(len(EDGE_PLANS)))
+def test_tile_edges_with_extreme_logits(index, dtype, head_dim, logit_mean, deterministic):
+    """Keys past kv_len and rows past q_len contribute nothing whatever the logits: Q and K
+    are drawn around a common direction so that every scaled logit is about `logit_mean`
+    (at -120 every lse lies far below -88.7 = ln FLT_MAX, where exp(-lse) overflows fp32).
+    Output, lse and gradients against float64, within twice the error of PyTorch's own
+    attention (SDPA with the dense mask) in the same dtype plus 1e-3."""
+    name, plan = EDGE_PLANS[index]
+    lq, lk = plan.q_len, plan.kv_len
+    g = torch.Generator(device="cuda").manual_seed(index)
+    scale = 1.0 / math.sqrt(head_dim)
+    mu = math.sqrt(abs(logit_mean) / (scale * head_dim))
+    sign = 1.0 if logit_mean > 0 else -1.0
+
+    def draw(shape, shift):
+        x = torch.randn(shape, generator=g, device="cuda", dtype=torch.float64) + shift
+        return x.to(dtype).requires_grad_()
+
+    q = draw((1, 4, lq, head_dim), mu)
+    k = draw((1, 2, lk, head_dim), sign * mu)
+    v = draw((1, 2, lk, head_dim), 0.0)
+    dout = torch.randn((1, 4, lq, head_dim), generator=g, device="cuda", dtype=torch.float64)
+    mask = plan.to_dense(format="torch").cuda()
+
+    out, lse = cm.attention(q, k, v, plan, return_lse=True, enable_gqa=True,
+                            deterministic=deterministic)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype)))
+    # The memory-efficient kernel: fp32 scores and a fresh running maximum, as the other
+    # flash-style kernels (the math backend would round the scores to the dtype).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1),
+                                              v.repeat_interleave(2, dim=1), attn_mask=mask)
+    torch_own = (sdpa, *torch.autograd.grad(sdpa, (q, k, v), dout.to(dtype)))
+    ref_out, ref_lse, empty = dense_attention(q, k, v, mask, scale)
+    exact = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout))
+    assert not empty.any()
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3, name
+    for what, a, t, e in zip(("out", "dq", "dk", "dv"), ours, torch_own, exact):
+        assert torch.isfinite(a).all(), (name, what)
+        err = (a.double() - e).abs().max().item()
+        torch_err = (t.double() - e).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3, (name, what, err, torch_err)
+
+
 def test_deterministic_backward_repeats_its_bits():
     plan = cm.builtin("document_causal", lengths=[100, 77, 140]).plan(317)
     q, k, v = _inputs(2, 4, 2, 317, 317, 64, torch.bfloat16, seed=7)
@@ -123,10 +192,63 @@ def test_per_batch_and_per_head_masks():
     per_batch = cm.compile("param n: [int] = [40, 90];\nmask = k <= q && k < n[b];")
     q, k, v = _inputs(2, 4, 2, 97, 97, 64, torch.float16, seed=10)
     _check(per_batch.plan(97, batch=2), q, k, v, enable_gqa=True)
-    # A GQA group whose query heads have different masks needs one launch per head.
-    q, k, v = _inputs(2, 6, 2, 97, 97, 64, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="GQA group"):
-        cm.attention(q, k, v, program.plan(97, batch=2, num_heads=6), enable_gqa=True)
+
+
+# Per-(batch, head) masks under MHA, GQA 4:1 and 32:8, and MQA: heads that see nothing, causal
+# heads, per-head windows, masks that differ per batch; one launch per call in every case.
+PER_HEAD_MASKS = {
+    "head 0 empty, others causal": "mask = h > 0 && k <= q + kv_len - q_len;",
+    "per-head windows": "mask = q + kv_len - q_len - 3 * h - 1 < k <= q + kv_len - q_len;",
+    "per-batch and per-head": "param n: [int] = [40, 90, 7];\n"
+                              "mask = (k <= q && k < n[b % 3] + h) || (h % 3 == 2 && k < 5);",
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("heads,batch,lq,lk,d,dtype", [
+    ((4, 4), 2, 97, 97, 64, torch.bfloat16),      # MHA
+    ((8, 2), 2, 129, 200, 128, torch.float16),    # GQA 4:1
+    ((32, 8), 1, 8, 8, 128, torch.bfloat16),      # GQA 32:8, decode length 8
+    ((32, 8), 1, 8, 300, 64, torch.float16),      # GQA 32:8, 8 new rows over a longer cache
+    ((6, 1), 2, 65, 65, 64, torch.bfloat16),      # MQA
+])
+@pytest.mark.parametrize("mask", sorted(PER_HEAD_MASKS))
+def test_per_head_masks_under_gqa(mask, heads, batch, lq, lk, d, dtype, deterministic):
+    hq, hk = heads
+    plan = cm.compile(PER_HEAD_MASKS[mask]).plan(lq, lk, batch=batch, num_heads=hq)
+    assert plan.num_masks > 1
+    q, k, v = _inputs(batch, hq, hk, lq, lk, d, dtype, seed=hq + lq)
+    _check(plan, q, k, v, enable_gqa=hq != hk, deterministic=deterministic)
+
+
+def _kernel_launches(fn) -> dict:
+    """Names and counts of the CUDA kernels ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("cm_"):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    return counts
+
+
+def test_one_launch_for_a_plan_of_sixteen_per_head_masks():
+    """Sliding windows of 16, 32, ..., 256 keys, one per head: one forward kernel launch and
+    one backward sequence (pre, dK/dV, post) per call, whatever the number of masks."""
+    program = cm.compile("mask = q - 16 * (h + 1) < k <= q;")
+    plan = program.plan(300, num_heads=16)
+    assert plan.num_masks == 16
+    q, k, v = _inputs(2, 16, 4, 300, 300, 64, torch.bfloat16, seed=21)
+    _check(plan, q, k, v, enable_gqa=True)
+    fwd = _kernel_launches(lambda: cm.attention(q, k, v, plan, enable_gqa=True))
+    assert fwd == {"cm_fwd_ws": 1}, fwd
+    out = cm.attention(q, k, v, plan, enable_gqa=True)
+    bwd = _kernel_launches(lambda: torch.autograd.grad(out.sum(), (q, k, v)))
+    assert bwd == {"cm_bwd_pre": 1, "cm_bwd_dkdv": 1, "cm_bwd_post": 1}, bwd
 
 
 def test_token_order_on_the_gpu():

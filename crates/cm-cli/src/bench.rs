@@ -1,4 +1,4 @@
-//! `compilemask bench`: the forward kernel on the benchmark workloads of workloads.md, by its
+//! `compilemask bench`: the forward kernel on the benchmark workloads of docs/workloads.md, by its
 //! protocol (batch 1, softmax scale 1/sqrt(head_dim)): correctness on sampled rows against the
 //! float64 reference first, then effective TFLOP/s (`4 * heads * head_dim * visible_pairs`
 //! over the median of back-to-back calls timed with CUDA events), single-call latency with
@@ -48,7 +48,7 @@ macro_rules! outp {
     }};
 }
 
-/// The eight workloads of workloads.md: (id, built-in mask).
+/// The eight workloads of docs/workloads.md: (id, built-in mask).
 pub const WORKLOADS: [(&str, &str); 8] = [
     ("W1", "causal"),
     ("W2", "hstu"),
@@ -66,7 +66,7 @@ const MAX_LEN: u32 = 1 << 20;
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Nominal sequence lengths S, comma-separated. CLEAR runs at 512 + n*n tokens with the
-    /// grid n of workloads.md (90 for 8192, 180 for 32768; otherwise the nearest grid).
+    /// grid n of docs/workloads.md (90 for 8192, 180 for 32768; otherwise the nearest grid).
     #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
     sizes: Vec<u32>,
     /// Query heads.
@@ -180,7 +180,7 @@ fn length_for(name: &str, s: u32) -> u32 {
     if name != "clear" {
         return s;
     }
-    // workloads.md's CLEAR grids; other sizes take the grid whose length is nearest.
+    // docs/workloads.md's CLEAR grids; other sizes take the grid whose length is nearest.
     let grid = match s {
         1024 | 2048 => 32,
         4096 => 64,

@@ -1,5 +1,5 @@
 //! `compilemask demo`: the main job on built-in defaults. Plans the eight workloads of
-//! workloads.md at 32K tokens, prints one table, draws each mask, and checks the CPU
+//! docs/workloads.md at 32K tokens, prints one table, draws each mask, and checks the CPU
 //! reference attention on a slice of rows of each against a dense float64 softmax.
 
 use anyhow::{anyhow, Result};
@@ -34,7 +34,7 @@ macro_rules! say {
 pub fn run(out_dir: &std::path::Path) -> Result<()> {
     std::fs::create_dir_all(out_dir)
         .map_err(|e| anyhow!("cannot create `{}`: {e}", out_dir.display()))?;
-    say!("CompileMask demo: the eight workloads of workloads.md, tile 128x128, planned on one core\n");
+    say!("CompileMask demo: the eight workloads of docs/workloads.md, tile 128x128, planned on one core\n");
     say!(
         "{:<3} {:<20} {:>6} {:>8} {:>9} {:>7} {:>8} {:>7} {:>10} {:>8} {:>11}",
         "id",

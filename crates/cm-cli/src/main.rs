@@ -137,10 +137,6 @@ enum ExportFormat {
     Flashmask,
 }
 
-/// Largest dense table the CLI prints as JSON, in elements (the library's own limit is
-/// larger; JSON text costs several bytes per element).
-const CLI_DENSE_LIMIT: i64 = 1 << 24;
-
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
     parse_range(s, "row")
 }
@@ -518,10 +514,15 @@ fn run(command: Command) -> Result<ExitCode> {
                 ),
                 ExportFormat::Cudnn | ExportFormat::Flashmask => (0, 0, "", ""),
             };
-            if rows.saturating_mul(cols) > CLI_DENSE_LIMIT {
-                return Err(anyhow!(
-                    "error[CM0403]: a dense {what} of {rows} x {cols} elements is too large to print as JSON (limit {CLI_DENSE_LIMIT} = 2^24); {advice}"
-                ));
+            let limit = compilemask::JSON_LIMIT;
+            if rows.saturating_mul(cols) > limit as i64 {
+                return Err(compilemask::PlanError::new(
+                    compilemask::Code::DenseTooLarge,
+                    None,
+                    format!("a dense {what} of {rows} x {cols} elements is too large to print as JSON (limit {limit} = 2^24)"),
+                )
+                .with_hint(advice)
+                .into());
             }
             let (program, _, plan, _) = mask.plan()?;
             check_batch_head(&plan, b.unwrap_or(0), h.unwrap_or(0))?;

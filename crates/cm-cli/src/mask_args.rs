@@ -3,7 +3,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use compilemask::{OrderRequest, PackedShape, PlanOptions, Program, TileShape, Value};
+use compilemask::{
+    Code, OrderRequest, PackedShape, PlanError, PlanOptions, Program, TileShape, Value,
+};
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
@@ -89,7 +91,7 @@ pub fn report_warnings(
     }
     if deny && !warnings.is_empty() {
         bail!(
-            "error: {} warning(s) and --deny-warnings: treating them as errors",
+            "{} warning(s) and --deny-warnings: treating them as errors",
             warnings.len()
         );
     }
@@ -176,7 +178,11 @@ pub fn read_source(path: &Path) -> Result<(String, String)> {
     };
     let src = String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
-        anyhow!("error[CM0100]: `{name}` is not valid UTF-8 (first bad byte at offset {at})")
+        PlanError::new(
+            Code::InvalidUtf8,
+            None,
+            format!("`{name}` is not valid UTF-8 (first bad byte at offset {at})"),
+        )
     })?;
     Ok((src, name))
 }
@@ -227,48 +233,6 @@ fn utf8<'a>(arg: &'a OsStr, what: &str) -> Result<&'a str> {
     })
 }
 
-/// Integers separated by commas and / or whitespace (`0,5,12`, `[0, 5, 12]`, or one per line
-/// in a file). An empty entry (`0,,5`, a leading or trailing comma) is an error, as `--set`
-/// rejects it inline; errors name `what`, the entry and its position (from 0).
-fn parse_int_list(what: &str, text: &str) -> Result<Vec<i64>> {
-    let body = text.trim();
-    let body = body
-        .strip_prefix('[')
-        .and_then(|b| b.strip_suffix(']'))
-        .unwrap_or(body)
-        .trim();
-    if body.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    for piece in body.split(',') {
-        let piece = piece.trim();
-        if piece.is_empty() {
-            bail!(
-                "{what}: empty entry at position {} (between two commas, or a comma at an end); \
-                 separate integers with single commas or whitespace, e.g. 0,5,12",
-                out.len()
-            );
-        }
-        for token in piece.split_whitespace() {
-            let at = out.len();
-            let v = token
-                .replace('_', "")
-                .parse::<i64>()
-                .map_err(|e| match e.kind() {
-                    std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-                        anyhow!(
-                            "{what}: entry {at}, `{token}`, is outside the 64-bit integer range"
-                        )
-                    }
-                    _ => anyhow!("{what}: entry {at}, `{token}`, is not an integer"),
-                })?;
-            out.push(v);
-        }
-    }
-    Ok(out)
-}
-
 /// `arg`, or the contents of FILE when `arg` is `@FILE` (`what` names the flag in errors).
 fn text_or_file(what: &str, arg: &OsStr) -> Result<String> {
     match at_path(arg) {
@@ -280,9 +244,14 @@ fn text_or_file(what: &str, arg: &OsStr) -> Result<String> {
 
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
 fn parse_offsets(what: &str, arg: &OsStr) -> Result<Vec<i64>> {
-    let items = parse_int_list(&format!("error[CM0409]: {what}"), &text_or_file(what, arg)?)?;
+    let bad = |message: String| PlanError::new(Code::BadCuSeqlens, None, message);
+    let items = compilemask::parse_int_list(&text_or_file(what, arg)?)
+        .map_err(|e| bad(format!("{what}: {e}")))?;
     if items.is_empty() {
-        bail!("error[CM0409]: {what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12");
+        return Err(bad(format!(
+            "{what} is empty; give batch + 1 offsets from 0, e.g. 0,5,12"
+        ))
+        .into());
     }
     Ok(items)
 }
@@ -293,7 +262,12 @@ impl MaskArgs {
     pub fn packed(&self) -> Result<Option<PackedShape>> {
         let Some(q) = &self.cu_seqlens_q else {
             if let Some(k) = &self.cu_seqlens_k {
-                bail!("error[CM0409]: --cu-seqlens-k {} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample", k.to_string_lossy());
+                return Err(PlanError::new(
+                    Code::BadCuSeqlens,
+                    None,
+                    format!("--cu-seqlens-k {} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample", k.to_string_lossy()),
+                )
+                .into());
             }
             return Ok(None);
         };
@@ -345,7 +319,8 @@ impl MaskArgs {
                         )
                     })?;
                 let what = format!("--order {}", path.display());
-                let order = parse_int_list(&what, &t)?
+                let order = compilemask::parse_int_list(&t)
+                    .map_err(|e| anyhow!("{what}: {e}"))?
                     .into_iter()
                     .enumerate()
                     .map(|(i, v)| {
@@ -369,19 +344,23 @@ impl MaskArgs {
                 .map_err(|_| anyhow!("--set `{shown}`: the parameter name is not valid UTF-8"))?
                 .trim();
             let value = &bytes[eq + 1..];
+            let what = format!("--set {name}");
             let v: Value = if let Some(path) = value.strip_prefix(b"@") {
-                let what = format!("--set {name}");
-                let text = read_capped_text(&os_path(path), &format!("the {what} file"))
-                    .with_context(|| {
-                        format!("{what}: cannot read `{}`", os_path(path).display())
-                    })?;
-                Value::Array(parse_int_list(&what, &text)?.into())
+                let path = os_path(path);
+                let text = read_capped_text(&path, &format!("the {what} file"))
+                    .with_context(|| format!("{what}: cannot read `{}`", path.display()))?;
+                let items = compilemask::parse_int_list(&text).map_err(|e| {
+                    PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
+                })?;
+                Value::Array(items.into())
             } else {
                 let text = std::str::from_utf8(value).map_err(|_| {
-                    anyhow!("--set {name}: the value is not valid UTF-8; give integers, or @FILE")
+                    anyhow!("{what}: the value is not valid UTF-8; give integers, or @FILE")
                 })?;
-                compilemask::parse_value(text)
-                    .map_err(|e| anyhow!("--set {name}: {}", e.message))?
+                compilemask::parse_value(text).map_err(|e| PlanError {
+                    message: format!("{what}: {}", e.message),
+                    ..e
+                })?
             };
             if let Some(first) = seen.insert(name.to_string(), shown.to_string()) {
                 bail!("--set: parameter `{name}` is given twice (`{first}` and `{shown}`); give each parameter once");

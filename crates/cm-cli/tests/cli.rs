@@ -1,5 +1,5 @@
 //! The `compilemask` binary end to end: every bad input exits non-zero with a clear
-//! message and never panics; the happy paths follow design.md's contracts (plan --json
+//! message and never panics; the happy paths follow docs/design.md's contracts (plan --json
 //! fields, intervals --json format, --set from @file, show writes a PNG, exports parse).
 
 mod common;

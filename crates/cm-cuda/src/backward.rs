@@ -27,7 +27,7 @@
 
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
-use crate::plan::{PlanArray, PlanView};
+use crate::plan::{PlanArray, PlanLayout, PlanView};
 use crate::tma::TensorMap;
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
@@ -58,7 +58,7 @@ pub struct Backward<'a> {
     pub dq: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dk: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dv: (&'a mut CudaSlice<u16>, TensorLayout),
-    /// Scratch of at least [`PlanView::backward_workspace_len`] fp32 elements; its contents
+    /// Scratch of at least [`PlanLayout::backward_workspace_len`] fp32 elements; its contents
     /// on entry do not matter.
     pub workspace: &'a mut CudaSlice<f32>,
     /// The forward's `softmax_scale`.
@@ -138,6 +138,7 @@ struct BwdParams {
     bwd_full_q_offsets: u64,
     bwd_full_q_indices: u64,
     bwd_partial_key_mask: u64,
+    mask_index: u64,
     q_len: u32,
     kv_len: u32,
     q_pad: u32,
@@ -145,11 +146,14 @@ struct BwdParams {
     heads_per_kv_head: u32,
     scale_log2: f32,
     softmax_scale: f32,
-    pad: u32,
+    num_masks: u32,
+    mask_strides: [u32; 2],
+    num_m_blocks: u32,
+    bwd_num_n_blocks: u32,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 448,
+    std::mem::size_of::<BwdParams>() == 472,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -195,7 +199,7 @@ pub fn backward_workspace_len(
     rows.checked_mul(per_row)
 }
 
-impl PlanView {
+impl PlanLayout {
     /// [`backward_workspace_len`] for this plan.
     pub fn backward_workspace_len(
         &self,
@@ -239,7 +243,7 @@ fn check_output(
 }
 
 /// Every host-side check of a backward; no device work and no synchronisation.
-fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
+fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
     // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
     let forward = ForwardRaw {
         dtype: a.dtype,
@@ -366,6 +370,7 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         bwd_full_q_offsets: plan.addr(PlanArray::BwdFullQOffsets),
         bwd_full_q_indices: plan.addr(PlanArray::BwdFullQIndices),
         bwd_partial_key_mask: plan.addr(PlanArray::BwdPartialKeyMask),
+        mask_index: plan.addr(PlanArray::MaskIndex),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         q_pad: plan.q_pad(),
@@ -373,7 +378,10 @@ fn prepare(plan: &PlanView, a: &BackwardRaw) -> Result<Option<Plan>, Error> {
         heads_per_kv_head: (h / h_kv) as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
         softmax_scale: a.softmax_scale,
-        pad: 0,
+        num_masks: plan.num_masks,
+        mask_strides: plan.mask_strides(b, h)?,
+        num_m_blocks: plan.num_m_blocks,
+        bwd_num_n_blocks: plan.bwd_num_n_blocks,
     };
     let (query_rows, key_rows) = cm_kernels::BWD_TILE;
     let tensor_maps = [
@@ -404,7 +412,7 @@ impl Runtime {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first check that fails (every check of
     /// [`Runtime::forward`] on q, k, v, out and lse; dout, dq, dk and dv shapes, strides and
-    /// alignment; a workspace shorter than [`PlanView::backward_workspace_len`]; a buffer
+    /// alignment; a workspace shorter than [`PlanLayout::backward_workspace_len`]; a buffer
     /// shorter than its layout spans); [`Error::Driver`] if a launch is refused.
     pub fn backward(
         &self,

@@ -1,7 +1,7 @@
 //! Forward attention: argument checking and the launch.
 
 use crate::layout::VECTOR_BYTES;
-use crate::plan::{PlanArray, PlanView};
+use crate::plan::{PlanArray, PlanLayout};
 use crate::tma::TensorMap;
 use crate::{DType, Error, LseLayout, TensorLayout};
 use cm_kernels::{KernelKind, Variant};
@@ -68,6 +68,7 @@ pub(crate) struct FwdParams {
     intervals: u64,
     /// Set by the runtime at launch (its per-stream work counter), for FwdWs.
     pub(crate) scheduler: u64,
+    mask_index: u64,
     q_len: u32,
     kv_len: u32,
     heads_per_kv_head: u32,
@@ -75,11 +76,12 @@ pub(crate) struct FwdParams {
     num_m_blocks: u32,
     num_heads: u32,
     batch: u32,
-    pad: u32,
+    num_masks: u32,
+    mask_strides: [u32; 2],
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 264,
+    std::mem::size_of::<FwdParams>() == 280,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -114,7 +116,7 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
 
 /// Every host-side check of a forward launch; no device work and no synchronisation.
 pub(crate) fn prepare(
-    plan: &PlanView,
+    plan: &PlanLayout,
     a: &ForwardRaw,
     kernel_kind: KernelKind,
 ) -> Result<Option<Launch>, Error> {
@@ -205,6 +207,7 @@ pub(crate) fn prepare(
         lse.validate()?;
         check_addr("lse", *addr, 4)?;
     }
+    let mask_strides = plan.mask_strides(b, h)?;
     if b > MAX_GRID_YZ || h > MAX_GRID_YZ {
         return Err(Error::invalid(format!(
             "batch = {b} and num_heads = {h} must each be at most {MAX_GRID_YZ} (CUDA grid limits)"
@@ -265,6 +268,7 @@ pub(crate) fn prepare(
         row_ptr: plan.addr(PlanArray::RowPtr),
         intervals: plan.addr(PlanArray::Intervals),
         scheduler: 0,
+        mask_index: plan.addr(PlanArray::MaskIndex),
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,
@@ -272,7 +276,8 @@ pub(crate) fn prepare(
         num_m_blocks,
         num_heads: h as u32,
         batch: b as u32,
-        pad: 0,
+        num_masks: plan.num_masks,
+        mask_strides,
     };
     let tensor_maps = if ws {
         let rows = kernel_kind.tile().0;
@@ -306,4 +311,163 @@ pub(crate) fn prepare(
         params,
         tensor_maps,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{HostPlan, PlanLayout};
+    use crate::PLAN_ARRAY_COUNT;
+    use cm_plan::rows::RowIntervals;
+    use cm_plan::tiles::TileShape;
+
+    /// The layout of a real descriptor at made-up (aligned) addresses: enough for the
+    /// argument checks, which never read device memory.
+    fn layout(q_len: u32, kv_len: u32, masks: usize, mask_dims: [usize; 2]) -> PlanLayout {
+        let (block_m, block_n) = cm_kernels::TILE;
+        let tile = TileShape { block_m, block_n };
+        let rows: Vec<RowIntervals> = (0..masks)
+            .map(|m| {
+                let rows: Vec<Vec<(u32, u32)>> = (0..q_len)
+                    .map(|q| vec![(0, (q + 1 + m as u32).min(kv_len))])
+                    .collect();
+                RowIntervals::from_rows(kv_len, &rows).unwrap()
+            })
+            .collect();
+        let refs: Vec<&RowIntervals> = rows.iter().collect();
+        let index: Vec<u32> = (0..mask_dims[0] * mask_dims[1])
+            .map(|i| (i % masks) as u32)
+            .collect();
+        let host = HostPlan::build_masks(&refs, &index, mask_dims, tile).unwrap();
+        let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
+        for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
+            *slot = (0x100_0000 * (i as u64 + 1), a.len());
+        }
+        let dims = mask_dims.map(|d| d as u32);
+        PlanLayout::new(q_len, kv_len, tile, masks as u32, dims, arrays).unwrap()
+    }
+
+    fn args(b: usize, h: usize, h_kv: usize, sq: usize, skv: usize, d: usize) -> ForwardRaw {
+        ForwardRaw {
+            dtype: DType::Bf16,
+            q: 0x1000_0000,
+            q_layout: TensorLayout::contiguous([b, h, sq, d]),
+            k: 0x2000_0000,
+            k_layout: TensorLayout::contiguous([b, h_kv, skv, d]),
+            v: 0x3000_0000,
+            v_layout: TensorLayout::contiguous([b, h_kv, skv, d]),
+            out: 0x4000_0000,
+            out_layout: TensorLayout::contiguous([b, h, sq, d]),
+            lse: Some((0x5000_0000, LseLayout::contiguous([b, h, sq]))),
+            softmax_scale: 0.125,
+        }
+    }
+
+    fn err(plan: &PlanLayout, a: &ForwardRaw) -> String {
+        match prepare(plan, a, KernelKind::FwdSimple) {
+            Ok(_) => "accepted".to_string(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Every wrong argument of a forward comes back as an error naming the tensor and the
+    /// value, checked on the host before any launch (no GPU needed); right ones are accepted,
+    /// a plan of several masks included.
+    #[test]
+    fn every_wrong_forward_argument_is_named() {
+        let plan = layout(70, 90, 1, [1, 1]);
+        let good = args(2, 4, 2, 70, 90, 64);
+        assert_eq!(err(&plan, &good), "accepted");
+        let per_head = layout(70, 90, 3, [1, 4]);
+        assert_eq!(err(&per_head, &good), "accepted");
+        let cases: Vec<(&str, ForwardRaw, &str)> = vec![
+            (
+                "head_dim",
+                args(2, 4, 2, 70, 90, 96),
+                "head_dim = 96 is not supported",
+            ),
+            (
+                "q_len",
+                args(2, 4, 2, 71, 90, 64),
+                "do not match the plan's q_len = 70",
+            ),
+            (
+                "kv heads",
+                args(2, 4, 3, 70, 90, 64),
+                "num_kv_heads = 3 must divide",
+            ),
+            (
+                "k batch",
+                {
+                    let mut a = good;
+                    a.k_layout = TensorLayout::contiguous([1, 2, 90, 64]);
+                    a
+                },
+                "does not match q's batch = 2",
+            ),
+            (
+                "v shape",
+                {
+                    let mut a = good;
+                    a.v_layout = TensorLayout::contiguous([2, 2, 91, 64]);
+                    a
+                },
+                "v: shape [2, 2, 91, 64] differs from k's shape",
+            ),
+            (
+                "out shape",
+                {
+                    let mut a = good;
+                    a.out_layout = TensorLayout::contiguous([2, 3, 70, 64]);
+                    a
+                },
+                "out: shape [2, 3, 70, 64] differs from q's shape",
+            ),
+            (
+                "lse shape",
+                {
+                    let mut a = good;
+                    a.lse = Some((0x5000_0000, LseLayout::contiguous([2, 4, 71])));
+                    a
+                },
+                "lse: shape [2, 4, 71]",
+            ),
+            (
+                "scale",
+                {
+                    let mut a = good;
+                    a.softmax_scale = f32::NAN;
+                    a
+                },
+                "softmax_scale = NaN must be finite",
+            ),
+            (
+                "alignment",
+                {
+                    let mut a = good;
+                    a.k = 0x2000_0008;
+                    a
+                },
+                "k: address 0x20000008 is not 16-byte aligned",
+            ),
+            (
+                "last-dim stride",
+                {
+                    let mut a = good;
+                    a.q_layout.strides[3] = 2;
+                    a
+                },
+                "q",
+            ),
+        ];
+        for (what, a, needle) in cases {
+            let got = err(&plan, &a);
+            assert!(got.contains(needle), "{what}: {got}");
+        }
+        // A plan whose masks are for 3 heads, launched over 4.
+        let three = layout(70, 90, 3, [1, 3]);
+        assert!(err(&three, &good).contains("the plan's masks are for num_heads = 3"));
+        let batches = layout(70, 90, 2, [3, 1]);
+        assert!(err(&batches, &good).contains("the plan's masks are for batch = 3"));
+    }
 }

@@ -1,6 +1,6 @@
 //! The CompileMask CUDA runtime: loads the sm_90a CUBINs that the build embedded, uploads a
 //! plan's tile descriptor and row intervals once ([`DevicePlan`], or [`HostPlan`] arrays the
-//! caller uploads itself and views with [`PlanView::borrowed`]), and launches attention on a
+//! caller uploads itself, lays out with [`PlanLayout::new`] and views with [`PlanView::borrowed`]), and launches attention on a
 //! caller-given stream over caller-owned device memory, with no host synchronisation in the
 //! launch path (so a launch can be captured in a CUDA graph).
 //!
@@ -14,9 +14,12 @@
 //! Forward kernels ([`KernelKind`]): `FwdWs` (the default: warp-specialised, TMA loads into a
 //! two-stage ring, two wgmma consumer warpgroups, 128x128 tiles), `FwdWgmma` (one warpgroup,
 //! 64x64 tiles) and `FwdSimple` (mma.sync, the reference GPU path), chosen with
-//! [`Runtime::set_forward_kernel`]. One plan
-//! serves every (batch, head) of a launch; per-(batch, head) masks and `cu_seqlens` packing are
-//! not supported yet.
+//! [`Runtime::set_forward_kernel`]. One plan serves every (batch, head) of a launch: a plan of
+//! several masks ([`Runtime::upload_plan_masks`], [`HostPlan::build_masks`]) holds each
+//! distinct mask's lists and the mask of each (batch, head), which the kernels read per work
+//! item, so per-(batch, head) masks (per-head masks under GQA and MQA included) are one
+//! forward launch and one backward sequence. `cu_seqlens` packing is a plan of the compiler
+//! (`cm_plan::packed`), not a kernel feature.
 //!
 //! Backward ([`Runtime::backward`], [`Backward`]): pre-processing, dK / dV per key block over
 //! the descriptor's transposed lists (never atomic), and dQ either by fp32 atomic reductions
@@ -50,6 +53,7 @@
 mod backward;
 pub mod bench;
 mod error;
+pub mod external;
 mod forward;
 mod kernels;
 mod layout;
@@ -64,5 +68,5 @@ pub use error::Error;
 pub use forward::{Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::{DevicePlan, HostPlan, PlanArray, PlanView, PLAN_ARRAY_COUNT};
+pub use plan::{DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;

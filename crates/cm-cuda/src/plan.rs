@@ -1,8 +1,12 @@
 //! A plan's tile descriptor and row intervals in device memory, uploaded once and reused by
-//! every launch over the same mask and lengths.
+//! every launch over the same masks and lengths.
 //!
-//! The descriptor is a fixed set of u32 arrays ([`PlanArray`]). [`HostPlan`] builds them on the
-//! host; [`DevicePlan`] uploads them into one allocation it owns; [`PlanView`] is what a launch
+//! The descriptor is a fixed set of u32 arrays ([`PlanArray`]) holding every distinct mask of
+//! a plan back to back, and `mask_index [mask_batch, mask_heads]`, the mask of each (batch,
+//! head), so that one launch serves any plan: a kernel finds its work item's mask through
+//! `mask_index` and that mask's lists at a fixed stride (arrays whose length the lengths fix)
+//! or through offsets that already point into the concatenation (the rest). [`HostPlan`]
+//! builds them on the host; [`DevicePlan`] uploads them into one allocation it owns; [`PlanView`] is what a launch
 //! reads: the arrays' device addresses and the sizes, either a [`DevicePlan`]'s (through
 //! `Deref`) or arrays someone else owns ([`PlanView::borrowed`], e.g. torch tensors, so that
 //! torch's allocator orders their lifetime with the launches that read them).
@@ -15,7 +19,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 20;
+pub const PLAN_ARRAY_COUNT: usize = 21;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -37,6 +41,14 @@ pub const PLAN_ARRAY_COUNT: usize = 20;
 /// `bwd_q_indices`, in key block `n_block`, bit `r % 32` of word `r / 32` of key `c` set when
 /// query row `bwd_q_indices[i] * block_m + r` sees key `n_block * block_n + c`; rows past
 /// `q_len` and keys past `kv_len` have no bits).
+///
+/// A plan of several masks holds each mask's arrays one after the other, in mask order. The
+/// arrays whose length the lengths fix ([`PlanArray::fixed_len`]: block orders, offsets,
+/// `row_ptr`) repeat at that stride; the others are concatenated, and every offset or index
+/// into them (`*_offsets`, `row_ptr`, `partial_row_first`) counts from the start of the
+/// concatenation, so a kernel needs only its mask's base of the fixed-stride arrays.
+/// `mask_index [mask_batch, mask_heads]` holds the mask of each (batch, head); a side of 1
+/// applies to every batch (head) of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
     Intervals,
@@ -59,6 +71,7 @@ pub enum PlanArray {
     BwdFullQOffsets,
     BwdFullQIndices,
     BwdPartialKeyMask,
+    MaskIndex,
 }
 
 impl PlanArray {
@@ -84,6 +97,7 @@ impl PlanArray {
         PlanArray::BwdFullQOffsets,
         PlanArray::BwdFullQIndices,
         PlanArray::BwdPartialKeyMask,
+        PlanArray::MaskIndex,
     ];
 
     pub fn name(self) -> &'static str {
@@ -108,10 +122,12 @@ impl PlanArray {
             PlanArray::BwdFullQOffsets => "bwd_full_q_offsets",
             PlanArray::BwdFullQIndices => "bwd_full_q_indices",
             PlanArray::BwdPartialKeyMask => "bwd_partial_key_mask",
+            PlanArray::MaskIndex => "mask_index",
         }
     }
 
-    /// The array's length when the lengths alone fix it (`None` when the mask does), given
+    /// One mask's length of the array when the lengths alone fix it (`None` when the mask does,
+    /// and for `mask_index`, whose length the plan's batch and heads fix), given
     /// `num_m_blocks` query blocks at the plan's tile, `ws_m` query blocks at the `Ws*` tile
     /// and `bwd_n` key blocks at the `Bwd*` tile.
     fn fixed_len(self, q_len: u32, num_m_blocks: u32, ws_m: u32, bwd_n: u32) -> Option<usize> {
@@ -274,6 +290,16 @@ pub struct HostPlan {
     kv_len: u32,
     tile: TileShape,
     arrays: [Vec<u32>; PLAN_ARRAY_COUNT],
+    num_masks: u32,
+    mask_dims: [u32; 2],
+    stats: PlanStats,
+}
+
+/// Work counts of a plan, summed over its `mask_index` entries (one per (batch, head) it was
+/// built for; a plan of one mask for every (batch, head) has one entry, so its counts are per
+/// head): the FLOP count basis of benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+struct PlanStats {
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
@@ -281,10 +307,26 @@ pub struct HostPlan {
     ws_counts: TileCounts,
 }
 
+impl PlanStats {
+    fn add(&mut self, o: &PlanStats) {
+        self.visible_pairs += o.visible_pairs;
+        self.computed_pairs += o.computed_pairs;
+        self.ws_computed_pairs += o.ws_computed_pairs;
+        for (a, b) in [
+            (&mut self.counts, &o.counts),
+            (&mut self.ws_counts, &o.ws_counts),
+        ] {
+            a.full += b.full;
+            a.partial += b.partial;
+            a.empty += b.empty;
+        }
+    }
+}
+
 impl HostPlan {
     /// Builds the descriptor of `rows` at `tile` (the kernels' tile shape, see
     /// [`crate::KernelKind::tile`]), with the `Ws*` arrays at [`cm_kernels::WS_TILE`] and the
-    /// `Bwd*` arrays at [`cm_kernels::BWD_TILE`].
+    /// `Bwd*` arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
@@ -294,14 +336,18 @@ impl HostPlan {
         let bwd = TileDescriptor::build(rows, bwd_tile());
         let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
         let bwd_masks = partial_key_masks(&bwd, rows);
-        let (ws_computed_pairs, ws_counts) = (ws.computed_pairs, ws.counts());
         let flat_intervals: Vec<u32> = rows
             .intervals()
             .iter()
             .flat_map(|iv| [iv.start, iv.end])
             .collect();
-        let visible_pairs = rows.visible_pairs();
-        let (computed_pairs, counts) = (desc.computed_pairs, desc.counts());
+        let stats = PlanStats {
+            visible_pairs: rows.visible_pairs(),
+            computed_pairs: desc.computed_pairs,
+            counts: desc.counts(),
+            ws_computed_pairs: ws.computed_pairs,
+            ws_counts: ws.counts(),
+        };
         // In `PlanArray::ALL` order.
         let arrays = [
             flat_intervals,
@@ -324,18 +370,134 @@ impl HostPlan {
             bwd.full_q_offsets,
             bwd.full_q_indices,
             bwd_masks,
+            vec![0],
         ];
         HostPlan {
             q_len: rows.q_len(),
             kv_len: rows.kv_len(),
             tile,
             arrays,
-            visible_pairs,
-            computed_pairs,
-            counts,
-            ws_computed_pairs,
-            ws_counts,
+            num_masks: 1,
+            mask_dims: [1, 1],
+            stats,
         }
+    }
+
+    /// The descriptor of a plan of several masks: `masks` (each `q_len x kv_len`, planned at
+    /// the same lengths) one after the other (see [`PlanArray`]), and `mask_index`, row-major
+    /// `[mask_dims[0], mask_dims[1]]` = `[batch, num_heads]` (a side of 1 applies to every
+    /// batch or head of a launch), naming the mask of each (batch, head).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when there is no mask, the masks' lengths differ,
+    /// `mask_index` does not hold `mask_dims[0] * mask_dims[1]` entries, an entry names no
+    /// mask, or the concatenation outgrows the kernels' u32 indices.
+    pub fn build_masks(
+        masks: &[&RowIntervals],
+        mask_index: &[u32],
+        mask_dims: [usize; 2],
+        tile: TileShape,
+    ) -> Result<HostPlan, Error> {
+        let first = masks
+            .first()
+            .ok_or_else(|| Error::invalid("a plan needs at least one mask"))?;
+        let (q_len, kv_len) = (first.q_len(), first.kv_len());
+        if let Some((i, m)) = masks
+            .iter()
+            .enumerate()
+            .find(|(_, m)| (m.q_len(), m.kv_len()) != (q_len, kv_len))
+        {
+            return Err(Error::invalid(format!(
+                "mask {i} is {} x {}, mask 0 is {q_len} x {kv_len}: a plan's masks share q_len and kv_len",
+                m.q_len(),
+                m.kv_len()
+            )));
+        }
+        let entries = mask_dims[0].checked_mul(mask_dims[1]);
+        if entries != Some(mask_index.len()) || mask_index.is_empty() {
+            return Err(Error::invalid(format!(
+                "mask_index holds {} entries, expected mask_batch x mask_heads = {} x {} (at least 1 x 1)",
+                mask_index.len(),
+                mask_dims[0],
+                mask_dims[1]
+            )));
+        }
+        if let Some(&m) = mask_index.iter().find(|&&m| m as usize >= masks.len()) {
+            return Err(Error::invalid(format!(
+                "mask_index names mask {m}, but the plan has {} masks",
+                masks.len()
+            )));
+        }
+        let dims = mask_dims.map(|d| u32::try_from(d).unwrap_or(u32::MAX));
+        let num_masks = u32::try_from(masks.len())
+            .map_err(|_| Error::invalid(format!("{} masks exceed 2^32", masks.len())))?;
+        let parts: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
+        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = Default::default();
+        for part in &parts {
+            // Bases of the concatenated arrays that this mask's offsets point into: intervals
+            // (counted in intervals, as row_ptr and partial_row_first count them) and each
+            // list of tile indices.
+            let base = |a: PlanArray| -> Result<u32, Error> {
+                let len = arrays[a as usize].len();
+                let len = if a == PlanArray::Intervals {
+                    len / 2
+                } else {
+                    len
+                };
+                u32::try_from(len).map_err(|_| {
+                    Error::invalid(format!(
+                        "the plan's {} array outgrows the kernels' 32-bit indices",
+                        a.name()
+                    ))
+                })
+            };
+            let rebase = [
+                (PlanArray::RowPtr, base(PlanArray::Intervals)?),
+                (PlanArray::PartialRowFirst, base(PlanArray::Intervals)?),
+                (PlanArray::KvOffsets, base(PlanArray::KvIndices)?),
+                (PlanArray::FullKvOffsets, base(PlanArray::FullKvIndices)?),
+                (PlanArray::WsKvOffsets, base(PlanArray::WsKvIndices)?),
+                (
+                    PlanArray::WsFullKvOffsets,
+                    base(PlanArray::WsFullKvIndices)?,
+                ),
+                (PlanArray::BwdQOffsets, base(PlanArray::BwdQIndices)?),
+                (
+                    PlanArray::BwdFullQOffsets,
+                    base(PlanArray::BwdFullQIndices)?,
+                ),
+            ];
+            for a in PlanArray::ALL {
+                if a == PlanArray::MaskIndex {
+                    continue;
+                }
+                let shift = rebase.iter().find(|(r, _)| *r == a).map_or(0, |&(_, b)| b);
+                let src = &part.arrays[a as usize];
+                let dst = &mut arrays[a as usize];
+                for &v in src {
+                    dst.push(v.checked_add(shift).ok_or_else(|| {
+                        Error::invalid(format!(
+                            "the plan's {} array outgrows the kernels' 32-bit indices",
+                            a.name()
+                        ))
+                    })?);
+                }
+            }
+        }
+        arrays[PlanArray::MaskIndex as usize] = mask_index.to_vec();
+        let mut stats = PlanStats::default();
+        for &m in mask_index {
+            stats.add(&parts[m as usize].stats);
+        }
+        Ok(HostPlan {
+            q_len,
+            kv_len,
+            tile,
+            arrays,
+            num_masks,
+            mask_dims: dims,
+            stats,
+        })
     }
 
     /// The arrays, in [`PlanArray::ALL`] order.
@@ -346,14 +508,24 @@ impl HostPlan {
     pub fn tile(&self) -> TileShape {
         self.tile
     }
+
+    /// Distinct masks the arrays hold.
+    pub fn num_masks(&self) -> u32 {
+        self.num_masks
+    }
+
+    /// `[mask_batch, mask_heads]` of `mask_index`.
+    pub fn mask_dims(&self) -> [u32; 2] {
+        self.mask_dims
+    }
 }
 
-/// Where a plan's descriptor lives on the device and the sizes a launch needs: what
-/// [`crate::Runtime::forward_raw`] and [`crate::Runtime::backward_raw`] read. A
-/// [`DevicePlan`] derefs to its view; [`PlanView::borrowed`] makes one over arrays someone else
-/// owns.
-pub struct PlanView {
-    pub(crate) ctx: Arc<CudaContext>,
+/// Where a plan's descriptor arrays are and the sizes a launch needs, checked against each
+/// other but bound to no device: what the launches' argument checks read. Its addresses are
+/// plain numbers, so making one is safe and needs no GPU; only a [`PlanView`] over it can be
+/// launched.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanLayout {
     addrs: [u64; PLAN_ARRAY_COUNT],
     pub(crate) q_len: u32,
     pub(crate) kv_len: u32,
@@ -363,32 +535,68 @@ pub struct PlanView {
     pub(crate) ws_num_m_blocks: u32,
     /// Key blocks at [`cm_kernels::BWD_TILE`].
     pub(crate) bwd_num_n_blocks: u32,
+    /// Distinct masks in the arrays.
+    pub(crate) num_masks: u32,
+    /// `[mask_batch, mask_heads]` of `mask_index` (a side of 1 applies to every batch or head).
+    pub(crate) mask_dims: [u32; 2],
+}
+
+/// A [`PlanLayout`] in device memory of one CUDA context: what [`crate::Runtime::forward_raw`]
+/// and [`crate::Runtime::backward_raw`] read. A [`DevicePlan`] derefs to its view;
+/// [`PlanView::borrowed`] makes one over arrays someone else owns.
+pub struct PlanView {
+    pub(crate) ctx: Arc<CudaContext>,
+    layout: PlanLayout,
+}
+
+impl Deref for PlanView {
+    type Target = PlanLayout;
+
+    fn deref(&self) -> &PlanLayout {
+        &self.layout
+    }
 }
 
 impl PlanView {
-    /// A view of descriptor arrays in device memory that the caller owns: `arrays[i]` is the
-    /// address and length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
-    /// [`HostPlan::build`] made them for a `q_len x kv_len` mask at `tile`.
+    /// A view of descriptor arrays in device memory of `ctx` that the caller owns, laid out as
+    /// `layout` says.
     ///
     /// # Safety
-    /// Each array must hold the contents [`HostPlan::arrays`] gave for one mask (a prefix of
-    /// at least its length, then anything), in device memory of `ctx` that stays allocated and
+    /// Each array of `layout` must hold the contents [`HostPlan::arrays`] gave (a prefix of at
+    /// least its length, then anything), in device memory of `ctx` that stays allocated and
     /// unwritten until every launch reading this view has finished.
+    #[allow(unsafe_code)]
+    pub unsafe fn borrowed(ctx: Arc<CudaContext>, layout: PlanLayout) -> PlanView {
+        PlanView { ctx, layout }
+    }
+}
+
+impl PlanLayout {
+    /// The layout of descriptor arrays at the given addresses: `arrays[i]` is the address and
+    /// length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
+    /// [`HostPlan::build_masks`] made them for `num_masks` masks of `q_len x kv_len` at `tile`
+    /// with `mask_index [mask_dims[0], mask_dims[1]]`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when an array is misaligned or shorter than the lengths fix.
-    #[allow(unsafe_code)]
-    pub unsafe fn borrowed(
-        ctx: Arc<CudaContext>,
+    /// [`Error::InvalidArgument`] when an array is misaligned or shorter than the lengths, the
+    /// number of masks and `mask_dims` fix, or `num_masks` or a side of `mask_dims` is 0.
+    pub fn new(
         q_len: u32,
         kv_len: u32,
         tile: TileShape,
+        num_masks: u32,
+        mask_dims: [u32; 2],
         arrays: [(u64, usize); PLAN_ARRAY_COUNT],
-    ) -> Result<PlanView, Error> {
+    ) -> Result<PlanLayout, Error> {
         if tile.block_m == 0 || tile.block_n == 0 {
             return Err(Error::invalid(format!(
                 "plan tile {}x{} has a zero side",
                 tile.block_m, tile.block_n
+            )));
+        }
+        if num_masks == 0 || mask_dims.contains(&0) {
+            return Err(Error::invalid(format!(
+                "a plan of {num_masks} masks with mask_index {mask_dims:?}: both need at least one"
             )));
         }
         let (num_m_blocks, _) = block_counts(q_len, kv_len, tile);
@@ -402,19 +610,24 @@ impl PlanView {
                     a.align()
                 )));
             }
-            let need = a.fixed_len(q_len, num_m_blocks, ws_num_m_blocks, bwd_num_n_blocks);
+            let need = if *a == PlanArray::MaskIndex {
+                Some(mask_dims[0] as usize * mask_dims[1] as usize)
+            } else {
+                a.fixed_len(q_len, num_m_blocks, ws_num_m_blocks, bwd_num_n_blocks)
+                    .map(|n| n * num_masks as usize)
+            };
             if let Some(need) = need {
                 if len < need {
                     return Err(Error::invalid(format!(
-                        "plan array {} holds {len} elements; q_len = {q_len} and kv_len = {kv_len} \
-                         need {need}: the descriptor was built for other lengths",
+                        "plan array {} holds {len} elements; {num_masks} masks of q_len = {q_len} and \
+                         kv_len = {kv_len} with mask_index {mask_dims:?} need {need}: the descriptor \
+                         was built for other lengths",
                         a.name()
                     )));
                 }
             }
         }
-        Ok(PlanView {
-            ctx,
+        Ok(PlanLayout {
             addrs: arrays.map(|(addr, _)| addr),
             q_len,
             kv_len,
@@ -422,7 +635,26 @@ impl PlanView {
             num_m_blocks,
             ws_num_m_blocks,
             bwd_num_n_blocks,
+            num_masks,
+            mask_dims,
         })
+    }
+
+    /// Strides of `mask_index` for a launch over `batch x num_heads`: its own row-major
+    /// strides, 0 along a side of 1 (which applies to every batch or head).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a side of `mask_index` is neither 1 nor the launch's.
+    pub(crate) fn mask_strides(&self, batch: usize, num_heads: usize) -> Result<[u32; 2], Error> {
+        let [mb, mh] = self.mask_dims;
+        for (what, plan_n, n) in [("batch", mb, batch), ("num_heads", mh, num_heads)] {
+            if plan_n != 1 && plan_n as usize != n {
+                return Err(Error::invalid(format!(
+                    "the plan's masks are for {what} = {plan_n}, but q has {what} = {n}"
+                )));
+            }
+        }
+        Ok([if mb == 1 { 0 } else { mh }, u32::from(mh != 1)])
     }
 
     /// Device address of one array.
@@ -444,16 +676,12 @@ impl PlanView {
     }
 }
 
-/// One mask's descriptor on the device, shared by every (batch, head) of a launch, in one
-/// allocation this plan owns (every [`PlanArray`], concatenated).
+/// A plan's descriptor on the device (every mask and `mask_index`), in one allocation this
+/// plan owns (every [`PlanArray`], concatenated).
 pub struct DevicePlan {
     view: PlanView,
     pub(crate) buffer: CudaSlice<u32>,
-    visible_pairs: u64,
-    computed_pairs: u64,
-    counts: TileCounts,
-    ws_computed_pairs: u64,
-    ws_counts: TileCounts,
+    stats: PlanStats,
 }
 
 impl Deref for DevicePlan {
@@ -465,14 +693,9 @@ impl Deref for DevicePlan {
 }
 
 impl DevicePlan {
-    /// Builds the descriptor of `rows` at `tile` and copies it to the device on `stream`, then
-    /// waits for the copy, so the plan is ready for launches on any stream of the context.
-    pub(crate) fn upload(
-        rows: &RowIntervals,
-        tile: TileShape,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DevicePlan, Error> {
-        let host = HostPlan::build(rows, tile);
+    /// Copies `host` to the device on `stream`, then waits for the copy, so the plan is ready
+    /// for launches on any stream of the context.
+    pub(crate) fn upload(host: &HostPlan, stream: &Arc<CudaStream>) -> Result<DevicePlan, Error> {
         // The allocation is 256-byte aligned; padding each array's offset to its alignment
         // keeps every one aligned for the kernels' loads.
         let mut flat: Vec<u32> = Vec::new();
@@ -493,46 +716,50 @@ impl DevicePlan {
             let (ptr, _guard) = buffer.device_ptr(stream);
             ptr
         };
+        let tile = host.tile;
         let (num_m_blocks, _) = block_counts(host.q_len, host.kv_len, tile);
         let (ws_num_m_blocks, _) = block_counts(host.q_len, host.kv_len, ws_tile());
         let (_, bwd_num_n_blocks) = block_counts(host.q_len, host.kv_len, bwd_tile());
         Ok(DevicePlan {
             view: PlanView {
                 ctx: stream.context().clone(),
-                addrs: offsets.map(|o| base + 4 * o as u64),
-                q_len: host.q_len,
-                kv_len: host.kv_len,
-                tile,
-                num_m_blocks,
-                ws_num_m_blocks,
-                bwd_num_n_blocks,
+                layout: PlanLayout {
+                    addrs: offsets.map(|o| base + 4 * o as u64),
+                    q_len: host.q_len,
+                    kv_len: host.kv_len,
+                    tile,
+                    num_m_blocks,
+                    ws_num_m_blocks,
+                    bwd_num_n_blocks,
+                    num_masks: host.num_masks,
+                    mask_dims: host.mask_dims,
+                },
             },
             buffer,
-            visible_pairs: host.visible_pairs,
-            computed_pairs: host.computed_pairs,
-            counts: host.counts,
-            ws_computed_pairs: host.ws_computed_pairs,
-            ws_counts: host.ws_counts,
+            stats: host.stats,
         })
     }
 
-    /// Visible (q, k) pairs of the mask: the FLOP count basis (`4 * heads * head_dim * pairs`).
+    /// Visible (q, k) pairs summed over the plan's `mask_index` entries (per head for a plan
+    /// of one mask for every head): the FLOP count basis (`4 * heads * head_dim * pairs`
+    /// for one mask).
     pub fn visible_pairs(&self) -> u64 {
-        self.visible_pairs
+        self.stats.visible_pairs
     }
 
-    /// In-range pairs inside full and partial tiles: the work the kernel does per head.
+    /// In-range pairs inside full and partial tiles, summed like [`DevicePlan::visible_pairs`]:
+    /// the work the kernel does.
     pub fn computed_pairs(&self) -> u64 {
-        self.computed_pairs
+        self.stats.computed_pairs
     }
 
-    /// Tiles by class at [`PlanView::tile`].
+    /// Tiles by class at [`PlanLayout::tile`], summed like [`DevicePlan::visible_pairs`].
     pub fn tile_counts(&self) -> TileCounts {
-        self.counts
+        self.stats.counts
     }
 
     /// The tile shape forward kernel `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
-    /// [`KernelKind::FwdWs`], [`PlanView::tile`] for the others (the backward's dK/dV kernel
+    /// [`KernelKind::FwdWs`], [`PlanLayout::tile`] for the others (the backward's dK/dV kernel
     /// runs at [`cm_kernels::BWD_TILE`], whose counts the plan does not keep).
     pub fn kernel_tile(&self, kernel: KernelKind) -> TileShape {
         if kernel == KernelKind::FwdWs {
@@ -546,18 +773,18 @@ impl DevicePlan {
     /// per head.
     pub fn kernel_computed_pairs(&self, kernel: KernelKind) -> u64 {
         if kernel == KernelKind::FwdWs {
-            self.ws_computed_pairs
+            self.stats.ws_computed_pairs
         } else {
-            self.computed_pairs
+            self.stats.computed_pairs
         }
     }
 
     /// [`DevicePlan::tile_counts`] at [`DevicePlan::kernel_tile`].
     pub fn kernel_tile_counts(&self, kernel: KernelKind) -> TileCounts {
         if kernel == KernelKind::FwdWs {
-            self.ws_counts
+            self.stats.ws_counts
         } else {
-            self.counts
+            self.stats.counts
         }
     }
 
@@ -774,6 +1001,81 @@ mod tests {
         check_bwd_arrays(&rows);
         let rows = RowIntervals::from_rows(300, &random_rows(10, 300, 11)).unwrap();
         check_bwd_arrays(&rows);
+    }
+
+    /// A plan of several masks holds each mask's single-mask arrays one after the other: the
+    /// fixed-stride arrays verbatim at stride `fixed_len`, the concatenated ones with every
+    /// offset and interval index shifted by the lengths of the masks before it; its
+    /// `mask_index` is the given one; bad mask indices, lengths and counts are errors.
+    #[test]
+    fn a_plan_of_several_masks_concatenates_each_masks_arrays() {
+        let tile = TileShape {
+            block_m: 64,
+            block_n: 64,
+        };
+        let (q_len, kv_len) = (200u32, 170u32);
+        let masks: Vec<RowIntervals> = [3u64, 5, 7]
+            .iter()
+            .map(|&seed| {
+                RowIntervals::from_rows(kv_len, &random_rows(q_len, kv_len, seed)).unwrap()
+            })
+            .collect();
+        let refs: Vec<&RowIntervals> = masks.iter().collect();
+        let index = [2u32, 0, 0, 1, 2, 1];
+        let multi = HostPlan::build_masks(&refs, &index, [2, 3], tile).unwrap();
+        assert_eq!((multi.num_masks(), multi.mask_dims()), (3, [2, 3]));
+        assert_eq!(multi.arrays()[PlanArray::MaskIndex as usize], index);
+        let singles: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
+        let (m, _) = block_counts(q_len, kv_len, tile);
+        let (ws_m, _) = block_counts(q_len, kv_len, ws_tile());
+        let (_, bwd_n) = block_counts(q_len, kv_len, bwd_tile());
+        // Which concatenated array each offset array points into.
+        let points_into = |a: PlanArray| match a {
+            PlanArray::RowPtr | PlanArray::PartialRowFirst => Some(PlanArray::Intervals),
+            PlanArray::KvOffsets => Some(PlanArray::KvIndices),
+            PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
+            PlanArray::WsKvOffsets => Some(PlanArray::WsKvIndices),
+            PlanArray::WsFullKvOffsets => Some(PlanArray::WsFullKvIndices),
+            PlanArray::BwdQOffsets => Some(PlanArray::BwdQIndices),
+            PlanArray::BwdFullQOffsets => Some(PlanArray::BwdFullQIndices),
+            _ => None,
+        };
+        for a in PlanArray::ALL {
+            if a == PlanArray::MaskIndex {
+                continue;
+            }
+            let mut at = 0;
+            for (i, single) in singles.iter().enumerate() {
+                let own = &single.arrays()[a as usize];
+                if let Some(n) = a.fixed_len(q_len, m, ws_m, bwd_n) {
+                    assert_eq!(own.len(), n, "{} of mask {i}", a.name());
+                }
+                let shift: u32 = points_into(a).map_or(0, |target| {
+                    let per = if target == PlanArray::Intervals { 2 } else { 1 };
+                    singles[..i]
+                        .iter()
+                        .map(|s| (s.arrays()[target as usize].len() / per) as u32)
+                        .sum()
+                });
+                let got = &multi.arrays()[a as usize][at..at + own.len()];
+                let want: Vec<u32> = own.iter().map(|v| v + shift).collect();
+                assert_eq!(got, want, "{} of mask {i}", a.name());
+                at += own.len();
+            }
+            assert_eq!(at, multi.arrays()[a as usize].len(), "{}", a.name());
+        }
+        let err = |r: Result<HostPlan, Error>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err(HostPlan::build_masks(&refs, &[3], [1, 1], tile)).contains("names mask 3"));
+        assert!(err(HostPlan::build_masks(&refs, &[0, 1], [1, 3], tile)).contains("2 entries"));
+        assert!(err(HostPlan::build_masks(&[], &[0], [1, 1], tile)).contains("at least one mask"));
+        let short = RowIntervals::from_rows(kv_len, &random_rows(10, kv_len, 1)).unwrap();
+        assert!(err(HostPlan::build_masks(
+            &[&masks[0], &short],
+            &[0, 1],
+            [1, 2],
+            tile
+        ))
+        .contains("share q_len and kv_len"));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use crate::forward::{prepare, Launch};
 use crate::layout::check_buffer_len;
-use crate::{DevicePlan, Error, Forward, ForwardRaw, PlanView};
+use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
@@ -161,8 +161,26 @@ impl Runtime {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
-        let (block_m, block_n) = cm_kernels::TILE;
-        DevicePlan::upload(rows, TileShape { block_m, block_n }, stream)
+        DevicePlan::upload(&HostPlan::build(rows, kernel_tile()), stream)
+    }
+
+    /// [`Runtime::upload_plan`] for a plan of several masks: `masks` (sharing q_len and
+    /// kv_len) and `mask_index`, row-major `[mask_dims[0], mask_dims[1]]` = `[batch,
+    /// num_heads]` (a side of 1 applies to every batch or head), naming each (batch, head)'s
+    /// mask. One launch then runs every (batch, head) with its own mask.
+    ///
+    /// # Errors
+    /// As [`HostPlan::build_masks`], and as [`Runtime::upload_plan`].
+    pub fn upload_plan_masks(
+        &self,
+        masks: &[&RowIntervals],
+        mask_index: &[u32],
+        mask_dims: [usize; 2],
+        stream: &Arc<CudaStream>,
+    ) -> Result<DevicePlan, Error> {
+        self.check_stream(stream)?;
+        let host = HostPlan::build_masks(masks, mask_index, mask_dims, kernel_tile())?;
+        DevicePlan::upload(&host, stream)
     }
 
     /// Forward attention over Rust-owned buffers, enqueued on `stream`; returns without
@@ -331,6 +349,12 @@ impl Runtime {
         }
         Ok(())
     }
+}
+
+/// The tile shape of the plan's own lists ([`cm_kernels::TILE`]).
+fn kernel_tile() -> TileShape {
+    let (block_m, block_n) = cm_kernels::TILE;
+    TileShape { block_m, block_n }
 }
 
 #[allow(unsafe_code)]

@@ -2,6 +2,7 @@
 //! is exact (it encodes the same visible set as the row intervals) and refuses, with a
 //! clear error, inputs it cannot represent or that would exceed its size limit.
 
+use cm_ir::{Code, PlanError};
 use cm_plan::{RowIntervals, TileDescriptor};
 use serde::Serialize;
 
@@ -9,9 +10,16 @@ use serde::Serialize;
 /// num_n_blocks` for Flex block tables).
 pub const DENSE_LIMIT: u64 = 1 << 28;
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+/// Largest dense export written out as JSON text (the `compilemask export` command), in
+/// elements as for [`DENSE_LIMIT`]: JSON spends several bytes per element, so this is
+/// 2^24, tens of megabytes of text.
+pub const JSON_LIMIT: u64 = 1 << 24;
+
+/// An export that was refused. Displays as a [`PlanError`] of the same code does.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{}", PlanError::from(self.clone()))]
 pub enum ExportError {
-    #[error("error[CM0403]: a dense {what} of {rows} x {cols} = {elements} elements exceeds the limit of {limit}; use the interval or block forms instead")]
+    /// `CM0403`: more elements than [`DENSE_LIMIT`].
     TooLarge {
         what: &'static str,
         rows: u64,
@@ -19,8 +27,38 @@ pub enum ExportError {
         elements: u64,
         limit: u64,
     },
-    #[error("error[CM0408]: FlashMask cannot express this mask: column {column} has {count} masked row ranges, FlashMask allows at most 2 (one lower, one upper)")]
+    /// `CM0408`: a column with more masked row ranges than FlashMask's two.
     NotExpressible { column: u32, count: usize },
+}
+
+impl ExportError {
+    pub fn code(&self) -> Code {
+        match self {
+            ExportError::TooLarge { .. } => Code::DenseTooLarge,
+            ExportError::NotExpressible { .. } => Code::NotExpressible,
+        }
+    }
+
+    /// The message, without the code.
+    pub fn message(&self) -> String {
+        match self {
+            ExportError::TooLarge {
+                what,
+                rows,
+                cols,
+                elements,
+                limit,
+            } => format!("a dense {what} of {rows} x {cols} = {elements} elements exceeds the limit of {limit}; use the interval or block forms instead"),
+            ExportError::NotExpressible { column, count } => format!("FlashMask cannot express this mask: column {column} has {count} masked row ranges, FlashMask allows at most 2 (one lower, one upper)"),
+        }
+    }
+}
+
+/// The same error as every other refusal: a code and a message, no span.
+impl From<ExportError> for PlanError {
+    fn from(e: ExportError) -> PlanError {
+        PlanError::new(e.code(), None, e.message())
+    }
 }
 
 fn check_size(what: &'static str, rows: u64, cols: u64) -> Result<(), ExportError> {

@@ -6,12 +6,25 @@
 //! modulo, checked overflow) and the evaluation of q-side expressions at a point.
 
 use crate::ir::*;
+use cm_syntax::Code;
 use cm_syntax::{Diagnostic, Span};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Longest supported `q_len` / `kv_len`, in tokens.
 pub const MAX_LEN: i64 = 1 << 26;
+/// Largest `batch` one plan may index.
+pub const MAX_BATCH: i64 = 1 << 20;
+/// Largest `num_heads` one plan may index.
+pub const MAX_HEADS: i64 = 1 << 16;
+/// The range `1 ..= max` of each length [`Program::bind`] accepts (`CM0402` outside it),
+/// by the length's name.
+pub const LENGTH_LIMITS: [(&str, i64); 4] = [
+    ("q_len", MAX_LEN),
+    ("kv_len", MAX_LEN),
+    ("batch", MAX_BATCH),
+    ("num_heads", MAX_HEADS),
+];
 /// Most (batch, head) pairs one plan may index.
 pub const MAX_BATCH_HEADS: i64 = 1 << 24;
 /// Most segments (or composite pieces) one segmentation may create.
@@ -39,14 +52,14 @@ pub struct Shape {
 /// when one applies, and a hint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanError {
-    pub code: &'static str,
+    pub code: Code,
     pub message: String,
     pub span: Option<Span>,
     pub hint: Option<String>,
 }
 
 impl PlanError {
-    pub fn new(code: &'static str, span: Option<Span>, message: impl Into<String>) -> PlanError {
+    pub fn new(code: Code, span: Option<Span>, message: impl Into<String>) -> PlanError {
         PlanError {
             code,
             message: message.into(),
@@ -74,13 +87,11 @@ impl PlanError {
     }
 }
 
+/// The error without its source, as [`Diagnostic`]'s `Display` writes it (`compilemask`
+/// renders it against the source when it has a span).
 impl std::fmt::Display for PlanError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "error[{}]: {}", self.code, self.message)?;
-        if let Some(h) = &self.hint {
-            write!(f, " (hint: {h})")?;
-        }
-        Ok(())
+        self.to_diagnostic().fmt(f)
     }
 }
 
@@ -89,14 +100,18 @@ impl std::error::Error for PlanError {}
 pub type PResult<T> = Result<T, PlanError>;
 
 fn overflow(span: Span) -> PlanError {
-    PlanError::new("CM0302", Some(span), "integer overflow")
+    PlanError::new(Code::Overflow, Some(span), "integer overflow")
         .with_hint("values are 64-bit signed integers; overflow is an error, never wraparound")
 }
 
 /// Floor division (toward negative infinity).
 pub fn floor_div(a: i64, d: i64, span: Span) -> PResult<i64> {
     if d == 0 {
-        return Err(PlanError::new("CM0301", Some(span), "division by zero"));
+        return Err(PlanError::new(
+            Code::DivisionByZero,
+            Some(span),
+            "division by zero",
+        ));
     }
     let q = a.checked_div(d).ok_or_else(|| overflow(span))?;
     Ok(if (a % d != 0) && ((a < 0) != (d < 0)) {
@@ -109,7 +124,11 @@ pub fn floor_div(a: i64, d: i64, span: Span) -> PResult<i64> {
 /// Floor modulo: `a - d * floor_div(a, d)`, with the sign of `d`.
 pub fn floor_mod(a: i64, d: i64, span: Span) -> PResult<i64> {
     if d == 0 {
-        return Err(PlanError::new("CM0301", Some(span), "modulo by zero"));
+        return Err(PlanError::new(
+            Code::DivisionByZero,
+            Some(span),
+            "modulo by zero",
+        ));
     }
     if d == -1 {
         return Ok(0);
@@ -126,7 +145,7 @@ pub fn floor_mod(a: i64, d: i64, span: Span) -> PResult<i64> {
 pub fn isqrt(x: i64, span: Span) -> PResult<i64> {
     if x < 0 {
         return Err(PlanError::new(
-            "CM0312",
+            Code::NegativeIsqrt,
             Some(span),
             format!("isqrt of a negative number ({x})"),
         ));
@@ -255,59 +274,6 @@ pub struct Env {
     pub seg_len: i64,
 }
 
-/// Parses a parameter value written on a command line: an integer, or a comma-separated
-/// list of integers (`2048,1536` or `[2048, 1536]`).
-///
-/// # Errors
-/// `CM0308` naming the offending text.
-pub fn parse_value(text: &str) -> PResult<Value> {
-    let t = text.trim();
-    let inner = t.strip_prefix('[').and_then(|x| x.strip_suffix(']'));
-    let is_list = inner.is_some() || t.contains(',');
-    let body = inner.unwrap_or(t).trim();
-    let pieces: Vec<&str> = if body.is_empty() {
-        Vec::new()
-    } else if body.contains(',') {
-        body.split(',').map(str::trim).collect()
-    } else {
-        body.split_whitespace().collect()
-    };
-    let mut items = Vec::with_capacity(pieces.len());
-    for (i, piece) in pieces.iter().enumerate() {
-        if piece.is_empty() {
-            return Err(PlanError::new(
-                "CM0308",
-                None,
-                format!("`{text}` has an empty entry at position {i}"),
-            )
-            .with_hint("separate integers with single commas, e.g. 2048,1536,3072"));
-        }
-        let v = piece.replace('_', "").parse::<i64>().map_err(|e| {
-            let what = match e.kind() {
-                std::num::IntErrorKind::PosOverflow | std::num::IntErrorKind::NegOverflow => {
-                    "is outside the 64-bit integer range"
-                }
-                _ => "is not an integer",
-            };
-            PlanError::new("CM0308", None, format!("`{piece}` {what}")).with_hint(
-                "values are integers, or comma-separated integer lists such as 2048,1536,3072",
-            )
-        })?;
-        items.push(v);
-    }
-    if is_list {
-        return Ok(Value::Array(items.into()));
-    }
-    match items.as_slice() {
-        [v] => Ok(Value::Int(*v)),
-        _ => Err(PlanError::new(
-            "CM0308",
-            None,
-            format!("`{text}` is not an integer or a list of integers"),
-        )),
-    }
-}
-
 impl Program {
     /// Names of the declared parameters, in declaration order.
     pub fn param_names(&self) -> Vec<&str> {
@@ -322,15 +288,11 @@ impl Program {
     /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
     /// (`CM0305`) and any arithmetic error while evaluating them.
     pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
-        for (name, v, max) in [
-            ("q_len", shape.q_len, MAX_LEN),
-            ("kv_len", shape.kv_len, MAX_LEN),
-            ("batch", shape.batch, 1 << 20),
-            ("num_heads", shape.num_heads, 1 << 16),
-        ] {
+        let given = [shape.q_len, shape.kv_len, shape.batch, shape.num_heads];
+        for ((name, max), v) in LENGTH_LIMITS.into_iter().zip(given) {
             if v < 1 || v > max {
                 return Err(PlanError::new(
-                    "CM0402",
+                    Code::LengthOutOfRange,
                     None,
                     format!("{name} = {v} is out of range; expected 1 ..= {max}"),
                 ));
@@ -338,7 +300,7 @@ impl Program {
         }
         if shape.batch * shape.num_heads > MAX_BATCH_HEADS {
             return Err(PlanError::new(
-                "CM0402",
+                Code::LengthOutOfRange,
                 None,
                 format!(
                     "batch x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
@@ -356,10 +318,12 @@ impl Program {
                     None if self.params.is_empty() => "this mask takes no parameters".to_string(),
                     None => format!("its parameters are: {}", self.param_names().join(", ")),
                 };
-                return Err(
-                    PlanError::new("CM0309", None, format!("unknown parameter `{name}`"))
-                        .with_hint(hint),
-                );
+                return Err(PlanError::new(
+                    Code::UnknownParam,
+                    None,
+                    format!("unknown parameter `{name}`"),
+                )
+                .with_hint(hint));
             }
         }
         let mut b = Bound {
@@ -378,7 +342,7 @@ impl Program {
                 (Some(Value::Array(a)), _) if !p.is_array && a.len() == 1 => Value::Int(a[0]),
                 (Some(Value::Array(_)), _) if !p.is_array => {
                     return Err(PlanError::new(
-                        "CM0308",
+                        Code::BadParamValue,
                         Some(p.span),
                         format!("parameter `{}` is an integer, got a list", p.name),
                     ));
@@ -388,7 +352,7 @@ impl Program {
                 (None, Some(ParamDefault::Array(a))) => Value::Array(b.eval_arr(a, &env)?),
                 (None, None) => {
                     return Err(PlanError::new(
-                        "CM0308",
+                        Code::BadParamValue,
                         Some(p.span),
                         format!("parameter `{}` has no default and no value", p.name),
                     )
@@ -409,7 +373,7 @@ impl Program {
                 if msg.is_empty() {
                     msg = "a `require` of the mask does not hold".into();
                 }
-                return Err(PlanError::new("CM0305", Some(r.span), msg).with_hint(
+                return Err(PlanError::new(Code::RequireFailed, Some(r.span), msg).with_hint(
                     "this `require` of the mask does not hold for the given lengths and parameters",
                 ));
             }
@@ -421,7 +385,7 @@ impl Program {
                 let v = b.eval_int(d, &env)?;
                 if v < 1 {
                     return Err(PlanError::new(
-                        "CM0311",
+                        Code::BadGrid,
                         Some(d.span),
                         format!("grid `{}` has extent {v}; extents must be >= 1", g.name),
                     ));
@@ -432,7 +396,7 @@ impl Program {
             let at = b.eval_int(&g.at, &env)?;
             if at < 0 {
                 return Err(PlanError::new(
-                    "CM0311",
+                    Code::BadGrid,
                     Some(g.at.span),
                     format!("grid `{}` starts at {at}; expected a position >= 0", g.name),
                 ));
@@ -454,7 +418,7 @@ impl Bound<'_> {
         let fill = self.eval_int(&s.fill, &env)?;
         if !(0..=MAX_LEN).contains(&fill) {
             return Err(PlanError::new(
-                "CM0402",
+                Code::LengthOutOfRange,
                 Some(s.fill.span),
                 format!(
                     "segmentation `{}` fills {fill} positions; expected 0 ..= {MAX_LEN}",
@@ -465,7 +429,7 @@ impl Bound<'_> {
         let check_arr = |a: &Arc<[i64]>, span: Span| -> PResult<()> {
             if let Some((i, v)) = a.iter().enumerate().find(|(_, v)| **v < 0) {
                 return Err(PlanError::new(
-                    "CM0307",
+                    Code::NegativeSegment,
                     Some(span),
                     format!("length {v} at index {i} of `{}` is negative", s.name),
                 )
@@ -475,7 +439,7 @@ impl Bound<'_> {
         };
         let too_many = || {
             PlanError::new(
-                "CM0404",
+                Code::TooLargeToPlan,
                 Some(s.span),
                 format!(
                     "segmentation `{}` needs more than {MAX_SEGMENTS} segments",
@@ -491,7 +455,7 @@ impl Bound<'_> {
                 check_arr(&a, s.span)?;
                 if fill > 0 && a.iter().all(|&v| v == 0) {
                     return Err(PlanError::new(
-                        "CM0306",
+                        Code::CannotFill,
                         Some(s.span),
                         format!(
                             "the lengths of `{}` sum to 0, so they cannot fill {fill} positions",
@@ -521,7 +485,7 @@ impl Bound<'_> {
                     let c = self.eval_int(&d.count, &env)?;
                     if !(0..=1 << 20).contains(&c) {
                         return Err(PlanError::new(
-                            "CM0308",
+                            Code::BadParamValue,
                             Some(d.count.span),
                             format!(
                                 "piece `{}` repeats {c} times; expected 0 ..= 1048576",
@@ -530,7 +494,7 @@ impl Bound<'_> {
                         ));
                     }
                     if a.is_empty() && c > 0 {
-                        return Err(PlanError::new("CM0306", Some(d.span), format!("the lengths of piece `{}` are an empty array, but each segment takes {c} of them", d.name))
+                        return Err(PlanError::new(Code::CannotFill, Some(d.span), format!("the lengths of piece `{}` are an empty array, but each segment takes {c} of them", d.name))
                             .with_hint("give at least one length"));
                     }
                     if c > 0 && a.iter().any(|&v| v > 0) {
@@ -539,7 +503,7 @@ impl Bound<'_> {
                     arrays.push((a, c));
                 }
                 if fill > 0 && total == 0 {
-                    return Err(PlanError::new("CM0306", Some(s.span), format!("the pieces of `{}` add no tokens, so they cannot fill {fill} positions", s.name)));
+                    return Err(PlanError::new(Code::CannotFill, Some(s.span), format!("the pieces of `{}` add no tokens, so they cannot fill {fill} positions", s.name)));
                 }
                 let mut t = PieceTable {
                     bounds: vec![0],
@@ -600,7 +564,7 @@ impl Bound<'_> {
         let t = &self.segs[s];
         if p < 0 || p >= t.fill() {
             return Err(PlanError::new(
-                "CM0303",
+                Code::OutsideSegmentation,
                 Some(span),
                 format!(
                     "position {p} is outside segmentation `{}`, which covers [0, {})",
@@ -626,7 +590,7 @@ impl Bound<'_> {
                 let t = &self.segs[*s];
                 if iv < 0 || iv as usize >= t.count() {
                     return Err(PlanError::new(
-                        "CM0304",
+                        Code::IndexOutOfRange,
                         Some(i.span),
                         format!(
                             "segment index {iv} is out of range; `{}` has {} segments",
@@ -670,7 +634,7 @@ impl Bound<'_> {
                 let (x, y) = (self.eval_arr(x, env)?, self.eval_arr(y, env)?);
                 if x.len() != y.len() {
                     return Err(PlanError::new(
-                        "CM0308",
+                        Code::BadParamValue,
                         Some(*span),
                         format!("cannot add arrays of lengths {} and {}", x.len(), y.len()),
                     ));
@@ -711,7 +675,7 @@ impl Bound<'_> {
                 let iv = self.eval_int(i, env)?;
                 if iv < 0 || iv as usize >= a.len() {
                     return Err(PlanError::new(
-                        "CM0304",
+                        Code::IndexOutOfRange,
                         Some(span),
                         format!(
                             "index {iv} is out of range for an array of length {}",
@@ -762,7 +726,7 @@ impl Bound<'_> {
     pub fn outside_grid(&self, g: GridId, p: i64, span: Span) -> PlanError {
         let gv = &self.grids[g];
         PlanError::new(
-            "CM0310",
+            Code::OutsideGrid,
             Some(span),
             format!(
                 "position {p} is not in grid `{}`, which covers [{}, {})",

@@ -259,6 +259,9 @@ impl Region {
         }
     }
 
+    /// Whether the region holds an `elementwise` atom: the only kind evaluated pair by pair,
+    /// so the only one whose cost grows with `q_len x kv_len` and whose errors can depend on
+    /// `k`. Exhaustive on purpose: a new atom kind must say which side it is on.
     pub fn uses_elementwise(&self) -> bool {
         match self {
             Region::Elementwise(..) => true,
@@ -267,7 +270,12 @@ impl Region {
             | Region::Diff(a, b)
             | Region::Cond(_, a, b) => a.uses_elementwise() || b.uses_elementwise(),
             Region::Not(a) => a.uses_elementwise(),
-            _ => false,
+            Region::Rows(_)
+            | Region::KCmp { .. }
+            | Region::KDiv { .. }
+            | Region::KMod { .. }
+            | Region::Ball { .. }
+            | Region::Box { .. } => false,
         }
     }
 }
@@ -293,6 +301,16 @@ fn tree(mut operands: Vec<Region>) -> Region {
     }
     let right = operands.split_off(operands.len() / 2);
     Region::Union(Box::new(tree(operands)), Box::new(tree(right)))
+}
+
+/// A named constant integer array that programs read as a built-in name, like a parameter
+/// that cannot be set (the standard library's `trace_context`, say). The checker knows no
+/// such names of its own; its caller passes them. `values` is called each time a program
+/// reads the name, so data that is costly to build should be built once behind it.
+#[derive(Clone, Copy, Debug)]
+pub struct NamedArray {
+    pub name: &'static str,
+    pub values: fn() -> Arc<[i64]>,
 }
 
 /// A declared parameter.

@@ -12,20 +12,24 @@ pub mod bind;
 pub mod check;
 mod interp;
 pub mod ir;
-pub mod trace;
 
 pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};
 pub use check::check;
+pub use cm_syntax::{Code, Diagnostic};
 pub use ir::*;
 
-/// Parses and checks `source` in one step.
-pub fn compile(source: &str) -> (Option<Program>, Vec<cm_syntax::Diagnostic>) {
+/// Parses and checks `source` in one step, with `arrays` as built-in names (see
+/// [`NamedArray`]; `cm_stdlib::ARRAYS` holds the standard library's).
+pub fn compile(
+    source: &str,
+    arrays: &[NamedArray],
+) -> (Option<Program>, Vec<cm_syntax::Diagnostic>) {
     let (ast, mut diags) = cm_syntax::parse(source);
     if diags.iter().any(cm_syntax::Diagnostic::is_error) {
         diags.sort_by_key(|d| (d.span.start, d.span.end));
         return (None, diags);
     }
-    let (program, more) = check(&ast);
+    let (program, more) = check(&ast, arrays);
     diags.extend(more);
     diags.sort_by_key(|d| (d.span.start, d.span.end));
     (program, diags)

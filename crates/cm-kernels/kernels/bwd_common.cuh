@@ -79,6 +79,10 @@ struct CmBwdParams {
     const u32* bwd_full_q_offsets;     // [bwd_num_n_blocks + 1]
     const u32* bwd_full_q_indices;     // [num_full]
     const u32* bwd_partial_key_mask;   // [num_partial, 128, 2]
+    // The mask of (batch, query head) at batch * mask_stride_batch + head * mask_stride_head;
+    // each mask's fixed-stride arrays (block orders, offsets, row_ptr) follow the previous
+    // mask's, the tile lists, bits and intervals are concatenated (cm_cuda::PlanArray).
+    const u32* mask_index;
     u32 q_len;
     u32 kv_len;
     u32 q_pad;
@@ -86,10 +90,18 @@ struct CmBwdParams {
     u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
     float scale_log2;       // softmax_scale * log2(e)
     float softmax_scale;
-    u32 pad_;
+    u32 num_masks;
+    u32 mask_stride_batch;  // 0 when one row of masks serves every batch
+    u32 mask_stride_head;   // 0 when one mask serves every head
+    u32 num_m_blocks;       // query blocks at BLOCK_M (the forward lists)
+    u32 bwd_num_n_blocks;   // key blocks of the transposed lists
 };
 
-static_assert(sizeof(CmBwdParams) == 448, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 472, "must match cm_cuda::backward::BwdParams");
+
+__device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
+    return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
+}
 
 // Columns of a dQ tile each of bwd_dkdv's two consumer warpgroups computes.
 #define CM_DQ_COLS (HEAD_DIM / 2)
@@ -136,12 +148,13 @@ __device__ __forceinline__ void cm_bwd_load_row_stats(float* s_lse, float* s_del
 
 // 64-bit visibility of the tile's keys key0 .. key0 + 63 from local row r of the `partial_id`-th
 // partial tile (bit b: key key0 + b visible), from the same per-row intervals the forward
-// uses. Rows past q_len see nothing.
-__device__ __forceinline__ u64 cm_bwd_row_bits(const CmBwdParams& p, u32 partial_id, u32 r, u32 row0, u32 key0) {
+// uses (`row_ptr`: the mask's). Rows past q_len see nothing.
+__device__ __forceinline__ u64 cm_bwd_row_bits(const CmBwdParams& p, const u32* row_ptr, u32 partial_id, u32 r,
+                                               u32 row0, u32 key0) {
     const u32 qrow = row0 + r;
     if (qrow >= p.q_len) return 0;
     u64 bits = 0;
-    const u32 end = p.row_ptr[qrow + 1];
+    const u32 end = row_ptr[qrow + 1];
     for (u32 i = p.partial_row_first[(u64)partial_id * BLOCK_M + r]; i < end; ++i) {
         const CmKeyInterval iv = p.intervals[i];
         if (iv.start >= key0 + BLOCK_N) break;

@@ -3,8 +3,8 @@
 // key blocks heaviest first. The CTA walks the key block's 64-row query tiles from the
 // transposed descriptor lists at 64 x 128 (cm_cuda::BWD_TILE: partial tiles first, then full
 // tiles with no mask code; empty tiles are never visited) for every query head of the GQA
-// group, so dK and dV of a kv head are summed in registers in a fixed order: no atomics, the
-// same bits run to run.
+// group in turn, each head's tiles from that (batch, head)'s own mask, so dK and dV of a kv
+// head are summed in registers in a fixed order: no atomics, the same bits run to run.
 //
 // Warpgroup 0 is the producer: one thread loads K and V once (TMA), then streams each query
 // tile's Q and dO (TMA), its lse_log2 and delta rows and, for a partial tile, its key-major
@@ -67,21 +67,41 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 
 __device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
-struct DkdvTile {
+// The key block's query tiles for one query head of the group, from that (batch, head)'s
+// mask: partial tiles [p_begin, p_begin + num_partial) of the transposed partial list, then
+// full ones from f_begin.
+struct DkdvHead {
     u32 head;
-    u32 row0;
-    bool partial;
-    u32 index;  // position in the transposed partial (or full) list
+    u32 p_begin;
+    u32 num_partial;
+    u32 f_begin;
+    u32 num_tiles;
 };
 
-__device__ __forceinline__ DkdvTile dkdv_tile(const CmBwdParams& p, u32 kv_head, u32 p_begin, u32 num_partial,
-                                              u32 f_begin, u32 num_tiles, u32 it) {
-    const u32 head_in_group = it / num_tiles;
-    const u32 ti = it - head_in_group * num_tiles;
+__device__ __forceinline__ DkdvHead dkdv_head(const CmBwdParams& p, u32 batch, u32 head, u32 n_block) {
+    const u64 mask = cm_bwd_mask(p, batch, head);
+    const u32* q_offsets = p.bwd_q_offsets + mask * (p.bwd_num_n_blocks + 1);
+    const u32* full_q_offsets = p.bwd_full_q_offsets + mask * (p.bwd_num_n_blocks + 1);
+    DkdvHead hd;
+    hd.head = head;
+    hd.p_begin = q_offsets[n_block];
+    hd.num_partial = q_offsets[n_block + 1] - hd.p_begin;
+    hd.f_begin = full_q_offsets[n_block];
+    hd.num_tiles = hd.num_partial + (full_q_offsets[n_block + 1] - hd.f_begin);
+    return hd;
+}
+
+struct DkdvTile {
+    bool partial;
+    u32 index;  // position in the transposed partial (or full) list
+    u32 row0;
+};
+
+// Tile `ti` of head `hd`'s list.
+__device__ __forceinline__ DkdvTile dkdv_tile(const CmBwdParams& p, const DkdvHead& hd, u32 ti) {
     DkdvTile tl;
-    tl.head = kv_head * p.heads_per_kv_head + head_in_group;
-    tl.partial = ti < num_partial;
-    tl.index = tl.partial ? p_begin + ti : f_begin + ti - num_partial;
+    tl.partial = ti < hd.num_partial;
+    tl.index = tl.partial ? hd.p_begin + ti : hd.f_begin + ti - hd.num_partial;
     tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
     return tl;
 }
@@ -131,15 +151,16 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const u32 sDQ = base + OFF_DQ;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
-    const u32 n_block = p.bwd_n_block_order[blockIdx.x];
     const u32 kv_head = blockIdx.y;
     const u32 batch = blockIdx.z;
+    const u32 head0 = kv_head * p.heads_per_kv_head;
+    // Any mask's key-block order is a permutation of the blocks; the group's first head's
+    // orders the launch.
+    const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + blockIdx.x];
     const u32 key0 = n_block * KEY_BLOCK;
-    const u32 p_begin = p.bwd_q_offsets[n_block];
-    const u32 num_partial = p.bwd_q_offsets[n_block + 1] - p_begin;
-    const u32 f_begin = p.bwd_full_q_offsets[n_block];
-    const u32 num_tiles = num_partial + (p.bwd_full_q_offsets[n_block + 1] - f_begin);
-    const u32 total = num_tiles * p.heads_per_kv_head;
+    // Tiles over the group's query heads, each head's from its own mask.
+    u32 total = 0;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
     const bool atomic_dq = p.dq_accum != nullptr;
 
     if (threadIdx.x == 0) {
@@ -165,26 +186,30 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
                 cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
             }
-            for (u32 it = 0; it < total; ++it) {
-                const u32 s = it % STAGES;
-                const DkdvTile tl = dkdv_tile(p, kv_head, p_begin, num_partial, f_begin, num_tiles, it);
-                const u64 rows = ((u64)batch * p.num_heads + tl.head) * p.q_pad + tl.row0;
-                cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
-                const u32 full = bar(BAR_FULL(s));
-                cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
-                const u32 sQ = base + OFF_Q + s * TILE_BYTES;
-                const u32 sdO = base + OFF_DO + s * TILE_BYTES;
-#pragma unroll
-                for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                    cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, tl.head, batch);
-                    cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, tl.head, batch);
-                }
-                const u32 stats = base + OFF_STATS + s * STATS_BYTES;
-                cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
-                cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
-                if (tl.partial) {
-                    cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
-                              MASK_BYTES, full);
+            u32 it = 0;
+            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+                const DkdvHead hd = dkdv_head(p, batch, head0 + hg, n_block);
+                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
+                    const u32 s = it % STAGES;
+                    const DkdvTile tl = dkdv_tile(p, hd, ti);
+                    const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0;
+                    cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
+                    const u32 full = bar(BAR_FULL(s));
+                    cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
+                    const u32 sQ = base + OFF_Q + s * TILE_BYTES;
+                    const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+    #pragma unroll
+                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                        cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, hd.head, batch);
+                        cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, hd.head, batch);
+                    }
+                    const u32 stats = base + OFF_STATS + s * STATS_BYTES;
+                    cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
+                    cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
+                    if (tl.partial) {
+                        cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
+                                  MASK_BYTES, full);
+                    }
                 }
             }
         }
@@ -201,6 +226,12 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const bool dq_issuer = threadIdx.x == 128;
     const u32 sKc = sK + c * 64 * 128;
     const u32 sVc = sV + c * 64 * 128;
+    // The block overhangs kv_len (its last keys are TMA's zero fill), and whether each of
+    // this thread's two key rows is below kv_len.
+    const bool overhangs = key0 + KEY_BLOCK > p.kv_len;
+    bool key_in_range[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) key_in_range[h] = key0 + c * 64 + warp * 16 + g + h * 8 < p.kv_len;
 
     float acc_dk[HEAD_DIM / 8][4];
     float acc_dv[HEAD_DIM / 8][4];
@@ -226,135 +257,144 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     }
     if (total > 0) cm_mbar_wait(bar(BAR_KV), 0);
 
-    for (u32 it = 0; it < total; ++it) {
-        const u32 s = it % STAGES;
-        const u32 head_in_group = it / num_tiles;
-        const bool partial = it - head_in_group * num_tiles < num_partial;
-        const u32 sQ = base + OFF_Q + s * TILE_BYTES;
-        const u32 sdO = base + OFF_DO + s * TILE_BYTES;
-        const u32 sDS = base + OFF_DS + s * DS_BYTES;
-        cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
+    u32 it = 0;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+        const DkdvHead hd = dkdv_head(p, batch, head0 + hg, n_block);
+        for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
+            const u32 s = it % STAGES;
+            const bool partial = ti < hd.num_partial;
+            const u32 sQ = base + OFF_Q + s * TILE_BYTES;
+            const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+            const u32 sDS = base + OFF_DS + s * DS_BYTES;
+            cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
 
-        // S^T and dP^T: this consumer's 64 keys x the tile's 64 queries, contraction over
-        // head_dim. The keys are a 64-row slice of the 128-row K and V tiles (same column
-        // atoms, 64 rows in).
-        cm_wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            cm_wgmma_n64_ss(sc, cm_wgmma_desc(sKc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
-                            cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
-        }
-        cm_wgmma_commit();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            cm_wgmma_n64_ss(dp, cm_wgmma_desc(sVc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
-                            cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
-        }
-        cm_wgmma_commit();
-        // While they run: this thread's two key rows' visibility of the tile's 64 queries,
-        // shifted to its query columns.
-        u64 bits[2] = {0, 0};
-        if (partial) {
-            const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + s * MASK_BYTES);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
-        }
-        // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
-        // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
-        cm_wgmma_wait<1>();
-        cm_fence_acc(sc);
-        const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
-        if (partial) {
-            probabilities<true>(sc, lse2s, bits, p.scale_log2, t);
-        } else {
-            probabilities<false>(sc, lse2s, bits, p.scale_log2, t);
-        }
-        // The operands in the element type: P^T and dS^T as register A fragments (16 queries
-        // per k-step).
-        u32 pa[BLOCK_M / 16][4];
-        u32 dsa[BLOCK_M / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
-        cm_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
-        cm_wgmma_commit();
-        cm_wgmma_wait<1>();
-        cm_fence_acc(dp);
-        score_grads(dp, sc, lse2s + BLOCK_M, t);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
-        // dS^T into this stage's shared tile for dQ (last read by tile it - 2's dQ products,
-        // which both consumers finished before tile it - 1's NAMED_DQ barrier).
-        if (atomic_dq) {
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 row = c * 64 + warp * 16 + g + h * 8;
-                    // Queries 16 kk + 2 t (chunk 2 kk) and 16 kk + 8 + 2 t (chunk 2 kk + 1).
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk, KEY_BLOCK) + t * 4),
-                                 "r"(dsa[kk][h]));
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk + 1, KEY_BLOCK) +
-                                                                 t * 4),
-                                 "r"(dsa[kk][2 + h]));
-                }
-            }
-            cm_fence_proxy_async();
-        }
-
-        // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
-        cm_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
-        cm_wgmma_commit();
-        if (atomic_dq) {
-            // The previous tile's reduction must have read the dQ tile before anyone rewrites
-            // it below; both halves of dS^T are in shared memory after the barrier.
-            if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            consumers_sync(NAMED_DS);
-        }
-        // Waiting here keeps the fragments and the dQ accumulator from being live at once
-        // (no spill at head_dim 128).
-        cm_wgmma_wait<0>();
-        cm_fence_acc(acc_dv);
-        cm_fence_acc(acc_dk);
-        cm_fence_frag(pa);
-        cm_fence_frag(dsa);
-        // Q, dO, the statistics and the bits of stage s are no longer read.
-        __syncwarp();
-        if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
-
-        if (atomic_dq) {
-            // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
-            // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
-            // at this consumer's columns (a column atom at head_dim 128, half of one at 64).
-            const u32 sK_cols = sK + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
+            // S^T and dP^T: this consumer's 64 keys x the tile's 64 queries, contraction over
+            // head_dim. The keys are a 64-row slice of the 128-row K and V tiles (same column
+            // atoms, 64 rows in).
             cm_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < KEY_BLOCK / 16; ++kk) {
-                cm_wgmma_ss<1, 1>(acc_dq, cm_wgmma_desc(sDS + kk * 2048, BLOCK_M * 128, 1024),
-                                  cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
+    #pragma unroll
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+                cm_wgmma_n64_ss(sc, cm_wgmma_desc(sKc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                                cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
             }
             cm_wgmma_commit();
-            cm_wgmma_wait<0>();
-            cm_fence_acc(acc_dq);
-#pragma unroll
-            for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c, warp, j, lane)),
-                             "f"(acc_dq[j][0]), "f"(acc_dq[j][1]), "f"(acc_dq[j][2]), "f"(acc_dq[j][3])
-                             : "memory");
+    #pragma unroll
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+                cm_wgmma_n64_ss(dp, cm_wgmma_desc(sVc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                                cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
             }
-            cm_fence_proxy_async();
-            consumers_sync(NAMED_DQ);
-            if (dq_issuer) {
-                const DkdvTile tl = dkdv_tile(p, kv_head, p_begin, num_partial, f_begin, num_tiles, it);
-                float* dst = p.dq_accum + (((u64)batch * p.num_heads + tl.head) * p.q_pad + tl.row0) * HEAD_DIM;
-                asm volatile(
-                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(sDQ),
-                    "n"(DQ_BYTES)
-                    : "memory");
-                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            cm_wgmma_commit();
+            // While they run: this thread's two key rows' visibility of the tile's 64 queries,
+            // shifted to its query columns. A full tile of the block that overhangs kv_len sees
+            // every query from its keys below kv_len and none from the zero-filled keys past it:
+            // their score 0 would give P = exp2(-lse_log2), which overflows to inf for a row
+            // with lse below -88.7 (ln FLT_MAX) and reaches dQ through dS K as inf * 0 = NaN.
+            u64 bits[2] = {0, 0};
+            if (partial) {
+                const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + s * MASK_BYTES);
+    #pragma unroll
+                for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
+            } else if (overhangs) {
+    #pragma unroll
+                for (int h = 0; h < 2; ++h) bits[h] = key_in_range[h] ? ~0ull : 0ull;
+            }
+            // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
+            // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
+            cm_wgmma_wait<1>();
+            cm_fence_acc(sc);
+            const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
+            if (partial || overhangs) {
+                probabilities<true>(sc, lse2s, bits, p.scale_log2, t);
+            } else {
+                probabilities<false>(sc, lse2s, bits, p.scale_log2, t);
+            }
+            // The operands in the element type: P^T and dS^T as register A fragments (16 queries
+            // per k-step).
+            u32 pa[BLOCK_M / 16][4];
+            u32 dsa[BLOCK_M / 16][4];
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+            cm_wgmma_fence();
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
+            cm_wgmma_commit();
+            cm_wgmma_wait<1>();
+            cm_fence_acc(dp);
+            score_grads(dp, sc, lse2s + BLOCK_M, t);
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
+            // dS^T into this stage's shared tile for dQ (last read by tile it - 2's dQ products,
+            // which both consumers finished before tile it - 1's NAMED_DQ barrier).
+            if (atomic_dq) {
+    #pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 row = c * 64 + warp * 16 + g + h * 8;
+                        // Queries 16 kk + 2 t (chunk 2 kk) and 16 kk + 8 + 2 t (chunk 2 kk + 1).
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk, KEY_BLOCK) + t * 4),
+                                     "r"(dsa[kk][h]));
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(sDS + cm_sw128_offset(row, 2 * kk + 1, KEY_BLOCK) +
+                                                                     t * 4),
+                                     "r"(dsa[kk][2 + h]));
+                    }
+                }
+                cm_fence_proxy_async();
+            }
+
+            // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
+            cm_wgmma_fence();
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+            cm_wgmma_commit();
+            if (atomic_dq) {
+                // The previous tile's reduction must have read the dQ tile before anyone rewrites
+                // it below; both halves of dS^T are in shared memory after the barrier.
+                if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                consumers_sync(NAMED_DS);
+            }
+            // Waiting here keeps the fragments and the dQ accumulator from being live at once
+            // (no spill at head_dim 128).
+            cm_wgmma_wait<0>();
+            cm_fence_acc(acc_dv);
+            cm_fence_acc(acc_dk);
+            cm_fence_frag(pa);
+            cm_fence_frag(dsa);
+            // Q, dO, the statistics and the bits of stage s are no longer read.
+            __syncwarp();
+            if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
+
+            if (atomic_dq) {
+                // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
+                // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
+                // at this consumer's columns (a column atom at head_dim 128, half of one at 64).
+                const u32 sK_cols = sK + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
+                cm_wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < KEY_BLOCK / 16; ++kk) {
+                    cm_wgmma_ss<1, 1>(acc_dq, cm_wgmma_desc(sDS + kk * 2048, BLOCK_M * 128, 1024),
+                                      cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
+                }
+                cm_wgmma_commit();
+                cm_wgmma_wait<0>();
+                cm_fence_acc(acc_dq);
+    #pragma unroll
+                for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c, warp, j, lane)),
+                                 "f"(acc_dq[j][0]), "f"(acc_dq[j][1]), "f"(acc_dq[j][2]), "f"(acc_dq[j][3])
+                                 : "memory");
+                }
+                cm_fence_proxy_async();
+                consumers_sync(NAMED_DQ);
+                if (dq_issuer) {
+                    const DkdvTile tl = dkdv_tile(p, hd, ti);
+                    float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0) * HEAD_DIM;
+                    asm volatile(
+                        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(sDQ),
+                        "n"(DQ_BYTES)
+                        : "memory");
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                }
             }
         }
     }

@@ -21,6 +21,29 @@
 #define SMEM_BYTES (OFF_BITS + 2 * BLOCK_M * 8 + 1024)
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
 
+// dS = P (dP - delta) in place of dP, P = exp2(S c log2e - lse_log2) recomputed. Element
+// [j][e] is query 16 warp + g + 8 (e >> 1), key 8 j + 2 t + (e & 1); with MASKED, bit b of
+// bits[e >> 1] says whether key b of the tile is visible from that query, and an invisible
+// pair gets exponent -inf whatever its score, so P = 0 (and with it dS) exactly.
+template <bool MASKED>
+__device__ __forceinline__ void score_grads(const float (&s)[BLOCK_N / 8][4], float (&dp)[BLOCK_N / 8][4],
+                                            const u64 (&bits)[2], const float (&lse2)[2], const float (&dl)[2],
+                                            float scale_log2, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int e = h * 2 + c;
+                float x = fmaf(s[j][e], scale_log2, -lse2[h]);
+                if (MASKED && !((bits[h] >> (j * 8 + t * 2 + c)) & 1ull)) x = cm_neg_inf();
+                dp[j][e] = cm_exp2(x) * (dp[j][e] - dl[h]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmBwdParams p) {
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -28,9 +51,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u32 sQ = base;
     const u32 sdO = base + OFF_DO;
 
-    const u32 m_block = p.m_block_order[blockIdx.x];
     const u32 head = blockIdx.y;
     const u32 batch = blockIdx.z;
+    // This (batch, head)'s mask: its fixed-stride lists (cm_cuda::PlanArray).
+    const u64 mask = cm_bwd_mask(p, batch, head);
+    const u32* kv_offsets = p.kv_offsets + mask * (p.num_m_blocks + 1);
+    const u32* full_kv_offsets = p.full_kv_offsets + mask * (p.num_m_blocks + 1);
+    const u32* row_ptr = p.row_ptr + mask * (p.q_len + 1);
+    const u32 m_block = p.m_block_order[mask * p.num_m_blocks + blockIdx.x];
     const u32 kv_head = head / p.heads_per_kv_head;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -39,10 +67,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u32 row0 = m_block * BLOCK_M;
     const u64 bh = (u64)batch * p.num_heads + head;
 
-    const u32 p_begin = p.kv_offsets[m_block];
-    const u32 num_partial = p.kv_offsets[m_block + 1] - p_begin;
-    const u32 f_begin = p.full_kv_offsets[m_block];
-    const u32 num_tiles = num_partial + (p.full_kv_offsets[m_block + 1] - f_begin);
+    const u32 p_begin = kv_offsets[m_block];
+    const u32 num_partial = kv_offsets[m_block + 1] - p_begin;
+    const u32 f_begin = full_kv_offsets[m_block];
+    const u32 num_tiles = num_partial + (full_kv_offsets[m_block + 1] - f_begin);
 
     const u16* k = p.k + batch * p.k_stride_batch + kv_head * p.k_stride_head;
     const u16* v = p.v + batch * p.v_stride_batch + kv_head * p.v_stride_head;
@@ -60,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     auto row_bits = [&](u32 it, u32 key0, u32 st) {
         if (it < num_partial && (threadIdx.x & 1) == 0) {
             const u32 r = threadIdx.x >> 1;
-            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, p_begin + it, r, row0, key0);
+            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, row_ptr, p_begin + it, r, row0, key0);
         }
     };
 
@@ -123,22 +151,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         cm_fence_acc(s);
         cm_fence_acc(dp);
 
-        // dS. Element [j][e] is query 16 warp + g + 8 (e >> 1), key 8 j + 2 t + (e & 1).
+        // dS. A full tile that overhangs kv_len masks the zero-filled keys past it: their
+        // score 0 would give P = exp2(-lse_log2), inf for a row with lse below -88.7
+        // (ln FLT_MAX), and dQ would get inf * 0 = NaN from their zero K rows.
         const bool partial = it < num_partial;
+        const u32 key0 = key_of(it);
+        if (partial || key0 + BLOCK_N > p.kv_len) {
+            u64 bits[2];
+            const u32 in_range = p.kv_len - key0;  // key0 < kv_len: the tile is listed
+            const u64 range_bits = in_range >= 64 ? ~0ull : (1ull << in_range) - 1;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u64 bits = partial ? sBits[st * BLOCK_M + warp * 16 + g + h * 8] : ~0ull;
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int e = h * 2 + c;
-                    const bool vis = (bits >> (j * 8 + t * 2 + c)) & 1ull;
-                    const float x = vis ? fmaf(s[j][e], p.scale_log2, -lse2[h]) : cm_neg_inf();
-                    const float pr = cm_exp2(x);
-                    dp[j][e] = pr * (dp[j][e] - dl[h]);
-                }
-            }
+            for (int h = 0; h < 2; ++h) bits[h] = partial ? sBits[st * BLOCK_M + warp * 16 + g + h * 8] : range_bits;
+            score_grads<true>(s, dp, bits, lse2, dl, p.scale_log2, t);
+        } else {
+            const u64 bits[2] = {~0ull, ~0ull};
+            score_grads<false>(s, dp, bits, lse2, dl, p.scale_log2, t);
         }
 
         // dQ += dS K: contraction over the tile's 64 keys, K read transposed.

@@ -39,6 +39,7 @@ struct CmFwdParams {
     const u32* row_ptr;            // [q_len + 1]
     const CmKeyInterval* intervals;  // [num_intervals]
     u32* scheduler;  // fwd_ws: [next work item, finished CTAs], zero between launches
+    const u32* mask_index;  // the mask of (batch, head) at batch * mask_stride_batch + head * mask_stride_head
     u32 q_len;
     u32 kv_len;
     u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
@@ -47,10 +48,40 @@ struct CmFwdParams {
     u32 num_m_blocks;
     u32 num_heads;
     u32 batch;
-    u32 pad;
+    u32 num_masks;
+    u32 mask_stride_batch;  // 0 when one row of masks serves every batch
+    u32 mask_stride_head;   // 0 when one mask serves every head
 };
 
-static_assert(sizeof(CmFwdParams) == 264, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 280, "must match cm_cuda::forward::FwdParams");
+
+// The plan's mask of (batch, head), an index into its per-mask arrays (cm_cuda::PlanArray).
+// The host checked every entry when it built the plan; the clamp keeps a corrupted index
+// inside the arrays.
+__device__ __forceinline__ u32 cm_mask_of(const u32* mask_index, u32 stride_batch, u32 stride_head, u32 num_masks,
+                                          u32 batch, u32 head) {
+    const u32 m = mask_index[batch * stride_batch + head * stride_head];
+    return m < num_masks ? m : num_masks - 1;
+}
+
+// One mask's forward lists: the fixed-stride arrays at that mask's base (the partial and full
+// tile lists and the intervals are concatenated, and the offsets here point into them).
+struct CmFwdLists {
+    const u32* m_block_order;    // [num_m_blocks]
+    const u32* kv_offsets;       // [num_m_blocks + 1]
+    const u32* full_kv_offsets;  // [num_m_blocks + 1]
+    const u32* row_ptr;          // [q_len + 1]
+};
+
+__device__ __forceinline__ CmFwdLists cm_fwd_lists(const CmFwdParams& p, u32 batch, u32 head) {
+    const u64 mask = cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
+    CmFwdLists l;
+    l.m_block_order = p.m_block_order + mask * p.num_m_blocks;
+    l.kv_offsets = p.kv_offsets + mask * (p.num_m_blocks + 1);
+    l.full_kv_offsets = p.full_kv_offsets + mask * (p.num_m_blocks + 1);
+    l.row_ptr = p.row_ptr + mask * (p.q_len + 1);
+    return l;
+}
 
 __device__ __forceinline__ float cm_neg_inf() { return __int_as_float(0xff800000); }
 

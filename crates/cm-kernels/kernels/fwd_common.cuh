@@ -6,12 +6,12 @@
 #include "common.cuh"
 
 // Scales scores into the exp2 domain, then masks: a partial tile applies each row's intervals
-// from the descriptor, a full tile that overhangs kv_len masks the zero-filled keys past it.
+// from the descriptor (`row_ptr`: the mask's), a full tile that overhangs kv_len masks the zero-filled keys past it.
 // Scaling first keeps a masked score at -inf whatever the sign of the scale.
 template <int NB>
-__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, bool partial,
-                                                  u32 partial_index, u32 block_m, u32 row0, u32 key0,
-                                                  int warp, int g, int t) {
+__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, const u32* row_ptr,
+                                                  bool partial, u32 partial_index, u32 block_m, u32 row0,
+                                                  u32 key0, int warp, int g, int t) {
     constexpr u32 BN = NB * 8;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
@@ -27,7 +27,7 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
             // Bit (j * 2 + e) set: key key0 + j * 8 + t * 2 + e is visible from this row.
             u32 visible = 0;
             if (qrow < p.q_len) {
-                const u32 end = p.row_ptr[qrow + 1];
+                const u32 end = row_ptr[qrow + 1];
                 for (u32 i = first[r]; i < end; ++i) {
                     const CmKeyInterval iv = p.intervals[i];
                     if (iv.start >= key0 + BN) break;
@@ -140,22 +140,34 @@ __device__ __forceinline__ void cm_softmax_step(float (&s)[NB][4], float (&row_m
     }
 }
 
-// The growth of a row's maximum (log2 domain) below which cm_softmax_step_folded keeps the
+// The growth of a row's maximum (log2 domain) below which cm_softmax_step_folded may keep the
 // old one: probabilities against a stale maximum are at most 2^8, far from overflowing
 // fp16 / bf16 P or the fp32 sums, and the output needs no rescale (FlashAttention-4's
 // conditional rescaling).
 #define CM_RESCALE_THRESHOLD 8.0f
+// A stale maximum costs accuracy where a fresh one would not: against the row's true maximum
+// its largest probability is exactly 1 (as in PyTorch's attention and the accuracy rule's
+// reference), against a stale one 2^delta for a fractional delta, rounded to the element type.
+// When that key dominates the row (peaked softmax, e.g. logits far from 0 with a spread of a
+// few units) the rounding doubles the output's error. So the old maximum is kept only while
+// the row's mass so far is at least 2^CM_RESCALE_MASS_LOG2 times the new maximum's probability: the
+// key then carries at most 1/65 of the row's weight and its rounding is far below the output's.
+// Each thread tests its own quarter of the row's sum against a quarter of that (a sufficient
+// condition for the whole sum), and the four threads of a row agree through one ballot.
+#define CM_RESCALE_MASS_LOG2 6
 
 // cm_softmax_step on raw (unscaled, masked) scores for a positive scale_log2, folding the
 // scale into the exponent (FlashAttention-3's exp2(s * scale - max * scale) as one FMA per
 // score instead of a separate multiply): the raw maximum scaled is the scaled maximum, and a
 // masked -inf stays -inf. row_max stays in the scaled log2 domain, as cm_softmax_step keeps
-// it, but moves only when the tile's maximum exceeds it by more than CM_RESCALE_THRESHOLD
-// (alpha is then exactly 1 and cm_rescale_if_needed skips the multiply); the sum and the
-// output stay relative to the same row_max, so out and lse are unchanged.
+// it, but moves only when the tile's maximum exceeds it by more than CM_RESCALE_THRESHOLD or
+// the row's mass so far is too small for a stale maximum (CM_RESCALE_MASS_LOG2); alpha is
+// otherwise exactly 1 and cm_rescale_if_needed skips the multiply. The sum and the output
+// stay relative to the same row_max, so out and lse are unchanged.
 template <int NB>
 __device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float scale_log2, float (&row_max)[2],
                                                        float (&row_sum)[2], float (&alpha)[2]) {
+    const u32 quad = (threadIdx.x & 31) & ~3u;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = cm_neg_inf();
@@ -164,7 +176,15 @@ __device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float 
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx *= scale_log2;
-        mx = mx > row_max[h] + CM_RESCALE_THRESHOLD ? mx : row_max[h];
+        // The maximum never moves down; a row that has seen nothing (row_max -inf) takes any
+        // finite maximum through the threshold test.
+        // row_sum >= 2^e for its exponent e: an integer test instead of an exp2, which
+        // would compete with the tile's 64 per thread for the special-function unit.
+        const int e = (__float_as_int(row_sum[h]) >> 23) - 127;
+        const bool mass_ok = mx - row_max[h] <= (float)(e - CM_RESCALE_MASS_LOG2 + 2);
+        const bool quad_ok = ((__ballot_sync(0xffffffffu, mass_ok) >> quad) & 0xfu) == 0xfu;
+        const bool grows = mx > row_max[h] + CM_RESCALE_THRESHOLD || (mx > row_max[h] && !quad_ok);
+        mx = grows ? mx : row_max[h];
         const float m_use = mx == cm_neg_inf() ? 0.f : mx;
         alpha[h] = cm_exp2(row_max[h] - m_use);
         row_max[h] = mx;

@@ -53,9 +53,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_wgmma(const CmF
     const u32 sK = sQ + TILE_BYTES;
     const u32 sV = sK + TILE_BYTES;
 
-    const u32 m_block = p.m_block_order[blockIdx.x];
     const u32 head = blockIdx.y;
     const u32 batch = blockIdx.z;
+    const CmFwdLists lists = cm_fwd_lists(p, batch, head);
+    const u32 m_block = lists.m_block_order[blockIdx.x];
     const u32 kv_head = head / p.heads_per_kv_head;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -67,10 +68,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_wgmma(const CmF
     const u16* k = p.k + batch * p.k_stride_batch + kv_head * p.k_stride_head;
     const u16* v = p.v + batch * p.v_stride_batch + kv_head * p.v_stride_head;
 
-    const u32 p_begin = p.kv_offsets[m_block];
-    const u32 num_partial = p.kv_offsets[m_block + 1] - p_begin;
-    const u32 f_begin = p.full_kv_offsets[m_block];
-    const u32 num_tiles = num_partial + (p.full_kv_offsets[m_block + 1] - f_begin);
+    const u32 p_begin = lists.kv_offsets[m_block];
+    const u32 num_partial = lists.kv_offsets[m_block + 1] - p_begin;
+    const u32 f_begin = lists.full_kv_offsets[m_block];
+    const u32 num_tiles = num_partial + (lists.full_kv_offsets[m_block + 1] - f_begin);
 
     float acc_o[HEAD_DIM / 8][4];
 #pragma unroll
@@ -121,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_wgmma(const CmF
         }
         cm_cp_async_commit();
 
-        cm_scale_and_mask(s, p, it < num_partial, p_begin + it, BLOCK_M, row0, key0, warp, g, t);
+        cm_scale_and_mask(s, p, lists.row_ptr, it < num_partial, p_begin + it, BLOCK_M, row0, key0, warp, g, t);
         cm_online_softmax(s, row_max, row_sum, acc_o);
 
         cm_cp_async_wait<1>();  // V(it) landed (only K(it + 1) may be in flight)

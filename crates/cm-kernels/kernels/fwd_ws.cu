@@ -75,8 +75,9 @@ static_assert(ITEM_SLOTS_OFFSET % 16 == 0 && ITEM_SLOTS_OFFSET + 64 <= 256, "bar
 // Consumer warps that arrive on an "empty" barrier once their warpgroup's wgmma has read a slot.
 #define CONSUMER_WARPS 8
 
-// One work item: a query block of one (head, batch) and its key tiles, partial first. The
-// producer decodes it once and hands it to the consumers whole through shared memory.
+// One work item: a query block of one (head, batch) and its key tiles, partial first, from
+// that (batch, head)'s mask. The producer decodes it once and hands it to the consumers whole
+// through shared memory.
 struct WsItem {
     u32 head, batch, row0, p_begin, num_partial, f_begin, num_tiles;
     u32 valid;  // 0: no work is left
@@ -88,12 +89,13 @@ __device__ __forceinline__ WsItem ws_item(const CmFwdParams& p, u32 item) {
     const u32 rank = item - head_batch * p.num_m_blocks;
     w.head = head_batch % p.num_heads;
     w.batch = head_batch / p.num_heads;
-    const u32 m_block = p.m_block_order[rank];
+    const CmFwdLists lists = cm_fwd_lists(p, w.batch, w.head);
+    const u32 m_block = lists.m_block_order[rank];
     w.row0 = m_block * BLOCK_M;
-    w.p_begin = p.kv_offsets[m_block];
-    w.num_partial = p.kv_offsets[m_block + 1] - w.p_begin;
-    w.f_begin = p.full_kv_offsets[m_block];
-    w.num_tiles = w.num_partial + (p.full_kv_offsets[m_block + 1] - w.f_begin);
+    w.p_begin = lists.kv_offsets[m_block];
+    w.num_partial = lists.kv_offsets[m_block + 1] - w.p_begin;
+    w.f_begin = lists.full_kv_offsets[m_block];
+    w.num_tiles = w.num_partial + (lists.full_kv_offsets[m_block + 1] - w.f_begin);
     w.valid = 1;
     return w;
 }

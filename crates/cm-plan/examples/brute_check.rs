@@ -5,7 +5,7 @@ fn main() {
     let usage = "usage: brute_check FILE Q_LEN KV_LEN [BATCH]";
     let src = std::fs::read_to_string(args.get(1).expect(usage)).expect("readable file");
     let num = |i: usize, d: i64| args.get(i).map_or(d, |s| s.parse().expect(usage));
-    let (p, diags) = cm_ir::compile(&src);
+    let (p, diags) = cm_stdlib::compile(&src);
     let Some(p) = p else {
         println!("does not compile: {diags:?}");
         return;

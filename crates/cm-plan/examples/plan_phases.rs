@@ -10,7 +10,7 @@ fn main() {
         .nth(2)
         .and_then(|s| s.parse().ok())
         .expect("usage: plan_phases BUILTIN Q_LEN");
-    let (p, _) = cm_ir::compile(cm_stdlib::get(&name).unwrap().source);
+    let (p, _) = cm_stdlib::compile(cm_stdlib::get(&name).unwrap().source);
     let p = p.unwrap();
     let shape = cm_ir::Shape {
         q_len: q,

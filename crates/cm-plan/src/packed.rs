@@ -21,13 +21,14 @@ use crate::plan::{
 use crate::rows::RowIntervals;
 use crate::symbolic::Solver;
 use crate::tiles::{TileDescriptor, TileShape};
-use cm_ir::bind::{MAX_BATCH_HEADS, MAX_LEN};
+use cm_ir::bind::{MAX_BATCH, MAX_BATCH_HEADS, MAX_HEADS, MAX_LEN};
 use cm_ir::{Bound, PResult, PlanError, Program, Shape, Value};
+use cm_syntax::Code;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 /// Most samples one packing may hold (the `batch` limit of ordinary plans).
-pub const MAX_SAMPLES: usize = 1 << 20;
+pub const MAX_SAMPLES: usize = MAX_BATCH as usize;
 
 /// Validated `cu_seqlens_q` / `cu_seqlens_k`: `batch + 1` non-decreasing offsets each,
 /// starting at 0, totals at most `2^26`. Sample `b` owns query rows
@@ -41,7 +42,7 @@ pub struct Packing {
 /// Checks one prefix-sum array; `what` names it in errors.
 fn offsets(what: &str, cu: &[i64]) -> PResult<Vec<u32>> {
     let bad = |message: String| {
-        PlanError::new("CM0409", None, message).with_hint(
+        PlanError::new(Code::BadCuSeqlens, None, message).with_hint(
             "cu_seqlens are prefix sums of the sample lengths: [0, len_0, len_0 + len_1, ...], \
              batch + 1 entries",
         )
@@ -97,7 +98,7 @@ impl Packing {
         let k = offsets("cu_seqlens_k", cu_seqlens_k)?;
         if q.len() != k.len() {
             return Err(PlanError::new(
-                "CM0409",
+                Code::BadCuSeqlens,
                 None,
                 format!(
                     "cu_seqlens_q has {} entries but cu_seqlens_k has {}; both need batch + 1",
@@ -109,7 +110,7 @@ impl Packing {
         }
         if q.len() - 1 > MAX_SAMPLES {
             return Err(PlanError::new(
-                "CM0409",
+                Code::BadCuSeqlens,
                 None,
                 format!(
                     "the packing has {} samples; at most 2^20 = {MAX_SAMPLES} are supported",
@@ -120,7 +121,7 @@ impl Packing {
         let (tq, tk) = (q[q.len() - 1], k[k.len() - 1]);
         if tq == 0 || tk == 0 {
             return Err(PlanError::new(
-                "CM0409",
+                Code::BadCuSeqlens,
                 None,
                 format!(
                     "the packing holds {tq} queries and {tk} keys in total; a plan needs at least one of each"
@@ -192,10 +193,12 @@ fn check_names(program: &Program, values: &BTreeMap<String, Value>) -> PResult<(
                     }
                     None => format!("its parameters are: {}", program.param_names().join(", ")),
                 };
-            return Err(
-                PlanError::new("CM0309", None, format!("unknown parameter `{name}`"))
-                    .with_hint(hint),
-            );
+            return Err(PlanError::new(
+                Code::UnknownParam,
+                None,
+                format!("unknown parameter `{name}`"),
+            )
+            .with_hint(hint));
         }
     }
     Ok(())
@@ -227,7 +230,7 @@ pub fn plan_packed(
 ) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(PlanError::new(
-            "CM0401",
+            Code::ZeroTileSide,
             None,
             format!(
                 "tile {}x{} has a zero side; block_m and block_n must be >= 1",
@@ -235,17 +238,17 @@ pub fn plan_packed(
             ),
         ));
     }
-    if !(1..=1 << 16).contains(&num_heads) {
+    if !(1..=MAX_HEADS).contains(&num_heads) {
         return Err(PlanError::new(
-            "CM0402",
+            Code::LengthOutOfRange,
             None,
-            format!("num_heads = {num_heads} is out of range; expected 1 ..= 65536"),
+            format!("num_heads = {num_heads} is out of range; expected 1 ..= {MAX_HEADS}"),
         ));
     }
     let batch = packing.batch();
     if i64::from(batch) * num_heads > MAX_BATCH_HEADS {
         return Err(PlanError::new(
-            "CM0402",
+            Code::LengthOutOfRange,
             None,
             format!(
                 "samples x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
@@ -312,7 +315,7 @@ pub fn plan_packed(
             elementwise_pairs += solver.elementwise_pairs.get();
             if rows.interval_count() + sample.interval_count() > MAX_INTERVALS {
                 return Err(PlanError::new(
-                    "CM0404",
+                    Code::TooLargeToPlan,
                     None,
                     format!("the packed mask needs more than {MAX_INTERVALS} intervals"),
                 ));

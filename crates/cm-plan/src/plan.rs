@@ -7,6 +7,7 @@ use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError};
+use cm_syntax::Code;
 use std::collections::HashMap;
 
 /// Most intervals one plan may hold (8 bytes each), so a pathological mask fails with a
@@ -21,7 +22,7 @@ pub const MAX_TILE_ENTRIES: usize = 1 << 26;
 /// builder stops counting there, so no total is known).
 pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
     PlanError::new(
-        "CM0404",
+        Code::TooLargeToPlan,
         None,
         format!(
             "the tile descriptor needs more than {MAX_TILE_ENTRIES} entries at {}x{} tiles",
@@ -187,7 +188,7 @@ pub fn row_intervals_runs(
                 Ok(list) => {
                     if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
                         return Err(PlanError::new(
-                            "CM0404",
+                            Code::TooLargeToPlan,
                             None,
                             format!("the mask needs more than {MAX_INTERVALS} intervals"),
                         ));
@@ -196,13 +197,13 @@ pub fn row_intervals_runs(
                     // rows follow from the first by adding each endpoint's slope.
                     first.clear();
                     first.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.s.v0 as u32,
-                        end: iv.e.v0 as u32,
+                        start: iv.start.first as u32,
+                        end: iv.end.first as u32,
                     }));
                     step.clear();
                     step.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.s.a as u32,
-                        end: iv.e.a as u32,
+                        start: iv.start.step as u32,
+                        end: iv.end.step as u32,
                     }));
                     rows.push_affine_rows(&first, &step, p.n as usize);
                     runs.push(q0 as u32);
@@ -259,7 +260,7 @@ pub fn plan(bound: &Bound<'_>, tile: TileShape) -> PResult<Plan> {
 pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(PlanError::new(
-            "CM0401",
+            Code::ZeroTileSide,
             None,
             format!(
                 "tile {}x{} has a zero side; block_m and block_n must be >= 1",
@@ -269,7 +270,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     }
     let shape = bound.shape;
     if *request != OrderRequest::Raster && shape.q_len != shape.kv_len {
-        return Err(PlanError::new("CM0405", None, format!("a token order permutes queries and keys together; it needs q_len == kv_len, got {} and {}", shape.q_len, shape.kv_len)));
+        return Err(PlanError::new(Code::OrderNeedsEqualLengths, None, format!("a token order permutes queries and keys together; it needs q_len == kv_len, got {} and {}", shape.q_len, shape.kv_len)));
     }
     let program = bound.program;
     let solver = Solver::new(bound);
@@ -292,12 +293,18 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     OrderRequest::Raster => None,
                     OrderRequest::Explicit(o) => Some(
                         TokenOrder::from_permutation(o.clone(), shape.q_len as u32).map_err(
-                            |e| PlanError::new("CM0407", None, format!("bad token order: {e}")),
+                            |e| {
+                                PlanError::new(
+                                    Code::BadOrder,
+                                    None,
+                                    format!("bad token order: {e}"),
+                                )
+                            },
                         )?,
                     ),
                     OrderRequest::Auto => {
                         let Some(grid) = bound.grids.first() else {
-                            return Err(PlanError::new("CM0406", None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
+                            return Err(PlanError::new(Code::NoGridForOrder, None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
                                 .with_hint("give an explicit order instead, or use raster"));
                         };
                         let (o, candidates) = choose_grid_order(&rows, grid, tile);

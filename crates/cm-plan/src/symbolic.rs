@@ -1,5 +1,5 @@
 //! The analytical row solver. Rows are processed in *pieces* `[q0, q0 + n)` over which
-//! every q-dependent quantity the mask reads is affine in `q` ([`Aff`]), so the visible keys
+//! every q-dependent quantity the mask reads is affine in `q` ([`Affine`]), so the visible keys
 //! of all rows of a piece are one list of intervals whose endpoints are affine in `q`.
 //! Whenever a quantity stops being affine (a segment boundary, a floor-division step, a
 //! clamp, an order change between two endpoints), evaluation stops with the first row where
@@ -14,28 +14,33 @@
 
 use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
 use cm_ir::ir::*;
+use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
 
 /// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
 
-/// An integer affine in the row over a piece: `value(q0 + t) = v0 + a * t`, `0 <= t < n`.
+/// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
+/// `0 <= t < n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Aff {
-    pub v0: i64,
-    pub a: i64,
+pub struct Affine {
+    /// The value at the piece's first row `q0`.
+    pub first: i64,
+    /// The change from one row to the next.
+    pub step: i64,
 }
 
-impl Aff {
-    fn c(v: i64) -> Aff {
-        Aff { v0: v, a: 0 }
+impl Affine {
+    /// The same value on every row.
+    fn constant(v: i64) -> Affine {
+        Affine { first: v, step: 0 }
     }
 
     /// The value at offset `t`; the caller has checked both ends of the piece fit.
     #[inline]
     pub fn at(self, t: i64) -> i64 {
-        self.v0 + self.a * t
+        self.first + self.step * t
     }
 }
 
@@ -52,12 +57,14 @@ impl From<PlanError> for Flow {
     }
 }
 
-type F<T> = Result<T, Flow>;
+/// A piece's evaluation: its value, or why it stopped.
+type Eval<T> = Result<T, Flow>;
 
+/// Keys `[start, end)` of every row of a piece, both ends affine in the row.
 #[derive(Clone, Copy, Debug)]
-pub struct Iv {
-    pub s: Aff,
-    pub e: Aff,
+pub struct AffineInterval {
+    pub start: Affine,
+    pub end: Affine,
 }
 
 /// Rows `[q0, q0 + n)` of batch `b`, head `h`.
@@ -103,7 +110,7 @@ struct BallKey {
 
 fn overflow(span: Span) -> Flow {
     Flow::Error(
-        PlanError::new("CM0302", Some(span), "integer overflow")
+        PlanError::new(Code::Overflow, Some(span), "integer overflow")
             .with_hint("values are 64-bit signed integers"),
     )
 }
@@ -141,15 +148,15 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Builds an affine value, checking that both ends of the piece fit in 64 bits.
-    fn mk(&self, p: &Piece, v0: Option<i64>, a: Option<i64>, span: Span) -> F<Aff> {
-        let (Some(v0), Some(a)) = (v0, a) else {
+    fn affine(&self, p: &Piece, first: Option<i64>, step: Option<i64>, span: Span) -> Eval<Affine> {
+        let (Some(first), Some(step)) = (first, step) else {
             return Err(overflow(span));
         };
-        let a = if p.n == 1 { 0 } else { a };
-        a.checked_mul(p.n - 1)
-            .and_then(|x| x.checked_add(v0))
+        let step = if p.n == 1 { 0 } else { step };
+        step.checked_mul(p.n - 1)
+            .and_then(|x| x.checked_add(first))
             .ok_or_else(|| overflow(span))?;
-        Ok(Aff { v0, a })
+        Ok(Affine { first, step })
     }
 
     /// Splits a multi-row piece after its first row, falling back to per-row evaluation.
@@ -177,13 +184,13 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Sign-uniform comparison `x op y` over the piece, or a split where it changes.
-    fn cmp(&self, p: &Piece, op: CmpOp, x: Aff, y: Aff) -> F<bool> {
-        if x.a == y.a {
+    fn cmp(&self, p: &Piece, op: CmpOp, x: Affine, y: Affine) -> Eval<bool> {
+        if x.step == y.step {
             // The difference is constant over the piece.
-            return Ok(bind::cmp(op, x.v0, y.v0));
+            return Ok(bind::cmp(op, x.first, y.first));
         }
-        let d0 = i128::from(x.v0) - i128::from(y.v0);
-        let da = i128::from(x.a) - i128::from(y.a);
+        let d0 = i128::from(x.first) - i128::from(y.first);
+        let da = i128::from(x.step) - i128::from(y.step);
         let d = |t: i64| d0 + da * i128::from(t);
         let truth = |t: i64| bind::cmp(op, d(t).signum() as i64, 0);
         match op {
@@ -210,51 +217,63 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
     }
 
-    fn lt(&self, p: &Piece, x: Aff, y: Aff) -> F<bool> {
+    fn lt(&self, p: &Piece, x: Affine, y: Affine) -> Eval<bool> {
         self.cmp(p, CmpOp::Lt, x, y)
     }
 
-    fn le(&self, p: &Piece, x: Aff, y: Aff) -> F<bool> {
+    fn le(&self, p: &Piece, x: Affine, y: Affine) -> Eval<bool> {
         self.cmp(p, CmpOp::Le, x, y)
     }
 
-    fn add(&self, p: &Piece, x: Aff, y: Aff, span: Span) -> F<Aff> {
-        self.mk(p, x.v0.checked_add(y.v0), x.a.checked_add(y.a), span)
+    fn add(&self, p: &Piece, x: Affine, y: Affine, span: Span) -> Eval<Affine> {
+        self.affine(
+            p,
+            x.first.checked_add(y.first),
+            x.step.checked_add(y.step),
+            span,
+        )
     }
 
-    fn sub(&self, p: &Piece, x: Aff, y: Aff, span: Span) -> F<Aff> {
-        self.mk(p, x.v0.checked_sub(y.v0), x.a.checked_sub(y.a), span)
+    fn sub(&self, p: &Piece, x: Affine, y: Affine, span: Span) -> Eval<Affine> {
+        self.affine(
+            p,
+            x.first.checked_sub(y.first),
+            x.step.checked_sub(y.step),
+            span,
+        )
     }
 
-    fn scale(&self, p: &Piece, x: Aff, c: i64, span: Span) -> F<Aff> {
-        self.mk(p, x.v0.checked_mul(c), x.a.checked_mul(c), span)
+    fn scale(&self, p: &Piece, x: Affine, c: i64, span: Span) -> Eval<Affine> {
+        self.affine(p, x.first.checked_mul(c), x.step.checked_mul(c), span)
     }
 
-    fn min(&self, p: &Piece, x: Aff, y: Aff) -> F<Aff> {
+    fn min(&self, p: &Piece, x: Affine, y: Affine) -> Eval<Affine> {
         Ok(if self.le(p, x, y)? { x } else { y })
     }
 
-    fn max(&self, p: &Piece, x: Aff, y: Aff) -> F<Aff> {
+    fn max(&self, p: &Piece, x: Affine, y: Affine) -> Eval<Affine> {
         Ok(if self.le(p, x, y)? { y } else { x })
     }
 
     /// `floor(x / d)` for a constant `d != 0`: affine when `d` divides the slope or the
     /// quotient is constant over the piece; otherwise split where it first changes.
-    fn fdiv(&self, p: &Piece, x: Aff, d: i64, span: Span) -> F<Aff> {
+    fn floor_div(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<Affine> {
         if d == 0 {
-            return Err(PlanError::new("CM0301", Some(span), "division by zero").into());
+            return Err(
+                PlanError::new(Code::DivisionByZero, Some(span), "division by zero").into(),
+            );
         }
-        let q0 = bind::floor_div(x.v0, d, span)?;
-        if x.a % d == 0 {
+        let q0 = bind::floor_div(x.first, d, span)?;
+        if x.step % d == 0 {
             // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
-            return self.mk(p, Some(q0), Some(x.a / d), span);
+            return self.affine(p, Some(q0), Some(x.step / d), span);
         }
         // The quotient is monotone in t: it first changes where the numerator crosses the
         // next multiple of d in its direction of travel (d made positive by negating both).
         let (v, a, d) = if d > 0 {
-            (i128::from(x.v0), i128::from(x.a), i128::from(d))
+            (i128::from(x.first), i128::from(x.step), i128::from(d))
         } else {
-            (-i128::from(x.v0), -i128::from(x.a), -i128::from(d))
+            (-i128::from(x.first), -i128::from(x.step), -i128::from(d))
         };
         let q = floor_i128(v, d);
         let change = if a > 0 {
@@ -267,99 +286,99 @@ impl<'a, 'p> Solver<'a, 'p> {
         if change < i128::from(p.n) {
             return Err(Flow::Split(p.q0 + change as i64));
         }
-        Ok(Aff::c(q0))
+        Ok(Affine::constant(q0))
     }
 
-    fn fmod(&self, p: &Piece, x: Aff, d: i64, span: Span) -> F<Aff> {
-        let q = self.fdiv(p, x, d, span)?;
+    fn floor_mod(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<Affine> {
+        let q = self.floor_div(p, x, d, span)?;
         let dq = self.scale(p, q, d, span)?;
         self.sub(p, x, dq, span)
     }
 
-    fn constant(&self, p: &Piece, x: Aff) -> F<i64> {
-        if x.a != 0 {
+    fn constant(&self, p: &Piece, x: Affine) -> Eval<i64> {
+        if x.step != 0 {
             return Err(self.single(p));
         }
-        Ok(x.v0)
+        Ok(x.first)
     }
 
-    fn point_int(&self, p: &Piece, e: &Int) -> F<Aff> {
+    fn point_int(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         if p.n > 1 {
             return Err(self.single(p));
         }
-        Ok(Aff::c(self.bound.eval_int(e, &self.env(p))?))
+        Ok(Affine::constant(self.bound.eval_int(e, &self.env(p))?))
     }
 
-    pub fn int(&self, p: &Piece, e: &Int) -> F<Aff> {
+    pub fn int(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         cm_ir::deep(|| self.int_at(p, e))
     }
 
-    fn int_at(&self, p: &Piece, e: &Int) -> F<Aff> {
+    fn int_at(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         let span = e.span;
         let sh = &self.bound.shape;
         Ok(match &e.kind {
-            IntKind::Const(v) => Aff::c(*v),
-            IntKind::Q => self.mk(p, Some(p.q0), Some(1), span)?,
-            IntKind::B => Aff::c(p.b),
-            IntKind::H => Aff::c(p.h),
-            IntKind::QLen => Aff::c(sh.q_len),
-            IntKind::KvLen => Aff::c(sh.kv_len),
-            IntKind::Batch => Aff::c(sh.batch),
-            IntKind::NumHeads => Aff::c(sh.num_heads),
+            IntKind::Const(v) => Affine::constant(*v),
+            IntKind::Q => self.affine(p, Some(p.q0), Some(1), span)?,
+            IntKind::B => Affine::constant(p.b),
+            IntKind::H => Affine::constant(p.h),
+            IntKind::QLen => Affine::constant(sh.q_len),
+            IntKind::KvLen => Affine::constant(sh.kv_len),
+            IntKind::Batch => Affine::constant(sh.batch),
+            IntKind::NumHeads => Affine::constant(sh.num_heads),
             IntKind::Param(_) | IntKind::SegCount(_) => {
-                Aff::c(self.bound.eval_int(e, &self.env(p))?)
+                Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::ArrIndex(arr, i) => {
                 let idx = self.int(p, i)?;
-                if idx.a != 0 || matches!(**arr, Arr::Lit(_)) {
+                if idx.step != 0 || matches!(**arr, Arr::Lit(_)) {
                     return self.point_int(p, e);
                 }
                 let a = self.bound.eval_arr(arr, &Env::default())?;
-                if idx.v0 < 0 || idx.v0 as usize >= a.len() {
+                if idx.first < 0 || idx.first as usize >= a.len() {
                     return Err(PlanError::new(
-                        "CM0304",
+                        Code::IndexOutOfRange,
                         Some(span),
                         format!(
                             "index {} is out of range for an array of length {}",
-                            idx.v0,
+                            idx.first,
                             a.len()
                         ),
                     )
                     .into());
                 }
-                Aff::c(a[idx.v0 as usize])
+                Affine::constant(a[idx.first as usize])
             }
             IntKind::ArrLen(arr) | IntKind::ArrSum(arr) => {
                 if matches!(**arr, Arr::Lit(_)) {
                     return self.point_int(p, e);
                 }
-                Aff::c(self.bound.eval_int(e, &Env::default())?)
+                Affine::constant(self.bound.eval_int(e, &Env::default())?)
             }
             IntKind::Neg(x) => {
                 let x = self.int(p, x)?;
-                self.mk(p, x.v0.checked_neg(), x.a.checked_neg(), span)?
+                self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?
             }
             IntKind::Abs(x) => {
                 let x = self.int(p, x)?;
-                let nx = self.mk(p, x.v0.checked_neg(), x.a.checked_neg(), span)?;
+                let nx = self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?;
                 self.max(p, x, nx)?
             }
             IntKind::Isqrt(x) => {
                 let x = self.int(p, x)?;
-                if x.a == 0 {
-                    Aff::c(bind::isqrt(x.v0, span)?)
+                if x.step == 0 {
+                    Affine::constant(bind::isqrt(x.first, span)?)
                 } else {
                     let lo = x.at(0).min(x.at(p.n - 1));
                     if lo < 0 {
                         return self.point_int(p, e);
                     }
-                    let r0 = bind::isqrt(x.v0, span)?;
+                    let r0 = bind::isqrt(x.first, span)?;
                     if let Some(s) =
                         self.split_where(p, |t| bind::isqrt(x.at(t), span).ok() == Some(r0))
                     {
                         return Err(s);
                     }
-                    Aff::c(r0)
+                    Affine::constant(r0)
                 }
             }
             IntKind::Bin(op, x, y) => {
@@ -369,21 +388,21 @@ impl<'a, 'p> Solver<'a, 'p> {
                     IntOp::Add => self.add(p, x, y, span)?,
                     IntOp::Sub => self.sub(p, x, y, span)?,
                     IntOp::Mul => {
-                        if y.a == 0 {
-                            self.scale(p, x, y.v0, span)?
-                        } else if x.a == 0 {
-                            self.scale(p, y, x.v0, span)?
+                        if y.step == 0 {
+                            self.scale(p, x, y.first, span)?
+                        } else if x.step == 0 {
+                            self.scale(p, y, x.first, span)?
                         } else {
                             return Err(self.single(p));
                         }
                     }
                     IntOp::Div => {
                         let d = self.constant(p, y)?;
-                        self.fdiv(p, x, d, span)?
+                        self.floor_div(p, x, d, span)?
                     }
                     IntOp::Mod => {
                         let d = self.constant(p, y)?;
-                        self.fmod(p, x, d, span)?
+                        self.floor_mod(p, x, d, span)?
                     }
                     IntOp::Min => self.min(p, x, y)?,
                     IntOp::Max => self.max(p, x, y)?,
@@ -400,12 +419,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             IntKind::RangeHi(r) => self.range(p, r)?.1,
             IntKind::SegIndex(s, pos) => {
                 let pos = self.int(p, pos)?;
-                Aff::c(self.seg_index(p, *s, pos, span)? as i64)
+                Affine::constant(self.seg_index(p, *s, pos, span)? as i64)
             }
             IntKind::GridCoord(g, axis, pos) => {
                 let pos = self.int(p, pos)?;
                 if !self.in_grid(p, *g, pos)? {
-                    return Err(self.bound.outside_grid(*g, pos.v0, span).into());
+                    return Err(self.bound.outside_grid(*g, pos.first, span).into());
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
@@ -416,30 +435,30 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Index of the segment holding `pos` (constant over the piece, else a split).
-    fn seg_index(&self, p: &Piece, s: SegId, pos: Aff, span: Span) -> F<usize> {
+    fn seg_index(&self, p: &Piece, s: SegId, pos: Affine, span: Span) -> Eval<usize> {
         let t = &self.bound.segs[s];
         let fill = t.fill();
         if !self.within(p, pos, 0, fill)? {
             let name = &self.bound.program.segs[s].name;
             return Err(PlanError::new(
-                "CM0303",
+                Code::OutsideSegmentation,
                 Some(span),
                 format!(
                     "position {} is outside segmentation `{name}`, which covers [0, {fill})",
-                    pos.v0
+                    pos.first
                 ),
             )
             .with_hint("segmentations fill [0, q_len) unless declared with `fill`")
             .into());
         }
-        let i0 = t.index_of(pos.v0);
-        if pos.a != 0 {
+        let i0 = t.index_of(pos.first);
+        if pos.step != 0 {
             self.within(p, pos, t.starts[i0], t.starts[i0 + 1])?;
         }
         Ok(i0)
     }
 
-    fn in_grid(&self, p: &Piece, g: GridId, pos: Aff) -> F<bool> {
+    fn in_grid(&self, p: &Piece, g: GridId, pos: Affine) -> Eval<bool> {
         let gv = &self.bound.grids[g];
         self.within(p, pos, gv.at, gv.at.saturating_add(gv.size))
     }
@@ -447,16 +466,16 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// Whether `pos` lies in `[lo, hi)`, uniformly over the piece, or a split at the first
     /// row where that changes. Membership of an affine value can change twice (entering,
     /// then leaving), so this is not a monotone predicate for `split_where`.
-    fn within(&self, p: &Piece, pos: Aff, lo: i64, hi: i64) -> F<bool> {
+    fn within(&self, p: &Piece, pos: Affine, lo: i64, hi: i64) -> Eval<bool> {
         let inside = |t: i64| (lo..hi).contains(&pos.at(t));
         let first = inside(0);
-        if pos.a == 0 || p.n == 1 {
+        if pos.step == 0 || p.n == 1 {
             return Ok(first);
         }
         // The first offset where the value reaches `target` (moving toward it).
         let reach = |target: i64| -> i64 {
-            let d = i128::from(target) - i128::from(pos.v0);
-            let a = i128::from(pos.a);
+            let d = i128::from(target) - i128::from(pos.first);
+            let a = i128::from(pos.step);
             // smallest t >= 0 with a*t >= d (a > 0) or a*t <= d (a < 0)
             let t = if a > 0 {
                 (d + a - 1).div_euclid(a)
@@ -467,19 +486,19 @@ impl<'a, 'p> Solver<'a, 'p> {
         };
         let change = if first {
             // Leaving through the far end.
-            if pos.a > 0 {
+            if pos.step > 0 {
                 reach(hi)
             } else {
                 reach(lo - 1)
             }
-        } else if pos.a > 0 && pos.v0 < lo {
+        } else if pos.step > 0 && pos.first < lo {
             let t = reach(lo);
             if t < p.n && inside(t) {
                 t
             } else {
                 i64::MAX
             }
-        } else if pos.a < 0 && pos.v0 >= hi {
+        } else if pos.step < 0 && pos.first >= hi {
             let t = reach(hi - 1);
             if t < p.n && inside(t) {
                 t
@@ -496,27 +515,30 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Grid coordinates of `pos` (slowest axis first), for `pos` inside the grid.
-    fn grid_coords(&self, p: &Piece, g: GridId, pos: Aff, span: Span) -> F<[Aff; 3]> {
+    fn grid_coords(&self, p: &Piece, g: GridId, pos: Affine, span: Span) -> Eval<[Affine; 3]> {
         let gv = &self.bound.grids[g];
-        let local = self.sub(p, pos, Aff::c(gv.at), span)?;
+        let local = self.sub(p, pos, Affine::constant(gv.at), span)?;
         let nd = gv.dims.len();
-        let mut out = [Aff::c(0); 3];
+        let mut out = [Affine::constant(0); 3];
         let mut rest = local;
         for axis in (0..nd).rev() {
-            out[axis] = self.fmod(p, rest, gv.dims[axis], span)?;
-            rest = self.fdiv(p, rest, gv.dims[axis], span)?;
+            out[axis] = self.floor_mod(p, rest, gv.dims[axis], span)?;
+            rest = self.floor_div(p, rest, gv.dims[axis], span)?;
         }
         Ok(out)
     }
 
-    pub fn range(&self, p: &Piece, r: &RangeE) -> F<(Aff, Aff)> {
+    pub fn range(&self, p: &Piece, r: &RangeE) -> Eval<(Affine, Affine)> {
         match &r.kind {
             RangeKind::Lit(lo, hi) => Ok((self.int(p, lo)?, self.int(p, hi)?)),
             RangeKind::Seg(s, pos) => {
                 let pv = self.int(p, pos)?;
                 let i = self.seg_index(p, *s, pv, pos.span)?;
                 let t = &self.bound.segs[*s];
-                Ok((Aff::c(t.starts[i]), Aff::c(t.starts[i + 1])))
+                Ok((
+                    Affine::constant(t.starts[i]),
+                    Affine::constant(t.starts[i + 1]),
+                ))
             }
             RangeKind::SegAt(..) => {
                 if p.n > 1 {
@@ -524,37 +546,37 @@ impl<'a, 'p> Solver<'a, 'p> {
                         RangeKind::SegAt(_, i) => self.int(p, i)?,
                         _ => unreachable!(),
                     };
-                    if idx.a != 0 {
+                    if idx.step != 0 {
                         return Err(self.single(p));
                     }
                 }
                 let (lo, hi) = self.bound.eval_range(r, &self.env(p))?;
-                Ok((Aff::c(lo), Aff::c(hi)))
+                Ok((Affine::constant(lo), Affine::constant(hi)))
             }
             RangeKind::Part(s, part, pos) => {
                 let pv = self.int(p, pos)?;
                 let i = self.seg_index(p, *s, pv, pos.span)?;
                 let (lo, hi) = self.bound.segs[*s].parts[*part][i];
-                Ok((Aff::c(lo), Aff::c(hi)))
+                Ok((Affine::constant(lo), Affine::constant(hi)))
             }
             RangeKind::Piece(s, kind, pos) => {
                 let pv = self.int(p, pos)?;
                 let seg = self.seg_index(p, *s, pv, pos.span)?;
                 let st = &self.bound.segs[*s];
                 let t = st.pieces.as_ref().expect("checked: composite segmentation");
-                let j = t.index_of(pv.v0);
+                let j = t.index_of(pv.first);
                 self.within(p, pv, t.bounds[j], t.bounds[j + 1])?;
-                let (a, b) = piece_range(t, st, *kind, pv.v0, seg);
-                Ok((Aff::c(a), Aff::c(b)))
+                let (a, b) = piece_range(t, st, *kind, pv.first, seg);
+                Ok((Affine::constant(a), Affine::constant(b)))
             }
         }
     }
 
-    pub fn boolean(&self, p: &Piece, c: &Bool) -> F<bool> {
+    pub fn boolean(&self, p: &Piece, c: &Bool) -> Eval<bool> {
         cm_ir::deep(|| self.boolean_at(p, c))
     }
 
-    fn boolean_at(&self, p: &Piece, c: &Bool) -> F<bool> {
+    fn boolean_at(&self, p: &Piece, c: &Bool) -> Eval<bool> {
         match c {
             Bool::Const(v) => Ok(*v),
             Bool::Cmp(op, a, b) => {
@@ -571,19 +593,19 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
     }
 
-    fn all(&self) -> Vec<Iv> {
-        vec![Iv {
-            s: Aff::c(0),
-            e: Aff::c(self.bound.shape.kv_len),
+    fn all(&self) -> Vec<AffineInterval> {
+        vec![AffineInterval {
+            start: Affine::constant(0),
+            end: Affine::constant(self.bound.shape.kv_len),
         }]
     }
 
     /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
-    fn interval(&self, p: &Piece, lo: Aff, hi: Aff) -> F<Vec<Iv>> {
-        let s = self.max(p, lo, Aff::c(0))?;
-        let e = self.min(p, hi, Aff::c(self.bound.shape.kv_len))?;
+    fn interval(&self, p: &Piece, lo: Affine, hi: Affine) -> Eval<Vec<AffineInterval>> {
+        let s = self.max(p, lo, Affine::constant(0))?;
+        let e = self.min(p, hi, Affine::constant(self.bound.shape.kv_len))?;
         Ok(if self.lt(p, s, e)? {
-            vec![Iv { s, e }]
+            vec![AffineInterval { start: s, end: e }]
         } else {
             Vec::new()
         })
@@ -591,10 +613,15 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// Appends an interval that starts after every interval already in `out`, merging it
     /// into the last one when they touch.
-    fn push_sorted(&self, p: &Piece, out: &mut Vec<Iv>, iv: Iv) -> F<()> {
+    fn push_sorted(
+        &self,
+        p: &Piece,
+        out: &mut Vec<AffineInterval>,
+        iv: AffineInterval,
+    ) -> Eval<()> {
         if let Some(last) = out.last_mut() {
-            if self.le(p, iv.s, last.e)? {
-                last.e = self.max(p, last.e, iv.e)?;
+            if self.le(p, iv.start, last.end)? {
+                last.end = self.max(p, last.end, iv.end)?;
                 return Ok(());
             }
         }
@@ -602,7 +629,12 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(())
     }
 
-    fn union(&self, p: &Piece, a: Vec<Iv>, b: Vec<Iv>) -> F<Vec<Iv>> {
+    fn union(
+        &self,
+        p: &Piece,
+        a: Vec<AffineInterval>,
+        b: Vec<AffineInterval>,
+    ) -> Eval<Vec<AffineInterval>> {
         if a.is_empty() {
             return Ok(b);
         }
@@ -613,8 +645,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         // below would take all of it, then the other's first interval (merging it when they
         // touch), then the rest of the other, which cannot touch (canonical lists). Only the
         // touching test can split; it is made the same way.
-        let before = |x: &[Iv], y: &[Iv]| {
-            let (e, s) = (x[x.len() - 1].e, y[0].s);
+        let before = |x: &[AffineInterval], y: &[AffineInterval]| {
+            let (e, s) = (x[x.len() - 1].end, y[0].start);
             e.at(0) <= s.at(0) && e.at(p.n - 1) <= s.at(p.n - 1)
         };
         let (mut out, rest) = if before(&a, &b) {
@@ -631,11 +663,16 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// The general merge of two canonical lists.
-    fn union_merge(&self, p: &Piece, a: Vec<Iv>, b: Vec<Iv>) -> F<Vec<Iv>> {
+    fn union_merge(
+        &self,
+        p: &Piece,
+        a: Vec<AffineInterval>,
+        b: Vec<AffineInterval>,
+    ) -> Eval<Vec<AffineInterval>> {
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() || j < b.len() {
-            let take_a = j >= b.len() || (i < a.len() && self.le(p, a[i].s, b[j].s)?);
+            let take_a = j >= b.len() || (i < a.len() && self.le(p, a[i].start, b[j].start)?);
             let next = if take_a {
                 i += 1;
                 a[i - 1]
@@ -648,16 +685,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
-    fn inter(&self, p: &Piece, a: &[Iv], b: &[Iv]) -> F<Vec<Iv>> {
+    fn inter(
+        &self,
+        p: &Piece,
+        a: &[AffineInterval],
+        b: &[AffineInterval],
+    ) -> Eval<Vec<AffineInterval>> {
         let mut out = Vec::new();
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
-            let s = self.max(p, a[i].s, b[j].s)?;
-            let e = self.min(p, a[i].e, b[j].e)?;
+            let s = self.max(p, a[i].start, b[j].start)?;
+            let e = self.min(p, a[i].end, b[j].end)?;
             if self.lt(p, s, e)? {
-                out.push(Iv { s, e });
+                out.push(AffineInterval { start: s, end: e });
             }
-            if self.lt(p, a[i].e, b[j].e)? {
+            if self.lt(p, a[i].end, b[j].end)? {
                 i += 1;
             } else {
                 j += 1;
@@ -666,38 +708,48 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
-    fn complement(&self, p: &Piece, a: &[Iv]) -> F<Vec<Iv>> {
+    fn complement(&self, p: &Piece, a: &[AffineInterval]) -> Eval<Vec<AffineInterval>> {
         let mut out = Vec::with_capacity(a.len() + 1);
-        let mut prev = Aff::c(0);
+        let mut prev = Affine::constant(0);
         for iv in a {
-            if self.lt(p, prev, iv.s)? {
-                out.push(Iv { s: prev, e: iv.s });
+            if self.lt(p, prev, iv.start)? {
+                out.push(AffineInterval {
+                    start: prev,
+                    end: iv.start,
+                });
             }
-            prev = iv.e;
+            prev = iv.end;
         }
-        let end = Aff::c(self.bound.shape.kv_len);
+        let end = Affine::constant(self.bound.shape.kv_len);
         if self.lt(p, prev, end)? {
-            out.push(Iv { s: prev, e: end });
+            out.push(AffineInterval { start: prev, end });
         }
         Ok(out)
     }
 
     /// Keys with `alpha * k + rest  op  0`.
-    fn kcmp(&self, p: &Piece, alpha: i64, rest: Aff, op: CmpOp, span: Span) -> F<Vec<Iv>> {
+    fn kcmp_keys(
+        &self,
+        p: &Piece,
+        alpha: i64,
+        rest: Affine,
+        op: CmpOp,
+        span: Span,
+    ) -> Eval<Vec<AffineInterval>> {
         // Far outside the keys the comparison's outcome no longer changes, so a constant
         // term can be clamped exactly; this keeps `k <= i64::MAX` from overflowing below.
-        let rest = if rest.a == 0 {
+        let rest = if rest.step == 0 {
             let reach = alpha
                 .unsigned_abs()
                 .saturating_mul(self.bound.shape.kv_len as u64)
                 .saturating_add(2);
             let m = reach.min(i64::MAX as u64 / 4) as i64;
-            Aff::c(rest.v0.clamp(-m, m))
+            Affine::constant(rest.first.clamp(-m, m))
         } else {
             rest
         };
         let (alpha, rest, op) = if alpha < 0 {
-            let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
+            let neg = self.affine(p, rest.first.checked_neg(), rest.step.checked_neg(), span)?;
             (
                 alpha.checked_neg().ok_or_else(|| overflow(span))?,
                 neg,
@@ -706,37 +758,37 @@ impl<'a, 'p> Solver<'a, 'p> {
         } else {
             (alpha, rest, op)
         };
-        let neg = self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), span)?;
-        let one = Aff::c(1);
-        let lo_inf = Aff::c(0);
-        let hi_inf = Aff::c(self.bound.shape.kv_len);
+        let neg = self.affine(p, rest.first.checked_neg(), rest.step.checked_neg(), span)?;
+        let one = Affine::constant(1);
+        let lo_inf = Affine::constant(0);
+        let hi_inf = Affine::constant(self.bound.shape.kv_len);
         // alpha * k < -rest  <=>  k <= floor((-rest - 1) / alpha), and so on.
-        let ceil_neg = |s: &Self| -> F<Aff> {
-            let f = s.fdiv(p, rest, alpha, span)?;
-            s.mk(p, f.v0.checked_neg(), f.a.checked_neg(), span)
+        let ceil_neg = |s: &Self| -> Eval<Affine> {
+            let f = s.floor_div(p, rest, alpha, span)?;
+            s.affine(p, f.first.checked_neg(), f.step.checked_neg(), span)
         };
         match op {
             CmpOp::Lt => {
                 let hi = self.add(
                     p,
-                    self.fdiv(p, self.sub(p, neg, one, span)?, alpha, span)?,
+                    self.floor_div(p, self.sub(p, neg, one, span)?, alpha, span)?,
                     one,
                     span,
                 )?;
                 self.interval(p, lo_inf, hi)
             }
             CmpOp::Le => {
-                let hi = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                let hi = self.add(p, self.floor_div(p, neg, alpha, span)?, one, span)?;
                 self.interval(p, lo_inf, hi)
             }
             CmpOp::Gt => {
-                let lo = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                let lo = self.add(p, self.floor_div(p, neg, alpha, span)?, one, span)?;
                 self.interval(p, lo, hi_inf)
             }
             CmpOp::Ge => self.interval(p, ceil_neg(self)?, hi_inf),
             CmpOp::Eq | CmpOp::Ne => {
                 let lo = ceil_neg(self)?;
-                let hi = self.add(p, self.fdiv(p, neg, alpha, span)?, one, span)?;
+                let hi = self.add(p, self.floor_div(p, neg, alpha, span)?, one, span)?;
                 let eq = self.interval(p, lo, hi)?;
                 if op == CmpOp::Eq {
                     Ok(eq)
@@ -749,11 +801,21 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// Evaluates a region over a piece. `hull` (only for one-row pieces) bounds the keys the
     /// caller will keep, so enumerating atoms need not look beyond it.
-    pub fn region(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
+    pub fn region(
+        &self,
+        p: &Piece,
+        r: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
         cm_ir::deep(|| self.region_in(p, r, hull))
     }
 
-    fn region_in(&self, p: &Piece, r: &Region, hull: Option<(i64, i64)>) -> F<Vec<Iv>> {
+    fn region_in(
+        &self,
+        p: &Piece,
+        r: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
         match r {
             Region::Rows(c) => Ok(if self.boolean(p, c)? {
                 self.all()
@@ -767,7 +829,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 span,
             } => {
                 let rest = self.int(p, rest)?;
-                self.kcmp(p, *alpha, rest, *op, *span)
+                self.kcmp_keys(p, *alpha, rest, *op, *span)
             }
             Region::KDiv {
                 alpha,
@@ -780,7 +842,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let d = self.int(p, div)?;
                 let d = self.constant(p, d)?;
                 if d == 0 {
-                    return Err(PlanError::new("CM0301", Some(div.span), "division by zero").into());
+                    return Err(PlanError::new(
+                        Code::DivisionByZero,
+                        Some(div.span),
+                        "division by zero",
+                    )
+                    .into());
                 }
                 let rest = self.int(p, rest)?;
                 let (alpha, rest, d) = if d < 0 {
@@ -789,7 +856,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     };
                     (
                         alpha.checked_neg().ok_or_else(|| overflow(*span))?,
-                        self.mk(p, rest.v0.checked_neg(), rest.a.checked_neg(), *span)?,
+                        self.affine(p, rest.first.checked_neg(), rest.step.checked_neg(), *span)?,
                         neg_d,
                     )
                 } else {
@@ -797,17 +864,17 @@ impl<'a, 'p> Solver<'a, 'p> {
                 };
                 let v = self.int(p, rhs)?;
                 let lo = self.scale(p, v, d, *span)?;
-                let hi = self.add(p, lo, Aff::c(d), *span)?;
+                let hi = self.add(p, lo, Affine::constant(d), *span)?;
                 // floor(x / d) compared with v is x compared with v*d or (v+1)*d.
-                let x_minus = |bound: Aff| self.sub(p, rest, bound, *span);
+                let x_minus = |bound: Affine| self.sub(p, rest, bound, *span);
                 match op {
-                    CmpOp::Ge => self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Ge, *span),
-                    CmpOp::Lt => self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Lt, *span),
-                    CmpOp::Le => self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Lt, *span),
-                    CmpOp::Gt => self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Ge, *span),
+                    CmpOp::Ge => self.kcmp_keys(p, alpha, x_minus(lo)?, CmpOp::Ge, *span),
+                    CmpOp::Lt => self.kcmp_keys(p, alpha, x_minus(lo)?, CmpOp::Lt, *span),
+                    CmpOp::Le => self.kcmp_keys(p, alpha, x_minus(hi)?, CmpOp::Lt, *span),
+                    CmpOp::Gt => self.kcmp_keys(p, alpha, x_minus(hi)?, CmpOp::Ge, *span),
                     CmpOp::Eq | CmpOp::Ne => {
-                        let a = self.kcmp(p, alpha, x_minus(lo)?, CmpOp::Ge, *span)?;
-                        let b = self.kcmp(p, alpha, x_minus(hi)?, CmpOp::Lt, *span)?;
+                        let a = self.kcmp_keys(p, alpha, x_minus(lo)?, CmpOp::Ge, *span)?;
+                        let b = self.kcmp_keys(p, alpha, x_minus(hi)?, CmpOp::Lt, *span)?;
                         let eq = self.inter(p, &a, &b)?;
                         if *op == CmpOp::Eq {
                             Ok(eq)
@@ -832,15 +899,15 @@ impl<'a, 'p> Solver<'a, 'p> {
                     let mut k = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
                     while k < hi {
                         if m == 1 {
-                            eq.push(Iv {
-                                s: Aff::c(k),
-                                e: Aff::c(hi),
+                            eq.push(AffineInterval {
+                                start: Affine::constant(k),
+                                end: Affine::constant(hi),
                             });
                             break;
                         }
-                        eq.push(Iv {
-                            s: Aff::c(k),
-                            e: Aff::c(k + 1),
+                        eq.push(AffineInterval {
+                            start: Affine::constant(k),
+                            end: Affine::constant(k + 1),
                         });
                         match k.checked_add(m) {
                             Some(next) => k = next,
@@ -861,20 +928,20 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
                 let total = self.elementwise_pairs.get() + (hi - lo).max(0) as u64;
                 if total > MAX_ELEMENTWISE_PAIRS {
-                    return Err(PlanError::new("CM0404", Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
+                    return Err(PlanError::new(Code::TooLargeToPlan, Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
                         .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
                         .into());
                 }
-                let mut out: Vec<Iv> = Vec::new();
+                let mut out: Vec<AffineInterval> = Vec::new();
                 let mut env = self.env(p);
                 for k in lo..hi {
                     env.k = k;
                     if self.bound.eval_bool(c, &env)? {
                         match out.last_mut() {
-                            Some(last) if last.e.v0 == k => last.e.v0 += 1,
-                            _ => out.push(Iv {
-                                s: Aff::c(k),
-                                e: Aff::c(k + 1),
+                            Some(last) if last.end.first == k => last.end.first += 1,
+                            _ => out.push(AffineInterval {
+                                start: Affine::constant(k),
+                                end: Affine::constant(k + 1),
                             }),
                         }
                     }
@@ -908,7 +975,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     return Ok(x);
                 }
                 let inner = if p.n == 1 {
-                    Some((x[0].s.v0, x[x.len() - 1].e.v0))
+                    Some((x[0].start.first, x[x.len() - 1].end.first))
                 } else {
                     None
                 };
@@ -945,14 +1012,16 @@ impl<'a, 'p> Solver<'a, 'p> {
         div: &Int,
         rhs: &Int,
         span: Span,
-    ) -> F<Option<(i64, i64)>> {
+    ) -> Eval<Option<(i64, i64)>> {
         if p.n > 1 {
             return Err(self.single(p));
         }
         let env = self.env(p);
         let d = self.bound.eval_int(div, &env)?;
         if d == 0 {
-            return Err(PlanError::new("CM0301", Some(div.span), "modulo by zero").into());
+            return Err(
+                PlanError::new(Code::DivisionByZero, Some(div.span), "modulo by zero").into(),
+            );
         }
         let r = self.bound.eval_int(rest, &env)?;
         let v = self.bound.eval_int(rhs, &env)?;
@@ -983,7 +1052,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         a: &Region,
         b: &Region,
         hull: Option<(i64, i64)>,
-    ) -> F<Option<Vec<Iv>>> {
+    ) -> Eval<Option<Vec<AffineInterval>>> {
         let Region::KMod {
             alpha,
             rest,
@@ -995,7 +1064,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         else {
             return Ok(None);
         };
-        if contains_elementwise(b) {
+        if b.uses_elementwise() {
             return Ok(None);
         }
         let Some((c, m)) = self.kmod_residue(p, *alpha, rest, div, rhs, *span)? else {
@@ -1010,7 +1079,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         if y.is_empty() {
             return Ok(Some(y));
         }
-        let inner = (y[0].s.v0.max(lo), y[y.len() - 1].e.v0.min(hi));
+        let inner = (y[0].start.first.max(lo), y[y.len() - 1].end.first.min(hi));
         let x = self.region(p, a, Some(inner))?;
         Ok(Some(self.inter(p, &y, &x)?))
     }
@@ -1020,30 +1089,30 @@ impl<'a, 'p> Solver<'a, 'p> {
     fn push_grid_row(
         &self,
         p: &Piece,
-        out: &mut Vec<Iv>,
+        out: &mut Vec<AffineInterval>,
         g: GridId,
         row: i64,
-        (xlo, xhi): (Aff, Aff),
+        (xlo, xhi): (Affine, Affine),
         span: Span,
-    ) -> F<()> {
+    ) -> Eval<()> {
         let gv = &self.bound.grids[g];
         let w = gv.dims[gv.dims.len() - 1];
         let base = gv.at + row * w;
-        let lo = self.max(p, xlo, Aff::c(0))?;
-        let hi = self.min(p, xhi, Aff::c(w))?;
+        let lo = self.max(p, xlo, Affine::constant(0))?;
+        let hi = self.min(p, xhi, Affine::constant(w))?;
         if !self.lt(p, lo, hi)? {
             return Ok(());
         }
-        let s = self.add(p, lo, Aff::c(base), span)?;
+        let s = self.add(p, lo, Affine::constant(base), span)?;
         let e = self.min(
             p,
-            self.add(p, hi, Aff::c(base), span)?,
-            Aff::c(self.bound.shape.kv_len),
+            self.add(p, hi, Affine::constant(base), span)?,
+            Affine::constant(self.bound.shape.kv_len),
         )?;
         if !self.lt(p, s, e)? {
             return Ok(());
         }
-        self.push_sorted(p, out, Iv { s, e })
+        self.push_sorted(p, out, AffineInterval { start: s, end: e })
     }
 
     fn ball(
@@ -1054,8 +1123,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         strict: bool,
         radius: &Int,
         span: Span,
-    ) -> F<Vec<Iv>> {
-        let qa = self.mk(p, Some(p.q0), Some(1), span)?;
+    ) -> Eval<Vec<AffineInterval>> {
+        let qa = self.affine(p, Some(p.q0), Some(1), span)?;
         if !self.in_grid(p, g, qa)? {
             return Ok(Vec::new());
         }
@@ -1141,7 +1210,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         // x is affine in q over the piece (slope 0 or 1). Every clamp below flips at most
         // once; split at the first flip so that each is uniform, then build the runs with
         // plain arithmetic. The later flips are the next pieces' ends: hints.
-        let (x0, slope) = (xq.v0, xq.a);
+        let (x0, slope) = (xq.first, xq.step);
         if slope != 0 {
             let mut first = i64::MAX;
             let mut later = self.hints.borrow_mut();
@@ -1177,49 +1246,59 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             later.clear();
         }
-        let mut out: Vec<Iv> = Vec::with_capacity(runs.len());
+        let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len());
         for &(row, rx) in runs {
             let base = gv.at + row * w;
             // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
             // grid rows touch exactly when both are clamped (both constant).
             let lo = if x0 <= rx {
-                Aff::c(base)
+                Affine::constant(base)
             } else {
-                Aff {
-                    v0: base + x0 - rx,
-                    a: slope,
+                Affine {
+                    first: base + x0 - rx,
+                    step: slope,
                 }
             };
             let hi = if x0.saturating_add(rx).saturating_add(1) >= w {
-                Aff::c(base + w)
+                Affine::constant(base + w)
             } else {
-                Aff {
-                    v0: base + x0 + rx + 1,
-                    a: slope,
+                Affine {
+                    first: base + x0 + rx + 1,
+                    step: slope,
                 }
             };
-            let hi = if hi.v0 > kv_len { Aff::c(kv_len) } else { hi };
-            if lo.v0 >= hi.v0 {
+            let hi = if hi.first > kv_len {
+                Affine::constant(kv_len)
+            } else {
+                hi
+            };
+            if lo.first >= hi.first {
                 continue;
             }
             match out.last_mut() {
                 // Only a run clamped to the end of its grid row can touch the next row's
                 // run, and only when that one is clamped to its start: both constant.
-                Some(last) if lo.v0 <= last.e.v0 => last.e = hi,
-                _ => out.push(Iv { s: lo, e: hi }),
+                Some(last) if lo.first <= last.end.first => last.end = hi,
+                _ => out.push(AffineInterval { start: lo, end: hi }),
             }
         }
         Ok(out)
     }
 
-    fn grid_box(&self, p: &Piece, g: GridId, ranges: &[RangeE], span: Span) -> F<Vec<Iv>> {
+    fn grid_box(
+        &self,
+        p: &Piece,
+        g: GridId,
+        ranges: &[RangeE],
+        span: Span,
+    ) -> Eval<Vec<AffineInterval>> {
         let gv = &self.bound.grids[g];
         let nd = gv.dims.len();
         let mut bounds = Vec::with_capacity(nd);
         for r in ranges {
             bounds.push(self.range(p, r)?);
         }
-        let slow = |axis: usize| -> F<(i64, i64)> {
+        let slow = |axis: usize| -> Eval<(i64, i64)> {
             let (lo, hi) = bounds[axis];
             let lo = self.constant(p, lo)?.max(0);
             let hi = self.constant(p, hi)?.min(gv.dims[axis]);
@@ -1236,23 +1315,6 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
         }
         Ok(out)
-    }
-}
-
-/// Whether `r` holds an `elementwise` region, the only kind whose errors can depend on `k`.
-fn contains_elementwise(r: &Region) -> bool {
-    match r {
-        Region::Elementwise(..) => true,
-        Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) | Region::Cond(_, a, b) => {
-            contains_elementwise(a) || contains_elementwise(b)
-        }
-        Region::Not(a) => contains_elementwise(a),
-        Region::Rows(_)
-        | Region::KCmp { .. }
-        | Region::KDiv { .. }
-        | Region::KMod { .. }
-        | Region::Ball { .. }
-        | Region::Box { .. } => false,
     }
 }
 

@@ -11,10 +11,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cm_cuda::{
-    BackwardRaw, DType, Error, ForwardRaw, LseLayout, PlanView, Runtime, TensorLayout,
-    PLAN_ARRAY_COUNT,
-};
+use cm_cuda::external::{self, ExternalTensor};
+use cm_cuda::{BackwardRaw, Error, ForwardRaw, PlanLayout, PlanView, Runtime};
 use compilemask::TileShape;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -32,6 +30,15 @@ pub fn kernel_tile() -> TileShape {
 pub fn cuda_kernel_tile() -> (u32, u32) {
     let t = kernel_tile();
     (t.block_m, t.block_n)
+}
+
+/// The head dimensions the CUDA kernels are built for (every kernel of
+/// `cm_kernels::VARIANTS` at each), ascending.
+pub fn head_dims() -> Vec<u32> {
+    let mut dims: Vec<u32> = cm_kernels::VARIANTS.iter().map(|v| v.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
 }
 
 /// Names of the descriptor arrays, in the order `Plan.kernel_arrays` returns them and the
@@ -88,45 +95,42 @@ pub fn cuda_workspace_len(
     .ok_or_else(|| PyValueError::new_err("the backward workspace size overflows"))
 }
 
-/// A tensor as the Python side passes it: `(data_ptr, shape, strides)`, strides in elements.
-type Tensor4 = (u64, [usize; 4], [i64; 4]);
-type Tensor3 = (u64, [usize; 3], [i64; 3]);
-/// A plan: `(q_len, kv_len, [(address, length in u32 elements); PLAN_ARRAY_COUNT])`.
-type PlanArg = (u32, u32, Vec<(u64, usize)>);
+/// A tensor as the Python side passes it: `(data_ptr, shape, strides, dtype, device)`,
+/// strides in elements, `dtype` torch's name without `torch.` (`"bfloat16"`), `device` the
+/// CUDA ordinal (-1 for any other device).
+type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
+/// A plan's kernel descriptor as the Python side passes it: `(q_len, kv_len, num_masks,
+/// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT])`, each array a 1-D tensor.
+type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>);
 
-fn dtype(name: &str) -> PyResult<DType> {
-    match name {
-        "bfloat16" => Ok(DType::Bf16),
-        "float16" => Ok(DType::F16),
-        _ => Err(PyValueError::new_err(format!(
-            "compilemask.attention on CUDA: dtype {name} is not supported (bfloat16, float16)"
-        ))),
+fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
+    ExternalTensor {
+        addr: t.0,
+        shape: t.1,
+        strides: t.2,
+        dtype: t.3,
+        device: t.4,
     }
 }
 
-fn layout(t: &Tensor4) -> TensorLayout {
-    TensorLayout {
-        shape: t.1,
-        strides: t.2,
-    }
+/// The layout of the plan's descriptor arrays on `device`, checked
+/// (`cm_cuda::external::descriptor_layout`).
+fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> {
+    let arrays: Vec<ExternalTensor<1>> = plan.4.into_iter().map(to_external).collect();
+    external::descriptor_layout(device, plan.0, plan.1, plan.2, plan.3, &arrays)
 }
 
 /// The runtime of `device` and a view of the plan's arrays in its context.
-fn plan_view(device: usize, plan: &PlanArg) -> Result<(Arc<Runtime>, PlanView), Error> {
+fn plan_view(device: usize, layout: PlanLayout) -> Result<(Arc<Runtime>, PlanView), Error> {
     let rt = runtime(device)?;
-    let arrays: [(u64, usize); PLAN_ARRAY_COUNT] = plan.2.as_slice().try_into().map_err(|_| {
-        Error::InvalidArgument(format!(
-            "the plan has {} kernel arrays, expected {PLAN_ARRAY_COUNT}",
-            plan.2.len()
-        ))
-    })?;
-    // SAFETY: the Python side passes the data pointers of the `PlanTensors.kernel` tensors of
-    // one mask, made by `Plan.to_tensors` from `HostPlan::build` at `kernel_tile()` and held
-    // on this device by the caller (and, through torch's stream-ordered allocator, until the
-    // launches that read them have run); their lengths are the tensors' own.
+    // SAFETY: the Python side passes the data pointers of the `PlanTensors.kernel` tensors
+    // (checked to be int32 on `device`), made by `Plan.to_tensors` from
+    // `HostPlan::build_masks` at `kernel_tile()` for the plan's `num_masks` masks and
+    // `mask_index` dims, and held by the caller (and, through torch's stream-ordered
+    // allocator, until the launches that read them have run); their lengths are the tensors'
+    // own, which `PlanLayout::new` checked against the plan's lengths.
     #[allow(unsafe_code)]
-    let view =
-        unsafe { PlanView::borrowed(rt.context().clone(), plan.0, plan.1, kernel_tile(), arrays)? };
+    let view = unsafe { PlanView::borrowed(rt.context().clone(), layout) };
     Ok((rt, view))
 }
 
@@ -143,51 +147,65 @@ fn torch_stream(rt: &Runtime, stream: usize) -> Arc<cudarc::driver::CudaStream> 
     }
 }
 
-/// Forward attention on `stream` (an address of a CUDA stream of device `device`, as torch
-/// gives it); returns once the kernel is enqueued (GIL released). `q`, `k`, `v`, `out` are
-/// `[batch, heads, seq_len, head_dim]` tensors, `lse` `[batch, num_heads, q_len]` fp32.
-/// `ValueError` for arguments the kernels refuse, `RuntimeError` when they cannot run.
+/// Forward attention on `stream` (an address of a CUDA stream of q's device, as torch gives
+/// it); returns once the kernel is enqueued (GIL released). `q`, `k`, `v`, `out` are
+/// `[batch, heads, seq_len, head_dim]` tensors, `lse` `[batch, num_heads, q_len]` fp32, each
+/// passed with its dtype and device, which are checked (every tensor and descriptor array on
+/// q's device; q, k, v and out of one supported dtype, lse float32, the descriptor int32)
+/// before the launch's own checks of shapes, strides, alignment and the plan's lengths and
+/// heads. `ValueError` for arguments the kernels refuse, `RuntimeError` when they cannot run.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_forward(
     py: Python<'_>,
-    device: usize,
     stream: usize,
-    dtype_name: &str,
-    plan: PlanArg,
-    q: Tensor4,
-    k: Tensor4,
-    v: Tensor4,
-    out: Tensor4,
-    lse: Tensor3,
+    plan: DescriptorArg,
+    q: TensorArg<4>,
+    k: TensorArg<4>,
+    v: TensorArg<4>,
+    out: TensorArg<4>,
+    lse: TensorArg<3>,
     scale: f32,
 ) -> PyResult<()> {
-    let raw = ForwardRaw {
-        dtype: dtype(dtype_name)?,
-        q: q.0,
-        q_layout: layout(&q),
-        k: k.0,
-        k_layout: layout(&k),
-        v: v.0,
-        v_layout: layout(&v),
-        out: out.0,
-        out_layout: layout(&out),
-        lse: Some((
-            lse.0,
-            LseLayout {
-                shape: lse.1,
-                strides: lse.2,
-            },
-        )),
-        softmax_scale: scale,
+    let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
+        let (q, k, v, out, lse) = (
+            to_external(q),
+            to_external(k),
+            to_external(v),
+            to_external(out),
+            to_external(lse),
+        );
+        let (device, dt) = external::launch_device_and_dtype(&[
+            ("q", &q.dtype, q.device, true),
+            ("k", &k.dtype, k.device, true),
+            ("v", &v.dtype, v.device, true),
+            ("out", &out.dtype, out.device, true),
+            ("lse", &lse.dtype, lse.device, false),
+        ])?;
+        let raw = ForwardRaw {
+            dtype: dt,
+            q: q.addr,
+            q_layout: q.layout(),
+            k: k.addr,
+            k_layout: k.layout(),
+            v: v.addr,
+            v_layout: v.layout(),
+            out: out.addr,
+            out_layout: out.layout(),
+            lse: Some((lse.addr, lse.lse_layout())),
+            softmax_scale: scale,
+        };
+        Ok((device, raw, plan_layout(device, plan)?))
     };
+    let (device, raw, layout) = checked().map_err(py_err)?;
     py.detach(|| {
-        let (rt, view) = plan_view(device, &plan)?;
+        let (rt, view) = plan_view(device, layout)?;
         let stream = torch_stream(&rt, stream);
-        // SAFETY: every address is a torch tensor's data pointer on `device` (checked by the
-        // Python side), with the tensor's own shape and strides, so each layout's span lies in
-        // memory torch keeps allocated until stream-ordered work after this launch; `out` and
-        // `lse` are fresh outputs that overlap nothing. The plan view's contract is above.
+        // SAFETY: every address is the data pointer of a torch tensor checked above to be on
+        // `device` with the expected dtype, passed with the tensor's own shape and strides, so
+        // each layout's span lies in memory torch keeps allocated until stream-ordered work
+        // after this launch; `out` and `lse` are fresh outputs that overlap nothing. The plan
+        // view's contract is in `plan_view`.
         #[allow(unsafe_code)]
         unsafe {
             rt.forward_raw(&stream, &view, &raw)
@@ -197,62 +215,89 @@ pub fn cuda_forward(
 }
 
 /// Backward attention on `stream` (GIL released): writes `dq`, `dk`, `dv`, the gradients of
-/// `sum(out * dout)`; `workspace` is `(address, fp32 elements)`, at least
-/// `cuda_workspace_len`. Arguments and errors as in [`cuda_forward`].
+/// `sum(out * dout)`; `workspace` is a contiguous 1-D float32 tensor of at least
+/// `cuda_workspace_len`. Arguments, checks and errors as in [`cuda_forward`] (dout, dq, dk
+/// and dv of q's dtype, the workspace float32).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_backward(
     py: Python<'_>,
-    device: usize,
     stream: usize,
-    dtype_name: &str,
-    plan: PlanArg,
-    q: Tensor4,
-    k: Tensor4,
-    v: Tensor4,
-    out: Tensor4,
-    dout: Tensor4,
-    lse: Tensor3,
-    dq: Tensor4,
-    dk: Tensor4,
-    dv: Tensor4,
-    workspace: (u64, usize),
+    plan: DescriptorArg,
+    q: TensorArg<4>,
+    k: TensorArg<4>,
+    v: TensorArg<4>,
+    out: TensorArg<4>,
+    dout: TensorArg<4>,
+    lse: TensorArg<3>,
+    dq: TensorArg<4>,
+    dk: TensorArg<4>,
+    dv: TensorArg<4>,
+    workspace: TensorArg<1>,
     scale: f32,
     deterministic: bool,
 ) -> PyResult<()> {
-    let raw = BackwardRaw {
-        dtype: dtype(dtype_name)?,
-        q: q.0,
-        q_layout: layout(&q),
-        k: k.0,
-        k_layout: layout(&k),
-        v: v.0,
-        v_layout: layout(&v),
-        out: out.0,
-        out_layout: layout(&out),
-        dout: dout.0,
-        dout_layout: layout(&dout),
-        lse: lse.0,
-        lse_layout: LseLayout {
-            shape: lse.1,
-            strides: lse.2,
-        },
-        dq: dq.0,
-        dq_layout: layout(&dq),
-        dk: dk.0,
-        dk_layout: layout(&dk),
-        dv: dv.0,
-        dv_layout: layout(&dv),
-        workspace: workspace.0,
-        workspace_len: workspace.1,
-        softmax_scale: scale,
-        deterministic,
+    let checked = || -> Result<(usize, BackwardRaw, PlanLayout), Error> {
+        let (q, k, v, out, dout) = (
+            to_external(q),
+            to_external(k),
+            to_external(v),
+            to_external(out),
+            to_external(dout),
+        );
+        let (lse, dq, dk, dv, ws) = (
+            to_external(lse),
+            to_external(dq),
+            to_external(dk),
+            to_external(dv),
+            to_external(workspace),
+        );
+        let (device, dt) = external::launch_device_and_dtype(&[
+            ("q", &q.dtype, q.device, true),
+            ("k", &k.dtype, k.device, true),
+            ("v", &v.dtype, v.device, true),
+            ("out", &out.dtype, out.device, true),
+            ("dout", &dout.dtype, dout.device, true),
+            ("lse", &lse.dtype, lse.device, false),
+            ("dq", &dq.dtype, dq.device, true),
+            ("dk", &dk.dtype, dk.device, true),
+            ("dv", &dv.dtype, dv.device, true),
+            ("workspace", &ws.dtype, ws.device, false),
+        ])?;
+        let (workspace, workspace_len) = ws.contiguous("workspace")?;
+        let raw = BackwardRaw {
+            dtype: dt,
+            q: q.addr,
+            q_layout: q.layout(),
+            k: k.addr,
+            k_layout: k.layout(),
+            v: v.addr,
+            v_layout: v.layout(),
+            out: out.addr,
+            out_layout: out.layout(),
+            dout: dout.addr,
+            dout_layout: dout.layout(),
+            lse: lse.addr,
+            lse_layout: lse.lse_layout(),
+            dq: dq.addr,
+            dq_layout: dq.layout(),
+            dk: dk.addr,
+            dk_layout: dk.layout(),
+            dv: dv.addr,
+            dv_layout: dv.layout(),
+            workspace,
+            workspace_len,
+            softmax_scale: scale,
+            deterministic,
+        };
+        Ok((device, raw, plan_layout(device, plan)?))
     };
+    let (device, raw, layout) = checked().map_err(py_err)?;
     py.detach(|| {
-        let (rt, view) = plan_view(device, &plan)?;
+        let (rt, view) = plan_view(device, layout)?;
         let stream = torch_stream(&rt, stream);
         // SAFETY: as in `cuda_forward`; `dq`, `dk`, `dv` and the workspace are fresh torch
-        // allocations that overlap nothing, the workspace holding `workspace.1` fp32 elements.
+        // allocations that overlap nothing, the workspace holding `workspace_len` fp32 elements.
         #[allow(unsafe_code)]
         unsafe {
             rt.backward_raw(&stream, &view, &raw)

@@ -5,6 +5,7 @@
 //! also carry `.diagnostics` (a list of [`Diagnostic`]), `.rendered`, and for plan errors
 //! `.code`, `.hint`.
 
+use compilemask::Code;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -137,7 +138,8 @@ pub fn compile_error(py: Python<'_>, e: &compilemask::CompileError, source: &str
     with_attrs(py, err, &attrs)
 }
 
-/// `PlanError` for a failed plan, rendered against the program's source when it has a span.
+/// `PlanError` for a failed plan, rendered by `compilemask::render_error` (against the
+/// program's source when it has a span), as the CLI prints it.
 pub fn plan_error(
     py: Python<'_>,
     program: Option<&compilemask::Program>,
@@ -145,13 +147,13 @@ pub fn plan_error(
 ) -> PyErr {
     let (rendered, source) = match program {
         Some(p) => (p.render_error(e), p.source()),
-        None => (e.to_string(), ""),
+        None => (compilemask::render_error("", "", e), ""),
     };
     let rendered = rendered.trim_end().to_string();
     let diagnostic = Diagnostic::new(&e.to_diagnostic(), source);
     let err = PlanError::new_err(rendered.clone());
     let attrs = [
-        ("code", into_py(py, e.code)),
+        ("code", into_py(py, e.code.as_str())),
         ("hint", into_py(py, e.hint.clone())),
         ("diagnostics", into_py(py, vec![diagnostic])),
         ("rendered", into_py(py, rendered)),
@@ -160,15 +162,29 @@ pub fn plan_error(
 }
 
 /// A `PlanError` with a code and no source span (argument checks done here).
-pub fn plan_error_msg(
-    py: Python<'_>,
-    code: &'static str,
-    message: String,
-    hint: Option<String>,
-) -> PyErr {
+pub fn plan_error_msg(py: Python<'_>, code: Code, message: String, hint: Option<String>) -> PyErr {
     let mut e = compilemask::PlanError::new(code, None, message);
     e.hint = hint;
     plan_error(py, None, &e)
+}
+
+/// `compilemask._native.plan_error(code, message, hint=None)`: the `PlanError` of the
+/// package's own argument checks (in `python/compilemask`), made and rendered here so it
+/// reads as every other. `ValueError` for a code that docs/language.md does not list.
+#[pyfunction(name = "plan_error")]
+#[pyo3(signature = (code, message, hint = None))]
+pub fn py_plan_error(
+    py: Python<'_>,
+    code: &str,
+    message: String,
+    hint: Option<String>,
+) -> PyResult<PyErr> {
+    let code = Code::parse(code).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "`{code}` is not one of the diagnostic codes of docs/language.md"
+        ))
+    })?;
+    Ok(plan_error_msg(py, code, message, hint))
 }
 
 fn into_py<'py, T: IntoPyObject<'py>>(py: Python<'py>, v: T) -> Py<PyAny> {

@@ -41,17 +41,25 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DENSE_LIMIT", compilemask::DENSE_LIMIT)?;
+    m.add(
+        "LENGTH_MAX",
+        compilemask::LENGTH_LIMITS
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(),
+    )?;
     m.add("MaskSyntaxError", py.get_type::<errors::MaskSyntaxError>())?;
     m.add("PlanError", py.get_type::<errors::PlanError>())?;
     m.add_class::<errors::Diagnostic>()?;
     m.add_class::<program::Program>()?;
     m.add_class::<plan::Plan>()?;
+    m.add_function(wrap_pyfunction!(errors::py_plan_error, m)?)?;
     m.add_function(wrap_pyfunction!(program::compile, m)?)?;
     m.add_function(wrap_pyfunction!(program::builtin, m)?)?;
     m.add_function(wrap_pyfunction!(program::builtins, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_forward, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_backward, m)?)?;
     m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
+    m.add("CUDA_HEAD_DIMS", cuda::head_dims())?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;

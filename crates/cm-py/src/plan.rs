@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert::py_bytes;
-use crate::errors::plan_error_msg;
+use crate::errors::plan_error;
 
 /// A complete plan (private; wrapped by `compilemask.Plan`).
 #[pyclass(frozen, module = "compilemask._native", name = "Plan")]
@@ -25,19 +25,9 @@ pub struct Plan {
 }
 
 /// A `PlanError` for an export that was refused: `CM0403` (over the size limit) or
-/// `CM0408` (not expressible in the format), with the export's message (less the
-/// `error[CODE]: ` prefix it may carry).
+/// `CM0408` (not expressible in the format).
 fn export_error(py: Python<'_>, e: &compilemask::ExportError) -> PyErr {
-    let code = match e {
-        compilemask::ExportError::TooLarge { .. } => "CM0403",
-        _ => "CM0408",
-    };
-    let text = e.to_string();
-    let message = text
-        .strip_prefix("error[")
-        .and_then(|rest| rest.split_once("]: "))
-        .map_or(text.as_str(), |(_, m)| m);
-    plan_error_msg(py, code, message.to_string(), None)
+    plan_error(py, None, &e.clone().into())
 }
 
 /// The traversal's name, as `compilemask plan --json` writes it.
@@ -342,21 +332,23 @@ impl Plan {
         Ok((py_bytes(py, &row_ptr), py_bytes(py, &flat)))
     }
 
-    /// The CUDA kernels' descriptor of every distinct mask at their tile shape
-    /// (`cuda_kernel_tile`): per mask, one uint32 bytes object per array, in the order of
-    /// `CUDA_PLAN_ARRAYS` (GIL released).
-    fn kernel_arrays<'py>(&self, py: Python<'py>) -> Vec<Vec<Bound<'py, PyBytes>>> {
+    /// The CUDA kernels' descriptor of the whole plan at their tile shape
+    /// (`cuda_kernel_tile`): every distinct mask back to back and the plan's `mask_index
+    /// [batch, num_heads]` (`cm_cuda::HostPlan::build_masks`), one uint32 bytes object per
+    /// array, in the order of `CUDA_PLAN_ARRAYS` (GIL released).
+    fn kernel_arrays<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let p = &self.inner;
-        let hosts: Vec<cm_cuda::HostPlan> = py.detach(|| {
-            p.masks
-                .iter()
-                .map(|m| cm_cuda::HostPlan::build(&m.rows, crate::cuda::kernel_tile()))
-                .collect()
+        let host = py.detach(|| {
+            let masks: Vec<&compilemask::RowIntervals> = p.masks.iter().map(|m| &m.rows).collect();
+            cm_cuda::HostPlan::build_masks(
+                &masks,
+                &p.mask_index,
+                [p.batch as usize, p.num_heads as usize],
+                crate::cuda::kernel_tile(),
+            )
         });
-        hosts
-            .iter()
-            .map(|h| h.arrays().iter().map(|a| py_bytes(py, a)).collect())
-            .collect()
+        let host = host.map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        Ok(host.arrays().iter().map(|a| py_bytes(py, a)).collect())
     }
 
     /// The dense `[q_len, kv_len]` mask of `(b, h)`, one byte per pair (1 = visible).

@@ -1,5 +1,6 @@
 //! Compiling programs and planning them.
 
+use compilemask::Code;
 use std::time::Instant;
 
 use compilemask::{OrderRequest, PackedShape, PlanOptions, TileShape};
@@ -45,7 +46,7 @@ fn order_request(py: Python<'_>, order: Option<&Bound<'_, PyAny>>) -> PyResult<O
             u32::try_from(o).map_err(|_| {
                 plan_error_msg(
                     py,
-                    "CM0407",
+                    Code::BadOrder,
                     format!("bad token order: order[{i}] = {o} is out of range"),
                     Some("an order lists every position 0 .. q_len - 1 once".into()),
                 )
@@ -88,7 +89,7 @@ fn block(py: Python<'_>, what: &str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| {
         plan_error_msg(
             py,
-            "CM0401",
+            Code::ZeroTileSide,
             format!("{what} = {v} is not a valid tile side"),
             Some("tile sides are positive integers, e.g. block_size=(128, 128)".into()),
         )

@@ -33,18 +33,18 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
 }
 
 /// The plan's masks, rebuilt (and validated) from the flat arrays.
-struct PlanArrays {
+struct IndexedMasks {
     masks: Vec<RowIntervals>,
     index: Vec<usize>,
 }
 
-impl PlanArrays {
+impl IndexedMasks {
     fn read(
         s: &AttentionShape,
         row_ptr: &Bound<'_, PyAny>,
         intervals: &Bound<'_, PyAny>,
         mask_index: &Bound<'_, PyAny>,
-    ) -> PyResult<PlanArrays> {
+    ) -> PyResult<IndexedMasks> {
         let row_ptr: Vec<i32> = read_vec(row_ptr, "row_ptr")?;
         let flat: Vec<i32> = read_vec(intervals, "intervals")?;
         let index: Vec<i32> = read_vec(mask_index, "mask_index")?;
@@ -98,7 +98,7 @@ impl PlanArrays {
                     })
             })
             .collect::<PyResult<_>>()?;
-        Ok(PlanArrays { masks, index })
+        Ok(IndexedMasks { masks, index })
     }
 
     fn masks(&self) -> Masks<'_> {
@@ -120,7 +120,7 @@ fn forward_t<'py, T>(
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
-    plan: &PlanArrays,
+    plan: &IndexedMasks,
     scale: f64,
 ) -> PyResult<Forward<'py>>
 where
@@ -156,7 +156,7 @@ pub fn reference_forward<'py>(
     double: bool,
 ) -> PyResult<Forward<'py>> {
     let s = shape(dims);
-    let plan = PlanArrays::read(&s, row_ptr, intervals, mask_index)?;
+    let plan = IndexedMasks::read(&s, row_ptr, intervals, mask_index)?;
     if double {
         forward_t::<f64>(py, s, q, k, v, &plan, scale)
     } else {
@@ -179,7 +179,7 @@ fn backward_t<'py, T>(
     v: &Bound<'py, PyAny>,
     dout: &Bound<'py, PyAny>,
     dlse: Option<&Bound<'py, PyAny>>,
-    plan: &PlanArrays,
+    plan: &IndexedMasks,
     scale: f64,
 ) -> PyResult<Backward<'py>>
 where
@@ -220,7 +220,7 @@ fn backward_with_lse<T: Float>(
     v: &[T],
     dout: &[T],
     dlse: Option<&[T]>,
-    plan: &PlanArrays,
+    plan: &IndexedMasks,
     scale: f64,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>), compilemask::ReferenceError> {
     let masks = plan.masks();
@@ -284,7 +284,7 @@ pub fn reference_backward<'py>(
     double: bool,
 ) -> PyResult<Backward<'py>> {
     let s = shape(dims);
-    let plan = PlanArrays::read(&s, row_ptr, intervals, mask_index)?;
+    let plan = IndexedMasks::read(&s, row_ptr, intervals, mask_index)?;
     if double {
         backward_t::<f64>(py, s, q, k, v, dout, dlse, &plan, scale)
     } else {

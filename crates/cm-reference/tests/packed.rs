@@ -39,7 +39,8 @@ struct Case {
 }
 
 fn run(case: &Case, seed: u64) {
-    let (ir, diags) = cm_ir::compile(cm_stdlib::get(case.source).map_or(case.source, |b| b.source));
+    let (ir, diags) =
+        cm_stdlib::compile(cm_stdlib::get(case.source).map_or(case.source, |b| b.source));
     let program = ir.unwrap_or_else(|| panic!("{}: {diags:?}", case.source));
     let values: BTreeMap<String, Value> = case
         .params

@@ -1,4 +1,4 @@
-//! Cases from `shared/cases/public-reports.md` that the CPU reference must pass: the empty-row
+//! Cases of docs/public-reports.md that the CPU reference must pass: the empty-row
 //! contract (FM-01), extreme logits without sentinels (FM-03), the LSE contract (FM-04) and the
 //! GQA head mapping (GQ-01).
 

@@ -1,8 +1,33 @@
 //! The standard library: built-in masks written in the mask language, embedded in the
-//! binary. Names and parameters of the workload masks follow design.md and workloads.md.
+//! binary. Names and parameters of the workload masks follow docs/design.md and
+//! docs/workloads.md.
 
+mod trace;
+
+use cm_ir::NamedArray;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, PoisonError};
+
+/// The standard library's named arrays, built-in names of every program compiled with it
+/// (`compilemask::compile` passes them): `trace_context` and `trace_generated`, the
+/// `ContextTokens` and `GeneratedTokens` columns of the bundled Azure LLM inference trace
+/// 2023 (conversation service, in file order; see data/README.md).
+pub const ARRAYS: &[NamedArray] = &[
+    NamedArray {
+        name: "trace_context",
+        values: trace::context_tokens,
+    },
+    NamedArray {
+        name: "trace_generated",
+        values: trace::generated_tokens,
+    },
+];
+
+/// Parses and checks `source` with the standard library's [`ARRAYS`] as built-in names
+/// (`cm_ir::compile` with them).
+pub fn compile(source: &str) -> (Option<cm_ir::Program>, Vec<cm_ir::Diagnostic>) {
+    cm_ir::compile(source, ARRAYS)
+}
 
 /// One built-in mask: its name and source text.
 #[derive(Clone, Copy, Debug)]
@@ -30,8 +55,8 @@ impl Builtin {
 
 /// The leading `#` comment lines of `source` joined with spaces, up to and including the
 /// first sentence's full stop: a `.` at the end of the comment, or followed by a space and
-/// then a capital letter or a backtick (so `et al. 2024`, `workloads.md` and `2.1` do not
-/// end a sentence).
+/// then a capital letter or a backtick (so `et al. 2024`, `docs/workloads.md` and `2.1` do
+/// not end a sentence).
 fn first_sentence(source: &str) -> String {
     let text = source
         .lines()
@@ -152,7 +177,7 @@ mod tests {
         assert_eq!(
             s("clear"),
             "CLEAR local 2D attention for diffusion transformers (Liu et al. 2024), \
-             workloads.md W4: `text` tokens first, then a grid x grid image in raster order."
+             docs/workloads.md W4: `text` tokens first, then a grid x grid image in raster order."
         );
         assert_eq!(
             s("causal_bottom_right"),

@@ -1,6 +1,9 @@
 //! Diagnostics: errors and warnings as data, with a stable code, a byte span, a hint.
-//! Rendering happens at the edges (CLI, Python), never here.
+//! Rendering against the source happens in one place, `compilemask::render` (used by the
+//! CLI and by Python); the [`Display`](std::fmt::Display) form here is the same text without
+//! the source excerpt, for errors that have no span.
 
+use crate::Code;
 use serde::Serialize;
 
 /// A half-open byte range `[start, end)` into the source text.
@@ -35,10 +38,11 @@ pub enum Severity {
 }
 
 /// One diagnostic. `code` is stable across releases (`CM01xx` syntax, `CM02xx` names and
-/// types, `CM03xx` plan-time values, `CM04xx` planning limits); see docs/language.md.
+/// types, `CM03xx` plan-time values, `CM04xx` planning limits); see [`Code`] and
+/// docs/language.md.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Diagnostic {
-    pub code: &'static str,
+    pub code: Code,
     pub severity: Severity,
     pub message: String,
     pub span: Span,
@@ -50,7 +54,7 @@ pub struct Diagnostic {
 }
 
 impl Diagnostic {
-    pub fn error(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
+    pub fn error(code: Code, span: Span, message: impl Into<String>) -> Diagnostic {
         let message = message.into();
         Diagnostic {
             code,
@@ -63,7 +67,7 @@ impl Diagnostic {
         }
     }
 
-    pub fn warning(code: &'static str, span: Span, message: impl Into<String>) -> Diagnostic {
+    pub fn warning(code: Code, span: Span, message: impl Into<String>) -> Diagnostic {
         Diagnostic {
             severity: Severity::Warning,
             ..Diagnostic::error(code, span, message)
@@ -87,6 +91,36 @@ impl Diagnostic {
 
     pub fn is_error(&self) -> bool {
         self.severity == Severity::Error
+    }
+}
+
+impl Severity {
+    /// The word a rendered diagnostic starts with after its code.
+    pub fn word(self) -> &'static str {
+        match self {
+            Severity::Error => "Error",
+            Severity::Warning => "Warning",
+        }
+    }
+}
+
+/// The diagnostic without its source: `[CM0309] Error: unknown parameter `windw``, then
+/// `    Help: did you mean `window`?` when there is a hint. The first line is the header
+/// `compilemask::render` draws above the source excerpt (ariadne's layout), so an error
+/// reads the same with and without a span.
+impl std::fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "[{}] {}: {}",
+            self.code,
+            self.severity.word(),
+            self.message
+        )?;
+        if let Some(h) = &self.hint {
+            write!(f, "\n    Help: {h}")?;
+        }
+        Ok(())
     }
 }
 

@@ -2,6 +2,7 @@
 //! decoded lossily by the caller, lexes to a token list ending in `Eof`, plus diagnostics.
 
 use crate::diag::{Diagnostic, Span};
+use crate::Code;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tok {
@@ -132,7 +133,7 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 }
                 diags.push(
                     Diagnostic::error(
-                        "CM0103",
+                        Code::BadIntegerLiteral,
                         Span::new(start, end_of(k)),
                         "malformed integer literal",
                     )
@@ -153,7 +154,7 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 None => {
                     diags.push(
                         Diagnostic::error(
-                            "CM0103",
+                            Code::BadIntegerLiteral,
                             span,
                             "integer literal does not fit in 64 bits",
                         )
@@ -221,8 +222,12 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             let span = Span::new(start, end_of(j));
             if !closed {
                 diags.push(
-                    Diagnostic::error("CM0102", span, "unterminated string literal")
-                        .with_hint("close the string with `\"` on the same line"),
+                    Diagnostic::error(
+                        Code::UnterminatedString,
+                        span,
+                        "unterminated string literal",
+                    )
+                    .with_hint("close the string with `\"` on the same line"),
                 );
             }
             toks.push(Token {
@@ -276,8 +281,12 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     format!("`{c}`")
                 };
                 diags.push(
-                    Diagnostic::error("CM0101", span, format!("unexpected character {shown}"))
-                        .with_hint("comments start with `#`; see docs/language.md for the syntax"),
+                    Diagnostic::error(
+                        Code::UnexpectedCharacter,
+                        span,
+                        format!("unexpected character {shown}"),
+                    )
+                    .with_hint("comments start with `#`; see docs/language.md for the syntax"),
                 );
             }
         }

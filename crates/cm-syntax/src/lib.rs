@@ -5,10 +5,12 @@
 //! specified in `docs/language.md`.
 
 pub mod ast;
+pub mod code;
 pub mod diag;
 pub mod lexer;
 pub mod parser;
 
 pub use ast::*;
+pub use code::Code;
 pub use diag::{line_col, Diagnostic, Severity, Span};
 pub use parser::{parse, parse_expr};

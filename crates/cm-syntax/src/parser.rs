@@ -5,6 +5,7 @@
 use crate::ast::*;
 use crate::diag::{Diagnostic, Span};
 use crate::lexer::{lex, Tok, Token};
+use crate::Code;
 
 /// Nesting deeper than this is refused, so hostile input cannot overflow the stack.
 /// Operators in a flat chain (`a | b | c ...`) count toward it too, because every later
@@ -71,7 +72,7 @@ pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
     if !p.at(&Tok::Eof) {
         let t = p.peek().clone();
         p.diags.push(Diagnostic::error(
-            "CM0104",
+            Code::UnexpectedToken,
             t.span,
             format!("expected end of expression, found {}", t.tok.describe()),
         ));
@@ -133,7 +134,7 @@ impl Parser {
         let t = self.peek().clone();
         self.diags.push(
             Diagnostic::error(
-                "CM0104",
+                Code::UnexpectedToken,
                 t.span,
                 format!("expected {expected}, found {}", t.tok.describe()),
             )
@@ -192,7 +193,7 @@ impl Parser {
                 let t = self.peek().clone();
                 self.diags.push(
                     Diagnostic::error(
-                        "CM0106",
+                        Code::ExpectedStatement,
                         t.span,
                         format!("expected a statement, found {}", t.tok.describe()),
                     )
@@ -348,7 +349,7 @@ impl Parser {
                         Tok::Str(text) => self.message(&text),
                         other => {
                             self.diags.push(Diagnostic::error(
-                                "CM0104",
+                                Code::UnexpectedToken,
                                 t.span,
                                 format!(
                                     "expected a message string after `else`, found {}",
@@ -393,7 +394,7 @@ impl Parser {
                 let Some(close) = close else {
                     self.diags.push(
                         Diagnostic::error(
-                            "CM0102",
+                            Code::UnterminatedString,
                             Span {
                                 start: off,
                                 end: off + 1,
@@ -475,7 +476,7 @@ impl Parser {
         let t = self.peek().clone();
         if !self.skipping {
             self.diags.push(
-                Diagnostic::error("CM0105", t.span, "expression nested too deeply").with_hint(format!(
+                Diagnostic::error(Code::TooDeep, t.span, "expression nested too deeply").with_hint(format!(
                     "at most {MAX_DEPTH} levels of nesting or operators in one chain are allowed; split it with `let`"
                 )),
             );

@@ -247,7 +247,7 @@ fn deep_nesting_gives_a_diagnostic() {
         }
         // Forms that are not nested expressions fail some other way; still an error.
         assert!(
-            diags.iter().all(|d| d.code.starts_with("CM01")),
+            diags.iter().all(|d| d.code.as_str().starts_with("CM01")),
             "{diags:?}"
         );
     }

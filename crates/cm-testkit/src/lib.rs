@@ -26,7 +26,7 @@ use cm_syntax::Diagnostic;
 pub fn check_diags(src: &str, diags: &[Diagnostic]) {
     for d in diags {
         assert!(
-            d.code.starts_with("CM") && d.code.len() == 6,
+            d.code.as_str().starts_with("CM") && d.code.as_str().len() == 6,
             "bad code {d:?}"
         );
         for span in std::iter::once(d.span).chain(d.related.iter().map(|r| r.0)) {

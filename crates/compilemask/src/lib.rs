@@ -18,9 +18,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+pub mod text;
 pub mod warnings;
+pub use text::{parse_int_list, parse_value, ListError};
 
-pub use cm_export::{CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT};
+pub use cm_export::{
+    CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT, JSON_LIMIT,
+};
+pub use cm_ir::bind::LENGTH_LIMITS;
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
     KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals, TileCounts, TileDescriptor,
@@ -31,7 +36,7 @@ pub use cm_reference::{
     ReferenceError,
 };
 pub use cm_stdlib::{Builtin, BUILTINS};
-pub use cm_syntax::{line_col, Diagnostic, Severity, Span};
+pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
 
 /// A program failed to parse or check.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -66,7 +71,7 @@ pub fn compile(source: &str) -> Result<Program, CompileError> {
 /// # Errors
 /// As [`compile`].
 pub fn compile_named(source: &str, name: &str) -> Result<Program, CompileError> {
-    let (ir, diagnostics) = cm_ir::compile(source);
+    let (ir, diagnostics) = cm_stdlib::compile(source);
     match ir {
         Some(ir) => Ok(Program {
             ir: Arc::new(ir),
@@ -95,15 +100,12 @@ pub fn builtin(name: &str) -> Result<Program, CompileError> {
         None => {
             let names: Vec<&str> = BUILTINS.iter().map(|b| b.name).collect();
             let d = Diagnostic::error(
-                "CM0201",
+                Code::UnknownName,
                 Span::default(),
                 format!("unknown built-in mask `{name}`"),
             )
             .with_hint(format!("available: {}", names.join(", ")));
-            let rendered = format!(
-                "error[CM0201]: unknown built-in mask `{name}`\n  = hint: available: {}\n",
-                names.join(", ")
-            );
+            let rendered = format!("{d}\n");
             Err(CompileError {
                 diagnostics: vec![d],
                 rendered,
@@ -265,7 +267,7 @@ impl Program {
     ) -> Result<Plan, PlanError> {
         if options.order != OrderRequest::Raster {
             return Err(PlanError::new(
-                "CM0410",
+                Code::OrderWithPacking,
                 None,
                 "token orders are not supported with packed samples (cu_seqlens)",
             )
@@ -350,7 +352,7 @@ impl Program {
         let bound = self.ir.bind(options.shape(), &options.params)?;
         let grid = bound.grids.first().ok_or_else(|| {
             PlanError::new(
-                "CM0406",
+                Code::NoGridForOrder,
                 None,
                 "the mask declares no grid, so it has no patch order",
             )
@@ -444,18 +446,9 @@ impl Program {
         &self.name
     }
 
-    /// A plan error rendered against this program's source.
+    /// A plan error rendered against this program's source (see [`render_error`]).
     pub fn render_error(&self, e: &PlanError) -> String {
-        match e.span {
-            Some(_) => render(&self.source, &self.name, &[e.to_diagnostic()]),
-            None => {
-                let mut s = format!("error[{}]: {}\n", e.code, e.message);
-                if let Some(h) = &e.hint {
-                    s.push_str(&format!("  = hint: {h}\n"));
-                }
-                s
-            }
-        }
+        render_error(&self.source, &self.name, e)
     }
 }
 
@@ -597,9 +590,22 @@ fn excerpt<'s>(
     (std::borrow::Cow::Owned(text), moved)
 }
 
+/// Renders a plan error: against `source` (called `name`) as [`render`] draws a diagnostic
+/// when the error has a span, else as the error's own text (`[CM0402] Error: ...`, then a
+/// `Help:` line), which is the header [`render`] draws. The one renderer of errors: the CLI
+/// and the Python package print what this returns.
+pub fn render_error(source: &str, name: &str, e: &PlanError) -> String {
+    match e.span {
+        Some(_) => render(source, name, &[e.to_diagnostic()]),
+        None => format!("{e}\n"),
+    }
+}
+
 /// Renders diagnostics against their source, without colour (ariadne). Lines longer than
 /// [`MAX_SHOWN_LINE`] bytes are cut to a window around the labels (the header's column then
 /// counts within the window); the `at FILE:LINE:COL` note always gives the true position.
+/// Each diagnostic's first line is its [`Display`](std::fmt::Display) header, `[CODE]
+/// Error: message`.
 pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
     use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
     let mut out = Vec::new();
@@ -639,15 +645,7 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
             .write((name, Source::from(shown.as_ref())), &mut out)
             .is_err()
         {
-            out.extend_from_slice(
-                format!(
-                    "{}[{}]: {}\n",
-                    if d.is_error() { "error" } else { "warning" },
-                    d.code,
-                    d.message
-                )
-                .as_bytes(),
-            );
+            out.extend_from_slice(format!("{d}\n").as_bytes());
         }
     }
     String::from_utf8_lossy(&out).into_owned()
@@ -691,14 +689,6 @@ pub fn render_limited(
     };
     out.push_str(&format!("... and {more}\n"));
     out
-}
-
-/// Parses a `--set` style value: an integer, a comma-separated list, or `[a, b, c]`.
-///
-/// # Errors
-/// `CM0308` naming the text that is not an integer.
-pub fn parse_value(text: &str) -> Result<Value, PlanError> {
-    cm_ir::bind::parse_value(text)
 }
 
 /// Exports of one planned mask.

@@ -1,26 +1,13 @@
 //! Plan-time warnings: a plan that is valid but very likely not what was meant. Each has a
-//! stable code (listed here, in one place, and in docs/language.md), a span in the program
-//! and a hint. The CLI prints them on standard error (`--deny-warnings` makes them errors);
+//! stable code ([`Code`]'s `CM026x`, one row each of docs/language.md's table), a span in the
+//! program and a hint. The CLI prints them on standard error (`--deny-warnings` makes them errors);
 //! Python raises them as `compilemask.CompileMaskWarning`.
 
-use cm_syntax::{Diagnostic, Span};
+use cm_syntax::{Code, Diagnostic, Span};
 
 use crate::{Plan, PlanOptions, Program};
 
-/// No (q, k) pair of any (batch, head) is visible.
-pub const NO_VISIBLE_PAIR: &str = "CM0260";
-/// Some query rows see no key (their attention output is 0, their lse `-inf`).
-pub const EMPTY_ROWS: &str = "CM0261";
-/// The mask reads the head index `h` but was planned with one head.
-pub const ONE_HEAD: &str = "CM0262";
-/// The mask reads the batch index `b` but was planned with one batch (or one sample).
-pub const ONE_BATCH: &str = "CM0263";
-/// A parameter was given a value that nothing in the program reads.
-pub const UNREAD_PARAMETER: &str = "CM0264";
-/// `elementwise` evaluated more than [`ELEMENTWISE_WARN_PAIRS`] pairs one by one.
-pub const ELEMENTWISE_PAIRS: &str = "CM0265";
-
-/// Pairs evaluated by `elementwise` above which [`ELEMENTWISE_PAIRS`] is raised.
+/// Pairs evaluated by `elementwise` above which [`Code::ElementwisePairs`] is raised.
 pub const ELEMENTWISE_WARN_PAIRS: u64 = 1_000_000;
 
 /// The first `elementwise(...)` region of `r`, if any.
@@ -48,7 +35,7 @@ impl Program {
         if plan.visible_pairs() == 0 {
             out.push(
                 Diagnostic::warning(
-                    NO_VISIBLE_PAIR,
+                    Code::NoVisiblePair,
                     ir.mask_span,
                     format!(
                         "the mask sees nothing: no key is visible from any row at q_len = {}, kv_len = {}",
@@ -61,7 +48,7 @@ impl Program {
         } else if empty > 0 {
             out.push(
                 Diagnostic::warning(
-                    EMPTY_ROWS,
+                    Code::EmptyRows,
                     ir.mask_span,
                     format!(
                         "{empty} of {rows} query rows see no key (summed over batch and heads)"
@@ -73,7 +60,7 @@ impl Program {
         }
         if let (Some(span), 1) = (ir.h_span, plan.num_heads) {
             out.push(
-                Diagnostic::warning(ONE_HEAD, span, "the mask reads the head index `h`, but it was planned with one head")
+                Diagnostic::warning(Code::OneHead, span, "the mask reads the head index `h`, but it was planned with one head")
                     .with_label("`h` is 0 in every row")
                     .with_hint("plan with the model's head count (--num-heads, num_heads=) so each head gets its own mask"),
             );
@@ -81,7 +68,7 @@ impl Program {
         let batch = plan.packing.as_ref().map_or(plan.batch, |p| p.batch());
         if let (Some(span), 1) = (ir.b_span, batch) {
             out.push(
-                Diagnostic::warning(ONE_BATCH, span, "the mask reads the batch index `b`, but it was planned with one batch")
+                Diagnostic::warning(Code::OneBatch, span, "the mask reads the batch index `b`, but it was planned with one batch")
                     .with_label("`b` is 0 in every row")
                     .with_hint("plan with the batch size (--batch, batch=) or the samples (--cu-seqlens-q) the mask is for"),
             );
@@ -90,7 +77,7 @@ impl Program {
             if options.params.contains_key(&p.name) {
                 out.push(
                     Diagnostic::warning(
-                        UNREAD_PARAMETER,
+                        Code::UnreadParameter,
                         p.span,
                         format!(
                             "parameter `{}` was set, but nothing in the program reads it",
@@ -108,7 +95,7 @@ impl Program {
             let span = first_elementwise(&ir.mask).unwrap_or(ir.mask_span);
             out.push(
                 Diagnostic::warning(
-                    ELEMENTWISE_PAIRS,
+                    Code::ElementwisePairs,
                     span,
                     format!(
                         "`elementwise` evaluated {} (q, k) pairs one by one (more than {ELEMENTWISE_WARN_PAIRS})",

@@ -396,9 +396,42 @@ fn unknown_builtin_lists_the_available_ones() {
 
 #[test]
 fn dense_export_above_limit() {
-    // CM0403 in docs/language.md; the export error itself carries no code (see report).
     let program = compilemask::builtin("causal").unwrap();
     let plan = program.plan(&opts(20_000)).unwrap();
     let err = compilemask::export::dense(&plan.mask(0, 0).rows).unwrap_err();
     insta::assert_snapshot!("dense_export_too_large", err.to_string());
+}
+
+/// One renderer: an error reads the same with a span (drawn against the source) and without
+/// one; the header line is the same text, and the hint is the `Help:` line in both.
+#[test]
+fn errors_read_the_same_with_and_without_a_span() {
+    let src = "param window: int = 4;\nrequire window >= 1 else \"window must be >= 1, got {window}\";\nmask = q - window < k <= q;\n";
+    let program = compilemask::compile_named(src, NAME).unwrap();
+    let err = program
+        .plan(&opts(8).param("window", Value::Int(0)))
+        .unwrap_err();
+    assert!(err.span.is_some(), "{err:?}");
+    let spanned = program.render_error(&err);
+    let bare = compilemask::PlanError {
+        span: None,
+        hint: Some("a hint".into()),
+        ..err.clone()
+    };
+    let unspanned = program.render_error(&bare);
+    assert_eq!(
+        spanned.lines().next(),
+        unspanned.lines().next(),
+        "{spanned}\n{unspanned}"
+    );
+    assert_eq!(
+        unspanned,
+        format!("[CM0305] Error: {}\n    Help: a hint\n", err.message)
+    );
+    assert_eq!(unspanned, format!("{bare}\n"));
+    let with_hint = program.render_error(&compilemask::PlanError {
+        hint: Some("a hint".into()),
+        ..err
+    });
+    assert!(with_hint.contains("│ Help: a hint"), "{with_hint}");
 }

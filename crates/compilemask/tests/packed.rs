@@ -42,11 +42,11 @@ fn packed_errors() {
     assert_eq!(e.code, "CM0409");
     let rendered = program.render_error(&e);
     assert!(
-        rendered.starts_with("error[CM0409]: cu_seqlens_q decreases"),
+        rendered.starts_with("[CM0409] Error: cu_seqlens_q decreases"),
         "{rendered}"
     );
     assert!(
-        rendered.contains("hint: cu_seqlens are prefix sums"),
+        rendered.contains("Help: cu_seqlens are prefix sums"),
         "{rendered}"
     );
     let e = program

@@ -1,4 +1,4 @@
-//! The cases of `shared/cases/public-reports.md` that concern mask semantics, alignment,
+//! The cases of docs/public-reports.md that concern mask semantics, alignment,
 //! tile edges, windows, empty rows, mask-build cost and validation, as named tests.
 //!
 //! Every case writes its mask in the language (docs/language.md), asserts the exact

@@ -6,7 +6,7 @@ use cm_plan::{plan, Plan, TileShape};
 use std::collections::BTreeMap;
 
 pub fn compile(src: &str) -> Program {
-    let (p, diags) = cm_ir::compile(src);
+    let (p, diags) = cm_stdlib::compile(src);
     match p {
         Some(p) => p,
         None => panic!("program failed to compile: {diags:?}\n{src}"),

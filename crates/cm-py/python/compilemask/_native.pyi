@@ -4,6 +4,7 @@ from typing import Any, Sequence
 
 __version__: str
 DENSE_LIMIT: int
+LENGTH_MAX: dict[str, int]
 
 class MaskSyntaxError(ValueError):
     """A mask program failed to parse or check; the message is the rendered diagnostics."""
@@ -151,7 +152,7 @@ class Plan:
     def pairs_00(self) -> tuple[int, int]: ...
     @property
     def raster_computed_pairs(self) -> int: ...
-    def kernel_arrays(self) -> list[list[bytes]]: ...
+    def kernel_arrays(self) -> list[bytes]: ...
     def intervals(self, q: int, b: int = 0, h: int = 0) -> list[tuple[int, int]]: ...
     def rows(self, start: int, stop: int, b: int = 0, h: int = 0) -> list[list[tuple[int, int]]]: ...
     def mask_id(self, b: int = 0, h: int = 0) -> int: ...
@@ -169,6 +170,7 @@ class Plan:
 def compile(source: str, name: str = "<mask>") -> Program: ...
 def builtin(name: str) -> Program: ...
 def builtins() -> list[tuple[str, str]]: ...
+def plan_error(code: str, message: str, hint: str | None = None) -> PlanError: ...
 def reference_forward(
     dims: tuple[int, int, int, int, int, int, int],
     q: Any,
@@ -181,38 +183,41 @@ def reference_forward(
     double: bool,
 ) -> tuple[bytearray, bytearray]: ...
 CUDA_PLAN_ARRAYS: list[str]
+CUDA_HEAD_DIMS: list[int]
 
 def cuda_kernel_tile() -> tuple[int, int]: ...
 def cuda_workspace_len(
     q_len: int, batch: int, num_heads: int, head_dim: int, deterministic: bool
 ) -> int: ...
+# A tensor as the CUDA entry points take it: (data_ptr, shape, strides in elements, dtype name
+# without "torch.", CUDA ordinal or -1); every one is checked before a launch.
+_Tensor = tuple[int, tuple[int, ...], tuple[int, ...], str, int]
+# A plan's descriptor: (q_len, kv_len, num_masks, (mask_batch, mask_heads), arrays).
+_Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor]]
+
 def cuda_forward(
-    device: int,
     stream: int,
-    dtype_name: str,
-    plan: tuple[int, int, list[tuple[int, int]]],
-    q: tuple[int, tuple[int, ...], tuple[int, ...]],
-    k: tuple[int, tuple[int, ...], tuple[int, ...]],
-    v: tuple[int, tuple[int, ...], tuple[int, ...]],
-    out: tuple[int, tuple[int, ...], tuple[int, ...]],
-    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
+    plan: _Descriptor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
     scale: float,
 ) -> None: ...
 def cuda_backward(
-    device: int,
     stream: int,
-    dtype_name: str,
-    plan: tuple[int, int, list[tuple[int, int]]],
-    q: tuple[int, tuple[int, ...], tuple[int, ...]],
-    k: tuple[int, tuple[int, ...], tuple[int, ...]],
-    v: tuple[int, tuple[int, ...], tuple[int, ...]],
-    out: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dout: tuple[int, tuple[int, ...], tuple[int, ...]],
-    lse: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dq: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dk: tuple[int, tuple[int, ...], tuple[int, ...]],
-    dv: tuple[int, tuple[int, ...], tuple[int, ...]],
-    workspace: tuple[int, int],
+    plan: _Descriptor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    dout: _Tensor,
+    lse: _Tensor,
+    dq: _Tensor,
+    dk: _Tensor,
+    dv: _Tensor,
+    workspace: _Tensor,
     scale: float,
     deterministic: bool,
 ) -> None: ...

@@ -6,9 +6,13 @@ Imported on first use only (it imports torch). The plan travels as tensors (``ro
 work under ``torch.compile``:
 
 - ``compilemask::attention_forward(q, k, v, row_ptr, intervals, mask_index, kernel,
-  host_mask_index, scale, deterministic) -> (out, lse)``
+  plan_dims, scale, deterministic) -> (out, lse)``
 - ``compilemask::attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr,
-  intervals, mask_index, kernel, host_mask_index, scale, deterministic) -> (dq, dk, dv)``
+  intervals, mask_index, kernel, plan_dims, scale, deterministic) -> (dq, dk, dv)``
+
+``plan_dims`` is ``[num_masks, batch, num_heads]`` of the plan (its mask index's sides; 1
+applies to every batch or head), with which the CUDA kernels find each (batch, head)'s mask
+in ``kernel``: one launch (one backward sequence) serves the whole plan.
 
 Both have fake (meta) implementations; the forward has autograd through the backward op.
 CPU tensors run the Rust CPU reference. CUDA tensors run the kernels of ``cm-cuda`` on the
@@ -19,7 +23,7 @@ shapes and strides as ints, releases the GIL and launches without synchronising.
 # No `from __future__ import annotations` here: torch.library reads these annotations.
 
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -87,35 +91,26 @@ def _cpu_backward(grad_out, grad_lse, q, k, v, row_ptr, intervals, mask_index, s
 # --------------------------------------------------------------------------- CUDA kernels
 
 _CUDA_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_CUDA_HEAD_DIMS = (64, 128)
+# The head dimensions of the kernels' variant table (cm-kernels), from the extension.
+_CUDA_HEAD_DIMS = tuple(_native.CUDA_HEAD_DIMS)
 
 
-def _check_cuda_supported(q: Tensor, v: Tensor, kernel: list) -> None:
+def _check_cuda_supported(q: Tensor, v: Tensor) -> None:
     d, dv = q.shape[-1], v.shape[-1]
     if q.dtype not in _CUDA_DTYPES or d not in _CUDA_HEAD_DIMS or dv != d:
         raise NotImplementedError(
-            f"compilemask.attention on CUDA supports bfloat16 and float16 with head_dim 64 or "
-            f"128 and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
+            f"compilemask.attention on CUDA supports bfloat16 and float16 with head_dim "
+            f"{' or '.join(map(str, _CUDA_HEAD_DIMS))} and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
             f"head_dim {d} and head_dim_v {dv}. Use CPU tensors (the CPU reference) or "
             "plan.to_block_mask() with FlexAttention for other cases."
         )
-    if len(kernel) != len(_native.CUDA_PLAN_ARRAYS):
-        raise ValueError(
-            f"the plan's kernel descriptor has {len(kernel)} arrays, expected "
-            f"{len(_native.CUDA_PLAN_ARRAYS)}: build it with plan.to_tensors({str(q.device)!r})"
-        )
-    for t in kernel:
-        if t.device != q.device or t.dtype != torch.int32 or t.dim() != 2 \
-                or not t.is_contiguous():
-            raise ValueError(
-                f"the plan's kernel descriptor is not int32 tensors on {q.device}; build it "
-                f"with plan.to_tensors({str(q.device)!r})"
-            )
 
 
 def _raw(t: Tensor) -> tuple:
-    """A tensor as the extension takes it: address, shape, strides (in elements)."""
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    """A tensor as the extension takes it: address, shape, strides (in elements), dtype name
+    and CUDA ordinal (-1 off CUDA); the extension checks every one before a launch."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+            str(t.dtype).removeprefix("torch."), t.device.index if t.is_cuda else -1)
 
 
 def _kernel_ready(t: Tensor) -> Tensor:
@@ -128,110 +123,54 @@ def _kernel_ready(t: Tensor) -> Tensor:
     return t if ok else t.contiguous()
 
 
-class _Launch:
-    """One kernel launch: the mask it uses and the (batch, query head, kv head) slices it
-    covers."""
-
-    __slots__ = ("mask", "b", "hq", "hk")
-
-    def __init__(self, mask: int, b: slice, hq: slice, hk: slice):
-        self.mask, self.b, self.hq, self.hk = mask, b, hq, hk
-
-
-def _launches(num_masks: int, host_index: list, b: int, hq: int, hk: int) -> Iterator[_Launch]:
-    """Launches that cover every (batch, head) with its own mask: one for a plan of a
-    single mask; else one per batch whose heads share a mask, and one per group of query
-    heads sharing a kv head otherwise (the kernels give each launch one mask, and sum dK /
-    dV over a whole GQA group)."""
-    every = slice(None)
-    if num_masks == 1:
-        yield _Launch(0, every, every, every)
-        return
-    if len(host_index) != b * hq:
-        raise ValueError(
-            f"the plan's host mask index has {len(host_index)} entries, expected batch * "
-            f"num_heads = {b * hq}"
-        )
-    group = hq // hk
-    for i in range(b):
-        row = host_index[i * hq:(i + 1) * hq]
-        if all(m == row[0] for m in row):
-            yield _Launch(row[0], slice(i, i + 1), every, every)
-            continue
-        for j in range(hk):
-            masks = set(row[j * group:(j + 1) * group])
-            if len(masks) > 1:
-                raise NotImplementedError(
-                    f"compilemask.attention on CUDA: the query heads {j * group} .. "
-                    f"{(j + 1) * group - 1} of batch {i} share kv head {j} but have different "
-                    "masks; the kernels need one mask per GQA group (per-head masks work with "
-                    "num_heads == num_kv_heads, or on CPU tensors)"
-                )
-            yield _Launch(row[j * group], slice(i, i + 1), slice(j * group, (j + 1) * group),
-                          slice(j, j + 1))
-
-
-def _plan_arg(kernel: list, mask: int, q_len: int, kv_len: int) -> tuple:
-    """The kernels' view of one mask: the address and capacity of each descriptor array."""
-    return (q_len, kv_len,
-            [(t.data_ptr() + 4 * mask * t.shape[1], t.shape[1]) for t in kernel])
+def _plan_arg(kernel: list, plan_dims: list, q_len: int, kv_len: int) -> tuple:
+    """The kernels' view of the plan: lengths, mask count and mask index sides, and its
+    descriptor arrays."""
+    num_masks, batch, num_heads = plan_dims
+    return (q_len, kv_len, num_masks, (batch, num_heads), [_raw(t) for t in kernel])
 
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _cuda_forward(q, k, v, kernel, host_index, scale):
-    _check_cuda_supported(q, v, kernel)
+def _cuda_forward(q, k, v, kernel, plan_dims, scale):
+    _check_cuda_supported(q, v)
     b, hq, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
+    lk = k.shape[2]
     out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
-    dtype = _CUDA_DTYPES[q.dtype]
     # The launch binds the device's primary context to this thread: make it torch's current
     # device too, so torch's idea of the current device does not change under it.
     with torch.cuda.device(q.device):
-        stream = _stream(q.device)
-        for la in _launches(kernel[0].shape[0], host_index, b, hq, hk):
-            _native.cuda_forward(
-                q.device.index, stream, dtype, _plan_arg(kernel, la.mask, lq, lk),
-                _raw(q[la.b, la.hq]), _raw(k[la.b, la.hk]), _raw(v[la.b, la.hk]),
-                _raw(out[la.b, la.hq]), _raw(lse[la.b, la.hq]), scale)
+        _native.cuda_forward(
+            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
+            _raw(v), _raw(out), _raw(lse), scale)
     return out, lse
 
 
-def _cuda_backward_out(dout, q, k, v, out, lse, kernel, host_index, scale, deterministic):
+def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic):
     """dq, dk, dv of ``sum(out * dout)`` by the backward kernels."""
     b, hq, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
+    lk = k.shape[2]
     dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, hk, lk, d), dtype=k.dtype, device=q.device)
-    dv = torch.empty((b, hk, lk, d), dtype=v.dtype, device=q.device)
-    launches = list(_launches(kernel[0].shape[0], host_index, b, hq, hk))
-    # One workspace, sized for the largest launch, serves every launch: they run in order on
-    # one stream.
-    rows = max((len(range(*la.b.indices(b))) * len(range(*la.hq.indices(hq)))
-                for la in launches), default=0)
-    workspace = torch.empty(_native.cuda_workspace_len(lq, 1, rows, d, deterministic),
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    workspace = torch.empty(_native.cuda_workspace_len(lq, b, hq, d, deterministic),
                             dtype=torch.float32, device=q.device)
-    dtype = _CUDA_DTYPES[q.dtype]
     with torch.cuda.device(q.device):
-        stream = _stream(q.device)
-        for la in launches:
-            _native.cuda_backward(
-                q.device.index, stream, dtype, _plan_arg(kernel, la.mask, lq, lk),
-                _raw(q[la.b, la.hq]), _raw(k[la.b, la.hk]), _raw(v[la.b, la.hk]),
-                _raw(out[la.b, la.hq]), _raw(dout[la.b, la.hq]), _raw(lse[la.b, la.hq]),
-                _raw(dq[la.b, la.hq]), _raw(dk[la.b, la.hk]), _raw(dv[la.b, la.hk]),
-                (workspace.data_ptr(), workspace.numel()), scale, deterministic)
+        _native.cuda_backward(
+            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
+            _raw(v), _raw(out), _raw(dout), _raw(lse), _raw(dq), _raw(dk), _raw(dv),
+            _raw(workspace), scale, deterministic)
     return dq, dk, dv
 
 
-def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, host_index, scale,
+def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale,
                    deterministic):
-    _check_cuda_supported(q, v, kernel)
+    _check_cuda_supported(q, v)
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
-    dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, host_index, scale,
+    dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
                                     deterministic)
     if grad_lse is None:
         return dq, dk, dv
@@ -240,10 +179,10 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, host_index, sc
     # with v = k) and dk_j += scale * sum_i P_ij g_i q_i (the dv of a backward with v = k
     # and dout_i = g_i q_i). Rows with no visible key have P = 0 and add nothing.
     g = grad_lse.float().unsqueeze(-1)
-    pk, _ = _cuda_forward(q, k, k, kernel, host_index, scale)
+    pk, _ = _cuda_forward(q, k, k, kernel, plan_dims, scale)
     dq = (dq.float() + scale * g * pk.float()).to(q.dtype)
     _, _, pq = _cuda_backward_out((g * q.float()).to(q.dtype), q, k, k, pk, lse, kernel,
-                                  host_index, scale, deterministic)
+                                  plan_dims, scale, deterministic)
     dk = (dk.float() + scale * pq.float()).to(k.dtype)
     return dq, dk, dv
 
@@ -252,17 +191,17 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, host_index, sc
 
 @torch.library.custom_op("compilemask::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor, intervals: Tensor,
-                      mask_index: Tensor, kernel: list[Tensor], host_mask_index: list[int],
+                      mask_index: Tensor, kernel: list[Tensor], plan_dims: list[int],
                       scale: float, deterministic: bool) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        return _cuda_forward(q, k, v, kernel, host_mask_index, scale)
+        return _cuda_forward(q, k, v, kernel, plan_dims, scale)
     if q.device.type != "cpu":
         raise NotImplementedError(f"compilemask.attention has no kernels for {q.device}")
     return _cpu_forward(q, k, v, row_ptr, intervals, mask_index, scale)
 
 
 @attention_forward.register_fake
-def _(q, k, v, row_ptr, intervals, mask_index, kernel, host_mask_index, scale, deterministic):
+def _(q, k, v, row_ptr, intervals, mask_index, kernel, plan_dims, scale, deterministic):
     b, hq, lq, _ = q.shape
     return (q.new_empty((b, hq, lq, v.shape[-1])),
             q.new_empty((b, hq, lq), dtype=_lse_dtype(q.dtype)))
@@ -272,10 +211,10 @@ def _(q, k, v, row_ptr, intervals, mask_index, kernel, host_mask_index, scale, d
 def attention_backward(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q: Tensor,
                        k: Tensor, v: Tensor, out: Tensor, lse: Tensor, row_ptr: Tensor,
                        intervals: Tensor, mask_index: Tensor, kernel: list[Tensor],
-                       host_mask_index: list[int], scale: float,
+                       plan_dims: list[int], scale: float,
                        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        return _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, host_mask_index,
+        return _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims,
                               scale, deterministic)
     if q.device.type != "cpu":
         raise NotImplementedError(f"compilemask.attention has no kernels for {q.device}")
@@ -286,16 +225,16 @@ def attention_backward(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q
 
 @attention_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals, mask_index, kernel,
-      host_mask_index, scale, deterministic):
+      plan_dims, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    (q, k, v, row_ptr, intervals, mask_index, kernel, host_mask_index, scale,
+    (q, k, v, row_ptr, intervals, mask_index, kernel, plan_dims, scale,
      deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, row_ptr, intervals, mask_index, *kernel)
-    ctx.host_mask_index = host_mask_index
+    ctx.plan_dims = plan_dims
     ctx.scale = scale
     ctx.deterministic = deterministic
     # Outputs the loss does not use get None instead of zeros, so a loss of `out` alone
@@ -306,12 +245,12 @@ def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 def _backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
     q, k, v, out, lse, row_ptr, intervals, mask_index, *kernel = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals,
-                                    mask_index, kernel, ctx.host_mask_index, ctx.scale,
+                                    mask_index, kernel, ctx.plan_dims, ctx.scale,
                                     ctx.deterministic)
     # torch.library matches the gradients' structure to the inputs': a list of tensors (or
     # an empty list) takes a list of per-element gradients, a list of ints a single None.
     return (dq, dk, dv, None, None, None, [None] * len(kernel),
-            None if ctx.host_mask_index else [], None, None)
+            None if ctx.plan_dims else [], None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -35,11 +35,11 @@ class PlanTensors(NamedTuple):
     ``row_ptr`` is int32 ``[num_masks, q_len + 1]`` (each row's first interval in
     ``intervals``), ``intervals`` int32 ``[capacity, 2]`` (start, end; padded with zeros to a
     power of two past the last used entry), ``mask_index`` int32 ``[batch, num_heads]`` (the
-    distinct mask of each (b, h)), ``host_mask_index`` the same as a tuple of ints (so the
-    CUDA path can group its launches without reading the device). On a CUDA device,
-    ``kernel`` holds the CUDA kernels' tile descriptor of every distinct mask: one int32
-    ``[num_masks, capacity]`` tensor per array of ``compilemask._native.CUDA_PLAN_ARRAYS``,
-    each padded to a power of two (empty on other devices). Build it with
+    distinct mask of each (b, h)). On a CUDA device, ``kernel`` holds the CUDA kernels'
+    tile descriptor of the whole plan (every distinct mask back to back, and the mask index),
+    which one launch reads for every (b, h): one int32 ``[capacity]`` tensor per array of
+    ``compilemask._native.CUDA_PLAN_ARRAYS``, each padded to a power of two (empty on other
+    devices). Build it with
     :meth:`Plan.to_tensors`; the CUDA kernels trust its contents, so never assemble one from
     parts of different plans.
     """
@@ -53,7 +53,6 @@ class PlanTensors(NamedTuple):
     num_heads: int
     uses_batch: bool
     uses_head: bool
-    host_mask_index: tuple[int, ...] = ()
     kernel: tuple[torch.Tensor, ...] = ()
 
 
@@ -78,18 +77,14 @@ def _warn(native: _native.Plan) -> None:
 
 
 def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
-    rendered = f"error[{code}]: {message}" + (f"\n  = hint: {hint}" if hint else "")
-    err = PlanError(rendered)
-    err.code = code
-    err.hint = hint
-    err.diagnostics = []
-    err.rendered = rendered
-    return err
+    """The ``PlanError`` of an argument check made here, built and rendered by the extension
+    (the Rust renderer) so that it reads as every other error."""
+    return _native.plan_error(code, message, hint)
 
 
 _I64 = 1 << 63
-# The ranges `bind` accepts (CM0402), for ints too large to reach it.
-_LENGTH_MAX = {"q_len": 1 << 26, "kv_len": 1 << 26, "batch": 1 << 20, "num_heads": 1 << 16}
+# The ranges `bind` accepts (CM0402), for ints too large to reach it: the Rust limits.
+_LENGTH_MAX = _native.LENGTH_MAX
 
 
 def _type_name(value: Any) -> str:

@@ -60,19 +60,16 @@ def _pow2(n: int) -> int:
 
 
 def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
-    """The CUDA kernels' descriptor arrays of every distinct mask, one int32 ``[num_masks,
-    capacity]`` tensor per array on ``dev``."""
-    per_mask = plan._native.kernel_arrays()
+    """The CUDA kernels' descriptor of the whole plan (every distinct mask and the mask
+    index), one int32 ``[capacity]`` tensor per array on ``dev``."""
     out = []
-    for i in range(len(_native.CUDA_PLAN_ARRAYS)):
-        lengths = [len(arrays[i]) // 4 for arrays in per_mask]
-        # At least 4: the per-mask stride must keep every array's loads aligned (8-byte
-        # interval pairs, 16-byte rows of `ws_partial_row_mask` and tiles of
-        # `bwd_partial_key_mask`).
-        host = torch.zeros((len(per_mask), _pow2(max(*lengths, 4))), dtype=torch.int32)
-        for m, arrays in enumerate(per_mask):
-            if lengths[m]:
-                host[m, :lengths[m]] = torch.frombuffer(bytearray(arrays[i]), dtype=torch.int32)
+    for raw in plan._native.kernel_arrays():
+        n = len(raw) // 4
+        # At least 4: keeps every array's loads aligned (8-byte interval pairs, 16-byte rows
+        # of `ws_partial_row_mask` and tiles of `bwd_partial_key_mask`).
+        host = torch.zeros(_pow2(max(n, 4)), dtype=torch.int32)
+        if n:
+            host[:n] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         out.append(host.to(dev))
     return tuple(out)
 
@@ -96,8 +93,7 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     )
     kernel = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ()
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
-                      plan.num_heads, plan.uses_batch, plan.uses_head,
-                      tuple(plan.mask_index), kernel)
+                      plan.num_heads, plan.uses_batch, plan.uses_head, kernel)
     plan._cache[key] = out
     return out
 
@@ -448,15 +444,8 @@ def attention(
             f"compilemask.attention runs on CPU and CUDA tensors, got {query.device}"
         )
     mask_index = pt.mask_index.expand(b, hq)
-    # With several distinct masks the CUDA path launches once per group of (b, h) sharing a
-    # mask; it reads the grouping from ints, never from the device.
-    host_index: list[int] = []
-    if query.device.type == "cuda" and pt.row_ptr.shape[0] > 1:
-        host_index = [
-            pt.host_mask_index[(i if pt.batch > 1 else 0) * pt.num_heads
-                               + (h if pt.num_heads > 1 else 0)]
-            for i in range(b) for h in range(hq)
-        ]
+    # The CUDA kernels find each (batch, head)'s mask in the descriptor through these sizes.
+    plan_dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
     out, lse = _forward_op()(query, key, value, pt.row_ptr, pt.intervals, mask_index,
-                             list(pt.kernel), host_index, scale, bool(deterministic))
+                             list(pt.kernel), plan_dims, scale, bool(deterministic))
     return (out, lse) if return_lse else out

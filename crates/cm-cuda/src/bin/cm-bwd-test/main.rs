@@ -331,6 +331,7 @@ fn cases() -> Vec<Case> {
     ] {
         out.push(Case::new(name, mask, heads, combo, mem));
     }
+    out.extend(common::edge_cases());
     out
 }
 

@@ -332,6 +332,7 @@ fn cases() -> Vec<Case> {
         c.softmax_scale = scale.unwrap_or(c.softmax_scale);
         out.push(c);
     }
+    out.extend(common::edge_cases());
     for c in &mut out {
         if !c.lse {
             c.name += " no-lse";
@@ -515,6 +516,7 @@ fn graph_capture(gpu: &Gpu, rng: &mut Rng) -> Res<Value> {
         mem: Mem::Contiguous,
         lse: true,
         softmax_scale: 0.088,
+        logit_mean: 0.0,
     };
     let plan = gpu.rt.upload_plan(&c.mask, &gpu.stream)?;
     let (_, mut bufs) = Buffers::random(gpu, rng, &c)?;

@@ -54,6 +54,13 @@ pub fn random_values(rng: &mut Rng, dtype: DType, n: usize, fast: bool) -> Vec<f
         .collect()
 }
 
+/// `n` standard-normal values plus `shift`, rounded to `dtype`, as exact f64.
+pub fn shifted_values(rng: &mut Rng, dtype: DType, n: usize, shift: f64) -> Vec<f64> {
+    (0..n)
+        .map(|_| f64::from(round_to(dtype, (rng.normal() + shift) as f32)))
+        .collect()
+}
+
 /// How a test tensor sits in memory (all of a case's tensors alike).
 #[derive(Clone, Copy, Debug)]
 pub enum Mem {
@@ -160,6 +167,12 @@ pub struct Case {
     pub mem: Mem,
     pub lse: bool,
     pub softmax_scale: f32,
+    /// The mean of the scaled logits `softmax_scale * q . k` that Q and K are drawn around
+    /// (0: plain standard-normal inputs). Every element of Q is shifted by `mu` and of K by
+    /// `mu` or `-mu`, `mu = sqrt(|logit_mean| / (|softmax_scale| head_dim))`, so that the
+    /// logits are `logit_mean` plus a spread of a few units: at -120 every lse lies far below
+    /// -88.7 (ln FLT_MAX), where exp(-lse) overflows fp32.
+    pub logit_mean: f64,
 }
 
 impl Case {
@@ -192,7 +205,19 @@ impl Case {
             mem,
             lse: true,
             softmax_scale: 1.0 / (head_dim as f32).sqrt(),
+            logit_mean: 0.0,
         }
+    }
+
+    /// The shifts of Q's and K's elements that give logits around `logit_mean`.
+    fn input_shifts(&self) -> (f64, f64) {
+        let scale = f64::from(self.softmax_scale).abs();
+        if self.logit_mean == 0.0 || scale == 0.0 {
+            return (0.0, 0.0);
+        }
+        let mu = (self.logit_mean.abs() / (scale * self.head_dim as f64)).sqrt();
+        let sign = self.logit_mean.signum() * f64::from(self.softmax_scale).signum();
+        (mu, sign * mu)
     }
 
     /// The case's description in a report, with `extra`'s fields added.
@@ -201,7 +226,7 @@ impl Case {
             "name": self.name, "q_len": self.mask.q_len(), "kv_len": self.mask.kv_len(),
             "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
             "head_dim": self.head_dim, "dtype": self.dtype.name(), "layout": self.mem.name(),
-            "lse": self.lse, "softmax_scale": self.softmax_scale,
+            "lse": self.lse, "softmax_scale": self.softmax_scale, "logit_mean": self.logit_mean,
         });
         if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
             v.extend(extra);
@@ -247,6 +272,47 @@ pub fn on_two_combos(masks: Vec<(&'static str, RowIntervals, (usize, usize, usiz
     out
 }
 
+/// The tile-edge class of `cm-gpu-test` and `cm-bwd-test`: lengths congruent to 1, 63, 64,
+/// 65 and 127 modulo 128 (so sequences end inside the 64-row, 128-row and 128-key tiles of
+/// every kernel), q_len below, equal to and above kv_len, all-visible masks (the edge tiles
+/// are full), causal ones (partial edge tiles), packed documents whose samples end
+/// mid-tile, MHA and GQA, every dtype and head dim, all three memory layouts, with logits
+/// around -120 (lse far below -88.7) and +60. Keys at or past kv_len and rows at or past
+/// q_len must contribute nothing, whatever the logits.
+pub fn edge_cases() -> Vec<Case> {
+    let mems = [Mem::Contiguous, Mem::Padded, Mem::SeqMajor];
+    let mut out = Vec::new();
+    for (i, r) in [1u32, 63, 64, 65, 127].into_iter().enumerate() {
+        let r2 = 128 - r;
+        let cases = [
+            ("full", masks::full(128 + r, 256 + r2), (1, 4, 2)),
+            ("full", masks::full(256 + r2, 128 + r), (2, 2, 2)),
+            ("causal", masks::causal(128 + r, 128 + r), (1, 4, 1)),
+            ("causal", masks::causal(128 + r, 384 + r2), (1, 2, 2)),
+            (
+                "document_causal",
+                masks::document_causal(256 + r, &[100, 77, 150]),
+                (1, 4, 2),
+            ),
+        ];
+        for (j, (name, mask, heads)) in cases.into_iter().enumerate() {
+            for (k, logit_mean) in [-120.0, 60.0].into_iter().enumerate() {
+                let mut c = Case::new(
+                    name,
+                    mask.clone(),
+                    heads,
+                    COMBOS[(i + j + k) % 4],
+                    mems[(i + 2 * j + k) % 3],
+                );
+                c.logit_mean = logit_mean;
+                c.name += &format!(" logits{logit_mean:+}");
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
 /// Q, K, V, the output and the lse of one case on the device, in the case's layout; the
 /// output and lse start as NaN.
 pub struct Buffers {
@@ -263,14 +329,16 @@ pub struct Buffers {
 }
 
 impl Buffers {
-    /// Random standard-normal Q, K, V for `c` (drawn in that order), uploaded.
+    /// Random standard-normal Q, K, V for `c` (drawn in that order; Q and K shifted for the
+    /// case's `logit_mean`), uploaded.
     pub fn random(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<(Inputs, Buffers)> {
         let sh = c.shape();
         let q_elems = sh.batch * sh.heads * sh.q_len * sh.head_dim;
         let kv_elems = sh.batch * sh.kv_heads * sh.kv_len * sh.head_dim;
+        let (q_shift, k_shift) = c.input_shifts();
         let x = Inputs {
-            q: random_values(rng, c.dtype, q_elems, false),
-            k: random_values(rng, c.dtype, kv_elems, false),
+            q: shifted_values(rng, c.dtype, q_elems, q_shift),
+            k: shifted_values(rng, c.dtype, kv_elems, k_shift),
             v: random_values(rng, c.dtype, kv_elems, false),
         };
         let b = Buffers::new(gpu, c, &x)?;

@@ -1,0 +1,583 @@
+//! Typing: lowering expressions to typed values ([`Val`]: integers, booleans, regions,
+//! ranges, arrays, segmentations, grids, functions), with the context rules of [`Ctx`]
+//! (which names and functions each part of a program may read, where `k` may appear) and a
+//! `CM0203` type mismatch, `CM0204` arity or `CM0206` / `CM0208` context error for
+//! anything else.
+
+use super::atoms::bin;
+use super::{Checker, Ctx, Val, MAX_NODES, R};
+use crate::ir::*;
+use cm_syntax::ast::{BinOp, Expr, ExprKind, UnOp};
+use cm_syntax::{Code, Diagnostic, Span};
+
+impl Val {
+    pub(super) fn span(&self) -> Span {
+        match self {
+            Val::Int(i) => i.span,
+            Val::Range(r) => r.span,
+            Val::Bool(_, s)
+            | Val::Region(_, s)
+            | Val::Arr(_, s)
+            | Val::Seg(_, s)
+            | Val::Grid(_, s)
+            | Val::Dist(_, _, s)
+            | Val::SegIndexFn(_, s)
+            | Val::PartFn(_, _, s)
+            | Val::PieceFn(_, _, s)
+            | Val::AxisFn(_, _, s) => *s,
+        }
+    }
+
+    pub(super) fn describe(&self) -> &'static str {
+        match self {
+            Val::Int(_) => "an integer",
+            Val::Bool(..) => "a boolean",
+            Val::Region(..) => "a region of (q, k) pairs",
+            Val::Range(_) => "a range",
+            Val::Arr(..) => "an integer array",
+            Val::Seg(..) => "a segmentation",
+            Val::Grid(..) => "a grid",
+            Val::Dist(..) => "a grid distance",
+            Val::SegIndexFn(..) | Val::PartFn(..) | Val::PieceFn(..) | Val::AxisFn(..) => {
+                "a function"
+            }
+        }
+    }
+}
+
+impl Checker<'_> {
+    pub(super) fn type_err(&mut self, v: &Val, want: &str) {
+        self.err(Diagnostic::error(
+            Code::TypeMismatch,
+            v.span(),
+            format!("expected {want}, found {}", v.describe()),
+        ));
+    }
+
+    /// `i`, unless it reads `k` outside `elementwise` (`CM0206`).
+    pub(super) fn no_k(&mut self, i: Int, ctx: Ctx) -> R<Int> {
+        if ctx != Ctx::Elementwise && i.has_k() {
+            self.err(
+                Diagnostic::error(Code::UnsolvableK, i.span, "`k` cannot be used here")
+                    .with_hint("outside `elementwise(...)`, `k` may only appear in comparisons such as `k <= q`, `k in r` or `k / w == q / w`"),
+            );
+            return Err(());
+        }
+        Ok(i)
+    }
+
+    pub(super) fn expect_int(&mut self, e: &Expr, ctx: Ctx) -> R<Int> {
+        match self.lower(e, ctx)? {
+            Val::Int(i) => Ok(i),
+            v => {
+                self.type_err(&v, "an integer");
+                Err(())
+            }
+        }
+    }
+
+    fn expect_q_int(&mut self, e: &Expr, ctx: Ctx) -> R<Int> {
+        let i = self.expect_int(e, ctx)?;
+        self.no_k(i, ctx)
+    }
+
+    pub(super) fn expect_arr(&mut self, e: &Expr, ctx: Ctx) -> R<Arr> {
+        match self.lower(e, ctx)? {
+            Val::Arr(a, _) => Ok(a),
+            v => {
+                self.type_err(&v, "an integer array");
+                Err(())
+            }
+        }
+    }
+
+    pub(super) fn expect_bool(&mut self, e: &Expr, ctx: Ctx) -> R<Bool> {
+        match self.lower(e, ctx)? {
+            Val::Bool(b, _) => Ok(b),
+            v @ Val::Region(..) => {
+                self.err(Diagnostic::error(Code::UnsolvableK, v.span(), "this condition depends on `k`")
+                    .with_hint("conditions of `if` and `require` may only depend on q, b, h and parameters; combine regions with `&` and `|` instead"));
+                Err(())
+            }
+            v => {
+                self.type_err(&v, "a boolean");
+                Err(())
+            }
+        }
+    }
+
+    pub(super) fn expect_range(&mut self, e: &Expr, ctx: Ctx) -> R<RangeE> {
+        match self.lower(e, ctx)? {
+            Val::Range(r) => {
+                if ctx != Ctx::Elementwise && r.has_k() {
+                    self.err(Diagnostic::error(
+                        Code::UnsolvableK,
+                        r.span,
+                        "range bounds cannot depend on `k`",
+                    ));
+                    return Err(());
+                }
+                Ok(r)
+            }
+            v => {
+                self.type_err(&v, "a range (`lo..hi`, a segment or a part)");
+                Err(())
+            }
+        }
+    }
+
+    /// A region, or a boolean as the region of the rows where it holds.
+    pub(super) fn region_of(&mut self, v: Val) -> R<Region> {
+        match v {
+            Val::Region(r, _) => Ok(r),
+            Val::Bool(b, _) => Ok(Region::Rows(b)),
+            v => {
+                self.type_err(&v, "a region or a boolean");
+                Err(())
+            }
+        }
+    }
+
+    /// The typed value of `e` in context `ctx`; each call counts one IR node against
+    /// [`MAX_NODES`]. A chain of `let`s inlines thousands deep, so on a stack that grows
+    /// ([`crate::deep`]).
+    pub(super) fn lower(&mut self, e: &Expr, ctx: Ctx) -> R<Val> {
+        crate::deep(|| self.lower_here(e, ctx))
+    }
+
+    fn lower_here(&mut self, e: &Expr, ctx: Ctx) -> R<Val> {
+        let span = e.span;
+        self.nodes += 1;
+        if self.nodes > MAX_NODES {
+            if self.nodes == MAX_NODES + 1 {
+                self.err(
+                    Diagnostic::error(Code::TooDeep, span, format!("the program is too large: more than {MAX_NODES} expression nodes after inlining `let`s"))
+                        .with_hint("a `let` is copied into every place that uses it; a chain of lets that each use the previous one twice doubles in size at every step"),
+                );
+            }
+            return Err(());
+        }
+        match &e.kind {
+            ExprKind::Error => Err(()),
+            ExprKind::Int(v) => Ok(Val::Int(Int::constant(*v, span))),
+            ExprKind::Bool(b) => Ok(Val::Bool(Bool::Const(*b), span)),
+            ExprKind::Name(n) => self.name(n, span, ctx),
+            ExprKind::Array(items) => {
+                let xs: R<Vec<Int>> = items.iter().map(|x| self.expect_q_int(x, ctx)).collect();
+                Ok(Val::Arr(Arr::Lit(xs?), span))
+            }
+            ExprKind::Unary(UnOp::Neg, a) => {
+                let a = self.expect_int(a, ctx)?;
+                Ok(Val::Int(Int::new(IntKind::Neg(Box::new(a)), span)))
+            }
+            ExprKind::Unary(UnOp::Not, a) => match self.lower(a, ctx)? {
+                Val::Bool(b, _) => Ok(Val::Bool(Bool::Not(Box::new(b)), span)),
+                Val::Region(r, _) => Ok(Val::Region(Region::Not(Box::new(r)), span)),
+                v => {
+                    self.type_err(&v, "a boolean or a region");
+                    Err(())
+                }
+            },
+            ExprKind::Binary(op, a, b) => self.binary(*op, a, b, span, ctx),
+            ExprKind::Compare { first, rest } => self.compare_chain(first, rest, span, ctx),
+            ExprKind::Range { lo, hi, inclusive } => {
+                let lo = self.expect_int(lo, ctx)?;
+                let mut hi = self.expect_int(hi, ctx)?;
+                if *inclusive {
+                    hi = bin(IntOp::Add, hi, Int::constant(1, span));
+                }
+                Ok(Val::Range(RangeE {
+                    kind: RangeKind::Lit(lo, hi),
+                    span,
+                }))
+            }
+            ExprKind::In { elem, range } => self.membership(elem, range, span, ctx),
+            ExprKind::If { cond, then, els } => self.if_expr(cond, then, els, span, ctx),
+            ExprKind::Field { base, name } => self.field(base, name, span, ctx),
+            ExprKind::Index { base, index } => self.index(base, index, span, ctx),
+            ExprKind::Call { callee, args } => self.call(callee, args, span, ctx),
+        }
+    }
+
+    /// `if c then a else b`: integers, booleans, or regions (a condition on rows).
+    fn if_expr(&mut self, cond: &Expr, then: &Expr, els: &Expr, span: Span, ctx: Ctx) -> R<Val> {
+        let c = self.expect_bool(cond, ctx)?;
+        if c.has_k() && ctx != Ctx::Elementwise {
+            self.err(Diagnostic::error(
+                Code::UnsolvableK,
+                cond.span,
+                "this condition depends on `k`",
+            ));
+            return Err(());
+        }
+        let t = self.lower(then, ctx)?;
+        let f = self.lower(els, ctx)?;
+        match (t, f) {
+            (Val::Int(a), Val::Int(b)) => Ok(Val::Int(Int::new(
+                IntKind::If(Box::new(c), Box::new(a), Box::new(b)),
+                span,
+            ))),
+            (Val::Bool(a, _), Val::Bool(b, _)) => Ok(Val::Bool(
+                Bool::Or(
+                    Box::new(Bool::And(Box::new(c.clone()), Box::new(a))),
+                    Box::new(Bool::And(Box::new(Bool::Not(Box::new(c))), Box::new(b))),
+                ),
+                span,
+            )),
+            (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..)))
+                if ctx != Ctx::Elementwise =>
+            {
+                let t = self.region_of(t)?;
+                let f = self.region_of(f)?;
+                Ok(Val::Region(Region::Cond(c, Box::new(t), Box::new(f)), span))
+            }
+            (t, f) => {
+                self.err(Diagnostic::error(
+                    Code::TypeMismatch,
+                    span,
+                    format!(
+                        "the branches of `if` differ: {} and {}",
+                        t.describe(),
+                        f.describe()
+                    ),
+                ));
+                Err(())
+            }
+        }
+    }
+
+    /// `a[i]` of an array, or `s[i]`, the segment of index `i`.
+    fn index(&mut self, base: &Expr, index: &Expr, span: Span, ctx: Ctx) -> R<Val> {
+        let b = self.lower(base, ctx)?;
+        let i = self.expect_int(index, ctx)?;
+        let i = self.no_k(i, ctx)?;
+        match b {
+            Val::Arr(a, _) => Ok(Val::Int(Int::new(
+                IntKind::ArrIndex(Box::new(a), Box::new(i)),
+                span,
+            ))),
+            Val::Seg(s, _) => Ok(Val::Range(RangeE {
+                kind: RangeKind::SegAt(s, i),
+                span,
+            })),
+            v => {
+                self.type_err(&v, "an array or a segmentation to index");
+                Err(())
+            }
+        }
+    }
+
+    fn binary(&mut self, op: BinOp, a: &Expr, b: &Expr, span: Span, ctx: Ctx) -> R<Val> {
+        let va = self.lower(a, ctx)?;
+        let vb = self.lower(b, ctx)?;
+        match op {
+            BinOp::And | BinOp::Or => self.and_or(op == BinOp::And, va, vb, span),
+            _ => match (va, vb) {
+                (Val::Int(x), Val::Int(y)) => {
+                    let iop = match op {
+                        BinOp::Add => IntOp::Add,
+                        BinOp::Sub => IntOp::Sub,
+                        BinOp::Mul => IntOp::Mul,
+                        BinOp::Div => IntOp::Div,
+                        _ => IntOp::Mod,
+                    };
+                    Ok(Val::Int(Int::new(
+                        IntKind::Bin(iop, Box::new(x), Box::new(y)),
+                        span,
+                    )))
+                }
+                (Val::Arr(x, _), Val::Arr(y, _)) if op == BinOp::Add => {
+                    Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span))
+                }
+                (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..)))
+                    if op == BinOp::Sub && ctx != Ctx::Elementwise =>
+                {
+                    let x = self.region_of(x)?;
+                    let y = self.region_of(y)?;
+                    Ok(Val::Region(Region::Diff(Box::new(x), Box::new(y)), span))
+                }
+                (x, y) => {
+                    self.err(Diagnostic::error(Code::TypeMismatch, span, format!("cannot apply this operator to {} and {}", x.describe(), y.describe()))
+                        .with_hint("arithmetic works on integers, `+` also on arrays of equal length, `-` also on regions (difference)"));
+                    Err(())
+                }
+            },
+        }
+    }
+
+    pub(super) fn and_or(&mut self, is_and: bool, a: Val, b: Val, span: Span) -> R<Val> {
+        match (a, b) {
+            (Val::Bool(x, _), Val::Bool(y, _)) => Ok(Val::Bool(
+                if is_and {
+                    Bool::And(Box::new(x), Box::new(y))
+                } else {
+                    Bool::Or(Box::new(x), Box::new(y))
+                },
+                span,
+            )),
+            (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..))) => {
+                let x = self.region_of(x)?;
+                let y = self.region_of(y)?;
+                Ok(Val::Region(
+                    if is_and {
+                        Region::Inter(Box::new(x), Box::new(y))
+                    } else {
+                        Region::Union(Box::new(x), Box::new(y))
+                    },
+                    span,
+                ))
+            }
+            (x, y) => {
+                let bad = if matches!(x, Val::Bool(..) | Val::Region(..)) {
+                    y
+                } else {
+                    x
+                };
+                self.type_err(&bad, "a boolean or a region");
+                Err(())
+            }
+        }
+    }
+
+    /// `CM0204` unless `args` has a count in `want`.
+    pub(super) fn arity(
+        &mut self,
+        what: &str,
+        args: &[Expr],
+        want: std::ops::RangeInclusive<usize>,
+        span: Span,
+    ) -> R<()> {
+        if want.contains(&args.len()) {
+            return Ok(());
+        }
+        let expected = if want.start() == want.end() {
+            format!("{}", want.start())
+        } else {
+            format!("{} to {}", want.start(), want.end())
+        };
+        self.err(Diagnostic::error(
+            Code::WrongArity,
+            span,
+            format!(
+                "`{what}` takes {expected} argument(s), found {}",
+                args.len()
+            ),
+        ));
+        Err(())
+    }
+
+    /// A call of built-in function `n` (`min`, `max`, `abs`, `isqrt`, `sum`, `count`, `l1`,
+    /// `l2`, `linf`, `box` or `elementwise`).
+    pub(super) fn builtin_call(&mut self, n: &str, args: &[Expr], span: Span, ctx: Ctx) -> R<Val> {
+        match n {
+            "min" | "max" => {
+                // Each argument adds a level to the expression tree later stages recurse on.
+                self.arity(n, args, 2..=64, span)?;
+                let op = if n == "min" { IntOp::Min } else { IntOp::Max };
+                let mut acc = self.expect_q_int(&args[0], ctx)?;
+                for a in &args[1..] {
+                    let x = self.expect_q_int(a, ctx)?;
+                    acc = bin(op, acc, x);
+                }
+                acc.span = span;
+                Ok(Val::Int(acc))
+            }
+            "abs" | "isqrt" | "sum" | "count" => {
+                self.arity(n, args, 1..=1, span)?;
+                let arg = &args[0];
+                let kind = match n {
+                    "abs" => IntKind::Abs(Box::new(self.expect_q_int(arg, ctx)?)),
+                    "isqrt" => IntKind::Isqrt(Box::new(self.expect_q_int(arg, ctx)?)),
+                    "sum" => IntKind::ArrSum(Box::new(self.expect_arr(arg, ctx)?)),
+                    _ => IntKind::ArrLen(Box::new(self.expect_arr(arg, ctx)?)),
+                };
+                Ok(Val::Int(Int::new(kind, span)))
+            }
+            "l1" | "l2" | "linf" => {
+                self.arity(n, args, 1..=1, span)?;
+                let g = self.expect_grid(&args[0], ctx)?;
+                let m = match n {
+                    "l1" => Metric::L1,
+                    "l2" => Metric::L2,
+                    _ => Metric::Linf,
+                };
+                self.in_mask_only(ctx, span, format!("`{n}` can only be used in the mask"))?;
+                Ok(Val::Dist(g, m, span))
+            }
+            "box" => {
+                self.in_mask_only(
+                    ctx,
+                    span,
+                    "`box` can only be used in the mask (not inside `elementwise`)",
+                )?;
+                if args.is_empty() {
+                    self.arity(n, args, 3..=4, span)?;
+                }
+                let g = self.expect_grid(&args[0], ctx)?;
+                let nd = self.grids[g].dims.len();
+                self.arity(n, args, nd + 1..=nd + 1, span)?;
+                let ranges: R<Vec<RangeE>> = args[1..]
+                    .iter()
+                    .map(|a| self.expect_range(a, ctx))
+                    .collect();
+                Ok(Val::Region(
+                    Region::Box {
+                        grid: g,
+                        ranges: ranges?,
+                        span,
+                    },
+                    span,
+                ))
+            }
+            _ => {
+                self.arity(n, args, 1..=1, span)?;
+                self.in_mask_only(
+                    ctx,
+                    span,
+                    "`elementwise` can only be used in the mask, and not nested",
+                )?;
+                let b = self.expect_bool(&args[0], Ctx::Elementwise)?;
+                Ok(Val::Region(Region::Elementwise(b, span), span))
+            }
+        }
+    }
+
+    /// `CM0208` with `message` unless `ctx` is the mask itself (not `elementwise`).
+    fn in_mask_only(&mut self, ctx: Ctx, span: Span, message: impl Into<String>) -> R<()> {
+        if ctx == Ctx::Mask {
+            return Ok(());
+        }
+        self.err(Diagnostic::error(Code::WrongContext, span, message));
+        Err(())
+    }
+
+    fn expect_grid(&mut self, e: &Expr, ctx: Ctx) -> R<GridId> {
+        match self.lower(e, ctx)? {
+            Val::Grid(g, _) => Ok(g),
+            v => {
+                self.type_err(&v, "a grid");
+                Err(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{error, program, rows};
+    use crate::ir::Region;
+
+    #[test]
+    fn operators_need_operands_of_their_types() {
+        for (src, message) in [
+            (
+                "mask = k <= q + (k < 3);",
+                "cannot apply this operator to an integer and a region of (q, k) pairs",
+            ),
+            (
+                "mask = k <= q * [1, 2];",
+                "cannot apply this operator to an integer and an integer array",
+            ),
+            (
+                "mask = !(q + 1) & k < q;",
+                "expected a boolean or a region, found an integer",
+            ),
+            (
+                "mask = k < q & 3;",
+                "expected a boolean or a region, found an integer",
+            ),
+            (
+                "mask = [1][0 < 1] < k;",
+                "expected an integer, found a boolean",
+            ),
+            (
+                "mask = k < q[0];",
+                "expected an array or a segmentation to index, found an integer",
+            ),
+            (
+                "mask = q;",
+                "expected a region or a boolean, found an integer",
+            ),
+            (
+                "mask = if q < 3 then 1 else k <= q;",
+                "the branches of `if` differ: an integer and a region of (q, k) pairs",
+            ),
+        ] {
+            assert_eq!(error(src), ("CM0203", message.to_string()), "{src}");
+        }
+    }
+
+    #[test]
+    fn arguments_are_counted() {
+        for (src, message) in [
+            (
+                "mask = k < min(q);",
+                "`min` takes 2 to 64 argument(s), found 1",
+            ),
+            (
+                "mask = k < abs(q, q);",
+                "`abs` takes 1 argument(s), found 2",
+            ),
+            (
+                "grid g = [2, 2];\nmask = box(g, 0 .. 1);",
+                "`box` takes 3 argument(s), found 2",
+            ),
+            (
+                "segments s = [2];\nmask = k in s(q, q);",
+                "`s` takes 1 argument(s), found 2",
+            ),
+        ] {
+            assert_eq!(error(src), ("CM0204", message.to_string()), "{src}");
+        }
+    }
+
+    /// `if` on rows: integers and booleans choose per row, regions become a conditional
+    /// region; conditions may not read `k`.
+    #[test]
+    fn if_chooses_per_row() {
+        let src = "mask = if q < 3 then k <= q else k < 0 | k == q;";
+        assert!(matches!(program(src).mask, Region::Cond(..)));
+        assert_eq!(
+            rows(src, 6, 6),
+            rows(
+                "mask = elementwise(q < 3 & k <= q | q >= 3 & k == q);",
+                6,
+                6
+            )
+        );
+        assert_eq!(
+            rows("mask = k < (if q < 2 then 1 else q);", 5, 5),
+            rows("mask = k < max(1, q) & (q >= 2 | k < 1);", 5, 5)
+        );
+        assert_eq!(error("mask = if k < q then k <= q else false;").0, "CM0206");
+        assert_eq!(
+            error("param n: int = 1;\nrequire k < n else \"x\";\nmask = k <= q;").0,
+            "CM0208"
+        );
+    }
+
+    #[test]
+    fn elementwise_reads_k_anywhere_once() {
+        let src = "mask = elementwise(k * k <= q);";
+        assert!(matches!(program(src).mask, Region::Elementwise(..)));
+        assert_eq!(error("mask = elementwise(elementwise(k < q));").0, "CM0208");
+        assert_eq!(
+            error("grid g = [2, 2];\nmask = elementwise(l2(g) < 1);").0,
+            "CM0208"
+        );
+        assert_eq!(error("mask = k < q[k];").0, "CM0206");
+        assert_eq!(error("mask = k in k .. q;").0, "CM0206");
+    }
+
+    #[test]
+    fn programs_too_large_after_inlining_are_refused() {
+        let mut src = "let a0 = q;\n".to_string();
+        for i in 1..40 {
+            src.push_str(&format!("let a{i} = a{0} + a{0};\n", i - 1));
+        }
+        src.push_str("mask = k < a39;");
+        let (code, message) = error(&src);
+        assert_eq!(code, "CM0105");
+        assert!(message.starts_with("the program is too large"), "{message}");
+    }
+}
