@@ -167,6 +167,15 @@ fn respan(v: Val, span: Span) -> Val {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{check, codes, error, error_diag, program, rows};
+    use cm_syntax::Diagnostic;
+
+    /// Each diagnostic's code and message.
+    fn coded(diags: &[Diagnostic]) -> Vec<(&'static str, &str)> {
+        diags
+            .iter()
+            .map(|d| (d.code.as_str(), d.message.as_str()))
+            .collect()
+    }
 
     /// A `let` means its body written out at each use.
     #[test]
@@ -186,13 +195,7 @@ mod tests {
     fn unused_lets_are_checked_and_warned_about_only_when_clean() {
         let (p, diags) = check("let u = 1;\nmask = k <= q;");
         assert!(p.is_some());
-        assert_eq!(
-            diags
-                .iter()
-                .map(|d| (d.code.as_str(), d.message.as_str()))
-                .collect::<Vec<_>>(),
-            [("CM0250", "`u` is never used")]
-        );
+        assert_eq!(coded(&diags), [("CM0250", "`u` is never used")]);
         // An error elsewhere: no warning (some use may not have been checked).
         assert_eq!(codes("let u = 1;\nmask = k <= zz;"), ["CM0201"]);
         // The body of an unused let is checked all the same.
@@ -253,12 +256,6 @@ mod tests {
     fn an_unused_let_chain_is_checked_once() {
         let (p, diags) = check(&chain(4000, false));
         assert!(p.is_some(), "{diags:?}");
-        assert_eq!(
-            diags
-                .iter()
-                .map(|d| (d.code.as_str(), d.message.as_str()))
-                .collect::<Vec<_>>(),
-            [("CM0250", "`a3999` is never used")]
-        );
+        assert_eq!(coded(&diags), [("CM0250", "`a3999` is never used")]);
     }
 }
