@@ -58,16 +58,20 @@ pub fn run(out_dir: &std::path::Path) -> Result<()> {
             .map_err(|e| anyhow!("{}", program.render_error(&e)))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mask = plan.mask(0, 0);
-        let path = out_dir.join(format!("{name}.png"));
         let structure = crate::show::structure(&program, &options, &plan)?;
-        crate::show::write(
-            &program,
-            &plan,
-            structure.as_ref(),
-            &cm_view::View::default(),
-            &path,
-            crate::show::Format::Png,
-        )?;
+        for (ext, format) in [
+            ("png", crate::show::Format::Png),
+            ("html", crate::show::Format::Html),
+        ] {
+            crate::show::write(
+                &program,
+                &plan,
+                structure.as_ref(),
+                &cm_view::View::default(),
+                (&out_dir.join(format!("{name}.{ext}")), format),
+                ms,
+            )?;
+        }
         let err = slice_error(&mask.rows)?;
         let t = plan.tile_counts();
         let frac = plan.visible_pairs() as f64 / (*q_len as f64 * *q_len as f64);

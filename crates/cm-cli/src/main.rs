@@ -67,10 +67,16 @@ enum Command {
     /// program's segments, parts and grids, and a legend. Visible pairs are dark green in
     /// full tiles and dark amber in partial tiles, hidden pairs of partial tiles light
     /// amber, empty tiles light grey; small masks are upscaled, long ones downsampled.
+    ///
+    /// With `-o NAME.html`, the explorer page instead: one self-contained HTML file (no
+    /// network) to pan and zoom from the whole mask down to single tokens, with a row's
+    /// intervals and a tile's class and counts under the pointer and the plan's statistics
+    /// beside it; drawn from the plan's intervals and tiles, so 128K tokens stay fast.
+    /// --rows / --cols set the view it opens on.
     Show {
         #[command(flatten)]
         mask: MaskArgs,
-        /// Output file: NAME.png or NAME.svg.
+        /// Output file: NAME.png, NAME.svg or NAME.html (the explorer page).
         #[arg(short, long)]
         output: std::path::PathBuf,
         /// Batch index to draw, for masks that read `b`: 0 (the default) ..= --batch - 1.
@@ -471,11 +477,29 @@ fn run(command: Command) -> Result<ExitCode> {
         } => {
             // Refuse before planning what would be refused after it.
             let format = show::Format::of(&output)?;
-            let (program, options, plan, _) = mask.plan()?;
+            let (program, options, plan, ms) = mask.plan()?;
             check_batch_head(&plan, b, h)?;
             let structure = show::structure(&program, &options, &plan)?;
             let view = cm_view::View { b, h, rows, cols };
-            let p = show::write(&program, &plan, structure.as_ref(), &view, &output, format)?;
+            let written = show::write(
+                &program,
+                &plan,
+                structure.as_ref(),
+                &view,
+                (&output, format),
+                ms,
+            )?;
+            let p = match written {
+                show::Written::Picture(p) => p,
+                show::Written::Page(bytes) => {
+                    out!(
+                        "wrote {} (explorer page, {bytes} bytes, self-contained) for {}",
+                        output.display(),
+                        program.name()
+                    );
+                    return Ok(ExitCode::SUCCESS);
+                }
+            };
             let (sx, sy) = p.scale();
             let [x, y, w, hh] = p.plot;
             out!(

@@ -1,5 +1,5 @@
-//! `compilemask show`: a picture of a planned mask (PNG or SVG, by the output's extension),
-//! drawn by `cm-view` from the plan's intervals and tiles.
+//! `compilemask show`: a picture of a planned mask (PNG or SVG, by the output's extension)
+//! or its explorer page (HTML), drawn by `cm-view` from the plan's intervals and tiles.
 
 use anyhow::{anyhow, Context, Result};
 use compilemask::{Plan, PlanOptions, Program, Structure};
@@ -10,6 +10,8 @@ use std::path::Path;
 pub enum Format {
     Png,
     Svg,
+    /// The explorer page ([`cm_view::explorer`]).
+    Html,
 }
 
 impl Format {
@@ -22,8 +24,9 @@ impl Format {
         match ext.as_deref() {
             Some("png") => Ok(Format::Png),
             Some("svg") => Ok(Format::Svg),
+            Some("html" | "htm") => Ok(Format::Html),
             other => Err(anyhow!(
-                "-o {}: `show` writes .png or .svg pictures; give a file name ending in one of them (got {})",
+                "-o {}: `show` writes .png or .svg pictures or an .html explorer page; give a file name ending in one of them (got {})",
                 path.display(),
                 match other {
                     Some(e) => format!("extension .{e}"),
@@ -52,15 +55,23 @@ pub fn structure(
     })
 }
 
-/// Draws `view` of `plan` to `path` in `format`.
+/// What [`write`] wrote.
+pub enum Written {
+    Picture(cm_view::Picture),
+    /// An explorer page of this many bytes.
+    Page(usize),
+}
+
+/// Draws `view` of `plan` to `path` in `format`; `plan_ms` is the planning time the
+/// explorer page shows.
 pub fn write(
     program: &Program,
     plan: &Plan,
     structure: Option<&Structure>,
     view: &cm_view::View,
-    path: &Path,
-    format: Format,
-) -> Result<cm_view::Picture> {
+    (path, format): (&Path, Format),
+    plan_ms: f64,
+) -> Result<Written> {
     let (uses_batch, uses_head) = program.depends_on_batch_head();
     let subject = cm_view::Subject {
         plan,
@@ -69,11 +80,21 @@ pub fn write(
         uses_batch,
         uses_head,
     };
-    let picture = cm_view::figure(&subject, view)?;
-    let bytes = match format {
-        Format::Png => picture.png()?,
-        Format::Svg => picture.svg()?.into_bytes(),
+    let (bytes, written) = match format {
+        Format::Html => {
+            let page = cm_view::explorer(&subject, view, Some(plan_ms))?;
+            let n = page.len();
+            (page.into_bytes(), Written::Page(n))
+        }
+        Format::Png | Format::Svg => {
+            let picture = cm_view::figure(&subject, view)?;
+            let bytes = match format {
+                Format::Png => picture.png()?,
+                _ => picture.svg()?.into_bytes(),
+            };
+            (bytes, Written::Picture(picture))
+        }
     };
     std::fs::write(path, bytes).with_context(|| format!("cannot write `{}`", path.display()))?;
-    Ok(picture)
+    Ok(written)
 }

@@ -1015,6 +1015,60 @@ fn show_writes_svg_and_zooms() {
     );
 }
 
+/// `-o NAME.html` writes the explorer page: one HTML file with the data and the script
+/// inside (the browser test, tests/browser, drives it); other extensions are refused with
+/// the three that are accepted.
+#[test]
+fn show_writes_the_explorer_page() {
+    let dir = scratch("show_html");
+    let path = dir.join("m.html");
+    let out = ok(&[
+        "show",
+        "--builtin",
+        "sliding_window",
+        "--q-len",
+        "131072",
+        "--rows",
+        "1000:2000",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let page = std::fs::read_to_string(&path).unwrap();
+    assert!(page.starts_with("<!DOCTYPE html>"), "{}", &page[..100]);
+    assert!(
+        out.contains(&format!(
+            "wrote {} (explorer page, {} bytes",
+            path.display(),
+            page.len()
+        )),
+        "{out}"
+    );
+    for text in [
+        "<script id=\"cm-data\"",
+        "\"view\":[1000,2000,0,131072]",
+        "window.cmExplorer",
+    ] {
+        assert!(page.contains(text), "{text} missing");
+    }
+    assert!(!page.contains("https://") && !page.contains("http://"));
+    assert!(page.len() < 128 * 1024, "{} bytes", page.len());
+    fails(
+        &[
+            "show",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "8",
+            "-o",
+            dir.join("m.txt").to_str().unwrap(),
+        ],
+        &[
+            ".png or .svg pictures or an .html explorer page",
+            "extension .txt",
+        ],
+    );
+}
+
 #[test]
 fn export_flex() {
     let v = json(&[

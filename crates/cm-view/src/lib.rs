@@ -3,17 +3,20 @@
 //! rows down the left), the tile grid and the token grid where they are legible, the
 //! program's named structure (segment, part and piece boundaries with their names, grid
 //! extents, packed samples) and a legend. [`figure`] lays one out; [`Picture::svg`] and
-//! [`Picture::png`] write it.
+//! [`Picture::png`] write it. [`explorer::explorer`] writes the interactive page (one
+//! self-contained HTML file) of the same plan.
 //!
 //! Everything is drawn from the plan's row intervals and tile lists (see [`raster`]), so a
 //! 128K-token mask costs O(rows x intervals), never `q_len x kv_len`. Text is set by resvg
 //! in DejaVu Sans, embedded, so a PNG looks the same on every machine.
 
+pub mod explorer;
 pub mod raster;
 mod svg;
 
 use compilemask::{Plan, Structure};
 
+pub use explorer::explorer;
 pub use svg::Picture;
 
 /// What to draw: a plan and what the figure says about it.
@@ -64,6 +67,8 @@ pub enum ViewError {
     },
     #[error("cannot encode the picture: {0}")]
     Encode(String),
+    #[error("the explorer page would embed {bytes} bytes of row and tile runs, more than its limit of {limit}; draw a PNG or SVG picture of it instead (`-o NAME.png`)")]
+    TooLarge { bytes: usize, limit: usize },
 }
 
 impl View {
