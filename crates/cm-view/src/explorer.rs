@@ -161,15 +161,7 @@ fn statistics(
     plan_ms: Option<f64>,
 ) -> Vec<(String, String)> {
     let plan = s.plan;
-    let total: f64 = match &plan.packing {
-        Some(p) => (0..p.batch())
-            .map(|b| {
-                let (lq, lk) = p.lengths(b);
-                f64::from(lq) * f64::from(lk)
-            })
-            .sum(),
-        None => f64::from(plan.q_len) * f64::from(plan.kv_len),
-    };
+    let total = crate::pairs(plan);
     let visible = mask.rows.visible_pairs();
     let counts = mask.tiles.counts();
     let mut out = vec![

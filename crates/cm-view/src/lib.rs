@@ -118,6 +118,20 @@ pub fn figure(subject: &Subject<'_>, view: &View) -> Result<Picture, ViewError> 
     Ok(svg::layout(subject, view, rows, cols))
 }
 
+/// The (q, k) pairs a visible fraction is of: `q_len x kv_len`, or for a packed plan the
+/// sum of its samples' `q_len x kv_len` (pairs across samples are never visible).
+pub(crate) fn pairs(plan: &Plan) -> f64 {
+    match &plan.packing {
+        Some(p) => (0..p.batch())
+            .map(|b| {
+                let (lq, lk) = p.lengths(b);
+                f64::from(lq) * f64::from(lk)
+            })
+            .sum(),
+        None => f64::from(plan.q_len) * f64::from(plan.kv_len),
+    }
+}
+
 /// A title's name for a program name: `<builtin causal>` is `causal`, a path its file name.
 pub fn display_name(program_name: &str) -> &str {
     if let Some(b) = program_name

@@ -304,15 +304,7 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
         .collect();
 
     // Title and subtitle.
-    let total_pairs: f64 = match &plan.packing {
-        Some(p) => (0..p.batch())
-            .map(|b| {
-                let (lq, lk) = p.lengths(b);
-                f64::from(lq) * f64::from(lk)
-            })
-            .sum(),
-        None => f64::from(plan.q_len) * f64::from(plan.kv_len),
-    };
+    let total_pairs = crate::pairs(plan);
     let whole_visible = mask.rows.visible_pairs();
     let mut title = format!(
         "{}  ·  q_len {} × kv_len {}",
