@@ -14,6 +14,7 @@ or transformers (>= 4.53). The GPU run:
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -57,13 +58,23 @@ def models(name, device, dtype, impl="compilemask"):
 
     cfg = configs()[name]
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.float64)
+    weights = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).state_dict()
     out = []
     for impl_, dt in ((impl, dtype), ("sdpa", dtype), ("sdpa", torch.float64)):
-        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl_)
-        m.load_state_dict(ref.state_dict())
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl_)
+        assert m.config._attn_implementation == impl_
+        m.load_state_dict(weights)
         out.append(m.to(device=device, dtype=dt).eval())
     return out
+
+
+def ran(name=cmt.NAME):
+    """Whether the backend `name` planned anything since the last call (so a comparison
+    compared it, not sdpa with itself)."""
+    cache = cmt._BACKENDS[name].cache
+    planned = bool(cache)
+    cache.clear()
+    return planned
 
 
 def err(a, ref):
@@ -96,6 +107,7 @@ def test_logits_loss_and_gradients_match_sdpa(name, device, dtype):
         out.loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
         results.append((out.logits.detach(), out.loss.detach(), grads))
+    assert ran()
     (lo, so, go), (ls, ss, gs), (lr, sr, gr) = results
     within_rule(lo, ls, lr, dtype, "logits")
     within_rule(so.reshape(1), ss.reshape(1), sr.reshape(1), dtype, "loss")
@@ -110,6 +122,7 @@ def test_greedy_generation_matches_sdpa(name, device, dtype):
     prompt = tokens(device, 1, 37, seed=2)
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
     a = ours.generate(prompt, **kw)[0].tolist()
+    assert ran()
     b = sdpa.generate(prompt, **kw)[0].tolist()
     if a != b and dtype != torch.float32:
         # In bfloat16 two kernels may break a near-tie differently, and nothing else may
@@ -145,6 +158,7 @@ def test_packed_documents_equal_each_document_alone(name, how, device, dtype):
         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS))
     with torch.no_grad():
         got = ours(ids, position_ids=pos, **extra).logits[0]
+        assert any(k[0] == "packed" for k in cmt._BACKENDS[cmt.NAME].cache) and ran()
         alone = [[], []]
         for i, m in enumerate((sdpa, ref)):
             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -162,6 +176,7 @@ def test_left_padded_batch_matches_sdpa(name, device, dtype):
     mask[2, :25] = 0
     with torch.no_grad():
         out = [m(ids, attention_mask=mask).logits for m in (ours, sdpa, ref)]
+    assert ran()
     valid = mask.bool()
     within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, "padded logits")
 
@@ -198,6 +213,7 @@ def test_a_user_program_in_every_layer(device, dtype):
     with torch.no_grad():
         got = ours(ids).logits
         want = ref(ids).logits
+    assert ran(name)
     # Chunks of 8: a token sees only its own chunk, unlike causal attention.
     assert err(got, want) <= {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype], err(got, want)
 
