@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole CPU test suite: formatting, lints, Rust tests (property tests and a short fuzz
-# run included), every CUDA kernel variant compiled for sm_90a, and the CLI against the
-# independent Python implementation of workloads.md. Needs only a Rust toolchain and Python
-# 3.11+ (and PyPI for the pinned NVRTC wheel); installs nothing system-wide and needs no GPU.
+# run included), every CUDA kernel variant compiled for sm_90a, the CLI against the
+# independent Python implementation of workloads.md, and the explorer page in a headless
+# browser. Needs a Rust toolchain and Python 3.11+ (and PyPI for the pinned NVRTC wheel and
+# Selenium); the one system-wide install is Debian's chromium and chromium-driver, by
+# scripts/test-browser.sh when they are missing (as root). Needs no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +33,9 @@ python3 tests/workloads/check_cli.py target/release/compilemask
 
 echo "== demo"
 target/release/compilemask demo --out target/demo >/dev/null
+
+echo "== explorer page in headless Chromium (scripts/test-browser.sh)"
+bash scripts/test-browser.sh target/release/compilemask
 
 echo "== Python package (wheel in a fresh venv, pytest)"; scripts/test-python.sh
 echo "all tests passed"

@@ -24,6 +24,9 @@ NESTED_120 = "mask = k <= " + "(" * 120 + "q" + ")" * 120 + ";"
 NESTED_200 = "mask = k <= " + "(" * 200 + "q" + ")" * 200 + ";"
 LETS_70 = "let a0 = q;\n" + "".join(f"let a{i} = a{i - 1} + 1;\n" for i in range(1, 70)) \
     + "mask = k <= a69 - 69;"
+# Past the limit on a `let`'s inlined depth (8192): one CM0105, at `a4096`.
+LETS_5000 = "let a0 = q;\n" + "".join(f"let a{i} = a{i - 1} + 1;\n" for i in range(1, 5000)) \
+    + "mask = k <= a4999 - 4999;"
 
 
 @pytest.mark.parametrize("stack_kib", [256, 512])
@@ -34,6 +37,7 @@ def test_deep_programs_on_small_thread_stacks(stack_kib):
         NESTED_120 = {NESTED_120!r}
         NESTED_200 = {NESTED_200!r}
         LETS_70 = {LETS_70!r}
+        LETS_5000 = {LETS_5000!r}
         out = {{}}
 
         def work():
@@ -42,7 +46,8 @@ def test_deep_programs_on_small_thread_stacks(stack_kib):
                 out["nested"] = plan.visible_pairs
                 out["row"] = cm.compile(NESTED_120).brute_force_row(3, 5)
                 out["packed"] = cm.compile(NESTED_120).plan(cu_seqlens_q=[0, 2, 5]).visible_pairs
-                for name, src in (("too_deep", NESTED_200), ("lets", LETS_70)):
+                out["lets_70"] = cm.compile(LETS_70).plan(5).visible_pairs
+                for name, src in (("too_deep", NESTED_200), ("lets", LETS_5000)):
                     try:
                         cm.compile(src)
                         out[name] = "compiled"
@@ -66,11 +71,13 @@ def test_deep_programs_on_small_thread_stacks(stack_kib):
     assert out["packed"] == 3 + 6
     assert out["too_deep"] == ["CM0105"]
     assert out["lets"] == ["CM0105"]
+    assert out["lets_70"] == 15
 
 
 def test_deep_programs_on_the_main_thread():
     assert cm.compile(NESTED_120).plan(5).visible_pairs == 15
-    for src in (NESTED_200, LETS_70):
+    assert cm.compile(LETS_70).plan(5).visible_pairs == 15
+    for src in (NESTED_200, LETS_5000):
         with pytest.raises(cm.MaskSyntaxError) as e:
             cm.compile(src)
         assert {d.code for d in e.value.diagnostics} == {"CM0105"}

@@ -31,8 +31,9 @@ macro_rules! say {
     };
 }
 
-pub fn run(out_dir: &str) -> Result<()> {
-    std::fs::create_dir_all(out_dir).map_err(|e| anyhow!("cannot create `{out_dir}`: {e}"))?;
+pub fn run(out_dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(out_dir)
+        .map_err(|e| anyhow!("cannot create `{}`: {e}", out_dir.display()))?;
     say!("CompileMask demo: the eight workloads of docs/workloads.md, tile 128x128, planned on one core\n");
     say!(
         "{:<3} {:<20} {:>6} {:>8} {:>9} {:>7} {:>8} {:>7} {:>10} {:>8} {:>11}",
@@ -57,8 +58,20 @@ pub fn run(out_dir: &str) -> Result<()> {
             .map_err(|e| anyhow!("{}", program.render_error(&e)))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mask = plan.mask(0, 0);
-        let path = format!("{out_dir}/{name}.png");
-        crate::show::write_png(mask, &path)?;
+        let structure = crate::show::structure(&program, &options, &plan)?;
+        for (ext, format) in [
+            ("png", crate::show::Format::Png),
+            ("html", crate::show::Format::Html),
+        ] {
+            crate::show::write(
+                &program,
+                &plan,
+                structure.as_ref(),
+                &cm_view::View::default(),
+                (&out_dir.join(format!("{name}.{ext}")), format),
+                ms,
+            )?;
+        }
         let err = slice_error(&mask.rows)?;
         let t = plan.tile_counts();
         let frac = plan.visible_pairs() as f64 / (*q_len as f64 * *q_len as f64);
@@ -79,8 +92,9 @@ pub fn run(out_dir: &str) -> Result<()> {
     }
     say!("\nvisible = visible pairs / q_len^2; max_iv = most key intervals in one row; desc_KiB = bytes a kernel reads;");
     say!("attn_err = max |CPU reference attention (f32) - dense float64 softmax| on {SLICE_ROWS} rows, head_dim {HEAD_DIM}.");
-    say!("Pictures: {out_dir}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles;");
-    say!("hidden pairs of partial tiles light amber, empty tiles light grey.");
+    say!("Pictures: {}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles,", out_dir.display());
+    say!("hidden pairs of partial tiles light amber, empty tiles light grey; dashed lines and the lanes on the right");
+    say!("mark the mask's segments, parts and grids.");
     Ok(())
 }
 

@@ -27,8 +27,15 @@ struct Cli {
 enum Command {
     /// Check a mask program and print its diagnostics; exit 1 on error.
     Check {
-        /// The program file.
-        file: String,
+        /// The program file, or `-` for standard input.
+        #[arg(conflicts_with = "builtin")]
+        file: Option<std::path::PathBuf>,
+        /// A built-in mask instead of a file (see `compilemask list`).
+        #[arg(long)]
+        builtin: Option<String>,
+        /// Treat the program's warnings as errors (exit 1).
+        #[arg(long)]
+        deny_warnings: bool,
     },
     /// Plan a mask: intervals, tiles and transposes; print statistics.
     Plan {
@@ -55,15 +62,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Draw the mask and its tile classes as a PNG: visible pairs dark green in full tiles and
-    /// dark amber in partial tiles, hidden pairs of partial tiles light amber, empty tiles
-    /// light grey.
+    /// Draw the mask as a picture (PNG or SVG, by the output's extension): a title with the
+    /// lengths and the visible fraction, axes with token indices, the tile grid, the
+    /// program's segments, parts and grids, and a legend. Visible pairs are dark green in
+    /// full tiles and dark amber in partial tiles, hidden pairs of partial tiles light
+    /// amber, empty tiles light grey; small masks are upscaled, long ones downsampled.
+    ///
+    /// With `-o NAME.html`, the explorer page instead: one self-contained HTML file (no
+    /// network) to pan and zoom from the whole mask down to single tokens, with a row's
+    /// intervals and a tile's class and counts under the pointer and the plan's statistics
+    /// beside it; drawn from the plan's intervals and tiles, so 128K tokens stay fast.
+    /// --rows / --cols set the view it opens on.
     Show {
         #[command(flatten)]
         mask: MaskArgs,
-        /// Output file.
+        /// Output file: NAME.png, NAME.svg or NAME.html (the explorer page).
         #[arg(short, long)]
-        output: String,
+        output: std::path::PathBuf,
+        /// Batch index to draw, for masks that read `b`: 0 (the default) ..= --batch - 1.
+        #[arg(long, default_value_t = 0)]
+        b: u32,
+        /// Head index to draw, for masks that read `h`: 0 (the default) ..= --num-heads - 1.
+        #[arg(long, default_value_t = 0)]
+        h: u32,
+        /// Draw only rows A:B (half-open, 0-based; default: every row).
+        #[arg(long, value_parser = parse_rows)]
+        rows: Option<(u32, u32)>,
+        /// Draw only keys C:D (half-open, 0-based; default: every key).
+        #[arg(long, value_parser = parse_cols)]
+        cols: Option<(u32, u32)>,
     },
     /// Export the mask in another system's format, as JSON (layouts: docs/exports.md).
     ///
@@ -85,8 +112,13 @@ enum Command {
         #[arg(short, long)]
         output: Option<String>,
     },
-    /// List the built-in masks and their parameters.
-    List,
+    /// List the built-in masks with their parameters and defaults.
+    List {
+        /// Print one JSON array: each built-in's name, summary and parameters (name, type
+        /// `int` or `[int]`, default as written, and its value when it is a literal).
+        #[arg(long)]
+        json: bool,
+    },
     /// Check and time the forward kernel (with --bwd also the backward) on the benchmark
     /// workloads (needs an H100 / H200 and a build with embedded kernels); exit 1 if a
     /// correctness check fails.
@@ -95,7 +127,7 @@ enum Command {
     Demo {
         /// Folder for the pictures.
         #[arg(long, default_value = "compilemask-demo")]
-        out: String,
+        out: std::path::PathBuf,
     },
 }
 
@@ -112,15 +144,24 @@ enum ExportFormat {
 }
 
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
-    let bad = || format!("`{s}` is not a row range; expected A:B with 0 <= A < B, e.g. 0:16");
+    parse_range(s, "row")
+}
+
+fn parse_cols(s: &str) -> Result<(u32, u32), String> {
+    parse_range(s, "key")
+}
+
+/// `A:B` with `0 <= A < B`, both u32 (`what` is `row` or `key`).
+fn parse_range(s: &str, what: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("`{s}` is not a {what} range; expected A:B with 0 <= A < B, e.g. 0:16");
     let (a, b) = s.split_once(':').ok_or_else(bad)?;
     let end = |t: &str, which: &str| -> Result<u32, String> {
         let t = t.trim();
         t.parse::<u32>().map_err(|_| {
-            // A non-negative integer too large for a row index: name the limit.
+            // A non-negative integer too large for an index: name the limit.
             if !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit()) {
                 format!(
-                    "`{s}` is not a row range: {which} = {t} is too large; A:B are u32 row indices, at most {}",
+                    "`{s}` is not a {what} range: {which} = {t} is too large; A:B are u32 {what} indices, at most {}",
                     u32::MAX
                 )
             } else {
@@ -253,48 +294,40 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<ExitCode> {
     match command {
-        Command::Check { file } => {
-            let src = mask_args::read_source(&file)?;
-            match compilemask::compile_named(&src, &file) {
-                Ok(p) => {
-                    write_stderr(&compilemask::render_limited(
-                        &src,
-                        &file,
-                        p.warnings(),
-                        compilemask::RENDER_LIMIT,
-                    ));
-                    let params: Vec<String> = p
-                        .params()
-                        .iter()
-                        .map(|(n, arr, _)| {
-                            if *arr {
-                                format!("{n}: [int]")
-                            } else {
-                                format!("{n}: int")
-                            }
-                        })
-                        .collect();
-                    let how = if p.uses_elementwise() {
-                        "; uses elementwise (evaluated pair by pair)"
+        Command::Check {
+            file,
+            builtin,
+            deny_warnings,
+        } => {
+            let p = mask_args::load_program(file.as_deref(), builtin.as_deref())?;
+            mask_args::report_warnings(&p, p.warnings(), deny_warnings)?;
+            let params: Vec<String> = p
+                .params()
+                .iter()
+                .map(|(n, arr, _)| {
+                    if *arr {
+                        format!("{n}: [int]")
                     } else {
-                        ""
-                    };
-                    out!(
-                        "ok: {file} ({} warning(s); parameters: {}{how})",
-                        p.warnings().len(),
-                        if params.is_empty() {
-                            "none".into()
-                        } else {
-                            params.join(", ")
-                        }
-                    );
-                    Ok(ExitCode::SUCCESS)
+                        format!("{n}: int")
+                    }
+                })
+                .collect();
+            let how = if p.uses_elementwise() {
+                "; uses elementwise (evaluated pair by pair)"
+            } else {
+                ""
+            };
+            out!(
+                "ok: {} ({} warning(s); parameters: {}{how})",
+                p.name(),
+                p.warnings().len(),
+                if params.is_empty() {
+                    "none".into()
+                } else {
+                    params.join(", ")
                 }
-                Err(e) => {
-                    write_stderr(&e.rendered);
-                    Ok(ExitCode::from(1))
-                }
-            }
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Command::Plan { mask, json } => {
             let (program, options, plan, ms) = mask.plan()?;
@@ -434,23 +467,50 @@ fn run(command: Command) -> Result<ExitCode> {
             )?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Show { mask, output } => {
-            // Refuse before planning: `show` writes PNG data whatever the name says.
-            let ext = std::path::Path::new(&output)
-                .extension()
-                .and_then(|e| e.to_str());
-            if !ext.is_some_and(|e| e.eq_ignore_ascii_case("png")) {
-                return Err(anyhow!(
-                    "-o {output}: `show` writes PNG images only; give a file name ending in .png (got {})",
-                    match ext {
-                        Some(e) => format!("extension .{e}"),
-                        None => "no extension".into(),
-                    }
-                ));
-            }
-            let (program, _, plan, _) = mask.plan()?;
-            let (w, h) = show::write_png(plan.mask(0, 0), &output)?;
-            out!("wrote {output} ({w}x{h} pixels) for {}", program.name());
+        Command::Show {
+            mask,
+            output,
+            b,
+            h,
+            rows,
+            cols,
+        } => {
+            // Refuse before planning what would be refused after it.
+            let format = show::Format::of(&output)?;
+            let (program, options, plan, ms) = mask.plan()?;
+            check_batch_head(&plan, b, h)?;
+            let structure = show::structure(&program, &options, &plan)?;
+            let view = cm_view::View { b, h, rows, cols };
+            let written = show::write(
+                &program,
+                &plan,
+                structure.as_ref(),
+                &view,
+                (&output, format),
+                ms,
+            )?;
+            let p = match written {
+                show::Written::Picture(p) => p,
+                show::Written::Page(bytes) => {
+                    out!(
+                        "wrote {} (explorer page, {bytes} bytes, self-contained) for {}",
+                        output.display(),
+                        program.name()
+                    );
+                    return Ok(ExitCode::SUCCESS);
+                }
+            };
+            let (sx, sy) = p.scale();
+            let [x, y, w, hh] = p.plot;
+            out!(
+                "wrote {} ({}x{} pixels; plot {w}x{hh} at ({x}, {y}), {:.4} x {:.4} pixels per key x row) for {}",
+                output.display(),
+                p.width,
+                p.height,
+                sx,
+                sy,
+                program.name()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Export {
@@ -543,25 +603,62 @@ fn run(command: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::List => {
+        Command::List { json } => {
+            let mut all = Vec::new();
             for b in compilemask::BUILTINS {
                 let p = compilemask::builtin(b.name).map_err(|e| anyhow!("{}", e.rendered))?;
-                let params: Vec<String> = p
-                    .params()
+                let params = p.parameters();
+                if json {
+                    let params: Vec<serde_json::Value> = params
+                        .iter()
+                        .map(|q| {
+                            let value = q
+                                .default
+                                .as_deref()
+                                .and_then(|d| compilemask::parse_value(d).ok())
+                                .map(|v| match v {
+                                    compilemask::Value::Int(i) => json!(i),
+                                    compilemask::Value::Array(a) => json!(a.to_vec()),
+                                });
+                            json!({
+                                "name": q.name,
+                                "type": if q.is_array { "[int]" } else { "int" },
+                                "default": q.default,
+                                "default_value": value,
+                            })
+                        })
+                        .collect();
+                    all.push(json!({
+                        "name": b.name,
+                        "summary": b.summary(),
+                        "parameters": params,
+                    }));
+                    continue;
+                }
+                let shown: Vec<String> = params
                     .iter()
-                    .map(|(n, arr, _)| if *arr { format!("{n}=[..]") } else { n.clone() })
+                    .map(|q| {
+                        let ty = if q.is_array { "[int]" } else { "int" };
+                        match &q.default {
+                            Some(d) => format!("{}: {ty} = {d}", q.name),
+                            None => format!("{}: {ty}", q.name),
+                        }
+                    })
                     .collect();
-                out!(
-                    "{:<20} {}\n{:<20} parameters: {}",
-                    b.name,
-                    b.summary(),
-                    "",
-                    if params.is_empty() {
-                        "none".into()
-                    } else {
-                        params.join(", ")
-                    }
-                );
+                out!("{:<20} {}", b.name, b.summary());
+                if shown.is_empty() {
+                    out!("{:<20} parameters: none", "");
+                }
+                for (i, q) in shown.iter().enumerate() {
+                    out!(
+                        "{:<20} {} {q}",
+                        "",
+                        if i == 0 { "parameters:" } else { "           " }
+                    );
+                }
+            }
+            if json {
+                out!("{}", serde_json::Value::Array(all));
             }
             Ok(ExitCode::SUCCESS)
         }

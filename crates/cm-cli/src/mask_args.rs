@@ -6,12 +6,14 @@ use clap::Args;
 use compilemask::{
     Code, OrderRequest, PackedShape, PlanError, PlanOptions, Program, TileShape, Value,
 };
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug, Clone)]
 pub struct MaskArgs {
-    /// A mask program file (`.cmask`).
+    /// A mask program file (`.cmask`), or `-` for standard input.
     #[arg(conflicts_with = "builtin")]
-    pub file: Option<String>,
+    pub file: Option<PathBuf>,
     /// A built-in mask instead of a file (see `compilemask list`).
     #[arg(long)]
     pub builtin: Option<String>,
@@ -32,7 +34,7 @@ pub struct MaskArgs {
     /// the mask is applied per sample, with `b` the sample index; the plan is one batch of
     /// cu_seqlens_q[-1] packed rows.
     #[arg(long, value_name = "OFFSETS", allow_negative_numbers = true)]
-    pub cu_seqlens_q: Option<String>,
+    pub cu_seqlens_q: Option<OsString>,
     /// The prefix sums of the samples' key lengths (default: --cu-seqlens-q).
     #[arg(
         long,
@@ -40,11 +42,11 @@ pub struct MaskArgs {
         allow_negative_numbers = true,
         requires = "cu_seqlens_q"
     )]
-    pub cu_seqlens_k: Option<String>,
+    pub cu_seqlens_k: Option<OsString>,
     /// Set a parameter: NAME=INT, NAME=A,B,C (an integer array) or NAME=@FILE (integers
     /// separated by commas or whitespace).
     #[arg(long = "set", value_name = "NAME=VALUE")]
-    pub set: Vec<String>,
+    pub set: Vec<OsString>,
     /// Tile shape BLOCK_MxBLOCK_N.
     #[arg(long, default_value = "128x128", value_parser = parse_tile)]
     pub tile: TileShape,
@@ -61,10 +63,39 @@ pub struct MaskArgs {
     /// order of the mask's grid, for 2D/3D local masks) or a file holding a permutation of
     /// [0, q_len) (`order[new] = original`, integers separated by commas or whitespace).
     #[arg(long, default_value = "raster")]
-    pub order: String,
+    pub order: OsString,
     /// Query heads, for masks that read the head index `h`.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub num_heads: i64,
+    /// Treat warnings (the program's and the plan's: no visible pair, rows that see
+    /// nothing, `h` / `b` read with one head / batch, unread parameters, large
+    /// `elementwise`) as errors: print them and exit 1.
+    #[arg(long)]
+    pub deny_warnings: bool,
+}
+
+/// Prints `warnings` of `program` on standard error; with `deny`, any warning at all is an
+/// error naming how many there were.
+pub fn report_warnings(
+    program: &Program,
+    warnings: &[compilemask::Diagnostic],
+    deny: bool,
+) -> Result<()> {
+    if !warnings.is_empty() {
+        crate::write_stderr(&compilemask::render_limited(
+            program.source(),
+            program.name(),
+            warnings,
+            compilemask::RENDER_LIMIT,
+        ));
+    }
+    if deny && !warnings.is_empty() {
+        bail!(
+            "{} warning(s) and --deny-warnings: treating them as errors",
+            warnings.len()
+        );
+    }
+    Ok(())
 }
 
 pub fn parse_tile(s: &str) -> Result<TileShape, String> {
@@ -95,18 +126,29 @@ pub fn parse_tile(s: &str) -> Result<TileShape, String> {
 pub const MAX_INPUT_BYTES: u64 = 64 << 20;
 
 /// Reads at most [`MAX_INPUT_BYTES`] of `path` (a regular file, a pipe or a device such
-/// as `/dev/zero` alike); a longer input is an error naming the file, the limit and
-/// `what` it is. Open and read errors are `cannot read {what} `{path}``.
-pub fn read_capped(path: &str, what: &str) -> Result<Vec<u8>> {
+/// as `/dev/zero` alike; `-` is standard input); a longer input is an error naming the
+/// file, the limit and `what` it is. Open and read errors are `cannot read {what} `{path}``.
+pub fn read_capped(path: &Path, what: &str) -> Result<Vec<u8>> {
     use std::io::Read;
-    let file = std::fs::File::open(path).with_context(|| format!("cannot read {what} `{path}`"))?;
+    let shown = path.display();
+    let cannot = || format!("cannot read {what} `{shown}`");
     let mut bytes = Vec::new();
-    file.take(MAX_INPUT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("cannot read {what} `{path}`"))?;
+    if path == Path::new("-") {
+        std::io::stdin()
+            .lock()
+            .take(MAX_INPUT_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .with_context(cannot)?;
+    } else {
+        std::fs::File::open(path)
+            .with_context(cannot)?
+            .take(MAX_INPUT_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .with_context(cannot)?;
+    }
     if bytes.len() as u64 > MAX_INPUT_BYTES {
         bail!(
-            "{what} `{path}` is larger than the limit of {} MiB ({MAX_INPUT_BYTES} bytes) for a file the CLI reads",
+            "{what} `{shown}` is larger than the limit of {} MiB ({MAX_INPUT_BYTES} bytes) for a file the CLI reads",
             MAX_INPUT_BYTES >> 20
         );
     }
@@ -114,41 +156,96 @@ pub fn read_capped(path: &str, what: &str) -> Result<Vec<u8>> {
 }
 
 /// [`read_capped`] as UTF-8 text.
-pub fn read_capped_text(path: &str, what: &str) -> Result<String> {
+pub fn read_capped_text(path: &Path, what: &str) -> Result<String> {
     let bytes = read_capped(path, what)?;
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
-        anyhow!("{what} `{path}` is not valid UTF-8 (first bad byte at offset {at})")
+        anyhow!(
+            "{what} `{}` is not valid UTF-8 (first bad byte at offset {at})",
+            path.display()
+        )
     })
 }
 
-/// Reads a program file, turning invalid UTF-8 into a clear error.
-pub fn read_source(path: &str) -> Result<String> {
+/// Reads a program file (`-`: standard input), turning invalid UTF-8 into a clear error.
+/// Returns the source and the name diagnostics give it (`<stdin>` for `-`).
+pub fn read_source(path: &Path) -> Result<(String, String)> {
     let bytes = read_capped(path, "the mask program")?;
-    String::from_utf8(bytes).map_err(|e| {
+    let name = if path == Path::new("-") {
+        "<stdin>".to_string()
+    } else {
+        path.display().to_string()
+    };
+    let src = String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
         PlanError::new(
             Code::InvalidUtf8,
             None,
-            format!("`{path}` is not valid UTF-8 (first bad byte at offset {at})"),
+            format!("`{name}` is not valid UTF-8 (first bad byte at offset {at})"),
         )
-        .into()
+    })?;
+    Ok((src, name))
+}
+
+/// The program of a file (`-`: standard input) or a built-in, as every command names it;
+/// an error renders its diagnostics against the source.
+pub fn load_program(file: Option<&Path>, builtin: Option<&str>) -> Result<Program> {
+    let program = match (file, builtin) {
+        (_, Some(name)) => compilemask::builtin(name),
+        (Some(path), None) => {
+            let (src, name) = read_source(path)?;
+            compilemask::compile_named(&src, &name)
+        }
+        (None, None) => bail!("give a mask program file (`-` for standard input) or --builtin NAME (`compilemask list` shows the built-ins)"),
+    };
+    program.map_err(|e| anyhow!("{}", e.rendered.trim_end()))
+}
+
+/// An argument's text after a leading `@`, as a path (any bytes the OS allows), or `None`
+/// when it does not start with `@`.
+fn at_path(arg: &OsStr) -> Option<PathBuf> {
+    let bytes = arg.as_encoded_bytes();
+    let rest = bytes.strip_prefix(b"@")?;
+    Some(os_path(rest))
+}
+
+/// A path from the bytes of part of an argument (split at an ASCII character, so still
+/// the OS's encoding).
+fn os_path(bytes: &[u8]) -> PathBuf {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        PathBuf::from(OsStr::from_bytes(bytes))
+    }
+    #[cfg(not(unix))]
+    {
+        PathBuf::from(String::from_utf8_lossy(bytes).into_owned())
+    }
+}
+
+/// An argument that must be text (`what` names it in the error).
+fn utf8<'a>(arg: &'a OsStr, what: &str) -> Result<&'a str> {
+    arg.to_str().ok_or_else(|| {
+        anyhow!(
+            "{what} `{}` is not valid UTF-8; only file names after `@` may hold other bytes",
+            arg.to_string_lossy()
+        )
     })
 }
 
-/// `text`, or the contents of FILE when `text` is `@FILE` (`what` names the flag in errors).
-fn text_or_file(what: &str, text: &str) -> Result<String> {
-    match text.strip_prefix('@') {
-        Some(path) => read_capped_text(path, &format!("the {what} file"))
-            .with_context(|| format!("{what}: cannot read `{path}`")),
-        None => Ok(text.to_string()),
+/// `arg`, or the contents of FILE when `arg` is `@FILE` (`what` names the flag in errors).
+fn text_or_file(what: &str, arg: &OsStr) -> Result<String> {
+    match at_path(arg) {
+        Some(path) => read_capped_text(&path, &format!("the {what} file"))
+            .with_context(|| format!("{what}: cannot read `{}`", path.display())),
+        None => Ok(utf8(arg, what)?.to_string()),
     }
 }
 
 /// Offsets of `--cu-seqlens-q` / `-k` (given inline or as `@FILE`).
-fn parse_offsets(what: &str, text: &str) -> Result<Vec<i64>> {
+fn parse_offsets(what: &str, arg: &OsStr) -> Result<Vec<i64>> {
     let bad = |message: String| PlanError::new(Code::BadCuSeqlens, None, message);
-    let items = compilemask::parse_int_list(&text_or_file(what, text)?)
+    let items = compilemask::parse_int_list(&text_or_file(what, arg)?)
         .map_err(|e| bad(format!("{what}: {e}")))?;
     if items.is_empty() {
         return Err(bad(format!(
@@ -168,7 +265,7 @@ impl MaskArgs {
                 return Err(PlanError::new(
                     Code::BadCuSeqlens,
                     None,
-                    format!("--cu-seqlens-k {k} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample"),
+                    format!("--cu-seqlens-k {} needs --cu-seqlens-q (the samples' query offsets); give both, or neither and --q-len / --kv-len for one unpacked sample", k.to_string_lossy()),
                 )
                 .into());
             }
@@ -198,20 +295,8 @@ impl MaskArgs {
     }
 
     pub fn program(&self) -> Result<Program> {
-        let program = match (&self.file, &self.builtin) {
-            (_, Some(name)) => compilemask::builtin(name),
-            (Some(path), None) => compilemask::compile_named(&read_source(path)?, path),
-            (None, None) => bail!("give a mask program file or --builtin NAME (`compilemask list` shows the built-ins)"),
-        };
-        let program = program.map_err(|e| anyhow!("{}", e.rendered.trim_end()))?;
-        if !program.warnings().is_empty() {
-            crate::write_stderr(&compilemask::render_limited(
-                program.source(),
-                program.name(),
-                program.warnings(),
-                compilemask::RENDER_LIMIT,
-            ));
-        }
+        let program = load_program(self.file.as_deref(), self.builtin.as_deref())?;
+        report_warnings(&program, program.warnings(), self.deny_warnings)?;
         Ok(program)
     }
 
@@ -221,15 +306,19 @@ impl MaskArgs {
         o.batch = self.batch;
         o.num_heads = self.num_heads;
         o.tile = self.tile;
-        o.order = match self.order.as_str() {
-            "raster" => OrderRequest::Raster,
-            "auto" => OrderRequest::Auto,
-            path => {
+        o.order = match self.order.to_str() {
+            Some("raster") => OrderRequest::Raster,
+            Some("auto") => OrderRequest::Auto,
+            _ => {
+                let path = Path::new(&self.order);
                 let t =
                     read_capped_text(path, "the --order permutation file").with_context(|| {
-                        format!("--order: `{path}` is not `raster`, `auto` or a readable file")
+                        format!(
+                            "--order: `{}` is not `raster`, `auto` or a readable file",
+                            path.display()
+                        )
                     })?;
-                let what = format!("--order {path}");
+                let what = format!("--order {}", path.display());
                 let order = compilemask::parse_int_list(&t)
                     .map_err(|e| anyhow!("{what}: {e}"))?
                     .into_iter()
@@ -243,27 +332,38 @@ impl MaskArgs {
                 OrderRequest::Explicit(order)
             }
         };
-        let mut seen: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
-        for s in &self.set {
-            let (name, value) = s
-                .split_once('=')
-                .ok_or_else(|| anyhow!("--set `{s}`: expected NAME=VALUE"))?;
+        let mut seen: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+        for arg in &self.set {
+            let bytes = arg.as_encoded_bytes();
+            let shown = arg.to_string_lossy();
+            let eq = bytes
+                .iter()
+                .position(|&c| c == b'=')
+                .ok_or_else(|| anyhow!("--set `{shown}`: expected NAME=VALUE"))?;
+            let name = std::str::from_utf8(&bytes[..eq])
+                .map_err(|_| anyhow!("--set `{shown}`: the parameter name is not valid UTF-8"))?
+                .trim();
+            let value = &bytes[eq + 1..];
             let what = format!("--set {name}");
-            let v: Value = if value.starts_with('@') {
-                let items =
-                    compilemask::parse_int_list(&text_or_file(&what, value)?).map_err(|e| {
-                        PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
-                    })?;
+            let v: Value = if let Some(path) = value.strip_prefix(b"@") {
+                let path = os_path(path);
+                let text = read_capped_text(&path, &format!("the {what} file"))
+                    .with_context(|| format!("{what}: cannot read `{}`", path.display()))?;
+                let items = compilemask::parse_int_list(&text).map_err(|e| {
+                    PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
+                })?;
                 Value::Array(items.into())
             } else {
-                compilemask::parse_value(value).map_err(|e| PlanError {
+                let text = std::str::from_utf8(value).map_err(|_| {
+                    anyhow!("{what}: the value is not valid UTF-8; give integers, or @FILE")
+                })?;
+                compilemask::parse_value(text).map_err(|e| PlanError {
                     message: format!("{what}: {}", e.message),
                     ..e
                 })?
             };
-            let name = name.trim();
-            if let Some(first) = seen.insert(name.to_string(), s.as_str()) {
-                bail!("--set: parameter `{name}` is given twice (`{first}` and `{s}`); give each parameter once");
+            if let Some(first) = seen.insert(name.to_string(), shown.to_string()) {
+                bail!("--set: parameter `{name}` is given twice (`{first}` and `{shown}`); give each parameter once");
             }
             o.params.insert(name.to_string(), v);
         }
@@ -282,6 +382,11 @@ impl MaskArgs {
         }
         .map_err(|e| anyhow!("{}", program.render_error(&e).trim_end()))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        report_warnings(
+            &program,
+            &program.plan_warnings(&options, &plan),
+            self.deny_warnings,
+        )?;
         Ok((program, options, plan, ms))
     }
 }

@@ -605,7 +605,7 @@ fn unwritable_outputs() {
             "-o",
             "/nonexistent/dir/x.png",
         ],
-        &["cannot create"],
+        &["cannot write", "/nonexistent/dir/x.png"],
     );
     fails(
         &[
@@ -907,10 +907,33 @@ fn set_from_file() {
     assert_eq!(bracketed, inline);
 }
 
+/// The plot's origin and pixels per key / row, from `show`'s report.
+fn plot_geometry(out: &str) -> ((u32, u32), (f64, f64)) {
+    let at = out.split(" at (").nth(1).expect(out);
+    let (x, rest) = at.split_once(", ").unwrap();
+    let (y, rest) = rest.split_once("), ").unwrap();
+    let (sx, rest) = rest.split_once(" x ").unwrap();
+    let sy = rest.split_whitespace().next().unwrap();
+    (
+        (x.parse().unwrap(), y.parse().unwrap()),
+        (sx.parse().unwrap(), sy.parse().unwrap()),
+    )
+}
+
+/// Decodes `path` as an 8-bit RGB PNG: (width, height, pixels).
+fn read_png(path: &std::path::Path) -> (u32, u32, Vec<u8>) {
+    let decoder = png::Decoder::new(std::io::Cursor::new(std::fs::read(path).unwrap()));
+    let mut reader = decoder.read_info().expect("a decodable PNG");
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).expect("image data");
+    (info.width, info.height, buf)
+}
+
 #[test]
 fn show_writes_a_png() {
     let dir = scratch("show");
-    for (q_len, side) in [("10", 10u32), ("5000", 1024)] {
+    // Ten tokens are upscaled to 48 px each; 5000 are drawn at 640 px.
+    for (q_len, plot) in [("10", 480u32), ("5000", 640)] {
         let path = dir.join(format!("causal_{q_len}.png"));
         let out = ok(&[
             "show",
@@ -922,17 +945,128 @@ fn show_writes_a_png() {
             path.to_str().unwrap(),
         ]);
         assert!(out.contains("wrote"), "{out}");
+        assert!(out.contains(&format!("plot {plot}x{plot} at")), "{out}");
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
-        assert_eq!(&bytes[12..16], b"IHDR");
-        let w = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
-        let h = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
-        assert_eq!((w, h), (side, side));
-        let decoder = png::Decoder::new(std::io::Cursor::new(bytes));
-        let mut reader = decoder.read_info().expect("a decodable PNG");
-        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
-        reader.next_frame(&mut buf).expect("image data");
+        let (w, h, _) = read_png(&path);
+        assert!(out.contains(&format!("({w}x{h} pixels;")), "{out}");
+        assert!(w > plot && h > plot, "{w}x{h}");
     }
+}
+
+#[test]
+fn show_writes_svg_and_zooms() {
+    let dir = scratch("show_svg");
+    let path = dir.join("m.SVG");
+    let out = ok(&[
+        "show",
+        "--builtin",
+        "hstu",
+        "--q-len",
+        "4096",
+        "--set",
+        "lengths=1024,2048,1024",
+        "--rows",
+        "900:1100",
+        "--cols",
+        "0:1100",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg}");
+    for text in [
+        "hstu",
+        "q_len 4096 × kv_len 4096",
+        "view: rows 900:1100 × keys 0:1100",
+        "segments user: 3 segments, 2 in view",
+        "data:image/png;base64,",
+    ] {
+        assert!(svg.contains(text), "{text} missing");
+    }
+    assert!(out.contains("wrote"), "{out}");
+    fails(
+        &[
+            "show",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "8",
+            "--rows",
+            "4:9",
+            "-o",
+            path.to_str().unwrap(),
+        ],
+        &["rows 4:9 is out of range", "q_len = 8"],
+    );
+    fails(
+        &[
+            "show",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "8",
+            "--h",
+            "1",
+            "-o",
+            path.to_str().unwrap(),
+        ],
+        &["--h 1 is out of range", "num_heads = 1"],
+    );
+}
+
+/// `-o NAME.html` writes the explorer page: one HTML file with the data and the script
+/// inside (the browser test, tests/browser, drives it); other extensions are refused with
+/// the three that are accepted.
+#[test]
+fn show_writes_the_explorer_page() {
+    let dir = scratch("show_html");
+    let path = dir.join("m.html");
+    let out = ok(&[
+        "show",
+        "--builtin",
+        "sliding_window",
+        "--q-len",
+        "131072",
+        "--rows",
+        "1000:2000",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let page = std::fs::read_to_string(&path).unwrap();
+    assert!(page.starts_with("<!DOCTYPE html>"), "{}", &page[..100]);
+    assert!(
+        out.contains(&format!(
+            "wrote {} (explorer page, {} bytes",
+            path.display(),
+            page.len()
+        )),
+        "{out}"
+    );
+    for text in [
+        "<script id=\"cm-data\"",
+        "\"view\":[1000,2000,0,131072]",
+        "window.cmExplorer",
+    ] {
+        assert!(page.contains(text), "{text} missing");
+    }
+    assert!(!page.contains("https://") && !page.contains("http://"));
+    assert!(page.len() < 128 * 1024, "{} bytes", page.len());
+    fails(
+        &[
+            "show",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "8",
+            "-o",
+            dir.join("m.txt").to_str().unwrap(),
+        ],
+        &[
+            ".png or .svg pictures or an .html explorer page",
+            "extension .txt",
+        ],
+    );
 }
 
 #[test]
@@ -1396,11 +1530,11 @@ fn repeated_set_is_an_error() {
 
 #[test]
 fn show_colours_pixels_by_tile_class() {
-    // Causal 64 x 64 at 16x16 tiles, one pixel per pair: below the diagonal tiles are full,
-    // on it partial, above it empty.
+    // Causal 64 x 64 at 16x16 tiles, 10 pixels per token: below the diagonal tiles are
+    // full, on it partial, above it empty.
     let dir = scratch("show_colours");
     let path = dir.join("causal.png");
-    ok(&[
+    let out = ok(&[
         "show",
         "--builtin",
         "causal",
@@ -1411,12 +1545,12 @@ fn show_colours_pixels_by_tile_class() {
         "-o",
         path.to_str().unwrap(),
     ]);
-    let decoder = png::Decoder::new(std::io::Cursor::new(std::fs::read(&path).unwrap()));
-    let mut reader = decoder.read_info().unwrap();
-    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
-    reader.next_frame(&mut buf).unwrap();
-    let px = |q: usize, k: usize| -> [u8; 3] {
-        let i = (q * 64 + k) * 3;
+    let ((x0, y0), (sx, sy)) = plot_geometry(&out);
+    assert_eq!((sx, sy), (10.0, 10.0), "{out}");
+    let (w, _, buf) = read_png(&path);
+    let px = |q: u32, k: u32| -> [u8; 3] {
+        let (x, y) = (x0 + k * 10 + 5, y0 + q * 10 + 5);
+        let i = ((y * w + x) * 3) as usize;
         [buf[i], buf[i + 1], buf[i + 2]]
     };
     let full_visible = px(63, 0);

@@ -300,15 +300,16 @@ fn tile_and_rows_limits() {
 #[test]
 fn diagnostics_are_capped() {
     let dir = scratch("flood");
-    let mut src = String::from("let a0 = 1;\n");
-    for i in 1..5000 {
-        src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
+    // 5,000 independent errors (a `let` depth error is reported once, see below).
+    let mut src = String::new();
+    for i in 0..5000 {
+        src.push_str(&format!("let a{i} = b{i} + 1;\n"));
     }
     src.push_str("mask = k <= q;\n");
     let f = write(&dir, "chain.cmask", src);
     for args in [&["check", &f][..], &["plan", &f, "--q-len", "4"][..]] {
-        let e = fails(args, &["CM0105", "more errors"]);
-        assert_eq!(e.matches("[CM0105]").count(), 50, "{e}");
+        let e = fails(args, &["CM0201", "more errors"]);
+        assert_eq!(e.matches("[CM0201]").count(), 50, "{e}");
         let last = e.trim_end().lines().last().unwrap();
         assert!(
             last.starts_with("... and ") && last.ends_with(" more errors"),
@@ -317,7 +318,7 @@ fn diagnostics_are_capped() {
     }
 }
 
-/// `show` writes PNG only: another extension is refused before planning.
+/// `show` writes PNG or SVG only: another extension is refused before planning.
 #[test]
 fn show_refuses_other_extensions() {
     let dir = scratch("show_ext");
@@ -326,7 +327,7 @@ fn show_refuses_other_extensions() {
         let p = dir.join(name);
         fails(
             &[&causal[..], &[p.to_str().unwrap()]].concat(),
-            &[name, ".png"],
+            &[name, ".png or .svg"],
         );
         assert!(!p.exists(), "{name} was written");
     }
@@ -446,4 +447,308 @@ fn descriptor_limit_names_the_remedies() {
         ],
     );
     assert!(!err.contains("67108865"), "{err}");
+}
+
+/// Runs the binary with `input` on standard input.
+fn run_stdin(args: &[&str], input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Every command that reads a program takes `--builtin NAME` or a file, and `-` is
+/// standard input.
+#[test]
+fn check_takes_builtins_and_every_command_reads_stdin() {
+    let out = ok(&["check", "--builtin", "hstu"]);
+    assert!(out.starts_with("ok: <builtin hstu>"), "{out}");
+    assert!(out.contains("lengths: [int]"), "{out}");
+    fails(
+        &["check", "--builtin", "nope"],
+        &["CM0201", "unknown built-in"],
+    );
+    fails(&["check"], &["--builtin NAME", "`-` for standard input"]);
+    let src = b"mask = k <= q;\n";
+    let o = run_stdin(&["check", "-"], src);
+    assert!(
+        o.status.success() && stdout(&o).starts_with("ok: <stdin>"),
+        "{o:?}"
+    );
+    let o = run_stdin(&["plan", "-", "--q-len", "10", "--json"], src);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["visible_pairs"], 55);
+    let o = run_stdin(&["intervals", "-", "--q-len", "10", "--rows", "3:4"], src);
+    assert_eq!(stdout(&o), "3: [0, 4)\n");
+    let o = run_stdin(&["export", "-", "--q-len", "2", "--format", "dense"], src);
+    assert!(stdout(&o).contains("[[1,0],[1,1]]"), "{o:?}");
+    let dir = scratch("stdin_show");
+    let png = dir.join("m.png");
+    let o = run_stdin(
+        &["show", "-", "--q-len", "4", "-o", png.to_str().unwrap()],
+        src,
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+    // An error in a program from standard input names it `<stdin>`.
+    let o = run_stdin(&["check", "-"], b"mask = k <= ;\n");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("<stdin>:1:"), "{}", stderr(&o));
+}
+
+/// `list --json`: every built-in with its summary and parameters, each default as the
+/// built-in's source writes it (read here from the `.cmask` files themselves).
+#[test]
+fn list_json_names_parameters_types_and_defaults() {
+    let v = json(&["list", "--json"]);
+    let items = v.as_array().unwrap();
+    let masks = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cm-stdlib/masks");
+    let mut files: Vec<_> = std::fs::read_dir(&masks)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cmask"))
+        .collect();
+    files.sort();
+    assert_eq!(items.len(), files.len());
+    for item in items {
+        let name = item["name"].as_str().unwrap();
+        assert!(!item["summary"].as_str().unwrap().is_empty(), "{name}");
+        let src = std::fs::read_to_string(masks.join(format!("{name}.cmask"))).unwrap();
+        let declared: Vec<(String, String, Option<String>)> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("param "))
+            .map(|l| {
+                let l = l.trim_end().trim_end_matches(';');
+                let (head, default) = match l.split_once(" = ") {
+                    Some((h, d)) => (h, Some(d.trim().to_string())),
+                    None => (l, None),
+                };
+                let (n, ty) = head.split_once(':').unwrap();
+                (n.trim().to_string(), ty.trim().to_string(), default)
+            })
+            .collect();
+        let params = item["parameters"].as_array().unwrap();
+        assert_eq!(params.len(), declared.len(), "{name}");
+        for (p, (n, ty, default)) in params.iter().zip(&declared) {
+            assert_eq!(p["name"], n.as_str(), "{name}");
+            assert_eq!(p["type"], ty.as_str(), "{name}.{n}");
+            assert_eq!(p["default"].as_str(), default.as_deref(), "{name}.{n}");
+            if let Some(d) = default.as_deref().and_then(|d| d.parse::<i64>().ok()) {
+                assert_eq!(p["default_value"], d, "{name}.{n}");
+            }
+        }
+    }
+    let hstu = items.iter().find(|i| i["name"] == "hstu").unwrap();
+    assert_eq!(
+        hstu["parameters"][0]["default_value"],
+        serde_json::json!([2048, 1536, 3072, 1024, 2560, 512, 4096, 1280])
+    );
+    let text = ok(&["list"]);
+    assert!(text.contains("lengths: [int] = [2048, 1536"), "{text}");
+}
+
+/// File names are taken as the OS gives them: bytes that are not UTF-8 are fine in a
+/// program path, `--set NAME=@FILE`, `--order FILE` and `--cu-seqlens-q @FILE`.
+#[cfg(unix)]
+#[test]
+fn paths_need_not_be_utf8() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = scratch("non_utf8");
+    let name = |s: &[u8]| dir.join(OsStr::from_bytes(s));
+    let prog = name(b"m\xff.cmask");
+    std::fs::write(&prog, "param w: int = 2;\nmask = q - w < k <= q;\n").unwrap();
+    let window = name(b"w\xfe.txt");
+    std::fs::write(&window, "3").unwrap();
+    let order = name(b"o\xfd.txt");
+    std::fs::write(&order, "3 2 1 0").unwrap();
+    let cu = name(b"c\xfc.txt");
+    std::fs::write(&cu, "0,2,4").unwrap();
+    let run = |extra: &[&OsStr]| {
+        let o = Command::new(BIN).args(extra).output().unwrap();
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        stdout(&o)
+    };
+    let out = run(&[OsStr::new("check"), prog.as_os_str()]);
+    assert!(out.contains("ok: ") && out.contains(".cmask"), "{out}");
+    let mut set = std::ffi::OsString::from("w=@");
+    set.push(window.as_os_str());
+    let out = run(&[
+        OsStr::new("plan"),
+        prog.as_os_str(),
+        OsStr::new("--q-len"),
+        OsStr::new("4"),
+        OsStr::new("--set"),
+        &set,
+        OsStr::new("--json"),
+    ]);
+    // w = 3: rows see 1, 2, 3, 3 keys.
+    assert!(out.contains("\"visible_pairs\":9"), "{out}");
+    let out = run(&[
+        OsStr::new("plan"),
+        prog.as_os_str(),
+        OsStr::new("--q-len"),
+        OsStr::new("4"),
+        OsStr::new("--order"),
+        order.as_os_str(),
+        OsStr::new("--json"),
+    ]);
+    assert!(out.contains("\"visible_pairs\":7"), "{out}");
+    let mut cu_arg = std::ffi::OsString::from("@");
+    cu_arg.push(cu.as_os_str());
+    let out = run(&[
+        OsStr::new("plan"),
+        OsStr::new("--builtin"),
+        OsStr::new("causal"),
+        OsStr::new("--cu-seqlens-q"),
+        &cu_arg,
+        OsStr::new("--json"),
+    ]);
+    assert!(out.contains("\"visible_pairs\":6"), "{out}");
+}
+
+/// A chain of `let`s past the depth limit: one error, at the `let` that first exceeds
+/// it, however long the file (10 MB here), and quickly.
+#[test]
+fn let_depth_error_is_reported_once_at_its_let() {
+    let dir = scratch("let_depth");
+    let mut src = String::from("let a0 = k == q;\n");
+    let mut i = 1;
+    while src.len() < 10_000_000 {
+        src.push_str(&format!("let a{i} = a{} | k == q - {};\n", i - 1, i % 7));
+        i += 1;
+    }
+    src.push_str(&format!("mask = a{};\n", i - 1));
+    let path = write(&dir, "chain.cmask", &src);
+    let t0 = std::time::Instant::now();
+    let err = fails(&["check", &path], &["CM0105", "`a4096` nests too deeply"]);
+    assert!(t0.elapsed().as_secs_f64() < 30.0, "{:?}", t0.elapsed());
+    assert_eq!(err.matches("Error").count(), 1, "{err}");
+    assert!(err.contains("chain.cmask:4097:5"), "{err}");
+}
+
+/// Limits compose: a union of 1,000 terms written as a chain of `let`s (the CM0105 hint
+/// for a long operator chain) plans, with the visible pairs counted here.
+#[test]
+fn a_thousand_term_union_written_with_let_plans() {
+    let dir = scratch("union1000");
+    let mut src = String::from("let u0 = k == q;\n");
+    for i in 1..1000 {
+        src.push_str(&format!("let u{i} = u{} | k == q - {i};\n", i - 1));
+    }
+    src.push_str("mask = u999;\n");
+    let path = write(&dir, "u.cmask", &src);
+    let v = json(&["plan", &path, "--q-len", "3000", "--json"]);
+    let want: u64 = (0..3000u64).map(|q| (q + 1).min(1000)).sum();
+    assert_eq!(v["visible_pairs"], want);
+}
+
+/// Plan-time warnings: each silent mistake gets its code on standard error with the span
+/// it is about, the plan still succeeds, and `--deny-warnings` turns any into exit 1.
+#[test]
+fn silent_mistakes_warn() {
+    let cases: &[(&str, &[&str], Option<&str>, &str)] = &[
+        (
+            "mask = k > q + 100;",
+            &["--q-len", "8"],
+            Some("CM0260"),
+            "the mask sees nothing",
+        ),
+        (
+            "mask = k < q;",
+            &["--q-len", "8"],
+            Some("CM0261"),
+            "1 of 8 query rows see no key",
+        ),
+        (
+            "mask = k < q;",
+            &["--q-len", "8", "--num-heads", "3"],
+            Some("CM0261"),
+            "3 of 24 query rows",
+        ),
+        (
+            "mask = k <= q + h;",
+            &["--q-len", "8"],
+            Some("CM0262"),
+            "reads the head index `h`",
+        ),
+        (
+            "mask = k <= q + h;",
+            &["--q-len", "8", "--num-heads", "2"],
+            None,
+            "",
+        ),
+        (
+            "mask = k <= q + b;",
+            &["--q-len", "8"],
+            Some("CM0263"),
+            "reads the batch index `b`",
+        ),
+        (
+            "mask = k <= q + b;",
+            &["--cu-seqlens-q", "0,8"],
+            Some("CM0263"),
+            "one batch",
+        ),
+        ("mask = k <= q + b;", &["--cu-seqlens-q", "0,4,8"], None, ""),
+        (
+            "param unused: int = 3;\nmask = k <= q;",
+            &["--q-len", "8", "--set", "unused=4"],
+            Some("CM0264"),
+            "parameter `unused` was set, but nothing in the program reads it",
+        ),
+        (
+            "param unused: int = 3;\nmask = k <= q;",
+            &["--q-len", "8"],
+            None,
+            "",
+        ),
+        (
+            "mask = elementwise(k <= q);",
+            &["--q-len", "1001"],
+            Some("CM0265"),
+            "`elementwise` evaluated 1002001 (q, k) pairs",
+        ),
+        (
+            "mask = elementwise(k <= q);",
+            &["--q-len", "1000"],
+            None,
+            "",
+        ),
+        ("mask = k <= q;", &["--q-len", "8"], None, ""),
+    ];
+    for (src, args, code, text) in cases {
+        let o = run_stdin(&[&["plan", "-"][..], args].concat(), src.as_bytes());
+        let err = stderr(&o);
+        assert!(o.status.success(), "{src} {args:?}: {err}");
+        match code {
+            Some(code) => {
+                assert!(
+                    err.contains(&format!("[{code}] Warning")),
+                    "{src} {args:?}: {err}"
+                );
+                assert!(err.contains(text), "{src} {args:?}: {err}");
+                assert!(err.contains("<stdin>:"), "no span: {err}");
+                let o = run_stdin(
+                    &[&["plan", "-", "--deny-warnings"][..], args].concat(),
+                    src.as_bytes(),
+                );
+                assert_eq!(o.status.code(), Some(1), "{src} {args:?}");
+                assert!(stderr(&o).contains("--deny-warnings"), "{}", stderr(&o));
+            }
+            None => assert!(!err.contains("Warning"), "{src} {args:?}: {err}"),
+        }
+    }
+    // The program's own warnings, too: an unused `let`.
+    let src = b"let x = 3;\nmask = k <= q;\n";
+    let o = run_stdin(&["check", "-"], src);
+    assert!(o.status.success() && stderr(&o).contains("CM0250"), "{o:?}");
+    let o = run_stdin(&["check", "-", "--deny-warnings"], src);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
 }

@@ -650,6 +650,10 @@ impl Bound<'_> {
 
     /// Evaluates an integer expression at a point.
     pub fn eval_int(&self, e: &Int, env: &Env) -> PResult<i64> {
+        crate::deep(|| self.eval_int_at(e, env))
+    }
+
+    fn eval_int_at(&self, e: &Int, env: &Env) -> PResult<i64> {
         let span = e.span;
         Ok(match &e.kind {
             IntKind::Const(v) => *v,
@@ -739,6 +743,10 @@ impl Bound<'_> {
 
     /// Evaluates a boolean; `and` / `or` short-circuit.
     pub fn eval_bool(&self, e: &Bool, env: &Env) -> PResult<bool> {
+        crate::deep(|| self.eval_bool_at(e, env))
+    }
+
+    fn eval_bool_at(&self, e: &Bool, env: &Env) -> PResult<bool> {
         Ok(match e {
             Bool::Const(v) => *v,
             Bool::Cmp(op, a, b) => cmp(*op, self.eval_int(a, env)?, self.eval_int(b, env)?),

@@ -47,6 +47,10 @@ impl Bound<'_> {
     }
 
     pub(crate) fn region_at(&self, r: &Region, env: &Env) -> PResult<bool> {
+        crate::deep(|| self.region_here(r, env))
+    }
+
+    fn region_here(&self, r: &Region, env: &Env) -> PResult<bool> {
         let k = env.k;
         Ok(match r {
             Region::Rows(c) => self.eval_bool(c, env)?,

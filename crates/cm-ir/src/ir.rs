@@ -236,6 +236,29 @@ pub enum Region {
 }
 
 impl Region {
+    /// The same region with every chain of unions rebuilt as a balanced tree of the same
+    /// operands in the same order. Union is associative, and the solver and the pairwise
+    /// interpreter visit its operands left to right in either shape, so the meaning and the
+    /// first error are unchanged; a union of a thousand terms built by a chain of `let`s
+    /// then nests ten deep, not a thousand. Intersections keep their shape: the solver
+    /// narrows each right operand to the keys of the left one, so a left-deep chain is
+    /// evaluated in ever smaller ranges.
+    pub fn balanced(self) -> Region {
+        match self {
+            r @ Region::Union(..) => {
+                let operands = unions(r).into_iter().map(Region::balanced).collect();
+                tree(operands)
+            }
+            Region::Inter(a, b) => Region::Inter(Box::new(a.balanced()), Box::new(b.balanced())),
+            Region::Diff(a, b) => Region::Diff(Box::new(a.balanced()), Box::new(b.balanced())),
+            Region::Not(a) => Region::Not(Box::new(a.balanced())),
+            Region::Cond(c, a, b) => {
+                Region::Cond(c, Box::new(a.balanced()), Box::new(b.balanced()))
+            }
+            leaf => leaf,
+        }
+    }
+
     /// Whether the region holds an `elementwise` atom: the only kind evaluated pair by pair,
     /// so the only one whose cost grows with `q_len x kv_len` and whose errors can depend on
     /// `k`. Exhaustive on purpose: a new atom kind must say which side it is on.
@@ -257,6 +280,29 @@ impl Region {
     }
 }
 
+/// The operands of a chain of unions, left to right, taken apart without recursion (the
+/// chain may be thousands deep).
+fn unions(r: Region) -> Vec<Region> {
+    let mut out = Vec::new();
+    let mut todo = vec![r];
+    while let Some(r) = todo.pop() {
+        match r {
+            Region::Union(a, b) => todo.extend([*b, *a]),
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// A balanced tree of unions of `operands`, in order; non-empty.
+fn tree(mut operands: Vec<Region>) -> Region {
+    if operands.len() == 1 {
+        return operands.pop().expect("one operand");
+    }
+    let right = operands.split_off(operands.len() / 2);
+    Region::Union(Box::new(tree(operands)), Box::new(tree(right)))
+}
+
 /// A named constant integer array that programs read as a built-in name, like a parameter
 /// that cannot be set (the standard library's `trace_context`, say). The checker knows no
 /// such names of its own; its caller passes them. `values` is called each time a program
@@ -271,8 +317,13 @@ pub struct NamedArray {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamDecl {
     pub name: String,
+    /// Whether anything in the program reads it (a value given for an unread parameter
+    /// changes nothing: a plan-time warning).
+    pub read: bool,
     pub is_array: bool,
     pub default: Option<ParamDefault>,
+    /// Where the default expression is written in the source.
+    pub default_span: Option<Span>,
     pub span: Span,
 }
 
@@ -347,7 +398,12 @@ pub struct Program {
     pub grids: Vec<GridDecl>,
     pub requires: Vec<Require>,
     pub mask: Region,
+    /// The `mask = ...;` statement.
+    pub mask_span: Span,
     /// Whether the mask reads the batch index `b` / the head index `h`.
     pub uses_b: bool,
     pub uses_h: bool,
+    /// Where `b` / `h` is first read.
+    pub b_span: Option<Span>,
+    pub h_span: Option<Span>,
 }

@@ -34,3 +34,11 @@ pub fn compile(
     diags.sort_by_key(|d| (d.span.start, d.span.end));
     (program, diags)
 }
+
+/// Runs `f` with at least 256 KiB of stack left, switching to a fresh 8 MiB segment when
+/// the thread has less. The checker, binding, the interpreter and the solver recurse over
+/// expressions as deep as [`check::MAX_INLINED_DEPTH`]; each recursive step goes through
+/// this, so no depth a program may have overflows any thread's stack.
+pub fn deep<R>(f: impl FnOnce() -> R) -> R {
+    stacker::maybe_grow(256 << 10, 8 << 20, f)
+}

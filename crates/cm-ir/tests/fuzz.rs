@@ -250,16 +250,29 @@ fn deep_nesting_gives_a_diagnostic() {
         check_diags(&src, &diags);
         assert!(p.is_none());
     }
-    // `let` chains that reach past the nesting limit.
-    let mut src = String::from("let a0 = q;\n");
-    for i in 1..=200 {
-        src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
-    }
-    src.push_str("mask = k < a200;\n");
+    // `let` chains: 2,000 links compose (each adds two levels); past MAX_INLINED_DEPTH one
+    // error names the first `let` too deep, however long the chain goes on.
+    let chain = |n: usize| {
+        let mut src = String::from("let a0 = q;\n");
+        for i in 1..=n {
+            src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
+        }
+        src + &format!("mask = k < a{n};\n")
+    };
+    let src = chain(2000);
+    let (p, diags) = cm_stdlib::compile(&src);
+    check_diags(&src, &diags);
+    assert!(p.is_some(), "{diags:?}");
+    let src = chain(20_000);
     let (p, diags) = cm_stdlib::compile(&src);
     check_diags(&src, &diags);
     assert!(p.is_none());
-    assert!(diags.iter().any(|d| d.code == "CM0105"), "{diags:?}");
+    let errors: Vec<_> = diags.iter().filter(|d| d.is_error()).collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].code, "CM0105");
+    let first = (cm_ir::check::MAX_INLINED_DEPTH / 2) as usize;
+    let at = src.find(&format!("let a{first} =")).unwrap() + 4;
+    assert_eq!(errors[0].span.start as usize, at, "{}", errors[0].message);
 }
 
 /// `n`-term flat chains: not nested in the source, but as deep as `n` in the tree.

@@ -310,6 +310,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     pub fn int(&self, p: &Piece, e: &Int) -> Eval<Affine> {
+        cm_ir::deep(|| self.int_at(p, e))
+    }
+
+    fn int_at(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         let span = e.span;
         let sh = &self.bound.shape;
         Ok(match &e.kind {
@@ -569,6 +573,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     pub fn boolean(&self, p: &Piece, c: &Bool) -> Eval<bool> {
+        cm_ir::deep(|| self.boolean_at(p, c))
+    }
+
+    fn boolean_at(&self, p: &Piece, c: &Bool) -> Eval<bool> {
         match c {
             Bool::Const(v) => Ok(*v),
             Bool::Cmp(op, a, b) => {
@@ -794,6 +802,15 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// Evaluates a region over a piece. `hull` (only for one-row pieces) bounds the keys the
     /// caller will keep, so enumerating atoms need not look beyond it.
     pub fn region(
+        &self,
+        p: &Piece,
+        r: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        cm_ir::deep(|| self.region_in(p, r, hull))
+    }
+
+    fn region_in(
         &self,
         p: &Piece,
         r: &Region,

@@ -17,6 +17,11 @@ pub struct Plan {
     pub uses_batch: bool,
     pub uses_head: bool,
     pub compile_ms: f64,
+    /// The program's name and named structure, for pictures.
+    pub name: String,
+    pub structure: Option<compilemask::Structure>,
+    /// The plan-time warnings, each with its rendering against the source.
+    pub warnings: Vec<(crate::errors::Diagnostic, String)>,
 }
 
 /// A `PlanError` for an export that was refused: `CM0403` (over the size limit) or
@@ -43,6 +48,35 @@ fn patch(p: [u32; 3]) -> Patch {
 }
 
 impl Plan {
+    pub fn new(
+        plan: compilemask::Plan,
+        program: &compilemask::Program,
+        structure: Option<compilemask::Structure>,
+        options: &compilemask::PlanOptions,
+        compile_ms: f64,
+    ) -> Plan {
+        let (uses_batch, uses_head) = program.depends_on_batch_head();
+        let warnings = program
+            .plan_warnings(options, &plan)
+            .iter()
+            .map(|d| {
+                (
+                    crate::errors::Diagnostic::new(d, program.source()),
+                    compilemask::render(program.source(), program.name(), std::slice::from_ref(d)),
+                )
+            })
+            .collect();
+        Plan {
+            warnings,
+            inner: Arc::new(plan),
+            uses_batch,
+            uses_head,
+            compile_ms,
+            name: cm_view::display_name(program.name()).to_string(),
+            structure,
+        }
+    }
+
     /// The distinct mask of `(b, h)`, after a bounds check.
     fn mask(&self, b: i64, h: i64) -> PyResult<&compilemask::MaskPlan> {
         let p = &self.inner;
@@ -68,6 +102,14 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
+    /// `(Diagnostic, rendered)` of every plan-time warning (no visible pair, rows that see
+    /// nothing, `h` / `b` read with one head / batch, unread parameters, large
+    /// `elementwise`).
+    #[getter]
+    fn warnings(&self) -> Vec<(crate::errors::Diagnostic, String)> {
+        self.warnings.clone()
+    }
+
     #[getter]
     fn q_len(&self) -> u32 {
         self.inner.q_len
@@ -310,6 +352,58 @@ impl Plan {
     }
 
     /// The dense `[q_len, kv_len]` mask of `(b, h)`, one byte per pair (1 = visible).
+    /// The plan's picture (see `cm_view`): `"png"` bytes or `"svg"` text as UTF-8 bytes, of
+    /// batch `b`, head `h`, rows `rows` and keys `cols` (`(start, stop)`, half-open;
+    /// `None`: all). `IndexError` for a view outside the plan, `ValueError` for another
+    /// format.
+    #[pyo3(signature = (format = "png", b = 0, h = 0, rows = None, cols = None))]
+    fn image<'py>(
+        &self,
+        py: Python<'py>,
+        format: &str,
+        b: i64,
+        h: i64,
+        rows: Option<(i64, i64)>,
+        cols: Option<(i64, i64)>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.mask(b, h)?;
+        let range = |what: &str, r: Option<(i64, i64)>| -> PyResult<Option<(u32, u32)>> {
+            r.map(|(lo, hi)| match (u32::try_from(lo), u32::try_from(hi)) {
+                (Ok(lo), Ok(hi)) => Ok((lo, hi)),
+                _ => Err(PyIndexError::new_err(format!(
+                    "{what} = ({lo}, {hi}) is out of range; expected (start, stop) with 0 <= start < stop"
+                ))),
+            })
+            .transpose()
+        };
+        let view = cm_view::View {
+            b: b as u32,
+            h: h as u32,
+            rows: range("rows", rows)?,
+            cols: range("cols", cols)?,
+        };
+        let subject = cm_view::Subject {
+            plan: &self.inner,
+            name: &self.name,
+            structure: self.structure.as_ref(),
+            uses_batch: self.uses_batch,
+            uses_head: self.uses_head,
+        };
+        let picture =
+            cm_view::figure(&subject, &view).map_err(|e| PyIndexError::new_err(e.to_string()))?;
+        let bytes = match format {
+            "png" => py.detach(|| picture.png()),
+            "svg" => picture.svg().map(String::into_bytes),
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "format must be \"png\" or \"svg\", got {other:?}"
+                )))
+            }
+        }
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
     #[pyo3(signature = (b = 0, h = 0))]
     fn dense<'py>(&self, py: Python<'py>, b: i64, h: i64) -> PyResult<Bound<'py, PyBytes>> {
         let m = self.mask(b, h)?;

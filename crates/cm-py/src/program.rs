@@ -1,7 +1,6 @@
 //! Compiling programs and planning them.
 
 use compilemask::Code;
-use std::sync::Arc;
 use std::time::Instant;
 
 use compilemask::{OrderRequest, PackedShape, PlanOptions, TileShape};
@@ -182,14 +181,15 @@ impl Program {
             let r = crate::deep(|| program.plan(&options));
             (r, t0.elapsed().as_secs_f64() * 1e3)
         });
-        let (uses_batch, uses_head) = program.depends_on_batch_head();
         match result {
-            Ok(plan) => Ok(Plan {
-                inner: Arc::new(plan),
-                uses_batch,
-                uses_head,
-                compile_ms: ms,
-            }),
+            Ok(plan) => {
+                // Structure follows the program's positions, so none for a permuted order.
+                let structure = match plan.order {
+                    None => program.structure(&options).ok(),
+                    Some(_) => None,
+                };
+                Ok(Plan::new(plan, program, structure, &options, ms))
+            }
             Err(e) => Err(plan_error(py, Some(program), &e)),
         }
     }
@@ -228,14 +228,11 @@ impl Program {
             let r = crate::deep(|| program.plan_packed(&shape, &options));
             (r, t0.elapsed().as_secs_f64() * 1e3)
         });
-        let (uses_batch, uses_head) = program.depends_on_batch_head();
         match result {
-            Ok(plan) => Ok(Plan {
-                inner: Arc::new(plan),
-                uses_batch,
-                uses_head,
-                compile_ms: ms,
-            }),
+            Ok(plan) => {
+                let structure = plan.packing.as_ref().map(compilemask::Structure::packed);
+                Ok(Plan::new(plan, program, structure, &options, ms))
+            }
             Err(e) => Err(plan_error(py, Some(program), &e)),
         }
     }

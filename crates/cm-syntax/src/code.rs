@@ -1,6 +1,6 @@
 //! The stable diagnostic codes: one [`Code`] per row of the table in docs/language.md
 //! ("Diagnostics"), with the row's one-line meaning. `CM01xx` is syntax, `CM02xx` names,
-//! types and contexts (`CM0250` the one warning), `CM03xx` values met while binding or
+//! types and contexts (`CM0250` the checker's one warning, `CM026x` the plan-time warnings), `CM03xx` values met while binding or
 //! planning, `CM04xx` planning and export limits. A code never changes its meaning; a test
 //! checks this list against the documented table, row by row.
 
@@ -42,7 +42,7 @@ codes! {
     UnterminatedString = "CM0102", "unterminated string, or an unclosed `{` in a message";
     BadIntegerLiteral = "CM0103", "malformed or too large integer literal";
     UnexpectedToken = "CM0104", "unexpected token (expected ...)";
-    TooDeep = "CM0105", "expression or `let` nesting too deep";
+    TooDeep = "CM0105", "expression nesting too deep (128 levels, or an operator chain of 128), or a `let` deeper than 8192 levels with the `let`s it uses inlined";
     ExpectedStatement = "CM0106", "expected a statement";
     UnknownName = "CM0201", "unknown name (with a suggestion)";
     DuplicateName = "CM0202", "duplicate or reserved name";
@@ -56,6 +56,12 @@ codes! {
     SecondMask = "CM0210", "more than one `mask`";
     BadDistanceComparison = "CM0211", "a grid distance compared with something other than `<` or `<=`";
     UnusedLet = "CM0250", "warning: a `let` is never used";
+    NoVisiblePair = "CM0260", "warning (plan time): no (q, k) pair is visible at these lengths and parameters";
+    EmptyRows = "CM0261", "warning (plan time): some query rows see no key (counted; their output is 0, their lse `-inf`)";
+    OneHead = "CM0262", "warning (plan time): the mask reads `h` but was planned with one head";
+    OneBatch = "CM0263", "warning (plan time): the mask reads `b` but was planned with one batch (or one packed sample)";
+    UnreadParameter = "CM0264", "warning (plan time): a parameter was given a value that nothing in the program reads";
+    ElementwisePairs = "CM0265", "warning (plan time): `elementwise` evaluated more than 1,000,000 pairs one by one";
     DivisionByZero = "CM0301", "division or modulo by zero";
     Overflow = "CM0302", "integer overflow";
     OutsideSegmentation = "CM0303", "a position outside a segmentation";

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 pub mod text;
+pub mod warnings;
 pub use text::{parse_int_list, parse_value, ListError};
 
 pub use cm_export::{
@@ -311,6 +312,26 @@ impl Program {
             .collect()
     }
 
+    /// The declared parameters with their defaults as written in the source (`4096`,
+    /// `[2048, 1536]`, `q_len / 4`), in declaration order.
+    pub fn parameters(&self) -> Vec<Parameter> {
+        self.ir
+            .params
+            .iter()
+            .map(|p| Parameter {
+                name: p.name.clone(),
+                is_array: p.is_array,
+                default: p.default_span.map(|sp| {
+                    let (lo, hi) = (
+                        char_floor(&self.source, sp.start as usize),
+                        char_floor(&self.source, sp.end as usize),
+                    );
+                    self.source[lo..hi.max(lo)].to_string()
+                }),
+            })
+            .collect()
+    }
+
     /// Whether the mask reads the batch index `b` / the head index `h`.
     pub fn depends_on_batch_head(&self) -> (bool, bool) {
         (self.ir.uses_b, self.ir.uses_h)
@@ -344,6 +365,69 @@ impl Program {
         ))
     }
 
+    /// The program's named structure at these lengths and parameters: each segmentation's
+    /// segments, parts and pieces, and each grid's extent, in absolute positions (the same
+    /// for rows and keys). Costs O(segments + pieces); no row is solved.
+    ///
+    /// # Errors
+    /// As [`Program::plan`] (binding the lengths and parameters).
+    pub fn structure(&self, options: &PlanOptions) -> Result<Structure, PlanError> {
+        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let mut groups = Vec::new();
+        for (decl, table) in self.ir.segs.iter().zip(&bound.segs) {
+            let segments = (0..table.count())
+                .map(|i| {
+                    let (lo, hi) = (table.starts[i], table.starts[i + 1]);
+                    NamedSpan::same(lo, hi, format!("{} {i}", decl.name))
+                })
+                .collect();
+            groups.push(StructureGroup {
+                kind: StructureKind::Segments,
+                name: decl.name.clone(),
+                spans: segments,
+            });
+            if let (cm_ir::SegKind::Composite(pieces), Some(t)) = (&decl.kind, &table.pieces) {
+                let spans = (0..t.kinds.len())
+                    .filter(|&j| t.bounds[j] < t.bounds[j + 1])
+                    .map(|j| {
+                        let kind = &pieces[t.kinds[j] as usize].name;
+                        NamedSpan::same(t.bounds[j], t.bounds[j + 1], kind.clone())
+                    })
+                    .collect();
+                groups.push(StructureGroup {
+                    kind: StructureKind::Pieces,
+                    name: decl.name.clone(),
+                    spans,
+                });
+            }
+            for (part, ranges) in decl.parts.iter().zip(&table.parts) {
+                let spans = ranges
+                    .iter()
+                    .filter(|(lo, hi)| lo < hi)
+                    .map(|&(lo, hi)| NamedSpan::same(lo, hi, part.name.clone()))
+                    .collect();
+                groups.push(StructureGroup {
+                    kind: StructureKind::Part,
+                    name: format!("{}.{}", decl.name, part.name),
+                    spans,
+                });
+            }
+        }
+        for (decl, g) in self.ir.grids.iter().zip(&bound.grids) {
+            let dims: Vec<String> = g.dims.iter().map(i64::to_string).collect();
+            groups.push(StructureGroup {
+                kind: StructureKind::Grid,
+                name: decl.name.clone(),
+                spans: vec![NamedSpan::same(
+                    g.at,
+                    g.at + g.size,
+                    format!("{} {}", decl.name, dims.join("x")),
+                )],
+            });
+        }
+        Ok(Structure { groups })
+    }
+
     /// Whether some region is evaluated pair by pair (`elementwise`).
     pub fn uses_elementwise(&self) -> bool {
         self.ir.mask.uses_elementwise()
@@ -365,6 +449,89 @@ impl Program {
     /// A plan error rendered against this program's source (see [`render_error`]).
     pub fn render_error(&self, e: &PlanError) -> String {
         render_error(&self.source, &self.name, e)
+    }
+}
+
+/// A declared parameter ([`Program::parameters`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Parameter {
+    pub name: String,
+    /// `[int]` rather than `int`.
+    pub is_array: bool,
+    /// The default's source text, if it has one.
+    pub default: Option<String>,
+}
+
+/// The named structure of a bound program or a packed plan ([`Program::structure`],
+/// [`Structure::packed`]): groups of named spans of rows and keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Structure {
+    pub groups: Vec<StructureGroup>,
+}
+
+/// What a [`StructureGroup`] describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StructureKind {
+    /// The segments of a `segments` declaration, one span each (zero-length ones too).
+    Segments,
+    /// The pieces of a composite segmentation, labelled with their piece name.
+    Pieces,
+    /// One `part` of every segment (non-empty ones only).
+    Part,
+    /// A grid's positions `[at, at + h*w)`, labelled with its name and extents.
+    Grid,
+    /// The samples of a packed plan (`cu_seqlens`).
+    Samples,
+}
+
+/// A named group of spans: a segmentation (`user`), one of its parts (`user.targets`),
+/// a grid (`image`), or the samples of a packed plan (`sample`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StructureGroup {
+    pub kind: StructureKind,
+    pub name: String,
+    /// In increasing order of `rows.0`.
+    pub spans: Vec<NamedSpan>,
+}
+
+/// Half-open, 0-based ranges of query rows and keys that belong to one named thing. They
+/// are equal except in packed plans, whose samples' keys start at `cu_seqlens_k[b]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedSpan {
+    pub rows: (i64, i64),
+    pub keys: (i64, i64),
+    pub label: String,
+}
+
+impl NamedSpan {
+    fn same(lo: i64, hi: i64, label: String) -> NamedSpan {
+        NamedSpan {
+            rows: (lo, hi),
+            keys: (lo, hi),
+            label,
+        }
+    }
+}
+
+impl Structure {
+    /// The samples of a packed plan: sample `b` is rows `[cu_q[b], cu_q[b + 1])` and keys
+    /// `[cu_k[b], cu_k[b + 1])`.
+    pub fn packed(packing: &Packing) -> Structure {
+        let (cu_q, cu_k) = (packing.cu_seqlens_q(), packing.cu_seqlens_k());
+        let spans = (0..packing.batch() as usize)
+            .map(|b| NamedSpan {
+                rows: (i64::from(cu_q[b]), i64::from(cu_q[b + 1])),
+                keys: (i64::from(cu_k[b]), i64::from(cu_k[b + 1])),
+                label: format!("sample {b}"),
+            })
+            .collect();
+        Structure {
+            groups: vec![StructureGroup {
+                kind: StructureKind::Samples,
+                name: "sample".into(),
+                spans,
+            }],
+        }
     }
 }
 

@@ -5,6 +5,9 @@
 //!   rendered with `compilemask::render(source, name, &diagnostics)`.
 //! - Plan-time codes (CM03xx values, CM04xx limits) come from `Program::plan` and are
 //!   rendered with `Program::render_error`.
+//! - Plan-time warnings (CM026x) come from `Program::plan_warnings` and are rendered with
+//!   `compilemask::render`, the renderer of errors: `[CODE] Warning:` where an error says
+//!   `[CODE] Error:`.
 //!
 //! Each test also asserts the code itself, so a snapshot can never silently switch to
 //! another error. Snapshots live in `tests/snapshots/`; regenerate with
@@ -111,23 +114,21 @@ fn cm0104_unexpected_token() {
 
 #[test]
 fn cm0105_nesting_too_deep() {
-    // Deep `let` chains are the realistic way to hit the limit (parentheses give it too).
+    // Deep `let` chains are the realistic way to hit the limit (parentheses give it too):
+    // one error, at the first `let` past the limit, however long the chain goes on.
     let mut src = String::from("let a0 = q;\n");
-    for i in 1..=80 {
+    for i in 1..=5000 {
         src.push_str(&format!("let a{i} = a{} + 1;\n", i - 1));
     }
-    src.push_str("mask = k <= a80;\n");
-    // Only the errors: checking stops at the limit, and the spurious CM0250 warnings that
-    // follow come out in hash-map order (see `regressions.rs`).
+    src.push_str("mask = k <= a5000;\n");
     let e = compilemask::compile_named(&src, NAME).unwrap_err();
-    let errors: Vec<_> = e.diagnostics.into_iter().filter(|d| d.is_error()).collect();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert_eq!(errors[0].code, "CM0105");
+    assert_eq!(e.diagnostics.len(), 1, "{:?}", e.diagnostics);
+    assert_eq!(e.diagnostics[0].code, "CM0105");
     insta::assert_snapshot!(
         "cm0105",
         format!(
-            "--- source\n{src}\n--- rendered (errors only)\n{}",
-            compilemask::render(&src, NAME, &errors)
+            "--- source\nlet a0 = q;\nlet a1 = a0 + 1;\n... (to a5000)\nmask = k <= a5000;\n\n--- rendered\n{}",
+            compilemask::render(&src, NAME, &e.diagnostics)
         )
     );
 }
@@ -219,6 +220,64 @@ fn cm0211_distance_comparison() {
 #[test]
 fn cm0250_unused_let() {
     compile_golden("CM0250", "let unused = 5;\nmask = k <= q;\n");
+}
+
+/// Compiles and plans `src` with `options` (which must succeed) and snapshots its
+/// plan-time warnings, which must include `code`.
+fn warning_golden(code: &str, src: &str, options: &PlanOptions) {
+    let program = compilemask::compile_named(src, NAME)
+        .unwrap_or_else(|e| panic!("{code}: program should check:\n{}", e.rendered));
+    let plan = program.plan(options).expect("the plan succeeds");
+    let warnings = program.plan_warnings(options, &plan);
+    assert!(
+        warnings.iter().any(|d| d.code == code && !d.is_error()),
+        "expected warning {code}, got {warnings:?}"
+    );
+    let rendered = compilemask::render(src, NAME, &warnings);
+    assert!(
+        rendered.starts_with(&format!("[{code}] Warning: ")),
+        "{rendered}"
+    );
+    insta::assert_snapshot!(
+        code.to_lowercase(),
+        format!("--- source\n{src}\n--- rendered\n{rendered}")
+    );
+}
+
+// ---- CM026x: plan-time warnings --------------------------------------------------------
+
+#[test]
+fn cm0260_no_visible_pair() {
+    warning_golden("CM0260", "mask = k > q + 100;\n", &opts(8));
+}
+
+#[test]
+fn cm0261_rows_that_see_no_key() {
+    warning_golden("CM0261", "mask = k < q;\n", &opts(8));
+}
+
+#[test]
+fn cm0262_head_index_with_one_head() {
+    warning_golden("CM0262", "mask = k <= q + h;\n", &opts(8));
+}
+
+#[test]
+fn cm0263_batch_index_with_one_batch() {
+    warning_golden("CM0263", "mask = k <= q - b;\n", &opts(8));
+}
+
+#[test]
+fn cm0264_parameter_set_but_not_read() {
+    warning_golden(
+        "CM0264",
+        "param window: int = 4;\nmask = k <= q;\n",
+        &opts(8).param("window", Value::Int(2)),
+    );
+}
+
+#[test]
+fn cm0265_large_elementwise() {
+    warning_golden("CM0265", "mask = elementwise(k <= q);\n", &opts(1001));
 }
 
 // ---- CM03xx: plan-time values ---------------------------------------------------------

@@ -41,7 +41,9 @@ fn not_binds_loosely() {
 
 #[test]
 fn bang_on_a_number_is_refused_with_a_hint() {
-    let e = compilemask::compile("mask = !k < 2;").map(|_| ()).unwrap_err();
+    let e = compilemask::compile("mask = !k < 2;")
+        .map(|_| ())
+        .unwrap_err();
     let d = e
         .diagnostics
         .iter()
@@ -49,5 +51,8 @@ fn bang_on_a_number_is_refused_with_a_hint() {
         .unwrap_or_else(|| panic!("expected CM0203, got:\n{}", e.rendered));
     assert!(d.message.contains("after `!`"), "{}", d.message);
     let hint = d.hint.as_deref().unwrap_or_default();
-    assert!(hint.contains("`!(k < 2)`") && hint.contains("`not k < 2`"), "{hint}");
+    assert!(
+        hint.contains("`!(k < 2)`") && hint.contains("`not k < 2`"),
+        "{hint}"
+    );
 }

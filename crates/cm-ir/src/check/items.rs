@@ -20,6 +20,7 @@ impl<'a> Checker<'a> {
             return;
         }
         let id = self.params.len();
+        let default_span = default.map(|e| e.span);
         let default_val = default.and_then(|e| self.lower(e, Ctx::Const).ok());
         let (is_array, default) = match (ty, default_val) {
             (_, None) if default.is_some() => return,
@@ -60,19 +61,28 @@ impl<'a> Checker<'a> {
             }
         };
         self.define(name, Def::Param(id, is_array));
+        self.params_read.push(false);
         self.params.push(ParamDecl {
             name: name.name.clone(),
+            read: false,
             is_array,
+            default_span,
             default,
             span,
         });
     }
 
-    /// `let NAME = EXPR;`, item `idx`: checked where it is used (see `lets`).
+    /// `let NAME = EXPR;`, item `idx`: checked where it is used (see `lets`), except for
+    /// its depth with the `let`s it uses inlined, which is checked once, here.
     pub(super) fn let_item(&mut self, name: &Ident, value: &'a ast::Expr, idx: usize) {
+        let Some(depth) = self.let_depth(name, value) else {
+            self.declare(name, Def::Failed);
+            return;
+        };
         let id = self.lets.len();
         if self.declare(name, Def::Let(id)) {
             self.lets.push((value, false, idx));
+            self.let_depths.push(depth);
         }
     }
 
@@ -250,7 +260,7 @@ impl<'a> Checker<'a> {
             return;
         }
         if let Ok(r) = self.lower(value, Ctx::Mask).and_then(|v| self.region_of(v)) {
-            self.mask = Some(r);
+            self.mask = Some((r.balanced(), span));
         }
     }
 }

@@ -1,43 +1,124 @@
 //! Lowering of `let`s: a `let` is inlined at every use (so its body is checked in the
 //! context of each use, and errors inside it are reported at the use too); one that nobody
 //! uses is still checked, and warned about (`CM0250`) when the program is otherwise clean.
+//! A `let`'s depth with the `let`s it uses inlined is bounded ([`MAX_INLINED_DEPTH`]) and
+//! checked once, at the `let` itself, so a too-deep chain is one error at the link past the
+//! limit, not one per use.
 
 use super::{Checker, Ctx, Def, Val, R};
-use cm_syntax::ast::{self, Item};
+use cm_syntax::ast::{self, ExprKind, Ident, Item};
 use cm_syntax::{Code, Diagnostic, Span};
 
-/// Most `let`s that may refer to one another in a chain.
-const MAX_LET_DEPTH: u32 = 64;
+/// Deepest expression a `let` may stand for once the `let`s it uses are inlined: 64 times
+/// the parser's nesting limit, so checking, binding and planning (which recurse over
+/// expressions through [`crate::deep`]) keep to a bounded stack, while a chain of a thousand
+/// `let`s that each add one term (`let u2 = u1 | t2;`) fits.
+pub const MAX_INLINED_DEPTH: u32 = 8192;
+
+/// [`Checker::inlined_depth`] of an expression that names a failed definition.
+const POISONED: u32 = u32::MAX;
+
+/// Calls `f` on each direct operand of `e`.
+fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
+    match &e.kind {
+        ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Error | ExprKind::Name(_) => {}
+        ExprKind::Array(xs) => xs.iter().for_each(f),
+        ExprKind::Unary(_, a) | ExprKind::Field { base: a, .. } => f(a),
+        ExprKind::Binary(_, a, b)
+        | ExprKind::Range { lo: a, hi: b, .. }
+        | ExprKind::In { elem: a, range: b }
+        | ExprKind::Index { base: a, index: b } => {
+            f(a);
+            f(b);
+        }
+        ExprKind::Compare { first, rest } => {
+            f(first);
+            rest.iter().for_each(|(_, x)| f(x));
+        }
+        ExprKind::Call { callee, args } => {
+            f(callee);
+            args.iter().for_each(f);
+        }
+        ExprKind::If { cond, then, els } => {
+            f(cond);
+            f(then);
+            f(els);
+        }
+    }
+}
 
 impl Checker<'_> {
+    /// The inlined depth of the body `value` of `let NAME`, measured before the name is
+    /// declared (so a use of the name inside is not this `let`); `None`, with the error
+    /// reported at the name when the depth is past [`MAX_INLINED_DEPTH`], when the `let`
+    /// cannot be used: it then names a failed definition, or is too deep.
+    pub(super) fn let_depth(&mut self, name: &Ident, value: &ast::Expr) -> Option<u32> {
+        let depth = self.inlined_depth(value);
+        if depth == POISONED {
+            // It uses a name that failed (already reported): so does every use.
+            return None;
+        }
+        if depth > MAX_INLINED_DEPTH {
+            self.err(
+                Diagnostic::error(
+                    Code::TooDeep,
+                    name.span,
+                    format!("`{}` nests too deeply: with the `let`s it uses inlined, its expression is {depth} levels deep (at most {MAX_INLINED_DEPTH})", name.name),
+                )
+                .with_hint("a long chain of `let`s that each use the previous one adds up; join terms in groups (`let g1 = t1 | ... | t100;`) and combine the groups"),
+            );
+            self.mark_used(value);
+            return None;
+        }
+        Some(depth)
+    }
+
+    /// The depth of `e` with every earlier `let` it names inlined: 1 for a leaf, one more
+    /// than its deepest operand otherwise (recursion bounded by the parser's nesting limit);
+    /// [`POISONED`] when it names something that failed to check.
+    fn inlined_depth(&self, e: &ast::Expr) -> u32 {
+        if let ExprKind::Name(n) = &e.kind {
+            return match self.names.get(n) {
+                Some((Def::Let(id), _)) => self.let_depths[*id].saturating_add(1),
+                Some((Def::Failed, _)) => POISONED,
+                _ => 1,
+            };
+        }
+        let mut below = 0;
+        each_operand(e, &mut |x| below = below.max(self.inlined_depth(x)));
+        below.saturating_add(1)
+    }
+
+    /// Marks the `let`s that `e` names as used (their user failed, so a second report of
+    /// them as unused or as checked on their own would only repeat its error).
+    fn mark_used(&mut self, e: &ast::Expr) {
+        if let ExprKind::Name(n) = &e.kind {
+            if let Some((Def::Let(id), _)) = self.names.get(n) {
+                self.lets[*id].1 = true;
+            }
+        }
+        each_operand(e, &mut |x| self.mark_used(x));
+    }
+
     /// A use of `let` number `id`: its body lowered in place (in the context of the use,
     /// with the names visible at the `let`), at the use's span.
     pub(super) fn inline_let(&mut self, id: usize, span: Span, ctx: Ctx) -> R<Val> {
         self.lets[id].1 = true;
-        self.let_depth += 1;
-        if self.let_depth > MAX_LET_DEPTH {
-            self.let_depth -= 1;
-            self.err(
-                Diagnostic::error(Code::TooDeep, span, "`let` bindings nest too deeply").with_hint(
-                    format!("at most {MAX_LET_DEPTH} `let`s may refer to one another in a chain"),
-                ),
-            );
-            return Err(());
-        }
         let (expr, _, at) = self.lets[id];
         let outer = std::mem::replace(&mut self.visible_before, at);
         let v = self.lower(expr, ctx);
         self.visible_before = outer;
-        self.let_depth -= 1;
         // Report errors inside the let at the use site too, so the cause is found.
         v.map(|v| respan(v, span))
     }
 
     /// Checks every `let` that no use has inlined, as if it were used in the mask, so its
-    /// errors show. What they read does not count as the mask reading `b` or `h`.
+    /// errors show. What they read does not count as the mask reading `b` or `h`. Last
+    /// first: checking a `let` checks (and marks used) the earlier ones it names, so a chain
+    /// of unused `let`s is checked once, not once per link.
     pub(super) fn check_unused_lets(&mut self) {
         let (uses_b, uses_h) = (self.uses_b, self.uses_h);
-        for id in 0..self.lets.len() {
+        for id in (0..self.lets.len()).rev() {
             let (body, used, idx) = self.lets[id];
             if !used {
                 self.visible_before = idx;
@@ -86,6 +167,15 @@ fn respan(v: Val, span: Span) -> Val {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{check, codes, error, error_diag, program, rows};
+    use cm_syntax::Diagnostic;
+
+    /// Each diagnostic's code and message.
+    fn coded(diags: &[Diagnostic]) -> Vec<(&'static str, &str)> {
+        diags
+            .iter()
+            .map(|d| (d.code.as_str(), d.message.as_str()))
+            .collect()
+    }
 
     /// A `let` means its body written out at each use.
     #[test]
@@ -105,13 +195,7 @@ mod tests {
     fn unused_lets_are_checked_and_warned_about_only_when_clean() {
         let (p, diags) = check("let u = 1;\nmask = k <= q;");
         assert!(p.is_some());
-        assert_eq!(
-            diags
-                .iter()
-                .map(|d| (d.code.as_str(), d.message.as_str()))
-                .collect::<Vec<_>>(),
-            [("CM0250", "`u` is never used")]
-        );
+        assert_eq!(coded(&diags), [("CM0250", "`u` is never used")]);
         // An error elsewhere: no warning (some use may not have been checked).
         assert_eq!(codes("let u = 1;\nmask = k <= zz;"), ["CM0201"]);
         // The body of an unused let is checked all the same.
@@ -132,20 +216,46 @@ mod tests {
         assert_eq!((d.span.start as usize, d.span.end as usize), (at, at + 1));
     }
 
-    #[test]
-    fn let_chains_nest_at_most_64_deep() {
-        let chain = |n: usize| {
-            let mut s = "let a0 = q;\n".to_string();
-            for i in 1..n {
-                s.push_str(&format!("let a{i} = a{};\n", i - 1));
-            }
+    /// `let a0 = q; let a1 = a0; ...` with `n` links, and the mask `k <= a{n-1}`.
+    fn chain(n: usize, mask: bool) -> String {
+        let mut s = "let a0 = q;\n".to_string();
+        for i in 1..n {
+            s.push_str(&format!("let a{i} = a{};\n", i - 1));
+        }
+        if mask {
             s + &format!("mask = k <= a{};", n - 1)
-        };
-        assert_eq!(rows(&chain(64), 4, 4), rows("mask = k <= q;", 4, 4));
-        let (code, message) = error(&chain(65));
+        } else {
+            s + "mask = k <= q;"
+        }
+    }
+
+    /// Link `i` stands for an expression `i + 1` deep, so the last link that fits is
+    /// `MAX_INLINED_DEPTH - 1`; the next one is the one error, at its name.
+    #[test]
+    fn a_let_chain_is_bounded_by_its_inlined_depth_once_at_the_let_past_it() {
+        let limit = super::MAX_INLINED_DEPTH as usize;
         assert_eq!(
-            (code, message.as_str()),
-            ("CM0105", "`let` bindings nest too deeply")
+            rows(&chain(limit, true), 4, 4),
+            rows("mask = k <= q;", 4, 4)
         );
+        let src = chain(limit + 10, true);
+        let d = error_diag(&src);
+        assert_eq!(d.code.as_str(), "CM0105");
+        assert_eq!(
+            d.message,
+            format!("`a{limit}` nests too deeply: with the `let`s it uses inlined, its expression is {} levels deep (at most {limit})", limit + 1)
+        );
+        let at = src.find(&format!("let a{limit} ")).unwrap() + 4;
+        assert_eq!(d.span.start as usize, at);
+        assert_eq!(d.span.end as usize, at + format!("a{limit}").len());
+    }
+
+    /// Checking unused `let`s first to last would lower link `i` with its `i` predecessors
+    /// each time, quadratic, past the node limit for this chain; last first checks it once.
+    #[test]
+    fn an_unused_let_chain_is_checked_once() {
+        let (p, diags) = check(&chain(4000, false));
+        assert!(p.is_some(), "{diags:?}");
+        assert_eq!(coded(&diags), [("CM0250", "`a3999` is never used")]);
     }
 }

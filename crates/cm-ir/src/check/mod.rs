@@ -16,6 +16,7 @@ mod names;
 mod suggest;
 mod types;
 
+pub use lets::MAX_INLINED_DEPTH;
 pub use suggest::suggest;
 
 use crate::ir::*;
@@ -80,10 +81,15 @@ struct Checker<'a> {
     segs: Vec<SegDecl>,
     grids: Vec<GridDecl>,
     requires: Vec<Require>,
-    mask: Option<Region>,
-    uses_b: bool,
-    uses_h: bool,
-    let_depth: u32,
+    /// The mask and the span of its statement.
+    mask: Option<(Region, Span)>,
+    /// Where the batch index `b` / the head index `h` is first read.
+    uses_b: Option<Span>,
+    uses_h: Option<Span>,
+    /// Whether each parameter is read.
+    params_read: Vec<bool>,
+    /// Each `let`'s expression depth with the `let`s it uses inlined (see [`lets`]).
+    let_depths: Vec<u32>,
     /// The item each name was declared in: a name is visible only in later items.
     declared_at: HashMap<String, usize>,
     /// Index of the item being checked (or of the `let` whose body is being lowered).
@@ -108,9 +114,10 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         grids: Vec::new(),
         requires: Vec::new(),
         mask: None,
-        uses_b: false,
-        uses_h: false,
-        let_depth: 0,
+        uses_b: None,
+        uses_h: None,
+        params_read: Vec::new(),
+        let_depths: Vec::new(),
         declared_at: HashMap::new(),
         visible_before: 0,
         nodes: 0,
@@ -170,7 +177,7 @@ impl<'a> Checker<'a> {
             self.warn_unused_lets(program);
         }
         self.diags.sort_by_key(|d| (d.span.start, d.span.end));
-        let Some(mask) = self.mask else {
+        let Some((mask, mask_span)) = self.mask else {
             if !has_errors {
                 self.diags.push(
                     Diagnostic::error(Code::NoMask, Span::new(0, 0), "the program defines no mask")
@@ -184,14 +191,20 @@ impl<'a> Checker<'a> {
         if has_errors {
             return (None, self.diags);
         }
+        for (p, read) in self.params.iter_mut().zip(&self.params_read) {
+            p.read = *read;
+        }
         let program = Program {
             params: self.params,
             segs: self.segs,
             grids: self.grids,
             requires: self.requires,
             mask,
-            uses_b: self.uses_b,
-            uses_h: self.uses_h,
+            mask_span,
+            uses_b: self.uses_b.is_some(),
+            uses_h: self.uses_h.is_some(),
+            b_span: self.uses_b,
+            h_span: self.uses_h,
         };
         (Some(program), self.diags)
     }

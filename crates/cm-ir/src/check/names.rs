@@ -126,11 +126,11 @@ impl Checker<'_> {
             "q" => Some(IntKind::Q),
             "k" => Some(IntKind::K),
             "b" => {
-                self.uses_b = true;
+                self.uses_b = self.uses_b.or(Some(span));
                 Some(IntKind::B)
             }
             "h" => {
-                self.uses_h = true;
+                self.uses_h = self.uses_h.or(Some(span));
                 Some(IntKind::H)
             }
             "q_len" => Some(IntKind::QLen),
@@ -169,8 +169,14 @@ impl Checker<'_> {
             }
         }
         match self.names.get(n).cloned() {
-            Some((Def::Param(id, false), _)) => Ok(Val::Int(Int::new(IntKind::Param(id), span))),
-            Some((Def::Param(id, true), _)) => Ok(Val::Arr(Arr::Param(id), span)),
+            Some((Def::Param(id, false), _)) => {
+                self.params_read[id] = true;
+                Ok(Val::Int(Int::new(IntKind::Param(id), span)))
+            }
+            Some((Def::Param(id, true), _)) => {
+                self.params_read[id] = true;
+                Ok(Val::Arr(Arr::Param(id), span))
+            }
             Some((Def::Seg(s), _)) => Ok(Val::Seg(s, span)),
             Some((Def::Grid(g), _)) => Ok(Val::Grid(g, span)),
             Some((Def::Failed, _)) => Err(()),

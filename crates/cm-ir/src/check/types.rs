@@ -139,8 +139,13 @@ impl Checker<'_> {
     }
 
     /// The typed value of `e` in context `ctx`; each call counts one IR node against
-    /// [`MAX_NODES`].
+    /// [`MAX_NODES`]. A chain of `let`s inlines thousands deep, so on a stack that grows
+    /// ([`crate::deep`]).
     pub(super) fn lower(&mut self, e: &Expr, ctx: Ctx) -> R<Val> {
+        crate::deep(|| self.lower_here(e, ctx))
+    }
+
+    fn lower_here(&mut self, e: &Expr, ctx: Ctx) -> R<Val> {
         let span = e.span;
         self.nodes += 1;
         if self.nodes > MAX_NODES {
@@ -165,11 +170,12 @@ impl Checker<'_> {
                 let a = self.expect_int(a, ctx)?;
                 Ok(Val::Int(Int::new(IntKind::Neg(Box::new(a)), span)))
             }
-            ExprKind::Unary(UnOp::Not, a) => match self.lower(a, ctx)? {
-                Val::Bool(b, _) => Ok(Val::Bool(Bool::Not(Box::new(b)), span)),
-                Val::Region(r, _) => Ok(Val::Region(Region::Not(Box::new(r)), span)),
-                v => {
-                    self.err(
+            ExprKind::Unary(UnOp::Not, a) => {
+                match self.lower(a, ctx)? {
+                    Val::Bool(b, _) => Ok(Val::Bool(Bool::Not(Box::new(b)), span)),
+                    Val::Region(r, _) => Ok(Val::Region(Region::Not(Box::new(r)), span)),
+                    v => {
+                        self.err(
                         Diagnostic::error(
                             Code::TypeMismatch,
                             v.span(),
@@ -181,9 +187,10 @@ impl Checker<'_> {
                              form binds loosely)",
                         ),
                     );
-                    Err(())
+                        Err(())
+                    }
                 }
-            },
+            }
             ExprKind::Binary(op, a, b) => self.binary(*op, a, b, span, ctx),
             ExprKind::Compare { first, rest } => self.compare_chain(first, rest, span, ctx),
             ExprKind::Range { lo, hi, inclusive } => {

@@ -18,14 +18,16 @@ when it is not installed. See ``docs/python.md`` and ``docs/language.md``.
 
 from . import _native
 from ._native import DENSE_LIMIT, Diagnostic, MaskSyntaxError, PlanError
-from ._program import Parameter, Plan, PlanTensors, Program, builtin, builtins, compile
+from ._program import CompileMaskWarning, MaskImage, Parameter, Plan, PlanTensors, Program, builtin, builtins, compile
 from ._torch import attention, permute, unpermute
 
 __version__: str = _native.__version__
 
 __all__ = [
+    "CompileMaskWarning",
     "DENSE_LIMIT",
     "Diagnostic",
+    "MaskImage",
     "MaskSyntaxError",
     "Parameter",
     "Plan",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import operator
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
 
@@ -53,6 +54,26 @@ class PlanTensors(NamedTuple):
     uses_batch: bool
     uses_head: bool
     kernel: tuple[torch.Tensor, ...] = ()
+
+
+class CompileMaskWarning(UserWarning):
+    """A plan that is valid but very likely not what was meant: no visible pair (CM0260),
+    rows that see no key (CM0261), a mask that reads ``h`` / ``b`` planned with one head /
+    batch (CM0262 / CM0263), a parameter set but never read (CM0264), ``elementwise``
+    evaluating more than a million pairs (CM0265). The message is the rendered warning;
+    ``.diagnostic`` holds its parts (code, span, hint). Make them errors with
+    ``warnings.simplefilter("error", compilemask.CompileMaskWarning)``."""
+
+    def __init__(self, rendered: str, diagnostic: _native.Diagnostic):
+        super().__init__(rendered)
+        self.diagnostic = diagnostic
+        self.code = diagnostic.code
+
+
+def _warn(native: _native.Plan) -> None:
+    # stacklevel 3: the caller of Program.plan, not this helper or plan itself.
+    for diagnostic, rendered in native.warnings:
+        warnings.warn(CompileMaskWarning(rendered, diagnostic), stacklevel=3)
 
 
 def _plan_error(code: str, message: str, hint: str | None = None) -> PlanError:
@@ -409,6 +430,7 @@ class Program:
                 self._params(params),
                 _order_value(order),
             )
+            _warn(native)
             return Plan(native, self)
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
@@ -422,6 +444,7 @@ class Program:
             self._params(params),
             _order_value(order),
         )
+        _warn(native)
         return Plan(native, self)
 
     def brute_force_row(
@@ -729,6 +752,28 @@ class Plan:
             first.setdefault(m, divmod(i, self.num_heads))
         return [first[m] for m in range(self.num_masks)]
 
+    # ------------------------------------------------------------------ pictures
+    def to_image(self, format: Literal["png", "svg"] = "png", *, b: int = 0, h: int = 0,
+                 rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> bytes:
+        """The mask of (``b``, ``h``) drawn as a picture: PNG bytes, or an SVG document as
+        UTF-8 bytes. The figure has a title (mask, lengths, visible fraction), axes with
+        token indices, the tile grid where legible, the program's segments, parts and
+        grids, and a legend; ``rows`` / ``cols`` = ``(start, stop)`` (half-open) zoom in.
+        Drawn from the plan's intervals and tiles, so a long mask costs no dense array.
+        Raises ``IndexError`` for a view outside the plan."""
+        return self._native.image(
+            format, _index("b", b), _index("h", h),
+            None if rows is None else (_index("rows[0]", rows[0]), _index("rows[1]", rows[1])),
+            None if cols is None else (_index("cols[0]", cols[0]), _index("cols[1]", cols[1])),
+        )
+
+    def show(self, *, b: int = 0, h: int = 0, rows: tuple[int, int] | None = None,
+             cols: tuple[int, int] | None = None) -> MaskImage:
+        """:meth:`to_image` as an object that notebooks display (``_repr_png_``) and that
+        :meth:`MaskImage.save` writes to a ``.png`` or ``.svg`` file."""
+        return MaskImage(self, b, h, rows, cols)
+
     # ------------------------------------------------------------------ exports
     def to_dense(self, b: int | None = None, h: int | None = None, *,
                  format: DenseFormat = "auto") -> Any:
@@ -892,3 +937,40 @@ def _dense_array(raw: bytes, q_len: int, kv_len: int, fmt: str) -> Any:
             raise ImportError("Plan.to_dense(format='numpy') needs numpy (pip install numpy)")
         return np.frombuffer(raw, dtype=np.uint8).reshape(q_len, kv_len).astype(bool)
     return [[x == 1 for x in raw[i * kv_len:(i + 1) * kv_len]] for i in range(q_len)]
+
+
+class MaskImage:
+    """A picture of one plan's mask (from :meth:`Plan.show`); Jupyter shows it inline."""
+
+    __slots__ = ("_plan", "_view")
+
+    def __init__(self, plan: Plan, b: int, h: int, rows: tuple[int, int] | None,
+                 cols: tuple[int, int] | None):
+        self._plan = plan
+        self._view = {"b": b, "h": h, "rows": rows, "cols": cols}
+        plan.to_image("svg", **self._view)  # refuse a bad view now, not when displayed
+
+    @property
+    def png(self) -> bytes:
+        return self._plan.to_image("png", **self._view)
+
+    @property
+    def svg(self) -> str:
+        return self._plan.to_image("svg", **self._view).decode("utf-8")
+
+    def _repr_png_(self) -> bytes:
+        return self.png
+
+    def save(self, path: Any) -> None:
+        """Writes the picture to ``path``: PNG or SVG by its extension (``.png`` /
+        ``.svg``, any case); ``ValueError`` for another one."""
+        import os
+
+        ext = os.path.splitext(os.fsdecode(path))[1].lower()
+        if ext not in (".png", ".svg"):
+            raise ValueError(f"MaskImage.save: {path!r} must end in .png or .svg")
+        with open(path, "wb") as f:
+            f.write(self._plan.to_image(ext[1:], **self._view))  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"<MaskImage of {self._plan!r}>"
