@@ -242,8 +242,13 @@ fn check_output(
     check_addr(name, addr, VECTOR_BYTES)
 }
 
-/// Every host-side check of a backward; no device work and no synchronisation.
-fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error> {
+/// Every host-side check of a backward's arguments against each other and the plan: no
+/// device work, no driver call (so it runs, and is tested, without a GPU).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the first argument that fails, as
+/// [`Runtime::backward`] lists them.
+pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     // Q, K, V, the output and lse are exactly a forward's arguments: the same checks apply.
     let forward = ForwardRaw {
         dtype: a.dtype,
@@ -260,7 +265,6 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     };
     prepare_forward(plan, &forward, KernelKind::FwdSimple)?;
     let [b, h, _, d] = a.q_layout.shape;
-    let h_kv = a.k_layout.shape[1];
     let elem = a.dtype.size_bytes() as u64;
     if a.dout_layout.shape != a.q_layout.shape {
         return Err(Error::invalid(format!(
@@ -286,6 +290,15 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     check_addr("workspace", a.workspace, VECTOR_BYTES)?;
     // q_len == 0 still runs bwd_dkdv (no query block, every key block), which writes
     // dK = dV = 0.
+    Ok(())
+}
+
+/// [`check_backward`], then the launches: the kernels, their grids and parameters and the TMA
+/// descriptors (the one step that calls the driver).
+fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error> {
+    check_backward(plan, a)?;
+    let [b, h, _, d] = a.q_layout.shape;
+    let h_kv = a.k_layout.shape[1];
     if b == 0 || h == 0 {
         return Ok(None);
     }

@@ -114,6 +114,18 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
     Ok(())
 }
 
+/// Every host-side check of a forward's arguments against each other and the plan: no device
+/// work, no driver call (so it runs, and is tested, without a GPU). The checks are the same
+/// for every forward kernel; only `fwd_ws`'s TMA descriptors, encoded at launch, need the
+/// driver.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the first argument that fails, as
+/// [`crate::Runtime::forward`] lists them.
+pub fn check_forward(plan: &PlanLayout, a: &ForwardRaw) -> Result<(), Error> {
+    prepare(plan, a, KernelKind::FwdSimple).map(|_| ())
+}
+
 /// Every host-side check of a forward launch; no device work and no synchronisation.
 pub(crate) fn prepare(
     plan: &PlanLayout,

@@ -60,10 +60,10 @@ mod plan;
 mod runtime;
 mod tma;
 
-pub use backward::{backward_workspace_len, Backward, BackwardRaw};
+pub use backward::{backward_workspace_len, check_backward, Backward, BackwardRaw};
 pub use cm_kernels::{DType, KernelKind, BWD_TILE, TILE, WS_TILE};
 pub use error::Error;
-pub use forward::{Forward, ForwardRaw};
+pub use forward::{check_forward, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
 pub use plan::{DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, PLAN_ARRAY_COUNT};

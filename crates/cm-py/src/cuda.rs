@@ -210,7 +210,9 @@ pub fn cuda_forward(
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
         let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale)?;
-        Ok((device, raw, plan_layout(device, plan)?))
+        let layout = plan_layout(device, plan)?;
+        cm_cuda::check_forward(&layout, &raw)?;
+        Ok((device, raw, layout))
     };
     let (device, raw, layout) = checked().map_err(py_err)?;
     py.detach(|| {
@@ -291,7 +293,9 @@ pub fn cuda_backward(
             softmax_scale: scale,
             deterministic,
         };
-        Ok((device, raw, plan_layout(device, plan)?))
+        let layout = plan_layout(device, plan)?;
+        cm_cuda::check_backward(&layout, &raw)?;
+        Ok((device, raw, layout))
     };
     let (device, raw, layout) = checked().map_err(py_err)?;
     py.detach(|| {

@@ -1,0 +1,110 @@
+"""The extension's one checked CUDA entry, without a GPU or torch (the refusals run anywhere:
+they come before any driver call): every tensor reaches Rust as
+(address, shape, strides, dtype, device), and a tensor on another device, of another dtype,
+or a descriptor that does not fit the plan is refused with a ValueError naming it, before any
+driver call; arguments that pass every check reach the runtime (a RuntimeError here, where
+there is no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+import compilemask as cm
+from compilemask import _native
+
+
+def _tensor(shape, dtype="bfloat16", device=0, addr=0x1000_0000):
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.insert(0, step)
+        step *= d
+    return (addr, tuple(shape), tuple(strides), dtype, device)
+
+
+def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None):
+    arrays = plan._native.kernel_arrays()[:count]
+    return (plan.q_len if q_len is None else q_len, plan.kv_len, 1, (1, 1),
+            [(0x100_0000 * (i + 1), (max(len(a) // 4, 4),), (1,), dtype, device)
+             for i, a in enumerate(arrays)])
+
+
+def _forward_args(**change):
+    plan = cm.builtin("causal").plan(100)
+    args = {
+        "plan": _descriptor(plan),
+        "q": _tensor((1, 2, 100, 64)),
+        "k": _tensor((1, 2, 100, 64), addr=0x2000_0000),
+        "v": _tensor((1, 2, 100, 64), addr=0x3000_0000),
+        "out": _tensor((1, 2, 100, 64), addr=0x4000_0000),
+        "lse": _tensor((1, 2, 100), "float32", addr=0x5000_0000),
+    }
+    args.update(change)
+    return plan, args
+
+
+def _forward(args):
+    _native.cuda_forward(0, args["plan"], args["q"], args["k"], args["v"], args["out"],
+                         args["lse"], 0.125)
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Made-up addresses that pass every check would be launched on a real GPU.
+@pytest.mark.skipif(_gpu_present(), reason="would launch on made-up addresses")
+def test_arguments_that_pass_every_check_reach_the_runtime():
+    _, args = _forward_args()
+    # Without a GPU (or without kernels in the wheel) the runtime, not a check, refuses.
+    with pytest.raises(RuntimeError, match="compilemask.attention on CUDA"):
+        _forward(args)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"k": _tensor((1, 2, 100, 64), "float16")}, "k: dtype float16, expected bfloat16"),
+    ({"v": _tensor((1, 2, 100, 64), device=1)}, "v is on cuda:1, the launch is on cuda:0"),
+    ({"out": _tensor((1, 2, 100, 64), device=-1)}, "out is on not a CUDA device"),
+    ({"lse": _tensor((1, 2, 100), "bfloat16")}, "lse: dtype bfloat16, expected float32"),
+    ({"q": _tensor((1, 2, 100, 64), "float32")}, "q: dtype float32 is not supported on CUDA"),
+    ({"v": _tensor((1, 2, 100, 32))}, "v: shape \\[1, 2, 100, 32\\] differs from k's shape"),
+    ({"k": _tensor((1, 2, 99, 64)), "v": _tensor((1, 2, 99, 64))},
+     "kv_len = 99 .* do not match the plan's q_len = 100 and kv_len = 100"),
+    ({"k": _tensor((1, 2, 100, 64), addr=0x2000_0008)}, "k: address 0x20000008 is not 16-byte"),
+])
+def test_every_tensor_is_checked(change, message):
+    _, args = _forward_args(**change)
+    with pytest.raises(ValueError, match=message):
+        _forward(args)
+
+
+def test_the_descriptor_is_checked_against_the_plan():
+    plan, args = _forward_args()
+    for desc, message in [
+        (_descriptor(plan, dtype="int64"), "plan array intervals: dtype int64, expected int32"),
+        (_descriptor(plan, device=1), "plan array intervals is on cuda:1"),
+        (_descriptor(plan, count=5), "the plan has 5 kernel arrays, expected 21"),
+        (_descriptor(plan, q_len=200), "the descriptor was built for other lengths"),
+    ]:
+        args["plan"] = desc
+        with pytest.raises(ValueError, match=message):
+            _forward(args)
+
+
+def test_the_backward_checks_its_own_tensors():
+    _, a = _forward_args()
+    grads = (a["q"], a["k"], a["v"])
+    ws = (0x6000_0000, (100_000,), (1,), "float32", 0)
+    for bad, message in [
+        ({"ws": (0x6000_0000, (100_000,), (1,), "float16", 0)}, "workspace: dtype float16"),
+        ({"ws": (0x6000_0000, (100_000,), (2,), "float32", 0)}, "workspace: stride 2"),
+        ({"dq": _tensor((1, 2, 100, 64), "float16")}, "dq: dtype float16, expected bfloat16"),
+    ]:
+        dq = bad.get("dq", grads[0])
+        with pytest.raises(ValueError, match=message):
+            _native.cuda_backward(0, a["plan"], a["q"], a["k"], a["v"], a["out"], a["q"],
+                                  a["lse"], dq, grads[1], grads[2], bad.get("ws", ws), 0.125,
+                                  False)
