@@ -75,13 +75,13 @@ impl Bound<'_> {
                 alpha,
                 rest,
                 div,
-                equal,
+                op,
                 rhs,
                 span,
             } => {
                 let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
                 let d = self.eval_int(div, env)?;
-                (floor_mod(x, d, div.span)? == self.eval_int(rhs, env)?) == *equal
+                cmp(*op, floor_mod(x, d, div.span)?, self.eval_int(rhs, env)?)
             }
             Region::Ball {
                 grid,

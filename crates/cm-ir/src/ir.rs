@@ -201,12 +201,13 @@ pub enum Region {
         rhs: Int,
         span: Span,
     },
-    /// `(alpha * k + rest) mod div  (== | !=)  rhs`, `alpha` is 1 or -1.
+    /// `(alpha * k + rest) mod div  op  rhs`, `alpha` is 1 or -1, `op` any comparison: the
+    /// keys whose residue lies in a window, a periodic set of runs.
     KMod {
         alpha: i64,
         rest: Int,
         div: Int,
-        equal: bool,
+        op: CmpOp,
         rhs: Int,
         span: Span,
     },

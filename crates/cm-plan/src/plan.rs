@@ -14,6 +14,15 @@ use std::collections::HashMap;
 /// clear error instead of exhausting memory.
 pub const MAX_INTERVALS: usize = 1 << 27;
 
+/// CM0404 for a mask whose rows would hold more than [`MAX_INTERVALS`] intervals.
+pub(crate) fn too_many_intervals() -> PlanError {
+    PlanError::new(
+        Code::TooLargeToPlan,
+        None,
+        format!("the mask needs more than {MAX_INTERVALS} intervals"),
+    )
+}
+
 /// Most forward tile-list entries (plus per-row data of partial tiles) one mask may need,
 /// so tiny tiles on long sequences fail clearly instead of exhausting memory.
 pub const MAX_TILE_ENTRIES: usize = 1 << 26;
@@ -187,11 +196,7 @@ pub fn row_intervals_runs(
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
                     if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
-                        return Err(PlanError::new(
-                            Code::TooLargeToPlan,
-                            None,
-                            format!("the mask needs more than {MAX_INTERVALS} intervals"),
-                        ));
+                        return Err(too_many_intervals());
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.

@@ -258,6 +258,11 @@ fn kcmp(mode: Mode) -> BoxedStrategy<String> {
         1 => (e.clone(), cmp_op()).prop_map(|(x, op)| format!("k - q {op} {x}")),
         1 => (coef(), e.clone(), cmp_op(), e.clone())
             .prop_map(|(a, x, op, y)| format!("({a} - {x}) * 2 {op} {y}")),
+        // Coefficients that are q-side values, solved by their sign row by row.
+        1 => (e.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, op, y)| format!("w * k + {x} {op} {y}")),
+        1 => (cmp_op(), e.clone())
+            .prop_map(|(op, y)| format!("(q % 5 - 2) * k {op} {y}")),
     ]
     .boxed()
 }
@@ -286,7 +291,12 @@ fn kdiv(mode: Mode) -> BoxedStrategy<String> {
             .prop_map(|(c, d, op, d2)| format!("(k + {c}) / {d} {op} q / {d2}")),
         1 => (e.clone(), cmp_op(), coef(), d.clone())
             .prop_map(|(y, op, a, d)| format!("{y} {op} ({a}) / {d}")),
-        1 => (d.clone(), d).prop_map(|(d, d2)| format!("k / {d} == q / {d2}")),
+        1 => (d.clone(), d.clone()).prop_map(|(d, d2)| format!("k / {d} == q / {d2}")),
+        // Terms moved across the comparison, scaled by constants.
+        2 => (e.clone(), d.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, d, op, y)| format!("{x} - k / {d} {op} {y}")),
+        1 => (-3i64..=3, d, cmp_op(), e)
+            .prop_map(|(c, d, op, y)| format!("{c} * ((k + 1) / {d}) + q {op} {y}")),
     ]
     .boxed()
 }
@@ -314,7 +324,34 @@ fn kmod(mode: Mode) -> BoxedStrategy<String> {
             .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
         2 => (d.clone(), eq.clone(), -2i64..=8)
             .prop_map(|(d, op, c)| format!("(q - k) % {d} {op} {c}")),
-        1 => (d, eq, e).prop_map(|(d, op, y)| format!("{y} {op} (k - q) % {d}")),
+        1 => (d.clone(), eq, e.clone()).prop_map(|(d, op, y)| format!("{y} {op} (k - q) % {d}")),
+        // Inequalities of the residue against q-side values, and terms moved across.
+        3 => (prop_oneof![Just("k"), Just("-k")], e.clone(), d.clone(), cmp_op(), e.clone())
+            .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
+        2 => (d.clone(), cmp_op(), d.clone())
+            .prop_map(|(d, op, d2)| format!("k % {d} {op} q % {d2}")),
+        1 => (e.clone(), d.clone(), cmp_op(), e.clone(), -3i64..=3)
+            .prop_map(|(x, d, op, y, c)| format!("{x} - {c} * ((q - k) % {d}) {op} {y}")),
+        1 => (d, cmp_op()).prop_map(|(d, op)| format!("(k - q) % {d} {op} 0")),
+        // Any literal multiple of `k` modulo a literal: a congruence.
+        2 => (coef(), e.clone(), divisor(), prop_oneof![Just("=="), Just("!=")], e)
+            .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
+    ]
+    .boxed()
+}
+
+/// `abs` of a term with `k` compared with a q-side value (either side).
+fn kabs(mode: Mode) -> BoxedStrategy<String> {
+    let e = qexpr(mode);
+    prop_oneof![
+        3 => (coef(), e.clone(), cmp_op(), e.clone())
+            .prop_map(|(a, x, op, y)| format!("abs({a} + {x}) {op} {y}")),
+        2 => (e.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, op, y)| format!("{x} {op} abs(q - k + {y})")),
+        1 => (e.clone(), divisor(), cmp_op(), e.clone())
+            .prop_map(|(x, d, op, y)| format!("abs(k / {d} - {x}) {op} {y}")),
+        1 => (e, cmp_op(), 1i64..=3)
+            .prop_map(|(x, op, c)| format!("{c} * abs(k - q) + {x} {op} q")),
     ]
     .boxed()
 }
@@ -427,6 +464,7 @@ fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
         4 => krange(mode).prop_map(|r| format!("k in {r}")),
         2 => kdiv(mode),
         2 => kmod(mode),
+        1 => kabs(mode),
         3 => grid_region(mode),
         1 => qbool(mode),
         1 => elementwise(mode),

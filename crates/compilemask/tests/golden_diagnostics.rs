@@ -193,6 +193,23 @@ fn cm0207_unsolvable_comparison() {
     compile_golden("CM0207", "mask = k * k < q;\n");
 }
 
+/// The term at fault is marked with what is wrong with it.
+#[test]
+fn cm0207_names_the_term_at_fault() {
+    insta::with_settings!({snapshot_suffix => "modulo"}, {
+        compile_golden("CM0207", "mask = (2 * k) % 3 < 1 & k <= q;\n");
+    });
+}
+
+/// `k` inside `abs` is solvable in a comparison; inside a function of q-side values it is
+/// `CM0206` at that argument.
+#[test]
+fn cm0206_points_at_the_argument() {
+    insta::with_settings!({snapshot_suffix => "argument"}, {
+        compile_golden("CM0206", "param w: int = 4;\nmask = abs(q - k) <= w & k < max(abs(k), 2);\n");
+    });
+}
+
 #[test]
 fn cm0208_wrong_context() {
     compile_golden("CM0208", "param w: int = q;\nmask = k <= w;\n");

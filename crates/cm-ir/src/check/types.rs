@@ -4,7 +4,7 @@
 //! `CM0203` type mismatch, `CM0204` arity or `CM0206` / `CM0208` context error for
 //! anything else.
 
-use super::atoms::bin;
+use super::atoms::{bin, const_value};
 use super::{Checker, Ctx, Val, MAX_NODES, R};
 use crate::ir::*;
 use cm_syntax::ast::{BinOp, Expr, ExprKind, UnOp};
@@ -42,6 +42,18 @@ impl Val {
                 "a function"
             }
         }
+    }
+}
+
+/// The value of a boolean made of literals only (`2 > 1`, `not true`), if it is one.
+fn const_bool(c: &Bool) -> Option<bool> {
+    match c {
+        Bool::Const(v) => Some(*v),
+        Bool::Cmp(op, a, b) => Some(crate::bind::cmp(*op, const_value(a)?, const_value(b)?)),
+        Bool::Not(a) => Some(!const_bool(a)?),
+        Bool::And(a, b) => Some(const_bool(a)? && const_bool(b)?),
+        Bool::Or(a, b) => Some(const_bool(a)? || const_bool(b)?),
+        Bool::InGrid(..) => None,
     }
 }
 
@@ -207,7 +219,21 @@ impl Checker<'_> {
         }
         let t = self.lower(then, ctx)?;
         let f = self.lower(els, ctx)?;
+        // A condition of literals only picks its branch now (both are still checked), so
+        // the planner sees the branch's own atoms (`if 2 > 1 then (q - k) % 2 == 0 else ..`).
+        let known = const_bool(&c);
         match (t, f) {
+            (t @ Val::Int(_), f @ Val::Int(_)) | (t @ Val::Bool(..), f @ Val::Bool(..))
+                if known.is_some() =>
+            {
+                Ok(if known == Some(true) { t } else { f })
+            }
+            (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..)))
+                if known.is_some() && ctx != Ctx::Elementwise =>
+            {
+                let r = self.region_of(if known == Some(true) { t } else { f })?;
+                Ok(Val::Region(r, span))
+            }
             (Val::Int(a), Val::Int(b)) => Ok(Val::Int(Int::new(
                 IntKind::If(Box::new(c), Box::new(a), Box::new(b)),
                 span,
@@ -381,7 +407,8 @@ impl Checker<'_> {
                 self.arity(n, args, 1..=1, span)?;
                 let arg = &args[0];
                 let kind = match n {
-                    "abs" => IntKind::Abs(Box::new(self.expect_q_int(arg, ctx)?)),
+                    // `abs(q - k) <= w` is solvable: the comparison decides (see `atoms`).
+                    "abs" => IntKind::Abs(Box::new(self.expect_int(arg, ctx)?)),
                     "isqrt" => IntKind::Isqrt(Box::new(self.expect_q_int(arg, ctx)?)),
                     "sum" => IntKind::ArrSum(Box::new(self.expect_arr(arg, ctx)?)),
                     _ => IntKind::ArrLen(Box::new(self.expect_arr(arg, ctx)?)),
@@ -545,6 +572,16 @@ mod tests {
             rows("mask = k < max(1, q) & (q >= 2 | k < 1);", 5, 5)
         );
         assert_eq!(error("mask = if k < q then k <= q else false;").0, "CM0206");
+        // A condition of literals picks its branch; the other is still checked.
+        assert!(matches!(
+            program("mask = if 2 > 1 and not false then k <= q else k < 0;").mask,
+            Region::KCmp { .. }
+        ));
+        assert!(matches!(
+            program("mask = k < (if 1 == 2 then q else 3);").mask,
+            Region::KCmp { rest, .. } if format!("{rest:?}").contains("Const(3)") && !format!("{rest:?}").contains("If")
+        ));
+        assert_eq!(error("mask = if true then k <= q else zz;").0, "CM0201");
         assert_eq!(
             error("param n: int = 1;\nrequire k < n else \"x\";\nmask = k <= q;").0,
             "CM0208"
