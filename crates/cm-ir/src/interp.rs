@@ -20,6 +20,11 @@ impl Bound<'_> {
         if k < 0 || k >= self.shape.kv_len {
             return Ok(false);
         }
+        self.at_batch(b)?.visible_here(q, k, b, h)
+    }
+
+    /// [`Bound::visible`] with the segmentations as laid out (for batch `b`).
+    fn visible_here(&self, q: i64, k: i64, b: i64, h: i64) -> PResult<bool> {
         self.region_at(
             &self.program.mask,
             &Env {
@@ -35,8 +40,9 @@ impl Bound<'_> {
     /// Row `q`'s visible keys as maximal `[start, end)` runs, by testing every key.
     pub fn brute_force_row(&self, q: i64, b: i64, h: i64) -> PResult<Vec<(u32, u32)>> {
         let mut out: Vec<(u32, u32)> = Vec::new();
+        let at = self.at_batch(b)?;
         for k in 0..self.shape.kv_len {
-            if self.visible(q, k, b, h)? {
+            if at.visible_here(q, k, b, h)? {
                 match out.last_mut() {
                     Some(last) if i64::from(last.1) == k => last.1 += 1,
                     _ => out.push((k as u32, k as u32 + 1)),

@@ -74,10 +74,21 @@ impl Int {
 
     /// Does `K` occur anywhere inside?
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// Does the query row `Q` occur anywhere inside? A value that does not read it is the
+    /// same on every row of a (batch, head) mask.
+    pub fn reads_q(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::Q))
+    }
+
+    /// Whether a leaf for which `leaf` holds occurs anywhere inside.
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match &self.kind {
-            IntKind::K => true,
             IntKind::Const(_)
             | IntKind::Q
+            | IntKind::K
             | IntKind::B
             | IntKind::H
             | IntKind::QLen
@@ -86,14 +97,14 @@ impl Int {
             | IntKind::NumHeads
             | IntKind::SegLen
             | IntKind::Param(_)
-            | IntKind::SegCount(_) => false,
-            IntKind::ArrIndex(a, i) => a.has_k() || i.has_k(),
-            IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.has_k(),
-            IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.has_k(),
-            IntKind::Bin(_, a, b) => a.has_k() || b.has_k(),
-            IntKind::If(c, a, b) => c.has_k() || a.has_k() || b.has_k(),
-            IntKind::RangeLo(r) | IntKind::RangeHi(r) => r.has_k(),
-            IntKind::SegIndex(_, p) | IntKind::GridCoord(_, _, p) => p.has_k(),
+            | IntKind::SegCount(_) => leaf(&self.kind),
+            IntKind::ArrIndex(a, i) => a.mentions(leaf) || i.mentions(leaf),
+            IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.mentions(leaf),
+            IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.mentions(leaf),
+            IntKind::Bin(_, a, b) => a.mentions(leaf) || b.mentions(leaf),
+            IntKind::If(c, a, b) => c.mentions(leaf) || a.mentions(leaf) || b.mentions(leaf),
+            IntKind::RangeLo(r) | IntKind::RangeHi(r) => r.mentions(leaf),
+            IntKind::SegIndex(_, p) | IntKind::GridCoord(_, _, p) => p.mentions(leaf),
         }
     }
 }
@@ -111,12 +122,17 @@ pub enum Bool {
 
 impl Bool {
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match self {
             Bool::Const(_) => false,
-            Bool::Cmp(_, a, b) => a.has_k() || b.has_k(),
-            Bool::And(a, b) | Bool::Or(a, b) => a.has_k() || b.has_k(),
-            Bool::Not(a) => a.has_k(),
-            Bool::InGrid(_, p) => p.has_k(),
+            Bool::Cmp(_, a, b) => a.mentions(leaf) || b.mentions(leaf),
+            Bool::And(a, b) | Bool::Or(a, b) => a.mentions(leaf) || b.mentions(leaf),
+            Bool::Not(a) => a.mentions(leaf),
+            Bool::InGrid(_, p) => p.mentions(leaf),
         }
     }
 }
@@ -143,12 +159,17 @@ pub enum RangeKind {
 
 impl RangeE {
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match &self.kind {
-            RangeKind::Lit(a, b) => a.has_k() || b.has_k(),
+            RangeKind::Lit(a, b) => a.mentions(leaf) || b.mentions(leaf),
             RangeKind::Seg(_, p)
             | RangeKind::SegAt(_, p)
             | RangeKind::Part(_, _, p)
-            | RangeKind::Piece(_, _, p) => p.has_k(),
+            | RangeKind::Piece(_, _, p) => p.mentions(leaf),
         }
     }
 }
@@ -161,13 +182,25 @@ pub enum Arr {
     Const(Arc<[i64]>),
     /// Element-wise sum of two arrays of equal length.
     Add(Box<Arr>, Box<Arr>, Span),
+    /// The arrays one after the other (`concat(a, b, ...)`).
+    Concat(Vec<Arr>, Span),
+    /// The entries `[lo, hi)` of an array (`a[lo .. hi]`), `0 <= lo <= hi <= count(a)`.
+    Slice(Box<Arr>, Box<RangeE>, Span),
 }
 
 impl Arr {
-    fn has_k(&self) -> bool {
+    /// Does the query row occur anywhere inside (see [`Int::reads_q`])?
+    pub fn reads_q(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::Q))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match self {
-            Arr::Lit(xs) => xs.iter().any(Int::has_k),
-            Arr::Add(a, b, _) => a.has_k() || b.has_k(),
+            Arr::Lit(xs) => xs.iter().any(|x| x.mentions(leaf)),
+            Arr::Add(a, b, _) => a.mentions(leaf) || b.mentions(leaf),
+            Arr::Concat(xs, _) => xs.iter().any(|x| x.mentions(leaf)),
+            Arr::Slice(a, r, _) => a.mentions(leaf) || r.mentions(leaf),
             Arr::Param(_) | Arr::Const(_) => false,
         }
     }
@@ -313,6 +346,9 @@ pub struct SegDecl {
     pub kind: SegKind,
     /// Positions to fill, `[0, fill)`; defaults to `q_len`.
     pub fill: Int,
+    /// Whether the lengths or the fill read the batch index `b`: then the segmentation is
+    /// laid out for each batch index (see [`crate::Bound::at_batch`]).
+    pub per_batch: bool,
     pub parts: Vec<PartDecl>,
     pub span: Span,
 }
@@ -338,6 +374,9 @@ pub struct Require {
     pub cond: Bool,
     pub message: Vec<MsgPart>,
     pub span: Span,
+    /// Whether it reads a segmentation or grid: then it is checked once they are laid out,
+    /// else before (so it can guard the values they are built from).
+    pub reads_structures: bool,
 }
 
 /// A checked program: everything needed to plan it for any lengths and parameters.

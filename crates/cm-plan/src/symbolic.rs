@@ -364,10 +364,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             IntKind::ArrIndex(arr, i) => {
                 let idx = self.int(p, i)?;
-                if idx.step != 0 || matches!(**arr, Arr::Lit(_)) {
+                // An array that reads q (`[q, 1]`) may differ on every row; one that reads
+                // only b, h and parameters is the same over the piece.
+                if idx.step != 0 || arr.reads_q() {
                     return self.point_int(p, e);
                 }
-                let a = self.bound.eval_arr(arr, &Env::default())?;
+                let a = self.bound.eval_arr(arr, &self.env(p))?;
                 if idx.first < 0 || idx.first as usize >= a.len() {
                     return Err(PlanError::new(
                         Code::IndexOutOfRange,
@@ -383,10 +385,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(a[idx.first as usize])
             }
             IntKind::ArrLen(arr) | IntKind::ArrSum(arr) => {
-                if matches!(**arr, Arr::Lit(_)) {
+                if arr.reads_q() {
                     return self.point_int(p, e);
                 }
-                Affine::constant(self.bound.eval_int(e, &Env::default())?)
+                Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::Neg(x) => {
                 let x = self.int(p, x)?;

@@ -518,7 +518,7 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
         (
             -3i64..=30,
             proptest::collection::vec(-5i64..=60, 1..=4),
-            any::<bool>(),
+            0u8..6,
         ),
         (lengths_array(5), lengths_array(4)),
         (
@@ -547,12 +547,23 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
                 } else {
                     rcount
                 };
-                // Sometimes the query segmentation is an element-wise array sum.
-                let slens = if added {
-                    let delta: Vec<i64> = (0..slens.len() as i64).map(|i| i % 2).collect();
-                    format!("{} + {}", list(&slens), list(&delta))
-                } else {
-                    list(&slens)
+                // Sometimes the segmentations' lengths are an element-wise array sum, a
+                // concatenation, or chosen per batch index by a slice.
+                let n = slens.len();
+                let (slens, klens) = match added {
+                    1 => {
+                        let delta: Vec<i64> = (0..n as i64).map(|i| i % 2).collect();
+                        (format!("{} + {}", list(&slens), list(&delta)), list(&klens))
+                    }
+                    2 => (
+                        format!("concat({}, [3], {})", list(&slens), list(&slens)),
+                        list(&klens),
+                    ),
+                    3 => (
+                        format!("concat({0}[b % {n} .. {n}], {0})", list(&slens)),
+                        format!("concat([b], {})", list(&klens)),
+                    ),
+                    _ => (list(&slens), list(&klens)),
                 };
                 format!(
                     "param w: int = {w};\n\
@@ -568,7 +579,6 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
                      require w > -1000 else \"w is {{w}}\";\n\
                      let lq = {lo};\n",
                     arr = list(&arr),
-                    klens = list(&klens),
                     plens = list(&plens),
                     rlens = list(&rlens),
                     // `lq` cannot refer to itself.

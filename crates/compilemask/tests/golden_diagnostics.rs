@@ -173,6 +173,41 @@ fn cm0203_type_mismatch() {
     compile_golden("CM0203", "mask = k <= q + true;\n");
 }
 
+/// `+` of arrays adds entry by entry: with lengths the program fixes and that differ, the
+/// check fails and points at `concat`.
+#[test]
+fn cm0203_array_plus_is_not_append() {
+    insta::with_settings!({snapshot_suffix => "array_plus"}, {
+        compile_golden(
+            "CM0203",
+            "param docs: [int] = [512, 384];\nparam pad: int = 128;\nsegments doc = docs + [pad];\nmask = k in doc(q);\n",
+        );
+    });
+}
+
+/// With lengths given at plan time, the same confusion is a plan-time error with the hint.
+#[test]
+fn cm0308_array_plus_of_given_lengths() {
+    insta::with_settings!({snapshot_suffix => "array_plus"}, {
+        plan_golden(
+            "CM0308",
+            "param docs: [int];\nparam pad: [int] = [128];\nsegments doc = docs + pad;\nmask = k in doc(q);\n",
+            &opts(8).param("docs", Value::Array(vec![3, 5].into())),
+        );
+    });
+}
+
+/// A parameter default cannot read a segmentation: binding lays them out later.
+#[test]
+fn cm0208_structure_read_too_early() {
+    insta::with_settings!({snapshot_suffix => "structure"}, {
+        compile_golden(
+            "CM0208",
+            "segments doc = [4, 4];\nparam n: int = doc.count;\nmask = k in doc(q) & k < n;\n",
+        );
+    });
+}
+
 #[test]
 fn cm0204_wrong_arity() {
     compile_golden("CM0204", "mask = k <= abs(q, 1);\n");

@@ -324,6 +324,7 @@ impl Checker<'_> {
         if let ExprKind::Name(n) = &range.kind {
             if let Some((Def::Grid(g), _)) = self.names.get(n) {
                 let g = *g;
+                self.laid_out_by_now(n, true, range.span)?;
                 if x.has_k() && ctx != Ctx::Elementwise {
                     let lo = Int::new(
                         IntKind::RangeLo(Box::new(self.grid_range(g, range.span))),

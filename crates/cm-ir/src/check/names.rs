@@ -6,7 +6,7 @@
 
 use super::atoms::bin;
 use super::suggest::suggest;
-use super::{Checker, Ctx, Def, Val, R};
+use super::{Checker, Ctx, Def, Early, Val, R};
 use crate::ir::*;
 use cm_syntax::ast::{Expr, ExprKind, Ident};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -33,6 +33,7 @@ const BUILTIN_FUNCS: &[&str] = &[
     "l2",
     "linf",
     "box",
+    "concat",
     "elementwise",
 ];
 
@@ -118,9 +119,25 @@ impl Checker<'_> {
     pub(super) fn name(&mut self, n: &str, span: Span, ctx: Ctx) -> R<Val> {
         let mask_only = |c: Ctx| c == Ctx::Mask || c == Ctx::Elementwise;
         let builtin = match n {
+            "b" if ctx == Ctx::Seg => {
+                self.seg_reads_b = true;
+                self.uses_b = true;
+                Some(IntKind::B)
+            }
             "q" | "k" | "b" | "h" if !mask_only(ctx) => {
-                self.err(Diagnostic::error(Code::WrongContext, span, format!("`{n}` cannot be used here"))
-                    .with_hint("parameter defaults, segmentations, grids, parts and requirements depend only on lengths and parameters"));
+                let hint = if ctx == Ctx::Seg {
+                    "a segmentation's lengths and fill depend only on lengths, parameters and the batch index `b`"
+                } else {
+                    "parameter defaults, grids, parts and requirements depend only on lengths and parameters; segmentations may also read `b`"
+                };
+                self.err(
+                    Diagnostic::error(
+                        Code::WrongContext,
+                        span,
+                        format!("`{n}` cannot be used here"),
+                    )
+                    .with_hint(hint),
+                );
                 return Err(());
             }
             "q" => Some(IntKind::Q),
@@ -171,8 +188,14 @@ impl Checker<'_> {
         match self.names.get(n).cloned() {
             Some((Def::Param(id, false), _)) => Ok(Val::Int(Int::new(IntKind::Param(id), span))),
             Some((Def::Param(id, true), _)) => Ok(Val::Arr(Arr::Param(id), span)),
-            Some((Def::Seg(s), _)) => Ok(Val::Seg(s, span)),
-            Some((Def::Grid(g), _)) => Ok(Val::Grid(g, span)),
+            Some((Def::Seg(s), _)) => {
+                self.laid_out_by_now(n, false, span)?;
+                Ok(Val::Seg(s, span))
+            }
+            Some((Def::Grid(g), _)) => {
+                self.laid_out_by_now(n, true, span)?;
+                Ok(Val::Grid(g, span))
+            }
             Some((Def::Failed, _)) => Err(()),
             Some((Def::Let(id), _)) => self.inline_let(id, span, ctx),
             None => {
@@ -194,6 +217,28 @@ impl Checker<'_> {
                 Err(())
             }
         }
+    }
+
+    /// `CM0208` when the statement being checked is evaluated before segmentation (or grid,
+    /// `is_grid`) `n` is laid out: a parameter default reads neither, a grid no
+    /// segmentation.
+    pub(super) fn laid_out_by_now(&mut self, n: &str, is_grid: bool, span: Span) -> R<()> {
+        self.reads_structures = true;
+        let what = if is_grid { "grid" } else { "segmentation" };
+        let statement = match self.early {
+            Some(Early::ParamDefault) => "a parameter default",
+            Some(Early::Grid) if !is_grid => "a grid",
+            _ => return Ok(()),
+        };
+        self.err(
+            Diagnostic::error(
+                Code::WrongContext,
+                span,
+                format!("{statement} cannot read {what} `{n}`"),
+            )
+            .with_hint("parameters are bound first, then grids, then segmentations; compute the value from the lengths or parameters the structure is built from, or check it with a `require`"),
+        );
+        Err(())
     }
 
     /// `base.name`: a field of a range, segmentation or grid.

@@ -6,6 +6,7 @@
 
 use super::atoms::{bin, const_value};
 use super::{Checker, Ctx, Val, MAX_NODES, R};
+use crate::bind::CONCAT_HINT;
 use crate::ir::*;
 use cm_syntax::ast::{BinOp, Expr, ExprKind, UnOp};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -267,9 +268,17 @@ impl Checker<'_> {
         }
     }
 
-    /// `a[i]` of an array, or `s[i]`, the segment of index `i`.
+    /// `a[i]` of an array, `a[lo .. hi]`, the slice of its entries `[lo, hi)`, or `s[i]`,
+    /// the segment of index `i`.
     fn index(&mut self, base: &Expr, index: &Expr, span: Span, ctx: Ctx) -> R<Val> {
         let b = self.lower(base, ctx)?;
+        if let (Val::Arr(a, _), ExprKind::Range { .. }) = (&b, &index.kind) {
+            let r = self.expect_range(index, ctx)?;
+            return Ok(Val::Arr(
+                Arr::Slice(Box::new(a.clone()), Box::new(r), span),
+                span,
+            ));
+        }
         let i = self.expect_int(index, ctx)?;
         let i = self.no_k(i, ctx)?;
         match b {
@@ -308,6 +317,19 @@ impl Checker<'_> {
                     )))
                 }
                 (Val::Arr(x, _), Val::Arr(y, _)) if op == BinOp::Add => {
+                    if let (Some(lx), Some(ly)) = (self.static_len(&x), self.static_len(&y)) {
+                        if lx != ly {
+                            self.err(
+                                Diagnostic::error(
+                                    Code::TypeMismatch,
+                                    span,
+                                    format!("`+` adds arrays entry by entry, but these have {lx} and {ly} entries"),
+                                )
+                                .with_hint(CONCAT_HINT),
+                            );
+                            return Err(());
+                        }
+                    }
                     Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span))
                 }
                 (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..)))
@@ -318,8 +340,27 @@ impl Checker<'_> {
                     Ok(Val::Region(Region::Diff(Box::new(x), Box::new(y)), span))
                 }
                 (x, y) => {
-                    self.err(Diagnostic::error(Code::TypeMismatch, span, format!("cannot apply this operator to {} and {}", x.describe(), y.describe()))
-                        .with_hint("arithmetic works on integers, `+` also on arrays of equal length, `-` also on regions (difference)"));
+                    let hint = if matches!(
+                        (&x, &y),
+                        (Val::Arr(..), Val::Int(_)) | (Val::Int(_), Val::Arr(..))
+                    ) && op == BinOp::Add
+                    {
+                        CONCAT_HINT
+                    } else {
+                        "arithmetic works on integers, `+` also on arrays of equal length (entry by entry), `-` also on regions (difference)"
+                    };
+                    self.err(
+                        Diagnostic::error(
+                            Code::TypeMismatch,
+                            span,
+                            format!(
+                                "cannot apply this operator to {} and {}",
+                                x.describe(),
+                                y.describe()
+                            ),
+                        )
+                        .with_hint(hint),
+                    );
                     Err(())
                 }
             },
@@ -358,6 +399,40 @@ impl Checker<'_> {
                 Err(())
             }
         }
+    }
+
+    /// The number of entries of `a` when the program fixes it: literals, named arrays, and
+    /// parameters by their defaults (a plan with the defaults has this length).
+    fn static_len(&self, a: &Arr) -> Option<usize> {
+        match a {
+            Arr::Lit(xs) => Some(xs.len()),
+            Arr::Const(v) => Some(v.len()),
+            Arr::Param(id) => match &self.params[*id].default {
+                Some(ParamDefault::Array(d)) => self.static_len(d),
+                _ => None,
+            },
+            Arr::Add(x, _, _) => self.static_len(x),
+            Arr::Concat(xs, _) => xs.iter().map(|x| self.static_len(x)).sum(),
+            Arr::Slice(..) => None,
+        }
+    }
+
+    /// `concat(a, b, ...)`: the arrays one after the other; an integer argument is a
+    /// one-entry array (`concat(docs, pad)`).
+    fn concat(&mut self, args: &[Expr], span: Span, ctx: Ctx) -> R<Val> {
+        self.arity("concat", args, 1..=64, span)?;
+        let mut parts = Vec::with_capacity(args.len());
+        for a in args {
+            match self.lower(a, ctx)? {
+                Val::Arr(x, _) => parts.push(x),
+                Val::Int(i) => parts.push(Arr::Lit(vec![self.no_k(i, ctx)?])),
+                v => {
+                    self.type_err(&v, "an integer array or an integer");
+                    return Err(());
+                }
+            }
+        }
+        Ok(Val::Arr(Arr::Concat(parts, span), span))
     }
 
     /// `CM0204` unless `args` has a count in `want`.
@@ -415,6 +490,7 @@ impl Checker<'_> {
                 };
                 Ok(Val::Int(Int::new(kind, span)))
             }
+            "concat" => self.concat(args, span, ctx),
             "l1" | "l2" | "linf" => {
                 self.arity(n, args, 1..=1, span)?;
                 let g = self.expect_grid(&args[0], ctx)?;
@@ -486,7 +562,7 @@ impl Checker<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{error, program, rows};
+    use super::super::testing::{error, error_diag, program, rows};
     use crate::ir::Region;
 
     #[test]
@@ -527,6 +603,51 @@ mod tests {
         ] {
             assert_eq!(error(src), ("CM0203", message.to_string()), "{src}");
         }
+    }
+
+    /// `concat` appends, `+` adds entry by entry, slices cut `[lo, hi)`; a `+` of arrays
+    /// whose lengths the program fixes and that differ is `CM0203` with the `concat` hint,
+    /// as is `+` of an array and an integer.
+    #[test]
+    fn arrays_concatenate_add_and_slice() {
+        let bind = |src: &str| {
+            let p = program(src);
+            let shape = crate::Shape {
+                q_len: 4,
+                kv_len: 4,
+                batch: 1,
+                num_heads: 1,
+            };
+            let b = p.bind(shape, &Default::default()).unwrap();
+            let crate::ir::SegKind::Plain(a) = &p.segs[0].kind else {
+                panic!()
+            };
+            b.eval_arr(a, &Default::default()).unwrap().to_vec()
+        };
+        let seg = |arr: &str| {
+            format!("param pad: int = 9;\nparam docs: [int] = [1, 2, 3];\nsegments s = {arr};\nmask = k in s(q);")
+        };
+        assert_eq!(bind(&seg("concat(docs, [pad])")), [1, 2, 3, 9]);
+        assert_eq!(
+            bind(&seg("concat(docs, pad, docs[1 .. 3])")),
+            [1, 2, 3, 9, 2, 3]
+        );
+        assert_eq!(bind(&seg("docs + [pad, 0, pad]")), [10, 2, 12]);
+        assert_eq!(bind(&seg("docs[0 ..= 1] + [pad, 1]")), [10, 3]);
+        assert_eq!(bind(&seg("concat(small)[1 .. count(small)]")), [1, 2]);
+        for arr in ["docs + [pad]", "[1, 2] + concat(docs, 1)", "small + [1]"] {
+            let d = error_diag(&seg(arr));
+            assert_eq!(d.code.as_str(), "CM0203", "{arr}");
+            assert!(
+                d.message.starts_with("`+` adds arrays entry by entry"),
+                "{}",
+                d.message
+            );
+            assert!(d.hint.unwrap().contains("concat(A, B)"));
+        }
+        let d = error_diag(&seg("docs + pad"));
+        assert!(d.hint.unwrap().contains("concat(docs, pad)"));
+        assert_eq!(error(&seg("concat(docs, 1 < 2)")).0, "CM0203");
     }
 
     #[test]
