@@ -30,6 +30,11 @@ pub const MAX_BATCH_HEADS: i64 = 1 << 24;
 /// Most segments (or composite pieces) one segmentation may create.
 pub const MAX_SEGMENTS: usize = 1 << 24;
 
+/// Most nested `any` / `all` quantifiers.
+pub const MAX_QUANT_DEPTH: usize = 4;
+/// Most integers one `any` / `all` ranges over.
+pub const MAX_QUANT_TERMS: i64 = 1 << 24;
+
 /// The hint where `+` of arrays may have meant appending.
 pub(crate) const CONCAT_HINT: &str =
     "to append, write `concat(A, B)` (`concat(docs, [pad])`, or `concat(docs, pad)` for one integer); `A + B` adds entry by entry and needs arrays of equal length";
@@ -281,6 +286,8 @@ pub struct Env {
     pub b: i64,
     pub h: i64,
     pub seg_len: i64,
+    /// The values of the enclosing quantifiers' variables, outermost first.
+    pub vars: [i64; MAX_QUANT_DEPTH],
 }
 
 impl Program {
@@ -796,6 +803,7 @@ impl<'p> Bound<'p> {
             IntKind::RangeHi(r) => self.eval_range(r, env)?.1,
             IntKind::SegIndex(s, p) => self.seg_pos(*s, self.eval_int(p, env)?, p.span)? as i64,
             IntKind::SegCount(s) => self.segs[*s].count() as i64,
+            IntKind::Var(d) => env.vars[*d as usize],
             IntKind::GridCoord(g, axis, p) => {
                 let pv = self.eval_int(p, env)?;
                 match self.grids[*g].coords(pv) {
@@ -849,6 +857,21 @@ pub fn piece_range(t: &PieceTable, segs: &SegTable, kind: usize, p: i64, seg: us
         Some(f) => (t.bounds[f as usize], t.bounds[f as usize + 1]),
         None => (segs.starts[seg + 1], segs.starts[seg + 1]),
     }
+}
+
+/// The integers `[lo, hi)` an `any` / `all` ranges over: `CM0404` past
+/// [`MAX_QUANT_TERMS`] (an empty range when `hi <= lo`).
+pub fn quant_range(lo: i64, hi: i64, span: Span) -> PResult<std::ops::Range<i64>> {
+    if i128::from(hi) - i128::from(lo) > i128::from(MAX_QUANT_TERMS) {
+        return Err(PlanError::new(
+            Code::TooLargeToPlan,
+            Some(span),
+            format!(
+                "`any` / `all` over {lo}..{hi} ranges over more than {MAX_QUANT_TERMS} integers"
+            ),
+        ));
+    }
+    Ok(lo..hi.max(lo))
 }
 
 pub fn cmp(op: cm_syntax::CmpOp, a: i64, b: i64) -> bool {

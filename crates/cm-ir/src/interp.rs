@@ -6,7 +6,7 @@
 //! Evaluation order is part of the semantics of errors: `&` and `-` skip their right side
 //! where the left side is false, `if` evaluates one branch, `|` evaluates both.
 
-use crate::bind::{add, cmp, floor_div, floor_mod, mul, Bound, Env, PResult};
+use crate::bind::{add, cmp, floor_div, floor_mod, mul, quant_range, Bound, Env, PResult};
 use crate::ir::*;
 
 impl Bound<'_> {
@@ -32,7 +32,7 @@ impl Bound<'_> {
                 k,
                 b,
                 h,
-                seg_len: 0,
+                ..Env::default()
             },
         )
     }
@@ -151,6 +151,29 @@ impl Bound<'_> {
                 }
             }
             Region::Elementwise(c, _) => self.eval_bool(c, env)?,
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body,
+                span,
+            } => {
+                let range = quant_range(self.eval_int(lo, env)?, self.eval_int(hi, env)?, *span)?;
+                let mut inner = *env;
+                let mut any = false;
+                for i in range {
+                    inner.vars[*depth as usize] = i;
+                    // `any` evaluates every term, as `|` evaluates both sides; `all` stops at
+                    // the first false one, as `&` skips its right side.
+                    let v = self.region_at(body, &inner)?;
+                    if *all && !v {
+                        return Ok(false);
+                    }
+                    any |= v;
+                }
+                *all || any
+            }
         })
     }
 }

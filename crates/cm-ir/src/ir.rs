@@ -61,6 +61,8 @@ pub enum IntKind {
     SegCount(SegId),
     /// Grid coordinate of a position: axis 0 is the slowest (t for 3D, y for 2D).
     GridCoord(GridId, u8, Box<Int>),
+    /// The variable of the enclosing `any` / `all` at this nesting depth (0: outermost).
+    Var(u8),
 }
 
 impl Int {
@@ -97,7 +99,8 @@ impl Int {
             | IntKind::NumHeads
             | IntKind::SegLen
             | IntKind::Param(_)
-            | IntKind::SegCount(_) => leaf(&self.kind),
+            | IntKind::SegCount(_)
+            | IntKind::Var(_) => leaf(&self.kind),
             IntKind::ArrIndex(a, i) => a.mentions(leaf) || i.mentions(leaf),
             IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.mentions(leaf),
             IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.mentions(leaf),
@@ -267,6 +270,17 @@ pub enum Region {
     Cond(Bool, Box<Region>, Box<Region>),
     /// The escape hatch: a predicate evaluated pair by pair.
     Elementwise(Bool, Span),
+    /// `any i in lo .. hi: body` (`all: false`, the union of `body` over the integers `i` of
+    /// `[lo, hi)`, empty for an empty range) or `all i in ...` (their intersection, every key
+    /// for an empty range). `body` reads `i` as `IntKind::Var(depth)`.
+    Quant {
+        all: bool,
+        depth: u8,
+        lo: Int,
+        hi: Int,
+        body: Box<Region>,
+        span: Span,
+    },
 }
 
 impl Region {
@@ -281,12 +295,65 @@ impl Region {
             | Region::Diff(a, b)
             | Region::Cond(_, a, b) => a.uses_elementwise() || b.uses_elementwise(),
             Region::Not(a) => a.uses_elementwise(),
+            Region::Quant { body, .. } => body.uses_elementwise(),
             Region::Rows(_)
             | Region::KCmp { .. }
             | Region::KDiv { .. }
             | Region::KMod { .. }
             | Region::Ball { .. }
             | Region::Box { .. } => false,
+        }
+    }
+}
+
+impl Region {
+    /// Whether the keys the region gives can differ from one query row to another: it
+    /// reads `q`, or is a grid ball (around q's grid point) or `elementwise`. Exhaustive on
+    /// purpose, like [`Region::uses_elementwise`].
+    pub fn reads_q(&self) -> bool {
+        let q = |x: &IntKind| matches!(x, IntKind::Q);
+        match self {
+            Region::Rows(c) => c.mentions(&q),
+            Region::KCmp { rest, .. } => rest.mentions(&q),
+            Region::KDiv { rest, div, rhs, .. } | Region::KMod { rest, div, rhs, .. } => {
+                rest.mentions(&q) || div.mentions(&q) || rhs.mentions(&q)
+            }
+            Region::Ball { .. } | Region::Elementwise(..) => true,
+            Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&q)),
+            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
+                a.reads_q() || b.reads_q()
+            }
+            Region::Cond(c, a, b) => c.mentions(&q) || a.reads_q() || b.reads_q(),
+            Region::Not(a) => a.reads_q(),
+            Region::Quant { lo, hi, body, .. } => {
+                lo.mentions(&q) || hi.mentions(&q) || body.reads_q()
+            }
+        }
+    }
+
+    /// Whether the region reads the variable of a quantifier at nesting depth below `depth`
+    /// (one that encloses a quantifier at `depth`).
+    pub fn reads_outer_vars(&self, depth: u8) -> bool {
+        let outer = |x: &IntKind| matches!(x, IntKind::Var(d) if *d < depth);
+        let int = |i: &Int| i.mentions(&outer);
+        match self {
+            Region::Rows(c) | Region::Elementwise(c, _) => c.mentions(&outer),
+            Region::KCmp { rest, .. } => int(rest),
+            Region::KDiv { rest, div, rhs, .. } | Region::KMod { rest, div, rhs, .. } => {
+                int(rest) || int(div) || int(rhs)
+            }
+            Region::Ball { radius, .. } => int(radius),
+            Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&outer)),
+            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
+                a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
+            }
+            Region::Cond(c, a, b) => {
+                c.mentions(&outer) || a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
+            }
+            Region::Not(a) => a.reads_outer_vars(depth),
+            Region::Quant { lo, hi, body, .. } => {
+                int(lo) || int(hi) || body.reads_outer_vars(depth)
+            }
         }
     }
 }

@@ -13,11 +13,12 @@
 //! nor touching). Comparisons that would break this for some row split the piece instead.
 
 use crate::plan::{too_many_intervals, MAX_INTERVALS};
-use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
+use cm_ir::bind::{self, piece_range, Bound, Env, PlanError, MAX_QUANT_DEPTH};
 use cm_ir::ir::*;
 use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 /// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
@@ -87,6 +88,11 @@ pub struct Solver<'a, 'p> {
     hints: RefCell<Vec<i64>>,
     /// The last ball's runs (see [`Solver::ball`]).
     ball_runs: RefCell<BallRuns>,
+    /// The values of the enclosing `any` / `all` variables, outermost first.
+    vars: Cell<[i64; MAX_QUANT_DEPTH]>,
+    /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
+    /// (its address in the program, head): the same on every row, so solved once.
+    quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
 }
 
 /// The keys `k` with `(k - start) mod m < len` (`m > 0`, `0 <= len <= m`): the solution of a
@@ -132,6 +138,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             elementwise_pairs: Cell::new(0),
             hints: RefCell::new(Vec::new()),
             ball_runs: RefCell::default(),
+            vars: Cell::new([0; MAX_QUANT_DEPTH]),
+            quant_cache: RefCell::default(),
         }
     }
 
@@ -154,6 +162,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             b: p.b,
             h: p.h,
             seg_len: 0,
+            vars: self.vars.get(),
         }
     }
 
@@ -464,6 +473,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
+            IntKind::Var(d) => Affine::constant(self.vars.get()[*d as usize]),
             IntKind::K | IntKind::SegLen => {
                 unreachable!("checked: k and len do not reach q-side evaluation")
             }
@@ -1032,6 +1042,91 @@ impl<'a, 'p> Solver<'a, 'p> {
                     self.region(p, b, hull)
                 }
             }
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body,
+                span,
+            } => {
+                let invariant = !r.reads_q() && !r.reads_outer_vars(*depth);
+                let key = (r as *const Region as usize, p.h);
+                if invariant {
+                    if let Some(v) = self.quant_cache.borrow().get(&key) {
+                        return Ok(v.clone());
+                    }
+                }
+                let lo = self.int(p, lo)?;
+                let hi = self.int(p, hi)?;
+                let range = bind::quant_range(self.constant(p, lo)?, self.constant(p, hi)?, *span)?;
+                // Solved on all keys when it is kept for every row.
+                let hull = if invariant { None } else { hull };
+                let outer = self.vars.get();
+                let out = self.quantifier(p, *all, *depth as usize, range, body, hull);
+                self.vars.set(outer);
+                let out = out?;
+                if invariant {
+                    self.quant_cache.borrow_mut().insert(key, out.clone());
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
+    /// `range`. A term that splits the piece does not stop the others: the piece ends at the
+    /// first such row and the others go to the driver as later change points, so a piece
+    /// costs one pass over the terms however they are ordered. An error is returned only
+    /// when no earlier term split (the reference meets it first on the piece's first row).
+    fn quantifier(
+        &self,
+        p: &Piece,
+        all: bool,
+        depth: usize,
+        range: std::ops::Range<i64>,
+        body: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let mut vars = self.vars.get();
+        let mut splits: Vec<i64> = Vec::new();
+        let mut found = Vec::new();
+        let mut acc = self.all();
+        for i in range {
+            vars[depth] = i;
+            self.vars.set(vars);
+            let inner = if all && !acc.is_empty() {
+                Some(keys_hull(p, &acc))
+            } else {
+                hull
+            };
+            match self.region(p, body, inner) {
+                Ok(v) if all => {
+                    if splits.is_empty() {
+                        acc = self.inter(p, &acc, &v)?;
+                        // Like `&`: later terms are not evaluated where none is left.
+                        if acc.is_empty() {
+                            break;
+                        }
+                    }
+                }
+                Ok(v) => found.extend(v),
+                Err(Flow::Split(s)) => splits.push(s),
+                Err(e) if splits.is_empty() => return Err(e),
+                Err(_) => break,
+            }
+        }
+        if !splits.is_empty() {
+            splits.sort_unstable();
+            splits.dedup();
+            let first = splits.remove(0);
+            *self.hints.borrow_mut() = splits;
+            return Err(Flow::Split(first));
+        }
+        if all {
+            Ok(acc)
+        } else {
+            self.union_all(p, found)
         }
     }
 

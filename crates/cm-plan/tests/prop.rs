@@ -456,6 +456,30 @@ fn idiom() -> BoxedStrategy<String> {
     .boxed()
 }
 
+/// `any` / `all` over the entries of `arr` or over small ranges, with terms that read the
+/// variable, `q` or neither.
+fn quant(mode: Mode) -> BoxedStrategy<String> {
+    let e = qexpr(mode);
+    let safe = prop_oneof![
+        (e.clone()).prop_map(|x| format!("any i in 0 .. count(arr): k == arr[i] + ({x}) % 3")),
+        Just("any i in 0 .. count(arr): q - arr[i] < k <= q".to_string()),
+        Just("all i in 0 .. count(arr): k != arr[i]".to_string()),
+        Just("any i in 0 .. count(arr): q == arr[i] | k == arr[i]".to_string()),
+        (1i64..4).prop_map(|n| format!("any i in 0 .. {n}: (q - k) % (i + 2) == 0 & k <= q")),
+        (konst(), konst()).prop_map(|(a, b)| format!("any i in {a} .. {b}: k == q - i")),
+        (konst(), e).prop_map(|(a, x)| format!("all i in 0 .. {a} % 4: k <= {x} + i")),
+    ];
+    match mode {
+        Mode::Safe => safe.boxed(),
+        Mode::Risky => prop_oneof![
+            6 => safe,
+            1 => Just("any i in 0 .. count(arr) + 1: k == arr[i]".to_string()),
+            1 => Just("all i in 0 .. 2: k < arr[i] | k == q".to_string()),
+        ]
+        .boxed(),
+    }
+}
+
 /// A region leaf: a solvable atom, a q-side boolean, or the escape hatch.
 fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
     prop_oneof![
@@ -465,6 +489,7 @@ fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
         2 => kdiv(mode),
         2 => kmod(mode),
         1 => kabs(mode),
+        1 => quant(mode),
         3 => grid_region(mode),
         1 => qbool(mode),
         1 => elementwise(mode),

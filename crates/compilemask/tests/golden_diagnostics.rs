@@ -208,6 +208,17 @@ fn cm0208_structure_read_too_early() {
     });
 }
 
+/// The variable of `any` / `all` needs a name of its own.
+#[test]
+fn cm0202_quantifier_variable() {
+    insta::with_settings!({snapshot_suffix => "quantifier"}, {
+        compile_golden(
+            "CM0202",
+            "param g: [int] = [0, 9];\nmask = k <= q | any g in 0 .. count(g): k == g[0];\n",
+        );
+    });
+}
+
 #[test]
 fn cm0204_wrong_arity() {
     compile_golden("CM0204", "mask = k <= abs(q, 1);\n");

@@ -26,7 +26,10 @@ impl Checker<'_> {
         }
         let (expr, _, at) = self.lets[id];
         let outer = std::mem::replace(&mut self.visible_before, at);
+        // A `let` is a statement: the variables of an `any` it is used in are not its own.
+        let vars = std::mem::take(&mut self.vars);
         let v = self.lower(expr, ctx);
+        self.vars = vars;
         self.visible_before = outer;
         self.let_depth -= 1;
         // Report errors inside the let at the use site too, so the cause is found.

@@ -101,6 +101,8 @@ struct Checker<'a> {
     seg_reads_b: bool,
     /// Whether the statement being checked reads a segmentation or grid.
     reads_structures: bool,
+    /// The variables of the `any` / `all` being lowered, outermost first.
+    vars: Vec<String>,
 }
 
 /// Statements evaluated before some structures exist (binding evaluates parameters, then
@@ -138,6 +140,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         early: None,
         seg_reads_b: false,
         reads_structures: false,
+        vars: Vec::new(),
     };
     for (idx, item) in program.items.iter().enumerate() {
         c.visible_before = idx;

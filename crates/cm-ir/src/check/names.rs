@@ -41,12 +41,7 @@ impl Checker<'_> {
     /// Declares `name` as `def` in the current item; `false`, with `CM0202`, when it is a
     /// built-in value, function or named array, or already defined.
     pub(super) fn declare(&mut self, name: &Ident, def: Def) -> bool {
-        // Statement words are keywords only at the start of a statement, so they may name
-        // things; built-in values and functions may not.
-        let reserved = builtin_values().any(|v| v == name.name)
-            || BUILTIN_FUNCS.contains(&name.name.as_str())
-            || self.arrays.iter().any(|a| a.name == name.name);
-        if reserved {
+        if self.is_builtin(&name.name) {
             self.err(Diagnostic::error(
                 Code::DuplicateName,
                 name.span,
@@ -71,6 +66,35 @@ impl Checker<'_> {
             .insert(name.name.clone(), self.visible_before);
         self.define(name, def);
         true
+    }
+
+    /// Whether `n` is a built-in value, function or named array. Statement words are
+    /// keywords only at the start of a statement, so they may name things; these may not.
+    fn is_builtin(&self, n: &str) -> bool {
+        builtin_values().any(|v| v == n)
+            || BUILTIN_FUNCS.contains(&n)
+            || self.arrays.iter().any(|a| a.name == n)
+    }
+
+    /// `CM0202` unless `var` may name the variable of an `any` / `all`: not a built-in, a
+    /// declared name or an enclosing quantifier's variable.
+    pub(super) fn fresh_var(&mut self, var: &Ident) -> R<()> {
+        let n = var.name.as_str();
+        let taken = if self.is_builtin(n) {
+            Some(format!("`{n}` is a built-in name and cannot be redefined"))
+        } else if self.names.contains_key(n) || self.vars.iter().any(|v| v == n) {
+            Some(format!("`{n}` is already defined"))
+        } else {
+            None
+        };
+        let Some(message) = taken else {
+            return Ok(());
+        };
+        self.err(
+            Diagnostic::error(Code::DuplicateName, var.span, message)
+                .with_hint("name the variable of `any` / `all` with a name of its own, e.g. `i`"),
+        );
+        Err(())
     }
 
     /// Makes `name` denote `def` (after [`Checker::declare`], which reserves it, found it
@@ -117,6 +141,9 @@ impl Checker<'_> {
     /// What name `n` denotes here: a built-in value (if `ctx` allows it), a named array, or
     /// a declared name visible at the current item.
     pub(super) fn name(&mut self, n: &str, span: Span, ctx: Ctx) -> R<Val> {
+        if let Some(d) = self.vars.iter().rposition(|v| v == n) {
+            return Ok(Val::Int(Int::new(IntKind::Var(d as u8), span)));
+        }
         let mask_only = |c: Ctx| c == Ctx::Mask || c == Ctx::Elementwise;
         let builtin = match n {
             "b" if ctx == Ctx::Seg => {

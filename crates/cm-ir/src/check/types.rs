@@ -6,9 +6,9 @@
 
 use super::atoms::{bin, const_value};
 use super::{Checker, Ctx, Val, MAX_NODES, R};
-use crate::bind::CONCAT_HINT;
+use crate::bind::{CONCAT_HINT, MAX_QUANT_DEPTH};
 use crate::ir::*;
-use cm_syntax::ast::{BinOp, Expr, ExprKind, UnOp};
+use cm_syntax::ast::{BinOp, Expr, ExprKind, Ident, UnOp};
 use cm_syntax::{Code, Diagnostic, Span};
 
 impl Val {
@@ -204,7 +204,68 @@ impl Checker<'_> {
             ExprKind::Field { base, name } => self.field(base, name, span, ctx),
             ExprKind::Index { base, index } => self.index(base, index, span, ctx),
             ExprKind::Call { callee, args } => self.call(callee, args, span, ctx),
+            ExprKind::Quant {
+                all,
+                var,
+                range,
+                body,
+            } => self.quantifier(*all, var, range, body, span, ctx),
         }
+    }
+
+    /// `any i in RANGE: BODY` / `all i in RANGE: BODY`: a region (the union or intersection
+    /// of `BODY` over the integers of the range) in the mask; `i` is a q-side integer.
+    fn quantifier(
+        &mut self,
+        all: bool,
+        var: &Ident,
+        range: &Expr,
+        body: &Expr,
+        span: Span,
+        ctx: Ctx,
+    ) -> R<Val> {
+        let word = if all { "all" } else { "any" };
+        self.in_mask_only(
+            ctx,
+            span,
+            format!("`{word}` can only be used in the mask (not inside `elementwise`)"),
+        )?;
+        if self.vars.len() >= MAX_QUANT_DEPTH {
+            self.err(
+                Diagnostic::error(
+                    Code::TooDeep,
+                    span,
+                    format!("`any` / `all` nest too deeply: at most {MAX_QUANT_DEPTH} levels"),
+                )
+                .with_hint("combine the ranges of inner quantifiers into one array"),
+            );
+            return Err(());
+        }
+        self.fresh_var(var)?;
+        let r = self.expect_range(range, ctx)?;
+        let (lo, hi) = match r.kind {
+            RangeKind::Lit(lo, hi) => (lo, hi),
+            _ => (
+                Int::new(IntKind::RangeLo(Box::new(r.clone())), r.span),
+                Int::new(IntKind::RangeHi(Box::new(r)), range.span),
+            ),
+        };
+        let depth = self.vars.len() as u8;
+        self.vars.push(var.name.clone());
+        let v = self.lower(body, ctx);
+        self.vars.pop();
+        let body = self.region_of(v?)?;
+        Ok(Val::Region(
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body: Box::new(body),
+                span,
+            },
+            span,
+        ))
     }
 
     /// `if c then a else b`: integers, booleans, or regions (a condition on rows).
@@ -648,6 +709,66 @@ mod tests {
         let d = error_diag(&seg("docs + pad"));
         assert!(d.hint.unwrap().contains("concat(docs, pad)"));
         assert_eq!(error(&seg("concat(docs, 1 < 2)")).0, "CM0203");
+    }
+
+    /// `any` / `all`: a region over the integers of a range, the variable a q-side integer
+    /// visible in the body only; `any` and `all` stay ordinary names elsewhere.
+    #[test]
+    fn quantifiers_range_over_integers() {
+        let src = "param g: [int] = [0, 7, 3];\n\
+                   mask = q - 4 < k <= q | any i in 0 .. count(g): k == g[i] | q == g[i];";
+        let Region::Union(_, quant) = program(src).mask else {
+            panic!()
+        };
+        assert!(
+            matches!(
+                *quant,
+                Region::Quant {
+                    all: false,
+                    depth: 0,
+                    ..
+                }
+            ),
+            "{quant:?}"
+        );
+        let reference = "mask = elementwise(q - 4 < k & k <= q | k == 0 | k == 7 | k == 3 \
+                         | q == 0 | q == 7 | q == 3);";
+        assert_eq!(rows(src, 12, 10), rows(reference, 12, 10));
+        let nested = "mask = all i in 0 ..= 1: any j in i .. 3: k == q + i * j;";
+        let reference = "mask = elementwise((k == q | k == q + 0 | k == q + 0) \
+                         & (k == q + 1 | k == q + 2));";
+        assert_eq!(rows(nested, 9, 9), rows(reference, 9, 9));
+        // An empty range: `any` is no key, `all` every key.
+        assert_eq!(
+            rows("mask = any i in 3 .. 1: k == i;", 2, 3),
+            [vec![], vec![]]
+        );
+        assert_eq!(
+            rows("mask = all i in 3 .. 1: k == i;", 2, 3),
+            [vec![(0, 3)], vec![(0, 3)]]
+        );
+        program("param any: int = 1;\nparam all: int = 2;\nmask = k < any + all;");
+    }
+
+    #[test]
+    fn quantifier_errors() {
+        for (src, code, message) in [
+            ("mask = any q in 0 .. 2: k == q;", "CM0202", "`q` is a built-in name and cannot be redefined"),
+            ("param n: int = 2;\nmask = any n in 0 .. 2: k == n;", "CM0202", "`n` is already defined"),
+            ("mask = any i in 0 .. 2: any i in 0 .. 2: k == i;", "CM0202", "`i` is already defined"),
+            ("mask = any i in 0 .. 2: i;", "CM0203", "expected a region or a boolean, found an integer"),
+            ("mask = any i in 0 .. k: k == i;", "CM0206", "range bounds cannot depend on `k`"),
+            ("param n: int = any i in 0 .. 2: i == 1;\nmask = k <= q;", "CM0208", "`any` can only be used in the mask (not inside `elementwise`)"),
+            ("mask = elementwise(all i in 0 .. 2: k == i);", "CM0208", "`all` can only be used in the mask (not inside `elementwise`)"),
+            ("let x = i;\nmask = any i in 0 .. 2: k == x;", "CM0201", "unknown name `i`"),
+            (
+                "mask = any a in 0..1: any b2 in 0..1: any c in 0..1: any d in 0..1: any e in 0..1: k == a;",
+                "CM0105",
+                "`any` / `all` nest too deeply: at most 4 levels",
+            ),
+        ] {
+            assert_eq!(error(src), (code, message.to_string()), "{src}");
+        }
     }
 
     #[test]
