@@ -30,6 +30,15 @@ pub const MAX_BATCH_HEADS: i64 = 1 << 24;
 /// Most segments (or composite pieces) one segmentation may create.
 pub const MAX_SEGMENTS: usize = 1 << 24;
 
+/// Most nested `any` / `all` quantifiers.
+pub const MAX_QUANT_DEPTH: usize = 4;
+/// Most integers one `any` / `all` ranges over.
+pub const MAX_QUANT_TERMS: i64 = 1 << 24;
+
+/// The hint where `+` of arrays may have meant appending.
+pub(crate) const CONCAT_HINT: &str =
+    "to append, write `concat(A, B)` (`concat(docs, [pad])`, or `concat(docs, pad)` for one integer); `A + B` adds entry by entry and needs arrays of equal length";
+
 /// A parameter value.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Value {
@@ -259,8 +268,13 @@ pub struct Bound<'p> {
     pub program: &'p Program,
     pub shape: Shape,
     pub params: Vec<Value>,
+    /// Every segmentation laid out; those that read `b` ([`SegDecl::per_batch`]) for the
+    /// batch index `seg_batch`.
     pub segs: Vec<SegTable>,
     pub grids: Vec<GridVals>,
+    /// The batch index the per-batch segmentations of `segs` are laid out for (0 after
+    /// [`Program::bind`]; see [`Bound::at_batch`]).
+    pub seg_batch: i64,
 }
 
 /// The free variables of an evaluation: the query row, the key (only in `elementwise`),
@@ -272,6 +286,8 @@ pub struct Env {
     pub b: i64,
     pub h: i64,
     pub seg_len: i64,
+    /// The values of the enclosing quantifiers' variables, outermost first.
+    pub vars: [i64; MAX_QUANT_DEPTH],
 }
 
 impl Program {
@@ -332,6 +348,7 @@ impl Program {
             params: Vec::new(),
             segs: Vec::new(),
             grids: Vec::new(),
+            seg_batch: 0,
         };
         let env = Env::default();
         for p in &self.params {
@@ -361,23 +378,9 @@ impl Program {
             };
             b.params.push(v);
         }
-        for r in &self.requires {
-            if !b.eval_bool(&r.cond, &env)? {
-                let mut msg = String::new();
-                for part in &r.message {
-                    match part {
-                        MsgPart::Text(t) => msg.push_str(t),
-                        MsgPart::Value(i) => msg.push_str(&b.eval_int(i, &env)?.to_string()),
-                    }
-                }
-                if msg.is_empty() {
-                    msg = "a `require` of the mask does not hold".into();
-                }
-                return Err(PlanError::new(Code::RequireFailed, Some(r.span), msg).with_hint(
-                    "this `require` of the mask does not hold for the given lengths and parameters",
-                ));
-            }
-        }
+        // The requirements that read no structure guard the values structures are built
+        // from, so they come first.
+        b.check_requires(false)?;
         for g in &self.grids {
             let mut dims = Vec::new();
             let mut size = 1i64;
@@ -405,16 +408,79 @@ impl Program {
             b.grids.push(GridVals { dims, at, size });
         }
         for s in &self.segs {
-            let table = b.lay_out(s)?;
+            let table = b.lay_out(s, 0)?;
             b.segs.push(table);
         }
+        // Then the requirements that read a structure (`require doc.count <= 64`).
+        b.check_requires(true)?;
         Ok(b)
+    }
+
+    /// Whether some segmentation reads the batch index `b`.
+    pub fn has_per_batch_segs(&self) -> bool {
+        self.segs.iter().any(|s| s.per_batch)
     }
 }
 
-impl Bound<'_> {
-    fn lay_out(&self, s: &SegDecl) -> PResult<SegTable> {
+impl<'p> Bound<'p> {
+    /// The program with its per-batch segmentations laid out for batch index `b`: borrowed
+    /// when none reads `b` or they already are. Cost O(those segmentations' segments).
+    ///
+    /// # Errors
+    /// Any error of laying them out at `b` (`CM0306`, `CM0307`, `CM0304`, overflow), its
+    /// message naming the batch index.
+    pub fn at_batch(&self, b: i64) -> PResult<std::borrow::Cow<'_, Bound<'p>>> {
+        if b == self.seg_batch || !self.program.has_per_batch_segs() {
+            return Ok(std::borrow::Cow::Borrowed(self));
+        }
+        let mut out = self.clone();
+        out.seg_batch = b;
+        for (i, s) in self.program.segs.iter().enumerate() {
+            if s.per_batch {
+                out.segs[i] = self.lay_out(s, b).map_err(|mut e| {
+                    e.message = format!("{} (segmentation `{}` at b = {b})", e.message, s.name);
+                    e
+                })?;
+            }
+        }
+        Ok(std::borrow::Cow::Owned(out))
+    }
+
+    /// Checks the requirements that read a segmentation or grid (`later`), or those that do
+    /// not.
+    fn check_requires(&self, later: bool) -> PResult<()> {
         let env = Env::default();
+        for r in self
+            .program
+            .requires
+            .iter()
+            .filter(|r| r.reads_structures == later)
+        {
+            if !self.eval_bool(&r.cond, &env)? {
+                let mut msg = String::new();
+                for part in &r.message {
+                    match part {
+                        MsgPart::Text(t) => msg.push_str(t),
+                        MsgPart::Value(i) => msg.push_str(&self.eval_int(i, &env)?.to_string()),
+                    }
+                }
+                if msg.is_empty() {
+                    msg = "a `require` of the mask does not hold".into();
+                }
+                return Err(PlanError::new(Code::RequireFailed, Some(r.span), msg).with_hint(
+                    "this `require` of the mask does not hold for the given lengths and parameters",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Lays out segmentation `s` for batch index `b` (read only by per-batch ones).
+    fn lay_out(&self, s: &SegDecl, b: i64) -> PResult<SegTable> {
+        let env = Env {
+            b,
+            ..Env::default()
+        };
         let fill = self.eval_int(&s.fill, &env)?;
         if !(0..=MAX_LEN).contains(&fill) {
             return Err(PlanError::new(
@@ -636,14 +702,42 @@ impl Bound<'_> {
                     return Err(PlanError::new(
                         Code::BadParamValue,
                         Some(*span),
-                        format!("cannot add arrays of lengths {} and {}", x.len(), y.len()),
-                    ));
+                        format!(
+                            "`+` adds arrays entry by entry, but these have {} and {} entries",
+                            x.len(),
+                            y.len()
+                        ),
+                    )
+                    .with_hint(CONCAT_HINT));
                 }
                 x.iter()
                     .zip(y.iter())
                     .map(|(a, b)| add(*a, *b, *span))
                     .collect::<PResult<Vec<_>>>()
                     .map(Into::into)
+            }
+            Arr::Concat(xs, _) => {
+                let mut out = Vec::new();
+                for x in xs {
+                    out.extend_from_slice(&self.eval_arr(x, env)?);
+                }
+                Ok(out.into())
+            }
+            Arr::Slice(x, r, span) => {
+                let x = self.eval_arr(x, env)?;
+                let (lo, hi) = self.eval_range(r, env)?;
+                if lo < 0 || hi < lo || hi as usize > x.len() {
+                    return Err(PlanError::new(
+                        Code::IndexOutOfRange,
+                        Some(*span),
+                        format!(
+                            "slice {lo}..{hi} is out of range for an array of length {}",
+                            x.len()
+                        ),
+                    )
+                    .with_hint("a slice `a[lo .. hi]` needs 0 <= lo <= hi <= count(a)"));
+                }
+                Ok(x[lo as usize..hi as usize].into())
             }
         }
     }
@@ -713,6 +807,7 @@ impl Bound<'_> {
             IntKind::RangeHi(r) => self.eval_range(r, env)?.1,
             IntKind::SegIndex(s, p) => self.seg_pos(*s, self.eval_int(p, env)?, p.span)? as i64,
             IntKind::SegCount(s) => self.segs[*s].count() as i64,
+            IntKind::Var(d) => env.vars[*d as usize],
             IntKind::GridCoord(g, axis, p) => {
                 let pv = self.eval_int(p, env)?;
                 match self.grids[*g].coords(pv) {
@@ -770,6 +865,21 @@ pub fn piece_range(t: &PieceTable, segs: &SegTable, kind: usize, p: i64, seg: us
         Some(f) => (t.bounds[f as usize], t.bounds[f as usize + 1]),
         None => (segs.starts[seg + 1], segs.starts[seg + 1]),
     }
+}
+
+/// The integers `[lo, hi)` an `any` / `all` ranges over: `CM0404` past
+/// [`MAX_QUANT_TERMS`] (an empty range when `hi <= lo`).
+pub fn quant_range(lo: i64, hi: i64, span: Span) -> PResult<std::ops::Range<i64>> {
+    if i128::from(hi) - i128::from(lo) > i128::from(MAX_QUANT_TERMS) {
+        return Err(PlanError::new(
+            Code::TooLargeToPlan,
+            Some(span),
+            format!(
+                "`any` / `all` over {lo}..{hi} ranges over more than {MAX_QUANT_TERMS} integers"
+            ),
+        ));
+    }
+    Ok(lo..hi.max(lo))
 }
 
 pub fn cmp(op: cm_syntax::CmpOp, a: i64, b: i64) -> bool {

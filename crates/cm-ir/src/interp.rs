@@ -6,7 +6,7 @@
 //! Evaluation order is part of the semantics of errors: `&` and `-` skip their right side
 //! where the left side is false, `if` evaluates one branch, `|` evaluates both.
 
-use crate::bind::{add, cmp, floor_div, floor_mod, mul, Bound, Env, PResult};
+use crate::bind::{add, cmp, floor_div, floor_mod, mul, quant_range, Bound, Env, PResult};
 use crate::ir::*;
 
 impl Bound<'_> {
@@ -20,6 +20,11 @@ impl Bound<'_> {
         if k < 0 || k >= self.shape.kv_len {
             return Ok(false);
         }
+        self.at_batch(b)?.visible_here(q, k, b, h)
+    }
+
+    /// [`Bound::visible`] with the segmentations as laid out (for batch `b`).
+    fn visible_here(&self, q: i64, k: i64, b: i64, h: i64) -> PResult<bool> {
         self.region_at(
             &self.program.mask,
             &Env {
@@ -27,7 +32,7 @@ impl Bound<'_> {
                 k,
                 b,
                 h,
-                seg_len: 0,
+                ..Env::default()
             },
         )
     }
@@ -35,8 +40,9 @@ impl Bound<'_> {
     /// Row `q`'s visible keys as maximal `[start, end)` runs, by testing every key.
     pub fn brute_force_row(&self, q: i64, b: i64, h: i64) -> PResult<Vec<(u32, u32)>> {
         let mut out: Vec<(u32, u32)> = Vec::new();
+        let at = self.at_batch(b)?;
         for k in 0..self.shape.kv_len {
-            if self.visible(q, k, b, h)? {
+            if at.visible_here(q, k, b, h)? {
                 match out.last_mut() {
                     Some(last) if i64::from(last.1) == k => last.1 += 1,
                     _ => out.push((k as u32, k as u32 + 1)),
@@ -79,13 +85,13 @@ impl Bound<'_> {
                 alpha,
                 rest,
                 div,
-                equal,
+                op,
                 rhs,
                 span,
             } => {
                 let x = add(mul(*alpha, k, *span)?, self.eval_int(rest, env)?, *span)?;
                 let d = self.eval_int(div, env)?;
-                (floor_mod(x, d, div.span)? == self.eval_int(rhs, env)?) == *equal
+                cmp(*op, floor_mod(x, d, div.span)?, self.eval_int(rhs, env)?)
             }
             Region::Ball {
                 grid,
@@ -149,6 +155,29 @@ impl Bound<'_> {
                 }
             }
             Region::Elementwise(c, _) => self.eval_bool(c, env)?,
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body,
+                span,
+            } => {
+                let range = quant_range(self.eval_int(lo, env)?, self.eval_int(hi, env)?, *span)?;
+                let mut inner = *env;
+                let mut any = false;
+                for i in range {
+                    inner.vars[*depth as usize] = i;
+                    // `any` evaluates every term, as `|` evaluates both sides; `all` stops at
+                    // the first false one, as `&` skips its right side.
+                    let v = self.region_at(body, &inner)?;
+                    if *all && !v {
+                        return Ok(false);
+                    }
+                    any |= v;
+                }
+                *all || any
+            }
         })
     }
 }

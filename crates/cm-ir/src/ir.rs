@@ -61,6 +61,8 @@ pub enum IntKind {
     SegCount(SegId),
     /// Grid coordinate of a position: axis 0 is the slowest (t for 3D, y for 2D).
     GridCoord(GridId, u8, Box<Int>),
+    /// The variable of the enclosing `any` / `all` at this nesting depth (0: outermost).
+    Var(u8),
 }
 
 impl Int {
@@ -74,10 +76,21 @@ impl Int {
 
     /// Does `K` occur anywhere inside?
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// Does the query row `Q` occur anywhere inside? A value that does not read it is the
+    /// same on every row of a (batch, head) mask.
+    pub fn reads_q(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::Q))
+    }
+
+    /// Whether a leaf for which `leaf` holds occurs anywhere inside.
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match &self.kind {
-            IntKind::K => true,
             IntKind::Const(_)
             | IntKind::Q
+            | IntKind::K
             | IntKind::B
             | IntKind::H
             | IntKind::QLen
@@ -86,14 +99,15 @@ impl Int {
             | IntKind::NumHeads
             | IntKind::SegLen
             | IntKind::Param(_)
-            | IntKind::SegCount(_) => false,
-            IntKind::ArrIndex(a, i) => a.has_k() || i.has_k(),
-            IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.has_k(),
-            IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.has_k(),
-            IntKind::Bin(_, a, b) => a.has_k() || b.has_k(),
-            IntKind::If(c, a, b) => c.has_k() || a.has_k() || b.has_k(),
-            IntKind::RangeLo(r) | IntKind::RangeHi(r) => r.has_k(),
-            IntKind::SegIndex(_, p) | IntKind::GridCoord(_, _, p) => p.has_k(),
+            | IntKind::SegCount(_)
+            | IntKind::Var(_) => leaf(&self.kind),
+            IntKind::ArrIndex(a, i) => a.mentions(leaf) || i.mentions(leaf),
+            IntKind::ArrLen(a) | IntKind::ArrSum(a) => a.mentions(leaf),
+            IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => a.mentions(leaf),
+            IntKind::Bin(_, a, b) => a.mentions(leaf) || b.mentions(leaf),
+            IntKind::If(c, a, b) => c.mentions(leaf) || a.mentions(leaf) || b.mentions(leaf),
+            IntKind::RangeLo(r) | IntKind::RangeHi(r) => r.mentions(leaf),
+            IntKind::SegIndex(_, p) | IntKind::GridCoord(_, _, p) => p.mentions(leaf),
         }
     }
 }
@@ -111,12 +125,17 @@ pub enum Bool {
 
 impl Bool {
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match self {
             Bool::Const(_) => false,
-            Bool::Cmp(_, a, b) => a.has_k() || b.has_k(),
-            Bool::And(a, b) | Bool::Or(a, b) => a.has_k() || b.has_k(),
-            Bool::Not(a) => a.has_k(),
-            Bool::InGrid(_, p) => p.has_k(),
+            Bool::Cmp(_, a, b) => a.mentions(leaf) || b.mentions(leaf),
+            Bool::And(a, b) | Bool::Or(a, b) => a.mentions(leaf) || b.mentions(leaf),
+            Bool::Not(a) => a.mentions(leaf),
+            Bool::InGrid(_, p) => p.mentions(leaf),
         }
     }
 }
@@ -143,12 +162,17 @@ pub enum RangeKind {
 
 impl RangeE {
     pub fn has_k(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::K))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match &self.kind {
-            RangeKind::Lit(a, b) => a.has_k() || b.has_k(),
+            RangeKind::Lit(a, b) => a.mentions(leaf) || b.mentions(leaf),
             RangeKind::Seg(_, p)
             | RangeKind::SegAt(_, p)
             | RangeKind::Part(_, _, p)
-            | RangeKind::Piece(_, _, p) => p.has_k(),
+            | RangeKind::Piece(_, _, p) => p.mentions(leaf),
         }
     }
 }
@@ -161,13 +185,25 @@ pub enum Arr {
     Const(Arc<[i64]>),
     /// Element-wise sum of two arrays of equal length.
     Add(Box<Arr>, Box<Arr>, Span),
+    /// The arrays one after the other (`concat(a, b, ...)`).
+    Concat(Vec<Arr>, Span),
+    /// The entries `[lo, hi)` of an array (`a[lo .. hi]`), `0 <= lo <= hi <= count(a)`.
+    Slice(Box<Arr>, Box<RangeE>, Span),
 }
 
 impl Arr {
-    fn has_k(&self) -> bool {
+    /// Does the query row occur anywhere inside (see [`Int::reads_q`])?
+    pub fn reads_q(&self) -> bool {
+        self.mentions(&|x| matches!(x, IntKind::Q))
+    }
+
+    /// See [`Int::mentions`].
+    pub fn mentions(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
         match self {
-            Arr::Lit(xs) => xs.iter().any(Int::has_k),
-            Arr::Add(a, b, _) => a.has_k() || b.has_k(),
+            Arr::Lit(xs) => xs.iter().any(|x| x.mentions(leaf)),
+            Arr::Add(a, b, _) => a.mentions(leaf) || b.mentions(leaf),
+            Arr::Concat(xs, _) => xs.iter().any(|x| x.mentions(leaf)),
+            Arr::Slice(a, r, _) => a.mentions(leaf) || r.mentions(leaf),
             Arr::Param(_) | Arr::Const(_) => false,
         }
     }
@@ -201,12 +237,13 @@ pub enum Region {
         rhs: Int,
         span: Span,
     },
-    /// `(alpha * k + rest) mod div  (== | !=)  rhs`, `alpha` is 1 or -1.
+    /// `(alpha * k + rest) mod div  op  rhs`, `alpha` is 1 or -1, `op` any comparison: the
+    /// keys whose residue lies in a window, a periodic set of runs.
     KMod {
         alpha: i64,
         rest: Int,
         div: Int,
-        equal: bool,
+        op: CmpOp,
         rhs: Int,
         span: Span,
     },
@@ -233,6 +270,17 @@ pub enum Region {
     Cond(Bool, Box<Region>, Box<Region>),
     /// The escape hatch: a predicate evaluated pair by pair.
     Elementwise(Bool, Span),
+    /// `any i in lo .. hi: body` (`all: false`, the union of `body` over the integers `i` of
+    /// `[lo, hi)`, empty for an empty range) or `all i in ...` (their intersection, every key
+    /// for an empty range). `body` reads `i` as `IntKind::Var(depth)`.
+    Quant {
+        all: bool,
+        depth: u8,
+        lo: Int,
+        hi: Int,
+        body: Box<Region>,
+        span: Span,
+    },
 }
 
 impl Region {
@@ -270,6 +318,7 @@ impl Region {
             | Region::Diff(a, b)
             | Region::Cond(_, a, b) => a.uses_elementwise() || b.uses_elementwise(),
             Region::Not(a) => a.uses_elementwise(),
+            Region::Quant { body, .. } => body.uses_elementwise(),
             Region::Rows(_)
             | Region::KCmp { .. }
             | Region::KDiv { .. }
@@ -301,6 +350,58 @@ fn tree(mut operands: Vec<Region>) -> Region {
     }
     let right = operands.split_off(operands.len() / 2);
     Region::Union(Box::new(tree(operands)), Box::new(tree(right)))
+}
+
+impl Region {
+    /// Whether the keys the region gives can differ from one query row to another: it
+    /// reads `q`, or is a grid ball (around q's grid point) or `elementwise`. Exhaustive on
+    /// purpose, like [`Region::uses_elementwise`].
+    pub fn reads_q(&self) -> bool {
+        let q = |x: &IntKind| matches!(x, IntKind::Q);
+        match self {
+            Region::Rows(c) => c.mentions(&q),
+            Region::KCmp { rest, .. } => rest.mentions(&q),
+            Region::KDiv { rest, div, rhs, .. } | Region::KMod { rest, div, rhs, .. } => {
+                rest.mentions(&q) || div.mentions(&q) || rhs.mentions(&q)
+            }
+            Region::Ball { .. } | Region::Elementwise(..) => true,
+            Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&q)),
+            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
+                a.reads_q() || b.reads_q()
+            }
+            Region::Cond(c, a, b) => c.mentions(&q) || a.reads_q() || b.reads_q(),
+            Region::Not(a) => a.reads_q(),
+            Region::Quant { lo, hi, body, .. } => {
+                lo.mentions(&q) || hi.mentions(&q) || body.reads_q()
+            }
+        }
+    }
+
+    /// Whether the region reads the variable of a quantifier at nesting depth below `depth`
+    /// (one that encloses a quantifier at `depth`).
+    pub fn reads_outer_vars(&self, depth: u8) -> bool {
+        let outer = |x: &IntKind| matches!(x, IntKind::Var(d) if *d < depth);
+        let int = |i: &Int| i.mentions(&outer);
+        match self {
+            Region::Rows(c) | Region::Elementwise(c, _) => c.mentions(&outer),
+            Region::KCmp { rest, .. } => int(rest),
+            Region::KDiv { rest, div, rhs, .. } | Region::KMod { rest, div, rhs, .. } => {
+                int(rest) || int(div) || int(rhs)
+            }
+            Region::Ball { radius, .. } => int(radius),
+            Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&outer)),
+            Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
+                a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
+            }
+            Region::Cond(c, a, b) => {
+                c.mentions(&outer) || a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
+            }
+            Region::Not(a) => a.reads_outer_vars(depth),
+            Region::Quant { lo, hi, body, .. } => {
+                int(lo) || int(hi) || body.reads_outer_vars(depth)
+            }
+        }
+    }
 }
 
 /// A named constant integer array that programs read as a built-in name, like a parameter
@@ -363,6 +464,9 @@ pub struct SegDecl {
     pub kind: SegKind,
     /// Positions to fill, `[0, fill)`; defaults to `q_len`.
     pub fill: Int,
+    /// Whether the lengths or the fill read the batch index `b`: then the segmentation is
+    /// laid out for each batch index (see [`crate::Bound::at_batch`]).
+    pub per_batch: bool,
     pub parts: Vec<PartDecl>,
     pub span: Span,
 }
@@ -388,6 +492,9 @@ pub struct Require {
     pub cond: Bool,
     pub message: Vec<MsgPart>,
     pub span: Span,
+    /// Whether it reads a segmentation or grid: then it is checked once they are laid out,
+    /// else before (so it can guard the values they are built from).
+    pub reads_structures: bool,
 }
 
 /// A checked program: everything needed to plan it for any lengths and parameters.

@@ -295,7 +295,10 @@ pub fn plan_packed(
                     .map_err(|e| in_sample(e, b, lq, lk))?;
                 slot.insert(bound);
             }
-            let solver = Solver::new(&bounds[&(lq, lk)]);
+            let at = bounds[&(lq, lk)]
+                .at_batch(i64::from(b))
+                .map_err(|e| in_sample(e, b, lq, lk))?;
+            let solver = Solver::new(&at);
             let fresh;
             let sample = if program.uses_b {
                 // Every sample differs: nothing to share, nothing to keep.

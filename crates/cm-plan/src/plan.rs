@@ -14,6 +14,15 @@ use std::collections::HashMap;
 /// clear error instead of exhausting memory.
 pub const MAX_INTERVALS: usize = 1 << 27;
 
+/// CM0404 for a mask whose rows would hold more than [`MAX_INTERVALS`] intervals.
+pub(crate) fn too_many_intervals() -> PlanError {
+    PlanError::new(
+        Code::TooLargeToPlan,
+        None,
+        format!("the mask needs more than {MAX_INTERVALS} intervals"),
+    )
+}
+
 /// Most forward tile-list entries (plus per-row data of partial tiles) one mask may need,
 /// so tiny tiles on long sequences fail clearly instead of exhausting memory.
 pub const MAX_TILE_ENTRIES: usize = 1 << 26;
@@ -187,11 +196,7 @@ pub fn row_intervals_runs(
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
                     if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
-                        return Err(PlanError::new(
-                            Code::TooLargeToPlan,
-                            None,
-                            format!("the mask needs more than {MAX_INTERVALS} intervals"),
-                        ));
+                        return Err(too_many_intervals());
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.
@@ -273,7 +278,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         return Err(PlanError::new(Code::OrderNeedsEqualLengths, None, format!("a token order permutes queries and keys together; it needs q_len == kv_len, got {} and {}", shape.q_len, shape.kv_len)));
     }
     let program = bound.program;
-    let solver = Solver::new(bound);
+    let mut elementwise_pairs = 0u64;
     let bs = if program.uses_b { shape.batch } else { 1 };
     let hs = if program.uses_h { shape.num_heads } else { 1 };
     let mut masks: Vec<MaskPlan> = Vec::new();
@@ -285,6 +290,11 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     let mut raster_computed_pairs = 0u64;
     let mut runs: Vec<u32> = Vec::new();
     for b in 0..bs {
+        // Segmentations that read `b` laid out for this batch index; the count of pairs
+        // evaluated one by one (and its limit) runs over the whole plan.
+        let at = bound.at_batch(b)?;
+        let solver = Solver::new(&at);
+        solver.elementwise_pairs.set(elementwise_pairs);
         for h in 0..hs {
             let mut rows = row_intervals_runs(&solver, b, h, &mut pieces, &mut runs)?;
             if b == 0 && h == 0 && *request != OrderRequest::Raster {
@@ -338,6 +348,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
             };
             local[(b * hs + h) as usize] = id;
         }
+        elementwise_pairs = solver.elementwise_pairs.get();
     }
     if order.is_none() {
         raster_computed_pairs = masks[0].tiles.computed_pairs;
@@ -358,7 +369,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         tile,
         masks,
         mask_index,
-        elementwise_pairs: solver.elementwise_pairs.get(),
+        elementwise_pairs,
         pieces,
         order,
         order_candidates,

@@ -12,11 +12,13 @@
 //! intervals are non-empty, inside `[0, kv_len)`, sorted and maximal (neither overlapping
 //! nor touching). Comparisons that would break this for some row split the piece instead.
 
-use cm_ir::bind::{self, piece_range, Bound, Env, PlanError};
+use crate::plan::{too_many_intervals, MAX_INTERVALS};
+use cm_ir::bind::{self, piece_range, Bound, Env, PlanError, MAX_QUANT_DEPTH};
 use cm_ir::ir::*;
 use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 /// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
@@ -86,6 +88,20 @@ pub struct Solver<'a, 'p> {
     hints: RefCell<Vec<i64>>,
     /// The last ball's runs (see [`Solver::ball`]).
     ball_runs: RefCell<BallRuns>,
+    /// The values of the enclosing `any` / `all` variables, outermost first.
+    vars: Cell<[i64; MAX_QUANT_DEPTH]>,
+    /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
+    /// (its address in the program, head): the same on every row, so solved once.
+    quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+}
+
+/// The keys `k` with `(k - start) mod m < len` (`m > 0`, `0 <= len <= m`): the solution of a
+/// `%` atom, runs of `len` keys every `m` keys.
+#[derive(Clone, Copy)]
+struct KeyWindow {
+    start: Affine,
+    len: Affine,
+    m: i64,
 }
 
 /// A ball's runs, one per grid row within reach: (flattened grid row, half-width), and
@@ -122,6 +138,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             elementwise_pairs: Cell::new(0),
             hints: RefCell::new(Vec::new()),
             ball_runs: RefCell::default(),
+            vars: Cell::new([0; MAX_QUANT_DEPTH]),
+            quant_cache: RefCell::default(),
         }
     }
 
@@ -144,6 +162,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             b: p.b,
             h: p.h,
             seg_len: 0,
+            vars: self.vars.get(),
         }
     }
 
@@ -247,11 +266,39 @@ impl<'a, 'p> Solver<'a, 'p> {
         self.affine(p, x.first.checked_mul(c), x.step.checked_mul(c), span)
     }
 
+    /// Whether `x <= y` on every row of the piece (so at both ends: the difference is
+    /// affine).
+    fn le_throughout(p: &Piece, x: Affine, y: Affine) -> bool {
+        x.first <= y.first && x.at(p.n - 1) <= y.at(p.n - 1)
+    }
+
+    /// `x <= y` where that holds on every row, `false` where `y <= x` does (rows where they
+    /// are equal go either way), else a split where the order changes: for choices that
+    /// give the same result when the two are equal.
+    fn le_either(&self, p: &Piece, x: Affine, y: Affine) -> Eval<bool> {
+        if Self::le_throughout(p, x, y) {
+            return Ok(true);
+        }
+        if Self::le_throughout(p, y, x) {
+            return Ok(false);
+        }
+        self.le(p, x, y)
+    }
+
+    /// The smaller of two values; either one where they are equal, so two values that meet
+    /// only at an end of the piece (`min(q + 1, kv_len)` on the last row) do not split it.
     fn min(&self, p: &Piece, x: Affine, y: Affine) -> Eval<Affine> {
+        if Self::le_throughout(p, y, x) {
+            return Ok(y);
+        }
         Ok(if self.le(p, x, y)? { x } else { y })
     }
 
+    /// The larger of two values (see [`Solver::min`]).
     fn max(&self, p: &Piece, x: Affine, y: Affine) -> Eval<Affine> {
+        if Self::le_throughout(p, y, x) {
+            return Ok(x);
+        }
         Ok(if self.le(p, x, y)? { y } else { x })
     }
 
@@ -330,10 +377,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             IntKind::ArrIndex(arr, i) => {
                 let idx = self.int(p, i)?;
-                if idx.step != 0 || matches!(**arr, Arr::Lit(_)) {
+                // An array that reads q (`[q, 1]`) may differ on every row; one that reads
+                // only b, h and parameters is the same over the piece.
+                if idx.step != 0 || arr.reads_q() {
                     return self.point_int(p, e);
                 }
-                let a = self.bound.eval_arr(arr, &Env::default())?;
+                let a = self.bound.eval_arr(arr, &self.env(p))?;
                 if idx.first < 0 || idx.first as usize >= a.len() {
                     return Err(PlanError::new(
                         Code::IndexOutOfRange,
@@ -349,10 +398,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(a[idx.first as usize])
             }
             IntKind::ArrLen(arr) | IntKind::ArrSum(arr) => {
-                if matches!(**arr, Arr::Lit(_)) {
+                if arr.reads_q() {
                     return self.point_int(p, e);
                 }
-                Affine::constant(self.bound.eval_int(e, &Env::default())?)
+                Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::Neg(x) => {
                 let x = self.int(p, x)?;
@@ -428,6 +477,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
+            IntKind::Var(d) => Affine::constant(self.vars.get()[*d as usize]),
             IntKind::K | IntKind::SegLen => {
                 unreachable!("checked: k and len do not reach q-side evaluation")
             }
@@ -662,6 +712,23 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
+    /// The union of any intervals that are canonical for every row of the piece one by one:
+    /// sorted by start (at the piece's first row, then its last), each adjacent order checked
+    /// over the piece (splitting where it changes), then merged in one pass.
+    fn union_all(&self, p: &Piece, mut all: Vec<AffineInterval>) -> Eval<Vec<AffineInterval>> {
+        let last = p.n - 1;
+        all.sort_unstable_by_key(|iv| (iv.start.at(0), iv.start.at(last)));
+        for w in all.windows(2) {
+            // Sorted at both ends of the piece, so sorted on every row unless this splits.
+            self.le(p, w[0].start, w[1].start)?;
+        }
+        let mut out: Vec<AffineInterval> = Vec::with_capacity(all.len());
+        for iv in all {
+            self.push_sorted(p, &mut out, iv)?;
+        }
+        Ok(out)
+    }
+
     /// The general merge of two canonical lists.
     fn union_merge(
         &self,
@@ -672,7 +739,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() || j < b.len() {
-            let take_a = j >= b.len() || (i < a.len() && self.le(p, a[i].start, b[j].start)?);
+            let take_a =
+                j >= b.len() || (i < a.len() && self.le_either(p, a[i].start, b[j].start)?);
             let next = if take_a {
                 i += 1;
                 a[i - 1]
@@ -699,7 +767,9 @@ impl<'a, 'p> Solver<'a, 'p> {
             if self.lt(p, s, e)? {
                 out.push(AffineInterval { start: s, end: e });
             }
-            if self.lt(p, a[i].end, b[j].end)? {
+            // Where the ends are equal either list may advance: only a strict change of
+            // order splits the piece.
+            if self.le_either(p, a[i].end, b[j].end)? {
                 i += 1;
             } else {
                 j += 1;
@@ -799,8 +869,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
     }
 
-    /// Evaluates a region over a piece. `hull` (only for one-row pieces) bounds the keys the
-    /// caller will keep, so enumerating atoms need not look beyond it.
+    /// Evaluates a region over a piece. `hull` bounds the keys the caller will keep on every
+    /// row of the piece, so enumerating atoms (`%`, `elementwise`) need not look beyond it:
+    /// the list is exact inside the hull, and holds only keys of the region outside it.
     pub fn region(
         &self,
         p: &Piece,
@@ -888,38 +959,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 alpha,
                 rest,
                 div,
-                equal,
+                op,
                 rhs,
                 span,
             } => {
-                let residue = self.kmod_residue(p, *alpha, rest, div, rhs, *span)?;
-                let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-                let mut eq = Vec::new();
-                if let Some((c, m)) = residue {
-                    let mut k = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
-                    while k < hi {
-                        if m == 1 {
-                            eq.push(AffineInterval {
-                                start: Affine::constant(k),
-                                end: Affine::constant(hi),
-                            });
-                            break;
-                        }
-                        eq.push(AffineInterval {
-                            start: Affine::constant(k),
-                            end: Affine::constant(k + 1),
-                        });
-                        match k.checked_add(m) {
-                            Some(next) => k = next,
-                            None => break,
-                        }
-                    }
-                }
-                if *equal {
-                    Ok(eq)
-                } else {
-                    self.complement(p, &eq)
-                }
+                let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
+                self.window_keys(p, w, hull, *span)
             }
             Region::Elementwise(c, espan) => {
                 if p.n > 1 {
@@ -959,9 +1004,30 @@ impl<'a, 'p> Solver<'a, 'p> {
             } => self.ball(p, *grid, *metric, *strict, radius, *span),
             Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
             Region::Union(a, b) => {
-                let x = self.region(p, a, hull)?;
-                let y = self.region(p, b, hull)?;
-                self.union(p, x, y)
+                if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
+                    let x = self.region(p, a, hull)?;
+                    let y = self.region(p, b, hull)?;
+                    return self.union(p, x, y);
+                }
+                // A chain of unions (`k == 5 | k == 17 | k == q | ...`): every operand, left
+                // to right as the reference evaluates them, then one sort and merge instead
+                // of one merge per operand.
+                let mut operands = Vec::new();
+                let mut stack = vec![r];
+                while let Some(x) = stack.pop() {
+                    match x {
+                        Region::Union(a, b) => {
+                            stack.push(b);
+                            stack.push(a);
+                        }
+                        other => operands.push(other),
+                    }
+                }
+                let mut all = Vec::new();
+                for x in operands {
+                    all.extend(self.region(p, x, hull)?);
+                }
+                self.union_all(p, all)
             }
             Region::Inter(a, b) | Region::Diff(a, b) => {
                 let is_inter = matches!(r, Region::Inter(..));
@@ -974,12 +1040,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if x.is_empty() {
                     return Ok(x);
                 }
-                let inner = if p.n == 1 {
-                    Some((x[0].start.first, x[x.len() - 1].end.first))
-                } else {
-                    None
-                };
-                let y = self.region(p, b, inner)?;
+                let y = self.region(p, b, Some(keys_hull(p, &x)))?;
                 if is_inter {
                     self.inter(p, &x, &y)
                 } else {
@@ -998,54 +1059,258 @@ impl<'a, 'p> Solver<'a, 'p> {
                     self.region(p, b, hull)
                 }
             }
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body,
+                span,
+            } => {
+                let invariant = !r.reads_q() && !r.reads_outer_vars(*depth);
+                let key = (r as *const Region as usize, p.h);
+                if invariant {
+                    if let Some(v) = self.quant_cache.borrow().get(&key) {
+                        return Ok(v.clone());
+                    }
+                }
+                let lo = self.int(p, lo)?;
+                let hi = self.int(p, hi)?;
+                let range = bind::quant_range(self.constant(p, lo)?, self.constant(p, hi)?, *span)?;
+                // Solved on all keys when it is kept for every row.
+                let hull = if invariant { None } else { hull };
+                let outer = self.vars.get();
+                let out = self.quantifier(p, *all, *depth as usize, range, body, hull);
+                self.vars.set(outer);
+                let out = out?;
+                if invariant {
+                    self.quant_cache.borrow_mut().insert(key, out.clone());
+                }
+                Ok(out)
+            }
         }
     }
 
-    /// The keys `k` with `(alpha * k + rest) % div == rhs` in row `p` as `Some((c, m))`: every
-    /// `k` congruent to `c` modulo `m > 0`, or `None` when none is (`rhs` unreachable). Row-level
-    /// only: `div`, `rest` and `rhs` are evaluated once, so their errors do not depend on `k`.
-    fn kmod_residue(
+    /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
+    /// `range`. A term that splits the piece does not stop the others: the piece ends at the
+    /// first such row and the others go to the driver as later change points, so a piece
+    /// costs one pass over the terms however they are ordered. An error is returned only
+    /// when no earlier term split (the reference meets it first on the piece's first row).
+    fn quantifier(
+        &self,
+        p: &Piece,
+        all: bool,
+        depth: usize,
+        range: std::ops::Range<i64>,
+        body: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let mut vars = self.vars.get();
+        let mut splits: Vec<i64> = Vec::new();
+        let mut found = Vec::new();
+        let mut acc = self.all();
+        for i in range {
+            vars[depth] = i;
+            self.vars.set(vars);
+            let inner = if all && !acc.is_empty() {
+                Some(keys_hull(p, &acc))
+            } else {
+                hull
+            };
+            match self.region(p, body, inner) {
+                Ok(v) if all => {
+                    if splits.is_empty() {
+                        acc = self.inter(p, &acc, &v)?;
+                        // Like `&`: later terms are not evaluated where none is left.
+                        if acc.is_empty() {
+                            break;
+                        }
+                    }
+                }
+                Ok(v) => found.extend(v),
+                Err(Flow::Split(s)) => splits.push(s),
+                Err(e) if splits.is_empty() => return Err(e),
+                Err(_) => break,
+            }
+        }
+        if !splits.is_empty() {
+            splits.sort_unstable();
+            splits.dedup();
+            let first = splits.remove(0);
+            *self.hints.borrow_mut() = splits;
+            return Err(Flow::Split(first));
+        }
+        if all {
+            Ok(acc)
+        } else {
+            self.union_all(p, found)
+        }
+    }
+
+    /// The keys of `(alpha * k + rest) mod div  op  rhs` over the piece as a residue window
+    /// ([`KeyWindow`]). `div` must be constant over the piece (else one row at a time).
+    /// Row-level values only (`div`, `rest`, `rhs`), so their errors do not depend on `k`.
+    #[allow(clippy::too_many_arguments)]
+    fn kmod_window(
         &self,
         p: &Piece,
         alpha: i64,
         rest: &Int,
         div: &Int,
+        op: CmpOp,
         rhs: &Int,
         span: Span,
-    ) -> Eval<Option<(i64, i64)>> {
-        if p.n > 1 {
-            return Err(self.single(p));
-        }
-        let env = self.env(p);
-        let d = self.bound.eval_int(div, &env)?;
+    ) -> Eval<KeyWindow> {
+        let d = self.int(p, div)?;
+        let d = self.constant(p, d)?;
         if d == 0 {
             return Err(
                 PlanError::new(Code::DivisionByZero, Some(div.span), "modulo by zero").into(),
             );
         }
-        let r = self.bound.eval_int(rest, &env)?;
-        let v = self.bound.eval_int(rhs, &env)?;
-        let m = d.checked_abs().ok_or_else(|| overflow(span))?;
-        let reachable = if d > 0 {
-            (0..d).contains(&v)
+        let r = self.int(p, rest)?;
+        let v = self.int(p, rhs)?;
+        let neg = |x: Affine| self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span);
+        // x mod d == -((-x) mod -d) for d < 0, so a negative divisor is the positive one with
+        // k's coefficient, the rest and the compared value negated and the comparison
+        // flipped; then the residue u = (alpha * k + r) mod m lies in [0, m).
+        let (m, alpha, r, v, op) = if d < 0 {
+            let m = d.checked_neg().ok_or_else(|| overflow(span))?;
+            (m, -alpha, neg(r)?, neg(v)?, op.flip())
         } else {
-            (d + 1..=0).contains(&v)
+            (d, alpha, r, v, op)
         };
-        if !reachable {
-            return Ok(None);
-        }
-        // alpha*k + r = v (mod d)  <=>  k = alpha*(v - r) (mod |d|).
-        let target = bind::mul(alpha, bind::sub(v, r, span)?, span)?;
-        Ok(Some((bind::floor_mod(target, m, span)?, m)))
+        let zero = Affine::constant(0);
+        let full = Affine::constant(m);
+        let one = Affine::constant(1);
+        let clamp = |x: Affine| -> Eval<Affine> { self.min(p, self.max(p, x, zero)?, full) };
+        // The residues u that satisfy `u op v`: the cyclic run [lo, lo + len), len in [0, m].
+        let (lo, len) = match op {
+            CmpOp::Eq | CmpOp::Ne => {
+                let hit = self.within(p, v, 0, m)?;
+                match (op == CmpOp::Eq, hit) {
+                    (true, true) => (v, one),
+                    (true, false) => (zero, zero),
+                    (false, true) => (self.add(p, v, one, span)?, Affine::constant(m - 1)),
+                    (false, false) => (zero, full),
+                }
+            }
+            CmpOp::Lt => (zero, clamp(v)?),
+            CmpOp::Le => (zero, clamp(self.add(p, v, one, span)?)?),
+            CmpOp::Gt | CmpOp::Ge => {
+                let first = if op == CmpOp::Gt {
+                    self.add(p, v, one, span)?
+                } else {
+                    v
+                };
+                let lo = clamp(first)?;
+                (lo, self.sub(p, full, lo, span)?)
+            }
+        };
+        // u = alpha * k + r (mod m): k = u - r for alpha = 1, k = r - u for alpha = -1, so
+        // the keys' residues are the run [lo - r, lo - r + len) or (r - lo - len, r - lo].
+        let start = if alpha == 1 {
+            self.sub(p, lo, r, span)?
+        } else {
+            let s = self.sub(p, r, lo, span)?;
+            self.add(p, self.sub(p, s, len, span)?, one, span)?
+        };
+        Ok(KeyWindow { start, len, m })
     }
 
-    /// `a & b` when `a` is a `%` equality and `b` holds no `elementwise`: `a`'s keys are every
-    /// `m`-th key of the hull, so it is enumerated only within `b`'s keys, and
-    /// `(q - k) % 2 == 0 & q - 5 < k <= q` walks 5 keys per row, not kv_len / 2. Errors stay
-    /// those of left-to-right evaluation: `a`'s row-level values are evaluated first, and `b`
-    /// only when `a` has a key in the hull (the reference evaluates `b` only where `a`
-    /// holds; `b`'s errors do not depend on `k`, as it has no `elementwise`). `None` when the
-    /// sides are not of that form.
+    /// The keys `k` with `(k - start) mod m < len` as a canonical list: runs of `len` keys
+    /// every `m` keys. With a `hull`, only the runs that meet it on some row of the piece
+    /// (and on one row, only their parts inside it): the caller keeps no key outside.
+    fn window_keys(
+        &self,
+        p: &Piece,
+        w: KeyWindow,
+        hull: Option<(i64, i64)>,
+        span: Span,
+    ) -> Eval<Vec<AffineInterval>> {
+        let KeyWindow { start, len, m } = w;
+        let kv_len = self.bound.shape.kv_len;
+        let (lo, hi) = hull.unwrap_or((0, kv_len));
+        let (lo, hi) = (lo.max(0), hi.min(kv_len));
+        if !self.lt(p, Affine::constant(0), len)? {
+            return Ok(Vec::new());
+        }
+        if !self.lt(p, len, Affine::constant(m))? {
+            return self.interval(p, Affine::constant(lo), Affine::constant(hi));
+        }
+        // Runs of fewer than m keys every m keys never touch, so they need no merging.
+        let s = self.floor_mod(p, start, m, span)?;
+        let m128 = i128::from(m);
+        if p.n == 1 {
+            let len = i128::from(len.first);
+            if (i128::from(hi) - i128::from(lo)) / m128 + 2 > MAX_INTERVALS as i128 {
+                return Err(too_many_intervals().into());
+            }
+            let mut out = Vec::new();
+            let mut a = first_run(s.first, len, m128, lo);
+            while a < i128::from(hi) {
+                let x = a.max(i128::from(lo)) as i64;
+                let y = (a + len).min(i128::from(hi)) as i64;
+                out.push(AffineInterval {
+                    start: Affine::constant(x),
+                    end: Affine::constant(y),
+                });
+                a += m128;
+            }
+            return Ok(out);
+        }
+        // Every run [s + j m, s + j m + len) that meets [lo, hi) on some row: s and len are
+        // affine, so their extremes over the piece are at its ends.
+        let last = p.n - 1;
+        let (s_lo, s_hi) = (s.first.min(s.at(last)), s.first.max(s.at(last)));
+        let len_hi = len.first.max(len.at(last));
+        // s_hi + j m + len_hi > lo and s_lo + j m < hi.
+        let j_lo = (i128::from(lo) - i128::from(s_hi) - i128::from(len_hi)).div_euclid(m128) + 1;
+        let j_hi = (i128::from(hi) - 1 - i128::from(s_lo)).div_euclid(m128);
+        if j_hi - j_lo > MAX_INTERVALS as i128 {
+            return Err(too_many_intervals().into());
+        }
+        let mut out = Vec::new();
+        for j in j_lo..=j_hi {
+            let shift = i64::try_from(j * m128).map_err(|_| overflow(span))?;
+            let a = self.add(p, s, Affine::constant(shift), span)?;
+            // A run past every key on every row ends at kv_len (its length may be near
+            // i64::MAX for a huge divisor).
+            let reach = |t: i64| i128::from(a.at(t)) + i128::from(len.at(t));
+            let b = if reach(0) >= i128::from(kv_len) && reach(last) >= i128::from(kv_len) {
+                Affine::constant(kv_len)
+            } else {
+                self.add(p, a, len, span)?
+            };
+            out.extend(self.interval(p, a, b)?);
+        }
+        Ok(out)
+    }
+
+    /// Whether a window has a key in `[lo, hi)` on every row of the piece (`false`: on none;
+    /// a split where that changes).
+    fn window_meets(&self, p: &Piece, w: KeyWindow, lo: i64, hi: i64, span: Span) -> Eval<bool> {
+        if lo >= hi || !self.lt(p, Affine::constant(0), w.len)? {
+            return Ok(false);
+        }
+        // Every residue occurs among m consecutive keys.
+        if hi - lo >= w.m {
+            return Ok(true);
+        }
+        // Runs are clipped to all keys on every row, but to a narrower hull only on one row.
+        if p.n > 1 && (lo, hi) != (0, self.bound.shape.kv_len) {
+            return Err(self.single(p));
+        }
+        Ok(!self.window_keys(p, w, Some((lo, hi)), span)?.is_empty())
+    }
+
+    /// `a & b` when `a` (through any `if`s on the row) is a `%` atom and `b` holds no
+    /// `elementwise`: `a`'s keys are runs every `m` keys, so they are enumerated only within
+    /// `b`'s keys, and `(q - k) % 2 == 0 & q - 5 < k <= q` walks 5 keys per row, not
+    /// kv_len / 2. Errors stay those of left-to-right evaluation: `a`'s row-level values are
+    /// evaluated first, and `b` only when `a` has a key in the hull (the reference evaluates
+    /// `b` only where `a` holds; `b`'s errors do not depend on `k`, as it has no
+    /// `elementwise`). `None` when the sides are not of that form.
     fn sparse_first_inter(
         &self,
         p: &Piece,
@@ -1053,35 +1318,41 @@ impl<'a, 'p> Solver<'a, 'p> {
         b: &Region,
         hull: Option<(i64, i64)>,
     ) -> Eval<Option<Vec<AffineInterval>>> {
+        if b.uses_elementwise() {
+            return Ok(None);
+        }
+        let a = self.through_conds(p, a)?;
         let Region::KMod {
             alpha,
             rest,
             div,
-            equal: true,
+            op,
             rhs,
             span,
         } = a
         else {
             return Ok(None);
         };
-        if b.uses_elementwise() {
-            return Ok(None);
-        }
-        let Some((c, m)) = self.kmod_residue(p, *alpha, rest, div, rhs, *span)? else {
-            return Ok(Some(Vec::new()));
-        };
+        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
         let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-        let first = lo + bind::floor_mod(c - bind::floor_mod(lo, m, *span)?, m, *span)?;
-        if first >= hi {
+        if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), *span)? {
             return Ok(Some(Vec::new()));
         }
         let y = self.region(p, b, hull)?;
         if y.is_empty() {
             return Ok(Some(y));
         }
-        let inner = (y[0].start.first.max(lo), y[y.len() - 1].end.first.min(hi));
-        let x = self.region(p, a, Some(inner))?;
+        let (ylo, yhi) = keys_hull(p, &y);
+        let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), *span)?;
         Ok(Some(self.inter(p, &y, &x)?))
+    }
+
+    /// The region `r` stands for on this piece once its `if`s on the row are decided.
+    fn through_conds<'r>(&self, p: &Piece, mut r: &'r Region) -> Eval<&'r Region> {
+        while let Region::Cond(c, a, b) = r {
+            r = if self.boolean(p, c)? { a } else { b };
+        }
+        Ok(r)
     }
 
     /// Appends the keys of grid row `row` (flattened index of its slow coordinates) with x
@@ -1316,6 +1587,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         Ok(out)
     }
+}
+
+/// The smallest range holding the keys of a non-empty canonical list on every row of the
+/// piece (its endpoints are affine, so their extremes are at the piece's ends).
+fn keys_hull(p: &Piece, list: &[AffineInterval]) -> (i64, i64) {
+    let (first, last) = (list[0].start, list[list.len() - 1].end);
+    let t = p.n - 1;
+    (first.first.min(first.at(t)), last.first.max(last.at(t)))
+}
+
+/// The start of the first run `[s + j m, s + j m + len)` (over integers `j`) that ends after
+/// `lo`, for `0 <= s < m`, `0 < len`: in 128 bits, so no operand can overflow.
+fn first_run(s: i64, len: i128, m: i128, lo: i64) -> i128 {
+    let s = i128::from(s);
+    s + m * ((i128::from(lo) - s - len).div_euclid(m) + 1)
 }
 
 fn floor_i128(x: i128, d: i128) -> i128 {

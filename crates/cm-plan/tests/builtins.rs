@@ -118,6 +118,16 @@ fn structured() {
             t,
         );
         check_against_brute_force(
+            &builtin("global_local"),
+            shape(q, q),
+            &params(&[
+                ("global", cm_ir::Value::Int(0)),
+                ("globals", arr(&[q - 1, 40, 7, 40, -5, q + 3, 100])),
+                ("radius", cm_ir::Value::Int(9)),
+            ]),
+            t,
+        );
+        check_against_brute_force(
             &builtin("dilated_window"),
             shape(q, q),
             &params(&[

@@ -47,6 +47,15 @@ fn programs() -> Vec<(Program, BTreeMap<String, Value>)> {
             compile("mask = q + kv_len - q_len - h - 1 <= k & k <= q + kv_len - q_len;"),
             params(&[]),
         ),
+        // A segmentation per batch index: sample b's documents are a slice of one array.
+        (
+            compile(
+                "param lens: [int] = [2, 3, 1, 4, 5, 2];\nparam offs: [int] = [0, 2, 3, 6];\n\
+                 segments doc = lens[offs[b % 3] .. offs[b % 3 + 1]];\n\
+                 mask = k in doc(q).start ..= q;",
+            ),
+            params(&[]),
+        ),
         // Reads both, with two intervals per row.
         (
             compile("mask = k < (b + h) % 3 + 1 | q - 2 <= k & k <= q;"),

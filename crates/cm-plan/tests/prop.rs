@@ -258,6 +258,11 @@ fn kcmp(mode: Mode) -> BoxedStrategy<String> {
         1 => (e.clone(), cmp_op()).prop_map(|(x, op)| format!("k - q {op} {x}")),
         1 => (coef(), e.clone(), cmp_op(), e.clone())
             .prop_map(|(a, x, op, y)| format!("({a} - {x}) * 2 {op} {y}")),
+        // Coefficients that are q-side values, solved by their sign row by row.
+        1 => (e.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, op, y)| format!("w * k + {x} {op} {y}")),
+        1 => (cmp_op(), e.clone())
+            .prop_map(|(op, y)| format!("(q % 5 - 2) * k {op} {y}")),
     ]
     .boxed()
 }
@@ -286,7 +291,12 @@ fn kdiv(mode: Mode) -> BoxedStrategy<String> {
             .prop_map(|(c, d, op, d2)| format!("(k + {c}) / {d} {op} q / {d2}")),
         1 => (e.clone(), cmp_op(), coef(), d.clone())
             .prop_map(|(y, op, a, d)| format!("{y} {op} ({a}) / {d}")),
-        1 => (d.clone(), d).prop_map(|(d, d2)| format!("k / {d} == q / {d2}")),
+        1 => (d.clone(), d.clone()).prop_map(|(d, d2)| format!("k / {d} == q / {d2}")),
+        // Terms moved across the comparison, scaled by constants.
+        2 => (e.clone(), d.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, d, op, y)| format!("{x} - k / {d} {op} {y}")),
+        1 => (-3i64..=3, d, cmp_op(), e)
+            .prop_map(|(c, d, op, y)| format!("{c} * ((k + 1) / {d}) + q {op} {y}")),
     ]
     .boxed()
 }
@@ -314,7 +324,34 @@ fn kmod(mode: Mode) -> BoxedStrategy<String> {
             .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
         2 => (d.clone(), eq.clone(), -2i64..=8)
             .prop_map(|(d, op, c)| format!("(q - k) % {d} {op} {c}")),
-        1 => (d, eq, e).prop_map(|(d, op, y)| format!("{y} {op} (k - q) % {d}")),
+        1 => (d.clone(), eq, e.clone()).prop_map(|(d, op, y)| format!("{y} {op} (k - q) % {d}")),
+        // Inequalities of the residue against q-side values, and terms moved across.
+        3 => (prop_oneof![Just("k"), Just("-k")], e.clone(), d.clone(), cmp_op(), e.clone())
+            .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
+        2 => (d.clone(), cmp_op(), d.clone())
+            .prop_map(|(d, op, d2)| format!("k % {d} {op} q % {d2}")),
+        1 => (e.clone(), d.clone(), cmp_op(), e.clone(), -3i64..=3)
+            .prop_map(|(x, d, op, y, c)| format!("{x} - {c} * ((q - k) % {d}) {op} {y}")),
+        1 => (d, cmp_op()).prop_map(|(d, op)| format!("(k - q) % {d} {op} 0")),
+        // Any literal multiple of `k` modulo a literal: a congruence.
+        2 => (coef(), e.clone(), divisor(), prop_oneof![Just("=="), Just("!=")], e)
+            .prop_map(|(a, x, d, op, y)| format!("({a} + {x}) % {d} {op} {y}")),
+    ]
+    .boxed()
+}
+
+/// `abs` of a term with `k` compared with a q-side value (either side).
+fn kabs(mode: Mode) -> BoxedStrategy<String> {
+    let e = qexpr(mode);
+    prop_oneof![
+        3 => (coef(), e.clone(), cmp_op(), e.clone())
+            .prop_map(|(a, x, op, y)| format!("abs({a} + {x}) {op} {y}")),
+        2 => (e.clone(), cmp_op(), e.clone())
+            .prop_map(|(x, op, y)| format!("{x} {op} abs(q - k + {y})")),
+        1 => (e.clone(), divisor(), cmp_op(), e.clone())
+            .prop_map(|(x, d, op, y)| format!("abs(k / {d} - {x}) {op} {y}")),
+        1 => (e, cmp_op(), 1i64..=3)
+            .prop_map(|(x, op, c)| format!("{c} * abs(k - q) + {x} {op} q")),
     ]
     .boxed()
 }
@@ -419,6 +456,30 @@ fn idiom() -> BoxedStrategy<String> {
     .boxed()
 }
 
+/// `any` / `all` over the entries of `arr` or over small ranges, with terms that read the
+/// variable, `q` or neither.
+fn quant(mode: Mode) -> BoxedStrategy<String> {
+    let e = qexpr(mode);
+    let safe = prop_oneof![
+        (e.clone()).prop_map(|x| format!("any i in 0 .. count(arr): k == arr[i] + ({x}) % 3")),
+        Just("any i in 0 .. count(arr): q - arr[i] < k <= q".to_string()),
+        Just("all i in 0 .. count(arr): k != arr[i]".to_string()),
+        Just("any i in 0 .. count(arr): q == arr[i] | k == arr[i]".to_string()),
+        (1i64..4).prop_map(|n| format!("any i in 0 .. {n}: (q - k) % (i + 2) == 0 & k <= q")),
+        (konst(), konst()).prop_map(|(a, b)| format!("any i in {a} .. {b}: k == q - i")),
+        (konst(), e).prop_map(|(a, x)| format!("all i in 0 .. {a} % 4: k <= {x} + i")),
+    ];
+    match mode {
+        Mode::Safe => safe.boxed(),
+        Mode::Risky => prop_oneof![
+            6 => safe,
+            1 => Just("any i in 0 .. count(arr) + 1: k == arr[i]".to_string()),
+            1 => Just("all i in 0 .. 2: k < arr[i] | k == q".to_string()),
+        ]
+        .boxed(),
+    }
+}
+
 /// A region leaf: a solvable atom, a q-side boolean, or the escape hatch.
 fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
     prop_oneof![
@@ -427,6 +488,8 @@ fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
         4 => krange(mode).prop_map(|r| format!("k in {r}")),
         2 => kdiv(mode),
         2 => kmod(mode),
+        1 => kabs(mode),
+        1 => quant(mode),
         3 => grid_region(mode),
         1 => qbool(mode),
         1 => elementwise(mode),
@@ -480,7 +543,7 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
         (
             -3i64..=30,
             proptest::collection::vec(-5i64..=60, 1..=4),
-            any::<bool>(),
+            0u8..6,
         ),
         (lengths_array(5), lengths_array(4)),
         (
@@ -509,12 +572,23 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
                 } else {
                     rcount
                 };
-                // Sometimes the query segmentation is an element-wise array sum.
-                let slens = if added {
-                    let delta: Vec<i64> = (0..slens.len() as i64).map(|i| i % 2).collect();
-                    format!("{} + {}", list(&slens), list(&delta))
-                } else {
-                    list(&slens)
+                // Sometimes the segmentations' lengths are an element-wise array sum, a
+                // concatenation, or chosen per batch index by a slice.
+                let n = slens.len();
+                let (slens, klens) = match added {
+                    1 => {
+                        let delta: Vec<i64> = (0..n as i64).map(|i| i % 2).collect();
+                        (format!("{} + {}", list(&slens), list(&delta)), list(&klens))
+                    }
+                    2 => (
+                        format!("concat({}, [3], {})", list(&slens), list(&slens)),
+                        list(&klens),
+                    ),
+                    3 => (
+                        format!("concat({0}[b % {n} .. {n}], {0})", list(&slens)),
+                        format!("concat([b], {})", list(&klens)),
+                    ),
+                    _ => (list(&slens), list(&klens)),
                 };
                 format!(
                     "param w: int = {w};\n\
@@ -530,7 +604,6 @@ fn preamble(mode: Mode) -> BoxedStrategy<String> {
                      require w > -1000 else \"w is {{w}}\";\n\
                      let lq = {lo};\n",
                     arr = list(&arr),
-                    klens = list(&klens),
                     plens = list(&plens),
                     rlens = list(&rlens),
                     // `lq` cannot refer to itself.

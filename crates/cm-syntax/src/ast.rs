@@ -183,6 +183,14 @@ pub enum ExprKind {
         then: Box<Expr>,
         els: Box<Expr>,
     },
+    /// `any i in lo .. hi: body` (the union of `body` over the integers `i` of the range) or
+    /// `all i in lo .. hi: body` (their intersection).
+    Quant {
+        all: bool,
+        var: Ident,
+        range: Box<Expr>,
+        body: Box<Expr>,
+    },
     /// Stands in for an expression that failed to parse; a diagnostic was already issued.
     Error,
 }

@@ -523,11 +523,48 @@ impl Parser {
                 },
                 span,
             }
+        } else if self.at_quantifier() {
+            self.quantifier()
         } else {
             self.or_expr()
         };
         self.depth -= 1;
         e
+    }
+
+    /// Whether `any NAME in` or `all NAME in` starts here. `any` and `all` are not reserved:
+    /// anywhere else they are ordinary names.
+    fn at_quantifier(&self) -> bool {
+        let tok = |i: usize| &self.toks[(self.pos + i).min(self.toks.len() - 1)].tok;
+        matches!(tok(0), Tok::Ident(w) if w == "any" || w == "all")
+            && matches!(tok(1), Tok::Ident(w) if !RESERVED.contains(&w.as_str()))
+            && matches!(tok(2), Tok::Ident(w) if w == "in")
+    }
+
+    /// `any NAME in RANGE: BODY` / `all NAME in RANGE: BODY`; the body extends as far as an
+    /// `if`'s else branch does.
+    fn quantifier(&mut self) -> Expr {
+        let start = self.bump();
+        let all = matches!(&start.tok, Tok::Ident(w) if w == "all");
+        let Some(var) = self.ident("a name for the quantified variable") else {
+            return self.error_expr(start.span);
+        };
+        self.eat_word("in");
+        let range = self.range_expr();
+        if !self.expect(Tok::Colon, "`:` after the range of `any` / `all`") {
+            return self.error_expr(start.span.to(range.span));
+        }
+        let body = self.expr();
+        let span = start.span.to(body.span);
+        Expr {
+            kind: ExprKind::Quant {
+                all,
+                var,
+                range: Box::new(range),
+                body: Box::new(body),
+            },
+            span,
+        }
     }
 
     fn binary(&mut self, op: BinOp, l: Expr, r: Expr) -> Expr {
@@ -781,6 +818,7 @@ impl Parser {
                 }
             }
             Tok::Ident(ref w) if w == "if" => self.expr(),
+            Tok::Ident(_) if self.at_quantifier() => self.expr(),
             Tok::Ident(ref w) if !RESERVED.contains(&w.as_str()) => {
                 self.bump();
                 Expr {
@@ -861,6 +899,16 @@ fn remap(e: &mut Expr, at: &dyn Fn(u32) -> u32) {
             remap(cond, at);
             remap(then, at);
             remap(els, at);
+        }
+        ExprKind::Quant {
+            var, range, body, ..
+        } => {
+            var.span = Span {
+                start: at(var.span.start),
+                end: at(var.span.end),
+            };
+            remap(range, at);
+            remap(body, at);
         }
         ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Name(_) | ExprKind::Error => {}
     }

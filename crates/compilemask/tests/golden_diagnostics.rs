@@ -174,6 +174,52 @@ fn cm0203_type_mismatch() {
     compile_golden("CM0203", "mask = k <= q + true;\n");
 }
 
+/// `+` of arrays adds entry by entry: with lengths the program fixes and that differ, the
+/// check fails and points at `concat`.
+#[test]
+fn cm0203_array_plus_is_not_append() {
+    insta::with_settings!({snapshot_suffix => "array_plus"}, {
+        compile_golden(
+            "CM0203",
+            "param docs: [int] = [512, 384];\nparam pad: int = 128;\nsegments doc = docs + [pad];\nmask = k in doc(q);\n",
+        );
+    });
+}
+
+/// With lengths given at plan time, the same confusion is a plan-time error with the hint.
+#[test]
+fn cm0308_array_plus_of_given_lengths() {
+    insta::with_settings!({snapshot_suffix => "array_plus"}, {
+        plan_golden(
+            "CM0308",
+            "param docs: [int];\nparam pad: [int] = [128];\nsegments doc = docs + pad;\nmask = k in doc(q);\n",
+            &opts(8).param("docs", Value::Array(vec![3, 5].into())),
+        );
+    });
+}
+
+/// A parameter default cannot read a segmentation: binding lays them out later.
+#[test]
+fn cm0208_structure_read_too_early() {
+    insta::with_settings!({snapshot_suffix => "structure"}, {
+        compile_golden(
+            "CM0208",
+            "segments doc = [4, 4];\nparam n: int = doc.count;\nmask = k in doc(q) & k < n;\n",
+        );
+    });
+}
+
+/// The variable of `any` / `all` needs a name of its own.
+#[test]
+fn cm0202_quantifier_variable() {
+    insta::with_settings!({snapshot_suffix => "quantifier"}, {
+        compile_golden(
+            "CM0202",
+            "param g: [int] = [0, 9];\nmask = k <= q | any g in 0 .. count(g): k == g[0];\n",
+        );
+    });
+}
+
 #[test]
 fn cm0204_wrong_arity() {
     compile_golden("CM0204", "mask = k <= abs(q, 1);\n");
@@ -192,6 +238,23 @@ fn cm0206_k_in_condition() {
 #[test]
 fn cm0207_unsolvable_comparison() {
     compile_golden("CM0207", "mask = k * k < q;\n");
+}
+
+/// The term at fault is marked with what is wrong with it.
+#[test]
+fn cm0207_names_the_term_at_fault() {
+    insta::with_settings!({snapshot_suffix => "modulo"}, {
+        compile_golden("CM0207", "mask = (2 * k) % 3 < 1 & k <= q;\n");
+    });
+}
+
+/// `k` inside `abs` is solvable in a comparison; inside a function of q-side values it is
+/// `CM0206` at that argument.
+#[test]
+fn cm0206_points_at_the_argument() {
+    insta::with_settings!({snapshot_suffix => "argument"}, {
+        compile_golden("CM0206", "param w: int = 4;\nmask = abs(q - k) <= w & k < max(abs(k), 2);\n");
+    });
 }
 
 #[test]

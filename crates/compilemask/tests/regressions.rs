@@ -116,6 +116,25 @@ fn modulo_with_huge_divisor() {
     assert_eq!(common::rows(&p, 0, 0), vec![vec![(0, 1)], vec![(1, 2)]]);
 }
 
+/// A requirement reading a segmentation was evaluated before segmentations were laid out
+/// (an index panic); requirements are now evaluated last.
+#[test]
+fn requirement_reading_a_segmentation() {
+    let program = compile(
+        "segments doc = [3, 5];\nrequire doc.count <= 4 else \"{doc.count} documents\";\nmask = k in doc(q);",
+    );
+    let p = plan(&program, &PlanOptions::new(16));
+    assert_eq!(common::rows(&p, 0, 0)[15], vec![(11, 16)]);
+    let err = expect_plan_error(
+        "segments doc = [1];\nrequire doc.count <= 4 else \"{doc.count} documents\";\nmask = k in doc(q);",
+        &PlanOptions::new(6),
+    );
+    assert_eq!(
+        (err.code.as_str(), err.message.as_str()),
+        ("CM0305", "6 documents")
+    );
+}
+
 // ---- resource use --------------------------------------------------------------------
 
 #[test]

@@ -9,6 +9,135 @@ use crate::ir::*;
 use cm_syntax::ast::{CmpOp, Expr, ExprKind};
 use cm_syntax::{Code, Diagnostic, Span};
 
+/// Whether `t` is a term with `k` that is not linear: `x / d`, `x % d` or `abs(x)`.
+fn is_hole(t: &Int) -> bool {
+    t.has_k()
+        && match &t.kind {
+            IntKind::Bin(IntOp::Div | IntOp::Mod, _, d) => !d.has_k(),
+            IntKind::Abs(_) => true,
+            _ => false,
+        }
+}
+
+/// `(alpha * k + rest) % d == v` for literals `alpha` and `d != 0`, as a `%` atom of `k`
+/// alone: with `m = |d|` (negating everything for `d < 0`, as `x % d == -((-x) % -d)`) and
+/// `g = gcd(alpha, m)`, it holds exactly when `v` is a residue (`0 <= v < m`), `g` divides
+/// `v - rest`, and `k % (m / g) == (v - rest) / g * inv` with `inv` the inverse of `alpha /
+/// g` modulo `m / g`. `None` when a value does not fit in 64 bits.
+fn congruence(alpha: i64, rest: Int, d: i64, v: Int, span: Span) -> Option<Region> {
+    let c = |x: i64| Int::constant(x, span);
+    let negate = |x: Int| Int::new(IntKind::Neg(Box::new(x)), span);
+    let (alpha, rest, v, m) = if d < 0 {
+        (
+            alpha.checked_neg()?,
+            negate(rest),
+            negate(v),
+            d.checked_neg()?,
+        )
+    } else {
+        (alpha, rest, v, d)
+    };
+    let (g, inv) = gcd_inverse(alpha.rem_euclid(m), m);
+    let period = m / g;
+    // The residue times `inv` must not overflow.
+    if period > 1 << 31 {
+        return None;
+    }
+    let gap = bin(IntOp::Sub, v.clone(), rest);
+    let reachable = Bool::And(
+        Box::new(Bool::Cmp(CmpOp::Ge, v.clone(), c(0))),
+        Box::new(Bool::Cmp(CmpOp::Lt, v, c(m))),
+    );
+    let divides = Bool::Cmp(CmpOp::Eq, bin(IntOp::Mod, gap.clone(), c(g)), c(0));
+    // The residue, reduced first so the product stays small.
+    let target = bin(
+        IntOp::Mod,
+        bin(
+            IntOp::Mul,
+            bin(IntOp::Mod, bin(IntOp::Div, gap, c(g)), c(period)),
+            c(inv),
+        ),
+        c(period),
+    );
+    let atom = Region::KMod {
+        alpha: 1,
+        rest: c(0),
+        div: c(period),
+        op: CmpOp::Eq,
+        rhs: target,
+        span,
+    };
+    Some(Region::Inter(
+        Box::new(Region::Rows(Bool::And(
+            Box::new(reachable),
+            Box::new(divides),
+        ))),
+        Box::new(atom),
+    ))
+}
+
+/// `(gcd(a, m), inv)` for `0 <= a < m`, with `inv * (a / g) == 1 (mod m / g)`.
+fn gcd_inverse(a: i64, m: i64) -> (i64, i64) {
+    // Extended Euclid on (a, m): r = s * a (mod m) at every step.
+    let (mut r0, mut r1) = (i128::from(m), i128::from(a));
+    let (mut s0, mut s1) = (0i128, 1i128);
+    while r1 != 0 {
+        let q = r0 / r1;
+        (r0, r1) = (r1, r0 - q * r1);
+        (s0, s1) = (s1, s0 - q * s1);
+    }
+    let g = r0 as i64;
+    let period = i128::from(m / g);
+    (g, s0.rem_euclid(period) as i64)
+}
+
+/// `alpha * k + rest  op  0` for a q-side coefficient `alpha` that is not a literal (a
+/// parameter, say): by its sign, `k` compared with a floor division of `-rest` by `|alpha|`
+/// (`g*k + r < 0` is `k <= (-r - 1) / g` for `g > 0`), and for `alpha == 0` the row
+/// predicate `rest op 0`.
+fn scaled_kcmp(alpha: Int, rest: Int, op: CmpOp, span: Span) -> Region {
+    let zero = || Int::constant(0, span);
+    let one = || Int::constant(1, span);
+    let negate = |x: Int| Int::new(IntKind::Neg(Box::new(x)), span);
+    // For g > 0 and the numerator n = -r: k against floor(n / g) or floor((n - 1) / g).
+    let solved = |g: Int, n: Int, op: CmpOp| -> Region {
+        let at = bin(IntOp::Div, n.clone(), g.clone());
+        let below = bin(IntOp::Div, bin(IntOp::Sub, n.clone(), one()), g.clone());
+        let k_vs = |op: CmpOp, bound: Int| Region::KCmp {
+            alpha: 1,
+            rest: negate(bound),
+            op,
+            span,
+        };
+        match op {
+            CmpOp::Lt => k_vs(CmpOp::Le, below),
+            CmpOp::Le => k_vs(CmpOp::Le, at),
+            CmpOp::Gt => k_vs(CmpOp::Gt, at),
+            CmpOp::Ge => k_vs(CmpOp::Gt, below),
+            CmpOp::Eq | CmpOp::Ne => {
+                let divides = Bool::Cmp(op, bin(IntOp::Mod, n, g), zero());
+                let eq = k_vs(op, at);
+                if op == CmpOp::Eq {
+                    Region::Inter(Box::new(Region::Rows(divides)), Box::new(eq))
+                } else {
+                    Region::Union(Box::new(Region::Rows(divides)), Box::new(eq))
+                }
+            }
+        }
+    };
+    let positive = solved(alpha.clone(), negate(rest.clone()), op);
+    let negative = solved(negate(alpha.clone()), rest.clone(), op.flip());
+    Region::Cond(
+        Bool::Cmp(CmpOp::Gt, alpha.clone(), zero()),
+        Box::new(positive),
+        Box::new(Region::Cond(
+            Bool::Cmp(CmpOp::Lt, alpha, zero()),
+            Box::new(negative),
+            Box::new(Region::Rows(Bool::Cmp(op, rest, zero()))),
+        )),
+    )
+}
+
 /// `a op b`, spanning both.
 pub(super) fn bin(op: IntOp, a: Int, b: Int) -> Int {
     let span = a.span.to(b.span);
@@ -16,7 +145,7 @@ pub(super) fn bin(op: IntOp, a: Int, b: Int) -> Int {
 }
 
 /// The value of an integer expression made of literals only (`-3`, `2 * 3`), if it is one.
-fn const_value(e: &Int) -> Option<i64> {
+pub(super) fn const_value(e: &Int) -> Option<i64> {
     match &e.kind {
         IntKind::Const(v) => Some(*v),
         IntKind::Neg(a) => const_value(a)?.checked_neg(),
@@ -27,44 +156,139 @@ fn const_value(e: &Int) -> Option<i64> {
     }
 }
 
-/// Splits `e` into `alpha * k + rest` when it is linear in `k` with a constant coefficient.
-fn linearize(e: &Int) -> Option<(i64, Int)> {
+/// Splits `e` into `alpha * k + rest + sum(c * T)`: `alpha`, the coefficient of `k`, is an
+/// integer expression (a literal sum for `2 * k - k`, a parameter for `a * k`); `rest` is
+/// q-side; each `T`, pushed on `holes` with its constant coefficient `c`, is a term with `k`
+/// that is not linear (`x / d`, `x % d`, `abs(x)`), and counts 0 in `rest`. `None` when `e`
+/// is none of these (`k * k`, `min(k, q)`).
+fn terms(e: &Int, coeff: i64, holes: &mut Vec<(i64, Int)>) -> Option<(Int, Int)> {
     if !e.has_k() {
-        return Some((0, e.clone()));
+        return Some((Int::constant(0, e.span), e.clone()));
     }
     match &e.kind {
-        IntKind::K => Some((1, Int::constant(0, e.span))),
+        IntKind::K => Some((Int::constant(1, e.span), Int::constant(0, e.span))),
         IntKind::Neg(a) => {
-            let (al, r) = linearize(a)?;
-            Some((
-                al.checked_neg()?,
-                Int::new(IntKind::Neg(Box::new(r)), e.span),
-            ))
+            let (al, r) = terms(a, coeff.checked_neg()?, holes)?;
+            Some((neg(al), Int::new(IntKind::Neg(Box::new(r)), e.span)))
         }
         IntKind::Bin(op @ (IntOp::Add | IntOp::Sub), a, b) => {
-            let (aa, ra) = linearize(a)?;
-            let (ab, rb) = linearize(b)?;
-            let alpha = if *op == IntOp::Add {
-                aa.checked_add(ab)?
+            let (aa, ra) = terms(a, coeff, holes)?;
+            let cb = if *op == IntOp::Sub {
+                coeff.checked_neg()?
             } else {
-                aa.checked_sub(ab)?
+                coeff
             };
-            Some((alpha, bin(*op, ra, rb)))
+            let (ab, rb) = terms(b, cb, holes)?;
+            Some((fold(bin(*op, aa, ab)), bin(*op, ra, rb)))
         }
         IntKind::Bin(IntOp::Mul, a, b) => {
-            let (lin, factor) = match (const_value(a), const_value(b)) {
-                (_, Some(c)) => (a, c),
-                (Some(c), _) => (b, c),
+            let (lin, factor) = match (a.has_k(), b.has_k()) {
+                (true, false) => (a, b),
+                (false, true) => (b, a),
                 _ => return None,
             };
-            let (al, r) = linearize(lin)?;
+            let before = holes.len();
+            let c = const_value(factor);
+            let (al, r) = terms(
+                lin,
+                c.and_then(|c| coeff.checked_mul(c)).unwrap_or(0),
+                holes,
+            )?;
+            // A term such as `k / 2` may only be scaled by a constant.
+            if c.is_none() && holes.len() > before {
+                return None;
+            }
+            let factor = (**factor).clone();
             Some((
-                al.checked_mul(factor)?,
-                bin(IntOp::Mul, r, Int::constant(factor, e.span)),
+                fold(bin(IntOp::Mul, al, factor.clone())),
+                bin(IntOp::Mul, r, factor),
             ))
+        }
+        _ if is_hole(e) => {
+            holes.push((coeff, e.clone()));
+            Some((Int::constant(0, e.span), Int::constant(0, e.span)))
         }
         _ => None,
     }
+}
+
+fn neg(e: Int) -> Int {
+    let span = e.span;
+    fold(Int::new(IntKind::Neg(Box::new(e)), span))
+}
+
+/// `e` as one literal when it is made of literals only, else `e`.
+fn fold(e: Int) -> Int {
+    match const_value(&e) {
+        Some(v) => Int::constant(v, e.span),
+        None => e,
+    }
+}
+
+/// `alpha * k + rest` when `e` is linear in `k` with a constant coefficient.
+fn linearize(e: &Int) -> Option<(i64, Int)> {
+    let mut holes = Vec::new();
+    let (alpha, rest) = terms(e, 1, &mut holes)?;
+    if !holes.is_empty() {
+        return None;
+    }
+    Some((const_value(&alpha)?, rest))
+}
+
+/// Why `diff` (a comparison's `lhs - rhs`) is not solvable for `k`: the span of the term
+/// at fault and what is wrong with it.
+fn unsolvable_cause(e: &Int) -> Option<(Span, String)> {
+    if !e.has_k() {
+        return None;
+    }
+    match &e.kind {
+        IntKind::K => None,
+        IntKind::Neg(a) | IntKind::Abs(a) => unsolvable_cause(a),
+        IntKind::Bin(IntOp::Add | IntOp::Sub, a, b) => {
+            unsolvable_cause(a).or_else(|| unsolvable_cause(b))
+        }
+        IntKind::Bin(IntOp::Mul, a, b) if a.has_k() && b.has_k() => Some((
+            e.span,
+            "`k` is multiplied by a term with `k`; only linear terms `a*k` can be solved".into(),
+        )),
+        IntKind::Bin(IntOp::Mul, a, b) => {
+            let (lin, factor) = if a.has_k() { (a, b) } else { (b, a) };
+            if const_value(factor).is_none() && !linear_only(lin) {
+                return Some((
+                    e.span,
+                    "a `/`, `%` or `abs` term with `k` may only be scaled by a constant".into(),
+                ));
+            }
+            unsolvable_cause(lin)
+        }
+        IntKind::Bin(IntOp::Div | IntOp::Mod, _, d) if d.has_k() => {
+            Some((d.span, "the divisor cannot depend on `k`".into()))
+        }
+        IntKind::Bin(op @ (IntOp::Div | IntOp::Mod), x, _) => {
+            let sym = if *op == IntOp::Div { "/" } else { "%" };
+            match linearize(x) {
+                None => Some((
+                    x.span,
+                    format!("the operand of `{sym}` must be linear in `k` (`a*k + f(q)`)"),
+                )),
+                Some((alpha, _)) if *op == IntOp::Mod && alpha.abs() != 1 => Some((
+                    x.span,
+                    format!("`%` needs `k` or `-k` in its operand, found `{alpha}*k`"),
+                )),
+                _ => None,
+            }
+        }
+        _ => Some((
+            e.span,
+            "`k` can only be added, scaled, divided (`/`, `%`) or taken `abs` of here".into(),
+        )),
+    }
+}
+
+/// Whether `e` is linear in `k` with no `/`, `%` or `abs` term around `k`.
+fn linear_only(e: &Int) -> bool {
+    let mut holes = Vec::new();
+    terms(e, 1, &mut holes).is_some() && holes.is_empty()
 }
 
 impl Checker<'_> {
@@ -100,6 +324,7 @@ impl Checker<'_> {
         if let ExprKind::Name(n) = &range.kind {
             if let Some((Def::Grid(g), _)) = self.names.get(n) {
                 let g = *g;
+                self.laid_out_by_now(n, true, range.span)?;
                 if x.has_k() && ctx != Ctx::Elementwise {
                     let lo = Int::new(
                         IntKind::RangeLo(Box::new(self.grid_range(g, range.span))),
@@ -128,6 +353,12 @@ impl Checker<'_> {
     /// `CM0207` for a comparison with `k` of no solvable form.
     fn compare(&mut self, op: CmpOp, a: Val, b: Val, ctx: Ctx) -> R<Val> {
         let span = a.span().to(b.span());
+        self.compare_at(op, a, b, span, ctx)
+    }
+
+    /// [`Checker::compare`] reported at `span` (the comparison as written, for the parts an
+    /// `abs` is expanded to).
+    fn compare_at(&mut self, op: CmpOp, a: Val, b: Val, span: Span, ctx: Ctx) -> R<Val> {
         let (a, b, op) = match (a, b) {
             (Val::Dist(g, m, s), Val::Int(r)) => return self.ball(g, m, op, r, s.to(span), ctx),
             (Val::Int(r), Val::Dist(g, m, s)) => {
@@ -143,68 +374,213 @@ impl Checker<'_> {
         if !a.has_k() && !b.has_k() || ctx == Ctx::Elementwise {
             return Ok(Val::Bool(Bool::Cmp(op, a, b), span));
         }
-        let diff = bin(IntOp::Sub, a.clone(), b.clone());
-        if let Some((alpha, rest)) = linearize(&diff) {
-            if alpha == 0 {
-                return Ok(Val::Bool(Bool::Cmp(op, rest, Int::constant(0, span)), span));
+        // One side a `/`, `%` or `abs` term as written, the other q-side: that term against
+        // the other side unchanged.
+        for (t, other, op) in [(&a, &b, op), (&b, &a, op.flip())] {
+            if !other.has_k() && is_hole(t) {
+                return self.k_term(t, op, other.clone(), span, ctx);
             }
-            return Ok(Val::Region(
-                Region::KCmp {
-                    alpha,
-                    rest,
-                    op,
-                    span,
-                },
-                span,
-            ));
         }
-        let (side, other, op) = if a.has_k() && !b.has_k() {
-            (a, b, op)
-        } else if b.has_k() && !a.has_k() {
-            (b, a, op.flip())
-        } else {
-            self.not_solvable(span);
-            return Err(());
+        let diff = bin(IntOp::Sub, a, b);
+        let mut holes = Vec::new();
+        let split = terms(&diff, 1, &mut holes);
+        // A term scaled by 0 is no term (`0 * (k / 2)`).
+        holes.retain(|(c, _)| *c != 0);
+        match split {
+            Some((alpha, rest)) if holes.is_empty() => match const_value(&alpha) {
+                Some(0) => Ok(Val::Bool(Bool::Cmp(op, rest, Int::constant(0, span)), span)),
+                Some(alpha) => Ok(Val::Region(
+                    Region::KCmp {
+                        alpha,
+                        rest,
+                        op,
+                        span,
+                    },
+                    span,
+                )),
+                None => Ok(Val::Region(scaled_kcmp(alpha, rest, op, span), span)),
+            },
+            Some((alpha, rest)) if holes.len() == 1 && const_value(&alpha) == Some(0) => {
+                // c * T + rest  op  0 is T compared with -rest / c.
+                let (c, t) = holes.pop().expect("one term");
+                let (c, op, rhs) = if c < 0 {
+                    (c.checked_neg(), op.flip(), rest)
+                } else {
+                    (Some(c), op, neg(rest))
+                };
+                let Some(c) = c else {
+                    self.not_solvable(span, None);
+                    return Err(());
+                };
+                if c == 1 {
+                    return self.k_term(&t, op, rhs, span, ctx);
+                }
+                self.scaled_k_term(c, &t, op, rhs, span, ctx)
+            }
+            Some(_) => {
+                let cause = (
+                    diff.span,
+                    if holes.len() > 1 {
+                        "`k` appears in more than one `/`, `%` or `abs` term".to_string()
+                    } else {
+                        "`k` appears both inside a `/`, `%` or `abs` term and outside it"
+                            .to_string()
+                    },
+                );
+                self.not_solvable(span, Some(cause));
+                Err(())
+            }
+            None => {
+                let cause = unsolvable_cause(&diff);
+                self.not_solvable(span, cause);
+                Err(())
+            }
+        }
+    }
+
+    /// `c * t  op  rhs` for a constant `c > 1`: `t` compared with a floor division of `rhs`
+    /// (`c*t < r` is `t <= (r - 1) / c`), and for `==` / `!=` also whether `c` divides `rhs`.
+    fn scaled_k_term(
+        &mut self,
+        c: i64,
+        t: &Int,
+        op: CmpOp,
+        rhs: Int,
+        span: Span,
+        ctx: Ctx,
+    ) -> R<Val> {
+        let cst = Int::constant(c, span);
+        let one = Int::constant(1, span);
+        let below = || {
+            bin(
+                IntOp::Div,
+                bin(IntOp::Sub, rhs.clone(), one.clone()),
+                cst.clone(),
+            )
         };
-        if let IntKind::Bin(kop @ (IntOp::Div | IntOp::Mod), x, d) = &side.kind {
-            if let (Some((alpha, rest)), false) = (linearize(x), d.has_k()) {
-                if alpha != 0 && *kop == IntOp::Div {
+        let at = || bin(IntOp::Div, rhs.clone(), cst.clone());
+        match op {
+            CmpOp::Lt => self.k_term(t, CmpOp::Le, below(), span, ctx),
+            CmpOp::Le => self.k_term(t, CmpOp::Le, at(), span, ctx),
+            CmpOp::Gt => self.k_term(t, CmpOp::Gt, at(), span, ctx),
+            CmpOp::Ge => self.k_term(t, CmpOp::Gt, below(), span, ctx),
+            CmpOp::Eq | CmpOp::Ne => {
+                let divides = Bool::Cmp(
+                    op,
+                    bin(IntOp::Mod, rhs.clone(), cst.clone()),
+                    Int::constant(0, span),
+                );
+                let inner = self.k_term(t, op, at(), span, ctx)?;
+                // ==: c divides rhs and t == rhs / c; !=: it does not, or t != rhs / c.
+                self.and_or(op == CmpOp::Eq, Val::Bool(divides, span), inner, span)
+            }
+        }
+    }
+
+    /// `t  op  rhs` for a term `t` with `k` that is not linear (`x / d`, `x % d`, `abs(x)`)
+    /// and a q-side `rhs`: the atom it is, or `CM0207` naming what keeps it from being one.
+    fn k_term(&mut self, t: &Int, op: CmpOp, rhs: Int, span: Span, ctx: Ctx) -> R<Val> {
+        let cause = match &t.kind {
+            IntKind::Bin(IntOp::Div, x, d) => match linearize(x) {
+                Some((alpha, rest)) if alpha != 0 => {
                     return Ok(Val::Region(
                         Region::KDiv {
                             alpha,
                             rest,
                             div: (**d).clone(),
                             op,
-                            rhs: other,
+                            rhs,
                             span,
                         },
                         span,
-                    ));
+                    ))
                 }
-                if (alpha == 1 || alpha == -1) && matches!(op, CmpOp::Eq | CmpOp::Ne) {
+                _ => unsolvable_cause(t),
+            },
+            IntKind::Bin(IntOp::Mod, x, d) => match linearize(x) {
+                Some((alpha @ (1 | -1), rest)) => {
                     return Ok(Val::Region(
                         Region::KMod {
                             alpha,
                             rest,
                             div: (**d).clone(),
-                            equal: op == CmpOp::Eq,
-                            rhs: other,
+                            op,
+                            rhs,
                             span,
                         },
                         span,
-                    ));
+                    ))
                 }
-            }
-        }
-        self.not_solvable(span);
+                Some((alpha, rest)) if matches!(op, CmpOp::Eq | CmpOp::Ne) => {
+                    match const_value(d).and_then(|d| congruence(alpha, rest, d, rhs, span)) {
+                        Some(eq) if op == CmpOp::Eq => return Ok(Val::Region(eq, span)),
+                        Some(eq) => return Ok(Val::Region(Region::Not(Box::new(eq)), span)),
+                        None => unsolvable_cause(t),
+                    }
+                }
+                _ => unsolvable_cause(t),
+            },
+            IntKind::Abs(x) => return self.abs_term(x, op, rhs, span, ctx),
+            _ => unsolvable_cause(t),
+        };
+        self.not_solvable(span, cause);
         Err(())
     }
 
-    fn not_solvable(&mut self, span: Span) {
-        self.err(
-            Diagnostic::error(Code::UnsolvableComparison, span, "this comparison cannot be solved for `k` analytically")
-                .with_hint("solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d == g(q)`; wrap anything else in `elementwise(...)` to evaluate it pair by pair"),
-        );
+    /// `abs(x)  op  r` as comparisons of `x` with `r` and `-r`: `|x| <= r` is `-r <= x <= r`,
+    /// `|x| >= r` is `x >= r | x <= -r`, `|x| == r` is `r >= 0 & (x == r | x == -r)`.
+    fn abs_term(&mut self, x: &Int, op: CmpOp, r: Int, span: Span, ctx: Ctx) -> R<Val> {
+        let minus_r = Int::new(IntKind::Neg(Box::new(r.clone())), r.span);
+        let pair = |c: &mut Self, op_r: CmpOp, op_minus: CmpOp| -> R<(Val, Val)> {
+            let a = c.compare_at(op_r, Val::Int(x.clone()), Val::Int(r.clone()), span, ctx)?;
+            let minus = Val::Int(minus_r.clone());
+            let b = c.compare_at(op_minus, Val::Int(x.clone()), minus, span, ctx)?;
+            Ok((a, b))
+        };
+        let zero = Int::constant(0, span);
+        match op {
+            CmpOp::Le | CmpOp::Lt => {
+                let (a, b) = pair(self, op, op.flip())?;
+                self.and_or(true, a, b, span)
+            }
+            CmpOp::Ge | CmpOp::Gt => {
+                let (a, b) = pair(self, op, op.flip())?;
+                self.and_or(false, a, b, span)
+            }
+            CmpOp::Eq => {
+                let (a, b) = pair(self, CmpOp::Eq, CmpOp::Eq)?;
+                let either = self.and_or(false, a, b, span)?;
+                let reachable = Val::Bool(Bool::Cmp(CmpOp::Ge, r.clone(), zero), span);
+                self.and_or(true, reachable, either, span)
+            }
+            CmpOp::Ne => {
+                let (a, b) = pair(self, CmpOp::Ne, CmpOp::Ne)?;
+                let both = self.and_or(true, a, b, span)?;
+                let unreachable = Val::Bool(Bool::Cmp(CmpOp::Lt, r.clone(), zero), span);
+                self.and_or(false, unreachable, both, span)
+            }
+        }
+    }
+
+    /// `CM0207` for the comparison at `span`, with the term at fault when one is known.
+    fn not_solvable(&mut self, span: Span, cause: Option<(Span, String)>) {
+        let mut d = Diagnostic::error(
+            Code::UnsolvableComparison,
+            span,
+            "this comparison cannot be solved for `k` analytically",
+        )
+        .with_hint(format!(
+            "solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=, `a` any q-side \
+             integer), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d < g(q)`, `abs(a*k + f(q)) < \
+             g(q)`, with terms on either side; anything else can be evaluated pair by pair \
+             with `elementwise(...)`, at most {} pairs per plan, so narrow it with a solvable \
+             region (`q - 512 < k <= q & elementwise(...)`)",
+            1u64 << 26
+        ));
+        if let Some((at, why)) = cause {
+            d = d.with_related(at, why);
+        }
+        self.err(d);
     }
 
     /// `dist(g) op r`, a grid distance ball: `op` must be `<` or `<=` (`CM0211`) and `r`
@@ -265,7 +641,7 @@ impl Checker<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{error, program, rows};
+    use super::super::testing::{error, error_diag, program, rows};
     use crate::ir::Region;
 
     /// Every solvable form keeps its meaning: the normalised atom sees, row by row, the keys
@@ -285,6 +661,34 @@ mod tests {
             ("q / 2 >= (k - 1) / 5", "KDiv"),
             ("(q - k) % 4 == 1", "KMod"),
             ("(k + q) % 3 != 0", "KMod"),
+            // Terms moved across the comparison.
+            ("7 - k / 2 < q", "KDiv"),
+            ("q + (k + 1) / 3 >= 4", "KDiv"),
+            ("q < 3 - (k - q) % 4", "KMod"),
+            ("2 * (k / 3) <= q", "KDiv"),
+            ("q - 3 * (k / 2) == 1", "Inter"),
+            ("q - 3 * (k / 2) != 1", "Union"),
+            ("-2 * (k % 5) > -q", "KMod"),
+            // `%` inequalities.
+            ("k % 4 <= q % 4", "KMod"),
+            ("(k - q) % 5 > 2", "KMod"),
+            ("(q - k) % -3 >= -1", "KMod"),
+            ("(k + 2) % 6 < q", "KMod"),
+            // `abs`.
+            ("abs(q - k) <= 2", "Inter"),
+            ("abs(k - q) < 3", "Inter"),
+            ("abs(q - 2 * k) > 3", "Union"),
+            ("abs(k - 5) >= q - 4", "Union"),
+            ("abs(k - q) == q - 5", "Inter"),
+            ("abs(k - 2) != q - 3", "Union"),
+            ("q + abs(k / 2 - q) < 9", "Inter"),
+            ("abs(k % 3 - 1) < 1", "Inter"),
+            // `%` of a multiple of `k` by a literal: a congruence.
+            ("(2 * k) % 3 == 0", "Inter"),
+            ("(4 * k + q) % 6 == 2", "Inter"),
+            ("(3 * k - q) % -9 != -3", "Not"),
+            ("(6 * k) % 4 == q % 4", "Inter"),
+            ("(k - k) % 5 == q % 5", "Inter"),
         ];
         for (cmp, kind) in cases {
             let src = format!("mask = {cmp};");
@@ -297,6 +701,35 @@ mod tests {
                     "{cmp} at {q_len} x {kv_len}"
                 );
             }
+        }
+    }
+
+    /// A coefficient of `k` that is not a literal (a parameter, a q-side value) is solved by
+    /// its sign, row by row: zero, negative and positive values, every comparison.
+    #[test]
+    fn q_side_coefficients_of_k_are_solved_by_sign() {
+        for op in ["<", "<=", ">", ">=", "==", "!="] {
+            for a in [-3, -1, 0, 1, 2, 5] {
+                let cmp = format!("a * k + q {op} 7 - q % 3");
+                let src = format!("param a: int = {a};\nmask = {cmp};");
+                let reference = format!("param a: int = {a};\nmask = elementwise({cmp});");
+                assert_eq!(
+                    rows(&src, 20, 23),
+                    rows(&reference, 20, 23),
+                    "{cmp}, a = {a}"
+                );
+            }
+        }
+        for cmp in [
+            "(q % 4 - 2) * (k - 1) < q - 3",
+            "k < k * q",
+            "q * k == 2 * q + 4",
+        ] {
+            assert_eq!(
+                rows(&format!("mask = {cmp};"), 17, 19),
+                rows(&format!("mask = elementwise({cmp});"), 17, 19),
+                "{cmp}"
+            );
         }
     }
 
@@ -341,19 +774,36 @@ mod tests {
         );
     }
 
+    /// What is not solvable is `CM0207` pointing at the comparison, with the term at fault
+    /// marked (its text, and why); `k` inside a function that takes a q-side integer is
+    /// `CM0206` at that argument.
     #[test]
-    fn unsolvable_forms_are_errors() {
-        for (cmp, want) in [
-            ("k * k < q", "CM0207"),
-            ("(2 * k) % 3 == 0", "CM0207"),
-            ("k % 3 < 1", "CM0207"),
-            ("k / k == 1", "CM0207"),
-            ("k < k * q", "CM0207"),
-            // `abs` takes a q-side integer: `k` inside it cannot be solved at all.
-            ("abs(k - q) < 2", "CM0206"),
+    fn unsolvable_forms_are_errors_that_name_the_cause() {
+        for (cmp, at, why) in [
+            ("k * k < q", "k * k", "multiplied by a term with `k`"),
+            ("(2 * k) % 3 < 1", "(2 * k)", "`%` needs `k` or `-k`"),
+            ("(2 * k) % q == 1", "(2 * k)", "`%` needs `k` or `-k`"),
+            ("k / k == 1", "k", "the divisor cannot depend on `k`"),
+            ("k + k / 2 < q", "k + k / 2 < q", "both inside"),
+            ("k / 2 < q - k / 3", "k / 2 < q - k / 3", "more than one"),
+            ("q * (k / 2) < 3", "q * (k / 2)", "scaled by a constant"),
+            ("(k * k) / 2 < 3", "(k * k)", "must be linear in `k`"),
+            ("abs(k * k) < 3", "k * k", "multiplied by a term with `k`"),
+            ("(k / 2) % 3 == 0", "(k / 2)", "must be linear in `k`"),
         ] {
-            assert_eq!(error(&format!("mask = {cmp};")).0, want, "{cmp}");
+            let src = format!("mask = {cmp};");
+            let d = error_diag(&src);
+            assert_eq!(d.code.as_str(), "CM0207", "{cmp}");
+            assert_eq!(&src[d.span.start as usize..d.span.end as usize], cmp);
+            assert_eq!(d.related.len(), 1, "{cmp}: {d:?}");
+            let (span, label) = &d.related[0];
+            assert_eq!(&src[span.start as usize..span.end as usize], at, "{cmp}");
+            assert!(label.contains(why), "{cmp}: {label}");
         }
+        let src = "mask = k < min(abs(k), q);";
+        let d = error_diag(src);
+        assert_eq!(d.code.as_str(), "CM0206");
+        assert_eq!(&src[d.span.start as usize..d.span.end as usize], "abs(k)");
     }
 
     #[test]

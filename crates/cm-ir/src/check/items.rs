@@ -2,7 +2,7 @@
 //! it defines and records it in the program being built. An item whose check fails declares
 //! its name as failed ([`Def::Failed`]), so later uses are not reported again.
 
-use super::{Checker, Ctx, Def, Val, R};
+use super::{Checker, Ctx, Def, Early, Val, R};
 use crate::ir::*;
 use cm_syntax::ast::{self, Expr, Ident, MsgPiece, SegSpec};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -21,7 +21,9 @@ impl<'a> Checker<'a> {
         }
         let id = self.params.len();
         let default_span = default.map(|e| e.span);
+        self.early = Some(Early::ParamDefault);
         let default_val = default.and_then(|e| self.lower(e, Ctx::Const).ok());
+        self.early = None;
         let (is_array, default) = match (ty, default_val) {
             (_, None) if default.is_some() => return,
             (Some(ast::ParamType::Int) | None, Some(Val::Int(i))) => {
@@ -97,25 +99,28 @@ impl<'a> Checker<'a> {
         if !self.declare(name, Def::Failed) {
             return;
         }
+        self.seg_reads_b = false;
         let kind = match spec {
-            SegSpec::Plain(e) => match self.expect_arr(e, Ctx::Const) {
+            SegSpec::Plain(e) => match self.expect_arr(e, Ctx::Seg) {
                 Ok(a) => SegKind::Plain(a),
                 Err(()) => return,
             },
             SegSpec::Composite(pieces) => SegKind::Composite(self.pieces(pieces)),
         };
         let fill = match fill {
-            Some(e) => match self.expect_int(e, Ctx::Const) {
+            Some(e) => match self.expect_int(e, Ctx::Seg) {
                 Ok(i) => i,
                 Err(()) => return,
             },
             None => Int::new(IntKind::QLen, name.span),
         };
+        let per_batch = std::mem::take(&mut self.seg_reads_b);
         self.define(name, Def::Seg(self.segs.len()));
         self.segs.push(SegDecl {
             name: name.name.clone(),
             kind,
             fill,
+            per_batch,
             parts: Vec::new(),
             span,
         });
@@ -133,11 +138,11 @@ impl<'a> Checker<'a> {
                 ));
                 continue;
             }
-            let Ok(lengths) = self.expect_arr(&p.lengths, Ctx::Const) else {
+            let Ok(lengths) = self.expect_arr(&p.lengths, Ctx::Seg) else {
                 continue;
             };
             let count = match &p.count {
-                Some(e) => match self.expect_int(e, Ctx::Const) {
+                Some(e) => match self.expect_int(e, Ctx::Seg) {
                     Ok(i) => i,
                     Err(()) => continue,
                 },
@@ -207,6 +212,7 @@ impl<'a> Checker<'a> {
             );
             return;
         }
+        self.early = Some(Early::Grid);
         let dims: R<Vec<Int>> = dims
             .iter()
             .map(|d| self.expect_int(d, Ctx::Const))
@@ -215,6 +221,7 @@ impl<'a> Checker<'a> {
             Some(e) => self.expect_int(e, Ctx::Const),
             None => Ok(Int::constant(0, name.span)),
         };
+        self.early = None;
         let (Ok(dims), Ok(at)) = (dims, at) else {
             return;
         };
@@ -229,6 +236,7 @@ impl<'a> Checker<'a> {
 
     /// `require COND else "MESSAGE {EXPR}";`.
     pub(super) fn require_item(&mut self, cond_expr: &Expr, message: &[MsgPiece]) {
+        self.reads_structures = false;
         let Ok(cond) = self.expect_bool(cond_expr, Ctx::Const) else {
             return;
         };
@@ -247,6 +255,7 @@ impl<'a> Checker<'a> {
             cond,
             message: parts,
             span: cond_expr.span,
+            reads_structures: self.reads_structures,
         });
     }
 
@@ -267,7 +276,7 @@ impl<'a> Checker<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{check, codes, error, program};
+    use super::super::testing::{check, codes, error, error_diag, program};
     use crate::ir::*;
 
     #[test]
@@ -316,6 +325,88 @@ mod tests {
             "piece `a` is declared twice"
         );
         assert_eq!(error("segments s = 3;\nmask = k <= q;").0, "CM0203");
+    }
+
+    /// A segmentation may read `b` (one layout per batch index), nothing else of the mask.
+    #[test]
+    fn segmentations_may_read_the_batch_index() {
+        let p = program(
+            "param lens: [int] = [2, 3, 4, 1];
+param offs: [int] = [0, 2, 4];
+             segments doc = lens[offs[b] .. offs[b + 1]];
+segments plain = [4];
+             mask = k in doc(q) | k in plain(q);",
+        );
+        assert!(p.segs[0].per_batch && !p.segs[1].per_batch);
+        assert!(p.uses_b, "the mask reads b through `doc`");
+        assert!(
+            program(
+                "segments s = { a: [2] * (b + 1) };
+mask = k in s(q);"
+            )
+            .segs[0]
+                .per_batch
+        );
+        let (code, message) = error(
+            "segments s = [q + 1];
+mask = k in s(q);",
+        );
+        assert_eq!(
+            (code, message.as_str()),
+            ("CM0208", "`q` cannot be used here")
+        );
+        let d = error_diag(
+            "segments s = [2] fill h + 1;
+mask = k in s(q);",
+        );
+        assert!(d.hint.unwrap().contains("the batch index `b`"));
+        // Elsewhere outside the mask, `b` stays out.
+        assert_eq!(
+            error(
+                "param w: int = b;
+mask = k <= q;"
+            )
+            .0,
+            "CM0208"
+        );
+    }
+
+    /// Binding evaluates parameters, then grids, then segmentations, then requirements: an
+    /// earlier statement cannot read a later kind of structure.
+    #[test]
+    fn structures_are_read_only_after_they_are_laid_out() {
+        for (src, message) in [
+            (
+                "segments s = [2];
+param n: int = s.count;",
+                "a parameter default cannot read segmentation `s`",
+            ),
+            (
+                "grid g = [2, 2];
+param n: int = if 3 in g then 1 else 0;",
+                "a parameter default cannot read grid `g`",
+            ),
+            (
+                "grid g = [2, 2];
+param n: int = g.y(3);",
+                "a parameter default cannot read grid `g`",
+            ),
+            (
+                "segments s = [2];
+grid g = [s.count, 2];",
+                "a grid cannot read segmentation `s`",
+            ),
+        ] {
+            let (code, got) = error(&format!("{src}\nmask = k <= q;"));
+            assert_eq!((code, got.as_str()), ("CM0208", message), "{src}");
+        }
+        program(
+            "segments s = [2];
+require s.count > 0 else \"x\";
+grid g = [2, 2];
+segments t = [g.y(3) + 1];
+mask = k in t(q);",
+        );
     }
 
     #[test]

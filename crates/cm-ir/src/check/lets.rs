@@ -44,6 +44,10 @@ fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
             f(then);
             f(els);
         }
+        ExprKind::Quant { range, body, .. } => {
+            f(range);
+            f(body);
+        }
     }
 }
 
@@ -106,7 +110,10 @@ impl Checker<'_> {
         self.lets[id].1 = true;
         let (expr, _, at) = self.lets[id];
         let outer = std::mem::replace(&mut self.visible_before, at);
+        // A `let` is a statement: the variables of an `any` it is used in are not its own.
+        let vars = std::mem::take(&mut self.vars);
         let v = self.lower(expr, ctx);
+        self.vars = vars;
         self.visible_before = outer;
         // Report errors inside the let at the use site too, so the cause is found.
         v.map(|v| respan(v, span))

@@ -40,8 +40,11 @@ enum Def {
 /// Where an expression is being lowered: what it may read.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Ctx {
-    /// Parameter defaults, segmentations, grids, requirements: lengths and parameters only.
+    /// Parameter defaults, grids, requirements: lengths and parameters only.
     Const,
+    /// A segmentation's lengths and fill: like `Const`, plus the batch index `b` (a
+    /// segmentation per batch index).
+    Seg,
     /// A `part` range: like `Const`, plus `len`.
     Part,
     /// The mask: also `q`, `k`, `b`, `h`.
@@ -96,6 +99,26 @@ struct Checker<'a> {
     visible_before: usize,
     /// IR nodes built so far, bounded so `let` chains cannot blow up exponentially.
     nodes: usize,
+    /// While lowering a statement that binding evaluates before segmentations (and, for
+    /// parameter defaults, before grids) are laid out: what it is, for the error when it
+    /// reads one.
+    early: Option<Early>,
+    /// Whether the segmentation being declared reads `b`.
+    seg_reads_b: bool,
+    /// Whether the statement being checked reads a segmentation or grid.
+    reads_structures: bool,
+    /// The variables of the `any` / `all` being lowered, outermost first.
+    vars: Vec<String>,
+}
+
+/// Statements evaluated before some structures exist (binding evaluates parameters, then
+/// grids, then segmentations, then requirements).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Early {
+    /// A parameter default: before grids and segmentations.
+    ParamDefault,
+    /// A grid's extents or offset: before segmentations.
+    Grid,
 }
 
 /// Most IR nodes a program may lower to (after inlining `let`s).
@@ -121,6 +144,10 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         declared_at: HashMap::new(),
         visible_before: 0,
         nodes: 0,
+        early: None,
+        seg_reads_b: false,
+        reads_structures: false,
+        vars: Vec::new(),
     };
     for (idx, item) in program.items.iter().enumerate() {
         c.visible_before = idx;

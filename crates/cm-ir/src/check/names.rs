@@ -6,7 +6,7 @@
 
 use super::atoms::bin;
 use super::suggest::suggest;
-use super::{Checker, Ctx, Def, Val, R};
+use super::{Checker, Ctx, Def, Early, Val, R};
 use crate::ir::*;
 use cm_syntax::ast::{Expr, ExprKind, Ident};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -33,6 +33,7 @@ const BUILTIN_FUNCS: &[&str] = &[
     "l2",
     "linf",
     "box",
+    "concat",
     "elementwise",
 ];
 
@@ -40,12 +41,7 @@ impl Checker<'_> {
     /// Declares `name` as `def` in the current item; `false`, with `CM0202`, when it is a
     /// built-in value, function or named array, or already defined.
     pub(super) fn declare(&mut self, name: &Ident, def: Def) -> bool {
-        // Statement words are keywords only at the start of a statement, so they may name
-        // things; built-in values and functions may not.
-        let reserved = builtin_values().any(|v| v == name.name)
-            || BUILTIN_FUNCS.contains(&name.name.as_str())
-            || self.arrays.iter().any(|a| a.name == name.name);
-        if reserved {
+        if self.is_builtin(&name.name) {
             self.err(Diagnostic::error(
                 Code::DuplicateName,
                 name.span,
@@ -70,6 +66,35 @@ impl Checker<'_> {
             .insert(name.name.clone(), self.visible_before);
         self.define(name, def);
         true
+    }
+
+    /// Whether `n` is a built-in value, function or named array. Statement words are
+    /// keywords only at the start of a statement, so they may name things; these may not.
+    fn is_builtin(&self, n: &str) -> bool {
+        builtin_values().any(|v| v == n)
+            || BUILTIN_FUNCS.contains(&n)
+            || self.arrays.iter().any(|a| a.name == n)
+    }
+
+    /// `CM0202` unless `var` may name the variable of an `any` / `all`: not a built-in, a
+    /// declared name or an enclosing quantifier's variable.
+    pub(super) fn fresh_var(&mut self, var: &Ident) -> R<()> {
+        let n = var.name.as_str();
+        let taken = if self.is_builtin(n) {
+            Some(format!("`{n}` is a built-in name and cannot be redefined"))
+        } else if self.names.contains_key(n) || self.vars.iter().any(|v| v == n) {
+            Some(format!("`{n}` is already defined"))
+        } else {
+            None
+        };
+        let Some(message) = taken else {
+            return Ok(());
+        };
+        self.err(
+            Diagnostic::error(Code::DuplicateName, var.span, message)
+                .with_hint("name the variable of `any` / `all` with a name of its own, e.g. `i`"),
+        );
+        Err(())
     }
 
     /// Makes `name` denote `def` (after [`Checker::declare`], which reserves it, found it
@@ -116,11 +141,30 @@ impl Checker<'_> {
     /// What name `n` denotes here: a built-in value (if `ctx` allows it), a named array, or
     /// a declared name visible at the current item.
     pub(super) fn name(&mut self, n: &str, span: Span, ctx: Ctx) -> R<Val> {
+        if let Some(d) = self.vars.iter().rposition(|v| v == n) {
+            return Ok(Val::Int(Int::new(IntKind::Var(d as u8), span)));
+        }
         let mask_only = |c: Ctx| c == Ctx::Mask || c == Ctx::Elementwise;
         let builtin = match n {
+            "b" if ctx == Ctx::Seg => {
+                self.seg_reads_b = true;
+                self.uses_b = self.uses_b.or(Some(span));
+                Some(IntKind::B)
+            }
             "q" | "k" | "b" | "h" if !mask_only(ctx) => {
-                self.err(Diagnostic::error(Code::WrongContext, span, format!("`{n}` cannot be used here"))
-                    .with_hint("parameter defaults, segmentations, grids, parts and requirements depend only on lengths and parameters"));
+                let hint = if ctx == Ctx::Seg {
+                    "a segmentation's lengths and fill depend only on lengths, parameters and the batch index `b`"
+                } else {
+                    "parameter defaults, grids, parts and requirements depend only on lengths and parameters; segmentations may also read `b`"
+                };
+                self.err(
+                    Diagnostic::error(
+                        Code::WrongContext,
+                        span,
+                        format!("`{n}` cannot be used here"),
+                    )
+                    .with_hint(hint),
+                );
                 return Err(());
             }
             "q" => Some(IntKind::Q),
@@ -177,8 +221,14 @@ impl Checker<'_> {
                 self.params_read[id] = true;
                 Ok(Val::Arr(Arr::Param(id), span))
             }
-            Some((Def::Seg(s), _)) => Ok(Val::Seg(s, span)),
-            Some((Def::Grid(g), _)) => Ok(Val::Grid(g, span)),
+            Some((Def::Seg(s), _)) => {
+                self.laid_out_by_now(n, false, span)?;
+                Ok(Val::Seg(s, span))
+            }
+            Some((Def::Grid(g), _)) => {
+                self.laid_out_by_now(n, true, span)?;
+                Ok(Val::Grid(g, span))
+            }
             Some((Def::Failed, _)) => Err(()),
             Some((Def::Let(id), _)) => self.inline_let(id, span, ctx),
             None => {
@@ -200,6 +250,28 @@ impl Checker<'_> {
                 Err(())
             }
         }
+    }
+
+    /// `CM0208` when the statement being checked is evaluated before segmentation (or grid,
+    /// `is_grid`) `n` is laid out: a parameter default reads neither, a grid no
+    /// segmentation.
+    pub(super) fn laid_out_by_now(&mut self, n: &str, is_grid: bool, span: Span) -> R<()> {
+        self.reads_structures = true;
+        let what = if is_grid { "grid" } else { "segmentation" };
+        let statement = match self.early {
+            Some(Early::ParamDefault) => "a parameter default",
+            Some(Early::Grid) if !is_grid => "a grid",
+            _ => return Ok(()),
+        };
+        self.err(
+            Diagnostic::error(
+                Code::WrongContext,
+                span,
+                format!("{statement} cannot read {what} `{n}`"),
+            )
+            .with_hint("parameters are bound first, then grids, then segmentations; compute the value from the lengths or parameters the structure is built from, or check it with a `require`"),
+        );
+        Err(())
     }
 
     /// `base.name`: a field of a range, segmentation or grid.

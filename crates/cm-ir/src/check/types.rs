@@ -4,10 +4,11 @@
 //! `CM0203` type mismatch, `CM0204` arity or `CM0206` / `CM0208` context error for
 //! anything else.
 
-use super::atoms::bin;
+use super::atoms::{bin, const_value};
 use super::{Checker, Ctx, Val, MAX_NODES, R};
+use crate::bind::{CONCAT_HINT, MAX_QUANT_DEPTH};
 use crate::ir::*;
-use cm_syntax::ast::{BinOp, Expr, ExprKind, UnOp};
+use cm_syntax::ast::{BinOp, Expr, ExprKind, Ident, UnOp};
 use cm_syntax::{Code, Diagnostic, Span};
 
 impl Val {
@@ -42,6 +43,18 @@ impl Val {
                 "a function"
             }
         }
+    }
+}
+
+/// The value of a boolean made of literals only (`2 > 1`, `not true`), if it is one.
+fn const_bool(c: &Bool) -> Option<bool> {
+    match c {
+        Bool::Const(v) => Some(*v),
+        Bool::Cmp(op, a, b) => Some(crate::bind::cmp(*op, const_value(a)?, const_value(b)?)),
+        Bool::Not(a) => Some(!const_bool(a)?),
+        Bool::And(a, b) => Some(const_bool(a)? && const_bool(b)?),
+        Bool::Or(a, b) => Some(const_bool(a)? || const_bool(b)?),
+        Bool::InGrid(..) => None,
     }
 }
 
@@ -209,7 +222,68 @@ impl Checker<'_> {
             ExprKind::Field { base, name } => self.field(base, name, span, ctx),
             ExprKind::Index { base, index } => self.index(base, index, span, ctx),
             ExprKind::Call { callee, args } => self.call(callee, args, span, ctx),
+            ExprKind::Quant {
+                all,
+                var,
+                range,
+                body,
+            } => self.quantifier(*all, var, range, body, span, ctx),
         }
+    }
+
+    /// `any i in RANGE: BODY` / `all i in RANGE: BODY`: a region (the union or intersection
+    /// of `BODY` over the integers of the range) in the mask; `i` is a q-side integer.
+    fn quantifier(
+        &mut self,
+        all: bool,
+        var: &Ident,
+        range: &Expr,
+        body: &Expr,
+        span: Span,
+        ctx: Ctx,
+    ) -> R<Val> {
+        let word = if all { "all" } else { "any" };
+        self.in_mask_only(
+            ctx,
+            span,
+            format!("`{word}` can only be used in the mask (not inside `elementwise`)"),
+        )?;
+        if self.vars.len() >= MAX_QUANT_DEPTH {
+            self.err(
+                Diagnostic::error(
+                    Code::TooDeep,
+                    span,
+                    format!("`any` / `all` nest too deeply: at most {MAX_QUANT_DEPTH} levels"),
+                )
+                .with_hint("combine the ranges of inner quantifiers into one array"),
+            );
+            return Err(());
+        }
+        self.fresh_var(var)?;
+        let r = self.expect_range(range, ctx)?;
+        let (lo, hi) = match r.kind {
+            RangeKind::Lit(lo, hi) => (lo, hi),
+            _ => (
+                Int::new(IntKind::RangeLo(Box::new(r.clone())), r.span),
+                Int::new(IntKind::RangeHi(Box::new(r)), range.span),
+            ),
+        };
+        let depth = self.vars.len() as u8;
+        self.vars.push(var.name.clone());
+        let v = self.lower(body, ctx);
+        self.vars.pop();
+        let body = self.region_of(v?)?;
+        Ok(Val::Region(
+            Region::Quant {
+                all,
+                depth,
+                lo,
+                hi,
+                body: Box::new(body),
+                span,
+            },
+            span,
+        ))
     }
 
     /// `if c then a else b`: integers, booleans, or regions (a condition on rows).
@@ -225,7 +299,21 @@ impl Checker<'_> {
         }
         let t = self.lower(then, ctx)?;
         let f = self.lower(els, ctx)?;
+        // A condition of literals only picks its branch now (both are still checked), so
+        // the planner sees the branch's own atoms (`if 2 > 1 then (q - k) % 2 == 0 else ..`).
+        let known = const_bool(&c);
         match (t, f) {
+            (t @ Val::Int(_), f @ Val::Int(_)) | (t @ Val::Bool(..), f @ Val::Bool(..))
+                if known.is_some() =>
+            {
+                Ok(if known == Some(true) { t } else { f })
+            }
+            (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..)))
+                if known.is_some() && ctx != Ctx::Elementwise =>
+            {
+                let r = self.region_of(if known == Some(true) { t } else { f })?;
+                Ok(Val::Region(r, span))
+            }
             (Val::Int(a), Val::Int(b)) => Ok(Val::Int(Int::new(
                 IntKind::If(Box::new(c), Box::new(a), Box::new(b)),
                 span,
@@ -259,9 +347,17 @@ impl Checker<'_> {
         }
     }
 
-    /// `a[i]` of an array, or `s[i]`, the segment of index `i`.
+    /// `a[i]` of an array, `a[lo .. hi]`, the slice of its entries `[lo, hi)`, or `s[i]`,
+    /// the segment of index `i`.
     fn index(&mut self, base: &Expr, index: &Expr, span: Span, ctx: Ctx) -> R<Val> {
         let b = self.lower(base, ctx)?;
+        if let (Val::Arr(a, _), ExprKind::Range { .. }) = (&b, &index.kind) {
+            let r = self.expect_range(index, ctx)?;
+            return Ok(Val::Arr(
+                Arr::Slice(Box::new(a.clone()), Box::new(r), span),
+                span,
+            ));
+        }
         let i = self.expect_int(index, ctx)?;
         let i = self.no_k(i, ctx)?;
         match b {
@@ -300,6 +396,19 @@ impl Checker<'_> {
                     )))
                 }
                 (Val::Arr(x, _), Val::Arr(y, _)) if op == BinOp::Add => {
+                    if let (Some(lx), Some(ly)) = (self.static_len(&x), self.static_len(&y)) {
+                        if lx != ly {
+                            self.err(
+                                Diagnostic::error(
+                                    Code::TypeMismatch,
+                                    span,
+                                    format!("`+` adds arrays entry by entry, but these have {lx} and {ly} entries"),
+                                )
+                                .with_hint(CONCAT_HINT),
+                            );
+                            return Err(());
+                        }
+                    }
                     Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span))
                 }
                 (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..)))
@@ -310,8 +419,27 @@ impl Checker<'_> {
                     Ok(Val::Region(Region::Diff(Box::new(x), Box::new(y)), span))
                 }
                 (x, y) => {
-                    self.err(Diagnostic::error(Code::TypeMismatch, span, format!("cannot apply this operator to {} and {}", x.describe(), y.describe()))
-                        .with_hint("arithmetic works on integers, `+` also on arrays of equal length, `-` also on regions (difference)"));
+                    let hint = if matches!(
+                        (&x, &y),
+                        (Val::Arr(..), Val::Int(_)) | (Val::Int(_), Val::Arr(..))
+                    ) && op == BinOp::Add
+                    {
+                        CONCAT_HINT
+                    } else {
+                        "arithmetic works on integers, `+` also on arrays of equal length (entry by entry), `-` also on regions (difference)"
+                    };
+                    self.err(
+                        Diagnostic::error(
+                            Code::TypeMismatch,
+                            span,
+                            format!(
+                                "cannot apply this operator to {} and {}",
+                                x.describe(),
+                                y.describe()
+                            ),
+                        )
+                        .with_hint(hint),
+                    );
                     Err(())
                 }
             },
@@ -350,6 +478,40 @@ impl Checker<'_> {
                 Err(())
             }
         }
+    }
+
+    /// The number of entries of `a` when the program fixes it: literals, named arrays, and
+    /// parameters by their defaults (a plan with the defaults has this length).
+    fn static_len(&self, a: &Arr) -> Option<usize> {
+        match a {
+            Arr::Lit(xs) => Some(xs.len()),
+            Arr::Const(v) => Some(v.len()),
+            Arr::Param(id) => match &self.params[*id].default {
+                Some(ParamDefault::Array(d)) => self.static_len(d),
+                _ => None,
+            },
+            Arr::Add(x, _, _) => self.static_len(x),
+            Arr::Concat(xs, _) => xs.iter().map(|x| self.static_len(x)).sum(),
+            Arr::Slice(..) => None,
+        }
+    }
+
+    /// `concat(a, b, ...)`: the arrays one after the other; an integer argument is a
+    /// one-entry array (`concat(docs, pad)`).
+    fn concat(&mut self, args: &[Expr], span: Span, ctx: Ctx) -> R<Val> {
+        self.arity("concat", args, 1..=64, span)?;
+        let mut parts = Vec::with_capacity(args.len());
+        for a in args {
+            match self.lower(a, ctx)? {
+                Val::Arr(x, _) => parts.push(x),
+                Val::Int(i) => parts.push(Arr::Lit(vec![self.no_k(i, ctx)?])),
+                v => {
+                    self.type_err(&v, "an integer array or an integer");
+                    return Err(());
+                }
+            }
+        }
+        Ok(Val::Arr(Arr::Concat(parts, span), span))
     }
 
     /// `CM0204` unless `args` has a count in `want`.
@@ -399,13 +561,15 @@ impl Checker<'_> {
                 self.arity(n, args, 1..=1, span)?;
                 let arg = &args[0];
                 let kind = match n {
-                    "abs" => IntKind::Abs(Box::new(self.expect_q_int(arg, ctx)?)),
+                    // `abs(q - k) <= w` is solvable: the comparison decides (see `atoms`).
+                    "abs" => IntKind::Abs(Box::new(self.expect_int(arg, ctx)?)),
                     "isqrt" => IntKind::Isqrt(Box::new(self.expect_q_int(arg, ctx)?)),
                     "sum" => IntKind::ArrSum(Box::new(self.expect_arr(arg, ctx)?)),
                     _ => IntKind::ArrLen(Box::new(self.expect_arr(arg, ctx)?)),
                 };
                 Ok(Val::Int(Int::new(kind, span)))
             }
+            "concat" => self.concat(args, span, ctx),
             "l1" | "l2" | "linf" => {
                 self.arity(n, args, 1..=1, span)?;
                 let g = self.expect_grid(&args[0], ctx)?;
@@ -477,7 +641,7 @@ impl Checker<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{error, program, rows};
+    use super::super::testing::{error, error_diag, program, rows};
     use crate::ir::Region;
 
     #[test]
@@ -517,6 +681,111 @@ mod tests {
             ),
         ] {
             assert_eq!(error(src), ("CM0203", message.to_string()), "{src}");
+        }
+    }
+
+    /// `concat` appends, `+` adds entry by entry, slices cut `[lo, hi)`; a `+` of arrays
+    /// whose lengths the program fixes and that differ is `CM0203` with the `concat` hint,
+    /// as is `+` of an array and an integer.
+    #[test]
+    fn arrays_concatenate_add_and_slice() {
+        let bind = |src: &str| {
+            let p = program(src);
+            let shape = crate::Shape {
+                q_len: 4,
+                kv_len: 4,
+                batch: 1,
+                num_heads: 1,
+            };
+            let b = p.bind(shape, &Default::default()).unwrap();
+            let crate::ir::SegKind::Plain(a) = &p.segs[0].kind else {
+                panic!()
+            };
+            b.eval_arr(a, &Default::default()).unwrap().to_vec()
+        };
+        let seg = |arr: &str| {
+            format!("param pad: int = 9;\nparam docs: [int] = [1, 2, 3];\nsegments s = {arr};\nmask = k in s(q);")
+        };
+        assert_eq!(bind(&seg("concat(docs, [pad])")), [1, 2, 3, 9]);
+        assert_eq!(
+            bind(&seg("concat(docs, pad, docs[1 .. 3])")),
+            [1, 2, 3, 9, 2, 3]
+        );
+        assert_eq!(bind(&seg("docs + [pad, 0, pad]")), [10, 2, 12]);
+        assert_eq!(bind(&seg("docs[0 ..= 1] + [pad, 1]")), [10, 3]);
+        assert_eq!(bind(&seg("concat(small)[1 .. count(small)]")), [1, 2]);
+        for arr in ["docs + [pad]", "[1, 2] + concat(docs, 1)", "small + [1]"] {
+            let d = error_diag(&seg(arr));
+            assert_eq!(d.code.as_str(), "CM0203", "{arr}");
+            assert!(
+                d.message.starts_with("`+` adds arrays entry by entry"),
+                "{}",
+                d.message
+            );
+            assert!(d.hint.unwrap().contains("concat(A, B)"));
+        }
+        let d = error_diag(&seg("docs + pad"));
+        assert!(d.hint.unwrap().contains("concat(docs, pad)"));
+        assert_eq!(error(&seg("concat(docs, 1 < 2)")).0, "CM0203");
+    }
+
+    /// `any` / `all`: a region over the integers of a range, the variable a q-side integer
+    /// visible in the body only; `any` and `all` stay ordinary names elsewhere.
+    #[test]
+    fn quantifiers_range_over_integers() {
+        let src = "param g: [int] = [0, 7, 3];\n\
+                   mask = q - 4 < k <= q | any i in 0 .. count(g): k == g[i] | q == g[i];";
+        let Region::Union(_, quant) = program(src).mask else {
+            panic!()
+        };
+        assert!(
+            matches!(
+                *quant,
+                Region::Quant {
+                    all: false,
+                    depth: 0,
+                    ..
+                }
+            ),
+            "{quant:?}"
+        );
+        let reference = "mask = elementwise(q - 4 < k & k <= q | k == 0 | k == 7 | k == 3 \
+                         | q == 0 | q == 7 | q == 3);";
+        assert_eq!(rows(src, 12, 10), rows(reference, 12, 10));
+        let nested = "mask = all i in 0 ..= 1: any j in i .. 3: k == q + i * j;";
+        let reference = "mask = elementwise((k == q | k == q + 0 | k == q + 0) \
+                         & (k == q + 1 | k == q + 2));";
+        assert_eq!(rows(nested, 9, 9), rows(reference, 9, 9));
+        // An empty range: `any` is no key, `all` every key.
+        assert_eq!(
+            rows("mask = any i in 3 .. 1: k == i;", 2, 3),
+            [vec![], vec![]]
+        );
+        assert_eq!(
+            rows("mask = all i in 3 .. 1: k == i;", 2, 3),
+            [vec![(0, 3)], vec![(0, 3)]]
+        );
+        program("param any: int = 1;\nparam all: int = 2;\nmask = k < any + all;");
+    }
+
+    #[test]
+    fn quantifier_errors() {
+        for (src, code, message) in [
+            ("mask = any q in 0 .. 2: k == q;", "CM0202", "`q` is a built-in name and cannot be redefined"),
+            ("param n: int = 2;\nmask = any n in 0 .. 2: k == n;", "CM0202", "`n` is already defined"),
+            ("mask = any i in 0 .. 2: any i in 0 .. 2: k == i;", "CM0202", "`i` is already defined"),
+            ("mask = any i in 0 .. 2: i;", "CM0203", "expected a region or a boolean, found an integer"),
+            ("mask = any i in 0 .. k: k == i;", "CM0206", "range bounds cannot depend on `k`"),
+            ("param n: int = any i in 0 .. 2: i == 1;\nmask = k <= q;", "CM0208", "`any` can only be used in the mask (not inside `elementwise`)"),
+            ("mask = elementwise(all i in 0 .. 2: k == i);", "CM0208", "`all` can only be used in the mask (not inside `elementwise`)"),
+            ("let x = i;\nmask = any i in 0 .. 2: k == x;", "CM0201", "unknown name `i`"),
+            (
+                "mask = any a in 0..1: any b2 in 0..1: any c in 0..1: any d in 0..1: any e in 0..1: k == a;",
+                "CM0105",
+                "`any` / `all` nest too deeply: at most 4 levels",
+            ),
+        ] {
+            assert_eq!(error(src), (code, message.to_string()), "{src}");
         }
     }
 
@@ -563,6 +832,16 @@ mod tests {
             rows("mask = k < max(1, q) & (q >= 2 | k < 1);", 5, 5)
         );
         assert_eq!(error("mask = if k < q then k <= q else false;").0, "CM0206");
+        // A condition of literals picks its branch; the other is still checked.
+        assert!(matches!(
+            program("mask = if 2 > 1 and not false then k <= q else k < 0;").mask,
+            Region::KCmp { .. }
+        ));
+        assert!(matches!(
+            program("mask = k < (if 1 == 2 then q else 3);").mask,
+            Region::KCmp { rest, .. } if format!("{rest:?}").contains("Const(3)") && !format!("{rest:?}").contains("If")
+        ));
+        assert_eq!(error("mask = if true then k <= q else zz;").0, "CM0201");
         assert_eq!(
             error("param n: int = 1;\nrequire k < n else \"x\";\nmask = k <= q;").0,
             "CM0208"
