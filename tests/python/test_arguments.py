@@ -272,3 +272,13 @@ def test_one_element_lists_for_int_parameters_are_documented_coercions():
     assert e.value.code == "CM0308"
     doc = cm.builtin("document_causal")
     assert doc.plan(10, lengths=5).rows() == doc.plan(10, lengths=[5]).rows()
+
+
+def test_endless_iterators_for_array_parameters_stop_at_the_limit():
+    import itertools
+
+    program = cm.builtin("document_causal")
+    with pytest.raises(ValueError, match=r"`lengths` has more than 16777216 entries"):
+        program.plan(8, lengths=itertools.count(1))
+    # An iterator of a reasonable length is an array like any other.
+    assert program.plan(8, lengths=iter([3, 5])).rows(0, 8)[3] == [(3, 4)]

@@ -147,6 +147,10 @@ def _source_text(name: str, text: Any) -> str:
     return text
 
 
+# Most entries an array parameter may hold (docs/language.md, Limits).
+_ARRAY_MAX = 1 << 24
+
+
 def _param_value(name: str, value: Any) -> int | list[int]:
     """An int or a list of ints from an int, a sequence, a numpy array or a torch tensor."""
     if not isinstance(value, (int, list, tuple)) and hasattr(value, "tolist"):
@@ -157,7 +161,13 @@ def _param_value(name: str, value: Any) -> int | list[int]:
         return value
     value = _ordered(f"parameter `{name}`", value, "an int or a list of ints")
     out: list[int] = []
-    for x in value:
+    for i, x in enumerate(value):
+        if i == _ARRAY_MAX:
+            # An endless iterator stops here instead of filling memory.
+            raise ValueError(
+                f"parameter `{name}` has more than {_ARRAY_MAX} entries (2^24, the most "
+                "segments a segmentation may have)"
+            )
         if isinstance(x, bool):
             raise TypeError(f"parameter `{name}`: expected ints, got bool {x!r}")
         try:
