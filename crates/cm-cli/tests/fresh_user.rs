@@ -198,58 +198,37 @@ fn builtin_parameters_are_checked() {
             &["CM0305", needle],
         );
     }
-    // Malformed tree `ends` (a `require` cannot loop over an array, so rows are checked
-    // as they are planned): the error names the row and what it needs.
-    for (q_len, ends, row, needle) in [
-        (
-            "5",
-            "ends=5,1,2,3,4",
-            "q = 1",
-            "row q needs q < ends[q] <= count(ends)",
-        ),
-        (
-            "3",
-            "ends=3,9,3",
-            "q = 1",
-            "row q needs q < ends[q] <= count(ends)",
-        ),
-        (
-            "3",
-            "ends=3,2,-1",
-            "q = 2",
-            "row q needs q < ends[q] <= count(ends)",
-        ),
-        (
-            "4",
-            "ends=4,3,4,4",
-            "q = 2",
-            "not inside ancestor k's ends[k]",
-        ),
+    // Malformed tree parents: the error names the node and what it needs.
+    for (q_len, parents, needle) in [
+        ("3", "parents=-1,0,5", "node 2 of tree `t` has parent 5"),
+        ("3", "parents=-1,2,1", "tree `t` has a cycle: 1 -> 2 -> 1"),
+        ("2", "parents=0,-1", "tree `t` has a cycle: 0 -> 0"),
     ] {
         fails(
-            &["plan", "--builtin", "tree", "--q-len", q_len, "--set", ends],
-            &["bad ends", row, needle],
+            &[
+                "plan",
+                "--builtin",
+                "tree",
+                "--q-len",
+                q_len,
+                "--set",
+                parents,
+            ],
+            &["CM0313", needle],
         );
     }
-    // Well-formed trees still plan: a chain and a root with two leaves.
-    ok(&[
-        "plan",
-        "--builtin",
-        "tree",
-        "--q-len",
-        "3",
-        "--set",
-        "ends=3,3,3",
-    ]);
-    ok(&[
-        "plan",
-        "--builtin",
-        "tree",
-        "--q-len",
-        "3",
-        "--set",
-        "ends=3,2,3",
-    ]);
+    // Well-formed trees still plan: a chain, a root with two leaves, a tree in any order.
+    for parents in ["parents=-1,0,1", "parents=-1,0,0", "parents=2,2,-1"] {
+        ok(&[
+            "plan",
+            "--builtin",
+            "tree",
+            "--q-len",
+            "3",
+            "--set",
+            parents,
+        ]);
+    }
     ok(&["plan", "--builtin", "tree", "--q-len", "64"]);
 }
 

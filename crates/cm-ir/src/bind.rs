@@ -6,6 +6,7 @@
 //! modulo, checked overflow) and the evaluation of q-side expressions at a point.
 
 use crate::ir::*;
+use crate::tree::TreeTable;
 use cm_syntax::Code;
 use cm_syntax::{Diagnostic, Span};
 use std::collections::BTreeMap;
@@ -272,6 +273,8 @@ pub struct Bound<'p> {
     /// batch index `seg_batch`.
     pub segs: Vec<SegTable>,
     pub grids: Vec<GridVals>,
+    /// Every tree, validated, with its paths; those that read `b` for `seg_batch`.
+    pub trees: Vec<TreeTable>,
     /// The batch index the per-batch segmentations of `segs` are laid out for (0 after
     /// [`Program::bind`]; see [`Bound::at_batch`]).
     pub seg_batch: i64,
@@ -348,6 +351,7 @@ impl Program {
             params: Vec::new(),
             segs: Vec::new(),
             grids: Vec::new(),
+            trees: Vec::new(),
             seg_batch: 0,
         };
         let env = Env::default();
@@ -411,20 +415,24 @@ impl Program {
             let table = b.lay_out(s, 0)?;
             b.segs.push(table);
         }
+        for t in &self.trees {
+            let table = b.lay_out_tree(t, 0)?;
+            b.trees.push(table);
+        }
         // Then the requirements that read a structure (`require doc.count <= 64`).
         b.check_requires(true)?;
         Ok(b)
     }
 
-    /// Whether some segmentation reads the batch index `b`.
+    /// Whether some segmentation or tree reads the batch index `b`.
     pub fn has_per_batch_segs(&self) -> bool {
-        self.segs.iter().any(|s| s.per_batch)
+        self.segs.iter().any(|s| s.per_batch) || self.trees.iter().any(|t| t.per_batch)
     }
 }
 
 impl<'p> Bound<'p> {
-    /// The program with its per-batch segmentations laid out for batch index `b`: borrowed
-    /// when none reads `b` or they already are. Cost O(those segmentations' segments).
+    /// The program with its per-batch segmentations and trees laid out for batch index `b`:
+    /// borrowed when none reads `b` or they already are. Cost O(their segments and nodes).
     ///
     /// # Errors
     /// Any error of laying them out at `b` (`CM0306`, `CM0307`, `CM0304`, overflow), its
@@ -443,7 +451,26 @@ impl<'p> Bound<'p> {
                 })?;
             }
         }
+        for (i, t) in self.program.trees.iter().enumerate() {
+            if t.per_batch {
+                out.trees[i] = self.lay_out_tree(t, b).map_err(|mut e| {
+                    e.message = format!("{} (at b = {b})", e.message);
+                    e
+                })?;
+            }
+        }
         Ok(std::borrow::Cow::Owned(out))
+    }
+
+    /// Tree `t` evaluated for batch index `b` and validated.
+    fn lay_out_tree(&self, t: &TreeDecl, b: i64) -> PResult<TreeTable> {
+        let env = Env {
+            b,
+            ..Env::default()
+        };
+        let parents = self.eval_arr(&t.parents, &env)?;
+        let at = self.eval_int(&t.at, &env)?;
+        TreeTable::build(&t.name, parents, at, t.span)
     }
 
     /// Checks the requirements that read a segmentation or grid (`later`), or those that do

@@ -139,6 +139,15 @@ impl Bound<'_> {
                     None => false,
                 }
             }
+            Region::Path { tree, pos, .. } => {
+                let t = &self.trees[*tree];
+                let n = t.len() as i64;
+                let node = |p: i64| p.checked_sub(t.at).filter(|u| (0..n).contains(u));
+                match (node(self.eval_int(pos, env)?), node(k)) {
+                    (Some(u), Some(a)) => t.on_path(a as usize, u as usize),
+                    _ => false,
+                }
+            }
             Region::Union(a, b) => {
                 let x = self.region_at(a, env)?;
                 let y = self.region_at(b, env)?;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 pub type SegId = usize;
 pub type GridId = usize;
 pub type ParamId = usize;
+pub type TreeId = usize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum IntOp {
@@ -263,6 +264,13 @@ pub enum Region {
         ranges: Vec<RangeE>,
         span: Span,
     },
+    /// `k in t.path(pos)`: the keys on the path from the root of tree `t` to the node at
+    /// position `pos` (its ancestors and itself); empty when `pos` is not a node of `t`.
+    Path {
+        tree: TreeId,
+        pos: Int,
+        span: Span,
+    },
     Union(Box<Region>, Box<Region>),
     Inter(Box<Region>, Box<Region>),
     Diff(Box<Region>, Box<Region>),
@@ -324,7 +332,8 @@ impl Region {
             | Region::KDiv { .. }
             | Region::KMod { .. }
             | Region::Ball { .. }
-            | Region::Box { .. } => false,
+            | Region::Box { .. }
+            | Region::Path { .. } => false,
         }
     }
 }
@@ -366,6 +375,7 @@ impl Region {
             }
             Region::Ball { .. } | Region::Elementwise(..) => true,
             Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&q)),
+            Region::Path { pos, .. } => pos.mentions(&q),
             Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
                 a.reads_q() || b.reads_q()
             }
@@ -390,6 +400,7 @@ impl Region {
             }
             Region::Ball { radius, .. } => int(radius),
             Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&outer)),
+            Region::Path { pos, .. } => int(pos),
             Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
                 a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
             }
@@ -481,6 +492,19 @@ pub struct GridDecl {
     pub span: Span,
 }
 
+/// A tree over positions: node `i` is position `at + i`, `parents[i]` its parent node
+/// (`-1` for a root). Validated when bound (a forest: parents in range, no cycle).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeDecl {
+    pub name: String,
+    pub parents: Arr,
+    pub at: Int,
+    /// Whether the parents or the offset read `b`: then the tree is laid out per batch
+    /// index, like a segmentation.
+    pub per_batch: bool,
+    pub span: Span,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MsgPart {
     Text(String),
@@ -503,6 +527,7 @@ pub struct Program {
     pub params: Vec<ParamDecl>,
     pub segs: Vec<SegDecl>,
     pub grids: Vec<GridDecl>,
+    pub trees: Vec<TreeDecl>,
     pub requires: Vec<Require>,
     pub mask: Region,
     /// The `mask = ...;` statement.

@@ -12,6 +12,7 @@ pub mod bind;
 pub mod check;
 mod interp;
 pub mod ir;
+pub mod tree;
 
 pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};
 pub use check::check;

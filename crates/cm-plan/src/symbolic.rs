@@ -1003,6 +1003,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 span,
             } => self.ball(p, *grid, *metric, *strict, radius, *span),
             Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
+            Region::Path { tree, pos, span } => self.tree_path(p, *tree, pos, *span),
             Region::Union(a, b) => {
                 if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
                     let x = self.region(p, a, hull)?;
@@ -1552,6 +1553,52 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Some(last) if lo.first <= last.end.first => last.end = hi,
                 _ => out.push(AffineInterval { start: lo, end: hi }),
             }
+        }
+        Ok(out)
+    }
+
+    /// The keys on the path from the root to the node at `pos`: each row's path read from
+    /// the tree's table, a piece of rows as long as the table's paths move affinely
+    /// (`TreeTable::run`), clipped to the keys.
+    fn tree_path(
+        &self,
+        p: &Piece,
+        tree: TreeId,
+        pos: &Int,
+        span: Span,
+    ) -> Eval<Vec<AffineInterval>> {
+        let t = &self.bound.trees[tree];
+        let pos = self.int(p, pos)?;
+        let n = t.len() as i64;
+        if !self.within(p, pos, t.at, t.at.saturating_add(n))? {
+            return Ok(Vec::new());
+        }
+        let u = (pos.first - t.at) as usize;
+        // Nodes u, u + s, u + 2s, ... for a position of slope s: affine while the table says
+        // so (s = 1), or the same node (s = 0); one row at a time otherwise.
+        let step_rows = match pos.step {
+            0 => None,
+            1 => {
+                let run = i64::from(t.run[u]);
+                if run + 1 < p.n {
+                    return Err(Flow::Split(p.q0 + run + 1));
+                }
+                Some(t.path(u + 1))
+            }
+            _ => return Err(self.single(p)),
+        };
+        let mut out = Vec::with_capacity(t.path(u).len());
+        for (i, &(lo, hi)) in t.path(u).iter().enumerate() {
+            let (ds, de) = match step_rows {
+                Some(next) => (
+                    i64::from(next[i].0) - i64::from(lo),
+                    i64::from(next[i].1) - i64::from(hi),
+                ),
+                None => (0, 0),
+            };
+            let start = self.affine(p, t.at.checked_add(i64::from(lo)), Some(ds), span)?;
+            let end = self.affine(p, t.at.checked_add(i64::from(hi)), Some(de), span)?;
+            out.extend(self.interval(p, start, end)?);
         }
         Ok(out)
     }

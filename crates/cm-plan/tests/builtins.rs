@@ -196,4 +196,14 @@ fn grids() {
         t,
     );
     check_against_brute_force(&builtin("tree"), shape(127, 127), &params(&[]), t);
+    // After a prompt, a tree numbered out of order, longer than the queries.
+    check_against_brute_force(
+        &builtin("tree"),
+        shape(9, 11),
+        &params(&[
+            ("prompt", cm_ir::Value::Int(4)),
+            ("parents", arr(&[3, 3, -1, 2, 0, 4, 2])),
+        ]),
+        t,
+    );
 }

@@ -75,6 +75,14 @@ pub enum Item {
         at: Option<Expr>,
         span: Span,
     },
+    /// `tree t = parents at offset;`: node `i` is position `offset + i`, `parents[i]` its
+    /// parent node (-1 for a root).
+    Tree {
+        name: Ident,
+        parents: Expr,
+        at: Option<Expr>,
+        span: Span,
+    },
     Require {
         cond: Expr,
         message: Vec<MsgPiece>,

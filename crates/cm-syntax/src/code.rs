@@ -74,6 +74,7 @@ codes! {
     OutsideGrid = "CM0310", "a grid coordinate of a position outside the grid";
     BadGrid = "CM0311", "a grid with an extent < 1 or a negative offset";
     NegativeIsqrt = "CM0312", "`isqrt` of a negative number";
+    BadTree = "CM0313", "a tree's parent array that is not a forest (a parent outside the tree, a cycle) or a tree at a negative position";
     ZeroTileSide = "CM0401", "a tile shape with a zero side";
     LengthOutOfRange = "CM0402", "a length out of range (`q_len`, `kv_len` in `1 ..= 2^26`, `batch`, `num_heads`)";
     DenseTooLarge = "CM0403", "a dense export above its size limit";

@@ -14,7 +14,7 @@ const MAX_DEPTH: u32 = 128;
 
 /// Statement keywords, recognised only at the start of a statement.
 pub const STATEMENT_KEYWORDS: &[&str] = &[
-    "param", "let", "segments", "part", "grid", "require", "mask",
+    "param", "let", "segments", "part", "grid", "tree", "require", "mask",
 ];
 
 /// Words that cannot name anything.
@@ -198,7 +198,7 @@ impl Parser {
                         format!("expected a statement, found {}", t.tok.describe()),
                     )
                     .with_hint(
-                        "statements start with param, let, segments, part, grid, require or mask",
+                        "statements start with param, let, segments, part, grid, tree, require or mask",
                     ),
                 );
                 return None;
@@ -337,6 +337,25 @@ impl Parser {
                 Some(Item::Grid {
                     name,
                     dims,
+                    at,
+                    span,
+                })
+            }
+            "tree" => {
+                let name = self.ident("a tree name")?;
+                if !self.expect(Tok::Eq, "`=`") {
+                    return None;
+                }
+                let parents = self.expr();
+                let at = if self.eat_word("at") {
+                    Some(self.expr())
+                } else {
+                    None
+                };
+                let span = self.end_statement(start)?;
+                Some(Item::Tree {
+                    name,
+                    parents,
                     at,
                     span,
                 })

@@ -469,6 +469,15 @@ fn cm0312_isqrt_negative() {
 // ---- CM04xx: planning limits ----------------------------------------------------------
 
 #[test]
+fn cm0313_bad_tree() {
+    plan_golden(
+        "CM0313",
+        "param parents: [int] = [-1, 0, 3, 2];\ntree draft = parents at 4;\nmask = k < 4 & k <= q | k in draft.path(q);\n",
+        &opts(8),
+    );
+}
+
+#[test]
 fn cm0401_zero_tile_side() {
     plan_golden("CM0401", "mask = k <= q;\n", &opts(8).tile(0, 4));
 }

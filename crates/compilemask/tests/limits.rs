@@ -27,7 +27,11 @@ fn written(v: u64) -> String {
 
 #[test]
 fn every_public_limit_is_documented_with_its_value() {
-    use cm_ir::bind::{MAX_BATCH, MAX_BATCH_HEADS, MAX_HEADS, MAX_LEN, MAX_SEGMENTS};
+    use cm_ir::bind::{
+        MAX_BATCH, MAX_BATCH_HEADS, MAX_HEADS, MAX_LEN, MAX_QUANT_DEPTH, MAX_QUANT_TERMS,
+        MAX_SEGMENTS,
+    };
+    use cm_ir::tree::MAX_TREE_INTERVALS;
     use cm_plan::plan::{MAX_INTERVALS, MAX_TILE_ENTRIES};
     use cm_plan::symbolic::MAX_ELEMENTWISE_PAIRS;
     for (row, value) in [
@@ -42,6 +46,10 @@ fn every_public_limit_is_documented_with_its_value() {
         ("a dense export (", compilemask::DENSE_LIMIT),
         ("a dense export written as JSON", compilemask::JSON_LIMIT),
         ("`cu_seqlens` totals", MAX_LEN as u64),
+        ("integers one `any`", MAX_QUANT_TERMS as u64),
+        ("nesting of `any`", MAX_QUANT_DEPTH as u64),
+        ("nodes of one tree", MAX_LEN as u64),
+        ("path intervals of one tree", MAX_TREE_INTERVALS as u64),
     ] {
         let row = row.trim_end_matches(" |");
         let cell = documented(row);

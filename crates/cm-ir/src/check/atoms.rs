@@ -4,7 +4,7 @@
 //! rhs` ([`Region::KDiv`]), `(±k + rest) mod d (== | !=) rhs` ([`Region::KMod`]) and grid
 //! distance balls ([`Region::Ball`]). Anything else with `k` is `CM0207`.
 
-use super::{Checker, Ctx, Def, Val, R};
+use super::{Checker, Ctx, Def, Structure, Val, R};
 use crate::ir::*;
 use cm_syntax::ast::{CmpOp, Expr, ExprKind};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -324,7 +324,7 @@ impl Checker<'_> {
         if let ExprKind::Name(n) = &range.kind {
             if let Some((Def::Grid(g), _)) = self.names.get(n) {
                 let g = *g;
-                self.laid_out_by_now(n, true, range.span)?;
+                self.laid_out_by_now(n, Structure::Grid, range.span)?;
                 if x.has_k() && ctx != Ctx::Elementwise {
                     let lo = Int::new(
                         IntKind::RangeLo(Box::new(self.grid_range(g, range.span))),
@@ -341,12 +341,52 @@ impl Checker<'_> {
                 return Ok(Val::Bool(Bool::InGrid(g, x), span));
             }
         }
+        if let ExprKind::Call { .. } = &range.kind {
+            if let Some(v) = self.tree_path(&x, range, span, ctx)? {
+                return Ok(v);
+            }
+        }
         let r = self.expect_range(range, ctx)?;
         let lo = Int::new(IntKind::RangeLo(Box::new(r.clone())), r.span);
         let hi = Int::new(IntKind::RangeHi(Box::new(r)), range.span);
         let a = self.compare(CmpOp::Ge, Val::Int(x.clone()), Val::Int(lo), ctx)?;
         let b = self.compare(CmpOp::Lt, Val::Int(x), Val::Int(hi), ctx)?;
         self.and_or(true, a, b, span)
+    }
+
+    /// `x in t.path(p)` for a tree `t`: the region for `x` = `k`, `CM0203` for anything
+    /// else (a path is a set of keys, not a range); `None` when `range` is not a tree's path.
+    fn tree_path(&mut self, x: &Int, range: &Expr, span: Span, ctx: Ctx) -> R<Option<Val>> {
+        let ExprKind::Call { callee, .. } = &range.kind else {
+            return Ok(None);
+        };
+        let ExprKind::Field { base, name } = &callee.kind else {
+            return Ok(None);
+        };
+        let is_tree = matches!(&base.kind, ExprKind::Name(n)
+            if matches!(self.names.get(n), Some((Def::Tree(_), _))));
+        if !is_tree || name.name != "path" {
+            return Ok(None);
+        }
+        let (tree, pos) = match self.lower(range, ctx)? {
+            Val::Path(tree, pos, _) => (tree, pos),
+            v => {
+                self.type_err(&v, "a tree's path");
+                return Err(());
+            }
+        };
+        if x.kind == IntKind::K && ctx == Ctx::Mask {
+            return Ok(Some(Val::Region(Region::Path { tree, pos, span }, span)));
+        }
+        self.err(
+            Diagnostic::error(
+                Code::TypeMismatch,
+                span,
+                "a tree's path can only be used as `k in t.path(p)` in the mask",
+            )
+            .with_hint("`t.path(p)` is the set of keys on the path from the root to p's node (its ancestors and itself), not a range of positions"),
+        );
+        Err(())
     }
 
     /// `a op b`: a q-side comparison, or, with `k` on one side, the atom it normalises to;

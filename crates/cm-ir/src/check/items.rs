@@ -100,6 +100,7 @@ impl<'a> Checker<'a> {
             return;
         }
         self.seg_reads_b = false;
+        self.early = Some(Early::Segmentation);
         let kind = match spec {
             SegSpec::Plain(e) => match self.expect_arr(e, Ctx::Seg) {
                 Ok(a) => SegKind::Plain(a),
@@ -115,6 +116,7 @@ impl<'a> Checker<'a> {
             None => Int::new(IntKind::QLen, name.span),
         };
         let per_batch = std::mem::take(&mut self.seg_reads_b);
+        self.early = None;
         self.define(name, Def::Seg(self.segs.len()));
         self.segs.push(SegDecl {
             name: name.name.clone(),
@@ -230,6 +232,39 @@ impl<'a> Checker<'a> {
             dims,
             at,
             name: name.name.clone(),
+            span,
+        });
+    }
+
+    /// `tree NAME = PARENTS at OFFSET;`: the parents may read `b` (a tree per batch index).
+    pub(super) fn tree_item(
+        &mut self,
+        name: &Ident,
+        parents: &Expr,
+        at: Option<&Expr>,
+        span: Span,
+    ) {
+        if !self.declare(name, Def::Failed) {
+            return;
+        }
+        self.early = Some(Early::Tree);
+        self.seg_reads_b = false;
+        let parents = self.expect_arr(parents, Ctx::Seg);
+        let at = match at {
+            Some(e) => self.expect_int(e, Ctx::Seg),
+            None => Ok(Int::constant(0, name.span)),
+        };
+        self.early = None;
+        let per_batch = std::mem::take(&mut self.seg_reads_b);
+        let (Ok(parents), Ok(at)) = (parents, at) else {
+            return;
+        };
+        self.define(name, Def::Tree(self.trees.len()));
+        self.trees.push(TreeDecl {
+            name: name.name.clone(),
+            parents,
+            at,
+            per_batch,
             span,
         });
     }
@@ -407,6 +442,60 @@ grid g = [2, 2];
 segments t = [g.y(3) + 1];
 mask = k in t(q);",
         );
+    }
+
+    /// `tree t = parents at offset;`: `k in t.path(p)` is a region, `t.count` an integer;
+    /// a tree is laid out after segmentations, and its path is only a set of keys.
+    #[test]
+    fn trees_give_paths_of_keys() {
+        let p = program(
+            "param parents: [int] = [-1, 0, 0, 1];\ntree t = parents at 2;\n\
+             mask = k < 2 | k in t.path(q) | k < t.count - 4;",
+        );
+        assert_eq!(p.trees.len(), 1);
+        assert!(!p.trees[0].per_batch);
+        assert!(program("tree t = [-1, b - 1];\nmask = k in t.path(q);").trees[0].per_batch);
+        for (src, code, message) in [
+            (
+                "tree t = [-1];\nmask = t.path(q);",
+                "CM0203",
+                "expected a region or a boolean, found a tree's path (use it as `k in t.path(p)`)",
+            ),
+            (
+                "tree t = [-1];\nmask = k + 1 in t.path(q);",
+                "CM0203",
+                "a tree's path can only be used as `k in t.path(p)` in the mask",
+            ),
+            (
+                "tree t = [-1];\nmask = elementwise(k in t.path(q));",
+                "CM0203",
+                "a tree's path can only be used as `k in t.path(p)` in the mask",
+            ),
+            (
+                "tree t = [-1];\nparam n: int = t.count;\nmask = k <= q;",
+                "CM0208",
+                "a parameter default cannot read tree `t`",
+            ),
+            (
+                "tree t = [-1];\nsegments s = [t.count];\nmask = k in s(q);",
+                "CM0208",
+                "a segmentation cannot read tree `t`",
+            ),
+            (
+                "tree t = [q];\nmask = k <= q;",
+                "CM0208",
+                "`q` cannot be used here",
+            ),
+            (
+                "tree t = [-1];\nmask = k in t.leaves(q);",
+                "CM0209",
+                "tree `t` has no field `leaves`",
+            ),
+        ] {
+            assert_eq!(error(src), (code, message.to_string()), "{src}");
+        }
+        // A tree may read segmentations and grids, and requirements read trees.
+        program("segments s = [3];\ntree t = [-1, 0] at s.count;\nrequire t.count == 2 else \"x\";\nmask = k in t.path(q);");
     }
 
     #[test]

@@ -35,6 +35,7 @@ enum Def {
     Let(usize),
     Seg(SegId),
     Grid(GridId),
+    Tree(TreeId),
 }
 
 /// Where an expression is being lowered: what it may read.
@@ -67,6 +68,11 @@ enum Val {
     PartFn(SegId, usize, Span),
     PieceFn(SegId, usize, Span),
     AxisFn(GridId, u8, Span),
+    Tree(TreeId, Span),
+    /// `t.path`, to be called on a position.
+    PathFn(TreeId, Span),
+    /// `t.path(p)`: only `k in t.path(p)` uses it.
+    Path(TreeId, Int, Span),
 }
 
 /// A failed check: its diagnostic is already recorded.
@@ -83,6 +89,7 @@ struct Checker<'a> {
     params: Vec<ParamDecl>,
     segs: Vec<SegDecl>,
     grids: Vec<GridDecl>,
+    trees: Vec<TreeDecl>,
     requires: Vec<Require>,
     /// The mask and the span of its statement.
     mask: Option<(Region, Span)>,
@@ -111,14 +118,45 @@ struct Checker<'a> {
     vars: Vec<String>,
 }
 
-/// Statements evaluated before some structures exist (binding evaluates parameters, then
-/// grids, then segmentations, then requirements).
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Statements evaluated before some structures exist: binding evaluates parameters, then
+/// grids, segmentations and trees (each kind in declaration order), then requirements.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Early {
-    /// A parameter default: before grids and segmentations.
+    /// A parameter default: before every structure.
     ParamDefault,
-    /// A grid's extents or offset: before segmentations.
+    /// A grid's extents or offset: reads grids only.
     Grid,
+    /// A segmentation's lengths or fill: reads grids and segmentations.
+    Segmentation,
+    /// A tree's parents or offset: reads every structure.
+    Tree,
+}
+
+/// The kinds of structure, in the order binding lays them out.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Structure {
+    Grid,
+    Segmentation,
+    Tree,
+}
+
+impl Structure {
+    fn word(self) -> &'static str {
+        match self {
+            Structure::Grid => "grid",
+            Structure::Segmentation => "segmentation",
+            Structure::Tree => "tree",
+        }
+    }
+
+    /// The earliest statement kind that may read this structure.
+    fn first_reader(self) -> Early {
+        match self {
+            Structure::Grid => Early::Grid,
+            Structure::Segmentation => Early::Segmentation,
+            Structure::Tree => Early::Tree,
+        }
+    }
 }
 
 /// Most IR nodes a program may lower to (after inlining `let`s).
@@ -135,6 +173,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         params: Vec::new(),
         segs: Vec::new(),
         grids: Vec::new(),
+        trees: Vec::new(),
         requires: Vec::new(),
         mask: None,
         uses_b: None,
@@ -163,6 +202,8 @@ impl<'a> Checker<'a> {
 
     /// Item `idx` of the program, by kind (see [`items`]).
     fn item(&mut self, item: &'a Item, idx: usize) {
+        // An item that fails part-way must not leave its restrictions to the next one.
+        self.early = None;
         match item {
             Item::Param {
                 name,
@@ -189,6 +230,12 @@ impl<'a> Checker<'a> {
                 at,
                 span,
             } => self.grid_item(name, dims, at.as_ref(), *span),
+            Item::Tree {
+                name,
+                parents,
+                at,
+                span,
+            } => self.tree_item(name, parents, at.as_ref(), *span),
             Item::Require { cond, message, .. } => self.require_item(cond, message),
             Item::Mask { value, span } => self.mask_item(value, *span),
         }
@@ -225,6 +272,7 @@ impl<'a> Checker<'a> {
             params: self.params,
             segs: self.segs,
             grids: self.grids,
+            trees: self.trees,
             requires: self.requires,
             mask,
             mask_span,

@@ -6,7 +6,7 @@
 
 use super::atoms::bin;
 use super::suggest::suggest;
-use super::{Checker, Ctx, Def, Early, Val, R};
+use super::{Checker, Ctx, Def, Early, Structure, Val, R};
 use crate::ir::*;
 use cm_syntax::ast::{Expr, ExprKind, Ident};
 use cm_syntax::{Code, Diagnostic, Span};
@@ -222,12 +222,16 @@ impl Checker<'_> {
                 Ok(Val::Arr(Arr::Param(id), span))
             }
             Some((Def::Seg(s), _)) => {
-                self.laid_out_by_now(n, false, span)?;
+                self.laid_out_by_now(n, Structure::Segmentation, span)?;
                 Ok(Val::Seg(s, span))
             }
             Some((Def::Grid(g), _)) => {
-                self.laid_out_by_now(n, true, span)?;
+                self.laid_out_by_now(n, Structure::Grid, span)?;
                 Ok(Val::Grid(g, span))
+            }
+            Some((Def::Tree(t), _)) => {
+                self.laid_out_by_now(n, Structure::Tree, span)?;
+                Ok(Val::Tree(t, span))
             }
             Some((Def::Failed, _)) => Err(()),
             Some((Def::Let(id), _)) => self.inline_let(id, span, ctx),
@@ -252,24 +256,27 @@ impl Checker<'_> {
         }
     }
 
-    /// `CM0208` when the statement being checked is evaluated before segmentation (or grid,
-    /// `is_grid`) `n` is laid out: a parameter default reads neither, a grid no
-    /// segmentation.
-    pub(super) fn laid_out_by_now(&mut self, n: &str, is_grid: bool, span: Span) -> R<()> {
+    /// `CM0208` when the statement being checked is evaluated before structure `n` is laid
+    /// out (a parameter default reads none, a grid only grids, a segmentation grids and
+    /// segmentations); notes that the statement reads a structure.
+    pub(super) fn laid_out_by_now(&mut self, n: &str, kind: Structure, span: Span) -> R<()> {
         self.reads_structures = true;
-        let what = if is_grid { "grid" } else { "segmentation" };
         let statement = match self.early {
-            Some(Early::ParamDefault) => "a parameter default",
-            Some(Early::Grid) if !is_grid => "a grid",
+            Some(e) if e < kind.first_reader() => match e {
+                Early::ParamDefault => "a parameter default",
+                Early::Grid => "a grid",
+                Early::Segmentation => "a segmentation",
+                Early::Tree => "a tree",
+            },
             _ => return Ok(()),
         };
         self.err(
             Diagnostic::error(
                 Code::WrongContext,
                 span,
-                format!("{statement} cannot read {what} `{n}`"),
+                format!("{statement} cannot read {} `{n}`", kind.word()),
             )
-            .with_hint("parameters are bound first, then grids, then segmentations; compute the value from the lengths or parameters the structure is built from, or check it with a `require`"),
+            .with_hint("parameters are bound first, then grids, then segmentations, then trees; compute the value from the lengths or parameters the structure is built from, or check it with a `require`"),
         );
         Err(())
     }
@@ -281,6 +288,18 @@ impl Checker<'_> {
             Val::Range(r) => self.range_field(r, name, span),
             Val::Seg(s, _) => self.seg_field(s, name, span),
             Val::Grid(g, _) => self.grid_field(g, name, span),
+            Val::Tree(t, _) => match f {
+                "path" => Ok(Val::PathFn(t, span)),
+                "count" => Ok(Val::Int(Int::new(
+                    IntKind::ArrLen(Box::new(self.trees[t].parents.clone())),
+                    span,
+                ))),
+                _ => self.no_field(
+                    name,
+                    format!("tree `{}` has no field `{f}`", self.trees[t].name),
+                    Some("trees have `path` (`k in t.path(q)`) and `count`".into()),
+                ),
+            },
             v => self.no_field(name, format!("{} has no field `{f}`", v.describe()), None),
         }
     }
@@ -393,6 +412,7 @@ impl Checker<'_> {
                 IntKind::GridCoord(g, a, Box::new(p)),
                 span,
             ))),
+            Val::PathFn(t, _) => Ok(Val::Path(t, p, span)),
             v => {
                 self.type_err(&v, "a function, segmentation, part or grid axis to call");
                 Err(())

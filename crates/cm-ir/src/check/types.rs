@@ -25,7 +25,10 @@ impl Val {
             | Val::SegIndexFn(_, s)
             | Val::PartFn(_, _, s)
             | Val::PieceFn(_, _, s)
-            | Val::AxisFn(_, _, s) => *s,
+            | Val::AxisFn(_, _, s)
+            | Val::Tree(_, s)
+            | Val::PathFn(_, s)
+            | Val::Path(_, _, s) => *s,
         }
     }
 
@@ -39,9 +42,13 @@ impl Val {
             Val::Seg(..) => "a segmentation",
             Val::Grid(..) => "a grid",
             Val::Dist(..) => "a grid distance",
-            Val::SegIndexFn(..) | Val::PartFn(..) | Val::PieceFn(..) | Val::AxisFn(..) => {
-                "a function"
-            }
+            Val::Tree(..) => "a tree",
+            Val::Path(..) => "a tree's path (use it as `k in t.path(p)`)",
+            Val::SegIndexFn(..)
+            | Val::PartFn(..)
+            | Val::PieceFn(..)
+            | Val::AxisFn(..)
+            | Val::PathFn(..) => "a function",
         }
     }
 }

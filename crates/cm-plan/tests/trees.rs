@@ -1,0 +1,189 @@
+//! Trees: `k in t.path(q)` (k an ancestor of q or q itself) over random forests of any
+//! depth, numbered in depth-first preorder or shuffled, at offsets, with a prompt before the
+//! tree, longer or shorter than the keys, per batch index; rows against the pairwise
+//! semantics (which walks up the parents), tiles against a dense evaluation; bad parent
+//! arrays are `CM0313`; a 128K-node tree plans in pieces per jump, not per row.
+
+#[allow(dead_code)]
+mod common;
+use cm_ir::{Shape, Value};
+use cm_plan::{plan, TileShape};
+use cm_testkit::config::{env_config, PROPTEST_CASES};
+use common::*;
+use proptest::prelude::*;
+use std::time::Instant;
+
+/// A random forest of `n` nodes: each node's parent an earlier node (or none), then the
+/// nodes renumbered by `order` (a permutation; identity keeps parents before children).
+fn forest(raw: &[(bool, u32)], shuffle: &[u32]) -> Vec<i64> {
+    let n = raw.len();
+    let parent: Vec<i64> = raw
+        .iter()
+        .enumerate()
+        .map(|(i, &(root, pick))| {
+            if i == 0 || root {
+                -1
+            } else {
+                i64::from(pick) % i as i64
+            }
+        })
+        .collect();
+    // A permutation from the shuffle keys: node i becomes perm[i].
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by_key(|&i| (shuffle.get(i).copied().unwrap_or(0), i));
+    let mut perm = vec![0usize; n];
+    for (new, &old) in idx.iter().enumerate() {
+        perm[old] = new;
+    }
+    let mut out = vec![-1i64; n];
+    for i in 0..n {
+        out[perm[i]] = if parent[i] < 0 {
+            -1
+        } else {
+            perm[parent[i] as usize] as i64
+        };
+    }
+    out
+}
+
+/// The same forest's nodes in depth-first preorder.
+fn preorder(parents: &[i64]) -> Vec<i64> {
+    let n = parents.len();
+    let mut children = vec![Vec::new(); n];
+    let mut roots = Vec::new();
+    for (i, &p) in parents.iter().enumerate() {
+        if p < 0 {
+            roots.push(i);
+        } else {
+            children[p as usize].push(i);
+        }
+    }
+    let mut order = Vec::with_capacity(n);
+    let mut stack: Vec<usize> = roots.into_iter().rev().collect();
+    while let Some(u) = stack.pop() {
+        order.push(u);
+        stack.extend(children[u].iter().rev());
+    }
+    let mut pos = vec![0usize; n];
+    for (new, &old) in order.iter().enumerate() {
+        pos[old] = new;
+    }
+    let mut out = vec![-1i64; n];
+    for (old, &p) in parents.iter().enumerate() {
+        out[pos[old]] = if p < 0 { -1 } else { pos[p as usize] as i64 };
+    }
+    out
+}
+
+fn list(v: &[i64]) -> String {
+    let items: Vec<String> = v.iter().map(i64::to_string).collect();
+    format!("[{}]", items.join(", "))
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 300, 0x7ee5))]
+
+    #[test]
+    fn tree_paths_equal_brute_force(
+        raw in proptest::collection::vec((proptest::bool::weighted(0.1), any::<u32>()), 1..60),
+        shuffle in proptest::collection::vec(0u32..1000, 0..60),
+        dfs in any::<bool>(),
+        prompt in 0i64..12,
+        extra in -20i64..20,
+        kv_extra in -20i64..20,
+        (bm, bn) in (1u32..24, 1u32..24),
+    ) {
+        let parents = forest(&raw, &shuffle);
+        let parents = if dfs { preorder(&parents) } else { parents };
+        let n = parents.len() as i64;
+        let q_len = (prompt + n + extra).max(1);
+        let kv_len = (prompt + n + kv_extra).max(1);
+        let src = format!(
+            "param parents: [int] = {};\nparam prompt: int = {prompt};\n\
+             tree t = parents at prompt;\n\
+             mask = k < prompt & k <= q | k in t.path(q);",
+            list(&parents)
+        );
+        let tile = TileShape { block_m: bm, block_n: bn };
+        check_against_brute_force(&compile(&src), shape(q_len, kv_len), &params(&[]), tile);
+    }
+}
+
+/// A tree per batch index (each sample's own speculation tree, a slice of one array) and a
+/// path of another row than q.
+#[test]
+fn trees_per_batch_and_other_positions() {
+    let program = compile(
+        "param parents: [int] = [-1, 0, 0, 1, -1, 0, 1, 1, 2];\n\
+         param offs: [int] = [0, 4, 9];\n\
+         tree t = parents[offs[b] .. offs[b + 1]];\n\
+         mask = k in t.path(q) | k in t.path(q - 1);",
+    );
+    let shape = Shape {
+        q_len: 9,
+        kv_len: 9,
+        batch: 2,
+        num_heads: 1,
+    };
+    let tile = TileShape {
+        block_m: 3,
+        block_n: 2,
+    };
+    let plan = check_against_brute_force(&program, shape, &params(&[]), tile);
+    assert_eq!(plan.masks.len(), 2);
+}
+
+#[test]
+fn bad_parent_arrays_are_errors() {
+    let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
+    for (parents, needle) in [
+        (vec![-1, 0, 7], "node 2 of tree `t` has parent 7"),
+        (vec![1, 0], "tree `t` has a cycle: 0 -> 1 -> 0"),
+        (vec![-1, 1], "tree `t` has a cycle: 1 -> 1"),
+    ] {
+        let err = program
+            .bind(shape(4, 4), &params(&[("parents", arr(&parents))]))
+            .unwrap_err();
+        assert_eq!(err.code.as_str(), "CM0313", "{parents:?}");
+        assert!(err.message.contains(needle), "{}", err.message);
+    }
+}
+
+/// A 131072-node tree: a complete 4-ary tree in preorder (paths of up to 9 nodes) plans in
+/// well under a second in the test profile, with pieces per run of affine paths.
+#[test]
+fn large_tree_plans_in_pieces() {
+    let n = 131072usize;
+    let mut parents = vec![-1i64; n];
+    // Heap-numbered 4-ary tree, then put in preorder.
+    for (i, p) in parents.iter_mut().enumerate().skip(1) {
+        *p = ((i - 1) / 4) as i64;
+    }
+    let parents = preorder(&parents);
+    let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
+    let values = params(&[("parents", Value::Array(parents.clone().into()))]);
+    let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
+    let t0 = Instant::now();
+    let p = plan(&bound, TileShape::default()).unwrap();
+    let took = t0.elapsed();
+    assert!(p.pieces < n as u64 / 2, "{} pieces", p.pieces);
+    for q in [0u32, 1, 5000, 77777, n as u32 - 1] {
+        let got: Vec<(u32, u32)> = p.masks[0]
+            .rows
+            .row(q)
+            .iter()
+            .map(|iv| (iv.start, iv.end))
+            .collect();
+        assert_eq!(
+            got,
+            bound.brute_force_row(i64::from(q), 0, 0).unwrap(),
+            "row {q}"
+        );
+    }
+    assert!(took.as_secs_f64() < 5.0, "{took:?}");
+    // A chain is one piece.
+    let chain: Vec<i64> = (-1..n as i64 - 1).collect();
+    let values = params(&[("parents", Value::Array(chain.into()))]);
+    let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
+    assert_eq!(plan(&bound, TileShape::default()).unwrap().pieces, 1);
+}
