@@ -37,7 +37,11 @@ fn every_example_plans_exactly() {
     let docs = examples();
     assert!(docs.len() >= 10, "found only {} examples", docs.len());
     let masks = gallery();
-    assert!(masks.len() >= 10, "found only {} gallery masks", masks.len());
+    assert!(
+        masks.len() >= 10,
+        "found only {} gallery masks",
+        masks.len()
+    );
     for src in docs.iter().chain(&masks) {
         let program = compile(src);
         for (q_len, kv_len) in [(600, 600), (97, 131)] {
