@@ -925,8 +925,9 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Evaluates a region over a piece. `hull` bounds the keys the caller will keep on every
-    /// row of the piece, so enumerating atoms (`%`, `elementwise`) need not look beyond it:
-    /// the list is exact inside the hull, and holds only keys of the region outside it.
+    /// row of the piece, so enumerating atoms (`%`, `elementwise`, key-side values) need not
+    /// look beyond it: the list is exact inside the hull and may hold anything outside it
+    /// (a complement of what was enumerated inside).
     pub fn region(
         &self,
         p: &Piece,
@@ -1088,7 +1089,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if x.is_empty() {
                     return Ok(x);
                 }
-                let y = self.region(p, b, Some(keys_hull(p, &x)))?;
+                let y = self.region(p, b, Some(narrow(keys_hull(p, &x), hull)))?;
                 if is_inter {
                     self.inter(p, &x, &y)
                 } else {
@@ -1161,7 +1162,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             vars[depth] = i;
             self.vars.set(vars);
             let inner = if all && !acc.is_empty() {
-                Some(keys_hull(p, &acc))
+                Some(narrow(keys_hull(p, &acc), hull))
             } else {
                 hull
             };
@@ -1825,6 +1826,14 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
         }
         Ok(out)
+    }
+}
+
+/// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.
+fn narrow(range: (i64, i64), hull: Option<(i64, i64)>) -> (i64, i64) {
+    match hull {
+        Some((lo, hi)) => (range.0.max(lo), range.1.min(hi)),
+        None => range,
     }
 }
 
