@@ -139,6 +139,9 @@ impl Bound<'_> {
                     None => false,
                 }
             }
+            Region::KeyCmp { f, op, v, .. } => {
+                cmp(*op, self.eval_int(f, env)?, self.eval_int(v, env)?)
+            }
             Region::Path { tree, pos, .. } => {
                 let t = &self.trees[*tree];
                 let n = t.len() as i64;

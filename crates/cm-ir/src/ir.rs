@@ -248,6 +248,15 @@ pub enum Region {
         rhs: Int,
         span: Span,
     },
+    /// `f op v` with `f` a function of the key alone (it reads `k`, not `q` nor a
+    /// quantifier's variable: `arr[k]`, `doc.index(k)`, `k * k`) and `v` q-side: planned by
+    /// sorting the keys by `f` once per (batch, head).
+    KeyCmp {
+        f: Int,
+        op: CmpOp,
+        v: Int,
+        span: Span,
+    },
     /// Keys of the grid whose distance to the query's grid point is `< radius` (strict)
     /// or `<= radius`. Empty for queries outside the grid.
     Ball {
@@ -333,7 +342,8 @@ impl Region {
             | Region::KMod { .. }
             | Region::Ball { .. }
             | Region::Box { .. }
-            | Region::Path { .. } => false,
+            | Region::Path { .. }
+            | Region::KeyCmp { .. } => false,
         }
     }
 }
@@ -376,6 +386,7 @@ impl Region {
             Region::Ball { .. } | Region::Elementwise(..) => true,
             Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&q)),
             Region::Path { pos, .. } => pos.mentions(&q),
+            Region::KeyCmp { f, v, .. } => f.mentions(&q) || v.mentions(&q),
             Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
                 a.reads_q() || b.reads_q()
             }
@@ -401,6 +412,7 @@ impl Region {
             Region::Ball { radius, .. } => int(radius),
             Region::Box { ranges, .. } => ranges.iter().any(|r| r.mentions(&outer)),
             Region::Path { pos, .. } => int(pos),
+            Region::KeyCmp { f, v, .. } => int(f) || int(v),
             Region::Union(a, b) | Region::Inter(a, b) | Region::Diff(a, b) => {
                 a.reads_outer_vars(depth) || b.reads_outer_vars(depth)
             }

@@ -93,6 +93,68 @@ pub struct Solver<'a, 'p> {
     /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
     /// (its address in the program, head): the same on every row, so solved once.
     quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+    /// Each key-side atom's keys sorted by their value, and the keys at or below the last
+    /// threshold asked for, by (its address in the program, head).
+    key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
+}
+
+/// The keys of a key-side atom `f(k) op v` (see [`Solver::key_cmp`]): every key's `f`,
+/// sorted, and the set of keys with `f(k) <= threshold` for the threshold last asked for, as
+/// runs, moved key by key when the threshold moves.
+struct KeySweep {
+    /// `(f(k), k)` for every key whose `f` evaluates, ascending.
+    sorted: Vec<(i64, u32)>,
+    /// The smallest key whose `f` fails, and how.
+    error: Option<(u32, PlanError)>,
+    /// `sorted[..below]` are the keys in `runs`.
+    below: usize,
+    /// Maximal runs of those keys: start -> end.
+    runs: std::collections::BTreeMap<u32, u32>,
+}
+
+impl KeySweep {
+    /// Moves the set to the keys with `f(k) <= threshold`.
+    fn move_to(&mut self, threshold: i64) {
+        let target = self.sorted.partition_point(|&(v, _)| v <= threshold);
+        while self.below < target {
+            let k = self.sorted[self.below].1;
+            self.add(k);
+            self.below += 1;
+        }
+        while self.below > target {
+            self.below -= 1;
+            let k = self.sorted[self.below].1;
+            self.remove(k);
+        }
+    }
+
+    fn add(&mut self, k: u32) {
+        let (mut start, mut end) = (k, k + 1);
+        if let Some((&s, &e)) = self.runs.range(..=k).next_back() {
+            if e == k {
+                start = s;
+            }
+        }
+        if let Some(e) = self.runs.remove(&(k + 1)) {
+            end = e;
+        }
+        self.runs.insert(start, end);
+    }
+
+    fn remove(&mut self, k: u32) {
+        let (&s, &e) = self
+            .runs
+            .range(..=k)
+            .next_back()
+            .expect("a key in the set lies in a run");
+        self.runs.remove(&s);
+        if s < k {
+            self.runs.insert(s, k);
+        }
+        if k + 1 < e {
+            self.runs.insert(k + 1, e);
+        }
+    }
 }
 
 /// The keys `k` with `(k - start) mod m < len` (`m > 0`, `0 <= len <= m`): the solution of a
@@ -140,6 +202,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             ball_runs: RefCell::default(),
             vars: Cell::new([0; MAX_QUANT_DEPTH]),
             quant_cache: RefCell::default(),
+            key_sweeps: RefCell::default(),
         }
     }
 
@@ -870,8 +933,9 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// Evaluates a region over a piece. `hull` bounds the keys the caller will keep on every
-    /// row of the piece, so enumerating atoms (`%`, `elementwise`) need not look beyond it:
-    /// the list is exact inside the hull, and holds only keys of the region outside it.
+    /// row of the piece, so enumerating atoms (`%`, `elementwise`, key-side values) need not
+    /// look beyond it: the list is exact inside the hull and may hold anything outside it
+    /// (a complement of what was enumerated inside).
     pub fn region(
         &self,
         p: &Piece,
@@ -1004,6 +1068,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             } => self.ball(p, *grid, *metric, *strict, radius, *span),
             Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
             Region::Path { tree, pos, span } => self.tree_path(p, *tree, pos, *span),
+            Region::KeyCmp { f, op, v, span } => self.key_cmp(p, r, f, *op, v, *span, hull),
             Region::Union(a, b) => {
                 if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
                     let x = self.region(p, a, hull)?;
@@ -1041,7 +1106,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if x.is_empty() {
                     return Ok(x);
                 }
-                let y = self.region(p, b, Some(keys_hull(p, &x)))?;
+                let y = self.region(p, b, Some(narrow(keys_hull(p, &x), hull)))?;
                 if is_inter {
                     self.inter(p, &x, &y)
                 } else {
@@ -1114,7 +1179,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             vars[depth] = i;
             self.vars.set(vars);
             let inner = if all && !acc.is_empty() {
-                Some(keys_hull(p, &acc))
+                Some(narrow(keys_hull(p, &acc), hull))
             } else {
                 hull
             };
@@ -1557,6 +1622,151 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
+    /// `f(k) op v`, `f` a function of the key alone: the keys sorted by `f` once per (batch,
+    /// head); a piece's keys are those with `f(k) <= v` (or `< v`, or the complements, or
+    /// `f(k) == v`), constant until `v` crosses the next key's value, where the piece ends.
+    /// A key whose `f` fails fails the plan only when the caller keeps it (`hull`), as the
+    /// reference evaluates `f` only at the pairs it reaches.
+    #[allow(clippy::too_many_arguments)]
+    fn key_cmp(
+        &self,
+        p: &Piece,
+        r: &Region,
+        f: &Int,
+        op: CmpOp,
+        v: &Int,
+        span: Span,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let kv_len = self.bound.shape.kv_len;
+        let key = (r as *const Region as usize, p.h);
+        let mut sweeps = self.key_sweeps.borrow_mut();
+        let sweep = sweeps.entry(key).or_insert_with(|| {
+            let mut env = self.env(p);
+            let mut sorted = Vec::with_capacity(kv_len as usize);
+            let mut error = None;
+            for k in 0..kv_len {
+                env.k = k;
+                match self.bound.eval_int(f, &env) {
+                    Ok(x) => sorted.push((x, k as u32)),
+                    Err(e) => {
+                        error.get_or_insert((k as u32, e));
+                    }
+                }
+            }
+            sorted.sort_unstable();
+            KeySweep {
+                sorted,
+                error,
+                below: 0,
+                runs: Default::default(),
+            }
+        });
+        let (lo, hi) = hull.unwrap_or((0, kv_len));
+        // The reference evaluates `f(k)`, then `v`, at each pair it reaches, keys ascending.
+        let failing = match &sweep.error {
+            Some((k, e)) if (lo..hi).contains(&i64::from(*k)) => Some((i64::from(*k), e)),
+            _ => None,
+        };
+        if let Some((_, e)) = failing.filter(|&(k, _)| k <= lo.max(0)) {
+            return Err(e.clone().into());
+        }
+        let v = self.int(p, v)?;
+        if let Some((_, e)) = failing {
+            return Err(e.clone().into());
+        }
+        // f < v is f <= v - 1, so every comparison reads one or two prefixes of the order.
+        let minus_one = |x: Affine| self.affine(p, x.first.checked_sub(1), Some(x.step), span);
+        let emit = |sweep: &KeySweep| -> Vec<AffineInterval> {
+            let mut out = Vec::new();
+            let lo32 = lo.clamp(0, kv_len) as u32;
+            let first = sweep
+                .runs
+                .range(..=lo32)
+                .next_back()
+                .map_or(lo32, |(&s, _)| s);
+            for (&s, &e) in sweep.runs.range(first..) {
+                if i64::from(s) >= hi {
+                    break;
+                }
+                out.push(AffineInterval {
+                    start: Affine::constant(i64::from(s)),
+                    end: Affine::constant(i64::from(e)),
+                });
+            }
+            out
+        };
+        match op {
+            CmpOp::Le | CmpOp::Lt | CmpOp::Gt | CmpOp::Ge => {
+                let t = if matches!(op, CmpOp::Lt | CmpOp::Ge) {
+                    minus_one(v)?
+                } else {
+                    v
+                };
+                self.sweep_split(p, sweep, t)?;
+                sweep.move_to(t.first);
+                let below = emit(sweep);
+                drop(sweeps);
+                if matches!(op, CmpOp::Le | CmpOp::Lt) {
+                    Ok(below)
+                } else {
+                    self.complement(p, &below)
+                }
+            }
+            CmpOp::Eq | CmpOp::Ne => {
+                if v.step != 0 {
+                    drop(sweeps);
+                    return Err(self.single(p));
+                }
+                let at = v.first;
+                let from = sweep.sorted.partition_point(|&(x, _)| x < at);
+                let to = sweep.sorted.partition_point(|&(x, _)| x <= at);
+                let mut eq: Vec<AffineInterval> = Vec::new();
+                for &(_, k) in &sweep.sorted[from..to] {
+                    let k = i64::from(k);
+                    match eq.last_mut() {
+                        Some(last) if last.end.first == k => last.end.first += 1,
+                        _ => eq.push(AffineInterval {
+                            start: Affine::constant(k),
+                            end: Affine::constant(k + 1),
+                        }),
+                    }
+                }
+                drop(sweeps);
+                if op == CmpOp::Eq {
+                    Ok(eq)
+                } else {
+                    self.complement(p, &eq)
+                }
+            }
+        }
+    }
+
+    /// The first row of the piece where the set `f(k) <= threshold` changes: where the
+    /// threshold reaches the next key's value (rising) or drops below the last one's.
+    fn sweep_split(&self, p: &Piece, sweep: &KeySweep, t: Affine) -> Eval<()> {
+        if t.step == 0 || p.n == 1 {
+            return Ok(());
+        }
+        let at = sweep.sorted.partition_point(|&(x, _)| x <= t.first);
+        let (d, a) = (i128::from(t.first), i128::from(t.step));
+        let change = if a > 0 {
+            // The first t with first + a t >= next value.
+            sweep
+                .sorted
+                .get(at)
+                .map(|&(x, _)| (i128::from(x) - d + a - 1) / a)
+        } else {
+            // The first t with first + a t < the last value at or below.
+            at.checked_sub(1)
+                .map(|i| (d - i128::from(sweep.sorted[i].0)) / -a + 1)
+        };
+        match change {
+            Some(c) if c < i128::from(p.n) => Err(Flow::Split(p.q0 + c as i64)),
+            _ => Ok(()),
+        }
+    }
+
     /// The keys on the path from the root to the node at `pos`: each row's path read from
     /// the tree's table, a piece of rows as long as the table's paths move affinely
     /// (`TreeTable::run`), clipped to the keys.
@@ -1633,6 +1843,14 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
         }
         Ok(out)
+    }
+}
+
+/// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.
+fn narrow(range: (i64, i64), hull: Option<(i64, i64)>) -> (i64, i64) {
+    match hull {
+        Some((lo, hi)) => (range.0.max(lo), range.1.min(hi)),
+        None => range,
     }
 }
 

@@ -196,6 +196,18 @@ fn grids() {
         t,
     );
     check_against_brute_force(&builtin("tree"), shape(127, 127), &params(&[]), t);
+    // Column bounds for some keys; keys past them see every row.
+    check_against_brute_force(
+        &builtin("flashmask"),
+        shape(13, 17),
+        &params(&[
+            ("uts", arr(&[0, 0, 2, 5, 0])),
+            ("ute", arr(&[0, 3, 4, 9, 13])),
+            ("lts", arr(&[8, 1, 12])),
+            ("lte", arr(&[13, 2, 20])),
+        ]),
+        t,
+    );
     // After a prompt, a tree numbered out of order, longer than the queries.
     check_against_brute_force(
         &builtin("tree"),

@@ -480,6 +480,32 @@ fn quant(mode: Mode) -> BoxedStrategy<String> {
     }
 }
 
+/// A function of the key alone compared with a q-side value (key-side atoms), and the
+/// column form `q in lo(k) .. hi(k)`.
+fn keyside(mode: Mode) -> BoxedStrategy<String> {
+    let e = qexpr(mode);
+    let safe = prop_oneof![
+        (cmp_op(), e.clone()).prop_map(|(op, x)| format!("arr[k % count(arr)] {op} {x}")),
+        (cmp_op(), e.clone()).prop_map(|(op, x)| format!("k * k / 7 - k {op} {x}")),
+        Just("s.index(min(k, q_len - 1)) == s.index(q)".to_string()),
+        cmp_op().prop_map(|op| format!("kd.index(k) {op} kd.index(min(q, kv_len - 1))")),
+        Just("q in arr[k % count(arr)] .. arr[(k + 1) % count(arr)] + 3".to_string()),
+        (e.clone(), 1i64..5).prop_map(|(x, d)| format!("(k * k) % {d} < {x}")),
+        Just("k in kd(k).start .. kd(k).start + 2 & k <= q".to_string()),
+        Just("isqrt(k) + min(k, 3) == isqrt(q) + min(max(q, 1), 3)".to_string()),
+    ];
+    match mode {
+        Mode::Safe => safe.boxed(),
+        Mode::Risky => prop_oneof![
+            6 => safe,
+            1 => e.clone().prop_map(|x| format!("arr[k] <= {x}")),
+            1 => Just("g.y(k) == 0 & k <= q".to_string()),
+            1 => Just("k < 3 & 10 / (k - 5) < q".to_string()),
+        ]
+        .boxed(),
+    }
+}
+
 /// A region leaf: a solvable atom, a q-side boolean, or the escape hatch.
 fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
     prop_oneof![
@@ -490,6 +516,7 @@ fn region_leaf(mode: Mode) -> BoxedStrategy<String> {
         2 => kmod(mode),
         1 => kabs(mode),
         1 => quant(mode),
+        2 => keyside(mode),
         3 => grid_region(mode),
         1 => qbool(mode),
         1 => elementwise(mode),

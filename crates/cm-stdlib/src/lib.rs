@@ -156,6 +156,10 @@ pub const BUILTINS: &[Builtin] = &[
         name: "tree",
         source: include_str!("../masks/tree.cmask"),
     },
+    Builtin {
+        name: "flashmask",
+        source: include_str!("../masks/flashmask.cmask"),
+    },
 ];
 
 /// The built-in named `name`.

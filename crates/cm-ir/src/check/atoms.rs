@@ -235,60 +235,79 @@ fn linearize(e: &Int) -> Option<(i64, Int)> {
     Some((const_value(&alpha)?, rest))
 }
 
-/// Why `diff` (a comparison's `lhs - rhs`) is not solvable for `k`: the span of the term
-/// at fault and what is wrong with it.
-fn unsolvable_cause(e: &Int) -> Option<(Span, String)> {
-    if !e.has_k() {
-        return None;
-    }
-    match &e.kind {
-        IntKind::K => None,
-        IntKind::Neg(a) | IntKind::Abs(a) => unsolvable_cause(a),
-        IntKind::Bin(IntOp::Add | IntOp::Sub, a, b) => {
-            unsolvable_cause(a).or_else(|| unsolvable_cause(b))
-        }
-        IntKind::Bin(IntOp::Mul, a, b) if a.has_k() && b.has_k() => Some((
-            e.span,
-            "`k` is multiplied by a term with `k`; only linear terms `a*k` can be solved".into(),
-        )),
-        IntKind::Bin(IntOp::Mul, a, b) => {
-            let (lin, factor) = if a.has_k() { (a, b) } else { (b, a) };
-            if const_value(factor).is_none() && !linear_only(lin) {
-                return Some((
-                    e.span,
-                    "a `/`, `%` or `abs` term with `k` may only be scaled by a constant".into(),
-                ));
-            }
-            unsolvable_cause(lin)
-        }
-        IntKind::Bin(IntOp::Div | IntOp::Mod, _, d) if d.has_k() => {
-            Some((d.span, "the divisor cannot depend on `k`".into()))
-        }
-        IntKind::Bin(op @ (IntOp::Div | IntOp::Mod), x, _) => {
-            let sym = if *op == IntOp::Div { "/" } else { "%" };
-            match linearize(x) {
-                None => Some((
-                    x.span,
-                    format!("the operand of `{sym}` must be linear in `k` (`a*k + f(q)`)"),
-                )),
-                Some((alpha, _)) if *op == IntOp::Mod && alpha.abs() != 1 => Some((
-                    x.span,
-                    format!("`%` needs `k` or `-k` in its operand, found `{alpha}*k`"),
-                )),
-                _ => None,
-            }
-        }
-        _ => Some((
-            e.span,
-            "`k` can only be added, scaled, divided (`/`, `%`) or taken `abs` of here".into(),
-        )),
+/// Whether the term `t` (`x / d`, `x % d` or `abs(x)`) compared by `op` is one of the
+/// analytic atoms: a division of a linear `x`, a residue of `±k + f(q)` (or, for `==` /
+/// `!=`, of any literal multiple of `k` modulo a literal), any `abs`. Otherwise the
+/// comparison may still be a key-side one.
+fn hole_ok(t: &Int, op: CmpOp) -> bool {
+    match &t.kind {
+        IntKind::Bin(IntOp::Div, x, _) => matches!(linearize(x), Some((a, _)) if a != 0),
+        IntKind::Bin(IntOp::Mod, x, d) => match linearize(x) {
+            Some((1 | -1, _)) => true,
+            Some(_) => matches!(op, CmpOp::Eq | CmpOp::Ne) && const_value(d).is_some(),
+            None => false,
+        },
+        IntKind::Abs(_) => true,
+        _ => false,
     }
 }
 
-/// Whether `e` is linear in `k` with no `/`, `%` or `abs` term around `k`.
-fn linear_only(e: &Int) -> bool {
-    let mut holes = Vec::new();
-    terms(e, 1, &mut holes).is_some() && holes.is_empty()
+/// Splits `e` into `f + rest` where `f`, the sum of `e`'s additive terms that read `k`,
+/// reads neither `q` nor a quantifier's variable (a function of the key alone: `arr[k]`,
+/// `doc.index(k)`, `k * k`), and `rest` is q-side. `None` when a term reads both.
+fn key_side(e: &Int) -> Option<(Int, Int)> {
+    let zero = || Int::constant(0, e.span);
+    if !e.has_k() {
+        return Some((zero(), e.clone()));
+    }
+    match &e.kind {
+        IntKind::Neg(a) => {
+            let (f, r) = key_side(a)?;
+            Some((neg(f), neg(r)))
+        }
+        IntKind::Bin(op @ (IntOp::Add | IntOp::Sub), a, b) => {
+            let (fa, ra) = key_side(a)?;
+            let (fb, rb) = key_side(b)?;
+            Some((fold(bin(*op, fa, fb)), fold(bin(*op, ra, rb))))
+        }
+        _ if !e.reads_q() && !e.mentions(&|x| matches!(x, IntKind::Var(_))) => {
+            Some((e.clone(), zero()))
+        }
+        _ => None,
+    }
+}
+
+/// Why `e` (a comparison's `lhs - rhs`) is not solvable: the smallest term that reads `k`
+/// together with `q` or a quantifier's variable, and what is wrong with it.
+fn mixed_cause(e: &Int) -> Option<(Span, String)> {
+    let var = |x: &IntKind| matches!(x, IntKind::Var(_));
+    let mixed = |x: &Int| x.has_k() && (x.reads_q() || x.mentions(&var));
+    if !mixed(e) {
+        return None;
+    }
+    let inner = match &e.kind {
+        // A sum that reads both is fine if its terms are: look inside.
+        IntKind::Neg(a) => return mixed_cause(a),
+        IntKind::Bin(IntOp::Add | IntOp::Sub, a, b) => {
+            return mixed_cause(a).or_else(|| mixed_cause(b))
+        }
+        IntKind::Abs(a) | IntKind::Isqrt(a) => mixed_cause(a),
+        IntKind::Bin(_, a, b) => mixed_cause(a).or_else(|| mixed_cause(b)),
+        IntKind::If(_, a, b) => mixed_cause(a).or_else(|| mixed_cause(b)),
+        IntKind::ArrIndex(_, i) => mixed_cause(i),
+        _ => None,
+    };
+    inner.or_else(|| {
+        let with = if e.reads_q() {
+            "`q`"
+        } else {
+            "the variable of an `any` / `all`"
+        };
+        Some((
+            e.span,
+            format!("this term reads `k` together with {with}, and is not linear in `k`"),
+        ))
+    })
 }
 
 impl Checker<'_> {
@@ -346,9 +365,20 @@ impl Checker<'_> {
                 return Ok(v);
             }
         }
-        let r = self.expect_range(range, ctx)?;
-        let lo = Int::new(IntKind::RangeLo(Box::new(r.clone())), r.span);
-        let hi = Int::new(IntKind::RangeHi(Box::new(r)), range.span);
+        // In the mask the bounds may be key-side (`q in lo[k] .. hi[k]`): the comparisons
+        // decide whether that is solvable.
+        let r = if ctx == Ctx::Mask {
+            self.lower_range(range, ctx)?
+        } else {
+            self.expect_range(range, ctx)?
+        };
+        let (lo, hi) = match r.kind {
+            RangeKind::Lit(lo, hi) => (lo, hi),
+            _ => (
+                Int::new(IntKind::RangeLo(Box::new(r.clone())), r.span),
+                Int::new(IntKind::RangeHi(Box::new(r)), range.span),
+            ),
+        };
         let a = self.compare(CmpOp::Ge, Val::Int(x.clone()), Val::Int(lo), ctx)?;
         let b = self.compare(CmpOp::Lt, Val::Int(x), Val::Int(hi), ctx)?;
         self.and_or(true, a, b, span)
@@ -417,7 +447,7 @@ impl Checker<'_> {
         // One side a `/`, `%` or `abs` term as written, the other q-side: that term against
         // the other side unchanged.
         for (t, other, op) in [(&a, &b, op), (&b, &a, op.flip())] {
-            if !other.has_k() && is_hole(t) {
+            if !other.has_k() && is_hole(t) && hole_ok(t, op) {
                 return self.k_term(t, op, other.clone(), span, ctx);
             }
         }
@@ -440,41 +470,40 @@ impl Checker<'_> {
                 )),
                 None => Ok(Val::Region(scaled_kcmp(alpha, rest, op, span), span)),
             },
-            Some((alpha, rest)) if holes.len() == 1 && const_value(&alpha) == Some(0) => {
+            Some((alpha, rest))
+                if holes.len() == 1
+                    && const_value(&alpha) == Some(0)
+                    && holes[0].0 != i64::MIN
+                    && hole_ok(&holes[0].1, op) =>
+            {
                 // c * T + rest  op  0 is T compared with -rest / c.
                 let (c, t) = holes.pop().expect("one term");
                 let (c, op, rhs) = if c < 0 {
-                    (c.checked_neg(), op.flip(), rest)
+                    (-c, op.flip(), rest)
                 } else {
-                    (Some(c), op, neg(rest))
-                };
-                let Some(c) = c else {
-                    self.not_solvable(span, None);
-                    return Err(());
+                    (c, op, neg(rest))
                 };
                 if c == 1 {
                     return self.k_term(&t, op, rhs, span, ctx);
                 }
                 self.scaled_k_term(c, &t, op, rhs, span, ctx)
             }
-            Some(_) => {
-                let cause = (
-                    diff.span,
-                    if holes.len() > 1 {
-                        "`k` appears in more than one `/`, `%` or `abs` term".to_string()
-                    } else {
-                        "`k` appears both inside a `/`, `%` or `abs` term and outside it"
-                            .to_string()
+            _ => match key_side(&diff) {
+                // f(k) + rest  op  0: a function of the key against a q-side value.
+                Some((f, rest)) => Ok(Val::Region(
+                    Region::KeyCmp {
+                        f,
+                        op,
+                        v: neg(rest),
+                        span,
                     },
-                );
-                self.not_solvable(span, Some(cause));
-                Err(())
-            }
-            None => {
-                let cause = unsolvable_cause(&diff);
-                self.not_solvable(span, cause);
-                Err(())
-            }
+                    span,
+                )),
+                None => {
+                    self.not_solvable(span, mixed_cause(&diff));
+                    Err(())
+                }
+            },
         }
     }
 
@@ -535,7 +564,7 @@ impl Checker<'_> {
                         span,
                     ))
                 }
-                _ => unsolvable_cause(t),
+                _ => mixed_cause(t),
             },
             IntKind::Bin(IntOp::Mod, x, d) => match linearize(x) {
                 Some((alpha @ (1 | -1), rest)) => {
@@ -555,13 +584,13 @@ impl Checker<'_> {
                     match const_value(d).and_then(|d| congruence(alpha, rest, d, rhs, span)) {
                         Some(eq) if op == CmpOp::Eq => return Ok(Val::Region(eq, span)),
                         Some(eq) => return Ok(Val::Region(Region::Not(Box::new(eq)), span)),
-                        None => unsolvable_cause(t),
+                        None => mixed_cause(t),
                     }
                 }
-                _ => unsolvable_cause(t),
+                _ => mixed_cause(t),
             },
             IntKind::Abs(x) => return self.abs_term(x, op, rhs, span, ctx),
-            _ => unsolvable_cause(t),
+            _ => mixed_cause(t),
         };
         self.not_solvable(span, cause);
         Err(())
@@ -612,9 +641,10 @@ impl Checker<'_> {
         .with_hint(format!(
             "solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=, `a` any q-side \
              integer), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d < g(q)`, `abs(a*k + f(q)) < \
-             g(q)`, with terms on either side; anything else can be evaluated pair by pair \
-             with `elementwise(...)`, at most {} pairs per plan, so narrow it with a solvable \
-             region (`q - 512 < k <= q & elementwise(...)`)",
+             g(q)`, and any function of `k` alone against q-side values (`arr[k] <= q`, \
+             `doc.index(k) == doc.index(q)`), with terms on either side; anything else can be \
+             evaluated pair by pair with `elementwise(...)`, at most {} pairs per plan, so \
+             narrow it with a solvable region (`q - 512 < k <= q & elementwise(...)`)",
             1u64 << 26
         ));
         if let Some((at, why)) = cause {
@@ -729,6 +759,15 @@ mod tests {
             ("(3 * k - q) % -9 != -3", "Not"),
             ("(6 * k) % 4 == q % 4", "Inter"),
             ("(k - k) % 5 == q % 5", "Inter"),
+            // Functions of the key alone against q-side values.
+            ("k * k < q", "KeyCmp"),
+            ("(2 * k) % 3 < q % 3", "KeyCmp"),
+            ("k + k / 2 < q", "KeyCmp"),
+            ("k / 2 < q - k / 3", "KeyCmp"),
+            ("(k * k) / 2 >= q", "KeyCmp"),
+            ("(k / 2) % 3 == q % 3", "KeyCmp"),
+            ("[5, 1, 4, 1, 5, 9, 2, 6][k % 8] != q % 7", "KeyCmp"),
+            ("abs(k * k - 9) <= q", "Inter"),
         ];
         for (cmp, kind) in cases {
             let src = format!("mask = {cmp};");
@@ -820,27 +859,33 @@ mod tests {
     #[test]
     fn unsolvable_forms_are_errors_that_name_the_cause() {
         for (cmp, at, why) in [
-            ("k * k < q", "k * k", "multiplied by a term with `k`"),
-            ("(2 * k) % 3 < 1", "(2 * k)", "`%` needs `k` or `-k`"),
-            ("(2 * k) % q == 1", "(2 * k)", "`%` needs `k` or `-k`"),
-            ("k / k == 1", "k", "the divisor cannot depend on `k`"),
-            ("k + k / 2 < q", "k + k / 2 < q", "both inside"),
-            ("k / 2 < q - k / 3", "k / 2 < q - k / 3", "more than one"),
-            ("q * (k / 2) < 3", "q * (k / 2)", "scaled by a constant"),
-            ("(k * k) / 2 < 3", "(k * k)", "must be linear in `k`"),
-            ("abs(k * k) < 3", "k * k", "multiplied by a term with `k`"),
-            ("(k / 2) % 3 == 0", "(k / 2)", "must be linear in `k`"),
+            ("k * k * q < 7", "k * k * q", "together with `q`"),
+            ("(2 * k) % q == 1", "(2 * k) % q", "together with `q`"),
+            ("q * (k / 2) < 3", "q * (k / 2)", "together with `q`"),
+            ("abs(k * k * q) < 3", "k * k * q", "together with `q`"),
+            (
+                "k + 1 < (k + q) / (q + 2)",
+                "(k + q) / (q + 2)",
+                "together with `q`",
+            ),
+            ("k < min(k, q)", "min(k, q)", "together with `q`"),
+            (
+                "any i in 0 .. 2: [1, 2, 3][k + i] == 2",
+                "[1, 2, 3][k + i]",
+                "together with the variable of an `any` / `all`",
+            ),
         ] {
             let src = format!("mask = {cmp};");
             let d = error_diag(&src);
             assert_eq!(d.code.as_str(), "CM0207", "{cmp}");
-            assert_eq!(&src[d.span.start as usize..d.span.end as usize], cmp);
+            let whole = &src[d.span.start as usize..d.span.end as usize];
+            assert!(cmp.ends_with(whole), "{cmp}: {whole}");
             assert_eq!(d.related.len(), 1, "{cmp}: {d:?}");
             let (span, label) = &d.related[0];
             assert_eq!(&src[span.start as usize..span.end as usize], at, "{cmp}");
             assert!(label.contains(why), "{cmp}: {label}");
         }
-        let src = "mask = k < min(abs(k), q);";
+        let src = "mask = k < [abs(k), q][0];";
         let d = error_diag(src);
         assert_eq!(d.code.as_str(), "CM0206");
         assert_eq!(&src[d.span.start as usize..d.span.end as usize], "abs(k)");

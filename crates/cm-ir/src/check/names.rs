@@ -391,7 +391,13 @@ impl Checker<'_> {
         };
         self.arity(&what, args, 1..=1, span)?;
         let p = self.expect_int(&args[0], ctx)?;
-        let p = self.no_k(p, ctx)?;
+        // The structure of a key (`doc.index(k)`, `doc(k).start`, `img.y(k)`) is a key-side
+        // value (see `atoms`); a tree's path is taken of a q-side position.
+        let p = match f {
+            Val::PathFn(..) => self.no_k(p, ctx)?,
+            _ if ctx == Ctx::Mask => p,
+            _ => self.no_k(p, ctx)?,
+        };
         match f {
             Val::Seg(s, _) => Ok(Val::Range(RangeE {
                 kind: RangeKind::Seg(s, p),

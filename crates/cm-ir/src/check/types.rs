@@ -126,19 +126,25 @@ impl Checker<'_> {
         }
     }
 
+    /// A range whose bounds do not read `k` (outside `elementwise`).
     pub(super) fn expect_range(&mut self, e: &Expr, ctx: Ctx) -> R<RangeE> {
+        let r = self.lower_range(e, ctx)?;
+        if ctx != Ctx::Elementwise && r.has_k() {
+            self.err(Diagnostic::error(
+                Code::UnsolvableK,
+                r.span,
+                "range bounds cannot depend on `k`",
+            ));
+            return Err(());
+        }
+        Ok(r)
+    }
+
+    /// A range, its bounds possibly reading `k` (`q in lo[k] .. hi[k]`, for a comparison to
+    /// decide).
+    pub(super) fn lower_range(&mut self, e: &Expr, ctx: Ctx) -> R<RangeE> {
         match self.lower(e, ctx)? {
-            Val::Range(r) => {
-                if ctx != Ctx::Elementwise && r.has_k() {
-                    self.err(Diagnostic::error(
-                        Code::UnsolvableK,
-                        r.span,
-                        "range bounds cannot depend on `k`",
-                    ));
-                    return Err(());
-                }
-                Ok(r)
-            }
+            Val::Range(r) => Ok(r),
             v => {
                 self.type_err(&v, "a range (`lo..hi`, a segment or a part)");
                 Err(())
@@ -366,7 +372,11 @@ impl Checker<'_> {
             ));
         }
         let i = self.expect_int(index, ctx)?;
-        let i = self.no_k(i, ctx)?;
+        // `arr[k]` is a key-side value (see `atoms`); a segment index is q-side only.
+        let i = match b {
+            Val::Arr(..) if ctx == Ctx::Mask => i,
+            _ => self.no_k(i, ctx)?,
+        };
         match b {
             Val::Arr(a, _) => Ok(Val::Int(Int::new(
                 IntKind::ArrIndex(Box::new(a), Box::new(i)),
@@ -556,9 +566,10 @@ impl Checker<'_> {
                 // Each argument adds a level to the expression tree later stages recurse on.
                 self.arity(n, args, 2..=64, span)?;
                 let op = if n == "min" { IntOp::Min } else { IntOp::Max };
-                let mut acc = self.expect_q_int(&args[0], ctx)?;
+                // With `k`, a key-side value (`min(k, 9) <= q`): the comparison decides.
+                let mut acc = self.expect_int(&args[0], ctx)?;
                 for a in &args[1..] {
-                    let x = self.expect_q_int(a, ctx)?;
+                    let x = self.expect_int(a, ctx)?;
                     acc = bin(op, acc, x);
                 }
                 acc.span = span;
@@ -570,7 +581,7 @@ impl Checker<'_> {
                 let kind = match n {
                     // `abs(q - k) <= w` is solvable: the comparison decides (see `atoms`).
                     "abs" => IntKind::Abs(Box::new(self.expect_int(arg, ctx)?)),
-                    "isqrt" => IntKind::Isqrt(Box::new(self.expect_q_int(arg, ctx)?)),
+                    "isqrt" => IntKind::Isqrt(Box::new(self.expect_int(arg, ctx)?)),
                     "sum" => IntKind::ArrSum(Box::new(self.expect_arr(arg, ctx)?)),
                     _ => IntKind::ArrLen(Box::new(self.expect_arr(arg, ctx)?)),
                 };
@@ -865,7 +876,11 @@ mod tests {
             "CM0208"
         );
         assert_eq!(error("mask = k < q[k];").0, "CM0206");
-        assert_eq!(error("mask = k in k .. q;").0, "CM0206");
+        // Bounds that read `k` are compared like any other side.
+        assert_eq!(
+            rows("mask = k in k .. q;", 5, 6),
+            rows("mask = k < q;", 5, 6)
+        );
     }
 
     #[test]

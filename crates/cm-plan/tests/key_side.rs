@@ -1,0 +1,113 @@
+//! Key-side structure: functions of the key alone (`arr[k]`, `doc.index(k)`, `doc(k).start`,
+//! `k * k`) compared with q-side values, and FlashMask's column form (each key's visible rows
+//! as ranges, `q in lo[k] .. hi[k]`), planned by sorting the keys once per (batch, head):
+//! rows and tiles against the pairwise semantics over random arrays and odd shapes, errors
+//! of a key's value only where the reference reaches that key, and the cost.
+
+#[allow(dead_code)]
+mod common;
+use cm_ir::{Shape, Value};
+use cm_plan::{plan, TileShape};
+use cm_testkit::config::{env_config, PROPTEST_CASES};
+use common::*;
+use proptest::prelude::*;
+use std::time::Instant;
+
+/// Masks over the arrays `lo`, `hi` (one entry per key, cycled) and a segmentation `doc`.
+const MASKS: &[&str] = &[
+    // FlashMask's column form: key k is visible to rows [lo[k], hi[k]).
+    "mask = q in lo[k % count(lo)] .. hi[k % count(hi)];",
+    // Causal with per-key masked rows (FlashMask's lower-triangle start / end indices).
+    "mask = k <= q & !(q in lo[k % count(lo)] .. hi[k % count(hi)]);",
+    // Per-key thresholds (heavy-hitter / eviction: key k leaves the cache at row hi[k]).
+    "mask = k <= q & q < hi[k % count(hi)];",
+    // Document masks written per key.
+    "mask = doc.index(k) == doc.index(min(q, kv_len - 1)) & k <= q;",
+    "mask = doc(k).start <= q & q < doc(k).end;",
+    "mask = k in doc.head(k) | k <= q & doc.index(k) + 1 >= doc.index(min(q, kv_len - 1));",
+    // A function of k alone, with terms on both sides.
+    "mask = k * k / 5 + lo[k % count(lo)] < 2 * q + 3 - k;",
+];
+
+fn source(mask: &str, lo: &[i64], hi: &[i64], docs: &[i64]) -> String {
+    let list = |v: &[i64]| {
+        let items: Vec<String> = v.iter().map(i64::to_string).collect();
+        format!("[{}]", items.join(", "))
+    };
+    format!(
+        "param lo: [int] = {};\nparam hi: [int] = {};\nsegments doc = {} fill kv_len;\n\
+         part doc.head = 0 .. 2;\n{mask}",
+        list(lo),
+        list(hi),
+        list(docs)
+    )
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 300, 0x4e75))]
+
+    #[test]
+    fn key_side_atoms_equal_brute_force(
+        mask in proptest::sample::select(MASKS),
+        lo in proptest::collection::vec(-5i64..60, 1..40),
+        hi in proptest::collection::vec(-5i64..60, 1..40),
+        docs in proptest::collection::vec(1i64..15, 1..6),
+        (q_len, kv_len) in (1i64..60, 1i64..60),
+        (bm, bn) in (1u32..20, 1u32..20),
+    ) {
+        let src = source(mask, &lo, &hi, &docs);
+        let program = compile(&src);
+        let tile = TileShape { block_m: bm, block_n: bn };
+        check_against_brute_force(&program, shape(q_len, kv_len), &params(&[]), tile);
+    }
+}
+
+/// A key whose value fails (an index past the array) fails the plan exactly when the
+/// reference reaches it: not when `&` or the hull of its context excludes it.
+#[test]
+fn a_failing_key_fails_only_where_reached() {
+    let tile = TileShape {
+        block_m: 4,
+        block_n: 4,
+    };
+    let program = compile("param a: [int] = [3, 1, 4, 1, 5];\nmask = k < 5 & a[k] <= q;");
+    check_against_brute_force(&program, shape(9, 12), &params(&[]), tile);
+    let program = compile("param a: [int] = [3, 1, 4, 1, 5];\nmask = a[k] <= q;");
+    let bound = program.bind(shape(9, 12), &params(&[])).unwrap();
+    assert!(bound.brute_force_row(0, 0, 0).is_err());
+    let err = plan(&bound, tile).unwrap_err();
+    assert_eq!(err.code.as_str(), "CM0304", "{err}");
+}
+
+/// FlashMask's causal document mask in column form at 131072 keys: every key visible from
+/// its own row to the end of its document (`k <= q & q < ends[k]`), 128 documents: a piece
+/// per document, well under a second in the test profile.
+#[test]
+fn column_form_plans_in_pieces_per_document() {
+    let n = 131072i64;
+    let ends: Vec<i64> = (0..n).map(|k| (k / 1024 + 1) * 1024).collect();
+    let program = compile("param ends: [int];\nmask = k <= q & q < ends[k];");
+    let values = params(&[("ends", Value::Array(ends.into()))]);
+    let shape = Shape {
+        q_len: n,
+        kv_len: n,
+        batch: 1,
+        num_heads: 1,
+    };
+    let bound = program.bind(shape, &values).unwrap();
+    let t = Instant::now();
+    let p = plan(&bound, TileShape::default()).unwrap();
+    let took = t.elapsed();
+    assert!(p.pieces <= 2 * 128 + 2, "{} pieces", p.pieces);
+    for q in [0u32, 1023, 1024, 70000, n as u32 - 1] {
+        let got: Vec<(u32, u32)> = p.masks[0]
+            .rows
+            .row(q)
+            .iter()
+            .map(|iv| (iv.start, iv.end))
+            .collect();
+        let start = q / 1024 * 1024;
+        assert_eq!(got, vec![(start, q + 1)], "row {q}");
+    }
+    assert!(took.as_secs_f64() < 5.0, "{took:?}");
+}
