@@ -103,7 +103,7 @@ def test_check_error_has_span_and_hint():
 
 def test_unsolvable_k_points_to_elementwise():
     with pytest.raises(cm.MaskSyntaxError) as e:
-        cm.compile("mask = k * k < q;")
+        cm.compile("mask = k * k * q < 64;")
     d = e.value.diagnostics[0]
     assert d.code == "CM0207"
     assert "elementwise" in (d.hint or "")

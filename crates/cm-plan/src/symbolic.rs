@@ -1106,7 +1106,13 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if x.is_empty() {
                     return Ok(x);
                 }
-                let y = self.region(p, b, Some(narrow(keys_hull(p, &x), hull)))?;
+                // Like the reference, the right side is evaluated only where the left side
+                // holds: not at all when none of its keys lies in the hull.
+                let inner = narrow(keys_hull(p, &x), hull);
+                if inner.0 >= inner.1 {
+                    return Ok(Vec::new());
+                }
+                let y = self.region(p, b, Some(inner))?;
                 if is_inter {
                     self.inter(p, &x, &y)
                 } else {

@@ -100,12 +100,7 @@ fn column_form_plans_in_pieces_per_document() {
     let took = t.elapsed();
     assert!(p.pieces <= 2 * 128 + 2, "{} pieces", p.pieces);
     for q in [0u32, 1023, 1024, 70000, n as u32 - 1] {
-        let got: Vec<(u32, u32)> = p.masks[0]
-            .rows
-            .row(q)
-            .iter()
-            .map(|iv| (iv.start, iv.end))
-            .collect();
+        let got = row_pairs(&p.masks[0].rows, q);
         let start = q / 1024 * 1024;
         assert_eq!(got, vec![(start, q + 1)], "row {q}");
     }

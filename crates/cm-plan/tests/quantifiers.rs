@@ -116,12 +116,7 @@ fn global_tokens_plan_in_pieces_per_token() {
     assert!(p.pieces <= 8 * 64 + 8, "{} pieces", p.pieces);
     assert_eq!(p.elementwise_pairs, 0);
     // Row 100000 sees its window and the 64 global keys (none inside the window here).
-    let row: Vec<(u32, u32)> = p.masks[0]
-        .rows
-        .row(100_000)
-        .iter()
-        .map(|iv| (iv.start, iv.end))
-        .collect();
+    let row = row_pairs(&p.masks[0].rows, 100_000);
     assert_eq!(row, bound.brute_force_row(100_000, 0, 0).unwrap());
     assert!(took.as_secs_f64() < 5.0, "{took:?}");
 }

@@ -168,12 +168,7 @@ fn large_tree_plans_in_pieces() {
     let took = t0.elapsed();
     assert!(p.pieces < n as u64 / 2, "{} pieces", p.pieces);
     for q in [0u32, 1, 5000, 77777, n as u32 - 1] {
-        let got: Vec<(u32, u32)> = p.masks[0]
-            .rows
-            .row(q)
-            .iter()
-            .map(|iv| (iv.start, iv.end))
-            .collect();
+        let got = row_pairs(&p.masks[0].rows, q);
         assert_eq!(
             got,
             bound.brute_force_row(i64::from(q), 0, 0).unwrap(),

@@ -40,6 +40,11 @@ pub fn shape(q_len: i64, kv_len: i64) -> Shape {
     }
 }
 
+/// Row `q` of a mask's rows as `(start, end)` pairs.
+pub fn row_pairs(rows: &cm_plan::RowIntervals, q: u32) -> Vec<(u32, u32)> {
+    rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect()
+}
+
 /// Plans `program` and checks every row of every (batch, head) against brute force, and
 /// every tile class against a dense evaluation. Returns the plan.
 pub fn check_against_brute_force(
