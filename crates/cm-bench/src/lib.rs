@@ -194,6 +194,7 @@ impl BenchInputs {
                 out: (&mut self.out, self.q_layout),
                 lse: Some((&mut self.lse, LseLayout::contiguous([b, h, s]))),
                 softmax_scale: 1.0 / (d as f32).sqrt(),
+                score: cm_cuda::Score::NONE,
             },
         )
     }
@@ -261,6 +262,8 @@ impl BenchInputs {
                 workspace: &mut g.workspace,
                 softmax_scale: 1.0 / (d as f32).sqrt(),
                 deterministic,
+                dist_bias_grad: None,
+                score: cm_cuda::Score::NONE,
             },
         )
     }

@@ -284,7 +284,7 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
         KernelArg::Wgmma => KernelKind::FwdWgmma,
         KernelArg::Simple => KernelKind::FwdSimple,
     };
-    if cm_kernels::find_variant(kernel, dtype, a.head_dim).is_none() {
+    if cm_kernels::find_variant(kernel, dtype, a.head_dim, false).is_none() {
         let built: Vec<String> = cm_kernels::VARIANTS
             .iter()
             .filter(|v| v.kernel == kernel && v.dtype == dtype)
@@ -304,7 +304,7 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
             KernelKind::BwdDq,
             KernelKind::BwdPost,
         ] {
-            if cm_kernels::find_variant(k, dtype, a.head_dim).is_none() {
+            if cm_kernels::find_variant(k, dtype, a.head_dim, false).is_none() {
                 bail!(
                     "--bwd: {} is not built for head_dim {} {dtype}",
                     k.name(),
@@ -773,6 +773,7 @@ fn equivalence(
                     out: (&mut out, q_layout),
                     lse: Some((&mut lse, LseLayout::contiguous([1, h, s]))),
                     softmax_scale: 1.0 / (d as f32).sqrt(),
+                    score: cm_cuda::Score::NONE,
                 },
             )?;
             let out = stream

@@ -28,6 +28,7 @@
 use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
 use crate::plan::{PlanArray, PlanLayout, PlanView};
+use crate::score::{Score, ScoreParams, ScoreRaw};
 use crate::tma::TensorMap;
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
 use cm_kernels::KernelKind;
@@ -66,6 +67,11 @@ pub struct Backward<'a> {
     /// `true`: dQ without atomics (same bits every run, about 1.4x the matrix work);
     /// `false`: dQ by fp32 atomic reductions (the fast mode).
     pub deterministic: bool,
+    /// The forward's score terms ([`crate::score`]); its sinks are in `lse` already.
+    pub score: Score<'a>,
+    /// With a bias by distance in `score`: receives `d loss / d dist_bias` (shaped as it,
+    /// zeroed by the caller; fp32 atomics, so the last bits vary run to run).
+    pub dist_bias_grad: Option<&'a mut CudaSlice<f32>>,
 }
 
 /// A backward launch over device addresses owned by someone else (e.g. torch's `data_ptr()`),
@@ -97,6 +103,7 @@ pub struct BackwardRaw {
     pub workspace_len: usize,
     pub softmax_scale: f32,
     pub deterministic: bool,
+    pub score: ScoreRaw,
 }
 
 /// Kernel parameters; mirrors `CmBwdParams` in `kernels/bwd_common.cuh` field for field.
@@ -150,10 +157,11 @@ struct BwdParams {
     mask_strides: [u32; 2],
     num_m_blocks: u32,
     bwd_num_n_blocks: u32,
+    score: ScoreParams,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 472,
+    std::mem::size_of::<BwdParams>() == 536,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -262,8 +270,14 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
         out_layout: a.out_layout,
         lse: Some((a.lse, a.lse_layout)),
         softmax_scale: a.softmax_scale,
+        score: a.score,
     };
-    prepare_forward(plan, &forward, KernelKind::FwdSimple)?;
+    let kind = if a.score.is_active() {
+        KernelKind::FwdWs
+    } else {
+        KernelKind::FwdSimple
+    };
+    prepare_forward(plan, &forward, kind, false)?;
     let [b, h, _, d] = a.q_layout.shape;
     let elem = a.dtype.size_bytes() as u64;
     if a.dout_layout.shape != a.q_layout.shape {
@@ -304,7 +318,8 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     }
 
     let variant = |kind: KernelKind| {
-        cm_kernels::find_variant(kind, a.dtype, d as u32).ok_or_else(|| {
+        let scored = a.score.is_active() && kind.has_score_variant();
+        cm_kernels::find_variant(kind, a.dtype, d as u32, scored).ok_or_else(|| {
             Error::invalid(format!(
                 "no {} kernel for {} at head_dim = {d}",
                 kind.name(),
@@ -395,6 +410,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         mask_strides: plan.mask_strides(b, h)?,
         num_m_blocks: plan.num_m_blocks,
         bwd_num_n_blocks: plan.bwd_num_n_blocks,
+        score: a.score.params(plan.q_len, plan.kv_len, true),
     };
     let (query_rows, key_rows) = cm_kernels::BWD_TILE;
     let tensor_maps = [
@@ -459,7 +475,31 @@ impl Runtime {
         let (dv, _gdv) = args.dv.0.device_ptr_mut(stream);
         let workspace_len = args.workspace.len();
         let (workspace, _gw) = args.workspace.device_ptr_mut(stream);
+        let mut score_guards = Vec::new();
+        let mut score = crate::score::score_buffers(
+            &args.score,
+            stream,
+            plan.q_len,
+            plan.kv_len,
+            args.q.1.shape[1],
+            &mut score_guards,
+        )?;
+        let _gd = match args.dist_bias_grad {
+            Some(grad) => {
+                let heads = match args.score.dist {
+                    Some(d) if d.per_head => args.q.1.shape[1],
+                    _ => 1,
+                };
+                let len = (plan.q_len as usize + plan.kv_len as usize).saturating_sub(1);
+                check_buffer_len("dist_bias_grad", grad.len(), heads * len)?;
+                let (ptr, guard) = grad.device_ptr_mut(stream);
+                score.dist_bias_grad = ptr;
+                Some(guard)
+            }
+            None => None,
+        };
         let raw = BackwardRaw {
+            score,
             dtype: args.dtype,
             q,
             q_layout: args.q.1,

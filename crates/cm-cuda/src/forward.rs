@@ -3,6 +3,7 @@
 use crate::layout::VECTOR_BYTES;
 use crate::plan::{PlanArray, PlanLayout};
 use crate::tma::TensorMap;
+use crate::score::{Score, ScoreParams, ScoreRaw};
 use crate::{DType, Error, LseLayout, TensorLayout};
 use cm_kernels::{KernelKind, Variant};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -23,6 +24,8 @@ pub struct Forward<'a> {
     pub lse: Option<(&'a mut CudaSlice<f32>, LseLayout)>,
     /// Multiplies `q . k` before the softmax; usually `1 / sqrt(head_dim)`.
     pub softmax_scale: f32,
+    /// Softcap, biases and sinks ([`crate::score`]); [`Score::NONE`] for plain attention.
+    pub score: Score<'a>,
 }
 
 /// A forward launch over device addresses owned by someone else (e.g. torch's `data_ptr()`),
@@ -41,6 +44,7 @@ pub struct ForwardRaw {
     pub out_layout: TensorLayout,
     pub lse: Option<(u64, LseLayout)>,
     pub softmax_scale: f32,
+    pub score: ScoreRaw,
 }
 
 /// Kernel parameters; mirrors `CmFwdParams` in `kernels/common.cuh` field for field.
@@ -78,10 +82,11 @@ pub(crate) struct FwdParams {
     batch: u32,
     num_masks: u32,
     mask_strides: [u32; 2],
+    score: ScoreParams,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 280,
+    std::mem::size_of::<FwdParams>() == 344,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -123,22 +128,38 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
 /// [`Error::InvalidArgument`] naming the first argument that fails, as
 /// [`crate::Runtime::forward`] lists them.
 pub fn check_forward(plan: &PlanLayout, a: &ForwardRaw) -> Result<(), Error> {
-    prepare(plan, a, KernelKind::FwdSimple).map(|_| ())
+    let kind = if a.score.is_active() {
+        KernelKind::FwdWs
+    } else {
+        KernelKind::FwdSimple
+    };
+    prepare(plan, a, kind, false).map(|_| ())
 }
 
-/// Every host-side check of a forward launch; no device work and no synchronisation.
+/// Every host-side check of a forward launch; no device work and no synchronisation. With
+/// `encode_maps`, also `fwd_ws`'s TMA descriptors (the one step that calls the driver).
 pub(crate) fn prepare(
     plan: &PlanLayout,
     a: &ForwardRaw,
     kernel_kind: KernelKind,
+    encode_maps: bool,
 ) -> Result<Option<Launch>, Error> {
     let [b, h, sq, d] = a.q_layout.shape;
     let [kb, h_kv, skv, kd] = a.k_layout.shape;
     let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
-    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim).ok_or_else(|| {
+    let scored = a.score.is_active();
+    if scored && !kernel_kind.has_score_variant() {
+        return Err(Error::invalid(format!(
+            "score terms (softcap, biases, sinks) run on the default forward kernel fwd_ws, not {}; \
+             Runtime::set_forward_kernel(KernelKind::FwdWs)",
+            kernel_kind.name()
+        )));
+    }
+    a.score.check(plan.q_len, plan.kv_len)?;
+    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, scored).ok_or_else(|| {
         let dims: Vec<String> = cm_kernels::VARIANTS
             .iter()
-            .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype)
+            .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype && v.score == scored)
             .map(|v| v.head_dim.to_string())
             .collect();
         Error::invalid(format!(
@@ -290,8 +311,9 @@ pub(crate) fn prepare(
         batch: b as u32,
         num_masks: plan.num_masks,
         mask_strides,
+        score: a.score.params(plan.q_len, plan.kv_len, false),
     };
-    let tensor_maps = if ws {
+    let tensor_maps = if ws && encode_maps {
         let rows = kernel_kind.tile().0;
         Some([
             TensorMap::encode("q", a.dtype, a.q, &a.q_layout, rows)?,
@@ -372,11 +394,12 @@ mod tests {
             out_layout: TensorLayout::contiguous([b, h, sq, d]),
             lse: Some((0x5000_0000, LseLayout::contiguous([b, h, sq]))),
             softmax_scale: 0.125,
+            score: crate::ScoreRaw::default(),
         }
     }
 
     fn err(plan: &PlanLayout, a: &ForwardRaw) -> String {
-        match prepare(plan, a, KernelKind::FwdSimple) {
+        match prepare(plan, a, KernelKind::FwdSimple, false) {
             Ok(_) => "accepted".to_string(),
             Err(e) => e.to_string(),
         }

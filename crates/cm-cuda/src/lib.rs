@@ -46,6 +46,7 @@
 //!     out: (&mut out, TensorLayout::contiguous([b, h, sq, d])),
 //!     lse: None,
 //!     softmax_scale: 1.0 / (d as f32).sqrt(),
+//!     score: cm_cuda::Score::NONE,
 //! })?;
 //! # Ok(()) }
 //! ```
@@ -58,6 +59,7 @@ mod kernels;
 mod layout;
 mod plan;
 mod runtime;
+pub mod score;
 mod tma;
 
 pub use backward::{backward_workspace_len, check_backward, Backward, BackwardRaw};
@@ -68,3 +70,4 @@ pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
 pub use plan::{DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, PLAN_ARRAY_COUNT};
 pub use runtime::Runtime;
+pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

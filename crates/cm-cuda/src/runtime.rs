@@ -220,7 +220,17 @@ impl Runtime {
             }
             None => (None, None),
         };
+        let mut score_guards = Vec::new();
+        let score = crate::score::score_buffers(
+            &args.score,
+            stream,
+            plan.q_len,
+            plan.kv_len,
+            args.q.1.shape[1],
+            &mut score_guards,
+        )?;
         let raw = ForwardRaw {
+            score,
             dtype: args.dtype,
             q,
             q_layout: args.q.1,
@@ -233,7 +243,7 @@ impl Runtime {
             lse,
             softmax_scale: args.softmax_scale,
         };
-        match prepare(plan, &raw, self.forward_kernel)? {
+        match prepare(plan, &raw, self.forward_kernel, true)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }
@@ -262,7 +272,7 @@ impl Runtime {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
         self.bind_context()?;
-        match prepare(plan, args, self.forward_kernel)? {
+        match prepare(plan, args, self.forward_kernel, true)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }

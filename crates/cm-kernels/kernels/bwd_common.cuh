@@ -12,6 +12,9 @@
 #pragma once
 #include "common.cuh"
 #include "wgmma.cuh"
+#if CM_SCORE
+#include "score.cuh"
+#endif
 
 #ifndef CM_HEAD_DIM
 #error "CM_HEAD_DIM must be defined (64 or 128)"
@@ -95,9 +98,10 @@ struct CmBwdParams {
     u32 mask_stride_head;   // 0 when one mask serves every head
     u32 num_m_blocks;       // query blocks at BLOCK_M (the forward lists)
     u32 bwd_num_n_blocks;   // key blocks of the transposed lists
+    CmScoreParams score;    // read by the CM_SCORE variants of bwd_dkdv and bwd_dq
 };
 
-static_assert(sizeof(CmBwdParams) == 472, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 536, "must match cm_cuda::backward::BwdParams");
 
 __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);

@@ -25,7 +25,9 @@
 // other and dQ is left to bwd_dq; the mode is a uniform branch.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
-// CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
+// CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with), CM_SCORE (1:
+// recompute P with the score terms, add the distance table's gradient, apply the softcap's
+// derivative to dS).
 #include "bwd_common.cuh"
 #include "tma.cuh"
 
@@ -138,6 +140,25 @@ __device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const f
         for (int e = 0; e < 4; ++e) dp[j][e] = pr[j][e] * (dp[j][e] - ((e & 1) ? dlv.y : dlv.x));
     }
 }
+
+#if CM_SCORE
+// The score terms' side of dS^T: the distance table's gradient from dS^T as the softmax sees
+// it, then the softcap's derivative, which only the scores before the cap carry.
+__device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const float (&dcap)[BLOCK_M / 8][4],
+                                                 const CmScoreParams& sp, u32 head, u32 q_len, u32 kv_len,
+                                                 u32 key_base, u32 query_base) {
+    if (sp.dist_bias_grad != nullptr) {
+        cm_dist_grad<BLOCK_M / 8, true>(dp, sp, head, q_len, kv_len, key_base, query_base);
+    }
+    if (sp.softcap > 0.f) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[j][e] *= dcap[j][e];
+        }
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     cm_bwd_dkdv(const __grid_constant__ CmBwdParams p, const __grid_constant__ CmTensorMap tm_q,
@@ -303,10 +324,21 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_wgmma_wait<1>();
             cm_fence_acc(sc);
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
+#if CM_SCORE
+            // The logits with their score terms, already in the log2 domain.
+            const u32 key_base = key0 + c * 64 + warp * 16 + g;
+            const u32 query_base = dkdv_tile(p, hd, ti).row0 + 2 * t;
+            float dcap[BLOCK_M / 8][4];
+            cm_score_logits<BLOCK_M / 8, true, true>(sc, dcap, p.score, p.softmax_scale, hd.head, p.q_len, p.kv_len,
+                                                     key_base, query_base);
+            const float logit_scale = 1.f;
+#else
+            const float logit_scale = p.scale_log2;
+#endif
             if (partial || overhangs) {
-                probabilities<true>(sc, lse2s, bits, p.scale_log2, t);
+                probabilities<true>(sc, lse2s, bits, logit_scale, t);
             } else {
-                probabilities<false>(sc, lse2s, bits, p.scale_log2, t);
+                probabilities<false>(sc, lse2s, bits, logit_scale, t);
             }
             // The operands in the element type: P^T and dS^T as register A fragments (16 queries
             // per k-step).
@@ -321,6 +353,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_wgmma_wait<1>();
             cm_fence_acc(dp);
             score_grads(dp, sc, lse2s + BLOCK_M, t);
+#if CM_SCORE
+            score_term_grads(dp, dcap, p.score, hd.head, p.q_len, p.kv_len, key_base, query_base);
+#endif
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
             // dS^T into this stage's shared tile for dQ (last read by tile it - 2's dQ products,

@@ -9,7 +9,8 @@
 // tile's loads run during the current tile's products. Query blocks with no tile write dQ = 0.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
-// CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with).
+// CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with), CM_SCORE (1:
+// recompute P with the score terms and apply the softcap's derivative to dS).
 #include "bwd_common.cuh"
 
 // Shared memory from a 1024-byte-aligned base: Q, dO, two stages of K and V, two stages of
@@ -156,18 +157,37 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         // (ln FLT_MAX), and dQ would get inf * 0 = NaN from their zero K rows.
         const bool partial = it < num_partial;
         const u32 key0 = key_of(it);
+#if CM_SCORE
+        // The logits with their score terms, already in the log2 domain.
+        float dcap[BLOCK_N / 8][4];
+        cm_score_logits<BLOCK_N / 8, false, true>(s, dcap, p.score, p.softmax_scale, head, p.q_len, p.kv_len,
+                                                  row0 + warp * 16 + g, key0 + 2 * t);
+        const float logit_scale = 1.f;
+#else
+        const float logit_scale = p.scale_log2;
+#endif
         if (partial || key0 + BLOCK_N > p.kv_len) {
             u64 bits[2];
             const u32 in_range = p.kv_len - key0;  // key0 < kv_len: the tile is listed
             const u64 range_bits = in_range >= 64 ? ~0ull : (1ull << in_range) - 1;
 #pragma unroll
             for (int h = 0; h < 2; ++h) bits[h] = partial ? sBits[st * BLOCK_M + warp * 16 + g + h * 8] : range_bits;
-            score_grads<true>(s, dp, bits, lse2, dl, p.scale_log2, t);
+            score_grads<true>(s, dp, bits, lse2, dl, logit_scale, t);
         } else {
             const u64 bits[2] = {~0ull, ~0ull};
-            score_grads<false>(s, dp, bits, lse2, dl, p.scale_log2, t);
+            score_grads<false>(s, dp, bits, lse2, dl, logit_scale, t);
         }
 
+#if CM_SCORE
+        // Only the scores before the cap carry its derivative.
+        if (p.score.softcap > 0.f) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[j][e] *= dcap[j][e];
+            }
+        }
+#endif
         // dQ += dS K: contraction over the tile's 64 keys, K read transposed.
         u32 dsa[BLOCK_N / 16][4];
 #pragma unroll

@@ -3,6 +3,11 @@
 // spelled out here with inline PTX for sm_90a.
 #pragma once
 
+// 1 in the variants that apply score terms (CmScoreParams); the others never read them.
+#ifndef CM_SCORE
+#define CM_SCORE 0
+#endif
+
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -12,6 +17,30 @@ typedef unsigned long long u64;
 struct CmKeyInterval {
     u32 start;
     u32 end;
+};
+
+// Score terms (the score part of a program, docs/language.md): how a visible pair's logit is
+// formed before the softmax. With s = softmax_scale * (q . k):
+//   s' = softcap > 0 ? softcap * tanh(s / softcap) : s
+//        + slopes[h] * (q_coef * q + k_coef * k + offset)          (linear bias, e.g. ALiBi)
+//        + dist_bias[h * dist_head_stride + q - k + kv_len - 1]    (a bias by distance, e.g.
+//                                                                   a T5 bucket table gathered)
+// and each row's softmax also counts exp(sinks[h]) in its denominator (a sink has value 0).
+// Only the `CM_SCORE` variants read it; a null pointer or a zero softcap switches a term off.
+// Must match cm_cuda::ScoreParams (#[repr(C)], pointers first, 64 bytes).
+struct CmScoreParams {
+    const float* slopes;       // [num_heads], natural-log units
+    const float* dist_bias;    // [num_heads or 1, q_len + kv_len - 1], natural-log units
+    const u32* dist_run_end;   // [q_len + kv_len - 1]: the last index of each index's run of equal
+                               // values (a key tile whose distances lie in one run adds one
+                               // constant); null: always gather
+    const float* sinks;        // [num_heads] sink logits (natural log); forward only
+    float* dist_bias_grad;     // [num_heads or 1, q_len + kv_len - 1]: the backward adds
+                               // d loss / d dist_bias with fp32 atomics; null: not wanted
+    float softcap;             // 0: none
+    float inv_softcap;         // 1 / softcap
+    float q_coef, k_coef, offset;
+    u32 dist_head_stride;      // q_len + kv_len - 1, or 0 when one distance table serves every head
 };
 
 // Kernel parameters, passed by value. Must match cm_cuda::launch::FwdParams field for field
@@ -51,9 +80,11 @@ struct CmFwdParams {
     u32 num_masks;
     u32 mask_stride_batch;  // 0 when one row of masks serves every batch
     u32 mask_stride_head;   // 0 when one mask serves every head
+    CmScoreParams score;
 };
 
-static_assert(sizeof(CmFwdParams) == 280, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmScoreParams) == 64, "must match cm_cuda::ScoreParams");
+static_assert(sizeof(CmFwdParams) == 344, "must match cm_cuda::forward::FwdParams");
 
 // The plan's mask of (batch, head), an index into its per-mask arrays (cm_cuda::PlanArray).
 // The host checked every entry when it built the plan; the clamp keeps a corrupted index

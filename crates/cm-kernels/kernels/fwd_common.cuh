@@ -4,6 +4,9 @@
 // 8 j + 2 (lane % 4) + (e & 1) of row g + 8 (e >> 1).
 #pragma once
 #include "common.cuh"
+#if CM_SCORE
+#include "score.cuh"
+#endif
 
 // Scales scores into the exp2 domain, then masks: a partial tile applies each row's intervals
 // from the descriptor (`row_ptr`: the mask's), a full tile that overhangs kv_len masks the zero-filled keys past it.
@@ -254,7 +257,11 @@ __device__ __forceinline__ void cm_store_output(const CmFwdParams& p, const floa
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const u32 qrow = row0 + warp * 16 + g + h * 8;
         if (qrow >= p.q_len) continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        float inv = sum > 0.f ? 1.f / sum : 0.f;
+        float lse = sum > 0.f ? row_max[h] * 0.69314718055994531f + logf(sum) : cm_neg_inf();
+#if CM_SCORE
+        if (p.score.sinks != nullptr) inv = cm_sink_normalise(p.score.sinks[head], row_max[h], sum, lse);
+#endif
         u16* orow = o + (i64)qrow * p.o_stride_row;
 #pragma unroll
         for (int j = 0; j < ND; ++j) {
@@ -262,8 +269,7 @@ __device__ __forceinline__ void cm_store_output(const CmFwdParams& p, const floa
         }
         if (p.lse != nullptr && t == 0) {
             // row_max is log2-domain: lse = ln(sum_k exp(scale * s_k)) = max * ln2 + ln(sum).
-            p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + qrow] =
-                sum > 0.f ? row_max[h] * 0.69314718055994531f + logf(sum) : cm_neg_inf();
+            p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + qrow] = lse;
         }
     }
 }

@@ -27,7 +27,8 @@
 // loaded, full tiles run no mask code.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128),
-// CM_DYNAMIC_SMEM_BYTES (the launch's dynamic shared memory, checked against the layout).
+// CM_DYNAMIC_SMEM_BYTES (the launch's dynamic shared memory, checked against the layout),
+// CM_SCORE (1: apply the score terms of CmScoreParams, score.cuh).
 #include "fwd_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -305,6 +306,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         // Masks and exponentiates tile `it`'s scores (sc), leaving the output's rescale in alpha;
         // a positive scale (the usual case; a uniform branch) folds into the exponent.
         auto softmax = [&](u32 it) {
+#if CM_SCORE
+            // Score terms: every logit is formed explicitly (softcap, biases), then masked;
+            // the maximum is taken over the finished logits, so no scale folds into exp2.
+            float no_dcap[BLOCK_N / 8][4];
+            cm_score_logits<BLOCK_N / 8, false, false>(sc, no_dcap, p.score, p.scale_log2 / CM_LOG2E, w.head,
+                                                       p.q_len, p.kv_len, w.row0 + warp * 16 + g, key0 + 2 * t);
+            cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+            cm_softmax_step(sc, row_max, row_sum, alpha);
+#else
             if (p.scale_log2 > 0.f) {
                 cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
                 cm_softmax_step_folded(sc, p.scale_log2, row_max, row_sum, alpha);
@@ -312,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
                 cm_softmax_step(sc, row_max, row_sum, alpha);
             }
+#endif
         };
         auto pack_p = [&]() {
 #pragma unroll

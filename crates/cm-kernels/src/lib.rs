@@ -141,20 +141,37 @@ pub const WS_TILE: (u32, u32) = (128, 128);
 /// (two consumer warpgroups of 64 keys), FlashAttention-3's backward shape for head_dim 128.
 pub const BWD_TILE: (u32, u32) = (64, 128);
 
-/// One compiled instantiation: a kernel at a dtype and head dimension.
+/// One compiled instantiation: a kernel at a dtype and head dimension, with or without the
+/// score terms (softcap, biases, sinks: `CmScoreParams` in `kernels/common.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Variant {
     pub kernel: KernelKind,
     pub dtype: DType,
     pub head_dim: u32,
+    /// Compiled with `CM_SCORE=1`: the kernel forms every logit with the launch's score
+    /// terms. Only [`KernelKind::has_score_variant`] kernels have one.
+    pub score: bool,
+}
+
+impl KernelKind {
+    /// Whether the kernel has a score-terms variant: the default forward and both backward
+    /// modes' kernels (the reference forwards and the pre/post passes have none; the pre
+    /// pass's delta and lse conversion do not depend on the scores).
+    pub const fn has_score_variant(self) -> bool {
+        matches!(
+            self,
+            KernelKind::FwdWs | KernelKind::BwdDkDv | KernelKind::BwdDq
+        )
+    }
 }
 
 impl Variant {
-    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`.
+    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128` or `fwd_ws_score_bf16_d64`.
     pub fn name(&self) -> String {
         format!(
-            "{}_{}_d{}",
+            "{}{}_{}_d{}",
             self.kernel.name(),
+            if self.score { "_score" } else { "" },
             self.dtype.name(),
             self.head_dim
         )
@@ -166,6 +183,7 @@ impl Variant {
         let mut defines = vec![
             format!("-DCM_DTYPE_BF16={bf16}"),
             format!("-DCM_HEAD_DIM={}", self.head_dim),
+            format!("-DCM_SCORE={}", u8::from(self.score)),
         ];
         if self.dynamic_shared_bytes() > 0 {
             // The kernel checks its layout against this with a static_assert.
@@ -209,54 +227,60 @@ impl Variant {
 }
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
-/// launch's kernel here by index.
-pub const VARIANTS: [Variant; 28] = {
+/// launch's kernel here by index: every kernel at both dtypes and both head dims, and the
+/// score variant of each kernel that has one.
+pub const VARIANTS: [Variant; 40] = {
     use DType::{Bf16, F16};
     use KernelKind::{BwdDkDv, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma, FwdWs};
-    const fn v(kernel: KernelKind, dtype: DType, head_dim: u32) -> Variant {
-        Variant {
-            kernel,
-            dtype,
-            head_dim,
+    const KINDS: [KernelKind; 7] = [FwdSimple, FwdWgmma, FwdWs, BwdPre, BwdDkDv, BwdDq, BwdPost];
+    const SCORED: [KernelKind; 3] = [FwdWs, BwdDkDv, BwdDq];
+    const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
+    let mut out = [Variant {
+        kernel: FwdSimple,
+        dtype: Bf16,
+        head_dim: 64,
+        score: false,
+    }; 40];
+    let mut n = 0;
+    let mut k = 0;
+    while k < KINDS.len() {
+        let mut i = 0;
+        while i < SHAPES.len() {
+            out[n] = Variant {
+                kernel: KINDS[k],
+                dtype: SHAPES[i].0,
+                head_dim: SHAPES[i].1,
+                score: false,
+            };
+            n += 1;
+            i += 1;
         }
+        k += 1;
     }
-    [
-        v(FwdSimple, Bf16, 64),
-        v(FwdSimple, Bf16, 128),
-        v(FwdSimple, F16, 64),
-        v(FwdSimple, F16, 128),
-        v(FwdWgmma, Bf16, 64),
-        v(FwdWgmma, Bf16, 128),
-        v(FwdWgmma, F16, 64),
-        v(FwdWgmma, F16, 128),
-        v(FwdWs, Bf16, 64),
-        v(FwdWs, Bf16, 128),
-        v(FwdWs, F16, 64),
-        v(FwdWs, F16, 128),
-        v(BwdPre, Bf16, 64),
-        v(BwdPre, Bf16, 128),
-        v(BwdPre, F16, 64),
-        v(BwdPre, F16, 128),
-        v(BwdDkDv, Bf16, 64),
-        v(BwdDkDv, Bf16, 128),
-        v(BwdDkDv, F16, 64),
-        v(BwdDkDv, F16, 128),
-        v(BwdDq, Bf16, 64),
-        v(BwdDq, Bf16, 128),
-        v(BwdDq, F16, 64),
-        v(BwdDq, F16, 128),
-        v(BwdPost, Bf16, 64),
-        v(BwdPost, Bf16, 128),
-        v(BwdPost, F16, 64),
-        v(BwdPost, F16, 128),
-    ]
+    k = 0;
+    while k < SCORED.len() {
+        let mut i = 0;
+        while i < SHAPES.len() {
+            out[n] = Variant {
+                kernel: SCORED[k],
+                dtype: SHAPES[i].0,
+                head_dim: SHAPES[i].1,
+                score: true,
+            };
+            n += 1;
+            i += 1;
+        }
+        k += 1;
+    }
+    assert!(n == 40);
+    out
 };
 
 /// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
-pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<usize> {
-    VARIANTS
-        .iter()
-        .position(|v| v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim)
+pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32, score: bool) -> Option<usize> {
+    VARIANTS.iter().position(|v| {
+        v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim && v.score == score
+    })
 }
 
 /// Every kernel source file by the name it is included as (`#include "common.cuh"`). The
@@ -265,6 +289,7 @@ pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32) -> Option<u
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("fwd_common.cuh", include_str!("../kernels/fwd_common.cuh")),
+    ("score.cuh", include_str!("../kernels/score.cuh")),
     ("wgmma.cuh", include_str!("../kernels/wgmma.cuh")),
     ("tma.cuh", include_str!("../kernels/tma.cuh")),
     ("fwd_simple.cu", include_str!("../kernels/fwd_simple.cu")),
@@ -534,7 +559,8 @@ mod tests {
     #[test]
     fn variants_are_distinct_and_sources_resolve() {
         for (i, v) in VARIANTS.iter().enumerate() {
-            assert_eq!(find_variant(v.kernel, v.dtype, v.head_dim), Some(i));
+            assert_eq!(find_variant(v.kernel, v.dtype, v.head_dim, v.score), Some(i));
+            assert!(!v.score || v.kernel.has_score_variant(), "{}", v.name());
             assert!(source(v.kernel.source_file()).is_some());
         }
         let keys: std::collections::HashSet<_> = VARIANTS

@@ -103,6 +103,62 @@ type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT])`, each array a 1-D tensor.
 type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>);
 
+/// A launch's score terms as the Python side passes them: `(softcap, slopes, (q_coef,
+/// k_coef, offset), dist_bias, dist_per_head, dist_run_end, sinks, dist_bias_grad)`, each
+/// tensor a contiguous 1-D tensor or `None` (`cm_cuda::score` gives the meaning): slopes and
+/// sinks float32 `[num_heads]`, dist_bias and dist_bias_grad float32 flattened from
+/// `[num_heads or 1, q_len + kv_len - 1]`, dist_run_end int32 `[q_len + kv_len - 1]`.
+type ScoreArg = (
+    f32,
+    Option<TensorArg<1>>,
+    (f32, f32, f32),
+    Option<TensorArg<1>>,
+    bool,
+    Option<TensorArg<1>>,
+    Option<TensorArg<1>>,
+    Option<TensorArg<1>>,
+);
+
+/// The score terms' tensors checked against the launch (device, dtype, contiguity, length)
+/// into the addresses `cm_cuda` takes.
+fn score_raw(
+    score: ScoreArg,
+    device: usize,
+    num_heads: usize,
+    q_len: u32,
+    kv_len: u32,
+) -> Result<cm_cuda::ScoreRaw, Error> {
+    let (softcap, slopes, (q_coef, k_coef, offset), dist, dist_per_head, run_end, sinks, grad) = score;
+    let len = (q_len as usize + kv_len as usize).saturating_sub(1);
+    let dist_len = if dist_per_head { num_heads * len } else { len };
+    let addr = |name: &str, t: Option<TensorArg<1>>, dtype: &str, want: usize| -> Result<u64, Error> {
+        let Some(t) = t else { return Ok(0) };
+        let t = to_external(t);
+        external::check_tensor(name, &t.dtype, t.device, dtype, device)?;
+        let (addr, n) = t.contiguous(name)?;
+        if n != want {
+            return Err(Error::invalid(format!(
+                "{name}: {n} elements, expected {want}"
+            )));
+        }
+        Ok(addr)
+    };
+    Ok(cm_cuda::ScoreRaw {
+        softcap,
+        slopes: addr("score slopes", slopes, "float32", num_heads)?,
+        linear: cm_cuda::LinearCoefs {
+            q_coef,
+            k_coef,
+            offset,
+        },
+        dist_bias: addr("score dist_bias", dist, "float32", dist_len)?,
+        dist_per_head,
+        dist_run_end: addr("score dist_run_end", run_end, "int32", len)?,
+        sinks: addr("score sinks", sinks, "float32", num_heads)?,
+        dist_bias_grad: addr("score dist_bias_grad", grad, "float32", dist_len)?,
+    })
+}
+
 fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
     ExternalTensor {
         addr: t.0,
@@ -130,6 +186,8 @@ fn forward_args(
     out: TensorArg<4>,
     lse: TensorArg<3>,
     softmax_scale: f32,
+    score: ScoreArg,
+    plan: &DescriptorArg,
 ) -> Result<(usize, ForwardRaw, (u64, LseLayout), String), Error> {
     let (q, k, v, out, lse) = (
         to_external(q),
@@ -157,6 +215,7 @@ fn forward_args(
         out_layout: out.layout(),
         lse: Some((lse.addr, lse.lse_layout())),
         softmax_scale,
+        score: score_raw(score, device, q.shape[1], plan.0, plan.1)?,
     };
     Ok((device, raw, (lse.addr, lse.lse_layout()), q.dtype))
 }
@@ -207,9 +266,10 @@ pub fn cuda_forward(
     out: TensorArg<4>,
     lse: TensorArg<3>,
     scale: f32,
+    score: ScoreArg,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
-        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale)?;
+        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale, score, &plan)?;
         let layout = plan_layout(device, plan)?;
         cm_cuda::check_forward(&layout, &raw)?;
         Ok((device, raw, layout))
@@ -253,9 +313,11 @@ pub fn cuda_backward(
     workspace: TensorArg<1>,
     scale: f32,
     deterministic: bool,
+    score: ScoreArg,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, BackwardRaw, PlanLayout), Error> {
-        let (device, f, (lse, lse_layout), q_dtype) = forward_args(q, k, v, out, lse, scale)?;
+        let (device, f, (lse, lse_layout), q_dtype) =
+            forward_args(q, k, v, out, lse, scale, score, &plan)?;
         let (dout, dq, dk, dv) = (
             to_external(dout),
             to_external(dq),
@@ -292,6 +354,7 @@ pub fn cuda_backward(
             workspace_len,
             softmax_scale: scale,
             deterministic,
+            score: f.score,
         };
         let layout = plan_layout(device, plan)?;
         cm_cuda::check_backward(&layout, &raw)?;

@@ -134,7 +134,27 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _cuda_forward(q, k, v, kernel, plan_dims, scale):
+# No score terms: what the plain ops pass.
+_NO_SCORE = (0.0, None, (0.0, 0.0, 0.0), None, False, None, None, None)
+
+
+def _opt_raw(t: Optional[Tensor]) -> Optional[tuple]:
+    return None if t is None else _raw(t.reshape(-1))
+
+
+def _score_arg(score: Optional[tuple], dist_bias_grad: Optional[Tensor] = None) -> tuple:
+    """The extension's view of the score terms ``(softcap, linear, slopes, dist_bias,
+    dist_run_end, sinks)`` (see :func:`attention_forward_score`)."""
+    if score is None:
+        return _NO_SCORE
+    softcap, linear, slopes, dist_bias, run_end, sinks = score
+    per_head = dist_bias is not None and dist_bias.dim() == 2 and dist_bias.shape[0] > 1
+    return (float(softcap), _opt_raw(slopes), tuple(float(x) for x in linear),
+            _opt_raw(dist_bias), per_head, _opt_raw(run_end), _opt_raw(sinks),
+            _opt_raw(dist_bias_grad))
+
+
+def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
     _check_cuda_supported(q, v)
     b, hq, lq, d = q.shape
     lk = k.shape[2]
@@ -145,11 +165,12 @@ def _cuda_forward(q, k, v, kernel, plan_dims, scale):
     with torch.cuda.device(q.device):
         _native.cuda_forward(
             _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
-            _raw(v), _raw(out), _raw(lse), scale)
+            _raw(v), _raw(out), _raw(lse), scale, _score_arg(score))
     return out, lse
 
 
-def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic):
+def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic,
+                       score=None, dist_bias_grad=None):
     """dq, dk, dv of ``sum(out * dout)`` by the backward kernels."""
     b, hq, lq, d = q.shape
     lk = k.shape[2]
@@ -162,7 +183,7 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
         _native.cuda_backward(
             _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
             _raw(v), _raw(out), _raw(dout), _raw(lse), _raw(dq), _raw(dk), _raw(dv),
-            _raw(workspace), scale, deterministic)
+            _raw(workspace), scale, deterministic, _score_arg(score, dist_bias_grad))
     return dq, dk, dv
 
 
@@ -254,3 +275,104 @@ def _backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) 
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- score terms
+#
+# The ops with score terms (docs/language.md, "Scores"): with s = scale * q . k of a visible
+# pair (query q, key k, query head h), the logit is
+#   (softcap > 0 ? softcap * tanh(s / softcap) : s)
+#   + slopes[h] * (q_coef * q + k_coef * k + offset)      (linear = [q_coef, k_coef, offset])
+#   + dist_bias[h or 0, q - k + kv_len - 1]
+# and every row's softmax counts exp(sinks[h]) in its denominator. ``dist_bias`` (float32
+# ``[num_heads or 1, q_len + kv_len - 1]``) and ``sinks`` (float32 ``[num_heads]``) are
+# differentiable; ``dist_run_end`` (int32 ``[q_len + kv_len - 1]``, the last index of each
+# index's run of equal values) lets the kernels add one constant for a tile inside one run.
+
+def _sink_grad(sinks: Tensor, lse: Tensor, out: Tensor, dout: Tensor) -> Tensor:
+    """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * rowsum(dout * out): the
+    sink is one more logit of each row's softmax, with value 0 (so its dP is 0)."""
+    delta = (dout.float() * out.float()).sum(-1)
+    share = torch.exp(sinks.float().view(1, -1, 1) - lse.float())
+    return -(share * delta).sum(dim=(0, 2))
+
+
+@torch.library.custom_op("compilemask::attention_forward_score", mutates_args=())
+def attention_forward_score(q: Tensor, k: Tensor, v: Tensor, kernel: list[Tensor],
+                            plan_dims: list[int], scale: float, deterministic: bool,
+                            softcap: float, linear: list[float], slopes: Optional[Tensor],
+                            dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
+                            sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    if q.device.type != "cuda":
+        raise NotImplementedError("the score terms' kernels run on CUDA tensors")
+    score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
+    return _cuda_forward(q, k, v, kernel, plan_dims, scale, score)
+
+
+@attention_forward_score.register_fake
+def _(q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes, dist_bias,
+      dist_run_end, sinks):
+    b, hq, lq, _ = q.shape
+    return (q.new_empty((b, hq, lq, v.shape[-1])), q.new_empty((b, hq, lq), dtype=torch.float32))
+
+
+@torch.library.custom_op("compilemask::attention_backward_score", mutates_args=())
+def attention_backward_score(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                             lse: Tensor, kernel: list[Tensor], plan_dims: list[int],
+                             scale: float, deterministic: bool, softcap: float,
+                             linear: list[float], slopes: Optional[Tensor],
+                             dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
+                             sinks: Optional[Tensor], want_dist_grad: bool
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_cuda_supported(q, v)
+    score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
+    dout = _kernel_ready(grad_out)
+    ddist = (torch.zeros_like(dist_bias, dtype=torch.float32)
+             if want_dist_grad and dist_bias is not None else None)
+    dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
+                                    deterministic, score, ddist)
+    dsinks = (_sink_grad(sinks, lse, out, dout) if sinks is not None
+              else q.new_zeros((0,), dtype=torch.float32))
+    return dq, dk, dv, (ddist if ddist is not None else q.new_zeros((0,), dtype=torch.float32)), dsinks
+
+
+@attention_backward_score.register_fake
+def _(grad_out, q, k, v, out, lse, kernel, plan_dims, scale, deterministic, softcap, linear,
+      slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
+    ddist = (torch.empty_like(dist_bias, dtype=torch.float32)
+             if want_dist_grad and dist_bias is not None else q.new_empty((0,), dtype=torch.float32))
+    dsinks = (torch.empty_like(sinks, dtype=torch.float32) if sinks is not None
+              else q.new_empty((0,), dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ddist, dsinks
+
+
+def _setup_score_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    (q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes, dist_bias,
+     dist_run_end, sinks) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, *kernel)
+    ctx.plan_dims, ctx.scale, ctx.softcap, ctx.linear = plan_dims, scale, softcap, linear
+    ctx.deterministic = deterministic
+    ctx.set_materialize_grads(False)
+
+
+def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
+    q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, *kernel = ctx.saved_tensors
+    if grad_lse is not None:
+        raise NotImplementedError(
+            "compilemask.attention with score terms differentiates `out` only; a loss that "
+            "uses `lse` is not supported with score terms yet")
+    want_dist = dist_bias is not None and ctx.needs_input_grad[10]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, ddist, dsinks = attention_backward_score(
+        grad_out, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale, ctx.deterministic,
+        ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks, want_dist)
+    # One gradient per input: q, k, v, kernel (a list), plan_dims, scale, deterministic,
+    # softcap, linear, slopes, dist_bias, dist_run_end, sinks.
+    return (dq, dk, dv, [None] * len(kernel), None, None, None, None, None, None,
+            ddist.to(dist_bias.dtype) if want_dist else None, None,
+            dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[12] else None)
+
+
+attention_forward_score.register_autograd(_score_backward, setup_context=_setup_score_context)

@@ -94,6 +94,8 @@ impl Dev {
                 workspace: &mut self.workspace,
                 softmax_scale: c.softmax_scale,
                 deterministic,
+                dist_bias_grad: None,
+                score: cm_cuda::Score::NONE,
             },
         )?;
         Ok(())
@@ -379,6 +381,8 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
                 workspace: ws,
                 softmax_scale: 0.125,
                 deterministic: det,
+                dist_bias_grad: None,
+                score: cm_cuda::Score::NONE,
             },
         )
     };

@@ -460,6 +460,7 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
                 out: (out, lo),
                 lse: None,
                 softmax_scale: scale,
+                score: cm_cuda::Score::NONE,
             },
         )
     };
@@ -565,6 +566,7 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
                 out: (&mut out, l(4, 100, 64)),
                 lse: Some((&mut lse, LseLayout::contiguous([1, 4, 99]))),
                 softmax_scale: 0.1,
+                score: cm_cuda::Score::NONE,
             },
         ),
     );
@@ -580,6 +582,7 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
         out_layout: l(4, 100, 64),
         lse: None,
         softmax_scale: 0.1,
+        score: cm_cuda::ScoreRaw::default(),
     };
     // SAFETY: the misaligned q address fails validation before any launch, so none of these
     // (made-up) addresses is ever dereferenced.

@@ -391,6 +391,7 @@ impl Buffers {
                 out: (&mut self.out, self.q_layout),
                 lse: self.lse.as_mut().map(|buf| (buf, lse_layout)),
                 softmax_scale: c.softmax_scale,
+                score: cm_cuda::Score::NONE,
             },
         )?;
         Ok(())

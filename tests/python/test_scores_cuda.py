@@ -1,0 +1,180 @@
+"""The score terms' CUDA kernels (softcap, linear bias, bias by distance, sinks; Hopper GPUs,
+skipped elsewhere) against a float64 dense attention written here from the formulas of
+`compilemask._ops` ("score terms"): forward output and lse, and the gradients of q, k, v, the
+distance table and the sinks, for causal, sliding-window and document masks at odd lengths
+(full, partial and empty tiles; empty rows with and without a sink), q_len != kv_len, GQA,
+bfloat16 / float16, head_dim 64 / 128, both backward modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import compilemask as cm
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
+
+# Max error relative to the reference's largest magnitude (at least 1): output, gradients.
+TOL = {torch.bfloat16: (2e-2, 4e-2), torch.float16: (4e-3, 1e-2)}
+
+
+def _buckets(lq: int, lk: int, num_buckets: int = 8, max_distance: int = 40) -> list[int]:
+    """A T5-style bucket of every distance d = q - k (index d + lk - 1): exact below
+    num_buckets / 2, logarithmic up to max_distance, one bucket beyond; negative
+    distances (keys after the query) in a bucket of their own."""
+    out = []
+    exact = num_buckets // 2
+    for i in range(lq + lk - 1):
+        d = i - (lk - 1)
+        if d < 0:
+            out.append(num_buckets - 1)
+        elif d < exact:
+            out.append(d)
+        else:
+            b = exact + int(math.log(d / exact) / math.log(max_distance / exact) * (num_buckets - 1 - exact))
+            out.append(min(b, num_buckets - 2))
+    return out
+
+
+def _run_end(bucket: list[int]) -> list[int]:
+    ends = [0] * len(bucket)
+    for i in range(len(bucket) - 1, -1, -1):
+        ends[i] = ends[i + 1] if i + 1 < len(bucket) and bucket[i + 1] == bucket[i] else i
+    return ends
+
+
+def _logits(q, k, scale, softcap, linear, slopes, dist_bias):
+    """Every pair's logit with the score terms, float64, [batch, num_heads, q_len, kv_len]
+    (k already repeated to the query heads)."""
+    hq, lq, lk = q.shape[1], q.shape[2], k.shape[2]
+    s = scale * q @ k.transpose(-1, -2)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    qi = torch.arange(lq, device=q.device, dtype=torch.float64).view(-1, 1)
+    ki = torch.arange(lk, device=q.device, dtype=torch.float64).view(1, -1)
+    if slopes is not None:
+        qc, kc, off = linear
+        s = s + slopes.double().view(1, -1, 1, 1) * (qc * qi + kc * ki + off)
+    if dist_bias is not None:
+        idx = (qi - ki + lk - 1).long()
+        table = dist_bias.double()
+        if table.shape[0] == 1:
+            table = table.expand(hq, -1)
+        s = s + table[:, idx].unsqueeze(0)
+    return s
+
+
+def _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks):
+    """float64 dense attention with the score terms; returns out, lse (empty rows: 0 and
+    -inf, or the sink)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    hq, hk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hk, dim=1)
+    v = v.repeat_interleave(hq // hk, dim=1)
+    lq = q.shape[2]
+    s = _logits(q, k, scale, softcap, linear, slopes, dist_bias).masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        sink = sinks.double().view(1, -1, 1, 1).expand(s.shape[0], -1, lq, 1)
+        full = torch.cat([s, sink], dim=-1)
+        lse = torch.logsumexp(full, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return p @ v, lse
+
+
+CASES = [
+    # (builtin, params, lq, lk)
+    ("causal", {}, 197, 197),
+    ("sliding_window", {"window": 70}, 261, 261),
+    ("causal_bottom_right", {}, 200, 77),  # the top rows see no key
+    ("document_causal", {"lengths": [50, 1, 90, 40]}, 181, 181),
+    ("prefix_lm", {"prefix": 60}, 150, 150),  # keys after the query (negative distances)
+]
+TERMS = ["softcap", "linear", "dist", "sinks", "all"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("terms", TERMS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype,d,hq,hk", [(torch.bfloat16, 64, 4, 2), (torch.float16, 128, 2, 2)])
+def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk):
+    from compilemask import _ops
+
+    name, params, lq, lk = case
+    plan = cm.builtin(name, **params).plan(lq, lk)
+    pt = plan.to_tensors("cuda")
+    mask = plan.to_dense(format="torch").cuda()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b = 2
+    q = (torch.randn((b, hq, lq, d), generator=g, device="cuda") * 1.5).to(dtype).requires_grad_()
+    k = (torch.randn((b, hk, lk, d), generator=g, device="cuda") * 1.5).to(dtype).requires_grad_()
+    v = torch.randn((b, hk, lk, d), generator=g, device="cuda").to(dtype).requires_grad_()
+    scale = 1.0 / math.sqrt(d)
+    use = {t: terms in (t, "all") for t in TERMS[:4]}
+    softcap = 5.0 if use["softcap"] else 0.0
+    slopes = (torch.tensor([2.0 ** (-(i + 1)) for i in range(hq)], device="cuda")
+              if use["linear"] else None)
+    linear = [-1.0, 1.0, 0.0]
+    dist_bias = run_end = None
+    if use["dist"]:
+        bucket = torch.tensor(_buckets(lq, lk), device="cuda")
+        table = torch.randn((hq, 8), generator=g, device="cuda").requires_grad_()
+        dist_bias = table[:, bucket]
+        run_end = torch.tensor(_run_end(bucket.tolist()), device="cuda", dtype=torch.int32)
+    sinks = (torch.randn((hq,), generator=g, device="cuda") + 1.0).requires_grad_() if use["sinks"] else None
+
+    out, lse = _ops.attention_forward_score(
+        q, k, v, list(pt.kernel), [pt.row_ptr.shape[0], pt.batch, pt.num_heads], scale,
+        deterministic, softcap, linear, slopes, dist_bias, run_end, sinks)
+    ref_out, ref_lse = _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks)
+    tol_out, tol_grad = TOL[dtype]
+    err = (out.double() - ref_out).abs().max().item() / max(1.0, ref_out.abs().max().item())
+    assert not torch.isnan(out).any() and err <= tol_out, err
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-2
+
+    w = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    inputs = [q, k, v] + ([table] if use["dist"] else []) + ([sinks] if use["sinks"] else [])
+    # The table reaches both through one gather: keep its graph for the reference.
+    grads = torch.autograd.grad((out.double() * w).sum(), inputs, retain_graph=True)
+    ref_grads = list(torch.autograd.grad((ref_out * w).sum(), inputs[:3], retain_graph=True))
+    # The table's and the sinks' gradients are sums of dS = P (dP - delta) over many pairs,
+    # and each row's dS sums to dout . (O - O_rounded): the output's rounding to the element
+    # type, which any kernel's delta = rowsum(dout * out) carries. So their reference takes
+    # delta from the kernel's own output (everything else in float64), as the gradients
+    # of q, k and v need not.
+    delta = (w * out.detach().double()).sum(-1)
+    if use["dist"] or use["sinks"]:
+        p, dp = _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks, w)
+        ds = p * (dp - delta.unsqueeze(-1))
+        if use["dist"]:
+            idx = (torch.arange(lq, device="cuda").view(-1, 1) - torch.arange(lk, device="cuda").view(1, -1)
+                   + lk - 1)
+            per_dist = torch.zeros((hq, lq + lk - 1), device="cuda", dtype=torch.float64)
+            per_dist.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(hq, -1))
+            ref_grads.append(torch.zeros((hq, 8), device="cuda", dtype=torch.float64)
+                             .index_add_(1, bucket, per_dist))
+        if use["sinks"]:
+            ref_grads.append(-(torch.exp(sinks.double().view(1, -1, 1) - ref_lse) * delta).sum((0, 2)))
+    for i, (gr, rf) in enumerate(zip(grads, ref_grads)):
+        e = (gr.double() - rf).abs().max().item() / max(1.0, rf.abs().max().item())
+        assert not torch.isnan(gr).any() and e <= tol_grad, (i, e)
+
+
+def _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks, w):
+    """P of every pair (float64, sink included in the denominator) and dP = w . v."""
+    with torch.no_grad():
+        hq, hk = q.shape[1], k.shape[1]
+        out, lse = _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks)
+        kk = k.double().repeat_interleave(hq // hk, dim=1)
+        vv = v.double().repeat_interleave(hq // hk, dim=1)
+        s = _logits(q.double(), kk, scale, softcap, linear, slopes, dist_bias).masked_fill(~mask, -math.inf)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        return p, w @ vv.transpose(-1, -2)
