@@ -1,0 +1,135 @@
+"""Score terms against the same mask without them on the GPU machine (the "scores as well as
+masks" targets): softcap, ALiBi (a linear bias), a T5 bucket table (a bias by distance,
+learnable) and sinks (learnable), each on W1 (causal) and W6 (packed causal documents) at
+q_len = kv_len = 32768, H16, head_dim 128, bf16, batch 1.
+
+Correctness is tests/python/test_scores_cuda.py's (run it in the same call). Times forward and
+forward + backward (fast mode; gradients of q, k, v and of the learnable table or sinks) with
+CUDA events: median of `--runs` back-to-back calls after warm-up. Effective TFLOP/s as in
+BENCHMARKS.md: forward 4 x head_dim x (visible pairs summed over heads) / time, forward +
+backward 3.5x that.
+
+    python3 scripts/bench-scores.py [--q-len 32768] [--runs 10] [--json OUT.json]
+
+Needs torch with CUDA and the compilemask wheel (built with the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import compilemask as cm
+from compilemask import _ops
+
+
+def median_ms(fn, runs: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def t5_buckets(n: int, num_buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """T5's unidirectional relative-position bucket of every distance d = q - k, index
+    d + n - 1 (Raffel et al. 2020; transformers' `_relative_position_bucket`,
+    bidirectional=False): exact below num_buckets / 2, logarithmic up to max_distance,
+    keys after the query in bucket 0."""
+    d = torch.arange(-(n - 1), n, dtype=torch.float64).clamp(min=0)
+    exact = num_buckets // 2
+    large = exact + (torch.log(d.clamp(min=1) / exact) / math.log(max_distance / exact)
+                     * (num_buckets - exact)).floor()
+    return torch.where(d < exact, d, large.clamp(max=num_buckets - 1)).long()
+
+
+def run_end(bucket: torch.Tensor) -> torch.Tensor:
+    """The last index of each index's run of equal buckets."""
+    n = bucket.numel()
+    change = torch.ones(n, dtype=torch.bool)
+    change[:-1] = bucket[1:] != bucket[:-1]
+    ends = torch.nonzero(change).flatten()
+    run = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), change[:-1].long()]), 0)
+    return ends[run].to(torch.int32)
+
+
+def alibi_slopes(h: int) -> torch.Tensor:
+    """ALiBi's head slopes for a power-of-two head count (Press et al. 2022): 2^(-8 (i + 1) / h)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--q-len", type=int, default=32768)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    n, heads, d = a.q_len, 16, 128
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn((1, heads, n, d), generator=g, device=dev, dtype=torch.bfloat16)
+               .requires_grad_() for _ in range(3))
+    dout = torch.randn_like(q)
+    bucket = t5_buckets(n).to(dev)
+    table = (0.5 * torch.randn((heads, 32), generator=g, device=dev)).requires_grad_()
+    ends = run_end(bucket.cpu()).to(dev)
+    sinks = torch.randn((heads,), generator=g, device=dev).requires_grad_()
+    slopes = alibi_slopes(heads).to(dev)
+    terms = {
+        "softcap": dict(softcap=30.0),
+        "alibi": dict(slopes=slopes),
+        "t5_table": dict(table=table),
+        "sinks": dict(sinks=sinks),
+    }
+    results = {"q_len": n, "heads": heads, "head_dim": d, "dtype": "bfloat16", "workloads": {}}
+    for wname, program in (("W1", cm.builtin("causal")), ("W6", cm.builtin("document_causal"))):
+        plan = program.plan(n)
+        pt = plan.to_tensors(dev)
+        dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
+        flops = 4 * d * heads * plan.visible_pairs
+        scale = 1.0 / math.sqrt(d)
+
+        def plain():
+            return cm.attention(q, k, v, plan)
+
+        def scored(t):
+            dist = t["table"][:, bucket] if "table" in t else None
+            return _ops.attention_forward_score(
+                q, k, v, list(pt.kernel), dims, scale, False, t.get("softcap", 0.0),
+                [-1.0, 1.0, 0.0], t.get("slopes"), dist, ends if dist is not None else None,
+                t.get("sinks"))[0]
+
+        row = {}
+        for tname, fn in [("none", plain)] + [(t, (lambda t=t: scored(terms[t]))) for t in terms]:
+            params = [q, k, v] + [x for x in (terms.get(tname, {}).get("table"),
+                                              terms.get(tname, {}).get("sinks")) if x is not None]
+            fwd = median_ms(lambda: fn(), a.runs)
+
+            def step():
+                torch.autograd.grad(fn(), params, dout)
+
+            fwd_bwd = median_ms(step, a.runs)
+            row[tname] = {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9,
+                          "fwd_bwd_ms": fwd_bwd, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9}
+        for tname in terms:
+            for key in ("fwd_tflops", "fwd_bwd_tflops"):
+                row[tname][f"vs_none_{key}"] = row[tname][key] / row["none"][key]
+        results["workloads"][wname] = {"visible_pairs_per_head": plan.visible_pairs, **row}
+        print(wname, json.dumps(row, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
