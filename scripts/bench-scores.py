@@ -53,16 +53,6 @@ def t5_buckets(n: int, num_buckets: int = 32, max_distance: int = 128) -> torch.
     return torch.where(d < exact, d, large.clamp(max=num_buckets - 1)).long()
 
 
-def run_end(bucket: torch.Tensor) -> torch.Tensor:
-    """The last index of each index's run of equal buckets."""
-    n = bucket.numel()
-    change = torch.ones(n, dtype=torch.bool)
-    change[:-1] = bucket[1:] != bucket[:-1]
-    ends = torch.nonzero(change).flatten()
-    run = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), change[:-1].long()]), 0)
-    return ends[run].to(torch.int32)
-
-
 def alibi_slopes(h: int) -> torch.Tensor:
     """ALiBi's head slopes for a power-of-two head count (Press et al. 2022): 2^(-8 (i + 1) / h)."""
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
@@ -82,7 +72,6 @@ def main() -> None:
     dout = torch.randn_like(q)
     bucket = t5_buckets(n).to(dev)
     table = (0.5 * torch.randn((heads, 32), generator=g, device=dev)).requires_grad_()
-    ends = run_end(bucket.cpu()).to(dev)
     sinks = torch.randn((heads,), generator=g, device=dev).requires_grad_()
     slopes = alibi_slopes(heads).to(dev)
     terms = {
@@ -103,11 +92,10 @@ def main() -> None:
             return cm.attention(q, k, v, plan)
 
         def scored(t):
-            dist = t["table"][:, bucket] if "table" in t else None
+            dist, ends = _ops.table_by_distance(t["table"], bucket) if "table" in t else (None, None)
             return _ops.attention_forward_score(
                 q, k, v, list(pt.kernel), dims, scale, False, t.get("softcap", 0.0),
-                [-1.0, 1.0, 0.0], t.get("slopes"), dist, ends if dist is not None else None,
-                t.get("sinks"))[0]
+                [-1.0, 1.0, 0.0], t.get("slopes"), dist, ends, t.get("sinks"))[0]
 
         row = {}
         for tname, fn in [("none", plain)] + [(t, (lambda t=t: scored(terms[t]))) for t in terms]:

@@ -125,8 +125,8 @@ def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk)
     if use["dist"]:
         bucket = torch.tensor(_buckets(lq, lk), device="cuda")
         table = torch.randn((hq, 8), generator=g, device="cuda").requires_grad_()
-        dist_bias = table[:, bucket]
-        run_end = torch.tensor(_run_end(bucket.tolist()), device="cuda", dtype=torch.int32)
+        dist_bias, run_end = _ops.table_by_distance(table, bucket)
+        assert run_end.tolist() == _run_end(bucket.tolist())
     sinks = (torch.randn((hq,), generator=g, device="cuda") + 1.0).requires_grad_() if use["sinks"] else None
 
     out, lse = _ops.attention_forward_score(

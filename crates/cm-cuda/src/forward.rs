@@ -2,8 +2,8 @@
 
 use crate::layout::VECTOR_BYTES;
 use crate::plan::{PlanArray, PlanLayout};
-use crate::tma::TensorMap;
 use crate::score::{Score, ScoreParams, ScoreRaw};
+use crate::tma::TensorMap;
 use crate::{DType, Error, LseLayout, TensorLayout};
 use cm_kernels::{KernelKind, Variant};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -156,18 +156,19 @@ pub(crate) fn prepare(
         )));
     }
     a.score.check(plan.q_len, plan.kv_len)?;
-    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, scored).ok_or_else(|| {
-        let dims: Vec<String> = cm_kernels::VARIANTS
-            .iter()
-            .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype && v.score == scored)
-            .map(|v| v.head_dim.to_string())
-            .collect();
-        Error::invalid(format!(
-            "q: head_dim = {d} is not supported for {}; built head dims: {}",
-            a.dtype,
-            dims.join(", ")
-        ))
-    })?;
+    let variant =
+        cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, scored).ok_or_else(|| {
+            let dims: Vec<String> = cm_kernels::VARIANTS
+                .iter()
+                .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype && v.score == scored)
+                .map(|v| v.head_dim.to_string())
+                .collect();
+            Error::invalid(format!(
+                "q: head_dim = {d} is not supported for {}; built head dims: {}",
+                a.dtype,
+                dims.join(", ")
+            ))
+        })?;
     let kernel: &Variant = &cm_kernels::VARIANTS[variant];
     if (kb, kd) != (b, d) {
         return Err(Error::invalid(format!(

@@ -122,7 +122,8 @@ impl ScoreRaw {
             ));
         }
         let l = self.linear;
-        if self.slopes != 0 && !(l.q_coef.is_finite() && l.k_coef.is_finite() && l.offset.is_finite())
+        if self.slopes != 0
+            && !(l.q_coef.is_finite() && l.k_coef.is_finite() && l.offset.is_finite())
         {
             return Err(Error::invalid(format!(
                 "score linear coefficients {l:?}: expected finite values"

@@ -145,11 +145,9 @@ __device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const f
 // The score terms' side of dS^T: the distance table's gradient from dS^T as the softmax sees
 // it, then the softcap's derivative, which only the scores before the cap carry.
 __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const float (&dcap)[BLOCK_M / 8][4],
-                                                 const CmScoreParams& sp, u32 head, u32 q_len, u32 kv_len,
-                                                 u32 key_base, u32 query_base) {
-    if (sp.dist_bias_grad != nullptr) {
-        cm_dist_grad<BLOCK_M / 8, true>(dp, sp, head, q_len, kv_len, key_base, query_base);
-    }
+                                                 const CmScoreParams& sp, const CmDistTile& dist,
+                                                 CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len) {
+    if (sp.dist_bias_grad != nullptr) cm_dist_grad<BLOCK_M / 8, true>(dp, sp, dist, acc, head, q_len, kv_len);
     if (sp.softcap > 0.f) {
 #pragma unroll
         for (int j = 0; j < BLOCK_M / 8; ++j) {
@@ -278,6 +276,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     }
     if (total > 0) cm_mbar_wait(bar(BAR_KV), 0);
 
+#if CM_SCORE
+    CmDistGradAcc dist_acc = {0.f, -1};
+#endif
     u32 it = 0;
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
         const DkdvHead hd = dkdv_head(p, batch, head0 + hg, n_block);
@@ -305,6 +306,14 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                                 cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
             }
             cm_wgmma_commit();
+#if CM_SCORE
+            // The tile's first query and the distance table's view of it, loaded while the
+            // products run.
+            const u32 key_base = key0 + c * 64 + warp * 16 + g;
+            const u32 query_base = dkdv_tile(p, hd, ti).row0 + 2 * t;
+            const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, hd.head, p.q_len, p.kv_len, key_base,
+                                                                    query_base);
+#endif
             // While they run: this thread's two key rows' visibility of the tile's 64 queries,
             // shifted to its query columns. A full tile of the block that overhangs kv_len sees
             // every query from its keys below kv_len and none from the zero-filled keys past it:
@@ -326,11 +335,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
-            const u32 key_base = key0 + c * 64 + warp * 16 + g;
-            const u32 query_base = dkdv_tile(p, hd, ti).row0 + 2 * t;
             float dcap[BLOCK_M / 8][4];
-            cm_score_logits<BLOCK_M / 8, true, true>(sc, dcap, p.score, p.softmax_scale, hd.head, p.q_len, p.kv_len,
-                                                     key_base, query_base);
+            cm_score_logits<BLOCK_M / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, hd.head, p.q_len,
+                                                     p.kv_len, key_base, query_base);
             const float logit_scale = 1.f;
 #else
             const float logit_scale = p.scale_log2;
@@ -354,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_fence_acc(dp);
             score_grads(dp, sc, lse2s + BLOCK_M, t);
 #if CM_SCORE
-            score_term_grads(dp, dcap, p.score, hd.head, p.q_len, p.kv_len, key_base, query_base);
+            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len);
 #endif
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
@@ -432,6 +439,10 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 }
             }
         }
+#if CM_SCORE
+        // The next head's gradient goes to its own row of the table.
+        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head);
+#endif
     }
     // The last reduction must finish reading shared memory before the CTA exits.
     if (dq_issuer) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

@@ -148,6 +148,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         }
         cm_wgmma_commit();
         if (has_next) row_bits(it + 1, key_next, st ^ 1);
+#if CM_SCORE
+        // The distance table's view of the tile, loaded while the products run.
+        const CmDistTile dist = cm_dist_tile<BLOCK_N / 8, false>(p.score, head, p.q_len, p.kv_len,
+                                                                 row0 + warp * 16 + g, key_of(it) + 2 * t);
+#endif
         cm_wgmma_wait<0>();
         cm_fence_acc(s);
         cm_fence_acc(dp);
@@ -160,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
 #if CM_SCORE
         // The logits with their score terms, already in the log2 domain.
         float dcap[BLOCK_N / 8][4];
-        cm_score_logits<BLOCK_N / 8, false, true>(s, dcap, p.score, p.softmax_scale, head, p.q_len, p.kv_len,
+        cm_score_logits<BLOCK_N / 8, false, true>(s, dcap, p.score, dist, p.softmax_scale, head, p.q_len, p.kv_len,
                                                   row0 + warp * 16 + g, key0 + 2 * t);
         const float logit_scale = 1.f;
 #else

@@ -285,9 +285,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             }
             cm_wgmma_commit();
         };
-        // Tile `it`'s first key, read before its scores are issued.
+        // Tile `it`'s first key, read before its scores are issued (and, with score terms,
+        // the distance table's view of the tile, whose loads then overlap the product).
         u32 key0 = 0;
-        auto load_bits = [&](u32 it) { key0 = ws_n_block(p, w, it) * BLOCK_N; };
+#if CM_SCORE
+        const bool modifies = cm_score_modifies_logits(p.score);
+        CmDistTile dist;
+#endif
+        auto load_bits = [&](u32 it) {
+            key0 = ws_n_block(p, w, it) * BLOCK_N;
+#if CM_SCORE
+            dist = cm_dist_tile<BLOCK_N / 8, false>(p.score, w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
+                                                    key0 + 2 * t);
+#endif
+        };
         // When tile `it` (ring slot `slot`) is partial, the visibility bits of this thread's
         // rows, which arrived with its K tile: read once its scores are done, before the slot
         // is released.
@@ -307,14 +318,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         // a positive scale (the usual case; a uniform branch) folds into the exponent.
         auto softmax = [&](u32 it) {
 #if CM_SCORE
-            // Score terms: every logit is formed explicitly (softcap, biases), then masked;
-            // the maximum is taken over the finished logits, so no scale folds into exp2.
-            float no_dcap[BLOCK_N / 8][4];
-            cm_score_logits<BLOCK_N / 8, false, false>(sc, no_dcap, p.score, p.scale_log2 / CM_LOG2E, w.head,
-                                                       p.q_len, p.kv_len, w.row0 + warp * 16 + g, key0 + 2 * t);
-            cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
-            cm_softmax_step(sc, row_max, row_sum, alpha);
-#else
+            // Terms that change the logits form each one explicitly (softcap, biases, in the
+            // log2 domain), then mask; the folded step then runs at scale 1, keeping its
+            // conditional rescaling. Sinks alone take the plain path (they act at the end).
+            if (modifies) {
+                float no_dcap[BLOCK_N / 8][4];
+                cm_score_logits<BLOCK_N / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,
+                                                           w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
+                                                           key0 + 2 * t);
+                cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_softmax_step_folded(sc, 1.f, row_max, row_sum, alpha);
+                return;
+            }
+#endif
             if (p.scale_log2 > 0.f) {
                 cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
                 cm_softmax_step_folded(sc, p.scale_log2, row_max, row_sum, alpha);
@@ -322,7 +338,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
                 cm_softmax_step(sc, row_max, row_sum, alpha);
             }
-#endif
         };
         auto pack_p = [&]() {
 #pragma unroll

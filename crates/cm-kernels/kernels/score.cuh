@@ -8,31 +8,43 @@
 
 #define CM_LOG2E 1.4426950408889634f
 
-// tanh through exp2: 1 - 2 / (2^(2 x log2 e) + 1), exact to a few fp32 ulps of 1 (the
-// approximate tanh instruction's 2^-11 relative error would move a capped logit of 50 by
-// 0.02, more than bf16's rounding of P); saturates to +-1 for large |x| with no NaN.
+// The hardware's approximate tanh (one special-function op, as FlashAttention-3's softcap):
+// its relative error of about 2^-11 moves a capped logit by less than the rounding of
+// bf16 / fp16 inputs already moves q . k.
 __device__ __forceinline__ float cm_tanh(float x) {
-    const float e = cm_exp2(2.f * CM_LOG2E * fabsf(x));
     float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
-    return copysignf(fmaf(-2.f, r, 1.f), x);
+    asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// Whether any term changes the logits themselves (sinks alone only change each row's
+// normalisation, so the plain path runs).
+__device__ __forceinline__ bool cm_score_modifies_logits(const CmScoreParams& sp) {
+    return sp.softcap > 0.f || sp.slopes != nullptr || sp.dist_bias != nullptr;
 }
 
 // A thread's view of the distance table for one tile: the index of its element [0][0] (row
 // base, column base) and the index step per j (-8 for query rows, +8 for key rows); `constant`
 // when every index the thread touches lies in one run of equal values (dist_run_end), `value`
-// then that value in the log2 domain.
+// then that value in the log2 domain and `run` the run's last index. Its loads do not depend
+// on the scores, so kernels take it before they wait for S, hiding their latency.
 struct CmDistTile {
     const float* table;  // this head's row of dist_bias
     int base;            // index of element [0][0]; element [j][e] is base + step j + hstep (e >> 1) + cstep (e & 1)
     bool constant;
     float value;
+    int run;
 };
 
 template <int NB, bool KEY_ROWS>
 __device__ __forceinline__ CmDistTile cm_dist_tile(const CmScoreParams& sp, u32 head, u32 q_len, u32 kv_len,
                                                    u32 row_base, u32 col_base) {
     CmDistTile d;
+    d.constant = false;
+    d.value = 0.f;
+    d.base = 0;
+    d.table = sp.dist_bias;
+    if (sp.dist_bias == nullptr) return d;
     const int len = (int)(q_len + kv_len - 1);
     d.table = sp.dist_bias + (u64)head * sp.dist_head_stride;
     // distance index q - k + kv_len - 1
@@ -45,7 +57,8 @@ __device__ __forceinline__ CmDistTile cm_dist_tile(const CmScoreParams& sp, u32 
     const int hi = KEY_ROWS ? d.base + col_span : d.base + 8;
     const int lo_c = min(max(lo, 0), len - 1);
     const int hi_c = min(max(hi, 0), len - 1);
-    d.constant = sp.dist_run_end != nullptr && (int)sp.dist_run_end[lo_c] >= hi_c;
+    d.run = sp.dist_run_end != nullptr ? (int)sp.dist_run_end[lo_c] : -1;
+    d.constant = d.run >= hi_c;
     d.value = d.constant ? d.table[lo_c] * CM_LOG2E : 0.f;
     return d;
 }
@@ -59,74 +72,118 @@ __device__ __forceinline__ float cm_dist_value(const CmDistTile& d, int j, int e
     return __ldg(d.table + min(max(idx, 0), len - 1)) * CM_LOG2E;
 }
 
-// Raw q . k scores to log2-domain logits with every score term: softcap, linear bias and
-// distance bias (CmScoreParams). With DCAP, dcap receives the softcap's derivative
-// 1 - tanh^2 (1 without a softcap), which the backward multiplies into dS. Masked pairs are
-// set to -inf afterwards by the caller's mask code, so their values here do not matter.
-template <int NB, bool KEY_ROWS, bool DCAP>
-__device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], float (&dcap)[NB][4], const CmScoreParams& sp,
-                                                float softmax_scale, u32 head, u32 q_len, u32 kv_len,
-                                                u32 row_base, u32 col_base) {
-    const bool capped = sp.softcap > 0.f;
+// One element's logit: the softcap (or the scale), then the bias, fused into one FMA where
+// there is no softcap.
+template <bool CAP, bool DCAP>
+__device__ __forceinline__ float cm_score_one(float x, float bias, float scale_log2, float cap_in, float cap_out,
+                                              float& dcap) {
+    if (CAP) {
+        const float th = cm_tanh(x * cap_in);
+        if (DCAP) dcap = fmaf(-th, th, 1.f);
+        return fmaf(cap_out, th, bias);
+    }
+    if (DCAP) dcap = 1.f;
+    return fmaf(x, scale_log2, bias);
+}
+
+// The tile's logits for one combination of terms (compile-time, so every test below folds):
+// LIN a linear bias, DIST 0 none / 1 one constant for the tile / 2 a gather per element.
+template <int NB, bool KEY_ROWS, bool DCAP, bool CAP, bool LIN, int DIST>
+__device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[NB][4], const CmScoreParams& sp,
+                                              const CmDistTile& d, float softmax_scale, u32 head, u32 q_len,
+                                              u32 kv_len, u32 row_base, u32 col_base) {
     const float scale_log2 = softmax_scale * CM_LOG2E;
     const float cap_in = softmax_scale * sp.inv_softcap;
     const float cap_out = sp.softcap * CM_LOG2E;
+    const int len = (int)(q_len + kv_len - 1);
+    // bias of element [j][e] = row_term[e >> 1] + col_coef * (8 j + (e & 1)) (+ the table's)
+    float row_term[2] = {0.f, 0.f};
+    float col_coef = 0.f;
+    if (LIN) {
+        const float slope = sp.slopes[head] * CM_LOG2E;
+        const float rc = slope * (KEY_ROWS ? sp.k_coef : sp.q_coef);
+        col_coef = slope * (KEY_ROWS ? sp.q_coef : sp.k_coef);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_term[h] = fmaf(rc, (float)(row_base + 8 * h), fmaf(col_coef, (float)col_base, slope * sp.offset));
+        }
+    }
+    if (DIST == 1) {
+        row_term[0] += d.value;
+        row_term[1] += d.value;
+    }
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            if (capped) {
-                const float th = cm_tanh(s[j][e] * cap_in);
-                s[j][e] = cap_out * th;
-                if (DCAP) dcap[j][e] = fmaf(-th, th, 1.f);
-            } else {
-                s[j][e] *= scale_log2;
-                if (DCAP) dcap[j][e] = 1.f;
-            }
-        }
-    }
-    if (sp.slopes != nullptr) {
-        const float slope = sp.slopes[head] * CM_LOG2E;
-        const float row_coef = slope * (KEY_ROWS ? sp.k_coef : sp.q_coef);
-        const float col_coef = slope * (KEY_ROWS ? sp.q_coef : sp.k_coef);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float row_term = fmaf(row_coef, (float)(row_base + 8 * (e >> 1)), slope * sp.offset);
-#pragma unroll
-            for (int j = 0; j < NB; ++j) {
-                s[j][e] += fmaf(col_coef, (float)(col_base + 8 * j + (e & 1)), row_term);
-            }
-        }
-    }
-    if (sp.dist_bias != nullptr) {
-        const int len = (int)(q_len + kv_len - 1);
-        const CmDistTile d = cm_dist_tile<NB, KEY_ROWS>(sp, head, q_len, kv_len, row_base, col_base);
-        if (d.constant) {
-#pragma unroll
-            for (int j = 0; j < NB; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] += d.value;
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < NB; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] += cm_dist_value<KEY_ROWS>(d, j, e, len);
-            }
+            float bias = row_term[e >> 1];
+            if (LIN) bias = fmaf(col_coef, (float)(8 * j + (e & 1)), bias);
+            if (DIST == 2) bias += cm_dist_value<KEY_ROWS>(d, j, e, len);
+            float dc;
+            s[j][e] = cm_score_one<CAP, DCAP>(s[j][e], bias, scale_log2, cap_in, cap_out, dc);
+            if (DCAP) dcap[j][e] = dc;
         }
     }
 }
 
+// Raw q . k scores to log2-domain logits with every score term: softcap, linear bias and
+// distance bias (CmScoreParams; `d` from cm_dist_tile for this tile). With DCAP, dcap
+// receives the softcap's derivative 1 - tanh^2 (1 without a softcap), which the backward
+// multiplies into dS. Masked pairs are set to -inf afterwards by the caller's mask code, so
+// their values here do not matter. The terms present are uniform over the launch; each
+// combination runs its own unrolled loop.
+template <int NB, bool KEY_ROWS, bool DCAP>
+__device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], float (&dcap)[NB][4], const CmScoreParams& sp,
+                                                const CmDistTile& d, float softmax_scale, u32 head, u32 q_len,
+                                                u32 kv_len, u32 row_base, u32 col_base) {
+    const bool cap = sp.softcap > 0.f;
+    const bool lin = sp.slopes != nullptr;
+    const int dist = sp.dist_bias == nullptr ? 0 : (d.constant ? 1 : 2);
+#define CM_SCORE_CASE(C, L, D)                                                                                   \
+    if (cap == C && lin == L && dist == D) {                                                                     \
+        cm_score_tile<NB, KEY_ROWS, DCAP, C, L, D>(s, dcap, sp, d, softmax_scale, head, q_len, kv_len, row_base, \
+                                                   col_base);                                                    \
+        return;                                                                                                  \
+    }
+    CM_SCORE_CASE(false, false, 1)
+    CM_SCORE_CASE(false, false, 2)
+    CM_SCORE_CASE(false, true, 0)
+    CM_SCORE_CASE(false, true, 1)
+    CM_SCORE_CASE(false, true, 2)
+    CM_SCORE_CASE(true, false, 0)
+    CM_SCORE_CASE(true, false, 1)
+    CM_SCORE_CASE(true, false, 2)
+    CM_SCORE_CASE(true, true, 0)
+    CM_SCORE_CASE(true, true, 1)
+    CM_SCORE_CASE(true, true, 2)
+#undef CM_SCORE_CASE
+    // No term changes the logits: the scale alone.
+    cm_score_tile<NB, KEY_ROWS, DCAP, false, false, 0>(s, dcap, sp, d, softmax_scale, head, q_len, kv_len, row_base,
+                                                       col_base);
+}
+
+// A thread's running sum of d loss / d dist_bias over tiles whose distances lie in one run
+// of the table: flushed with one atomic when the run changes and at the end, so the many
+// tiles far from the diagonal (one bucket) cost no atomics of their own.
+struct CmDistGradAcc {
+    float sum;
+    int run;  // the run's last index (the same for every tile of that run); -1: empty
+};
+
+__device__ __forceinline__ void cm_dist_grad_flush(CmDistGradAcc& acc, const CmScoreParams& sp, u32 head) {
+    if (acc.run >= 0 && acc.sum != 0.f) atomicAdd(sp.dist_bias_grad + (u64)head * sp.dist_head_stride + acc.run, acc.sum);
+    acc.sum = 0.f;
+    acc.run = -1;
+}
+
 // Adds d loss / d dist_bias of one tile's score gradients (ds: P (dP - delta), natural-log
-// units, before the softcap's derivative) to dist_bias_grad with fp32 atomics: one per thread
-// when its elements share one run of the table (their sum lands on the run's first index,
-// which the caller's gather maps to the same table entry), else one per element.
+// units, before the softcap's derivative): into the thread's running sum when its elements
+// share one run (the run's last index maps to the same table entry as every index of it),
+// else with one fp32 atomic per element.
 template <int NB, bool KEY_ROWS>
-__device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmScoreParams& sp, u32 head, u32 q_len,
-                                             u32 kv_len, u32 row_base, u32 col_base) {
+__device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmScoreParams& sp, const CmDistTile& d,
+                                             CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len) {
     const int len = (int)(q_len + kv_len - 1);
-    const CmDistTile d = cm_dist_tile<NB, KEY_ROWS>(sp, head, q_len, kv_len, row_base, col_base);
-    float* grad = sp.dist_bias_grad + (u64)head * sp.dist_head_stride;
     if (d.constant) {
         float sum = 0.f;
 #pragma unroll
@@ -134,10 +191,11 @@ __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmS
 #pragma unroll
             for (int e = 0; e < 4; ++e) sum += ds[j][e];
         }
-        const int col_span = 8 * (NB - 1) + 1;
-        const int lo = min(max(KEY_ROWS ? d.base - 8 : d.base - col_span, 0), len - 1);
-        if (sum != 0.f) atomicAdd(grad + lo, sum);
+        if (d.run != acc.run) cm_dist_grad_flush(acc, sp, head);
+        acc.run = d.run;
+        acc.sum += sum;
     } else {
+        float* grad = sp.dist_bias_grad + (u64)head * sp.dist_head_stride;
         const int hstep = KEY_ROWS ? -8 : 8;
         const int cstep = KEY_ROWS ? 1 : -1;
 #pragma unroll

@@ -559,7 +559,10 @@ mod tests {
     #[test]
     fn variants_are_distinct_and_sources_resolve() {
         for (i, v) in VARIANTS.iter().enumerate() {
-            assert_eq!(find_variant(v.kernel, v.dtype, v.head_dim, v.score), Some(i));
+            assert_eq!(
+                find_variant(v.kernel, v.dtype, v.head_dim, v.score),
+                Some(i)
+            );
             assert!(!v.score || v.kernel.has_score_variant(), "{}", v.name());
             assert!(source(v.kernel.source_file()).is_some());
         }

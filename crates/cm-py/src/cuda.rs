@@ -128,21 +128,23 @@ fn score_raw(
     q_len: u32,
     kv_len: u32,
 ) -> Result<cm_cuda::ScoreRaw, Error> {
-    let (softcap, slopes, (q_coef, k_coef, offset), dist, dist_per_head, run_end, sinks, grad) = score;
+    let (softcap, slopes, (q_coef, k_coef, offset), dist, dist_per_head, run_end, sinks, grad) =
+        score;
     let len = (q_len as usize + kv_len as usize).saturating_sub(1);
     let dist_len = if dist_per_head { num_heads * len } else { len };
-    let addr = |name: &str, t: Option<TensorArg<1>>, dtype: &str, want: usize| -> Result<u64, Error> {
-        let Some(t) = t else { return Ok(0) };
-        let t = to_external(t);
-        external::check_tensor(name, &t.dtype, t.device, dtype, device)?;
-        let (addr, n) = t.contiguous(name)?;
-        if n != want {
-            return Err(Error::invalid(format!(
-                "{name}: {n} elements, expected {want}"
-            )));
-        }
-        Ok(addr)
-    };
+    let addr =
+        |name: &str, t: Option<TensorArg<1>>, dtype: &str, want: usize| -> Result<u64, Error> {
+            let Some(t) = t else { return Ok(0) };
+            let t = to_external(t);
+            external::check_tensor(name, &t.dtype, t.device, dtype, device)?;
+            let (addr, n) = t.contiguous(name)?;
+            if n != want {
+                return Err(Error::invalid(format!(
+                    "{name}: {n} elements, expected {want}"
+                )));
+            }
+            Ok(addr)
+        };
     Ok(cm_cuda::ScoreRaw {
         softcap,
         slopes: addr("score slopes", slopes, "float32", num_heads)?,
