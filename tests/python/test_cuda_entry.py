@@ -42,9 +42,38 @@ def _forward_args(**change):
     return plan, args
 
 
-def _forward(args):
+# No score terms: (softcap, slopes, (q_coef, k_coef, offset), dist_bias, dist_per_head,
+# dist_run_end, sinks, dist_bias_grad).
+NO_SCORE = (0.0, None, (0.0, 0.0, 0.0), None, False, None, None, None)
+
+
+def _forward(args, score=NO_SCORE):
     _native.cuda_forward(0, args["plan"], args["q"], args["k"], args["v"], args["out"],
-                         args["lse"], 0.125)
+                         args["lse"], 0.125, score)
+
+
+def test_score_terms_are_checked_before_the_runtime():
+    _, args = _forward_args()
+    sinks = lambda n, dtype="float32": (0x7000_0000, (n,), (1,), dtype, 0)  # noqa: E731
+    length = 100 + 100 - 1
+    for score, message in [
+        ((0.0, None, (0.0, 0.0, 0.0), None, False, None, sinks(3), None),
+         r"score sinks: 3 elements, expected 2"),
+        ((0.0, None, (0.0, 0.0, 0.0), None, False, None, sinks(2, "float16"), None),
+         r"score sinks: dtype float16"),
+        ((0.0, sinks(5), (-1.0, 1.0, 0.0), None, False, None, None, None),
+         r"score slopes: 5 elements, expected 2"),
+        ((0.0, None, (0.0, 0.0, 0.0), sinks(length), True, None, None, None),
+         rf"score dist_bias: {length} elements, expected {2 * length}"),
+        ((0.0, None, (0.0, 0.0, 0.0), sinks(length), False, sinks(length), None, None),
+         r"score dist_run_end: dtype float32, expected int32"),
+        ((-1.0, None, (0.0, 0.0, 0.0), None, False, None, None, None),
+         r"score softcap = -1: expected a finite value > 0"),
+        ((float("nan"), None, (0.0, 0.0, 0.0), None, False, None, None, None),
+         r"score softcap = NaN"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _forward(args, score)
 
 
 def _gpu_present() -> bool:
@@ -107,4 +136,4 @@ def test_the_backward_checks_its_own_tensors():
         with pytest.raises(ValueError, match=message):
             _native.cuda_backward(0, a["plan"], a["q"], a["k"], a["v"], a["out"], a["q"],
                                   a["lse"], dq, grads[1], grads[2], bad.get("ws", ws), 0.125,
-                                  False)
+                                  False, NO_SCORE)
