@@ -181,6 +181,7 @@ fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> 
 /// q, k, v, out and lse as a forward's arguments, each checked to be on q's device with q's
 /// dtype (lse float32); returns the device, the arguments (lse included), lse alone, and q's
 /// dtype name.
+#[allow(clippy::too_many_arguments)]
 fn forward_args(
     q: TensorArg<4>,
     k: TensorArg<4>,
