@@ -9,7 +9,11 @@ CUDA events: median of `--runs` back-to-back calls after warm-up. Effective TFLO
 BENCHMARKS.md: forward 4 x head_dim x (visible pairs summed over heads) / time, forward +
 backward 3.5x that.
 
-    python3 scripts/bench-scores.py [--q-len 32768] [--runs 10] [--json OUT.json]
+    python3 scripts/bench-scores.py [--q-len 32768] [--runs 10] [--flex] [--json OUT.json]
+
+With `--flex`, W1 also runs FlexAttention (torch.compile'd, Triton backend, the causal
+`create_block_mask`) with the equivalent `score_mod` of each term (softcap, ALiBi, the T5
+table as a captured tensor with its gradient; Flex has no sinks) in the same process.
 
 Needs torch with CUDA and the compilemask wheel (built with the kernels).
 """
@@ -58,10 +62,42 @@ def alibi_slopes(h: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
 
 
+def flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, runs, ours) -> dict:
+    """FlexAttention (Triton backend) on causal W1 with each term's `score_mod`, and our
+    speed-up over it."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.accumulated_recompile_limit = 10000
+    flex = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device="cuda")
+    bucket32 = bucket.to(torch.int32)
+    mods = {
+        "none": None,
+        "softcap": lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0),
+        "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+        "t5_table": lambda s, b, h, qi, ki: s + table[h, bucket32[qi - ki + n - 1]],
+    }
+    out = {}
+    for name, mod in mods.items():
+        params = [q, k, v] + ([table] if name == "t5_table" else [])
+        fn = lambda mod=mod: flex(q, k, v, score_mod=mod, block_mask=bm)  # noqa: E731
+        fwd = median_ms(fn, runs)
+        fwd_bwd = median_ms(lambda: torch.autograd.grad(fn(), params, dout), runs)
+        out[name] = {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_ms": fwd_bwd,
+                     "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
+                     "ours_over_flex_fwd": ours[name]["fwd_tflops"] / (flops / fwd / 1e9),
+                     "ours_over_flex_fwd_bwd": ours[name]["fwd_bwd_tflops"] / (3.5 * flops / fwd_bwd / 1e9)}
+        print("flex", name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--q-len", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--flex", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
     n, heads, d = a.q_len, 16, 128
@@ -112,6 +148,8 @@ def main() -> None:
         for tname in terms:
             for key in ("fwd_tflops", "fwd_bwd_tflops"):
                 row[tname][f"vs_none_{key}"] = row[tname][key] / row["none"][key]
+        if a.flex and wname == "W1":
+            row["flex_triton"] = flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, a.runs, row)
         results["workloads"][wname] = {"visible_pairs_per_head": plan.visible_pairs, **row}
         print(wname, json.dumps(row, indent=1), flush=True)
     if a.json:

@@ -143,12 +143,28 @@ __device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const f
 
 #if CM_SCORE
 // The score terms' side of dS^T: the distance table's gradient from dS^T as the softmax sees
-// it, then the softcap's derivative, which only the scores before the cap carry.
+// it, then (with a table) the softcap's derivative.
+// Distances of one consumer's tile (64 queries x 64 keys): 127, padded.
+#define DIST_SPAN 128
+
 __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const float (&dcap)[BLOCK_M / 8][4],
                                                  const CmScoreParams& sp, const CmDistTile& dist,
-                                                 CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len) {
-    if (sp.dist_bias_grad != nullptr) cm_dist_grad<BLOCK_M / 8, true>(dp, sp, dist, acc, head, q_len, kv_len);
-    if (sp.softcap > 0.f) {
+                                                 CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len, float* buf,
+                                                 int buf_lo, u32 c) {
+    if (sp.dist_bias_grad != nullptr) {
+        cm_dist_grad<BLOCK_M / 8, true>(dp, sp, dist, acc, head, buf, buf_lo);
+        if (!dist.constant) {
+            // The warpgroup's shared sums are complete after the first barrier and zero
+            // again after the second.
+            asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
+            cm_dist_grad_flush_tile(buf, buf_lo, DIST_SPAN - 1, sp, head, q_len, kv_len, threadIdx.x - 128 * (c + 1),
+                                    128);
+            asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
+        }
+    }
+    // Only the scores before the cap carry its derivative; without a table it came in
+    // through P (cap_in_p).
+    if (sp.softcap > 0.f && sp.dist_bias_grad != nullptr) {
 #pragma unroll
         for (int j = 0; j < BLOCK_M / 8; ++j) {
 #pragma unroll
@@ -278,6 +294,10 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 
 #if CM_SCORE
     CmDistGradAcc dist_acc = {0.f, -1};
+    // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
+    __shared__ float dist_buf[2][DIST_SPAN];
+    for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0.f;
+    asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
     u32 it = 0;
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
@@ -310,9 +330,13 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // The tile's first query and the distance table's view of it, loaded while the
             // products run.
             const u32 key_base = key0 + c * 64 + warp * 16 + g;
-            const u32 query_base = dkdv_tile(p, hd, ti).row0 + 2 * t;
+            const u32 tile_row0 = dkdv_tile(p, hd, ti).row0;
+            const u32 query_base = tile_row0 + 2 * t;
+            // The tile's distances (queries tile_row0 .., keys key0 + 64 c ..), as indices:
+            // the same range in every thread of the consumer.
+            const int dist_lo = (int)tile_row0 - (int)(key0 + c * 64 + 63) + (int)p.kv_len - 1;
             const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, hd.head, p.q_len, p.kv_len, key_base,
-                                                                    query_base);
+                                                                    query_base, dist_lo, dist_lo + DIST_SPAN - 2);
 #endif
             // While they run: this thread's two key rows' visibility of the tile's 64 queries,
             // shifted to its query columns. A full tile of the block that overhangs kv_len sees
@@ -353,6 +377,18 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             u32 dsa[BLOCK_M / 16][4];
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+#if CM_SCORE
+            // With a softcap and no table to differentiate, dS takes the cap's derivative
+            // through P, which dV no longer needs (it has pa): dcap ends here, not after dP.
+            const bool cap_in_p = p.score.softcap > 0.f && p.score.dist_bias_grad == nullptr;
+            if (cap_in_p) {
+    #pragma unroll
+                for (int j = 0; j < BLOCK_M / 8; ++j) {
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) sc[j][e] *= dcap[j][e];
+                }
+            }
+#endif
             cm_wgmma_fence();
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
@@ -361,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_fence_acc(dp);
             score_grads(dp, sc, lse2s + BLOCK_M, t);
 #if CM_SCORE
-            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len);
+            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len, dist_buf[c], dist_lo, c);
 #endif
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);

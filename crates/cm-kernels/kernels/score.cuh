@@ -36,9 +36,12 @@ struct CmDistTile {
     int run;
 };
 
+#define INT_MIN_ (-2147483647 - 1)
+
 template <int NB, bool KEY_ROWS>
 __device__ __forceinline__ CmDistTile cm_dist_tile(const CmScoreParams& sp, u32 head, u32 q_len, u32 kv_len,
-                                                   u32 row_base, u32 col_base) {
+                                                   u32 row_base, u32 col_base, int range_lo = INT_MIN_,
+                                                   int range_hi = 0) {
     CmDistTile d;
     d.constant = false;
     d.value = 0.f;
@@ -51,10 +54,11 @@ __device__ __forceinline__ CmDistTile cm_dist_tile(const CmScoreParams& sp, u32 
     const int q0 = KEY_ROWS ? (int)col_base : (int)row_base;
     const int k0 = KEY_ROWS ? (int)row_base : (int)col_base;
     d.base = q0 - k0 + (int)kv_len - 1;
-    // The extreme indices of the thread's elements: columns span 8 (NB - 1) + 1, rows 8.
+    // The extreme indices of the thread's elements (columns span 8 (NB - 1) + 1, rows 8), or
+    // the caller's range (a whole tile's, so that every thread agrees).
     const int col_span = 8 * (NB - 1) + 1;
-    const int lo = KEY_ROWS ? d.base - 8 : d.base - col_span;
-    const int hi = KEY_ROWS ? d.base + col_span : d.base + 8;
+    const int lo = range_lo != INT_MIN_ ? range_lo : (KEY_ROWS ? d.base - 8 : d.base - col_span);
+    const int hi = range_lo != INT_MIN_ ? range_hi : (KEY_ROWS ? d.base + col_span : d.base + 8);
     const int lo_c = min(max(lo, 0), len - 1);
     const int hi_c = min(max(hi, 0), len - 1);
     d.run = sp.dist_run_end != nullptr ? (int)sp.dist_run_end[lo_c] : -1;
@@ -177,13 +181,15 @@ __device__ __forceinline__ void cm_dist_grad_flush(CmDistGradAcc& acc, const CmS
 }
 
 // Adds d loss / d dist_bias of one tile's score gradients (ds: P (dP - delta), natural-log
-// units, before the softcap's derivative): into the thread's running sum when its elements
-// share one run (the run's last index maps to the same table entry as every index of it),
-// else with one fp32 atomic per element.
+// units, before the softcap's derivative): into the thread's running sum when the tile lies
+// in one run (the run's last index maps to the same table entry as every index of it), else
+// per distance into `buf` (shared memory, one float per distance of the tile from `buf_lo`,
+// zero on entry), which the caller's warpgroup then flushes with one global atomic per
+// distance (cm_dist_grad_flush_tile). `d` must come from a tile-wide range, so that the
+// choice is the same in every thread.
 template <int NB, bool KEY_ROWS>
 __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmScoreParams& sp, const CmDistTile& d,
-                                             CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len) {
-    const int len = (int)(q_len + kv_len - 1);
+                                             CmDistGradAcc& acc, u32 head, float* buf, int buf_lo) {
     if (d.constant) {
         float sum = 0.f;
 #pragma unroll
@@ -195,17 +201,38 @@ __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmS
         acc.run = d.run;
         acc.sum += sum;
     } else {
-        float* grad = sp.dist_bias_grad + (u64)head * sp.dist_head_stride;
         const int hstep = KEY_ROWS ? -8 : 8;
         const int cstep = KEY_ROWS ? 1 : -1;
+        // Element [m + 1][2 + c] (row half 1) has the distance of [m][c] (row half 0): add
+        // those pairs first, so 2 NB + 2 shared adds instead of 4 NB.
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
+        for (int m = 0; m + 1 < NB; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int idx = d.base + cstep * (8 * j + (e & 1)) + hstep * (e >> 1);
-                if (ds[j][e] != 0.f && idx >= 0 && idx < len) atomicAdd(grad + idx, ds[j][e]);
+            for (int c = 0; c < 2; ++c) {
+                const float v = ds[m][c] + ds[m + 1][2 + c];
+                if (v != 0.f) atomicAdd(buf + (d.base + cstep * (8 * m + c) - buf_lo), v);
             }
         }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (ds[NB - 1][c] != 0.f) atomicAdd(buf + (d.base + cstep * (8 * (NB - 1) + c) - buf_lo), ds[NB - 1][c]);
+            if (ds[0][2 + c] != 0.f) atomicAdd(buf + (d.base + cstep * c + hstep - buf_lo), ds[0][2 + c]);
+        }
+    }
+}
+
+// Moves a non-constant tile's per-distance sums from shared memory to the table's gradient
+// (one atomic per non-zero distance of `count`, clipped to the table) and zeroes them; run by
+// the `threads` threads of one warpgroup (`rank` 0 ..), between two barriers of it.
+__device__ __forceinline__ void cm_dist_grad_flush_tile(float* buf, int buf_lo, int count, const CmScoreParams& sp,
+                                                        u32 head, u32 q_len, u32 kv_len, int rank, int threads) {
+    const int len = (int)(q_len + kv_len - 1);
+    float* grad = sp.dist_bias_grad + (u64)head * sp.dist_head_stride;
+    for (int i = rank; i < count; i += threads) {
+        const float v = buf[i];
+        const int idx = buf_lo + i;
+        if (v != 0.f && idx >= 0 && idx < len) atomicAdd(grad + idx, v);
+        buf[i] = 0.f;
     }
 }
 
