@@ -677,6 +677,10 @@ impl Bound<'_> {
 /// Whether `i` reads `q` and `k` only through `q - k` or `k - q` (so its value at a pair is
 /// a function of the distance). Returns the first offending leaf's span otherwise.
 pub(crate) fn distance_only(i: &Int) -> Result<(), Span> {
+    crate::deep(|| distance_only_here(i))
+}
+
+fn distance_only_here(i: &Int) -> Result<(), Span> {
     if let IntKind::Bin(crate::ir::IntOp::Sub, a, b) = &i.kind {
         if matches!(
             (&a.kind, &b.kind),

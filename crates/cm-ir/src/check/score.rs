@@ -80,14 +80,14 @@ fn expr(kind: ScoreKind, span: Span) -> ScoreExpr {
 
 /// Whether a grid coordinate occurs in `i` (a Swin-style 2D bucket).
 fn has_grid_coord(i: &Int) -> bool {
-    match &i.kind {
+    crate::deep(|| match &i.kind {
         IntKind::GridCoord(..) => true,
         IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => has_grid_coord(a),
         IntKind::Bin(_, a, b) => has_grid_coord(a) || has_grid_coord(b),
         IntKind::If(_, a, b) => has_grid_coord(a) || has_grid_coord(b),
         IntKind::ArrIndex(_, x) | IntKind::SegIndex(_, x) => has_grid_coord(x),
         _ => false,
-    }
+    })
 }
 
 impl<'a> Checker<'a> {
@@ -660,6 +660,10 @@ impl<'a> Checker<'a> {
 
     /// `i` as `q_coef * q + k_coef * k + offset`, the three reading neither `q` nor `k`.
     fn affine(&mut self, i: &Int) -> R<(Int, Int, Int)> {
+        crate::deep(|| self.affine_here(i))
+    }
+
+    fn affine_here(&mut self, i: &Int) -> R<(Int, Int, Int)> {
         let zero = || Int::constant(0, i.span);
         let one = || Int::constant(1, i.span);
         if !reads_qk(i) {
@@ -764,7 +768,7 @@ fn product_factors<'e>(
 /// `i` as `c1 * c2 * ... * p` (negated when the flag is set), the `c`s reading neither `q`
 /// nor `k`.
 fn split_int_product(i: &Int) -> (Vec<Int>, Int, bool) {
-    match &i.kind {
+    crate::deep(|| match &i.kind {
         IntKind::Bin(IntOp::Mul, a, b) if !reads_qk(a) => {
             let (mut c, p, f) = split_int_product(b);
             c.insert(0, (**a).clone());
@@ -780,11 +784,15 @@ fn split_int_product(i: &Int) -> (Vec<Int>, Int, bool) {
             (c, p, !f)
         }
         _ => (Vec::new(), i.clone(), false),
-    }
+    })
 }
 
 /// The span of the first leaf of `i` for which `leaf` holds.
 fn first_leaf(i: &Int, leaf: &impl Fn(&IntKind) -> bool) -> Option<Span> {
+    crate::deep(|| first_leaf_here(i, leaf))
+}
+
+fn first_leaf_here(i: &Int, leaf: &impl Fn(&IntKind) -> bool) -> Option<Span> {
     if !i.mentions(leaf) {
         return None;
     }
