@@ -785,12 +785,14 @@ pub enum AttentionError {
 /// `k` `[batch, num_kv_heads, kv_len, head_dim]`, `v` `[batch, num_kv_heads, kv_len,
 /// head_dim_v]`, contiguous. Returns `out` `[batch, num_heads, q_len, head_dim_v]` and
 /// `lse` `[batch, num_heads, q_len]` (natural log; `-inf` for rows with no visible key,
-/// whose output is 0).
+/// whose output is 0). The plan's score terms apply (a softcap or a linear bias need no
+/// tensor); a score that reads tensors needs [`attention_with_scores`].
 ///
 /// # Errors
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
-/// mask that differs per batch or head) another batch size or head count;
-/// [`AttentionError::Reference`] when the tensor shapes disagree with each other.
+/// mask that differs per batch or head, or a plan with score terms) another batch size or
+/// head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
+/// other or the score reads a tensor.
 pub fn attention<T: Float>(
     shape: &AttentionShape,
     q: &[T],
