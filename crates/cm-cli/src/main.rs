@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod mask_args;
+mod score;
 mod show;
 
 use anyhow::{anyhow, Result};
@@ -312,11 +313,21 @@ fn run(command: Command) -> Result<ExitCode> {
                     }
                 })
                 .collect();
-            let how = if p.uses_elementwise() {
-                "; uses elementwise (evaluated pair by pair)"
+            let mut how = if p.uses_elementwise() {
+                "; uses elementwise (evaluated pair by pair)".to_string()
             } else {
-                ""
+                String::new()
             };
+            if let Some(s) = p.score_part() {
+                how.push_str(&format!("; score terms: {}", s.terms.join(", ")));
+                if !s.tensors.is_empty() {
+                    let t: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+                    how.push_str(&format!(
+                        " (tensors given at attention time: {})",
+                        t.join(", ")
+                    ));
+                }
+            }
             out!(
                 "ok: {} ({} warning(s); parameters: {}{how})",
                 p.name(),
@@ -355,6 +366,9 @@ fn run(command: Command) -> Result<ExitCode> {
                 out["samples"] = json!(p.batch());
                 out["cu_seqlens_q"] = json!(p.cu_seqlens_q());
                 out["cu_seqlens_k"] = json!(p.cu_seqlens_k());
+            }
+            if let Some(t) = &plan.score {
+                out["score"] = score::json(t, plan.num_heads);
             }
             if let Some(o) = &plan.order {
                 out["order"] = json!({
@@ -434,6 +448,11 @@ fn run(command: Command) -> Result<ExitCode> {
                         _ => "explicit permutation".to_string(),
                     };
                     out!("  token order     {which}: tile density {before:.3} in raster order");
+                }
+                if let Some(t) = &plan.score {
+                    for line in score::lines(t, plan.num_heads) {
+                        out!("  score           {line}");
+                    }
                 }
                 if plan.elementwise_pairs > 0 {
                     out!(
@@ -628,11 +647,15 @@ fn run(command: Command) -> Result<ExitCode> {
                             })
                         })
                         .collect();
-                    all.push(json!({
+                    let mut entry = json!({
                         "name": b.name,
                         "summary": b.summary(),
                         "parameters": params,
-                    }));
+                    });
+                    if let Some(s) = p.score_part() {
+                        entry["score"] = score::part_json(&s);
+                    }
+                    all.push(entry);
                     continue;
                 }
                 let shown: Vec<String> = params
@@ -655,6 +678,21 @@ fn run(command: Command) -> Result<ExitCode> {
                         "",
                         if i == 0 { "parameters:" } else { "           " }
                     );
+                }
+                if let Some(s) = p.score_part() {
+                    let statements = s
+                        .tensors
+                        .iter()
+                        .map(|t| &t.statement)
+                        .chain(&s.score)
+                        .chain(&s.sink);
+                    for (i, st) in statements.enumerate() {
+                        out!(
+                            "{:<20} {} {st}",
+                            "",
+                            if i == 0 { "score:     " } else { "           " }
+                        );
+                    }
                 }
             }
             if json {

@@ -278,6 +278,11 @@ pub struct Bound<'p> {
     /// The batch index the per-batch segmentations of `segs` are laid out for (0 after
     /// [`Program::bind`]; see [`Bound::at_batch`]).
     pub seg_batch: i64,
+    /// The extents of every declared tensor (`tensor NAME: [..];`), in declaration order.
+    pub tensors: Vec<Vec<i64>>,
+    /// The score terms at these lengths and heads; `None` when the program has no `score`
+    /// or `sink` statement.
+    pub score: Option<crate::score::ScoreTerms>,
 }
 
 /// The free variables of an evaluation: the query row, the key (only in `elementwise`),
@@ -305,7 +310,9 @@ impl Program {
     /// # Errors
     /// Bad lengths (`CM0402`), unknown or ill-typed parameters (`CM0309`, `CM0308`),
     /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
-    /// (`CM0305`) and any arithmetic error while evaluating them.
+    /// (`CM0305`), bad score values or tensor extents (`CM0314`, `CM0315`) and any
+    /// arithmetic error while evaluating them. The score terms cost O(num_heads + q_len +
+    /// kv_len).
     pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
         let given = [shape.q_len, shape.kv_len, shape.batch, shape.num_heads];
         for ((name, max), v) in LENGTH_LIMITS.into_iter().zip(given) {
@@ -353,6 +360,8 @@ impl Program {
             grids: Vec::new(),
             trees: Vec::new(),
             seg_batch: 0,
+            tensors: Vec::new(),
+            score: None,
         };
         let env = Env::default();
         for p in &self.params {
@@ -421,6 +430,8 @@ impl Program {
         }
         // Then the requirements that read a structure (`require doc.count <= 64`).
         b.check_requires(true)?;
+        b.tensors = b.tensor_extents()?;
+        b.score = b.bind_score()?;
         Ok(b)
     }
 

@@ -544,6 +544,13 @@ pub struct Program {
     pub mask: Region,
     /// The `mask = ...;` statement.
     pub mask_span: Span,
+    /// The float tensors given at attention time (`tensor NAME: [..];`), in declaration
+    /// order.
+    pub tensors: Vec<crate::score::TensorDecl>,
+    /// The `score = ...;` statement, if any (see [`crate::score`]).
+    pub score: Option<crate::score::ScoreDecl>,
+    /// The `sink = T[h];` statement, if any.
+    pub sink: Option<crate::score::SinkDecl>,
     /// Whether the mask reads the batch index `b` / the head index `h`.
     pub uses_b: bool,
     pub uses_h: bool,

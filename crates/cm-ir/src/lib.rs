@@ -12,12 +12,14 @@ pub mod bind;
 pub mod check;
 mod interp;
 pub mod ir;
+pub mod score;
 pub mod tree;
 
 pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};
 pub use check::check;
 pub use cm_syntax::{Code, Diagnostic};
 pub use ir::*;
+pub use score::{LinearBias, ScoreTerms, TableBias};
 
 /// Parses and checks `source` in one step, with `arrays` as built-in names (see
 /// [`NamedArray`]; `cm_stdlib::ARRAYS` holds the standard library's).

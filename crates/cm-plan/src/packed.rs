@@ -22,7 +22,7 @@ use crate::rows::RowIntervals;
 use crate::symbolic::Solver;
 use crate::tiles::{TileDescriptor, TileShape};
 use cm_ir::bind::{MAX_BATCH, MAX_BATCH_HEADS, MAX_HEADS, MAX_LEN};
-use cm_ir::{Bound, PResult, PlanError, Program, Shape, Value};
+use cm_ir::{Bound, PResult, PlanError, Program, ScoreTerms, Shape, Value};
 use cm_syntax::Code;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
@@ -351,6 +351,7 @@ pub fn plan_packed(
         mask_index.push(local[if program.uses_h { h } else { 0 }]);
     }
     let raster_computed_pairs = masks[0].tiles.computed_pairs;
+    let score = packed_score(program, packing, num_heads, values, &bounds)?;
     Ok(Plan {
         q_len: total_q,
         kv_len: total_k,
@@ -365,5 +366,157 @@ pub fn plan_packed(
         order_candidates: Vec::new(),
         raster_computed_pairs,
         packing: Some(packing.clone()),
+        score,
     })
+}
+
+/// CM0411 for a packed plan's score, at the score statement.
+fn positional(program: &Program, message: String) -> PlanError {
+    PlanError::new(
+        Code::PositionalScore,
+        program.score.as_ref().map(|s| s.span),
+        message,
+    )
+    .with_hint("a packed plan takes a bias of q - k (or a table of q - k) only for self-attention samples (cu_seqlens_q == cu_seqlens_k) whose terms agree; plan the samples one by one otherwise")
+}
+
+/// The score terms of a packed plan, in packed positions: every bound sample's own terms
+/// (at its lengths), which must agree. Terms that read positions need self-attention
+/// packing (`cu_seqlens_q == cu_seqlens_k`) and a function of `q - k` (`q_coef ==
+/// -k_coef`): a sample's packed `q - k` is then its local one, so every pair gets its own
+/// sample's bias. The packed table's bucket of a distance is the samples' (which must
+/// agree where two have it); distances no sample has are never visible and get bucket 0.
+fn packed_score(
+    program: &Program,
+    packing: &Packing,
+    num_heads: i64,
+    values: &BTreeMap<String, Value>,
+    bounds: &HashMap<(u32, u32), Bound<'_>>,
+) -> PResult<Option<ScoreTerms>> {
+    if program.score.is_none() && program.sink.is_none() {
+        return Ok(None);
+    }
+    let self_attention = packing.cu_seqlens_q == packing.cu_seqlens_k;
+    let (total_q, total_k) = (packing.total_q() as usize, packing.total_k() as usize);
+    let mut merged: Option<(ScoreTerms, u32)> = None;
+    let mut filled: Vec<bool> = Vec::new();
+    for b in 0..packing.batch() {
+        let (lq, lk) = packing.lengths(b);
+        let Some(terms) = bounds.get(&(lq, lk)).and_then(|x| x.score.as_ref()) else {
+            continue;
+        };
+        check_positional(program, terms, self_attention, b)?;
+        match &merged {
+            None => {
+                let mut m = terms.clone();
+                if let Some(t) = &mut m.table {
+                    t.bucket = vec![0; total_q + total_k - 1];
+                    filled = vec![false; t.bucket.len()];
+                }
+                merged = Some((m, b));
+            }
+            Some((m, first)) => {
+                let differ = |what: &str| {
+                    positional(
+                        program,
+                        format!(
+                            "sample {b} (q_len {lq}, kv_len {lk}) has another {what} than sample {first}: the score terms of packed samples must agree"
+                        ),
+                    )
+                };
+                if m.softcap != terms.softcap {
+                    return Err(differ("softcap"));
+                }
+                if m.linear != terms.linear {
+                    return Err(differ("linear bias"));
+                }
+                match (&m.table, &terms.table) {
+                    (Some(a), Some(t))
+                        if a.tensor == t.tensor
+                            && a.num_buckets == t.num_buckets
+                            && a.per_head == t.per_head => {}
+                    (None, None) => {}
+                    _ => return Err(differ("bias table")),
+                }
+            }
+        }
+        let (m, _) = merged.as_mut().expect("set above");
+        merge_buckets(program, m, terms, &mut filled, (lq, lk), total_k, b)?;
+    }
+    if let Some((m, _)) = merged {
+        return Ok(Some(m));
+    }
+    // No sample has both queries and keys (so the offsets differ): no pair is visible, but
+    // the sinks still give every row its lse.
+    let shape = Shape {
+        q_len: total_q as i64,
+        kv_len: total_k as i64,
+        batch: i64::from(packing.batch()),
+        num_heads,
+    };
+    let bound = program.bind(shape, values)?;
+    let terms = bound.score.clone().expect("a score or sink statement");
+    check_positional(program, &terms, self_attention, 0)?;
+    Ok(Some(terms))
+}
+
+fn check_positional(
+    program: &Program,
+    terms: &ScoreTerms,
+    self_attention: bool,
+    b: u32,
+) -> PResult<()> {
+    if !terms.reads_positions() {
+        return Ok(());
+    }
+    if !self_attention {
+        return Err(positional(
+            program,
+            "the score reads positions (a bias of q and k, or a bias table), but the packed samples' query and key offsets differ (cu_seqlens_q != cu_seqlens_k)".into(),
+        ));
+    }
+    if let Some(l) = terms.linear.as_ref().filter(|l| l.q_coef != -l.k_coef) {
+        return Err(positional(
+            program,
+            format!(
+                "the bias reads q and k as {} * q + {} * k, not as q - k: in packed samples it would read packed positions (sample {b})",
+                l.q_coef, l.k_coef
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Copies sample `b`'s buckets (lengths `lq`, `lk`) into the packed table `m`, checking
+/// those another sample set.
+fn merge_buckets(
+    program: &Program,
+    m: &mut ScoreTerms,
+    terms: &ScoreTerms,
+    filled: &mut [bool],
+    (lq, lk): (u32, u32),
+    total_k: usize,
+    b: u32,
+) -> PResult<()> {
+    let (Some(packed), Some(own)) = (&mut m.table, &terms.table) else {
+        return Ok(());
+    };
+    let (lq, lk) = (lq as usize, lk as usize);
+    for (i, &v) in own.bucket.iter().enumerate() {
+        // Local index i is distance d = i - (lk - 1); packed index d + total_k - 1.
+        let at = i + total_k - lk;
+        if filled[at] && packed.bucket[at] != v {
+            let d = i as i64 - (lk as i64 - 1);
+            return Err(positional(
+                program,
+                format!(
+                    "the bucket of distance q - k = {d} is {v} in sample {b} (q_len {lq}, kv_len {lk}) but {} in an earlier sample: the score terms of packed samples must agree",
+                    packed.bucket[at]
+                ),
+            ));
+        }
+        packed.bucket[at] = v;
+        filled[at] = true;
+    }
+    Ok(())
 }

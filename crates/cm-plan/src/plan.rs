@@ -6,7 +6,7 @@ use crate::packed::Packing;
 use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
-use cm_ir::{Bound, PResult, PlanError};
+use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::Code;
 use std::collections::HashMap;
 
@@ -77,6 +77,10 @@ pub struct Plan {
     /// For a packed plan ([`crate::plan_packed`]): the samples' offsets. The plan is then a
     /// batch-1 plan over `q_len = total_q` rows and `kv_len = total_k` keys.
     pub packing: Option<Packing>,
+    /// The score terms at the plan's lengths and `num_heads` (softcap, linear bias, bias
+    /// table, sink; see `cm_ir::score`), in the plan's positions; `None` when the program
+    /// has no `score` or `sink` statement (never terms that are all absent).
+    pub score: Option<ScoreTerms>,
 }
 
 /// Which token order to plan in.
@@ -274,6 +278,19 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         ));
     }
     let shape = bound.shape;
+    if *request != OrderRequest::Raster
+        && bound
+            .score
+            .as_ref()
+            .is_some_and(ScoreTerms::reads_positions)
+    {
+        return Err(PlanError::new(
+            Code::PositionalScore,
+            bound.program.score.as_ref().map(|s| s.span),
+            "the score reads positions (a bias of q and k, or a bias table), which a token order renumbers",
+        )
+        .with_hint("plan in the program's own order (raster); softcaps and sinks combine with any order"));
+    }
     if *request != OrderRequest::Raster && shape.q_len != shape.kv_len {
         return Err(PlanError::new(Code::OrderNeedsEqualLengths, None, format!("a token order permutes queries and keys together; it needs q_len == kv_len, got {} and {}", shape.q_len, shape.kv_len)));
     }
@@ -375,5 +392,6 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         order_candidates,
         raster_computed_pairs,
         packing: None,
+        score: bound.score.clone(),
     })
 }

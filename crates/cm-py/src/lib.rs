@@ -58,6 +58,9 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(program::builtins, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_forward, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::score_terms, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::reference_forward_scored, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::reference_backward_scored, m)?)?;
     m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
     m.add("CUDA_HEAD_DIMS", cuda::head_dims())?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;

@@ -9,7 +9,7 @@ use compilemask::{
 use pyo3::buffer::Element;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyByteArray;
+use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{read_vec, to_bytes, NeBytes};
 
@@ -290,4 +290,194 @@ pub fn reference_backward<'py>(
     } else {
         backward_t::<f32>(py, s, q, k, v, dout, dlse, &plan, scale)
     }
+}
+
+/// The score terms of a plan (`Plan::score`, see `cm_ir::score`) as a dict, or `None` when
+/// its program has no `score` or `sink` statement: `softcap` (float or `None`), `linear`
+/// (`{"slopes": [num_heads floats], "q_coef", "k_coef", "offset"}` or `None`), `table`
+/// (`{"tensor", "num_buckets", "per_head", "shape", "bucket"}` or `None`, `bucket` the
+/// bucket of every distance `q - k` at index `q - k + kv_len - 1` as native-endian `int32`
+/// bytes, `q_len + kv_len - 1` of them), `sink` (`{"tensor", "shape"}` or `None`).
+#[pyfunction]
+pub fn score_terms<'py>(
+    py: Python<'py>,
+    plan: &crate::plan::Plan,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let p = &plan.inner;
+    let Some(t) = &p.score else {
+        return Ok(None);
+    };
+    let heads = p.num_heads as usize;
+    let d = PyDict::new(py);
+    d.set_item("softcap", t.softcap)?;
+    let linear = match &t.linear {
+        Some(l) => {
+            let x = PyDict::new(py);
+            x.set_item("slopes", &l.slopes)?;
+            x.set_item("q_coef", l.q_coef)?;
+            x.set_item("k_coef", l.k_coef)?;
+            x.set_item("offset", l.offset)?;
+            Some(x)
+        }
+        None => None,
+    };
+    d.set_item("linear", linear)?;
+    let table = match &t.table {
+        Some(b) => {
+            let x = PyDict::new(py);
+            x.set_item("tensor", &b.tensor)?;
+            x.set_item("num_buckets", b.num_buckets)?;
+            x.set_item("per_head", b.per_head)?;
+            x.set_item("shape", b.dims(heads))?;
+            let bucket: Vec<i32> = b.bucket.iter().map(|&v| v as i32).collect();
+            x.set_item("bucket", crate::convert::py_bytes(py, &bucket))?;
+            Some(x)
+        }
+        None => None,
+    };
+    d.set_item("table", table)?;
+    let sink = match &t.sink {
+        Some(s) => {
+            let x = PyDict::new(py);
+            x.set_item("tensor", s)?;
+            x.set_item("shape", vec![heads])?;
+            Some(x)
+        }
+        None => None,
+    };
+    d.set_item("sink", sink)?;
+    Ok(Some(d))
+}
+
+/// The named score tensors, read as `T`.
+fn score_tensors<T>(tensors: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, Vec<T>)>>
+where
+    T: Element + Copy + for<'a, 'p> FromPyObject<'a, 'p>,
+{
+    let Some(tensors) = tensors else {
+        return Ok(Vec::new());
+    };
+    tensors
+        .iter()
+        .map(|(name, values)| {
+            let name: String = name.extract()?;
+            let values = read_vec(&values, &name)?;
+            Ok((name, values))
+        })
+        .collect()
+}
+
+type ScoredBackward<'py> = (
+    Bound<'py, PyByteArray>,
+    Bound<'py, PyByteArray>,
+    Bound<'py, PyByteArray>,
+    Option<Bound<'py, PyByteArray>>,
+    Option<Bound<'py, PyByteArray>>,
+);
+
+#[allow(clippy::too_many_arguments)]
+fn scored_t<'py, T>(
+    py: Python<'py>,
+    s: AttentionShape,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    dout: Option<&Bound<'py, PyAny>>,
+    plan: &compilemask::Plan,
+    scale: f64,
+    tensors: Option<&Bound<'py, PyDict>>,
+) -> PyResult<(Forward<'py>, Option<ScoredBackward<'py>>)>
+where
+    T: Float + Element + NeBytes + for<'a, 'p> FromPyObject<'a, 'p>,
+{
+    let (q, k, v): (Vec<T>, Vec<T>, Vec<T>) = (
+        read_vec(q, "query")?,
+        read_vec(k, "key")?,
+        read_vec(v, "value")?,
+    );
+    let dout: Option<Vec<T>> = dout.map(|d| read_vec(d, "grad_out")).transpose()?;
+    let named = score_tensors::<T>(tensors)?;
+    let refs: Vec<(&str, &[T])> = named
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    let scale = T::from_f64(scale);
+    let (fwd, bwd) = py
+        .detach(|| -> Result<_, compilemask::AttentionError> {
+            let fwd = compilemask::attention_with_scores(&s, &q, &k, &v, plan, scale, &refs)?;
+            let bwd = match &dout {
+                Some(d) => Some(compilemask::attention_backward_with_scores(
+                    &s, &q, &k, &v, d, plan, scale, &refs,
+                )?),
+                None => None,
+            };
+            Ok((fwd, bwd))
+        })
+        .map_err(value_error)?;
+    let forward = (bytearray(py, &fwd.out), bytearray(py, &fwd.lse));
+    let backward = bwd.map(|g| {
+        (
+            bytearray(py, &g.grads.dq),
+            bytearray(py, &g.grads.dk),
+            bytearray(py, &g.grads.dv),
+            g.dtable.map(|x| bytearray(py, &x)),
+            g.dsink.map(|x| bytearray(py, &x)),
+        )
+    });
+    Ok((forward, backward))
+}
+
+/// Forward attention with the plan's score terms on the CPU reference: `q`, `k`, `v` as in
+/// [`reference_forward`], `plan` the native plan (its masks and `score_terms`),
+/// `tensors` the score tensors by name (`{"rel_bias": ..., "sinks": ...}`, flat row-major
+/// buffers of the same float type). Returns `(out, lse)` bytearrays (GIL released).
+#[pyfunction]
+#[pyo3(signature = (dims, q, k, v, plan, scale, double, tensors = None))]
+#[allow(clippy::too_many_arguments)]
+pub fn reference_forward_scored<'py>(
+    py: Python<'py>,
+    dims: Dims,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    plan: &crate::plan::Plan,
+    scale: f64,
+    double: bool,
+    tensors: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Forward<'py>> {
+    let s = shape(dims);
+    let run = if double {
+        scored_t::<f64>(py, s, q, k, v, None, &plan.inner, scale, tensors)
+    } else {
+        scored_t::<f32>(py, s, q, k, v, None, &plan.inner, scale, tensors)
+    };
+    Ok(run?.0)
+}
+
+/// Backward of [`reference_forward_scored`]: the gradients of `sum(out * grad_out)` as
+/// `(dq, dk, dv, dtable, dsink)` bytearrays of the input float type, `dtable` / `dsink`
+/// `None` when the score has no table / no sinks (GIL released).
+#[pyfunction]
+#[pyo3(signature = (dims, q, k, v, dout, plan, scale, double, tensors = None))]
+#[allow(clippy::too_many_arguments)]
+pub fn reference_backward_scored<'py>(
+    py: Python<'py>,
+    dims: Dims,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    dout: &Bound<'py, PyAny>,
+    plan: &crate::plan::Plan,
+    scale: f64,
+    double: bool,
+    tensors: Option<&Bound<'py, PyDict>>,
+) -> PyResult<ScoredBackward<'py>> {
+    let s = shape(dims);
+    let run = if double {
+        scored_t::<f64>(py, s, q, k, v, Some(dout), &plan.inner, scale, tensors)
+    } else {
+        scored_t::<f32>(py, s, q, k, v, Some(dout), &plan.inner, scale, tensors)
+    };
+    run?.1
+        .ok_or_else(|| value_error("the backward gave no gradients"))
 }

@@ -4,6 +4,7 @@
 //! competes with real logits and `-inf - -inf` can never occur: empty rows are detected before
 //! any exponent is taken and follow the empty-row contract of the crate docs.
 
+use cm_ir::score::{ScoreTerms, TableBias};
 use cm_plan::RowIntervals;
 
 use crate::error::ReferenceError;
@@ -40,6 +41,51 @@ pub struct Gradients<T> {
     pub dv: Vec<T>,
 }
 
+/// Score terms and the tensors they read, for [`attention_forward_scored`] and
+/// [`attention_backward_scored`] (see `cm_ir::score` for the semantics).
+#[derive(Clone, Copy, Debug)]
+pub struct Score<'a, T> {
+    /// The plan's terms (`Plan::score`), bound to the shape's `q_len`, `kv_len` and
+    /// `num_heads`.
+    pub terms: &'a ScoreTerms,
+    /// The bias table, row-major `[num_heads, num_buckets]` (per head) or `[num_buckets]`;
+    /// given exactly when `terms.table` is.
+    pub table: Option<&'a [T]>,
+    /// The sink logits, `[num_heads]`; given exactly when `terms.sink` is.
+    pub sink: Option<&'a [T]>,
+}
+
+/// Result of [`attention_backward_scored`]: [`Gradients`] plus those of the score tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScoreGradients<T> {
+    /// `dq`, `dk`, `dv` as in [`attention_backward`].
+    pub grads: Gradients<T>,
+    /// Gradient of the bias table, its shape; `None` without a table. Each entry sums the
+    /// `dS` of every visible pair whose bucket (and head) reads it, over batches and rows.
+    pub dtable: Option<Vec<T>>,
+    /// Gradient of the sinks, `[num_heads]`; `None` without sinks. `-sum P_sink * D` over
+    /// the head's rows with a visible key (rows without one have `D = 0`).
+    pub dsink: Option<Vec<T>>,
+}
+
+/// The score terms, widened to `f64` and checked against the shape.
+struct ScoreCtx<'a> {
+    softcap: Option<f64>,
+    terms: Option<&'a ScoreTerms>,
+    table: Option<(&'a TableBias, Vec<f64>)>,
+    sink: Option<Vec<f64>>,
+}
+
+/// One visible key's logit `s2` and what the backward needs of it.
+#[derive(Clone, Copy)]
+struct Logit {
+    s: f64,
+    /// `d s2 / d s`: `1 - tanh^2(s / c)` with a softcap, else 1.
+    dcap: f64,
+    /// The table entry it read (0 without a table).
+    entry: usize,
+}
+
 /// Validated inputs shared by both passes.
 struct Ctx<'a, T> {
     shape: AttentionShape,
@@ -48,6 +94,118 @@ struct Ctx<'a, T> {
     v: &'a [T],
     masks: Vec<&'a RowIntervals>,
     scale: f64,
+    score: ScoreCtx<'a>,
+}
+
+impl<'a> ScoreCtx<'a> {
+    fn new<T: Float>(
+        shape: &AttentionShape,
+        score: Option<&Score<'a, T>>,
+    ) -> Result<Self, ReferenceError> {
+        let Some(score) = score else {
+            return Ok(ScoreCtx {
+                softcap: None,
+                terms: None,
+                table: None,
+                sink: None,
+            });
+        };
+        let t = score.terms;
+        if let Some(l) = &t.linear {
+            if l.slopes.len() != shape.num_heads {
+                return Err(ReferenceError::ScoreTermsMismatch {
+                    what: "num_heads",
+                    bound: l.slopes.len(),
+                    given: shape.num_heads,
+                });
+            }
+        }
+        let tensor = |name: Option<&String>,
+                      data: Option<&[T]>,
+                      what: &'static str,
+                      dims: Vec<usize>|
+         -> Result<Option<Vec<f64>>, ReferenceError> {
+            let fallback = if what == "sinks" { "sink" } else { "table" };
+            match (name, data) {
+                (None, None) => Ok(None),
+                (Some(n), None) => Err(ReferenceError::ScoreTensor {
+                    tensor: n.clone(),
+                    what,
+                    needs: "read",
+                    given: "none was given".into(),
+                }),
+                (None, Some(d)) => Err(ReferenceError::ScoreTensor {
+                    tensor: fallback.into(),
+                    what,
+                    needs: "do not read",
+                    given: format!("one of {} elements was given", d.len()),
+                }),
+                (Some(n), Some(d)) => {
+                    let expected: usize = dims.iter().product();
+                    if d.len() != expected {
+                        let named = if what == "sinks" {
+                            "[num_heads]"
+                        } else if dims.len() == 2 {
+                            "[num_heads, num_buckets]"
+                        } else {
+                            "[num_buckets]"
+                        };
+                        return Err(ReferenceError::ScoreTensorLength {
+                            tensor: n.clone(),
+                            dims: format!("{named} = {dims:?}"),
+                            expected,
+                            actual: d.len(),
+                        });
+                    }
+                    check_finite(what, d)?;
+                    Ok(Some(d.iter().map(|x| x.to_f64()).collect()))
+                }
+            }
+        };
+        let table_name = t.table.as_ref().map(|x| &x.tensor);
+        let dims = t
+            .table
+            .as_ref()
+            .map_or(Vec::new(), |x| x.dims(shape.num_heads));
+        let table = tensor(table_name, score.table, "bias table", dims)?;
+        if let Some(tb) = &t.table {
+            let distances = shape.q_len + shape.kv_len - 1;
+            if tb.bucket.len() != distances {
+                return Err(ReferenceError::ScoreTermsMismatch {
+                    what: "q_len + kv_len - 1",
+                    bound: tb.bucket.len(),
+                    given: distances,
+                });
+            }
+        }
+        let sink = tensor(t.sink.as_ref(), score.sink, "sinks", vec![shape.num_heads])?;
+        Ok(ScoreCtx {
+            softcap: t.softcap.map(f64::from),
+            terms: Some(t),
+            table: t.table.as_ref().zip(table),
+            sink,
+        })
+    }
+
+    /// `s2` of pair `(i, j)` in head `h` for the raw score `s`.
+    fn logit(&self, s: f64, i: usize, j: usize, h: usize, kv_len: usize) -> Logit {
+        let (mut s2, dcap) = match self.softcap {
+            Some(c) => {
+                let t = (s / c).tanh();
+                (c * t, 1.0 - t * t)
+            }
+            None => (s, 1.0),
+        };
+        if let Some(t) = self.terms {
+            s2 += t.linear_bias(i as i64, j as i64, h);
+        }
+        let mut entry = 0;
+        if let Some((tb, values)) = &self.table {
+            entry = tb.index(i, j, h, kv_len);
+            s2 += values[entry];
+        }
+        Logit { s: s2, dcap, entry }
+    }
 }
 
 fn check_finite<T: Float>(tensor: &'static str, data: &[T]) -> Result<(), ReferenceError> {
@@ -70,10 +228,12 @@ fn widen_into<T: Float>(dst: &mut Vec<f64>, src: &[T]) {
     dst.extend(src.iter().map(|x| x.to_f64()));
 }
 
-/// Softmax statistics of one non-empty row.
+/// Softmax statistics of one non-empty row, the sink's logit included.
 struct RowStats {
     max: f64,
     sum: f64,
+    /// The sink's logit of the row's head, if any.
+    sink: Option<f64>,
 }
 
 impl<'a, T: Float> Ctx<'a, T> {
@@ -84,6 +244,7 @@ impl<'a, T: Float> Ctx<'a, T> {
         v: &'a [T],
         masks: &Masks<'a>,
         softmax_scale: T,
+        score: Option<&Score<'a, T>>,
     ) -> Result<Self, ReferenceError> {
         let sizes = shape.sizes()?;
         check_len("q", Q_DIMS, q.len(), sizes.q)?;
@@ -97,6 +258,7 @@ impl<'a, T: Float> Ctx<'a, T> {
         check_finite("k", k)?;
         check_finite("v", v)?;
         let masks = masks.resolve(shape)?;
+        let score = ScoreCtx::new(shape, score)?;
         Ok(Ctx {
             shape: *shape,
             sizes,
@@ -104,6 +266,7 @@ impl<'a, T: Float> Ctx<'a, T> {
             v,
             masks,
             scale,
+            score,
         })
     }
 
@@ -127,33 +290,36 @@ impl<'a, T: Float> Ctx<'a, T> {
         &self.v[row * d..(row + 1) * d]
     }
 
-    /// Fills `logits` with the scaled logits of the visible keys of row `i`, in interval order,
-    /// and returns their max and exp-sum; `None` for a row with no visible key.
+    /// Fills `logits` with the logits (`s2`) of the visible keys of row `i`, in interval
+    /// order, and returns their max and exp-sum, the sink's included; `None` for a row with
+    /// no visible key.
     fn row_logits(
         &self,
         b: usize,
         h: usize,
         i: usize,
         qf: &[f64],
-        logits: &mut Vec<f64>,
+        logits: &mut Vec<Logit>,
     ) -> Result<Option<RowStats>, ReferenceError> {
         let kv_head = h / self.sizes.group;
         let mask = self.masks[b * self.shape.num_heads + h];
         logits.clear();
-        let mut max = f64::NEG_INFINITY;
+        let sink = self.score.sink.as_ref().map(|s| s[h]);
+        let mut max = sink.unwrap_or(f64::NEG_INFINITY);
         // `i < q_len == mask.q_len()`, which is a u32, so the narrowing is lossless.
         for iv in mask.row(i as u32) {
             for j in iv.start as usize..iv.end as usize {
                 let s = self.scale * dot(qf, self.k_vec(self.kv_row(b, kv_head, j)));
-                if !s.is_finite() {
+                let l = self.score.logit(s, i, j, h, self.shape.kv_len);
+                if !l.s.is_finite() {
                     return Err(ReferenceError::LogitOverflow {
                         batch: b,
                         head: h,
                         row: i,
                     });
                 }
-                max = max.max(s);
-                logits.push(s);
+                max = max.max(l.s);
+                logits.push(l);
             }
         }
         if logits.is_empty() {
@@ -161,8 +327,9 @@ impl<'a, T: Float> Ctx<'a, T> {
         }
         // Every exponent is <= 0 and the max itself contributes exp(0) = 1, so sum >= 1:
         // no overflow, no division by zero, and ln(sum) is finite.
-        let sum = logits.iter().map(|&s| (s - max).exp()).sum();
-        Ok(Some(RowStats { max, sum }))
+        let sum = logits.iter().map(|l| (l.s - max).exp()).sum::<f64>()
+            + sink.map_or(0.0, |s| (s - max).exp());
+        Ok(Some(RowStats { max, sum, sink }))
     }
 }
 
@@ -191,7 +358,31 @@ pub fn attention_forward<T: Float>(
     masks: &Masks<'_>,
     softmax_scale: T,
 ) -> Result<ForwardOutput<T>, ReferenceError> {
-    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale)?;
+    attention_forward_scored(shape, q, k, v, masks, softmax_scale, None)
+}
+
+/// [`attention_forward`] with score terms: for a visible pair, `s = softmax_scale * q . k`,
+/// `s2 = softcap(s) + linear bias + table entry` (each when present), and the row's softmax
+/// runs over its visible keys plus, with sinks, the logit `sink[h]` whose value vector is
+/// 0: `lse = ln(sum_j exp(s2_j) + exp(sink[h]))`, `out = sum_j exp(s2_j - lse) v_j`. A
+/// row with no visible key has `out = 0` and `lse = -inf`, or `sink[h]` with sinks. Query
+/// row `i` and key `j` are the positions `q` and `k` the terms read. `None` is
+/// [`attention_forward`].
+///
+/// # Errors
+/// Those of [`attention_forward`]; a score tensor missing, given where the terms read
+/// none, of the wrong length or not finite; terms bound for another `num_heads`, `q_len`
+/// or `kv_len`.
+pub fn attention_forward_scored<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    masks: &Masks<'_>,
+    softmax_scale: T,
+    score: Option<&Score<'_, T>>,
+) -> Result<ForwardOutput<T>, ReferenceError> {
+    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale, score)?;
     let (d, dv) = (shape.head_dim, shape.head_dim_v);
     let zero = T::from_f64(0.0);
     let mut out = vec![zero; ctx.sizes.out];
@@ -206,13 +397,17 @@ pub fn attention_forward<T: Float>(
                 let row = ctx.q_row(b, h, i);
                 widen_into(&mut qf, &q[row * d..(row + 1) * d]);
                 let Some(stats) = ctx.row_logits(b, h, i, &qf, &mut logits)? else {
-                    continue; // `out` is already 0 and `lse` already -inf.
+                    // `out` is already 0; `lse` is the sink's logit, or -inf without one.
+                    if let Some(s) = &ctx.score.sink {
+                        lse[row] = T::from_f64(s[h]);
+                    }
+                    continue;
                 };
                 acc.fill(0.0);
                 let mut t = 0;
                 for iv in mask.row(i as u32) {
                     for j in iv.start as usize..iv.end as usize {
-                        let p = (logits[t] - stats.max).exp();
+                        let p = (logits[t].s - stats.max).exp();
                         t += 1;
                         for (a, x) in acc.iter_mut().zip(ctx.v_vec(ctx.kv_row(b, kv_head, j))) {
                             *a += p * x.to_f64();
@@ -255,7 +450,34 @@ pub fn attention_backward<T: Float>(
     masks: &Masks<'_>,
     softmax_scale: T,
 ) -> Result<Gradients<T>, ReferenceError> {
-    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale)?;
+    Ok(attention_backward_scored(shape, q, k, v, dout, masks, softmax_scale, None)?.grads)
+}
+
+/// [`attention_backward`] with score terms: the gradients of `sum(out * dout)` for
+/// [`attention_forward_scored`] on the same inputs, also of the bias table and the sinks.
+/// With `P` the row softmax (the sink's probability `P_sink` included) and `D_i = sum_j
+/// P_ij * (dout_i . v_j)` (the sink's value vector is 0): `dS2_ij = P_ij * (dout_i . v_j -
+/// D_i)`, `dS_ij = dS2_ij * (1 - tanh^2(s_ij / c))` with a softcap (else `dS2_ij`),
+/// `dq_i = softmax_scale * sum_j dS_ij * k_j`, `dk_j += softmax_scale * dS_ij * q_i`,
+/// `dv_j += P_ij * dout_i`, `dtable[entry(i, j, h)] += dS2_ij` and `dsink[h] -= P_sink,i *
+/// D_i`, summed over batches, rows and (for a table shared by all heads) heads. Slopes
+/// and the softcap are constants (no gradient).
+///
+/// # Errors
+/// Those of [`attention_forward_scored`], plus a wrong length or a non-finite element of
+/// `dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_scored<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+    masks: &Masks<'_>,
+    softmax_scale: T,
+    score: Option<&Score<'_, T>>,
+) -> Result<ScoreGradients<T>, ReferenceError> {
+    let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale, score)?;
     check_len("dout", OUT_DIMS, dout.len(), ctx.sizes.out)?;
     check_finite("dout", dout)?;
     let (d, dvw, scale) = (shape.head_dim, shape.head_dim_v, ctx.scale);
@@ -266,6 +488,12 @@ pub fn attention_backward<T: Float>(
     let (mut qf, mut dof, mut logits) =
         (Vec::with_capacity(d), Vec::with_capacity(dvw), Vec::new());
     let (mut probs, mut dps, mut dq_row) = (Vec::new(), Vec::new(), vec![0.0f64; d]);
+    let mut dtable = ctx.score.table.as_ref().map(|(_, t)| vec![0.0f64; t.len()]);
+    let mut dsink = ctx
+        .score
+        .sink
+        .as_ref()
+        .map(|_| vec![0.0f64; shape.num_heads]);
 
     for b in 0..shape.batch {
         for h in 0..shape.num_heads {
@@ -284,7 +512,7 @@ pub fn attention_backward<T: Float>(
                 let mut t = 0;
                 for iv in mask.row(i as u32) {
                     for j in iv.start as usize..iv.end as usize {
-                        let p = (logits[t] - stats.max).exp() / stats.sum;
+                        let p = (logits[t].s - stats.max).exp() / stats.sum;
                         t += 1;
                         let dp = dot(&dof, ctx.v_vec(ctx.kv_row(b, kv_head, j)));
                         delta += p * dp;
@@ -292,14 +520,21 @@ pub fn attention_backward<T: Float>(
                         dps.push(dp);
                     }
                 }
+                if let (Some(ds), Some(s)) = (&mut dsink, stats.sink) {
+                    ds[h] -= (s - stats.max).exp() / stats.sum * delta;
+                }
                 dq_row.fill(0.0);
                 let mut t = 0;
                 for iv in mask.row(i as u32) {
                     for j in iv.start as usize..iv.end as usize {
-                        let (p, dp) = (probs[t], dps[t]);
+                        let (p, dp, l) = (probs[t], dps[t], logits[t]);
                         t += 1;
                         let kv = ctx.kv_row(b, kv_head, j);
-                        let ds = scale * p * (dp - delta);
+                        let ds2 = p * (dp - delta);
+                        if let Some(dt) = &mut dtable {
+                            dt[l.entry] += ds2;
+                        }
+                        let ds = scale * ds2 * l.dcap;
                         for (g, x) in dq_row.iter_mut().zip(ctx.k_vec(kv)) {
                             *g += ds * x.to_f64();
                         }
@@ -317,9 +552,14 @@ pub fn attention_backward<T: Float>(
             }
         }
     }
-    Ok(Gradients {
-        dq,
-        dk: dk_acc.into_iter().map(T::from_f64).collect(),
-        dv: dv_acc.into_iter().map(T::from_f64).collect(),
+    let narrow = |v: Vec<f64>| v.into_iter().map(T::from_f64).collect::<Vec<T>>();
+    Ok(ScoreGradients {
+        grads: Gradients {
+            dq,
+            dk: narrow(dk_acc),
+            dv: narrow(dv_acc),
+        },
+        dtable: dtable.map(narrow),
+        dsink: dsink.map(narrow),
     })
 }

@@ -150,4 +150,42 @@ pub enum ReferenceError {
         /// Query row (0-based).
         row: usize,
     },
+
+    /// A score tensor (a bias table or the sinks) was needed and not given, or given where
+    /// the score terms have none.
+    #[error("the score terms {needs} tensor `{tensor}` ({what}), but {given}")]
+    ScoreTensor {
+        /// The tensor's name in the program (or `table` / `sink` when the terms have none).
+        tensor: String,
+        /// `bias table` or `sinks`.
+        what: &'static str,
+        /// `read` or `do not read`.
+        needs: &'static str,
+        /// What was given instead.
+        given: String,
+    },
+
+    /// A score tensor has the wrong number of elements.
+    #[error("score tensor `{tensor}` has {actual} elements, expected {expected} = {dims}")]
+    ScoreTensorLength {
+        /// The tensor's name in the program.
+        tensor: String,
+        /// Its extents in named dimensions, e.g. `[num_heads, num_buckets] = [8, 32]`.
+        dims: String,
+        /// Elements expected.
+        expected: usize,
+        /// Elements given.
+        actual: usize,
+    },
+
+    /// The score terms were bound for other lengths or heads than the shape's.
+    #[error("the score terms were bound for {what} = {bound}, but the shape has {given}; plan again for these tensors")]
+    ScoreTermsMismatch {
+        /// `num_heads` (slopes) or `q_len + kv_len - 1` (buckets).
+        what: &'static str,
+        /// The value the terms hold.
+        bound: usize,
+        /// The shape's value.
+        given: usize,
+    },
 }

@@ -14,6 +14,9 @@
 //!   [`Masks`]; only the visible `(query, key)` pairs are ever touched, so the cost is
 //!   `O(visible_pairs * head_dim)`, never `O(q_len * kv_len)` per row.
 //! - `lse` is the natural-log log-sum-exp of the scaled logits of a row.
+//! - Score terms (softcap, linear bias, bias table, sinks; `cm_ir::score`) apply through
+//!   [`attention_forward_scored`] / [`attention_backward_scored`], which also return the
+//!   gradients of the table and the sinks.
 //! - Empty-row contract: a row with no visible key has output exactly 0, `lse = -inf`, `dq = 0`
 //!   and contributes nothing to `dk`/`dv`; keys no row sees get `dk = dv = 0` exactly. No NaN
 //!   is ever produced from masking.
@@ -29,7 +32,10 @@ mod float;
 mod masks;
 mod shape;
 
-pub use attention::{attention_backward, attention_forward, ForwardOutput, Gradients};
+pub use attention::{
+    attention_backward, attention_backward_scored, attention_forward, attention_forward_scored,
+    ForwardOutput, Gradients, Score, ScoreGradients,
+};
 pub use error::ReferenceError;
 pub use float::Float;
 pub use masks::Masks;

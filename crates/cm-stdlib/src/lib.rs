@@ -160,6 +160,22 @@ pub const BUILTINS: &[Builtin] = &[
         name: "flashmask",
         source: include_str!("../masks/flashmask.cmask"),
     },
+    Builtin {
+        name: "causal_alibi",
+        source: include_str!("../masks/causal_alibi.cmask"),
+    },
+    Builtin {
+        name: "causal_softcap",
+        source: include_str!("../masks/causal_softcap.cmask"),
+    },
+    Builtin {
+        name: "t5_relative_bias",
+        source: include_str!("../masks/t5_relative_bias.cmask"),
+    },
+    Builtin {
+        name: "sliding_window_sinks",
+        source: include_str!("../masks/sliding_window_sinks.cmask"),
+    },
 ];
 
 /// The built-in named `name`.

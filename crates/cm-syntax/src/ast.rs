@@ -4,6 +4,21 @@
 use crate::diag::Span;
 use serde::Serialize;
 
+/// A float literal's value, compared by its bits so that syntax trees stay `Eq`. Always
+/// finite (the lexer reports a literal too large for `f64` and stores 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct FloatBits(u64);
+
+impl FloatBits {
+    pub fn new(v: f64) -> FloatBits {
+        FloatBits(v.to_bits())
+    }
+
+    pub fn value(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Ident {
     pub name: String,
@@ -92,6 +107,24 @@ pub enum Item {
         value: Expr,
         span: Span,
     },
+    /// `tensor NAME: [D1, D2];`: a float tensor the caller gives at attention time (a bias
+    /// table or sinks), learnable; its extents are integer expressions of the lengths and
+    /// parameters.
+    Tensor {
+        name: Ident,
+        dims: Vec<Expr>,
+        span: Span,
+    },
+    /// `score = EXPR;`: how a visible pair's score is formed from the raw score `score`.
+    Score {
+        value: Expr,
+        span: Span,
+    },
+    /// `sink = TENSOR[h];`: the per-head logit that joins every row's softmax.
+    Sink {
+        value: Expr,
+        span: Span,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -154,6 +187,8 @@ pub struct Expr {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum ExprKind {
     Int(i64),
+    /// A float literal (only the score part of a program reads floats).
+    Float(FloatBits),
     Bool(bool),
     Name(String),
     Array(Vec<Expr>),

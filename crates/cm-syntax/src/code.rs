@@ -40,7 +40,7 @@ codes! {
     InvalidUtf8 = "CM0100", "the source is not valid UTF-8";
     UnexpectedCharacter = "CM0101", "unexpected character";
     UnterminatedString = "CM0102", "unterminated string, or an unclosed `{` in a message";
-    BadIntegerLiteral = "CM0103", "malformed or too large integer literal";
+    BadIntegerLiteral = "CM0103", "malformed or too large integer or float literal";
     UnexpectedToken = "CM0104", "unexpected token (expected ...)";
     TooDeep = "CM0105", "expression nesting too deep (128 levels, or an operator chain of 128), or a `let` deeper than 8192 levels with the `let`s it uses inlined";
     ExpectedStatement = "CM0106", "expected a statement";
@@ -55,6 +55,8 @@ codes! {
     UnknownField = "CM0209", "unknown field, part or grid axis";
     SecondMask = "CM0210", "more than one `mask`";
     BadDistanceComparison = "CM0211", "a grid distance compared with something other than `<` or `<=`";
+    UnsupportedScore = "CM0212", "a `score` or `sink` not of a supported form (the raw `score` or `softcap(score, c)`, plus one bias linear in q and k, plus one bias table indexed by a bucket of q - k; `sink = T[h]`)";
+    SecondScore = "CM0213", "more than one `score` or more than one `sink`";
     UnusedLet = "CM0250", "warning: a `let` is never used";
     NoVisiblePair = "CM0260", "warning (plan time): no (q, k) pair is visible at these lengths and parameters";
     EmptyRows = "CM0261", "warning (plan time): some query rows see no key (counted; their output is 0, their lse `-inf`)";
@@ -75,6 +77,8 @@ codes! {
     BadGrid = "CM0311", "a grid with an extent < 1 or a negative offset";
     NegativeIsqrt = "CM0312", "`isqrt` of a negative number";
     BadTree = "CM0313", "a tree's parent array that is not a forest (a parent outside the tree, a cycle) or a tree at a negative position";
+    BadScoreValue = "CM0314", "a bad score value: a softcap that is not positive and finite, a coefficient that is not finite or does not fit, bad `t5_bucket` arguments";
+    BadScoreTable = "CM0315", "a bucket outside its table's `[0, num_buckets)`, or a tensor whose extents do not fit its use (`[num_heads, n]` or `[n]` for a table, `[num_heads]` for sinks, every extent >= 1)";
     ZeroTileSide = "CM0401", "a tile shape with a zero side";
     LengthOutOfRange = "CM0402", "a length out of range (`q_len`, `kv_len` in `1 ..= 2^26`, `batch`, `num_heads`)";
     DenseTooLarge = "CM0403", "a dense export above its size limit";
@@ -85,6 +89,7 @@ codes! {
     NotExpressible = "CM0408", "a FlashMask export of a mask FlashMask cannot express (a column with more than two masked row ranges)";
     BadCuSeqlens = "CM0409", "bad `cu_seqlens_q` / `cu_seqlens_k` of a packed plan: lengths differ (each needs batch + 1 entries), not starting at 0, decreasing, a total above `2^26`, or no query or no key at all";
     OrderWithPacking = "CM0410", "a token order asked for with packed samples (`cu_seqlens`)";
+    PositionalScore = "CM0411", "score terms that read positions (a bias of q or k, a bias table) with a token order, or with packed samples whose query and key offsets differ or whose terms differ";
 }
 
 impl Code {

@@ -1,12 +1,15 @@
 //! Lexer: source text to tokens with byte spans. Total: every input, including any bytes
 //! decoded lossily by the caller, lexes to a token list ending in `Eof`, plus diagnostics.
 
+use crate::ast::FloatBits;
 use crate::diag::{Diagnostic, Span};
 use crate::Code;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tok {
     Int(i64),
+    /// A float literal (`0.5`, `1e-3`, `2.5e4`): its finite value, compared by bits.
+    Float(FloatBits),
     /// String literal: its unescaped text and the byte offset of its first character, so
     /// interpolations `{expr}` can be parsed with real spans.
     Str(Vec<(char, u32)>),
@@ -46,6 +49,7 @@ impl Tok {
     pub fn describe(&self) -> String {
         match self {
             Tok::Int(v) => format!("integer `{v}`"),
+            Tok::Float(v) => format!("float `{}`", v.value()),
             Tok::Str(_) => "a string".into(),
             Tok::Ident(s) => format!("`{s}`"),
             Tok::Eof => "end of input".into(),
@@ -93,6 +97,30 @@ pub struct Token {
     pub span: Span,
 }
 
+/// Where a float literal whose integer digits end at `j` ends: after a `.` followed by a
+/// digit and more digits, then an optional exponent (`e`, an optional sign, digits); `None`
+/// when neither a fraction nor an exponent follows (so `0..5` stays a range of integers).
+fn float_end(chars: &[(usize, char)], j: usize) -> Option<usize> {
+    let at = |i: usize| chars.get(i).map(|c| c.1);
+    let digits = |mut i: usize| {
+        while at(i).is_some_and(|c| c.is_ascii_digit() || c == '_') {
+            i += 1;
+        }
+        i
+    };
+    let mut end = j;
+    if at(j) == Some('.') && at(j + 1).is_some_and(|c| c.is_ascii_digit()) {
+        end = digits(j + 1);
+    }
+    if matches!(at(end), Some('e' | 'E')) {
+        let sign = usize::from(matches!(at(end + 1), Some('+' | '-')));
+        if at(end + 1 + sign).is_some_and(|c| c.is_ascii_digit()) {
+            end = digits(end + 1 + sign);
+        }
+    }
+    (end > j).then_some(end)
+}
+
 /// Splits `src` into tokens. Unknown characters, bad literals and unterminated strings
 /// become diagnostics (`CM0101`-`CM0103`) and are skipped, so lexing always finishes.
 pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
@@ -124,6 +152,36 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                         .and_then(|v| v.checked_add(i64::from(d)));
                 }
                 j += 1;
+            }
+            if let Some(end) = float_end(&chars, j) {
+                let text: String = chars[i..end]
+                    .iter()
+                    .map(|c| c.1)
+                    .filter(|&c| c != '_')
+                    .collect();
+                let span = Span::new(start, end_of(end));
+                match text.parse::<f64>() {
+                    Ok(v) if v.is_finite() => toks.push(Token {
+                        tok: Tok::Float(FloatBits::new(v)),
+                        span,
+                    }),
+                    _ => {
+                        diags.push(
+                            Diagnostic::error(
+                                Code::BadIntegerLiteral,
+                                span,
+                                "float literal is too large",
+                            )
+                            .with_hint("floats are 64-bit; the largest is about 1.8e308"),
+                        );
+                        toks.push(Token {
+                            tok: Tok::Float(FloatBits::new(0.0)),
+                            span,
+                        });
+                    }
+                }
+                i = end;
+                continue;
             }
             let span = Span::new(start, end_of(j));
             if j < chars.len() && (chars[j].1.is_alphanumeric()) {
@@ -297,4 +355,37 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
         span: Span::new(src.len(), src.len()),
     });
     (toks, diags)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{lex, Tok};
+
+    fn toks(src: &str) -> Vec<Tok> {
+        let (t, d) = lex(src);
+        assert!(d.is_empty(), "{src}: {d:?}");
+        t.into_iter()
+            .map(|t| t.tok)
+            .filter(|t| *t != Tok::Eof)
+            .collect()
+    }
+
+    /// A float has a fraction or an exponent; `0..5` stays a range of integers and `3.x` a
+    /// field.
+    #[test]
+    fn floats_need_a_fraction_or_an_exponent() {
+        let f = |v: f64| Tok::Float(crate::ast::FloatBits::new(v));
+        assert_eq!(
+            toks("0.5 1e-3 2.5E+2 1_000.25"),
+            [f(0.5), f(1e-3), f(250.0), f(1000.25)]
+        );
+        assert_eq!(toks("0..5"), [Tok::Int(0), Tok::DotDot, Tok::Int(5)]);
+        assert_eq!(toks("3.x"), [Tok::Int(3), Tok::Dot, Tok::Ident("x".into())]);
+        let (t, d) = lex("1e999");
+        assert_eq!(d[0].code, "CM0103");
+        assert_eq!(d[0].message, "float literal is too large");
+        assert_eq!(t[0].tok, f(0.0));
+        // `4e` is a malformed integer, as before.
+        assert_eq!(lex("4e").1[0].code, "CM0103");
+    }
 }

@@ -14,7 +14,8 @@ const MAX_DEPTH: u32 = 128;
 
 /// Statement keywords, recognised only at the start of a statement.
 pub const STATEMENT_KEYWORDS: &[&str] = &[
-    "param", "let", "segments", "part", "grid", "tree", "require", "mask",
+    "param", "let", "segments", "part", "grid", "tree", "require", "mask", "tensor", "score",
+    "sink",
 ];
 
 /// Words that cannot name anything.
@@ -198,7 +199,7 @@ impl Parser {
                         format!("expected a statement, found {}", t.tok.describe()),
                     )
                     .with_hint(
-                        "statements start with param, let, segments, part, grid, tree, require or mask",
+                        "statements start with param, let, segments, part, grid, tree, require, mask, tensor, score or sink",
                     ),
                 );
                 return None;
@@ -388,13 +389,30 @@ impl Parser {
                     span,
                 })
             }
+            "tensor" => {
+                let name = self.ident("a tensor name")?;
+                if !self.expect(Tok::Colon, "`:` and the tensor's extents, `[d1, d2]`") {
+                    return None;
+                }
+                if !self.expect(Tok::LBracket, "`[` starting the tensor's extents") {
+                    return None;
+                }
+                let dims = self.comma_list(&Tok::RBracket);
+                let span = self.end_statement(start)?;
+                Some(Item::Tensor { name, dims, span })
+            }
+            // `mask`, `score` and `sink`: `WORD = EXPR;`.
             _ => {
-                if !self.expect(Tok::Eq, "`=` after `mask`") {
+                if !self.expect(Tok::Eq, &format!("`=` after `{word}`")) {
                     return None;
                 }
                 let value = self.expr();
                 let span = self.end_statement(start)?;
-                Some(Item::Mask { value, span })
+                Some(match word.as_str() {
+                    "score" => Item::Score { value, span },
+                    "sink" => Item::Sink { value, span },
+                    _ => Item::Mask { value, span },
+                })
             }
         }
     }
@@ -829,6 +847,13 @@ impl Parser {
                     span: t.span,
                 }
             }
+            Tok::Float(v) => {
+                self.bump();
+                Expr {
+                    kind: ExprKind::Float(v),
+                    span: t.span,
+                }
+            }
             Tok::Ident(ref w) if w == "true" || w == "false" => {
                 self.bump();
                 Expr {
@@ -929,6 +954,10 @@ fn remap(e: &mut Expr, at: &dyn Fn(u32) -> u32) {
             remap(range, at);
             remap(body, at);
         }
-        ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Name(_) | ExprKind::Error => {}
+        ExprKind::Int(_)
+        | ExprKind::Float(_)
+        | ExprKind::Bool(_)
+        | ExprKind::Name(_)
+        | ExprKind::Error => {}
     }
 }

@@ -26,14 +26,15 @@ pub use cm_export::{
     CudnnEndpoints, ExportError, FlashMaskBounds, FlexBlockMask, DENSE_LIMIT, JSON_LIMIT,
 };
 pub use cm_ir::bind::LENGTH_LIMITS;
+pub use cm_ir::score::{alibi_slopes, t5_bucket, LinearBias, ScoreTerms, TableBias};
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
     KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals, TileCounts, TileDescriptor,
     TileShape, TokenOrder, Traversal,
 };
 pub use cm_reference::{
-    attention_backward, attention_forward, AttentionShape, Float, ForwardOutput, Gradients, Masks,
-    ReferenceError,
+    attention_backward, attention_backward_scored, attention_forward, attention_forward_scored,
+    AttentionShape, Float, ForwardOutput, Gradients, Masks, ReferenceError, Score, ScoreGradients,
 };
 pub use cm_stdlib::{Builtin, BUILTINS};
 pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
@@ -428,6 +429,54 @@ impl Program {
         Ok(Structure { groups })
     }
 
+    /// The score part of the program, shape-agnostic: its `tensor`, `score` and `sink`
+    /// statements as written and the kinds of term the score has; `None` when it has no
+    /// `score` or `sink` statement.
+    pub fn score_part(&self) -> Option<ScorePart> {
+        let ir = &self.ir;
+        if ir.score.is_none() && ir.sink.is_none() {
+            return None;
+        }
+        let text = |sp: Span| {
+            let (lo, hi) = (
+                char_floor(&self.source, sp.start as usize),
+                char_floor(&self.source, sp.end as usize),
+            );
+            self.source[lo..hi.max(lo)]
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let mut terms = Vec::new();
+        if let Some(f) = ir.score.as_ref().map(|s| &s.form) {
+            if f.softcap.is_some() {
+                terms.push("softcap");
+            }
+            if f.linear.is_some() {
+                terms.push("linear bias");
+            }
+            if f.table.is_some() {
+                terms.push("bias table");
+            }
+        }
+        if ir.sink.is_some() {
+            terms.push("sink");
+        }
+        Some(ScorePart {
+            tensors: ir
+                .tensors
+                .iter()
+                .map(|t| ScoreTensor {
+                    name: t.name.clone(),
+                    statement: text(t.span),
+                })
+                .collect(),
+            score: ir.score.as_ref().map(|s| text(s.span)),
+            sink: ir.sink.as_ref().map(|s| text(s.span)),
+            terms,
+        })
+    }
+
     /// Whether some region is evaluated pair by pair (`elementwise`).
     pub fn uses_elementwise(&self) -> bool {
         self.ir.mask.uses_elementwise()
@@ -450,6 +499,27 @@ impl Program {
     pub fn render_error(&self, e: &PlanError) -> String {
         render_error(&self.source, &self.name, e)
     }
+}
+
+/// The score part of a program ([`Program::score_part`]), as written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScorePart {
+    /// The tensors it reads at attention time, in declaration order.
+    pub tensors: Vec<ScoreTensor>,
+    /// The `score = ...;` statement, whitespace collapsed.
+    pub score: Option<String>,
+    /// The `sink = ...;` statement.
+    pub sink: Option<String>,
+    /// The kinds of term: `softcap`, `linear bias`, `bias table`, `sink`, in that order.
+    pub terms: Vec<&'static str>,
+}
+
+/// A float tensor a score reads at attention time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScoreTensor {
+    pub name: String,
+    /// Its `tensor NAME: [..];` statement, whitespace collapsed.
+    pub statement: String,
 }
 
 /// A declared parameter ([`Program::parameters`]).
@@ -705,6 +775,8 @@ pub enum AttentionError {
         planned: usize,
         given: usize,
     },
+    #[error("score tensor `{name}` is not one the plan's score reads; it reads {expected}")]
+    UnknownScoreTensor { name: String, expected: String },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
 }
@@ -713,12 +785,14 @@ pub enum AttentionError {
 /// `k` `[batch, num_kv_heads, kv_len, head_dim]`, `v` `[batch, num_kv_heads, kv_len,
 /// head_dim_v]`, contiguous. Returns `out` `[batch, num_heads, q_len, head_dim_v]` and
 /// `lse` `[batch, num_heads, q_len]` (natural log; `-inf` for rows with no visible key,
-/// whose output is 0).
+/// whose output is 0). The plan's score terms apply (a softcap or a linear bias need no
+/// tensor); a score that reads tensors needs [`attention_with_scores`].
 ///
 /// # Errors
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
-/// mask that differs per batch or head) another batch size or head count;
-/// [`AttentionError::Reference`] when the tensor shapes disagree with each other.
+/// mask that differs per batch or head, or a plan with score terms) another batch size or
+/// head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
+/// other or the score reads a tensor.
 pub fn attention<T: Float>(
     shape: &AttentionShape,
     q: &[T],
@@ -727,6 +801,142 @@ pub fn attention<T: Float>(
     plan: &Plan,
     softmax_scale: T,
 ) -> Result<ForwardOutput<T>, AttentionError> {
+    attention_with_scores(shape, q, k, v, plan, softmax_scale, &[])
+}
+
+/// [`attention`] with the plan's score terms (`Plan::score`: softcap, linear bias, bias
+/// table, sinks; docs/language.md, "Scores"), the tensors the score reads given by name:
+/// a bias table row-major `[num_heads, num_buckets]` (or `[num_buckets]`), sinks
+/// `[num_heads]`. `lse` is `ln(sum exp(s2) + exp(sink[h]))`; a row with no visible key has
+/// output 0 and lse `-inf`, or `sink[h]` with sinks.
+///
+/// ```
+/// let program = compilemask::builtin("sliding_window_sinks").unwrap();
+/// let mut options = compilemask::PlanOptions::new(3);
+/// options.num_heads = 1;
+/// let plan = program.plan(&options).unwrap();
+/// let shape = compilemask::AttentionShape {
+///     batch: 1, num_heads: 1, num_kv_heads: 1, q_len: 3, kv_len: 3, head_dim: 1, head_dim_v: 1,
+/// };
+/// let x = [0.0f64; 3];
+/// let out = compilemask::attention_with_scores(&shape, &x, &x, &x, &plan, 1.0, &[("sinks", &[0.0])])
+///     .unwrap();
+/// assert!((out.lse[0] - 2f64.ln()).abs() < 1e-12); // one key and the sink, both logit 0
+/// ```
+///
+/// # Errors
+/// As [`attention`]; [`AttentionError::UnknownScoreTensor`] for a name the score does not
+/// read, [`AttentionError::PlanMismatch`] for another `num_heads` than the plan's when the
+/// plan has score terms, and [`AttentionError::Reference`] for a tensor missing, of the
+/// wrong length or not finite.
+pub fn attention_with_scores<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    plan: &Plan,
+    softmax_scale: T,
+    tensors: &[(&str, &[T])],
+) -> Result<ForwardOutput<T>, AttentionError> {
+    let (masks, index) = plan_masks(shape, plan)?;
+    let score = score_of(shape, plan, tensors)?;
+    Ok(cm_reference::attention_forward_scored(
+        shape,
+        q,
+        k,
+        v,
+        &Masks::indexed(&masks, &index),
+        softmax_scale,
+        score.as_ref(),
+    )?)
+}
+
+/// The gradients of `sum(out * dout)` for [`attention_with_scores`] on the same inputs:
+/// `dq`, `dk`, `dv`, and those of the bias table and the sinks (see
+/// [`attention_backward_scored`]).
+///
+/// # Errors
+/// As [`attention_with_scores`], plus a wrong length or a non-finite element of `dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_with_scores<T: Float>(
+    shape: &AttentionShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+    plan: &Plan,
+    softmax_scale: T,
+    tensors: &[(&str, &[T])],
+) -> Result<ScoreGradients<T>, AttentionError> {
+    let (masks, index) = plan_masks(shape, plan)?;
+    let score = score_of(shape, plan, tensors)?;
+    Ok(cm_reference::attention_backward_scored(
+        shape,
+        q,
+        k,
+        v,
+        dout,
+        &Masks::indexed(&masks, &index),
+        softmax_scale,
+        score.as_ref(),
+    )?)
+}
+
+/// The plan's score terms with the named tensors.
+fn score_of<'a, T>(
+    shape: &AttentionShape,
+    plan: &'a Plan,
+    tensors: &[(&str, &'a [T])],
+) -> Result<Option<Score<'a, T>>, AttentionError> {
+    let Some(terms) = &plan.score else {
+        if let Some((name, _)) = tensors.first() {
+            return Err(AttentionError::UnknownScoreTensor {
+                name: name.to_string(),
+                expected: "none (the plan has no score terms)".into(),
+            });
+        }
+        return Ok(None);
+    };
+    if plan.num_heads as usize != shape.num_heads {
+        return Err(AttentionError::PlanMismatch {
+            what: "num_heads",
+            planned: plan.num_heads as usize,
+            given: shape.num_heads,
+        });
+    }
+    let table_name = terms.table.as_ref().map(|t| t.tensor.as_str());
+    let sink_name = terms.sink.as_deref();
+    for (name, _) in tensors {
+        if Some(*name) != table_name && Some(*name) != sink_name {
+            let known: Vec<String> = [table_name, sink_name]
+                .into_iter()
+                .flatten()
+                .map(|n| format!("`{n}`"))
+                .collect();
+            return Err(AttentionError::UnknownScoreTensor {
+                name: name.to_string(),
+                expected: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(" and ")
+                },
+            });
+        }
+    }
+    let find =
+        |n: Option<&str>| n.and_then(|n| tensors.iter().find(|(m, _)| *m == n).map(|(_, v)| *v));
+    Ok(Some(Score {
+        terms,
+        table: find(table_name),
+        sink: find(sink_name),
+    }))
+}
+
+/// The plan's masks and the `[batch, num_heads]` index for these tensors.
+fn plan_masks<'p>(
+    shape: &AttentionShape,
+    plan: &'p Plan,
+) -> Result<(Vec<&'p RowIntervals>, Vec<usize>), AttentionError> {
     let check = |what: &'static str, planned: u32, given: usize| {
         if planned as usize == given {
             Ok(())
@@ -750,12 +960,5 @@ pub fn attention<T: Float>(
         check("num_heads", plan.num_heads, shape.num_heads)?;
         plan.mask_index.iter().map(|&i| i as usize).collect()
     };
-    Ok(cm_reference::attention_forward(
-        shape,
-        q,
-        k,
-        v,
-        &Masks::indexed(&masks, &index),
-        softmax_scale,
-    )?)
+    Ok((masks, index))
 }

@@ -55,7 +55,11 @@ impl Program {
                     ),
                 )
                 .with_label("some rows see no key")
-                .with_hint("their attention output is 0 and their lse -inf; `compilemask intervals` shows which rows"),
+                .with_hint(if ir.sink.is_some() {
+                    "their attention output is 0 and their lse the head's sink logit; `compilemask intervals` shows which rows"
+                } else {
+                    "their attention output is 0 and their lse -inf; `compilemask intervals` shows which rows"
+                }),
             );
         }
         if let (Some(span), 1) = (ir.h_span, plan.num_heads) {

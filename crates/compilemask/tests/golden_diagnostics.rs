@@ -280,6 +280,70 @@ fn cm0211_distance_comparison() {
     compile_golden("CM0211", "grid img = [4, 4];\nmask = l2(img) > 2;\n");
 }
 
+/// Every score statement error of the checker (CM0212 forms, CM0213 repeats, and the
+/// type and context errors of floats, tensors and the raw score), rendered one after the
+/// other in one snapshot.
+#[test]
+fn cm0212_score_forms() {
+    let cases: &[(&str, &str)] = &[
+        ("CM0212", "score = score * 2.0;"),
+        ("CM0212", "score = 1.0 - score;"),
+        ("CM0212", "score = score + score;"),
+        ("CM0212", "score = (q - k) * 0.5;"),
+        ("CM0212", "score = softcap(score + 1.0, 5.0);"),
+        ("CM0212", "score = softcap(score, q + 1);"),
+        ("CM0212", "score = score + (q - k) * (q - k);"),
+        ("CM0212", "score = score + 0.5 * q + 0.25 * k;"),
+        ("CM0212", "score = score + abs(q - k) * 0.5;"),
+        ("CM0212", "score = score + 1.0 / (q - k);"),
+        ("CM0212", "score = score + (q - k) / 2 * 0.5;"),
+        ("CM0212", "score = score + 0.5 * (q - k + h);"),
+        ("CM0212", "score = score + b * 1.0;"),
+        ("CM0212", "tensor t: [8];\nscore = score + t[q - k + 1 - k];"),
+        ("CM0212", "tensor t: [8];\nscore = score + t[h];"),
+        ("CM0212", "tensor t: [num_heads, 8];\nscore = score + t[0][q - k];"),
+        ("CM0212", "tensor t: [num_heads, 8];\nscore = score + t[q - k];"),
+        ("CM0212", "tensor t: [8];\nscore = score + t[0] + t[1];"),
+        ("CM0212", "tensor t: [8];\nscore = score - t[0];"),
+        ("CM0212", "tensor t: [8];\nscore = score + 2.0 * t[0];"),
+        ("CM0212", "tensor t: [4, 4, 4];\nscore = score;"),
+        ("CM0212", "tensor t: [4, 4];\nscore = score + t[h][q - k][0];"),
+        ("CM0212", "grid g = [4, 4];\ntensor t: [num_heads, 49];\nscore = score + t[h][(g.y(q) - g.y(k) + 3) * 7 + g.x(q) - g.x(k) + 3];"),
+        ("CM0212", "tensor t: [8];\nscore = score + t;"),
+        ("CM0212", "tensor s: [num_heads];\nsink = s[0];"),
+        ("CM0212", "param s: [int] = [1];\nsink = s[h];"),
+        ("CM0212", "sink = 1.5;"),
+        ("CM0213", "score = score;\nscore = score;"),
+        ("CM0213", "tensor s: [num_heads];\nsink = s[h];\nsink = s[h];"),
+        ("CM0203", "param w: int = 1.5;"),
+        ("CM0203", "score = score + [0.5, 0.25];"),
+        ("CM0208", "let x = score;\nscore = x;"),
+        ("CM0208", "tensor t: [4];\nparam n: int = t[0];"),
+        ("CM0208", "param w: int = t5_bucket(1, 32, 128, true);"),
+        ("CM0208", "grid g = [2, 2];\nscore = score + l2(g) * 1.0;"),
+        ("CM0202", "param score: int = 1;"),
+        ("CM0103", "score = score + 1e999;"),
+    ];
+    let mut all = String::new();
+    for (code, body) in cases {
+        let src = format!("mask = k <= q;\n{body}\n");
+        let diags = match compilemask::compile_named(&src, NAME) {
+            Err(e) => e.diagnostics,
+            Ok(_) => panic!("{body} checked"),
+        };
+        assert!(
+            diags.iter().any(|d| d.code == *code),
+            "{body}: expected {code}, got {:?}",
+            diags.iter().map(|d| d.code).collect::<Vec<_>>()
+        );
+        all.push_str(&format!(
+            "--- source\n{src}--- rendered\n{}\n",
+            compilemask::render(&src, NAME, &diags)
+        ));
+    }
+    insta::assert_snapshot!("cm0212_score_forms", all);
+}
+
 #[test]
 fn cm0250_unused_let() {
     compile_golden("CM0250", "let unused = 5;\nmask = k <= q;\n");
@@ -475,6 +539,88 @@ fn cm0313_bad_tree() {
         "param parents: [int] = [-1, 0, 3, 2];\ntree draft = parents at 4;\nmask = k < 4 & k <= q | k in draft.path(q);\n",
         &opts(8),
     );
+}
+
+/// Every plan-time score error: bad values (CM0314), tables and tensor extents (CM0315),
+/// positions under a token order or packed samples (CM0411).
+#[test]
+fn cm0314_cm0315_cm0411_score_values() {
+    let cases: &[(&str, &str, i64, i64)] = &[
+        ("CM0314", "param cap: int = 0;\nmask = k <= q;\nscore = softcap(score, cap);", 4, 1),
+        ("CM0314", "mask = k <= q;\nscore = score + 1e300 * 1e300 * (q - k);", 4, 1),
+        ("CM0314", "mask = k <= q;\nscore = score + 0.5 * (3000000000 * q - k);", 4, 1),
+        ("CM0314", "tensor t: [num_heads, 8];\nmask = k <= q;\nscore = score + t[h][t5_bucket(k - q, 8, 2, false)];", 4, 1),
+        ("CM0314", "mask = k <= q;\nscore = score + alibi_slopes(0)[h] * (q - k);", 4, 2),
+        ("CM0315", "tensor t: [8];\nmask = k <= q;\nscore = score + t[q - k];", 9, 1),
+        ("CM0315", "tensor t: [8, 8];\nmask = k <= q;\nscore = score + t[h][0];", 4, 2),
+        ("CM0315", "tensor s: [3];\nmask = k <= q;\nsink = s[h];", 4, 2),
+        ("CM0315", "tensor s: [q_len - 4];\nmask = k <= q;\nsink = s[h];", 4, 2),
+    ];
+    let mut all = String::new();
+    for (code, body, q_len, heads) in cases {
+        let src = format!("{body}\n");
+        let program = compilemask::compile_named(&src, NAME).unwrap();
+        let mut options = opts(*q_len);
+        options.num_heads = *heads;
+        let err = program.plan(&options).unwrap_err();
+        assert_eq!(err.code, *code, "{body}: {err}");
+        all.push_str(&format!(
+            "--- source\n{src}--- q_len={q_len} num_heads={heads}\n{}\n",
+            program.render_error(&err)
+        ));
+    }
+    let alibi = "mask = k <= q;\nscore = score - alibi_slopes(num_heads)[h] * (q - k);\n";
+    let program = compilemask::compile_named(alibi, NAME).unwrap();
+    let options = PlanOptions {
+        order: compilemask::OrderRequest::Explicit(vec![1, 0, 2, 3]),
+        ..opts(4)
+    };
+    let err = program.plan(&options).unwrap_err();
+    assert_eq!(err.code, "CM0411");
+    all.push_str(&format!(
+        "--- source\n{alibi}--- order 1,0,2,3\n{}\n",
+        program.render_error(&err)
+    ));
+    let (cq, ck) = (vec![0i64, 3, 7], vec![0i64, 4, 7]);
+    let err = program
+        .plan_packed(
+            &compilemask::PackedShape::new(cq.clone(), ck.clone()),
+            &PlanOptions::default(),
+        )
+        .unwrap_err();
+    assert_eq!(err.code, "CM0411");
+    all.push_str(&format!(
+        "--- source\n{alibi}--- cu_seqlens_q {cq:?} cu_seqlens_k {ck:?}\n{}\n",
+        program.render_error(&err)
+    ));
+    for (body, cu) in [
+        (
+            "mask = k <= q;\nscore = score + 0.5 * q;\n",
+            vec![0i64, 3, 7],
+        ),
+        (
+            "mask = k <= q;\nscore = softcap(score, q_len);\n",
+            vec![0, 3, 7],
+        ),
+        (
+            "tensor t: [16];\nmask = k <= q;\nscore = score + t[min(q - k + q_len, 15)];\n",
+            vec![0, 3, 7],
+        ),
+    ] {
+        let program = compilemask::compile_named(body, NAME).unwrap();
+        let err = program
+            .plan_packed(
+                &compilemask::PackedShape::self_attention(cu.clone()),
+                &PlanOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!(err.code, "CM0411");
+        all.push_str(&format!(
+            "--- source\n{body}--- cu_seqlens {cu:?}\n{}\n",
+            program.render_error(&err)
+        ));
+    }
+    insta::assert_snapshot!("cm0314_cm0315_cm0411_score_values", all);
 }
 
 #[test]

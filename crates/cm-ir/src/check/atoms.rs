@@ -344,7 +344,7 @@ impl Checker<'_> {
             if let Some((Def::Grid(g), _)) = self.names.get(n) {
                 let g = *g;
                 self.laid_out_by_now(n, Structure::Grid, range.span)?;
-                if x.has_k() && ctx != Ctx::Elementwise {
+                if x.has_k() && !ctx.pairwise() {
                     let lo = Int::new(
                         IntKind::RangeLo(Box::new(self.grid_range(g, range.span))),
                         range.span,
@@ -441,7 +441,7 @@ impl Checker<'_> {
                 return Err(());
             }
         };
-        if !a.has_k() && !b.has_k() || ctx == Ctx::Elementwise {
+        if !a.has_k() && !b.has_k() || ctx.pairwise() {
             return Ok(Val::Bool(Bool::Cmp(op, a, b), span));
         }
         // One side a `/`, `%` or `abs` term as written, the other q-side: that term against

@@ -21,7 +21,11 @@ const POISONED: u32 = u32::MAX;
 /// Calls `f` on each direct operand of `e`.
 fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
     match &e.kind {
-        ExprKind::Int(_) | ExprKind::Bool(_) | ExprKind::Error | ExprKind::Name(_) => {}
+        ExprKind::Int(_)
+        | ExprKind::Float(_)
+        | ExprKind::Bool(_)
+        | ExprKind::Error
+        | ExprKind::Name(_) => {}
         ExprKind::Array(xs) => xs.iter().for_each(f),
         ExprKind::Unary(_, a) | ExprKind::Field { base: a, .. } => f(a),
         ExprKind::Binary(_, a, b)

@@ -7,12 +7,14 @@
 //! - [`types`]: lowering expressions to typed values under the context rules ([`Ctx`]);
 //! - [`lets`]: inlining `let`s at their uses, checking and warning about unused ones;
 //! - [`atoms`]: normalising comparisons with `k` to the solvable atoms of [`Region`];
+//! - [`score`]: the `tensor`, `score` and `sink` statements, and the score's normal form;
 //! - [`suggest`]: "did you mean" suggestions.
 
 mod atoms;
 mod items;
 mod lets;
 mod names;
+mod score;
 mod suggest;
 mod types;
 
@@ -20,6 +22,7 @@ pub use lets::MAX_INLINED_DEPTH;
 pub use suggest::suggest;
 
 use crate::ir::*;
+use crate::score::{ScoreDecl, SinkDecl, TensorDecl, TensorId};
 use cm_syntax::ast::{self, Item};
 use cm_syntax::{Code, Diagnostic, Span};
 use std::collections::HashMap;
@@ -36,6 +39,8 @@ enum Def {
     Seg(SegId),
     Grid(GridId),
     Tree(TreeId),
+    /// A float tensor given at attention time (`tensor NAME: [..];`).
+    Tensor(TensorId),
 }
 
 /// Where an expression is being lowered: what it may read.
@@ -52,6 +57,15 @@ enum Ctx {
     Mask,
     /// Inside `elementwise(...)`: `k` may appear anywhere.
     Elementwise,
+    /// The integers of a `score` statement: `q`, `k` and `h` anywhere, as in `elementwise`.
+    Score,
+}
+
+impl Ctx {
+    /// Whether the context is evaluated pair by pair, so `k` may appear anywhere.
+    fn pairwise(self) -> bool {
+        matches!(self, Ctx::Elementwise | Ctx::Score)
+    }
 }
 
 /// A lowered expression, by type (see [`types`]).
@@ -93,6 +107,9 @@ struct Checker<'a> {
     requires: Vec<Require>,
     /// The mask and the span of its statement.
     mask: Option<(Region, Span)>,
+    tensors: Vec<TensorDecl>,
+    score: Option<ScoreDecl>,
+    sink: Option<SinkDecl>,
     /// Where the batch index `b` / the head index `h` is first read.
     uses_b: Option<Span>,
     uses_h: Option<Span>,
@@ -176,6 +193,9 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         trees: Vec::new(),
         requires: Vec::new(),
         mask: None,
+        tensors: Vec::new(),
+        score: None,
+        sink: None,
         uses_b: None,
         uses_h: None,
         params_read: Vec::new(),
@@ -238,6 +258,9 @@ impl<'a> Checker<'a> {
             } => self.tree_item(name, parents, at.as_ref(), *span),
             Item::Require { cond, message, .. } => self.require_item(cond, message),
             Item::Mask { value, span } => self.mask_item(value, *span),
+            Item::Tensor { name, dims, span } => self.tensor_item(name, dims, *span),
+            Item::Score { value, span } => self.score_item(value, *span),
+            Item::Sink { value, span } => self.sink_item(value, *span),
         }
     }
 
@@ -276,6 +299,9 @@ impl<'a> Checker<'a> {
             requires: self.requires,
             mask,
             mask_span,
+            tensors: self.tensors,
+            score: self.score,
+            sink: self.sink,
             uses_b: self.uses_b.is_some(),
             uses_h: self.uses_h.is_some(),
             b_span: self.uses_b,

@@ -17,10 +17,19 @@ const INDICES: &[&str] = &["q", "k", "b", "h"];
 /// segment's length, inside `part`).
 const LENGTHS: &[&str] = &["q_len", "kv_len", "batch", "num_heads", "len"];
 
+/// The raw score of a pair, read only by the `score` statement.
+pub(super) const RAW_SCORE: &str = "score";
+
 /// Every built-in name that is a value.
 fn builtin_values() -> impl Iterator<Item = &'static str> {
-    INDICES.iter().chain(LENGTHS).copied()
+    INDICES
+        .iter()
+        .chain(LENGTHS)
+        .copied()
+        .chain(std::iter::once(RAW_SCORE))
 }
+/// The built-in functions of the score part (handled by `score`, never as integers).
+pub(super) const SCORE_FUNCS: &[&str] = &["softcap", "alibi_slopes", "t5_bucket"];
 /// Built-in functions.
 const BUILTIN_FUNCS: &[&str] = &[
     "min",
@@ -73,6 +82,7 @@ impl Checker<'_> {
     fn is_builtin(&self, n: &str) -> bool {
         builtin_values().any(|v| v == n)
             || BUILTIN_FUNCS.contains(&n)
+            || SCORE_FUNCS.contains(&n)
             || self.arrays.iter().any(|a| a.name == n)
     }
 
@@ -144,7 +154,7 @@ impl Checker<'_> {
         if let Some(d) = self.vars.iter().rposition(|v| v == n) {
             return Ok(Val::Int(Int::new(IntKind::Var(d as u8), span)));
         }
-        let mask_only = |c: Ctx| c == Ctx::Mask || c == Ctx::Elementwise;
+        let mask_only = |c: Ctx| c == Ctx::Mask || c.pairwise();
         let builtin = match n {
             "b" if ctx == Ctx::Seg => {
                 self.seg_reads_b = true;
@@ -181,6 +191,17 @@ impl Checker<'_> {
             "kv_len" => Some(IntKind::KvLen),
             "batch" => Some(IntKind::Batch),
             "num_heads" => Some(IntKind::NumHeads),
+            RAW_SCORE => {
+                self.err(
+                    Diagnostic::error(
+                        Code::WrongContext,
+                        span,
+                        "`score`, the raw score of a pair, is a float: only the `score` statement reads it",
+                    )
+                    .with_hint("write it in `score = ...;` itself (a `let` holds integers, booleans, ranges, regions and arrays, not floats)"),
+                );
+                return Err(());
+            }
             "len" if ctx == Ctx::Part => Some(IntKind::SegLen),
             "len" => {
                 self.err(
@@ -234,6 +255,17 @@ impl Checker<'_> {
                 Ok(Val::Tree(t, span))
             }
             Some((Def::Failed, _)) => Err(()),
+            Some((Def::Tensor(_), _)) => {
+                self.err(
+                    Diagnostic::error(
+                        Code::WrongContext,
+                        span,
+                        format!("tensor `{n}` holds floats: only the `score` and `sink` statements read it"),
+                    )
+                    .with_hint(format!("index it there: `score = score + {n}[h][bucket];` or `sink = {n}[h];`")),
+                );
+                Err(())
+            }
             Some((Def::Let(id), _)) => self.inline_let(id, span, ctx),
             None => {
                 let mut cands: Vec<&str> = self.names.keys().map(String::as_str).collect();
@@ -382,6 +414,19 @@ impl Checker<'_> {
         if let ExprKind::Name(n) = &callee.kind {
             if BUILTIN_FUNCS.contains(&n.as_str()) && !self.names.contains_key(n) {
                 return self.builtin_call(n, args, span, ctx);
+            }
+            if SCORE_FUNCS.contains(&n.as_str()) {
+                let use_ = if n == "t5_bucket" {
+                    "as the bucket of a bias table, `T[h][t5_bucket(k - q, 32, 128, true)]`, in the `score` statement"
+                } else {
+                    "in the `score` statement (not in a `let`)"
+                };
+                self.err(Diagnostic::error(
+                    Code::WrongContext,
+                    span,
+                    format!("`{n}` can only be used {use_}"),
+                ));
+                return Err(());
             }
         }
         let f = self.lower(callee, ctx)?;

@@ -76,7 +76,7 @@ impl Checker<'_> {
 
     /// `i`, unless it reads `k` outside `elementwise` (`CM0206`).
     pub(super) fn no_k(&mut self, i: Int, ctx: Ctx) -> R<Int> {
-        if ctx != Ctx::Elementwise && i.has_k() {
+        if !ctx.pairwise() && i.has_k() {
             self.err(
                 Diagnostic::error(Code::UnsolvableK, i.span, "`k` cannot be used here")
                     .with_hint("outside `elementwise(...)`, `k` may only appear in comparisons such as `k <= q`, `k in r` or `k / w == q / w`"),
@@ -129,7 +129,7 @@ impl Checker<'_> {
     /// A range whose bounds do not read `k` (outside `elementwise`).
     pub(super) fn expect_range(&mut self, e: &Expr, ctx: Ctx) -> R<RangeE> {
         let r = self.lower_range(e, ctx)?;
-        if ctx != Ctx::Elementwise && r.has_k() {
+        if !ctx.pairwise() && r.has_k() {
             self.err(Diagnostic::error(
                 Code::UnsolvableK,
                 r.span,
@@ -186,6 +186,17 @@ impl Checker<'_> {
         match &e.kind {
             ExprKind::Error => Err(()),
             ExprKind::Int(v) => Ok(Val::Int(Int::constant(*v, span))),
+            ExprKind::Float(v) => {
+                self.err(
+                    Diagnostic::error(
+                        Code::TypeMismatch,
+                        span,
+                        format!("float `{}` where an integer is expected", v.value()),
+                    )
+                    .with_hint("floats are read only by the `score` statement (and not through a `let`); everything else is an integer"),
+                );
+                Err(())
+            }
             ExprKind::Bool(b) => Ok(Val::Bool(Bool::Const(*b), span)),
             ExprKind::Name(n) => self.name(n, span, ctx),
             ExprKind::Array(items) => {
@@ -302,7 +313,7 @@ impl Checker<'_> {
     /// `if c then a else b`: integers, booleans, or regions (a condition on rows).
     fn if_expr(&mut self, cond: &Expr, then: &Expr, els: &Expr, span: Span, ctx: Ctx) -> R<Val> {
         let c = self.expect_bool(cond, ctx)?;
-        if c.has_k() && ctx != Ctx::Elementwise {
+        if c.has_k() && !ctx.pairwise() {
             self.err(Diagnostic::error(
                 Code::UnsolvableK,
                 cond.span,
@@ -322,7 +333,7 @@ impl Checker<'_> {
                 Ok(if known == Some(true) { t } else { f })
             }
             (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..)))
-                if known.is_some() && ctx != Ctx::Elementwise =>
+                if known.is_some() && !ctx.pairwise() =>
             {
                 let r = self.region_of(if known == Some(true) { t } else { f })?;
                 Ok(Val::Region(r, span))
@@ -339,7 +350,7 @@ impl Checker<'_> {
                 span,
             )),
             (t @ (Val::Bool(..) | Val::Region(..)), f @ (Val::Bool(..) | Val::Region(..)))
-                if ctx != Ctx::Elementwise =>
+                if !ctx.pairwise() =>
             {
                 let t = self.region_of(t)?;
                 let f = self.region_of(f)?;
@@ -429,7 +440,7 @@ impl Checker<'_> {
                     Ok(Val::Arr(Arr::Add(Box::new(x), Box::new(y), span), span))
                 }
                 (x @ (Val::Region(..) | Val::Bool(..)), y @ (Val::Region(..) | Val::Bool(..)))
-                    if op == BinOp::Sub && ctx != Ctx::Elementwise =>
+                    if op == BinOp::Sub && !ctx.pairwise() =>
                 {
                     let x = self.region_of(x)?;
                     let y = self.region_of(y)?;
@@ -642,6 +653,11 @@ impl Checker<'_> {
         if ctx == Ctx::Mask {
             return Ok(());
         }
+        let message = if ctx == Ctx::Score {
+            "regions and grid distances can only be used in the mask, not in the score".into()
+        } else {
+            message.into()
+        };
         self.err(Diagnostic::error(Code::WrongContext, span, message));
         Err(())
     }

@@ -182,6 +182,28 @@ def reference_forward(
     scale: float,
     double: bool,
 ) -> tuple[bytearray, bytearray]: ...
+def score_terms(plan: Plan) -> dict[str, Any] | None: ...
+def reference_forward_scored(
+    dims: tuple[int, int, int, int, int, int, int],
+    q: Any,
+    k: Any,
+    v: Any,
+    plan: Plan,
+    scale: float,
+    double: bool,
+    tensors: dict[str, Any] | None = None,
+) -> tuple[bytearray, bytearray]: ...
+def reference_backward_scored(
+    dims: tuple[int, int, int, int, int, int, int],
+    q: Any,
+    k: Any,
+    v: Any,
+    dout: Any,
+    plan: Plan,
+    scale: float,
+    double: bool,
+    tensors: dict[str, Any] | None = None,
+) -> tuple[bytearray, bytearray, bytearray, bytearray | None, bytearray | None]: ...
 CUDA_PLAN_ARRAYS: list[str]
 CUDA_HEAD_DIMS: list[int]
 

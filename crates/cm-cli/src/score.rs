@@ -1,0 +1,125 @@
+//! How `check`, `plan` and `list` show a program's score terms (docs/language.md, "Scores").
+
+use compilemask::{ScorePart, ScoreTerms};
+use serde_json::{json, Value};
+
+/// `a*q + b*k + c` as written by a person: `q - k`, `2*q + 3`, `0`.
+fn affine(q: i32, k: i32, offset: i64) -> String {
+    let mut out = String::new();
+    for (c, name) in [(i64::from(q), "q"), (i64::from(k), "k"), (offset, "")] {
+        if c == 0 {
+            continue;
+        }
+        let sign = if c < 0 { "-" } else { "+" };
+        if !out.is_empty() {
+            out.push_str(&format!(" {sign} "));
+        } else if c < 0 {
+            out.push('-');
+        }
+        let a = c.unsigned_abs();
+        match (a, name) {
+            (1, n) if !n.is_empty() => out.push_str(n),
+            (a, "") => out.push_str(&a.to_string()),
+            (a, n) => out.push_str(&format!("{a}*{n}")),
+        }
+    }
+    if out.is_empty() {
+        "0".into()
+    } else {
+        out
+    }
+}
+
+/// The buckets a table reads at least once, over every distance of the plan.
+fn buckets_read(t: &compilemask::TableBias) -> usize {
+    let mut seen = vec![false; t.num_buckets as usize];
+    for &b in &t.bucket {
+        seen[b as usize] = true;
+    }
+    seen.iter().filter(|&&s| s).count()
+}
+
+/// One line per term, for `plan`.
+pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(c) = t.softcap {
+        out.push(format!("softcap {c}: c * tanh(s / c)"));
+    }
+    if let Some(l) = &t.linear {
+        let shown: Vec<String> = l.slopes.iter().take(4).map(|s| s.to_string()).collect();
+        let more = if l.slopes.len() > 4 { ", ..." } else { "" };
+        out.push(format!(
+            "linear bias slopes[h] * ({}), slopes [{}{more}] ({num_heads} heads)",
+            affine(l.q_coef, l.k_coef, l.offset),
+            shown.join(", ")
+        ));
+    }
+    if let Some(b) = &t.table {
+        let dims: Vec<String> = b
+            .dims(num_heads as usize)
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        out.push(format!(
+            "bias table `{}` [{}]{}, learnable: {} of {} buckets read",
+            b.tensor,
+            dims.join(", "),
+            if b.per_head {
+                " per head"
+            } else {
+                " shared by the heads"
+            },
+            buckets_read(b),
+            b.num_buckets
+        ));
+    }
+    if let Some(s) = &t.sink {
+        out.push(format!("sink `{s}` [{num_heads}], learnable"));
+    }
+    out
+}
+
+/// The terms as `plan --json`'s `score` object.
+pub fn json(t: &ScoreTerms, num_heads: u32) -> Value {
+    json!({
+        "softcap": t.softcap,
+        "linear": t.linear.as_ref().map(|l| json!({
+            "slopes": l.slopes,
+            "q_coef": l.q_coef,
+            "k_coef": l.k_coef,
+            "offset": l.offset,
+        })),
+        "table": t.table.as_ref().map(|b| json!({
+            "tensor": b.tensor,
+            "shape": b.dims(num_heads as usize),
+            "num_buckets": b.num_buckets,
+            "per_head": b.per_head,
+            "buckets_read": buckets_read(b),
+        })),
+        "sink": t.sink.as_ref().map(|s| json!({ "tensor": s, "shape": [num_heads] })),
+        "reads_positions": t.reads_positions(),
+    })
+}
+
+/// The score part as written, for `list --json`.
+pub fn part_json(s: &ScorePart) -> Value {
+    json!({
+        "terms": s.terms,
+        "tensors": s.tensors.iter().map(|t| json!({ "name": t.name, "statement": t.statement })).collect::<Vec<_>>(),
+        "score": s.score,
+        "sink": s.sink,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn affine_forms_read_as_written() {
+        assert_eq!(super::affine(1, -1, 0), "q - k");
+        assert_eq!(super::affine(1, -1, 5), "q - k + 5");
+        assert_eq!(super::affine(-2, 0, -3), "-2*q - 3");
+        assert_eq!(super::affine(0, 1, 0), "k");
+        assert_eq!(super::affine(0, 0, 1), "1");
+        assert_eq!(super::affine(0, 0, 0), "0");
+    }
+}
