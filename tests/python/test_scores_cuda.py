@@ -178,3 +178,93 @@ def _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sink
         s = _logits(q.double(), kk, scale, softcap, linear, slopes, dist_bias).masked_fill(~mask, -math.inf)
         p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
         return p, w @ vv.transpose(-1, -2)
+
+
+PROGRAMS = [
+    # (source, tensors: name -> shape factory (num_heads))
+    ("param cap: int = 5;\nmask = k <= q;\nscore = softcap(score, cap);", {}),
+    ("mask = k <= q + kv_len - q_len;\nscore = score - alibi_slopes(num_heads)[h] * (q + kv_len - q_len - k);", {}),
+    ("tensor rel_bias: [num_heads, 32];\nmask = k <= q;\n"
+     "score = score + rel_bias[h][t5_bucket(k - q, 32, 128, false)];", {"rel_bias": lambda h: (h, 32)}),
+    ("tensor rel: [17];\nmask = q - 64 < k <= q;\nscore = softcap(score, 30.0) + rel[min(max(q - k, -8), 8) + 8];",
+     {"rel": lambda h: (17,)}),
+    ("tensor sinks: [num_heads];\nmask = q - 40 < k <= q;\nsink = sinks[h];", {"sinks": lambda h: (h,)}),
+]
+
+
+@pytest.mark.parametrize("source,shapes", PROGRAMS, ids=["softcap", "alibi_br", "t5", "clipped", "sinks"])
+def test_attention_with_score_tensors_against_dense(source, shapes):
+    """compilemask.attention with a program's score terms (the plan's ScoreTensors and the
+    tensors by name) against the float64 dense reference of the same terms; the CPU path
+    (the Rust reference) against it too."""
+    hq, hk, lq, lk, d = 4, 2, 150, 181, 64
+    g = torch.Generator(device="cuda").manual_seed(3)
+    plan = cm.compile(source).plan(lq, lk, num_heads=hq)
+    pt = plan.to_tensors("cuda")
+    score = pt.score
+    tensors = {n: (torch.randn(f(hq), generator=g, device="cuda")).requires_grad_() for n, f in shapes.items()}
+    q = torch.randn((1, hq, lq, d), generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    k = torch.randn((1, hk, lk, d), generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    v = torch.randn((1, hk, lk, d), generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    out, lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True, score_tensors=tensors)
+    table = tensors.get(score.table) if score.table else None
+    dist = None
+    if table is not None:
+        dist = table[..., score.bucket]
+        dist = dist if dist.dim() == 2 else dist.unsqueeze(0)
+    sinks = tensors.get(score.sink) if score.sink else None
+    mask = plan.to_dense(format="torch").cuda()
+    scale = 1.0 / math.sqrt(d)
+    ref_out, ref_lse = _reference(q, k, v, mask, scale, score.softcap, score.linear, score.slopes,
+                                  dist, sinks)
+    err = (out.double() - ref_out).abs().max().item() / max(1.0, ref_out.abs().max().item())
+    assert err <= TOL[torch.bfloat16][0], err
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-2
+    w = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    params = [q, k, v] + list(tensors.values())
+    grads = torch.autograd.grad((out.double() * w).sum(), params)
+    # The CPU reference (Rust, float32) through the same entry, and its gradients.
+    cpu = {n: t.detach().cpu().requires_grad_() for n, t in tensors.items()}
+    qc, kc, vc = (t.detach().float().cpu().requires_grad_() for t in (q, k, v))
+    out_cpu = cm.attention(qc, kc, vc, plan, enable_gqa=True, score_tensors=cpu)
+    assert (out_cpu.double() - ref_out.cpu()).abs().max().item() <= 1e-4 * max(1.0, ref_out.abs().max().item())
+    grads_cpu = torch.autograd.grad((out_cpu.double() * w.cpu()).sum(), [qc, kc, vc] + list(cpu.values()))
+    # q, k, v against the CPU reference; the score tensors' gradients (sums of dS over many
+    # pairs) against the float64 dS with the kernel's own delta, as in the test above.
+    refs = list(grads_cpu[:3])
+    if tensors:
+        delta = (w * out.detach().double()).sum(-1)
+        p, dp = _probs_and_dp(q, k, v, mask, scale, score.softcap, score.linear, score.slopes, dist,
+                              sinks, w)
+        ds = p * (dp - delta.unsqueeze(-1))
+        for name in tensors:
+            if name == score.table:
+                idx = (torch.arange(lq, device="cuda").view(-1, 1) - torch.arange(lk, device="cuda").view(1, -1)
+                       + lk - 1)
+                per_dist = torch.zeros((hq, lq + lk - 1), device="cuda", dtype=torch.float64)
+                per_dist.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(hq, -1))
+                t = tensors[name]
+                dt = torch.zeros((hq,) + tuple(t.shape[-1:]), device="cuda", dtype=torch.float64)
+                dt.index_add_(1, score.bucket, per_dist)
+                refs.append(dt if t.dim() == 2 else dt.sum(0))
+            else:
+                refs.append(-(torch.exp(sinks.double().view(1, -1, 1) - ref_lse) * delta).sum((0, 2)))
+    for i, (gg, rf) in enumerate(zip(grads, refs)):
+        rf = rf.double().to(gg.device)
+        e = (gg.double() - rf).abs().max().item() / max(1.0, rf.abs().max().item())
+        assert e <= TOL[torch.bfloat16][1], (i, e)
+    # The CPU path's score-tensor gradients against float64 autograd of the dense reference.
+    if tensors:
+        ref64 = _reference(qc.double(), kc.double(), vc.double(), mask.cpu(), scale, score.softcap,
+                           score.linear, None if score.slopes is None else score.slopes.cpu(),
+                           None if dist is None else _dist_of(cpu, score), cpu.get(score.sink))[0]
+        g64 = torch.autograd.grad((ref64 * w.cpu()).sum(), list(cpu.values()))
+        for gc, rf in zip(grads_cpu[3:], g64):
+            assert (gc.double() - rf).abs().max().item() <= 1e-3 * max(1.0, rf.abs().max().item())
+
+
+def _dist_of(tensors, score):
+    t = tensors[score.table]
+    dist = t[..., score.bucket.cpu()]
+    return dist if dist.dim() == 2 else dist.unsqueeze(0)

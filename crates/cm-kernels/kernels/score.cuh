@@ -8,13 +8,18 @@
 
 #define CM_LOG2E 1.4426950408889634f
 
-// The hardware's approximate tanh (one special-function op, as FlashAttention-3's softcap):
-// its relative error of about 2^-11 moves a capped logit by less than the rounding of
-// bf16 / fp16 inputs already moves q . k.
-__device__ __forceinline__ float cm_tanh(float x) {
-    float r;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
+// Two tanh at once through the half-precision instruction (one special-function op for both:
+// with exp2 beside it, a capped logit costs 1.5 of them instead of 2). Its inputs are the
+// pre-cap logits over the cap (|x| of a few units), rounded to fp16 (2^-11 relative), and its
+// result has fp16's precision: a capped logit moves by about cap * 2^-11, as with the fp32
+// approximation.
+__device__ __forceinline__ void cm_tanh2(float a, float b, float& ta, float& tb) {
+    u32 x, y;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(x) : "f"(b), "f"(a));
+    asm("tanh.approx.f16x2 %0, %1;" : "=r"(y) : "r"(x));
+    asm("{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
+        : "=f"(ta), "=f"(tb)
+        : "r"(y));
 }
 
 // Whether any term changes the logits themselves (sinks alone only change each row's
@@ -76,20 +81,6 @@ __device__ __forceinline__ float cm_dist_value(const CmDistTile& d, int j, int e
     return __ldg(d.table + min(max(idx, 0), len - 1)) * CM_LOG2E;
 }
 
-// One element's logit: the softcap (or the scale), then the bias, fused into one FMA where
-// there is no softcap.
-template <bool CAP, bool DCAP>
-__device__ __forceinline__ float cm_score_one(float x, float bias, float scale_log2, float cap_in, float cap_out,
-                                              float& dcap) {
-    if (CAP) {
-        const float th = cm_tanh(x * cap_in);
-        if (DCAP) dcap = fmaf(-th, th, 1.f);
-        return fmaf(cap_out, th, bias);
-    }
-    if (DCAP) dcap = 1.f;
-    return fmaf(x, scale_log2, bias);
-}
-
 // The tile's logits for one combination of terms (compile-time, so every test below folds):
 // LIN a linear bias, DIST 0 none / 1 one constant for the tile / 2 a gather per element.
 template <int NB, bool KEY_ROWS, bool DCAP, bool CAP, bool LIN, int DIST>
@@ -119,13 +110,22 @@ __device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[N
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float bias = row_term[e >> 1];
-            if (LIN) bias = fmaf(col_coef, (float)(8 * j + (e & 1)), bias);
-            if (DIST == 2) bias += cm_dist_value<KEY_ROWS>(d, j, e, len);
-            float dc;
-            s[j][e] = cm_score_one<CAP, DCAP>(s[j][e], bias, scale_log2, cap_in, cap_out, dc);
-            if (DCAP) dcap[j][e] = dc;
+        for (int e = 0; e < 4; e += 2) {
+            float th[2] = {0.f, 0.f};
+            if (CAP) cm_tanh2(s[j][e] * cap_in, s[j][e + 1] * cap_in, th[0], th[1]);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                float bias = row_term[e >> 1];
+                if (LIN) bias = fmaf(col_coef, (float)(8 * j + c), bias);
+                if (DIST == 2) bias += cm_dist_value<KEY_ROWS>(d, j, e + c, len);
+                if (CAP) {
+                    if (DCAP) dcap[j][e + c] = fmaf(-th[c], th[c], 1.f);
+                    s[j][e + c] = fmaf(cap_out, th[c], bias);
+                } else {
+                    if (DCAP) dcap[j][e + c] = 1.f;
+                    s[j][e + c] = fmaf(s[j][e + c], scale_log2, bias);
+                }
+            }
         }
     }
 }

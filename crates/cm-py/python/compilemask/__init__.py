@@ -18,7 +18,8 @@ when it is not installed. See ``docs/python.md`` and ``docs/language.md``.
 
 from . import _native
 from ._native import DENSE_LIMIT, Diagnostic, MaskSyntaxError, PlanError
-from ._program import CompileMaskWarning, MaskImage, Parameter, Plan, PlanTensors, Program, builtin, builtins, compile
+from ._program import (CompileMaskWarning, MaskImage, Parameter, Plan, PlanTensors, Program,
+                       ScoreTensors, builtin, builtins, compile)
 from ._torch import attention, permute, unpermute
 
 __version__: str = _native.__version__
@@ -34,6 +35,7 @@ __all__ = [
     "PlanError",
     "PlanTensors",
     "Program",
+    "ScoreTensors",
     "__version__",
     "attention",
     "builtin",

@@ -54,6 +54,32 @@ class PlanTensors(NamedTuple):
     uses_batch: bool
     uses_head: bool
     kernel: tuple[torch.Tensor, ...] = ()
+    # The plan's score terms on the plan tensors' device (None without a score or sink).
+    score: ScoreTensors | None = None
+
+
+class ScoreTensors(NamedTuple):
+    """A plan's score terms (docs/language.md, "Scores") as :func:`compilemask.attention`
+    applies them: ``softcap`` (0 for none); the linear bias ``slopes[h] * (q_coef * q +
+    k_coef * k + offset)`` (``slopes`` float32 ``[num_heads]`` or None, ``linear`` the three
+    coefficients); the bias table's ``table`` name, ``table_shape`` and ``bucket`` (int64
+    ``[q_len + kv_len - 1]``: the bucket of distance ``q - k`` at index ``q - k + kv_len -
+    1``); the ``sink`` tensor's name. Tables and sinks arrive by name at attention time
+    (``score_tensors=``)."""
+
+    softcap: float
+    linear: tuple[float, float, float]
+    slopes: torch.Tensor | None
+    table: str | None
+    table_shape: tuple[int, ...] | None
+    bucket: torch.Tensor | None
+    sink: str | None
+    sink_shape: tuple[int, ...] | None
+    # The runs of equal buckets: int32 ``[q_len + kv_len - 1]`` (each index's run's last
+    # index, for the kernels), int64 ``[runs]`` (every run's last index) and its bucket.
+    run_end: torch.Tensor | None = None
+    run_last: torch.Tensor | None = None
+    run_bucket: torch.Tensor | None = None
 
 
 class CompileMaskWarning(UserWarning):
@@ -894,6 +920,19 @@ class Plan:
         from ._torch import make_mask_mod
 
         return make_mask_mod(self, device)
+
+    def score_mod(self, score_tensors: Mapping[str, Any] | None = None,
+                  device: Any = None) -> Any:
+        """The FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` of this plan's score
+        terms (docs/language.md, "Scores"): the softcap, then the linear bias, then the bias
+        table (from ``score_tensors`` by name), so ``flex_attention(q, k, v,
+        score_mod=plan.score_mod(tensors), block_mask=plan.to_block_mask())`` computes what
+        :func:`compilemask.attention` does, sinks aside: a sink is not a score_mod (it joins
+        every row's denominator; from Flex's ``lse``, ``lse' = logaddexp(lse, sink[h])`` and
+        ``out' = out * exp(lse - lse')``). Needs torch."""
+        from ._torch import make_score_mod
+
+        return make_score_mod(self, score_tensors, device)
 
     def to_block_mask(self, device: Any = None) -> BlockMask:
         """A ``torch.nn.attention.flex_attention.BlockMask`` built from this plan's tile

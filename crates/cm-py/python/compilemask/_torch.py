@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import _native
-from ._program import Plan, PlanTensors
+from ._program import Plan, PlanTensors, ScoreTensors
 
 if TYPE_CHECKING:
     import torch
@@ -93,9 +93,183 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     )
     kernel = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ()
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
-                      plan.num_heads, plan.uses_batch, plan.uses_head, kernel)
+                      plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
+                      _score_tensors(torch, plan, dev))
     plan._cache[key] = out
     return out
+
+
+def _score_tensors(torch: Any, plan: Plan, dev: Any) -> ScoreTensors | None:
+    terms = _native.score_terms(plan._native)
+    if terms is None:
+        return None
+    lin = terms.get("linear")
+    slopes = coefs = None
+    if lin is not None:
+        slopes = torch.tensor(lin["slopes"], dtype=torch.float32, device=dev)
+        coefs = (float(lin["q_coef"]), float(lin["k_coef"]), float(lin["offset"]))
+    table = terms.get("table")
+    bucket = None
+    if table is not None:
+        n = plan.q_len + plan.kv_len - 1
+        bucket = _int32(torch, table["bucket"], (n,), dev).long()
+    sink = terms.get("sink")
+    run_end = run_last = run_bucket = None
+    if bucket is not None:
+        change = torch.ones_like(bucket, dtype=torch.bool)
+        change[:-1] = bucket[1:] != bucket[:-1]
+        run_last = torch.nonzero(change).flatten()
+        run_of = torch.cumsum(torch.nn.functional.pad(change[:-1].long(), (1, 0)), 0)
+        run_end = run_last[run_of].to(torch.int32)
+        run_bucket = bucket[run_last]
+    return ScoreTensors(
+        softcap=float(terms.get("softcap") or 0.0),
+        linear=coefs or (0.0, 0.0, 0.0),
+        slopes=slopes,
+        table=None if table is None else table["tensor"],
+        table_shape=None if table is None else tuple(table["shape"]),
+        bucket=bucket,
+        sink=None if sink is None else sink["tensor"],
+        sink_shape=None if sink is None else tuple(sink["shape"]),
+        run_end=run_end,
+        run_last=run_last,
+        run_bucket=run_bucket,
+    )
+
+
+def _score_inputs(torch: Any, score: ScoreTensors, score_tensors: Any, device: Any,
+                  need_sink: bool = True) -> tuple:
+    """The table and sink tensors ``score_tensors`` gives for the plan's score (each
+    checked: present, of the declared shape, float, on ``device``), and nothing else; the
+    sink may be left out when not ``need_sink``."""
+    given = dict(score_tensors or {})
+    wanted = {n: shape for n, shape in ((score.table, score.table_shape),
+                                        (score.sink, score.sink_shape)) if n is not None}
+    for name in given:
+        if name not in wanted:
+            raise ValueError(
+                f"score_tensors[{name!r}]: the program declares no such score tensor "
+                f"(it reads {sorted(wanted) or 'none'})"
+            )
+    out = []
+    for name in (score.table, score.sink):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in given and name == score.sink and not need_sink:
+            out.append(None)
+            continue
+        if name not in given:
+            raise ValueError(
+                f"score_tensors is missing {name!r}: the program reads `tensor {name}: "
+                f"{list(wanted[name])}`"
+            )
+        t = given[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"score_tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(wanted[name]):
+            raise ValueError(
+                f"score_tensors[{name!r}]: shape {tuple(t.shape)}, expected {tuple(wanted[name])} "
+                "as the program declares it"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"score_tensors[{name!r}]: dtype {t.dtype}, expected a float dtype")
+        if t.device != device:
+            raise ValueError(
+                f"score_tensors[{name!r}] is on {t.device} but the attention runs on {device}"
+            )
+        out.append(t)
+    return out[0], out[1]
+
+
+def make_score_mod(plan: Plan, score_tensors: Any = None, device: Any = None) -> Any:
+    torch = require_torch("Plan.score_mod")
+    pt = plan_tensors(plan, device)
+    score = pt.score
+    if score is None:
+        return lambda s, b, h, q_idx, kv_idx: s
+    table, _ = _score_inputs(torch, score, score_tensors, pt.row_ptr.device, need_sink=False)
+    cap = score.softcap
+    qc, kc, off = score.linear
+    slopes, bucket, kv_len = score.slopes, score.bucket, pt.kv_len
+    per_head = table is not None and table.dim() == 2
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        if cap > 0:
+            s = cap * torch.tanh(s / cap)
+        if slopes is not None:
+            s = s + slopes[h] * (qc * q_idx + kc * kv_idx + off)
+        if table is not None:
+            i = bucket[q_idx - kv_idx + kv_len - 1]
+            s = s + (table[h, i] if per_head else table[i])
+        return s
+
+    return score_mod
+
+
+def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, pt: PlanTensors,
+                      score_tensors: Any, scale: float, plan_dims: list, deterministic: bool) -> tuple:
+    """(out, lse) with the plan's score terms: the score kernels on CUDA, the CPU reference
+    (through an autograd function) on CPU."""
+    score = pt.score
+    table, sink = _score_inputs(torch, score, score_tensors, query.device)
+    if query.device.type == "cuda":
+        from . import _ops
+
+        dist = None
+        if table is not None:
+            dist = _ops._TableByDistance.apply(table.float(), score.bucket, score.run_last,
+                                               score.run_bucket)
+            if dist.dim() == 1:
+                dist = dist.unsqueeze(0)
+        return _ops.attention_forward_score(
+            query, key, value, list(pt.kernel), plan_dims, scale, bool(deterministic),
+            score.softcap, list(score.linear), score.slopes, dist,
+            score.run_end if dist is not None else None,
+            None if sink is None else sink.float())
+    if not isinstance(plan, Plan):
+        raise ValueError(
+            "score terms on CPU tensors run the CPU reference, which needs the Plan itself "
+            "(pass the Plan, not its PlanTensors)"
+        )
+    return _scored_reference(torch)(query, key, value, table, sink, plan, score, scale)
+
+
+def _scored_reference(torch: Any) -> Any:
+    """The CPU reference with score terms as an autograd function (built on first use)."""
+    cached = getattr(_scored_reference, "fn", None)
+    if cached is not None:
+        return cached
+    from ._score_reference import reference_attention, reference_attention_backward
+
+    class ScoredReference(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, table, sink, plan, score, scale):
+            tensors = {n: t for n, t in ((score.table, table), (score.sink, sink)) if n is not None}
+            out, lse = reference_attention(q, k, v, plan, tensors, scale)
+            ctx.save_for_backward(q, k, v, table, sink)
+            ctx.plan, ctx.score, ctx.scale = plan, score, scale
+            ctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            if dlse is not None:
+                raise NotImplementedError(
+                    "compilemask.attention with score terms differentiates `out` only; a loss "
+                    "that uses `lse` is not supported with score terms yet")
+            q, k, v, table, sink = ctx.saved_tensors
+            score = ctx.score
+            if dout is None:
+                dout = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+            tensors = {n: t for n, t in ((score.table, table), (score.sink, sink)) if n is not None}
+            dq, dk, dv, grads = reference_attention_backward(q, k, v, dout, ctx.plan, tensors,
+                                                             ctx.scale)
+            return (dq, dk, dv, grads.get(score.table) if table is not None else None,
+                    grads.get(score.sink) if sink is not None else None, None, None, None)
+
+    _scored_reference.fn = ScoredReference.apply
+    return _scored_reference.fn
 
 
 def _interval_table(plan: Plan, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +480,7 @@ def attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     deterministic: bool = False,
+    score_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Any:
     """Masked attention with a compiled plan, in the SDPA / FlexAttention layout.
 
@@ -322,6 +497,15 @@ def attention(
     inputs). Rows with no visible key give 0 and ``-inf``. Differentiable (``out`` and
     ``lse``). ``deterministic`` selects the CUDA backward whose dQ needs no atomics (the same
     bits every run; the CPU reference always is deterministic).
+
+    Score terms: a plan whose program has a ``score`` or ``sink`` statement (softcap, a
+    linear bias such as ALiBi, a bias table such as T5's, sinks; docs/language.md, "Scores")
+    forms its logits with them. The program's tensors come by name in ``score_tensors``
+    (``{"rel_bias": table, "sinks": s}``, each of its declared shape, float, on the query's
+    device); they are differentiable (the table's gradient is summed with fp32 atomics on
+    CUDA, so its last bits vary run to run, also with ``deterministic``). With score
+    terms only ``out`` is differentiable (a loss that uses ``lse`` raises
+    ``NotImplementedError``), and on CPU the plan must be a :class:`Plan`.
 
     Packed samples: with a plan from ``program.plan(cu_seqlens_q=..., cu_seqlens_k=...)``,
     pass FlashAttention's varlen layout: ``query`` ``[total_q, num_heads, head_dim]``,
@@ -357,7 +541,7 @@ def attention(
                 )
         out = attention(query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
                         value.unsqueeze(0).transpose(1, 2), plan, scale, enable_gqa, True,
-                        deterministic)
+                        deterministic, score_tensors)
         out4, lse4 = out
         out3 = out4[0].transpose(0, 1).contiguous()
         return (out3, lse4[0]) if return_lse else out3
@@ -446,6 +630,15 @@ def attention(
     mask_index = pt.mask_index.expand(b, hq)
     # The CUDA kernels find each (batch, head)'s mask in the descriptor through these sizes.
     plan_dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
+    if pt.score is not None:
+        out, lse = _scored_attention(torch, query, key, value, plan, pt, score_tensors, scale,
+                                     plan_dims, deterministic)
+        return (out, lse) if return_lse else out
+    if score_tensors:
+        raise ValueError(
+            f"score_tensors {sorted(score_tensors)} given, but the plan's program has no "
+            "score or sink statement"
+        )
     out, lse = _forward_op()(query, key, value, pt.row_ptr, pt.intervals, mask_index,
                              list(pt.kernel), plan_dims, scale, bool(deterministic))
     return (out, lse) if return_lse else out
