@@ -268,3 +268,86 @@ def _dist_of(tensors, score):
     t = tensors[score.table]
     dist = t[..., score.bucket.cpu()]
     return dist if dist.dim() == 2 else dist.unsqueeze(0)
+
+
+T5_SINKS = ("tensor rel_bias: [num_heads, 32];\ntensor sinks: [num_heads];\nmask = k <= q;\n"
+            "score = softcap(score, 20) + rel_bias[h][t5_bucket(k - q, 32, 128, false)];\n"
+            "sink = sinks[h];")
+
+
+def _scored_inputs(seed, hq=4, hk=2, n=200, d=64):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((1, hq, n, d), generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn((1, hk, n, d), generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn((1, hk, n, d), generator=g, device="cuda").to(torch.bfloat16)
+    table = torch.randn((hq, 32), generator=g, device="cuda")
+    sinks = torch.randn((hq,), generator=g, device="cuda")
+    return q, k, v, table, sinks
+
+
+def test_score_terms_under_torch_compile():
+    plan = cm.compile(T5_SINKS).plan(200, num_heads=4)
+    pt = plan.to_tensors("cuda")
+    q, k, v, table, sinks = (t.requires_grad_() for t in _scored_inputs(5))
+
+    def f(q, k, v, table, sinks, pt):
+        return cm.attention(q, k, v, pt, enable_gqa=True,
+                            score_tensors={"rel_bias": table, "sinks": sinks})
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(q, k, v, table, sinks, pt)
+    eager = f(q, k, v, table, sinks, pt)
+    assert (out.float() - eager.float()).abs().max().item() <= 1e-2
+    g1 = torch.autograd.grad(out.float().square().sum(), (q, table, sinks))
+    g2 = torch.autograd.grad(eager.float().square().sum(), (q, table, sinks))
+    for a, b in zip(g1, g2):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item())
+
+
+def test_score_terms_in_a_cuda_graph():
+    plan = cm.compile(T5_SINKS).plan(200, num_heads=4)
+    pt = plan.to_tensors("cuda")
+    static = [t.clone().requires_grad_() for t in _scored_inputs(6)]
+    grad_out = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        q, k, v, table, sinks = static
+        out = cm.attention(q, k, v, pt, enable_gqa=True,
+                           score_tensors={"rel_bias": table, "sinks": sinks})
+        return (out, *torch.autograd.grad(out, static, grad_out))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new = [t.requires_grad_() for t in _scored_inputs(7)]
+    with torch.no_grad():
+        for s, t in zip(static, new):
+            s.copy_(t)
+    graph.replay()
+    out = cm.attention(*new[:3], pt, enable_gqa=True,
+                       score_tensors={"rel_bias": new[3], "sinks": new[4]})
+    eager = (out, *torch.autograd.grad(out, new, grad_out))
+    for a, b in zip(captured, eager):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item())
+
+
+def test_score_tensors_are_checked():
+    plan = cm.compile(T5_SINKS).plan(64, num_heads=2)
+    q = torch.zeros((1, 2, 64, 64), device="cuda", dtype=torch.bfloat16)
+    good = {"rel_bias": torch.zeros((2, 32), device="cuda"), "sinks": torch.zeros(2, device="cuda")}
+    for bad, message in [
+        ({"sinks": good["sinks"]}, r"missing 'rel_bias'.*\[2, 32\]"),
+        ({**good, "extra": good["sinks"]}, r"score_tensors\['extra'\]: the program declares no such"),
+        ({**good, "sinks": torch.zeros(3, device="cuda")}, r"score_tensors\['sinks'\]: shape \(3,\), expected \(2,\)"),
+        ({**good, "sinks": torch.zeros(2, dtype=torch.int32, device="cuda")}, r"dtype torch.int32"),
+        ({**good, "sinks": torch.zeros(2)}, r"is on cpu but the attention runs on cuda"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cm.attention(q, q, q, plan, score_tensors=bad)
+    with pytest.raises(ValueError, match="has no score or sink statement"):
+        cm.attention(q, q, q, cm.builtin("causal").plan(64), score_tensors=good)
