@@ -351,3 +351,19 @@ def test_score_tensors_are_checked():
             cm.attention(q, q, q, plan, score_tensors=bad)
     with pytest.raises(ValueError, match="has no score or sink statement"):
         cm.attention(q, q, q, cm.builtin("causal").plan(64), score_tensors=good)
+
+
+def test_deterministic_backward_repeats_its_bits_with_score_terms():
+    """The deterministic mode's gradients, the table's included (int64 fixed point), are the
+    same bits run after run."""
+    plan = cm.compile(T5_SINKS).plan(333, num_heads=4)
+    q, k, v, table, sinks = (t.requires_grad_() for t in _scored_inputs(8, n=333))
+    grad_out = torch.randn(1, 4, 333, 64, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        out = cm.attention(q, k, v, plan, enable_gqa=True, deterministic=True,
+                           score_tensors={"rel_bias": table, "sinks": sinks})
+        runs.append(torch.autograd.grad(out, (q, k, v, table, sinks), grad_out))
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert torch.equal(a, b)

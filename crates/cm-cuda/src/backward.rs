@@ -70,7 +70,8 @@ pub struct Backward<'a> {
     /// The forward's score terms ([`crate::score`]); its sinks are in `lse` already.
     pub score: Score<'a>,
     /// With a bias by distance in `score`: receives `d loss / d dist_bias` (shaped as it,
-    /// zeroed by the caller; fp32 atomics, so the last bits vary run to run).
+    /// zeroed by the caller; fp32 atomics, so the last bits vary run to run). The fast mode
+    /// only: the deterministic mode's fixed-point gradient is [`BackwardRaw`]'s.
     pub dist_bias_grad: Option<&'a mut CudaSlice<f32>>,
 }
 
@@ -278,6 +279,7 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
         KernelKind::FwdSimple
     };
     prepare_forward(plan, &forward, kind, false)?;
+    a.score.check(plan.q_len, plan.kv_len, a.deterministic)?;
     let [b, h, _, d] = a.q_layout.shape;
     let elem = a.dtype.size_bytes() as u64;
     if a.dout_layout.shape != a.q_layout.shape {
@@ -485,6 +487,12 @@ impl Runtime {
             &mut score_guards,
         )?;
         let _gd = match args.dist_bias_grad {
+            Some(_) if args.deterministic => {
+                return Err(Error::invalid(
+                    "dist_bias_grad with deterministic = true: the deterministic table gradient is int64 \
+                     fixed point, which Backward's f32 buffer cannot hold; use backward_raw",
+                ))
+            }
             Some(grad) => {
                 let heads = match args.score.dist {
                     Some(d) if d.per_head => args.q.1.shape[1],

@@ -21,7 +21,8 @@
 //!
 //! The backward recomputes every logit the same way, multiplies dS by the softcap's
 //! derivative `1 - tanh^2`, and (when `dist_bias_grad` is given) adds `d loss / d dist_bias`
-//! into it with fp32 atomics (so its last bits vary run to run, in both backward modes). The
+//! into it with atomics: fp32 in the fast mode, int64 fixed point in the deterministic mode
+//! (the same bits every run). The
 //! sinks' gradient needs no kernel: `d loss / d sinks[h] = -sum over rows of
 //! exp(sinks[h] - lse) * delta`, `delta = rowsum(dout * out)`.
 
@@ -82,8 +83,11 @@ pub struct ScoreRaw {
     pub dist_per_head: bool,
     pub dist_run_end: u64,
     pub sinks: u64,
-    /// Backward only: `[num_heads or 1, q_len + kv_len - 1]` fp32, shaped as `dist_bias`,
-    /// which the backward adds `d loss / d dist_bias` into (zero it first); 0: not wanted.
+    /// Backward only: `[num_heads or 1, q_len + kv_len - 1]`, shaped as `dist_bias`, which
+    /// the backward adds `d loss / d dist_bias` into (zero it first); 0: not wanted. fp32 in
+    /// the fast mode; in the deterministic mode int64 fixed point in units of 2^-32 (integer
+    /// atomics, so the same bits every run; each entry's magnitude must stay below 2^31),
+    /// 8-byte aligned.
     pub dist_bias_grad: u64,
 }
 
@@ -95,7 +99,10 @@ impl ScoreRaw {
 
     /// Every check of the terms against the launch: the softcap's value, alignment, a
     /// gradient buffer only with its table, offsets exact in fp32.
-    pub(crate) fn check(&self, q_len: u32, kv_len: u32) -> Result<(), Error> {
+    pub(crate) fn check(&self, q_len: u32, kv_len: u32, deterministic: bool) -> Result<(), Error> {
+        if deterministic {
+            crate::forward::check_addr("score dist_bias_grad", self.dist_bias_grad, 8)?;
+        }
         if self.softcap != 0.0 && !(self.softcap.is_finite() && self.softcap > 0.0) {
             return Err(Error::invalid(format!(
                 "score softcap = {}: expected a finite value > 0 (or 0 for none)",

@@ -149,16 +149,16 @@ __device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const f
 
 __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const float (&dcap)[BLOCK_M / 8][4],
                                                  const CmScoreParams& sp, const CmDistTile& dist,
-                                                 CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len, float* buf,
-                                                 int buf_lo, u32 c) {
+                                                 CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len,
+                                                 unsigned long long* buf, int buf_lo, u32 c, bool fixed) {
     if (sp.dist_bias_grad != nullptr) {
-        cm_dist_grad<BLOCK_M / 8, true>(dp, sp, dist, acc, head, buf, buf_lo);
+        cm_dist_grad<BLOCK_M / 8, true>(dp, sp, dist, acc, head, buf, buf_lo, fixed);
         if (!dist.constant) {
             // The warpgroup's shared sums are complete after the first barrier and zero
             // again after the second.
             asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
             cm_dist_grad_flush_tile(buf, buf_lo, DIST_SPAN - 1, sp, head, q_len, kv_len, threadIdx.x - 128 * (c + 1),
-                                    128);
+                                    128, fixed);
             asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
         }
     }
@@ -295,8 +295,11 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 #if CM_SCORE
     CmDistGradAcc dist_acc = {0.f, -1};
     // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
-    __shared__ float dist_buf[2][DIST_SPAN];
-    for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0.f;
+    // Fixed point in the deterministic mode (no dQ accumulator), so that its table gradient
+    // repeats its bits too.
+    __shared__ unsigned long long dist_buf[2][DIST_SPAN];
+    const bool dist_fixed = !atomic_dq;
+    for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0;
     asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
     u32 it = 0;
@@ -397,7 +400,8 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_fence_acc(dp);
             score_grads(dp, sc, lse2s + BLOCK_M, t);
 #if CM_SCORE
-            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len, dist_buf[c], dist_lo, c);
+            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len, dist_buf[c], dist_lo, c,
+                             dist_fixed);
 #endif
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
@@ -477,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table.
-        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head);
+        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head, dist_fixed);
 #endif
     }
     // The last reduction must finish reading shared memory before the CTA exits.

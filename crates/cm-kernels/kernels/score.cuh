@@ -165,6 +165,26 @@ __device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], float (&dcap)
                                                        col_base);
 }
 
+// The deterministic backward's table gradient is fixed point: int64 units of 2^-32 (each
+// distance's sum must stay below 2^31 in magnitude), so its atomic additions are integer
+// ones, whose sum does not depend on their order.
+#define CM_DIST_FIXED_SCALE 4294967296.0f
+
+__device__ __forceinline__ unsigned long long cm_dist_fixed(float v) {
+    return (unsigned long long)__float2ll_rn(v * CM_DIST_FIXED_SCALE);
+}
+
+// Adds v to slot i of a tile's shared per-distance sums (floats in the buffer's first half,
+// or fixed point).
+__device__ __forceinline__ void cm_dist_buf_add(unsigned long long* buf, int i, float v, bool fixed) {
+    if (v == 0.f) return;
+    if (fixed) {
+        atomicAdd(buf + i, cm_dist_fixed(v));
+    } else {
+        atomicAdd(reinterpret_cast<float*>(buf) + i, v);
+    }
+}
+
 // A thread's running sum of d loss / d dist_bias over tiles whose distances lie in one run
 // of the table: flushed with one atomic when the run changes and at the end, so the many
 // tiles far from the diagonal (one bucket) cost no atomics of their own.
@@ -173,8 +193,18 @@ struct CmDistGradAcc {
     int run;  // the run's last index (the same for every tile of that run); -1: empty
 };
 
-__device__ __forceinline__ void cm_dist_grad_flush(CmDistGradAcc& acc, const CmScoreParams& sp, u32 head) {
-    if (acc.run >= 0 && acc.sum != 0.f) atomicAdd(sp.dist_bias_grad + (u64)head * sp.dist_head_stride + acc.run, acc.sum);
+// Adds v to the table gradient's entry `idx` of `head` (float, or fixed point when `fixed`).
+__device__ __forceinline__ void cm_dist_grad_add(const CmScoreParams& sp, u32 head, int idx, float v, bool fixed) {
+    const u64 at = (u64)head * sp.dist_head_stride + idx;
+    if (fixed) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(sp.dist_bias_grad) + at, cm_dist_fixed(v));
+    } else {
+        atomicAdd(sp.dist_bias_grad + at, v);
+    }
+}
+
+__device__ __forceinline__ void cm_dist_grad_flush(CmDistGradAcc& acc, const CmScoreParams& sp, u32 head, bool fixed) {
+    if (acc.run >= 0 && acc.sum != 0.f) cm_dist_grad_add(sp, head, acc.run, acc.sum, fixed);
     acc.sum = 0.f;
     acc.run = -1;
 }
@@ -182,13 +212,14 @@ __device__ __forceinline__ void cm_dist_grad_flush(CmDistGradAcc& acc, const CmS
 // Adds d loss / d dist_bias of one tile's score gradients (ds: P (dP - delta), natural-log
 // units, before the softcap's derivative): into the thread's running sum when the tile lies
 // in one run (the run's last index maps to the same table entry as every index of it), else
-// per distance into `buf` (shared memory, one float per distance of the tile from `buf_lo`,
-// zero on entry), which the caller's warpgroup then flushes with one global atomic per
-// distance (cm_dist_grad_flush_tile). `d` must come from a tile-wide range, so that the
+// per distance into `buf` (shared memory, one slot per distance of the tile from `buf_lo`,
+// zero on entry: floats, or fixed point with `fixed`), which the caller's warpgroup then
+// flushes with one global atomic per distance (cm_dist_grad_flush_tile). `d` must come from a tile-wide range, so that the
 // choice is the same in every thread.
 template <int NB, bool KEY_ROWS>
 __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmScoreParams& sp, const CmDistTile& d,
-                                             CmDistGradAcc& acc, u32 head, float* buf, int buf_lo) {
+                                             CmDistGradAcc& acc, u32 head, unsigned long long* buf, int buf_lo,
+                                             bool fixed) {
     if (d.constant) {
         float sum = 0.f;
 #pragma unroll
@@ -196,7 +227,7 @@ __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmS
 #pragma unroll
             for (int e = 0; e < 4; ++e) sum += ds[j][e];
         }
-        if (d.run != acc.run) cm_dist_grad_flush(acc, sp, head);
+        if (d.run != acc.run) cm_dist_grad_flush(acc, sp, head, fixed);
         acc.run = d.run;
         acc.sum += sum;
     } else {
@@ -208,14 +239,13 @@ __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmS
         for (int m = 0; m + 1 < NB; ++m) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float v = ds[m][c] + ds[m + 1][2 + c];
-                if (v != 0.f) atomicAdd(buf + (d.base + cstep * (8 * m + c) - buf_lo), v);
+                cm_dist_buf_add(buf, d.base + cstep * (8 * m + c) - buf_lo, ds[m][c] + ds[m + 1][2 + c], fixed);
             }
         }
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            if (ds[NB - 1][c] != 0.f) atomicAdd(buf + (d.base + cstep * (8 * (NB - 1) + c) - buf_lo), ds[NB - 1][c]);
-            if (ds[0][2 + c] != 0.f) atomicAdd(buf + (d.base + cstep * c + hstep - buf_lo), ds[0][2 + c]);
+            cm_dist_buf_add(buf, d.base + cstep * (8 * (NB - 1) + c) - buf_lo, ds[NB - 1][c], fixed);
+            cm_dist_buf_add(buf, d.base + cstep * c + hstep - buf_lo, ds[0][2 + c], fixed);
         }
     }
 }
@@ -223,15 +253,26 @@ __device__ __forceinline__ void cm_dist_grad(const float (&ds)[NB][4], const CmS
 // Moves a non-constant tile's per-distance sums from shared memory to the table's gradient
 // (one atomic per non-zero distance of `count`, clipped to the table) and zeroes them; run by
 // the `threads` threads of one warpgroup (`rank` 0 ..), between two barriers of it.
-__device__ __forceinline__ void cm_dist_grad_flush_tile(float* buf, int buf_lo, int count, const CmScoreParams& sp,
-                                                        u32 head, u32 q_len, u32 kv_len, int rank, int threads) {
+__device__ __forceinline__ void cm_dist_grad_flush_tile(unsigned long long* buf, int buf_lo, int count,
+                                                        const CmScoreParams& sp, u32 head, u32 q_len, u32 kv_len,
+                                                        int rank, int threads, bool fixed) {
     const int len = (int)(q_len + kv_len - 1);
-    float* grad = sp.dist_bias_grad + (u64)head * sp.dist_head_stride;
     for (int i = rank; i < count; i += threads) {
-        const float v = buf[i];
         const int idx = buf_lo + i;
-        if (v != 0.f && idx >= 0 && idx < len) atomicAdd(grad + idx, v);
-        buf[i] = 0.f;
+        const bool in_table = idx >= 0 && idx < len;
+        if (fixed) {
+            const unsigned long long v = buf[i];
+            if (v != 0 && in_table) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(sp.dist_bias_grad) + (u64)head * sp.dist_head_stride +
+                              idx,
+                          v);
+            }
+            buf[i] = 0;
+        } else {
+            float* f = reinterpret_cast<float*>(buf);
+            if (f[i] != 0.f && in_table) atomicAdd(sp.dist_bias_grad + (u64)head * sp.dist_head_stride + idx, f[i]);
+            f[i] = 0.f;
+        }
     }
 }
 

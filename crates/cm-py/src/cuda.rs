@@ -127,6 +127,7 @@ fn score_raw(
     num_heads: usize,
     q_len: u32,
     kv_len: u32,
+    deterministic: bool,
 ) -> Result<cm_cuda::ScoreRaw, Error> {
     let (softcap, slopes, (q_coef, k_coef, offset), dist, dist_per_head, run_end, sinks, grad) =
         score;
@@ -157,7 +158,13 @@ fn score_raw(
         dist_per_head,
         dist_run_end: addr("score dist_run_end", run_end, "int32", len)?,
         sinks: addr("score sinks", sinks, "float32", num_heads)?,
-        dist_bias_grad: addr("score dist_bias_grad", grad, "float32", dist_len)?,
+        // The deterministic backward's table gradient is int64 fixed point (cm_cuda::ScoreRaw).
+        dist_bias_grad: addr(
+            "score dist_bias_grad",
+            grad,
+            if deterministic { "int64" } else { "float32" },
+            dist_len,
+        )?,
     })
 }
 
@@ -191,6 +198,7 @@ fn forward_args(
     softmax_scale: f32,
     score: ScoreArg,
     plan: &DescriptorArg,
+    deterministic: bool,
 ) -> Result<(usize, ForwardRaw, (u64, LseLayout), String), Error> {
     let (q, k, v, out, lse) = (
         to_external(q),
@@ -218,7 +226,7 @@ fn forward_args(
         out_layout: out.layout(),
         lse: Some((lse.addr, lse.lse_layout())),
         softmax_scale,
-        score: score_raw(score, device, q.shape[1], plan.0, plan.1)?,
+        score: score_raw(score, device, q.shape[1], plan.0, plan.1, deterministic)?,
     };
     Ok((device, raw, (lse.addr, lse.lse_layout()), q.dtype))
 }
@@ -272,7 +280,7 @@ pub fn cuda_forward(
     score: ScoreArg,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
-        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale, score, &plan)?;
+        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale, score, &plan, false)?;
         let layout = plan_layout(device, plan)?;
         cm_cuda::check_forward(&layout, &raw)?;
         Ok((device, raw, layout))
@@ -320,7 +328,7 @@ pub fn cuda_backward(
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, BackwardRaw, PlanLayout), Error> {
         let (device, f, (lse, lse_layout), q_dtype) =
-            forward_args(q, k, v, out, lse, scale, score, &plan)?;
+            forward_args(q, k, v, out, lse, scale, score, &plan, deterministic)?;
         let (dout, dq, dk, dv) = (
             to_external(dout),
             to_external(dq),

@@ -327,10 +327,14 @@ def attention_backward_score(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     _check_cuda_supported(q, v)
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
     dout = _kernel_ready(grad_out)
-    ddist = (torch.zeros_like(dist_bias, dtype=torch.float32)
+    # The deterministic backward sums the table's gradient in int64 fixed point (units of
+    # 2^-32; integer atomics repeat their bits), the fast one in float32.
+    ddist = (torch.zeros_like(dist_bias, dtype=torch.int64 if deterministic else torch.float32)
              if want_dist_grad and dist_bias is not None else None)
     dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
                                     deterministic, score, ddist)
+    if ddist is not None and deterministic:
+        ddist = (ddist.double() * 2.0 ** -32).float()
     dsinks = (_sink_grad(sinks, lse, out, dout) if sinks is not None
               else q.new_zeros((0,), dtype=torch.float32))
     return dq, dk, dv, (ddist if ddist is not None else q.new_zeros((0,), dtype=torch.float32)), dsinks
