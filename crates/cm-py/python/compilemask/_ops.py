@@ -384,36 +384,53 @@ attention_forward_score.register_autograd(_score_backward, setup_context=_setup_
 
 class _TableByDistance(torch.autograd.Function):
     """``table[..., bucket]``: a bucketed bias table (``[num_heads, num_buckets]`` or
-    ``[num_buckets]``) as the bias by distance the kernels take, whose backward sums the
-    gradient of each run of equal buckets (a float64 prefix sum, then one entry per run)
-    instead of scattering every distance into its bucket with atomics (65K adds into a few
-    dozen entries at 32K tokens, serialised)."""
+    ``[num_buckets]``) as the bias by distance the kernels take. Its backward sums the
+    gradient of each run of equal buckets (a float64 prefix sum over the distances), then
+    each bucket's runs (a prefix sum over the runs sorted by bucket), never scattering with
+    atomics: deterministic, and free of the contention of 65K distances landing on a few
+    dozen buckets at 32K tokens."""
 
     @staticmethod
-    def forward(ctx: Any, table: Tensor, bucket: Tensor, run_last: Tensor,
-                run_bucket: Tensor) -> Tensor:
-        ctx.save_for_backward(run_last, run_bucket)
+    def forward(ctx: Any, table: Tensor, bucket: Tensor, run_last: Tensor, run_order: Tensor,
+                seg_last: Tensor, seg_bucket: Tensor) -> Tensor:
+        ctx.save_for_backward(run_last, run_order, seg_last, seg_bucket)
         ctx.shape = table.shape
         return table[..., bucket].float()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        run_last, run_bucket = ctx.saved_tensors
-        cs = grad.double().cumsum(-1)
-        ends = cs[..., run_last]
-        per_run = ends - torch.nn.functional.pad(ends[..., :-1], (1, 0))
+        run_last, run_order, seg_last, seg_bucket = ctx.saved_tensors
+        pad = torch.nn.functional.pad
+        cs = grad.double().cumsum(-1)[..., run_last]
+        per_run = (cs - pad(cs[..., :-1], (1, 0)))[..., run_order]
+        cs = per_run.cumsum(-1)[..., seg_last]
         dtable = torch.zeros(ctx.shape, dtype=torch.float64, device=grad.device)
-        dtable.index_add_(dtable.dim() - 1, run_bucket, per_run)
-        return dtable.to(grad.dtype), None, None, None
+        dtable[..., seg_bucket] = cs - pad(cs[..., :-1], (1, 0))
+        return dtable.to(grad.dtype), None, None, None, None, None
 
 
-def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
-    """The bias by distance of a bucketed table (``bucket``: int64 ``[q_len + kv_len - 1]``,
-    the bucket of distance ``q - k`` at index ``q - k + kv_len - 1``) and the kernels'
-    ``dist_run_end`` (int32, the last index of each index's run of equal buckets)."""
+def distance_runs(bucket: Tensor) -> tuple[Tensor, list]:
+    """For ``bucket`` (int64 ``[q_len + kv_len - 1]``, the bucket of distance ``q - k`` at
+    index ``q - k + kv_len - 1``): the kernels' ``dist_run_end`` (int32, the last index of
+    each index's run of equal buckets) and what :class:`_TableByDistance`'s backward needs
+    (every run's last index, the runs in bucket order, and each bucket's last run in that
+    order with its bucket)."""
     change = torch.ones_like(bucket, dtype=torch.bool)
     change[:-1] = bucket[1:] != bucket[:-1]
     run_last = torch.nonzero(change).flatten()
     run_of = torch.cumsum(torch.nn.functional.pad(change[:-1].long(), (1, 0)), 0)
     run_end = run_last[run_of].to(torch.int32)
-    return _TableByDistance.apply(table, bucket, run_last, bucket[run_last]), run_end
+    run_bucket = bucket[run_last]
+    run_order = torch.argsort(run_bucket, stable=True)
+    sorted_bucket = run_bucket[run_order]
+    seg = torch.ones_like(sorted_bucket, dtype=torch.bool)
+    seg[:-1] = sorted_bucket[1:] != sorted_bucket[:-1]
+    seg_last = torch.nonzero(seg).flatten()
+    return run_end, [run_last, run_order, seg_last, sorted_bucket[seg_last]]
+
+
+def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
+    """The bias by distance of a bucketed table and the kernels' ``dist_run_end``
+    (:func:`distance_runs`)."""
+    run_end, runs = distance_runs(bucket)
+    return _TableByDistance.apply(table, bucket, *runs), run_end

@@ -76,10 +76,9 @@ class ScoreTensors(NamedTuple):
     sink: str | None
     sink_shape: tuple[int, ...] | None
     # The runs of equal buckets: int32 ``[q_len + kv_len - 1]`` (each index's run's last
-    # index, for the kernels), int64 ``[runs]`` (every run's last index) and its bucket.
+    # index, for the kernels) and the table gradient's run sums (``_ops.distance_runs``).
     run_end: torch.Tensor | None = None
-    run_last: torch.Tensor | None = None
-    run_bucket: torch.Tensor | None = None
+    runs: tuple[torch.Tensor, ...] | None = None
 
 
 class CompileMaskWarning(UserWarning):

@@ -114,14 +114,11 @@ def _score_tensors(torch: Any, plan: Plan, dev: Any) -> ScoreTensors | None:
         n = plan.q_len + plan.kv_len - 1
         bucket = _int32(torch, table["bucket"], (n,), dev).long()
     sink = terms.get("sink")
-    run_end = run_last = run_bucket = None
+    run_end = runs = None
     if bucket is not None:
-        change = torch.ones_like(bucket, dtype=torch.bool)
-        change[:-1] = bucket[1:] != bucket[:-1]
-        run_last = torch.nonzero(change).flatten()
-        run_of = torch.cumsum(torch.nn.functional.pad(change[:-1].long(), (1, 0)), 0)
-        run_end = run_last[run_of].to(torch.int32)
-        run_bucket = bucket[run_last]
+        from . import _ops
+
+        run_end, runs = _ops.distance_runs(bucket)
     return ScoreTensors(
         softcap=float(terms.get("softcap") or 0.0),
         linear=coefs or (0.0, 0.0, 0.0),
@@ -132,8 +129,7 @@ def _score_tensors(torch: Any, plan: Plan, dev: Any) -> ScoreTensors | None:
         sink=None if sink is None else sink["tensor"],
         sink_shape=None if sink is None else tuple(sink["shape"]),
         run_end=run_end,
-        run_last=run_last,
-        run_bucket=run_bucket,
+        runs=None if runs is None else tuple(runs),
     )
 
 
@@ -218,8 +214,7 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
 
         dist = None
         if table is not None:
-            dist = _ops._TableByDistance.apply(table.float(), score.bucket, score.run_last,
-                                               score.run_bucket)
+            dist = _ops._TableByDistance.apply(table.float(), score.bucket, *score.runs)
             if dist.dim() == 1:
                 dist = dist.unsqueeze(0)
         return _ops.attention_forward_score(
