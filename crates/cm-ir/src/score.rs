@@ -317,6 +317,15 @@ fn bad_table(span: Span, message: String) -> PlanError {
     PlanError::new(Code::BadScoreTable, Some(span), message)
 }
 
+/// The values of tensor `name` among `tensors` (`CM0315` at `span` when not given).
+fn given<'a>(tensors: &TensorValues<'a>, name: &str, span: Span) -> PResult<&'a [f64]> {
+    tensors
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| bad_table(span, format!("tensor `{name}` was not given")))
+}
+
 impl Bound<'_> {
     /// The extents of every declared tensor, evaluated and checked against their use.
     ///
@@ -464,13 +473,7 @@ impl Bound<'_> {
                     Some(hd) => self.eval_int(hd, env)? * nb + b,
                     None => b,
                 };
-                let values = tensors
-                    .iter()
-                    .find(|(n, _)| *n == decl.name)
-                    .map(|(_, v)| *v)
-                    .ok_or_else(|| {
-                        bad_table(e.span, format!("tensor `{}` was not given", decl.name))
-                    })?;
+                let values = given(tensors, &decl.name, e.span)?;
                 *values.get(index as usize).ok_or_else(|| {
                     bad_table(
                         e.span,
@@ -569,11 +572,7 @@ impl Bound<'_> {
             return Ok(None);
         };
         let name = &self.program.tensors[s.tensor].name;
-        let values = tensors
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| *v)
-            .ok_or_else(|| bad_table(s.span, format!("tensor `{name}` was not given")))?;
+        let values = given(tensors, name, s.span)?;
         values.get(h as usize).copied().map(Some).ok_or_else(|| {
             bad_table(
                 s.span,

@@ -24,7 +24,9 @@ pub struct ForwardOutput<T> {
     /// visible key are exactly 0.
     pub out: Vec<T>,
     /// Natural-log log-sum-exp of each row's scaled logits (`softmax_scale * q . k` over the
-    /// visible keys), `[batch, num_heads, q_len]`, row-major. `-inf` for rows with no visible key.
+    /// visible keys; with score terms, of their `s2` and the sink's logit),
+    /// `[batch, num_heads, q_len]`, row-major. `-inf` for rows with no visible key (the
+    /// head's sink logit with sinks).
     pub lse: Vec<T>,
 }
 

@@ -16,7 +16,8 @@
 //! - `lse` is the natural-log log-sum-exp of the scaled logits of a row.
 //! - Score terms (softcap, linear bias, bias table, sinks; `cm_ir::score`) apply through
 //!   [`attention_forward_scored`] / [`attention_backward_scored`], which also return the
-//!   gradients of the table and the sinks.
+//!   gradients of the table and the sinks. With sinks, a row with no visible key has output
+//!   0 and `lse = sink[h]`.
 //! - Empty-row contract: a row with no visible key has output exactly 0, `lse = -inf`, `dq = 0`
 //!   and contributes nothing to `dk`/`dv`; keys no row sees get `dk = dv = 0` exactly. No NaN
 //!   is ever produced from masking.

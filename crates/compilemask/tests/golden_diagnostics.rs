@@ -323,6 +323,9 @@ fn cm0212_score_forms() {
         ("CM0208", "grid g = [2, 2];\nscore = score + l2(g) * 1.0;"),
         ("CM0202", "param score: int = 1;"),
         ("CM0103", "score = score + 1e999;"),
+        ("CM0203", "score = score % 2.0;"),
+        ("CM0203", "score = score + (score + 1.0)[0];"),
+        ("CM0212", "score = score + 0.5 * (q - k) * 0.5 + 0.5 * q;"),
     ];
     let mut all = String::new();
     for (code, body) in cases {
@@ -555,6 +558,8 @@ fn cm0314_cm0315_cm0411_score_values() {
         ("CM0315", "tensor t: [8, 8];\nmask = k <= q;\nscore = score + t[h][0];", 4, 2),
         ("CM0315", "tensor s: [3];\nmask = k <= q;\nsink = s[h];", 4, 2),
         ("CM0315", "tensor s: [q_len - 4];\nmask = k <= q;\nsink = s[h];", 4, 2),
+        ("CM0304", "mask = k <= q;\nscore = score + alibi_slopes(2)[h] * (q - k);", 4, 3),
+        ("CM0301", "mask = k <= q;\nscore = score + 1.0 / 0.0 * (q - k);", 4, 1),
     ];
     let mut all = String::new();
     for (code, body, q_len, heads) in cases {
