@@ -367,3 +367,10 @@ def test_deterministic_backward_repeats_its_bits_with_score_terms():
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
             assert torch.equal(a, b)
+
+
+def test_score_terms_need_the_plan_for_the_heads():
+    plan = cm.builtin("causal_alibi").plan(64)  # one head
+    q = torch.zeros((1, 4, 64, 64), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bound for num_heads = 1.*num_heads=4"):
+        cm.attention(q, q, q, plan)

@@ -208,6 +208,12 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
     """(out, lse) with the plan's score terms: the score kernels on CUDA, the CPU reference
     (through an autograd function) on CPU."""
     score = pt.score
+    if pt.num_heads != query.shape[1]:
+        raise ValueError(
+            f"the plan's score terms were bound for num_heads = {pt.num_heads} (slopes, tables "
+            f"and sinks are per head), but the query has {query.shape[1]} heads; plan with "
+            f"program.plan(..., num_heads={query.shape[1]})"
+        )
     table, sink = _score_inputs(torch, score, score_tensors, query.device)
     if query.device.type == "cuda":
         from . import _ops
