@@ -116,6 +116,14 @@ def test_bad_views_are_refused():
         plan.to_image(rows=(4, 9))
     with pytest.raises(ValueError, match="png"):
         plan.to_image("jpeg")  # type: ignore[arg-type]
+    for bad, err, message in [((0,), ValueError, "rows must be a .start, stop. pair of ints.*got 1 values"),
+                              ((0, 1, 2), ValueError, "got 3 values"),
+                              (5, TypeError, "rows must be a .start, stop. pair.*got int"),
+                              ("0:4", TypeError, "got str")]:
+        with pytest.raises(err, match=message):
+            plan.to_image(rows=bad)
+        with pytest.raises(err, match=message.replace("rows", "cols")):
+            plan.show(cols=bad)
 
 
 def test_packed_plan_names_samples():

@@ -557,4 +557,7 @@ pub struct Program {
     /// Where `b` / `h` is first read.
     pub b_span: Option<Span>,
     pub h_span: Option<Span>,
+    /// Where the score first reads `h` (slopes or tables per head), which the mask's
+    /// `h_span` does not count.
+    pub score_h_span: Option<Span>,
 }

@@ -502,10 +502,25 @@ impl Bound<'_> {
 
     fn softcap_value(&self, c: &ScoreExpr) -> PResult<f64> {
         let cap = self.eval_float(c, &Env::default(), f64::NAN, &[])?;
-        if !(cap > 0.0 && cap.is_finite() && (cap as f32).is_finite()) {
+        // The kernels take c and 1 / c as normal f32s: a c that rounds to 0 or a subnormal
+        // in f32 would silently switch the cap off.
+        if !(cap > 0.0
+            && cap.is_finite()
+            && (cap as f32).is_finite()
+            && (cap as f32) >= f32::MIN_POSITIVE)
+        {
             return Err(bad_value(
                 c.span,
-                format!("softcap {cap}: expected a positive finite number"),
+                format!(
+                    "softcap {}: expected a positive finite number that f32 holds ({:e} to {:e})",
+                    if cap != 0.0 && !(1e-4..1e16).contains(&cap.abs()) {
+                        format!("{cap:e}")
+                    } else {
+                        format!("{cap}")
+                    },
+                    f32::MIN_POSITIVE,
+                    f32::MAX
+                ),
             )
             .with_hint("the softcap c in c * tanh(score / c) is > 0 (Gemma 2 uses 50)"));
         }

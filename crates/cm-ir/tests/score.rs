@@ -271,7 +271,13 @@ fn bad_score_values_fail_at_plan_time() {
             "param cap: int = 0;\nmask = k <= q;\nscore = softcap(score, cap);",
             shape(4, 4, 1),
             "CM0314",
-            "softcap 0: expected a positive finite number",
+            "softcap 0: expected a positive finite number that f32 holds (1.1754944e-38 to 3.4028235e38)",
+        ),
+        (
+            "mask = k <= q;\nscore = softcap(score, 1e-50);",
+            shape(4, 4, 1),
+            "CM0314",
+            "softcap 1e-50: expected a positive finite number that f32 holds (1.1754944e-38 to 3.4028235e38)",
         ),
         (
             "mask = k <= q;\nscore = score + 1e300 * 1e300 * (q - k);",

@@ -69,6 +69,15 @@ impl Program {
                     .with_hint("plan with the model's head count (--num-heads, num_heads=) so each head gets its own mask"),
             );
         }
+        // A score per head (slopes, tables, sinks) planned for one head binds head 0's terms.
+        let score_h = ir.score_h_span.or(ir.sink.as_ref().map(|s| s.span));
+        if let (None, Some(span), 1) = (ir.h_span, score_h, plan.num_heads) {
+            out.push(
+                Diagnostic::warning(Code::OneHead, span, "the score reads the head index `h`, but it was planned with one head")
+                    .with_label("head 0's terms in every row")
+                    .with_hint("plan with the model's head count (--num-heads, num_heads=) so each head gets its own slopes, table row or sink"),
+            );
+        }
         let batch = plan.packing.as_ref().map_or(plan.batch, |p| p.batch());
         if let (Some(span), 1) = (ir.b_span, batch) {
             out.push(

@@ -130,3 +130,29 @@ fn score_parts_are_shown_as_written() {
         .score_part()
         .is_none());
 }
+
+/// A score that reads `h` (slopes, a table row, a sink) planned with one head warns
+/// (CM0262) at the score; with the heads, or a score that does not read `h`, it does not.
+#[test]
+fn a_score_per_head_planned_with_one_head_warns() {
+    let cases = [
+        (
+            "mask = k <= q;\nscore = score - alibi_slopes(num_heads)[h] * (q - k);",
+            true,
+        ),
+        ("tensor s: [num_heads];\nmask = k <= q;\nsink = s[h];", true),
+        ("mask = k <= q;\nscore = softcap(score, 30);", false),
+    ];
+    for (src, per_head) in cases {
+        let program = compilemask::compile(src).unwrap();
+        for heads in [1, 4] {
+            let mut options = PlanOptions::new(16);
+            options.num_heads = heads;
+            let plan = program.plan(&options).unwrap();
+            let warned = program.plan_warnings(&options, &plan).iter().any(|d| {
+                d.code == "CM0262" && d.message.contains("the score reads the head index")
+            });
+            assert_eq!(warned, per_head && heads == 1, "{src} at {heads} heads");
+        }
+    }
+}

@@ -113,6 +113,8 @@ struct Checker<'a> {
     /// Where the batch index `b` / the head index `h` is first read.
     uses_b: Option<Span>,
     uses_h: Option<Span>,
+    /// Where the score first reads `h` (it does not make the mask per head).
+    score_h: Option<Span>,
     /// Whether each parameter is read.
     params_read: Vec<bool>,
     /// Each `let`'s expression depth with the `let`s it uses inlined (see [`lets`]).
@@ -198,6 +200,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         sink: None,
         uses_b: None,
         uses_h: None,
+        score_h: None,
         params_read: Vec::new(),
         let_depths: Vec::new(),
         declared_at: HashMap::new(),
@@ -306,6 +309,7 @@ impl<'a> Checker<'a> {
             uses_h: self.uses_h.is_some(),
             b_span: self.uses_b,
             h_span: self.uses_h,
+            score_h_span: self.score_h,
         };
         (Some(program), self.diags)
     }

@@ -143,7 +143,9 @@ impl<'a> Checker<'a> {
         }
         // What the score reads does not make the mask per batch or per head.
         let (uses_b, uses_h) = (self.uses_b, self.uses_h);
+        self.uses_h = None;
         let e = self.score_expr(value);
+        self.score_h = self.score_h.or(self.uses_h);
         (self.uses_b, self.uses_h) = (uses_b, uses_h);
         let Ok(e) = e else {
             return;

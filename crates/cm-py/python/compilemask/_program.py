@@ -145,6 +145,23 @@ def _index(name: str, value: Any) -> int:
     return v
 
 
+def _span(name: str, value: Any) -> tuple[int, int] | None:
+    """A zoom ``(start, stop)`` (half-open) of a picture, or None; ``TypeError`` /
+    ``ValueError`` naming ``name`` for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not hasattr(
+            value, "__getitem__"):
+        raise TypeError(
+            f"{name} must be a (start, stop) pair of ints (half-open), got {type(value).__name__}"
+        )
+    if len(value) != 2:
+        raise ValueError(
+            f"{name} must be a (start, stop) pair of ints (half-open), got {len(value)} values"
+        )
+    return (_index(f"{name}[0]", value[0]), _index(f"{name}[1]", value[1]))
+
+
 def _ordered(name: str, value: Any, what: str) -> Iterable[Any]:
     """``value`` if it is an ordered collection (a sequence, an iterator, or what a numpy
     array or torch tensor's ``tolist()`` gives); ``TypeError`` naming ``name`` for sets,
@@ -797,17 +814,15 @@ class Plan:
         grids, and a legend; ``rows`` / ``cols`` = ``(start, stop)`` (half-open) zoom in.
         Drawn from the plan's intervals and tiles, so a long mask costs no dense array.
         Raises ``IndexError`` for a view outside the plan."""
-        return self._native.image(
-            format, _index("b", b), _index("h", h),
-            None if rows is None else (_index("rows[0]", rows[0]), _index("rows[1]", rows[1])),
-            None if cols is None else (_index("cols[0]", cols[0]), _index("cols[1]", cols[1])),
-        )
+        return self._native.image(format, _index("b", b), _index("h", h), _span("rows", rows),
+                                  _span("cols", cols))
 
     def show(self, *, b: int = 0, h: int = 0, rows: tuple[int, int] | None = None,
              cols: tuple[int, int] | None = None) -> MaskImage:
         """:meth:`to_image` as an object that notebooks display (``_repr_png_``) and that
         :meth:`MaskImage.save` writes to a ``.png`` or ``.svg`` file."""
-        return MaskImage(self, b, h, rows, cols)
+        return MaskImage(self, _index("b", b), _index("h", h), _span("rows", rows),
+                         _span("cols", cols))
 
     # ------------------------------------------------------------------ exports
     def to_dense(self, b: int | None = None, h: int | None = None, *,
