@@ -12,6 +12,13 @@ use serde_json::json;
 use std::io::{BufWriter, Write};
 use std::process::ExitCode;
 
+// jemalloc with transparent huge pages (configured in .cargo/config.toml): planning writes
+// its arrays once into fresh memory, and first-touch faults of 4 KiB pages were a third of
+// a single `plan` call's time on large masks (BENCHMARKS.md).
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "compilemask",

@@ -172,17 +172,18 @@ pub fn row_intervals_runs(
 ) -> PResult<RowIntervals> {
     runs.clear();
     let shape = solver.bound.shape;
-    let mut rows = RowIntervals::with_capacity(
-        shape.q_len as u32,
-        shape.kv_len as u32,
-        shape.q_len as usize,
-    );
+    // Every piece is solved first and its interval lists kept (a piece's first row, and the
+    // slopes of a piece of several rows), so the rows are written once into arrays allocated
+    // at their final size: growing them piece by piece costs a copy per doubling and, in a
+    // fresh process, a page fault per 4 KiB more than the writes themselves.
+    let mut solved: Vec<SolvedPiece> = Vec::new();
+    let mut lists: Vec<KeyInterval> = Vec::new();
+    let mut total = 0usize;
     let mut q0 = 0i64;
     // Rows where evaluation found the structure to change, nearest last: after a piece
     // succeeds, the next one is tried up to the nearest known change, not to the end.
     let mut ends: Vec<i64> = vec![shape.q_len];
     let mut hints: Vec<i64> = Vec::new();
-    let (mut first, mut step) = (Vec::new(), Vec::new());
     while q0 < shape.q_len {
         let mut end = ends.last().copied().unwrap_or(shape.q_len);
         loop {
@@ -195,22 +196,28 @@ pub fn row_intervals_runs(
             solver.clear_split_hints();
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
-                    if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
+                    total += list.len() * p.n as usize;
+                    if total > MAX_INTERVALS {
                         return Err(too_many_intervals());
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.
-                    first.clear();
-                    first.extend(list.iter().map(|iv| KeyInterval {
+                    let at = lists.len();
+                    lists.extend(list.iter().map(|iv| KeyInterval {
                         start: iv.start.first as u32,
                         end: iv.end.first as u32,
                     }));
-                    step.clear();
-                    step.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.start.step as u32,
-                        end: iv.end.step as u32,
-                    }));
-                    rows.push_affine_rows(&first, &step, p.n as usize);
+                    if p.n > 1 {
+                        lists.extend(list.iter().map(|iv| KeyInterval {
+                            start: iv.start.step as u32,
+                            end: iv.end.step as u32,
+                        }));
+                    }
+                    solved.push(SolvedPiece {
+                        n: p.n as usize,
+                        at,
+                        len: list.len(),
+                    });
                     runs.push(q0 as u32);
                     *pieces += 1;
                     q0 = end;
@@ -244,7 +251,25 @@ pub fn row_intervals_runs(
             }
         }
     }
+    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, total);
+    for sp in &solved {
+        let first = &lists[sp.at..sp.at + sp.len];
+        let step = if sp.n > 1 {
+            &lists[sp.at + sp.len..sp.at + 2 * sp.len]
+        } else {
+            first
+        };
+        rows.push_affine_rows(first, step, sp.n);
+    }
     Ok(rows)
+}
+
+/// A solved piece's rows: `n` rows whose first row's intervals are `lists[at..at + len]`
+/// and, for `n > 1`, whose slopes follow them at `lists[at + len..at + 2 * len]`.
+struct SolvedPiece {
+    n: usize,
+    at: usize,
+    len: usize,
 }
 
 /// Plans a bound program at a tile shape, in the program's own positions.

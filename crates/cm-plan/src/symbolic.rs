@@ -172,6 +172,10 @@ struct KeyWindow {
 struct BallRuns {
     key: Option<BallKey>,
     runs: Vec<(i64, i64)>,
+    /// The query columns `x` (ascending, distinct) where some run's clamp to its grid row
+    /// or to the keys starts or stops holding: a piece of slope 1 from column `x0` is
+    /// uniform until the first of them above `x0`.
+    flips: Vec<i64>,
 }
 
 /// What a ball's runs (grid row, half-width) depend on: the grid, the metric, the radius
@@ -1547,6 +1551,23 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
+            // Each clamp below holds on one side of a column: lo = base while x <= rx, hi
+            // = base + w once x + rx + 1 >= w, and hi = kv_len from the columns where the
+            // run's ends reach the keys' end.
+            let BallRuns { runs, flips, .. } = &mut *cache;
+            flips.clear();
+            for &(row, rx) in runs.iter() {
+                let base = gv.at + row * w;
+                let past = kv_len.saturating_sub(base);
+                flips.extend([
+                    rx.saturating_add(1),
+                    w.saturating_sub(rx).saturating_sub(1),
+                    past.saturating_sub(rx),
+                    past.saturating_add(rx),
+                ]);
+            }
+            flips.sort_unstable();
+            flips.dedup();
             cache.key = Some(key);
         }
         let runs = &cache.runs;
@@ -1555,39 +1576,15 @@ impl<'a, 'p> Solver<'a, 'p> {
         // plain arithmetic. The later flips are the next pieces' ends: hints.
         let (x0, slope) = (xq.first, xq.step);
         if slope != 0 {
-            let mut first = i64::MAX;
-            let mut later = self.hints.borrow_mut();
-            later.clear();
-            let mut flip_at = |t: i64| {
-                if t > 0 && t < p.n {
-                    first = first.min(t);
-                    later.push(p.q0 + t);
-                }
-            };
-            for &(row, rx) in runs {
-                let base = gv.at + row * w;
-                flip_at(rx.saturating_sub(x0).saturating_add(1));
-                flip_at(w.saturating_sub(rx).saturating_sub(x0).saturating_sub(1));
-                flip_at(
-                    kv_len
-                        .saturating_sub(base)
-                        .saturating_sub(rx)
-                        .saturating_sub(x0),
-                );
-                flip_at(
-                    kv_len
-                        .saturating_sub(base)
-                        .saturating_add(rx)
-                        .saturating_sub(x0),
-                );
+            let flips = &cache.flips;
+            let from = flips.partition_point(|&x| x <= x0);
+            let to = flips.partition_point(|&x| x.saturating_sub(x0) < p.n);
+            if from < to {
+                let mut later = self.hints.borrow_mut();
+                later.clear();
+                later.extend(flips[from + 1..to].iter().map(|&x| p.q0 + (x - x0)));
+                return Err(Flow::Split(p.q0 + (flips[from] - x0)));
             }
-            if first != i64::MAX {
-                later.sort_unstable();
-                later.dedup();
-                later.remove(0);
-                return Err(Flow::Split(p.q0 + first));
-            }
-            later.clear();
         }
         let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len());
         for &(row, rx) in runs {
