@@ -234,7 +234,7 @@ fn write_intervals(
                 w.write_all(b",")?;
             }
             write!(w, "{{\"q\":{q},\"intervals\":[")?;
-            for (i, iv) in mask.row(q).iter().enumerate() {
+            for (i, iv) in mask.row_expanded(q).iter().enumerate() {
                 if i > 0 {
                     w.write_all(b",")?;
                 }
@@ -246,7 +246,7 @@ fn write_intervals(
     } else {
         for q in rows.0..rows.1 {
             write!(w, "{q}: ")?;
-            let ivs = mask.row(q);
+            let ivs = mask.row_expanded(q);
             if ivs.is_empty() {
                 w.write_all(b"(empty)")?;
             }
@@ -578,7 +578,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     serde_json::to_value(compilemask::export::flex_block_mask(&m.tiles)?)?
                 }
                 ExportFormat::Cudnn => {
-                    serde_json::to_value(compilemask::export::cudnn_endpoints(&m.rows))?
+                    serde_json::to_value(compilemask::export::cudnn_endpoints(&m.rows)?)?
                 }
                 ExportFormat::Flashmask => {
                     serde_json::to_value(compilemask::export::flashmask_bounds(&m.rows)?)?

@@ -3,7 +3,7 @@
 
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
-use crate::rows::{KeyInterval, RowIntervals};
+use crate::rows::{ExpandError, KeyInterval, RowIntervals};
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError};
@@ -41,6 +41,14 @@ pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
     .with_hint(
         "it holds one entry per non-empty tile plus one per row of each partial tile: use \
          larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)",
+    )
+}
+
+/// `CM0411` for strided rows a consumer without strides cannot take expanded.
+pub fn expand_error(e: ExpandError) -> PlanError {
+    PlanError::new(Code::StridesTooMany, None, e.to_string()).with_hint(
+        "plan the strided mask (a dilated window) at shorter lengths for this use, or use a \
+         consumer that reads strided runs (the plan's rows and tiles, its statistics, `intervals`)",
     )
 }
 
@@ -178,6 +186,9 @@ pub fn row_intervals_runs(
     // fresh process, a page fault per 4 KiB more than the writes themselves.
     let mut solved: Vec<SolvedPiece> = Vec::new();
     let mut lists: Vec<KeyInterval> = Vec::new();
+    // The strides of `lists` where a piece holds strided runs (1 elsewhere), up to the
+    // last such piece.
+    let mut strides: Vec<u32> = Vec::new();
     let mut total = 0usize;
     let mut q0 = 0i64;
     // Rows where evaluation found the structure to change, nearest last: after a piece
@@ -213,10 +224,18 @@ pub fn row_intervals_runs(
                             end: iv.end.step as u32,
                         }));
                     }
+                    let strided = list.iter().any(|iv| iv.stride != 1);
+                    if strided {
+                        strides.resize(lists.len(), 1);
+                        for (i, iv) in list.iter().enumerate() {
+                            strides[at + i] = iv.stride as u32;
+                        }
+                    }
                     solved.push(SolvedPiece {
                         n: p.n as usize,
                         at,
                         len: list.len(),
+                        strided,
                     });
                     runs.push(q0 as u32);
                     *pieces += 1;
@@ -259,17 +278,23 @@ pub fn row_intervals_runs(
         } else {
             first
         };
-        rows.push_affine_rows(first, step, sp.n);
+        if sp.strided {
+            rows.push_affine_runs(first, step, &strides[sp.at..sp.at + sp.len], sp.n);
+        } else {
+            rows.push_affine_rows(first, step, sp.n);
+        }
     }
     Ok(rows)
 }
 
 /// A solved piece's rows: `n` rows whose first row's intervals are `lists[at..at + len]`
-/// and, for `n > 1`, whose slopes follow them at `lists[at + len..at + 2 * len]`.
+/// and, for `n > 1`, whose slopes follow them at `lists[at + len..at + 2 * len]`; with
+/// `strided`, runs whose strides are `strides[at..at + len]`.
 struct SolvedPiece {
     n: usize,
     at: usize,
     len: usize,
+    strided: bool,
 }
 
 /// Plans a bound program at a tile shape, in the program's own positions.
@@ -322,6 +347,10 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         solver.elementwise_pairs.set(elementwise_pairs);
         for h in 0..hs {
             let mut rows = row_intervals_runs(&solver, b, h, &mut pieces, &mut runs)?;
+            if *request != OrderRequest::Raster && rows.has_strides() {
+                // Permuted rows are plain intervals: a permutation keeps no stride.
+                rows = rows.expanded().map_err(expand_error)?.into_owned();
+            }
             if b == 0 && h == 0 && *request != OrderRequest::Raster {
                 raster_computed_pairs = computed_pairs(&rows, tile);
                 order = match request {

@@ -85,6 +85,7 @@ codes! {
     NotExpressible = "CM0408", "a FlashMask export of a mask FlashMask cannot express (a column with more than two masked row ranges)";
     BadCuSeqlens = "CM0409", "bad `cu_seqlens_q` / `cu_seqlens_k` of a packed plan: lengths differ (each needs batch + 1 entries), not starting at 0, decreasing, a total above `2^26`, or no query or no key at all";
     OrderWithPacking = "CM0410", "a token order asked for with packed samples (`cu_seqlens`)";
+    StridesTooMany = "CM0411", "strided runs (a dilated window) that a consumer without strides (a token order, exports, the CPU reference, the CUDA kernels) would expand into more than `2^27` unit intervals";
 }
 
 impl Code {

@@ -28,8 +28,8 @@ pub use cm_export::{
 pub use cm_ir::bind::LENGTH_LIMITS;
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
-    KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals, TileCounts, TileDescriptor,
-    TileShape, TokenOrder, Traversal,
+    expand_error, ExpandError, KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals,
+    TileCounts, TileDescriptor, TileShape, TokenOrder, Traversal, MAX_EXPANDED_INTERVALS,
 };
 pub use cm_reference::{
     attention_backward, attention_forward, AttentionShape, Float, ForwardOutput, Gradients, Masks,
@@ -707,6 +707,9 @@ pub enum AttentionError {
     },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
+    /// `CM0411`: a mask's strided runs expand past the reference's limit of unit intervals.
+    #[error("{0}")]
+    Strides(cm_plan::ExpandError),
 }
 
 /// CPU reference attention with a plan's masks: `q` `[batch, num_heads, q_len, head_dim]`,
@@ -718,7 +721,8 @@ pub enum AttentionError {
 /// # Errors
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
 /// mask that differs per batch or head) another batch size or head count;
-/// [`AttentionError::Reference`] when the tensor shapes disagree with each other.
+/// [`AttentionError::Reference`] when the tensor shapes disagree with each other;
+/// [`AttentionError::Strides`] (`CM0411`) for strided rows past [`cm_plan::MAX_EXPANDED_INTERVALS`].
 pub fn attention<T: Float>(
     shape: &AttentionShape,
     q: &[T],
@@ -740,7 +744,14 @@ pub fn attention<T: Float>(
     };
     check("q_len", plan.q_len, shape.q_len)?;
     check("kv_len", plan.kv_len, shape.kv_len)?;
-    let masks: Vec<&RowIntervals> = plan.masks.iter().map(|m| &m.rows).collect();
+    // The reference reads plain intervals: strided runs are expanded (with their limit).
+    let expanded = plan
+        .masks
+        .iter()
+        .map(|m| m.rows.expanded())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(AttentionError::Strides)?;
+    let masks: Vec<&RowIntervals> = expanded.iter().map(|m| m.as_ref()).collect();
     // One distinct mask applies to every (batch, head); otherwise the plan's
     // `[batch, num_heads]` index must describe exactly these tensors.
     let index: Vec<usize> = if plan.masks.len() == 1 {

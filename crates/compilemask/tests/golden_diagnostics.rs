@@ -520,6 +520,26 @@ fn cm0410_order_with_packing() {
     insta::assert_snapshot!("cm0410", program.render_error(&err));
 }
 
+/// A dilated window at 128K is one strided run per row; what reads plain intervals (here a
+/// token order) would need 264M of them.
+#[test]
+fn cm0411_strided_runs_past_the_expansion_limit() {
+    let program = compilemask::builtin("dilated_window").unwrap();
+    let n = 131072u32;
+    let options = PlanOptions {
+        order: compilemask::OrderRequest::Explicit((0..n).rev().collect()),
+        ..opts(i64::from(n))
+    };
+    let err = program.plan(&options).unwrap_err();
+    assert_eq!(err.code, "CM0411");
+    insta::assert_snapshot!("cm0411", program.render_error(&err));
+    // The exports refuse it the same way.
+    let plan = program.plan(&opts(i64::from(n))).unwrap();
+    let e = compilemask::export::cudnn_endpoints(&plan.mask(0, 0).rows).unwrap_err();
+    assert_eq!(e.code(), compilemask::Code::StridesTooMany);
+    assert_eq!(e.message(), err.message);
+}
+
 #[test]
 fn unknown_builtin_lists_the_available_ones() {
     let e = compilemask::builtin("causl").unwrap_err();
