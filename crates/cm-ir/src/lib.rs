@@ -62,12 +62,12 @@ pub fn deep<R>(f: impl FnOnce() -> R) -> R {
         v
     });
     let _leave = Leave;
-    if level % DEEP_STEP == 0 {
+    if level & (DEEP_STEP - 1) == 0 {
         stacker::maybe_grow(1 << 20, 8 << 20, f)
     } else {
         f()
     }
 }
 
-/// Nesting levels of [`deep`] between two measurements of the stack.
+/// Nesting levels of [`deep`] between two measurements of the stack (a power of two).
 pub const DEEP_STEP: u32 = 8;

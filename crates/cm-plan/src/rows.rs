@@ -434,7 +434,7 @@ impl RowIntervals {
             return false;
         }
         match self.row_strides(q_idx) {
-            Some(s) => (kv_idx - row[i].start) % s[i] == 0,
+            Some(s) => (kv_idx - row[i].start).is_multiple_of(s[i]),
             None => true,
         }
     }
@@ -473,7 +473,9 @@ impl RowIntervals {
                     ));
                 }
                 let s = self.row_strides(q).map_or(1, |s| s[j]);
-                if s == 0 || (s > 1 && ((iv.end - 1 - iv.start) % s != 0 || iv.end - iv.start <= s))
+                if s == 0
+                    || (s > 1
+                        && (!(iv.end - 1 - iv.start).is_multiple_of(s) || iv.end - iv.start <= s))
                 {
                     return Err(format!(
                         "row {q}: run {j} [{}, {}) of stride {s} does not end one past a key \

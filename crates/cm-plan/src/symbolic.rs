@@ -25,7 +25,7 @@ use std::collections::HashMap;
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
 
 /// Keys of one row `elementwise` evaluates as one task.
-const ELEMENTWISE_CHUNK: i64 = 2048;
+const ELEMENTWISE_CHUNK: i64 = 256;
 
 /// Pairs of one row from which `elementwise` runs its chunks on several threads.
 const ELEMENTWISE_PARALLEL: u64 = 4 * ELEMENTWISE_CHUNK as u64;
@@ -69,9 +69,9 @@ impl From<PlanError> for Flow {
 /// A piece's evaluation: its value, or why it stopped.
 type Eval<T> = Result<T, Flow>;
 
-/// Keys `[start, end)` of every row of a piece, both ends affine in the row; with `stride
-/// > 1` a strided run (see [`crate::rows`]): the keys `start, start + stride, ...`, `end -
-/// 1` the last, at least two keys, the same number on every row of the piece.
+/// Keys `[start, end)` of every row of a piece, both ends affine in the row; with a
+/// `stride` above 1 a strided run (see [`crate::rows`]): the keys `start, start + stride,
+/// ...`, `end - 1` the last, at least two keys, the same number on every row of the piece.
 #[derive(Clone, Copy, Debug)]
 pub struct AffineInterval {
     pub start: Affine,

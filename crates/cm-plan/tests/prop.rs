@@ -818,7 +818,7 @@ fn check_partial_rows(m: &cm_plan::MaskPlan, dense: &[bool]) -> Result<(), TestC
                     // A strided run's keys: its start plus multiples of its stride.
                     let st = strides.get(i).copied().unwrap_or(1);
                     for k in ivs[i].start.max(k0)..ivs[i].end.min(k1) {
-                        if (k - ivs[i].start) % st == 0 {
+                        if (k - ivs[i].start).is_multiple_of(st) {
                             got.push(k);
                         }
                     }
