@@ -1,6 +1,7 @@
 """Check ``compilemask plan`` and ``compilemask intervals`` against the independent oracle.
 
-For every built-in workload (W1-W8) at several lengths and tile shapes, runs::
+For every built-in workload (W1-W8) at several lengths and tile shapes, and the standard
+library's dilated window (strided runs) at a few parameters, runs::
 
     compilemask plan --builtin NAME --q-len S --tile MxN --json
     compilemask intervals --builtin NAME --q-len S --rows A:B --json
@@ -56,10 +57,17 @@ def run_cli(binary: str, args: list[str]) -> tuple[dict | None, str]:
         return None, f"invalid JSON ({e}) from {' '.join(cmd)}: {done.stdout[:500]!r}"
 
 
-def check_plan(binary: str, name: str, mask: oracle.Mask, tile: tuple[int, int]) -> list[str]:
+def set_args(params: dict) -> list[str]:
+    """``--set NAME=VALUE`` for every parameter."""
+    return [a for k, v in params.items() for a in ("--set", f"{k}={v}")]
+
+
+def check_plan(binary: str, name: str, mask: oracle.Mask, tile: tuple[int, int],
+               params: dict | None = None) -> list[str]:
     """Problems found comparing ``plan`` with the oracle (empty list when it matches)."""
     got, error = run_cli(binary, ["plan", "--builtin", name, "--q-len", str(mask.q_len),
-                                  "--tile", f"{tile[0]}x{tile[1]}", "--json"])
+                                  "--tile", f"{tile[0]}x{tile[1]}", "--json",
+                                  *set_args(params or {})])
     if got is None:
         return [error]
     want = oracle.plan_stats(mask, *tile)
@@ -67,11 +75,12 @@ def check_plan(binary: str, name: str, mask: oracle.Mask, tile: tuple[int, int])
             for field in PLAN_FIELDS if got.get(field) != want[field]]
 
 
-def check_intervals(binary: str, name: str, mask: oracle.Mask, start: int, stop: int
-                    ) -> list[str]:
+def check_intervals(binary: str, name: str, mask: oracle.Mask, start: int, stop: int,
+                    params: dict | None = None) -> list[str]:
     """Problems found comparing ``intervals --rows start:stop`` with the oracle."""
     got, error = run_cli(binary, ["intervals", "--builtin", name, "--q-len", str(mask.q_len),
-                                  "--rows", f"{start}:{stop}", "--json"])
+                                  "--rows", f"{start}:{stop}", "--json",
+                                  *set_args(params or {})])
     if got is None:
         return [error]
     want = oracle.intervals_json(mask, start, stop)["rows"]
@@ -102,13 +111,23 @@ def row_ranges(mask: oracle.Mask) -> list[tuple[int, int]]:
     return sorted(r for r in clipped if r[0] < r[1])
 
 
-def cases(lengths: list[int], grids: list[int]) -> list[tuple[str, int]]:
-    """(builtin name, q_len) pairs: every workload at every length, CLEAR at its grids."""
+def cases(lengths: list[int], grids: list[int]) -> list[tuple[str, int, dict]]:
+    """(builtin name, q_len, parameters): every workload at every length, CLEAR at its
+    grids, and the masks with strided runs at their own parameters and lengths."""
     out = []
     for name in oracle.BUILTINS:
         sizes = [oracle.clear_length(n) for n in grids] if name == "clear" else lengths
-        out += [(name, q_len) for q_len in sizes]
+        out += [(name, q_len, {}) for q_len in sizes]
+    for name, (_, settings) in oracle.STRIDED.items():
+        out += [(name, q_len, params) for params, sizes in settings for q_len in sizes]
     return out
+
+
+def make_mask(name: str, q_len: int, params: dict) -> oracle.Mask:
+    """The oracle's mask of a case."""
+    if name in oracle.STRIDED:
+        return oracle.STRIDED[name][0](q_len, **params)
+    return oracle.BUILTINS[name](q_len)
 
 
 def _int_list(text: str) -> list[int]:
@@ -140,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
 
     checks = failures = 0
     first_failure = ""
-    for name, q_len in cases(args.lengths, args.grids):
-        mask = oracle.BUILTINS[name](q_len)
-        results = [(f"plan {name} S={q_len} tile={m}x{n}",
-                    check_plan(str(binary), name, mask, (m, n))) for m, n in args.tiles]
-        results += [(f"intervals {name} S={q_len} rows={a}:{b}",
-                     check_intervals(str(binary), name, mask, a, b))
+    for name, q_len, params in cases(args.lengths, args.grids):
+        mask = make_mask(name, q_len, params)
+        label = " ".join([name, *set_args(params)[1::2]])
+        results = [(f"plan {label} S={q_len} tile={m}x{n}",
+                    check_plan(str(binary), name, mask, (m, n), params)) for m, n in args.tiles]
+        results += [(f"intervals {label} S={q_len} rows={a}:{b}",
+                     check_intervals(str(binary), name, mask, a, b, params))
                     for a, b in row_ranges(mask)]
         for label, problems in results:
             checks += 1

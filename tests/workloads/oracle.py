@@ -317,6 +317,53 @@ def clear(q_len: int, grid: int | None = None, radius: int = CLEAR_RADIUS,
     return ClearMask(q_len, grid, radius, text)
 
 
+class DilatedWindowMask(Mask):
+    """The standard library's ``dilated_window`` (not a workload): row ``q`` sees the keys
+    ``k`` of ``(q - window, q]`` with ``(q - k) % dilation == 0``. The compiler stores each
+    row as one strided run, so its ``max_intervals_per_row`` counts runs: 1 for a row with
+    any key (:meth:`runs`)."""
+
+    def __init__(self, q_len: int, window: int = 4096, dilation: int = 2):
+        super().__init__(q_len)
+        if window < 1 or dilation < 1:
+            raise ValueError("window and dilation must be >= 1")
+        self.window, self.dilation = window, dilation
+
+    def rows(self, start: int, stop: int) -> list[Row]:
+        return [self._row(q) for q in range(start, stop)]
+
+    def _row(self, q: int) -> Row:
+        d = self.dilation
+        lo = max(0, q - self.window + 1)
+        first = q - d * ((q - lo) // d)
+        if d == 1:
+            return [(first, q + 1)]
+        return [(k, k + 1) for k in range(first, q + 1, d)]
+
+    @staticmethod
+    def runs(row: Row) -> int:
+        return 1 if row else 0
+
+    def boundaries(self) -> list[int]:
+        return [self.window - 1] if self.window - 1 < self.q_len else []
+
+
+def dilated_window(q_len: int, window: int = 4096, dilation: int = 2) -> Mask:
+    """The standard library's dilated window (see :class:`DilatedWindowMask`)."""
+    return DilatedWindowMask(q_len, window, dilation)
+
+
+# Masks with strided runs, checked with their parameters (at the defaults, 2048 intervals a
+# row are too slow for plain Python): name -> (constructor, [(parameters, lengths)]).
+STRIDED: dict[str, tuple[Callable[..., Mask], list[tuple[dict, tuple[int, ...]]]]] = {
+    "dilated_window": (dilated_window, [
+        ({"window": 100, "dilation": 3}, (1000, 4097)),
+        ({"window": 37, "dilation": 2}, (1000,)),
+        ({"window": 300, "dilation": 7}, (4097,)),
+        ({"window": 64, "dilation": 1}, (1000,)),
+    ]),
+}
+
 BUILTINS: dict[str, Callable[..., Mask]] = {
     "causal": causal,
     "hstu": hstu,
@@ -408,10 +455,11 @@ def plan_stats(mask: Mask, block_m: int = 128, block_n: int = 128) -> dict:
     for m0 in range(0, q_len, block_m):
         m1 = min(q_len, m0 + block_m)
         rows = mask.rows(m0, m1)
+        runs = getattr(mask, "runs", len)
         for row in rows:
             visible += sum(hi - lo for lo, hi in row)
             empty_rows += not row
-            max_intervals = max(max_intervals, len(row))
+            max_intervals = max(max_intervals, runs(row))
         union, inter = union_and_intersection(rows)
         count, width = touched_tiles(union, block_n, kv_len)
         nonempty += count
@@ -570,6 +618,12 @@ def _hand_checks() -> list[tuple[str, object, object]]:
     checks.append(("clear 180 centre row dy=0", mid[16], (centre - 15, centre + 16)))
     checks.append(("clear 180 centre row dy=-15", mid[1],
                    (centre - 15 * 180 - 5, centre - 15 * 180 + 6)))
+    # The dilated window, window 7, dilation 3: row 10 sees 10, 7, 4 (4 = 10 - 6 > 10 - 7).
+    checks.append(("dilated row 10", dilated_window(20, 7, 3).rows(10, 11), [[(4, 5), (7, 8),
+                                                                              (10, 11)]]))
+    checks.append(("dilated row 1", dilated_window(20, 7, 3).rows(1, 2), [[(1, 2)]]))
+    checks.append(("dilated 20 visible", plan_stats(dilated_window(20, 7, 3))["visible_pairs"],
+                   sum(len(range(q, max(-1, q - 7), -3)) for q in range(20))))
     checks.append(("empty rows (defaults, 32K)",
                    [plan_stats(BUILTINS[n](headline_length(n, 32768)), 512, 512)["empty_rows"]
                     for n in BUILTINS], [0] * 8))

@@ -122,7 +122,12 @@ fn slice_error(rows: &RowIntervals) -> Result<f64> {
         .collect();
     let slice: Vec<Vec<(u32, u32)>> = picks
         .iter()
-        .map(|&q| rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect())
+        .map(|&q| {
+            rows.row_expanded(q)
+                .iter()
+                .map(|iv| (iv.start, iv.end))
+                .collect()
+        })
         .collect();
     let sub = RowIntervals::from_rows(kv_len, &slice).map_err(|e| anyhow!(e))?;
     let n = picks.len();

@@ -13,6 +13,13 @@ use serde_json::json;
 use std::io::{BufWriter, Write};
 use std::process::ExitCode;
 
+// jemalloc with transparent huge pages (configured in .cargo/config.toml): planning writes
+// its arrays once into fresh memory, and first-touch faults of 4 KiB pages were a third of
+// a single `plan` call's time on large masks (BENCHMARKS.md).
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "compilemask",
@@ -228,7 +235,7 @@ fn write_intervals(
                 w.write_all(b",")?;
             }
             write!(w, "{{\"q\":{q},\"intervals\":[")?;
-            for (i, iv) in mask.row(q).iter().enumerate() {
+            for (i, iv) in mask.row_expanded(q).iter().enumerate() {
                 if i > 0 {
                     w.write_all(b",")?;
                 }
@@ -240,7 +247,7 @@ fn write_intervals(
     } else {
         for q in rows.0..rows.1 {
             write!(w, "{q}: ")?;
-            let ivs = mask.row(q);
+            let ivs = mask.row_expanded(q);
             if ivs.is_empty() {
                 w.write_all(b"(empty)")?;
             }
@@ -590,7 +597,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     serde_json::to_value(compilemask::export::flex_block_mask(&m.tiles)?)?
                 }
                 ExportFormat::Cudnn => {
-                    serde_json::to_value(compilemask::export::cudnn_endpoints(&m.rows))?
+                    serde_json::to_value(compilemask::export::cudnn_endpoints(&m.rows)?)?
                 }
                 ExportFormat::Flashmask => {
                     serde_json::to_value(compilemask::export::flashmask_bounds(&m.rows)?)?

@@ -29,6 +29,9 @@ pub enum ExportError {
     },
     /// `CM0408`: a column with more masked row ranges than FlashMask's two.
     NotExpressible { column: u32, count: usize },
+    /// `CM0412`: strided runs that expand past [`cm_plan::MAX_EXPANDED_INTERVALS`] unit
+    /// intervals (the exports write plain intervals).
+    Strides(cm_plan::ExpandError),
 }
 
 impl ExportError {
@@ -36,6 +39,7 @@ impl ExportError {
         match self {
             ExportError::TooLarge { .. } => Code::DenseTooLarge,
             ExportError::NotExpressible { .. } => Code::NotExpressible,
+            ExportError::Strides(_) => Code::StridesTooMany,
         }
     }
 
@@ -50,6 +54,7 @@ impl ExportError {
                 limit,
             } => format!("a dense {what} of {rows} x {cols} = {elements} elements exceeds the limit of {limit}; use the interval or block forms instead"),
             ExportError::NotExpressible { column, count } => format!("FlashMask cannot express this mask: column {column} has {count} masked row ranges, FlashMask allows at most 2 (one lower, one upper)"),
+            ExportError::Strides(e) => e.to_string(),
         }
     }
 }
@@ -85,11 +90,21 @@ pub fn dense(rows: &RowIntervals) -> Result<Vec<u8>, ExportError> {
     let mut out = vec![0u8; (q_len * kv_len) as usize];
     for q in 0..rows.q_len() {
         let base = q as usize * kv_len as usize;
-        for iv in rows.row(q) {
-            out[base + iv.start as usize..base + iv.end as usize].fill(1);
+        let strides = rows.row_strides(q);
+        for (j, iv) in rows.row_runs(q).iter().enumerate() {
+            let keys = &mut out[base + iv.start as usize..base + iv.end as usize];
+            match strides.map_or(1, |s| s[j] as usize) {
+                1 => keys.fill(1),
+                s => keys.iter_mut().step_by(s).for_each(|x| *x = 1),
+            }
         }
     }
     Ok(out)
+}
+
+/// The rows as plain intervals, for the exports that write them.
+fn unit(rows: &RowIntervals) -> Result<std::borrow::Cow<'_, RowIntervals>, ExportError> {
+    rows.expanded().map_err(ExportError::Strides)
 }
 
 /// FlexAttention `BlockMask` tensors as plain arrays, with Flex's names and layout
@@ -173,7 +188,11 @@ pub struct CudnnEndpoints {
     pub endpoints: Vec<i32>,
 }
 
-pub fn cudnn_endpoints(rows: &RowIntervals) -> CudnnEndpoints {
+/// # Errors
+/// [`ExportError::Strides`] for strided rows past [`cm_plan::MAX_EXPANDED_INTERVALS`]
+/// plain intervals (cuDNN takes plain intervals).
+pub fn cudnn_endpoints(rows: &RowIntervals) -> Result<CudnnEndpoints, ExportError> {
+    let rows = &*unit(rows)?;
     let per_row = |q: u32| -> Vec<i32> {
         let r = rows.row(q);
         let mut f = Vec::with_capacity(2 * r.len() + 1);
@@ -201,7 +220,7 @@ pub fn cudnn_endpoints(rows: &RowIntervals) -> CudnnEndpoints {
             endpoints[j * q_len + q as usize] = *f.get(j).unwrap_or(&last);
         }
     }
-    CudnnEndpoints { nfunc, endpoints }
+    Ok(CudnnEndpoints { nfunc, endpoints })
 }
 
 /// FlashMask column bounds (PaddlePaddle FlashMask, arXiv 2410.01359): for every key
@@ -216,8 +235,11 @@ pub struct FlashMaskBounds {
 }
 
 /// # Errors
-/// [`ExportError::NotExpressible`] when some column's masked rows form more than two runs.
+/// [`ExportError::NotExpressible`] when some column's masked rows form more than two runs;
+/// [`ExportError::Strides`] for strided rows past [`cm_plan::MAX_EXPANDED_INTERVALS`] plain
+/// intervals.
 pub fn flashmask_bounds(rows: &RowIntervals) -> Result<FlashMaskBounds, ExportError> {
+    let rows = &*unit(rows)?;
     let kv_len = rows.kv_len() as usize;
     let q_len = rows.q_len();
     // Rows where each column's visibility flips, found by diffing consecutive rows.

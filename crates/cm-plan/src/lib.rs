@@ -16,6 +16,6 @@ pub mod tiles;
 
 pub use order::{TokenOrder, Traversal};
 pub use packed::{plan_packed, Packing};
-pub use plan::{plan, plan_in_order, MaskPlan, OrderRequest, Plan};
-pub use rows::{KeyInterval, RowIntervals};
+pub use plan::{expand_error, plan, plan_in_order, MaskPlan, OrderRequest, Plan};
+pub use rows::{ExpandError, KeyInterval, RowIntervals, MAX_EXPANDED_INTERVALS};
 pub use tiles::{TileCounts, TileDescriptor, TileShape};

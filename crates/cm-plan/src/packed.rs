@@ -18,7 +18,7 @@
 use crate::plan::{
     row_intervals, too_many_tile_entries, MaskPlan, Plan, MAX_INTERVALS, MAX_TILE_ENTRIES,
 };
-use crate::rows::RowIntervals;
+use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::Solver;
 use crate::tiles::{TileDescriptor, TileShape};
 use cm_ir::bind::{MAX_BATCH, MAX_BATCH_HEADS, MAX_HEADS, MAX_LEN};
@@ -325,8 +325,13 @@ pub fn plan_packed(
             }
             let shift = packing.cu_seqlens_k[b as usize];
             for i in 0..lq {
-                for iv in sample.row(i) {
-                    rows.push_row_interval(iv.start + shift, iv.end + shift);
+                let strides = sample.row_strides(i);
+                for (j, iv) in sample.row_runs(i).iter().enumerate() {
+                    let run = KeyInterval {
+                        start: iv.start + shift,
+                        end: iv.end + shift,
+                    };
+                    rows.push_row_run(run, strides.map_or(1, |s| s[j]));
                 }
                 rows.finish_row();
             }

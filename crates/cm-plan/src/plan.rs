@@ -3,7 +3,7 @@
 
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
-use crate::rows::{KeyInterval, RowIntervals};
+use crate::rows::{ExpandError, KeyInterval, RowIntervals};
 use crate::symbolic::{Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
@@ -41,6 +41,14 @@ pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
     .with_hint(
         "it holds one entry per non-empty tile plus one per row of each partial tile: use \
          larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)",
+    )
+}
+
+/// `CM0412` for strided rows a consumer without strides cannot take expanded.
+pub fn expand_error(e: ExpandError) -> PlanError {
+    PlanError::new(Code::StridesTooMany, None, e.to_string()).with_hint(
+        "plan the strided mask (a dilated window) at shorter lengths for this use, or use a \
+         consumer that reads strided runs (the plan's rows and tiles, its statistics, `intervals`)",
     )
 }
 
@@ -176,17 +184,21 @@ pub fn row_intervals_runs(
 ) -> PResult<RowIntervals> {
     runs.clear();
     let shape = solver.bound.shape;
-    let mut rows = RowIntervals::with_capacity(
-        shape.q_len as u32,
-        shape.kv_len as u32,
-        shape.q_len as usize,
-    );
+    // Every piece is solved first and its interval lists kept (a piece's first row, and the
+    // slopes of a piece of several rows), so the rows are written once into arrays allocated
+    // at their final size: growing them piece by piece costs a copy per doubling and, in a
+    // fresh process, a page fault per 4 KiB more than the writes themselves.
+    let mut solved: Vec<SolvedPiece> = Vec::new();
+    let mut lists: Vec<KeyInterval> = Vec::new();
+    // The strides of `lists` where a piece holds strided runs (1 elsewhere), up to the
+    // last such piece.
+    let mut strides: Vec<u32> = Vec::new();
+    let mut total = 0usize;
     let mut q0 = 0i64;
     // Rows where evaluation found the structure to change, nearest last: after a piece
     // succeeds, the next one is tried up to the nearest known change, not to the end.
     let mut ends: Vec<i64> = vec![shape.q_len];
     let mut hints: Vec<i64> = Vec::new();
-    let (mut first, mut step) = (Vec::new(), Vec::new());
     while q0 < shape.q_len {
         let mut end = ends.last().copied().unwrap_or(shape.q_len);
         loop {
@@ -199,22 +211,36 @@ pub fn row_intervals_runs(
             solver.clear_split_hints();
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
-                    if rows.interval_count() + list.len() * p.n as usize > MAX_INTERVALS {
+                    total += list.len() * p.n as usize;
+                    if total > MAX_INTERVALS {
                         return Err(too_many_intervals());
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.
-                    first.clear();
-                    first.extend(list.iter().map(|iv| KeyInterval {
+                    let at = lists.len();
+                    lists.extend(list.iter().map(|iv| KeyInterval {
                         start: iv.start.first as u32,
                         end: iv.end.first as u32,
                     }));
-                    step.clear();
-                    step.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.start.step as u32,
-                        end: iv.end.step as u32,
-                    }));
-                    rows.push_affine_rows(&first, &step, p.n as usize);
+                    if p.n > 1 {
+                        lists.extend(list.iter().map(|iv| KeyInterval {
+                            start: iv.start.step as u32,
+                            end: iv.end.step as u32,
+                        }));
+                    }
+                    let strided = list.iter().any(|iv| iv.stride != 1);
+                    if strided {
+                        strides.resize(lists.len(), 1);
+                        for (i, iv) in list.iter().enumerate() {
+                            strides[at + i] = iv.stride as u32;
+                        }
+                    }
+                    solved.push(SolvedPiece {
+                        n: p.n as usize,
+                        at,
+                        len: list.len(),
+                        strided,
+                    });
                     runs.push(q0 as u32);
                     *pieces += 1;
                     q0 = end;
@@ -248,7 +274,31 @@ pub fn row_intervals_runs(
             }
         }
     }
+    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, total);
+    for sp in &solved {
+        let first = &lists[sp.at..sp.at + sp.len];
+        let step = if sp.n > 1 {
+            &lists[sp.at + sp.len..sp.at + 2 * sp.len]
+        } else {
+            first
+        };
+        if sp.strided {
+            rows.push_affine_runs(first, step, &strides[sp.at..sp.at + sp.len], sp.n);
+        } else {
+            rows.push_affine_rows(first, step, sp.n);
+        }
+    }
     Ok(rows)
+}
+
+/// A solved piece's rows: `n` rows whose first row's intervals are `lists[at..at + len]`
+/// and, for `n > 1`, whose slopes follow them at `lists[at + len..at + 2 * len]`; with
+/// `strided`, runs whose strides are `strides[at..at + len]`.
+struct SolvedPiece {
+    n: usize,
+    at: usize,
+    len: usize,
+    strided: bool,
 }
 
 /// Plans a bound program at a tile shape, in the program's own positions.
@@ -314,6 +364,10 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         solver.elementwise_pairs.set(elementwise_pairs);
         for h in 0..hs {
             let mut rows = row_intervals_runs(&solver, b, h, &mut pieces, &mut runs)?;
+            if *request != OrderRequest::Raster && rows.has_strides() {
+                // Permuted rows are plain intervals: a permutation keeps no stride.
+                rows = rows.expanded().map_err(expand_error)?.into_owned();
+            }
             if b == 0 && h == 0 && *request != OrderRequest::Raster {
                 raster_computed_pairs = computed_pairs(&rows, tile);
                 order = match request {

@@ -20,8 +20,15 @@ use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
-/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about 10 s).
-pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 26;
+/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (tens of seconds
+/// on one core; a simple predicate costs about 70 ns a pair).
+pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
+
+/// Keys of one row `elementwise` evaluates as one task.
+const ELEMENTWISE_CHUNK: i64 = 256;
+
+/// Pairs of one row from which `elementwise` runs its chunks on several threads.
+const ELEMENTWISE_PARALLEL: u64 = 4 * ELEMENTWISE_CHUNK as u64;
 
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
@@ -62,11 +69,30 @@ impl From<PlanError> for Flow {
 /// A piece's evaluation: its value, or why it stopped.
 type Eval<T> = Result<T, Flow>;
 
-/// Keys `[start, end)` of every row of a piece, both ends affine in the row.
+/// Keys `[start, end)` of every row of a piece, both ends affine in the row; with a
+/// `stride` above 1 a strided run (see [`crate::rows`]): the keys `start, start + stride,
+/// ...`, `end - 1` the last, at least two keys, the same number on every row of the piece.
 #[derive(Clone, Copy, Debug)]
 pub struct AffineInterval {
     pub start: Affine,
     pub end: Affine,
+    pub stride: i64,
+}
+
+impl AffineInterval {
+    /// The plain interval `[start, end)`.
+    fn unit(start: Affine, end: Affine) -> AffineInterval {
+        AffineInterval {
+            start,
+            end,
+            stride: 1,
+        }
+    }
+}
+
+/// Whether a list holds a strided run.
+fn has_strided(list: &[AffineInterval]) -> bool {
+    list.iter().any(|iv| iv.stride != 1)
 }
 
 /// Rows `[q0, q0 + n)` of batch `b`, head `h`.
@@ -172,6 +198,10 @@ struct KeyWindow {
 struct BallRuns {
     key: Option<BallKey>,
     runs: Vec<(i64, i64)>,
+    /// The query columns `x` (ascending, distinct) where some run's clamp to its grid row
+    /// or to the keys starts or stops holding: a piece of slope 1 from column `x0` is
+    /// uniform until the first of them above `x0`.
+    flips: Vec<i64>,
 }
 
 /// What a ball's runs (grid row, half-width) depend on: the grid, the metric, the radius
@@ -707,10 +737,10 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn all(&self) -> Vec<AffineInterval> {
-        vec![AffineInterval {
-            start: Affine::constant(0),
-            end: Affine::constant(self.bound.shape.kv_len),
-        }]
+        vec![AffineInterval::unit(
+            Affine::constant(0),
+            Affine::constant(self.bound.shape.kv_len),
+        )]
     }
 
     /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
@@ -718,7 +748,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let s = self.max(p, lo, Affine::constant(0))?;
         let e = self.min(p, hi, Affine::constant(self.bound.shape.kv_len))?;
         Ok(if self.lt(p, s, e)? {
-            vec![AffineInterval { start: s, end: e }]
+            vec![AffineInterval::unit(s, e)]
         } else {
             Vec::new()
         })
@@ -754,6 +784,24 @@ impl<'a, 'p> Solver<'a, 'p> {
         if b.is_empty() {
             return Ok(a);
         }
+        if has_strided(&a) || has_strided(&b) {
+            // Strided runs stay when the lists do not meet (not even touching) on any row;
+            // else their keys are merged as plain intervals.
+            let apart = |x: &[AffineInterval], y: &[AffineInterval]| {
+                let (e, s) = (x[x.len() - 1].end, y[0].start);
+                e.at(0) < s.at(0) && e.at(p.n - 1) < s.at(p.n - 1)
+            };
+            let (mut x, y) = if apart(&a, &b) {
+                (a, b)
+            } else if apart(&b, &a) {
+                (b, a)
+            } else {
+                let (a, b) = (self.unit_list(a)?, self.unit_list(b)?);
+                return self.union(p, a, b);
+            };
+            x.extend(y);
+            return Ok(x);
+        }
         // One list entirely before the other (at most touching) on every row: the merge
         // below would take all of it, then the other's first interval (merging it when they
         // touch), then the rest of the other, which cannot touch (canonical lists). Only the
@@ -778,7 +826,8 @@ impl<'a, 'p> Solver<'a, 'p> {
     /// The union of any intervals that are canonical for every row of the piece one by one:
     /// sorted by start (at the piece's first row, then its last), each adjacent order checked
     /// over the piece (splitting where it changes), then merged in one pass.
-    fn union_all(&self, p: &Piece, mut all: Vec<AffineInterval>) -> Eval<Vec<AffineInterval>> {
+    fn union_all(&self, p: &Piece, all: Vec<AffineInterval>) -> Eval<Vec<AffineInterval>> {
+        let mut all = self.unit_list(all)?;
         let last = p.n - 1;
         all.sort_unstable_by_key(|iv| (iv.start.at(0), iv.start.at(last)));
         for w in all.windows(2) {
@@ -799,6 +848,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         a: Vec<AffineInterval>,
         b: Vec<AffineInterval>,
     ) -> Eval<Vec<AffineInterval>> {
+        let (a, b) = (self.unit_list(a)?, self.unit_list(b)?);
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() || j < b.len() {
@@ -822,13 +872,17 @@ impl<'a, 'p> Solver<'a, 'p> {
         a: &[AffineInterval],
         b: &[AffineInterval],
     ) -> Eval<Vec<AffineInterval>> {
+        if has_strided(a) || has_strided(b) {
+            let (a, b) = (self.unit_list(a.to_vec())?, self.unit_list(b.to_vec())?);
+            return self.inter(p, &a, &b);
+        }
         let mut out = Vec::new();
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
             let s = self.max(p, a[i].start, b[j].start)?;
             let e = self.min(p, a[i].end, b[j].end)?;
             if self.lt(p, s, e)? {
-                out.push(AffineInterval { start: s, end: e });
+                out.push(AffineInterval::unit(s, e));
             }
             // Where the ends are equal either list may advance: only a strict change of
             // order splits the piece.
@@ -842,22 +896,106 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn complement(&self, p: &Piece, a: &[AffineInterval]) -> Eval<Vec<AffineInterval>> {
+        if has_strided(a) {
+            let a = self.unit_list(a.to_vec())?;
+            return self.complement(p, &a);
+        }
         let mut out = Vec::with_capacity(a.len() + 1);
         let mut prev = Affine::constant(0);
         for iv in a {
             if self.lt(p, prev, iv.start)? {
-                out.push(AffineInterval {
-                    start: prev,
-                    end: iv.start,
-                });
+                out.push(AffineInterval::unit(prev, iv.start));
             }
             prev = iv.end;
         }
         let end = Affine::constant(self.bound.shape.kv_len);
         if self.lt(p, prev, end)? {
-            out.push(AffineInterval { start: prev, end });
+            out.push(AffineInterval::unit(prev, end));
         }
         Ok(out)
+    }
+
+    /// The list with every strided run written as its keys, one plain interval each (the
+    /// same number on every row of the piece, each key moving as the run's start).
+    fn unit_list(&self, list: Vec<AffineInterval>) -> Eval<Vec<AffineInterval>> {
+        if !has_strided(&list) {
+            return Ok(list);
+        }
+        let mut total = 0usize;
+        for iv in &list {
+            total += if iv.stride == 1 {
+                1
+            } else {
+                ((iv.end.first - 1 - iv.start.first) / iv.stride + 1) as usize
+            };
+        }
+        if total > MAX_INTERVALS {
+            return Err(too_many_intervals().into());
+        }
+        let mut out = Vec::with_capacity(total);
+        for iv in list {
+            if iv.stride == 1 {
+                out.push(iv);
+                continue;
+            }
+            let mut k = iv.start;
+            while k.first < iv.end.first {
+                out.push(AffineInterval::unit(
+                    k,
+                    Affine {
+                        first: k.first + 1,
+                        step: k.step,
+                    },
+                ));
+                k.first += iv.stride;
+            }
+        }
+        Ok(out)
+    }
+
+    /// `list & w` for a window `w` of one residue every `m >= 2` keys (`(q - k) % m == 0`
+    /// and the like), as at most one run per interval of `list`: the keys of `[x, e)` with
+    /// `k == start (mod m)` run from `start + m * ceil((x - start) / m)` to `start + m *
+    /// floor((e - 1 - start) / m)`, each affine where the quotients are, so a dilated
+    /// window is one strided run per row in pieces as long as the band's. `None` when the
+    /// window is not of that form on the piece or `list` holds strided runs itself.
+    fn strided_inter(
+        &self,
+        p: &Piece,
+        w: KeyWindow,
+        list: &[AffineInterval],
+        span: Span,
+    ) -> Eval<Option<Vec<AffineInterval>>> {
+        let single = w.m >= 2 && w.len.step == 0 && w.len.first == 1;
+        if !single || has_strided(list) {
+            return Ok(None);
+        }
+        let m = w.m;
+        let mut out = Vec::with_capacity(list.len());
+        for iv in list {
+            // ceil((x - start) / m) = -floor((start - x) / m)
+            let up = self.floor_div(p, self.sub(p, w.start, iv.start, span)?, m, span)?;
+            let first = self.sub(p, w.start, self.scale(p, up, m, span)?, span)?;
+            let last_end = self.sub(p, iv.end, Affine::constant(1), span)?;
+            let down = self.floor_div(p, self.sub(p, last_end, w.start, span)?, m, span)?;
+            let last = self.add(p, w.start, self.scale(p, down, m, span)?, span)?;
+            let gap = self.sub(p, last, first, span)?;
+            if gap.step != 0 {
+                // The number of keys changes along the piece: one row at a time.
+                return Err(self.single(p));
+            }
+            let end = self.add(p, last, Affine::constant(1), span)?;
+            match gap.first.cmp(&0) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal => out.push(AffineInterval::unit(first, end)),
+                std::cmp::Ordering::Greater => out.push(AffineInterval {
+                    start: first,
+                    end,
+                    stride: m,
+                }),
+            }
+        }
+        Ok(Some(out))
     }
 
     /// Keys with `alpha * k + rest  op  0`.
@@ -1035,29 +1173,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     return Err(self.single(p));
                 }
                 let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-                let total = self.elementwise_pairs.get() + (hi - lo).max(0) as u64;
-                if total > MAX_ELEMENTWISE_PAIRS {
-                    return Err(PlanError::new(Code::TooLargeToPlan, Some(*espan), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
-                        .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
-                        .into());
-                }
-                let mut out: Vec<AffineInterval> = Vec::new();
-                let mut env = self.env(p);
-                for k in lo..hi {
-                    env.k = k;
-                    if self.bound.eval_bool(c, &env)? {
-                        match out.last_mut() {
-                            Some(last) if last.end.first == k => last.end.first += 1,
-                            _ => out.push(AffineInterval {
-                                start: Affine::constant(k),
-                                end: Affine::constant(k + 1),
-                            }),
-                        }
-                    }
-                }
-                self.elementwise_pairs
-                    .set(self.elementwise_pairs.get() + (hi - lo).max(0) as u64);
-                Ok(out)
+                self.elementwise_keys(p, c, *espan, &[(lo, hi)])
             }
             Region::Ball {
                 grid,
@@ -1112,6 +1228,41 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if inner.0 >= inner.1 {
                     return Ok(Vec::new());
                 }
+                if let (Region::Elementwise(c, espan), 1, false) =
+                    (self.through_conds(p, b)?, p.n, has_strided(&x))
+                {
+                    // The reference evaluates the right side only where the left one holds:
+                    // the predicate is evaluated at the left side's keys alone.
+                    let (lo, hi) = inner;
+                    let ranges: Vec<(i64, i64)> = x
+                        .iter()
+                        .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
+                        .filter(|(a, z)| a < z)
+                        .collect();
+                    let y = self.elementwise_keys(p, c, *espan, &ranges)?;
+                    return if is_inter {
+                        Ok(y)
+                    } else {
+                        let not_y = self.complement(p, &y)?;
+                        self.inter(p, &x, &not_y)
+                    };
+                }
+                if is_inter {
+                    if let Region::KMod {
+                        alpha,
+                        rest,
+                        div,
+                        op,
+                        rhs,
+                        span,
+                    } = self.through_conds(p, b)?
+                    {
+                        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
+                        if let Some(v) = self.strided_inter(p, w, &x, *span)? {
+                            return Ok(v);
+                        }
+                    }
+                }
                 let y = self.region(p, b, Some(inner))?;
                 if is_inter {
                     self.inter(p, &x, &y)
@@ -1161,6 +1312,72 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Ok(out)
             }
         }
+    }
+
+    /// The keys of `ranges` (ascending, disjoint, on the one row of `p`) where `c` holds,
+    /// evaluated pair by pair in chunks of [`ELEMENTWISE_CHUNK`] keys, on several threads
+    /// when there are many (rayon), each chunk stopping at its first error; the error is the
+    /// one at the smallest failing key, as the reference, which walks the keys in order,
+    /// meets it first. The pairs count towards [`MAX_ELEMENTWISE_PAIRS`].
+    fn elementwise_keys(
+        &self,
+        p: &Piece,
+        c: &Bool,
+        span: Span,
+        ranges: &[(i64, i64)],
+    ) -> Eval<Vec<AffineInterval>> {
+        use rayon::prelude::*;
+        let pairs: u64 = ranges.iter().map(|&(a, z)| (z - a).max(0) as u64).sum();
+        let total = self.elementwise_pairs.get() + pairs;
+        if total > MAX_ELEMENTWISE_PAIRS {
+            return Err(PlanError::new(Code::TooLargeToPlan, Some(span), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
+                .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
+                .into());
+        }
+        let chunks: Vec<(i64, i64)> = ranges
+            .iter()
+            .flat_map(|&(a, z)| {
+                (a..z)
+                    .step_by(ELEMENTWISE_CHUNK as usize)
+                    .map(move |x| (x, (x + ELEMENTWISE_CHUNK).min(z)))
+            })
+            .collect();
+        let env = self.env(p);
+        let bound = self.bound;
+        // The runs of one chunk's keys where `c` holds, or the first error in it.
+        let run = |&(a, z): &(i64, i64)| -> Result<Vec<(i64, i64)>, PlanError> {
+            let mut env = env;
+            let mut out: Vec<(i64, i64)> = Vec::new();
+            for k in a..z {
+                env.k = k;
+                if bound.eval_bool(c, &env)? {
+                    match out.last_mut() {
+                        Some(last) if last.1 == k => last.1 += 1,
+                        _ => out.push((k, k + 1)),
+                    }
+                }
+            }
+            Ok(out)
+        };
+        let found: Vec<Result<Vec<(i64, i64)>, PlanError>> = if pairs >= ELEMENTWISE_PARALLEL {
+            chunks.par_iter().map(run).collect()
+        } else {
+            chunks.iter().map(run).collect()
+        };
+        let mut out: Vec<AffineInterval> = Vec::new();
+        for chunk in found {
+            for (a, z) in chunk? {
+                match out.last_mut() {
+                    Some(last) if last.end.first == a => last.end.first = z,
+                    _ => out.push(AffineInterval::unit(
+                        Affine::constant(a),
+                        Affine::constant(z),
+                    )),
+                }
+            }
+        }
+        self.elementwise_pairs.set(total);
+        Ok(out)
     }
 
     /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
@@ -1323,10 +1540,10 @@ impl<'a, 'p> Solver<'a, 'p> {
             while a < i128::from(hi) {
                 let x = a.max(i128::from(lo)) as i64;
                 let y = (a + len).min(i128::from(hi)) as i64;
-                out.push(AffineInterval {
-                    start: Affine::constant(x),
-                    end: Affine::constant(y),
-                });
+                out.push(AffineInterval::unit(
+                    Affine::constant(x),
+                    Affine::constant(y),
+                ));
                 a += m128;
             }
             return Ok(out);
@@ -1414,6 +1631,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         if y.is_empty() {
             return Ok(Some(y));
         }
+        if let Some(v) = self.strided_inter(p, w, &y, *span)? {
+            return Ok(Some(v));
+        }
         let (ylo, yhi) = keys_hull(p, &y);
         let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), *span)?;
         Ok(Some(self.inter(p, &y, &x)?))
@@ -1455,7 +1675,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         if !self.lt(p, s, e)? {
             return Ok(());
         }
-        self.push_sorted(p, out, AffineInterval { start: s, end: e })
+        self.push_sorted(p, out, AffineInterval::unit(s, e))
     }
 
     fn ball(
@@ -1547,6 +1767,23 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
+            // Each clamp below holds on one side of a column: lo = base while x <= rx, hi
+            // = base + w once x + rx + 1 >= w, and hi = kv_len from the columns where the
+            // run's ends reach the keys' end.
+            let BallRuns { runs, flips, .. } = &mut *cache;
+            flips.clear();
+            for &(row, rx) in runs.iter() {
+                let base = gv.at + row * w;
+                let past = kv_len.saturating_sub(base);
+                flips.extend([
+                    rx.saturating_add(1),
+                    w.saturating_sub(rx).saturating_sub(1),
+                    past.saturating_sub(rx),
+                    past.saturating_add(rx),
+                ]);
+            }
+            flips.sort_unstable();
+            flips.dedup();
             cache.key = Some(key);
         }
         let runs = &cache.runs;
@@ -1555,39 +1792,15 @@ impl<'a, 'p> Solver<'a, 'p> {
         // plain arithmetic. The later flips are the next pieces' ends: hints.
         let (x0, slope) = (xq.first, xq.step);
         if slope != 0 {
-            let mut first = i64::MAX;
-            let mut later = self.hints.borrow_mut();
-            later.clear();
-            let mut flip_at = |t: i64| {
-                if t > 0 && t < p.n {
-                    first = first.min(t);
-                    later.push(p.q0 + t);
-                }
-            };
-            for &(row, rx) in runs {
-                let base = gv.at + row * w;
-                flip_at(rx.saturating_sub(x0).saturating_add(1));
-                flip_at(w.saturating_sub(rx).saturating_sub(x0).saturating_sub(1));
-                flip_at(
-                    kv_len
-                        .saturating_sub(base)
-                        .saturating_sub(rx)
-                        .saturating_sub(x0),
-                );
-                flip_at(
-                    kv_len
-                        .saturating_sub(base)
-                        .saturating_add(rx)
-                        .saturating_sub(x0),
-                );
+            let flips = &cache.flips;
+            let from = flips.partition_point(|&x| x <= x0);
+            let to = flips.partition_point(|&x| x.saturating_sub(x0) < p.n);
+            if from < to {
+                let mut later = self.hints.borrow_mut();
+                later.clear();
+                later.extend(flips[from + 1..to].iter().map(|&x| p.q0 + (x - x0)));
+                return Err(Flow::Split(p.q0 + (flips[from] - x0)));
             }
-            if first != i64::MAX {
-                later.sort_unstable();
-                later.dedup();
-                later.remove(0);
-                return Err(Flow::Split(p.q0 + first));
-            }
-            later.clear();
         }
         let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len());
         for &(row, rx) in runs {
@@ -1622,7 +1835,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 // Only a run clamped to the end of its grid row can touch the next row's
                 // run, and only when that one is clamped to its start: both constant.
                 Some(last) if lo.first <= last.end.first => last.end = hi,
-                _ => out.push(AffineInterval { start: lo, end: hi }),
+                _ => out.push(AffineInterval::unit(lo, hi)),
             }
         }
         Ok(out)
@@ -1695,10 +1908,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if i64::from(s) >= hi {
                     break;
                 }
-                out.push(AffineInterval {
-                    start: Affine::constant(i64::from(s)),
-                    end: Affine::constant(i64::from(e)),
-                });
+                out.push(AffineInterval::unit(
+                    Affine::constant(i64::from(s)),
+                    Affine::constant(i64::from(e)),
+                ));
             }
             out
         };
@@ -1732,10 +1945,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                     let k = i64::from(k);
                     match eq.last_mut() {
                         Some(last) if last.end.first == k => last.end.first += 1,
-                        _ => eq.push(AffineInterval {
-                            start: Affine::constant(k),
-                            end: Affine::constant(k + 1),
-                        }),
+                        _ => eq.push(AffineInterval::unit(
+                            Affine::constant(k),
+                            Affine::constant(k + 1),
+                        )),
                     }
                 }
                 drop(sweeps);

@@ -367,6 +367,9 @@ impl TileDescriptor {
         Self::build_impl(rows, Some(runs), tile, max_entries)
     }
 
+    /// Rows with strided runs are classified through two rows of plain intervals
+    /// ([`stride_proxies`]) row by row; the per-row data of partial tiles indexes the
+    /// rows' own runs.
     fn build_impl(
         rows: &RowIntervals,
         runs: Option<&[u32]>,
@@ -377,6 +380,23 @@ impl TileDescriptor {
             tile.block_m > 0 && tile.block_n > 0,
             "tile sizes are validated by the caller"
         );
+        if rows.has_strides() {
+            let (touch, inter) = stride_proxies(rows, tile, max_entries)?;
+            return Self::build_classified(rows, (&touch, Some(&inter)), None, tile, max_entries);
+        }
+        Self::build_classified(rows, (rows, None), runs, tile, max_entries)
+    }
+
+    /// The descriptor of `rows`, whose tiles are classified from `class`: `(touch, None)`
+    /// for rows of plain intervals (`touch` is `rows`), or the proxies of strided rows,
+    /// `touch` for the tiles a row touches and `inter` for the keys it sees whole.
+    fn build_classified(
+        rows: &RowIntervals,
+        (touch, inter): (&RowIntervals, Option<&RowIntervals>),
+        runs: Option<&[u32]>,
+        tile: TileShape,
+        max_entries: usize,
+    ) -> Result<TileDescriptor, usize> {
         let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
         let (bm, bn) = tile.clamped(q_len, kv_len);
         let div_n = DivU32::new(bn);
@@ -416,13 +436,18 @@ impl TileDescriptor {
         // First pass: the tile lists, block by block.
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            block_segments(rows, runs, (r0, r1), &mut run_at, &mut segments);
+            block_segments(touch, runs, (r0, r1), &mut run_at, &mut segments);
             // Key tiles any row of the block touches, as merged inclusive tile-index
             // ranges, and keys every row of the block sees, among them every full tile's.
             s.touched.clear();
             s.inter.clear();
             for (i, seg) in segments.iter().enumerate() {
-                classify_segment(rows, seg, i == 0, (bn, div_n), &mut s);
+                classify_segment(touch, seg, i == 0, (bn, div_n), &mut s);
+            }
+            if let Some(inter) = inter {
+                // Its keys are some of the rows' own, so the tiles it touches are touched.
+                s.inter.clear();
+                classify_rows(inter, (r0, r1), true, div_n, &mut s);
             }
             // Full tiles: those whose in-range keys every row sees, i.e. lie inside `inter`.
             s.full.clear();
@@ -568,13 +593,70 @@ impl TileDescriptor {
     }
 }
 
+/// Two rows of plain intervals that classify the tiles of rows with strided runs exactly:
+/// `touch`, whose rows touch the same tiles (a run of stride `s <= block_n` as its hull
+/// `[start, end)`, which meets no tile its keys miss, as only the last tile is narrower than
+/// `block_n` and it holds the run's last key if it meets the hull; a wider stride as its
+/// keys), and `inter`, the plain intervals alone: a strided key has no visible neighbour,
+/// so no tile of two or more in-range keys that holds one is full, and the keys of a
+/// one-key tile (`block_n == 1`, or the last tile when `kv_len % block_n == 1`) are kept.
+///
+/// # Errors
+/// The unit intervals needed when they exceed `max_entries` (with `block_n == 1`, every
+/// key of a run).
+fn stride_proxies(
+    rows: &RowIntervals,
+    tile: TileShape,
+    max_entries: usize,
+) -> Result<(RowIntervals, RowIntervals), usize> {
+    let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+    let (_, bn) = tile.clamped(q_len, kv_len);
+    if bn == 1 {
+        let unit = rows
+            .expanded_within(max_entries)
+            .map_err(|e| e.intervals as usize)?
+            .into_owned();
+        return Ok((unit.clone(), unit));
+    }
+    let last_key_alone = kv_len % bn == 1;
+    let n = rows.all_runs().len();
+    let mut touch = RowIntervals::with_capacity(q_len, kv_len, n);
+    let mut inter = RowIntervals::with_capacity(q_len, kv_len, n);
+    for q in 0..q_len {
+        let strides = rows.row_strides(q).expect("strided rows");
+        for (iv, &st) in rows.row_runs(q).iter().zip(strides) {
+            if st == 1 {
+                touch.push_row_interval(iv.start, iv.end);
+                inter.push_row_interval(iv.start, iv.end);
+                continue;
+            }
+            if st <= bn {
+                touch.push_row_interval(iv.start, iv.end);
+            } else {
+                for k in (iv.start..iv.end).step_by(st as usize) {
+                    touch.push_row_interval(k, k + 1);
+                }
+                if touch.interval_count() > max_entries {
+                    return Err(touch.interval_count());
+                }
+            }
+            if last_key_alone && iv.end == kv_len {
+                inter.push_row_interval(kv_len - 1, kv_len);
+            }
+        }
+        touch.finish_row();
+        inter.finish_row();
+    }
+    Ok((touch, inter))
+}
+
 /// Whether every run of `rows` holds rows of equally many intervals whose endpoints are
 /// affine in the row ([`TileDescriptor::try_build_runs`]' contract; checked in debug builds).
 fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
     let q_len = rows.q_len();
     runs.iter().enumerate().all(|(i, &a)| {
         let b = runs.get(i + 1).map_or(q_len, |&e| e);
-        let (first, last) = (rows.row(a), rows.row(b - 1));
+        let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
         let steps = i64::from(b - a - 1).max(1);
         let at = |v0: u32, v1: u32, t: u32| {
             let (v0, v1) = (i64::from(v0), i64::from(v1));
@@ -582,7 +664,7 @@ fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
         };
         first.len() == last.len()
             && (a..b).all(|q| {
-                let row = rows.row(q);
+                let row = rows.row_runs(q);
                 row.len() == first.len()
                     && row.iter().zip(first.iter().zip(last)).all(|(iv, (f, l))| {
                         at(f.start, l.start, q - a) == Some(i64::from(iv.start))
@@ -622,7 +704,7 @@ fn block_segments<'r>(
             segments.push(Segment {
                 a,
                 b,
-                kind: Kind::Run(Run::new(rows.row(a), rows.row(b - 1))),
+                kind: Kind::Run(Run::new(rows.row_runs(a), rows.row_runs(b - 1))),
             });
         } else {
             match segments.last_mut() {
@@ -683,15 +765,15 @@ fn classify_rows(
     s: &mut Scratch,
 ) {
     for q in a..b {
-        merge_tile_ranges(&mut s.touched, &mut s.ranges, rows.row(q), div_n);
+        merge_tile_ranges(&mut s.touched, &mut s.ranges, rows.row_runs(q), div_n);
     }
     let mut q = a;
     if first {
-        s.inter.extend_from_slice(rows.row(q));
+        s.inter.extend_from_slice(rows.row_runs(q));
         q += 1;
     }
     while q < b && !s.inter.is_empty() {
-        intersect_row(&mut s.inter, &mut s.inter_scratch, rows.row(q));
+        intersect_row(&mut s.inter, &mut s.inter_scratch, rows.row_runs(q));
         q += 1;
     }
 }
@@ -707,13 +789,13 @@ fn classify_group(
 ) {
     let mut q = a;
     while q < b {
-        let mut prev = rows.row(q);
+        let mut prev = rows.row_runs(q);
         s.extremes.clear();
         s.extremes
             .extend(prev.iter().map(|iv| [iv.start, iv.end, iv.start, iv.end]));
         q += 1;
         while q < b {
-            let row = rows.row(q);
+            let row = rows.row_runs(q);
             let close = row.len() == prev.len()
                 && prev
                     .iter()
@@ -782,7 +864,7 @@ fn add_stretch(first: bool, div_n: DivU32, s: &mut Scratch) {
 /// ending after `tile_start`, advancing each row's `cursor` (tiles come in ascending order).
 fn push_rows(rows: &RowIntervals, a: u32, cursor: &mut [u32], tile_start: u32, out: &mut Vec<u32>) {
     let ends = &rows.row_ptr()[a as usize + 1..a as usize + 1 + cursor.len()];
-    let ivs = rows.intervals();
+    let ivs = rows.all_runs();
     out.extend(cursor.iter_mut().zip(ends).map(|(i, &end)| {
         while *i < end && ivs[*i as usize].end <= tile_start {
             *i += 1;

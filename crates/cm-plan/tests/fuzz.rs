@@ -408,7 +408,7 @@ fn run_pipeline(src: &str, s: &Setup) {
                             let got: Vec<(u32, u32)> = p
                                 .mask(b as u32, h as u32)
                                 .rows
-                                .row(q as u32)
+                                .row_expanded(q as u32)
                                 .iter()
                                 .map(|iv| (iv.start, iv.end))
                                 .collect();

@@ -67,7 +67,7 @@ fn programs() -> Vec<(Program, BTreeMap<String, Value>)> {
 fn rows_of(plan: &Plan, h: u32, r: u32) -> Vec<(u32, u32)> {
     plan.mask(0, h)
         .rows
-        .row(r)
+        .row_expanded(r)
         .iter()
         .map(|iv| (iv.start, iv.end))
         .collect()
@@ -133,7 +133,7 @@ fn check_packed(
                         h * u32::from(program.uses_h),
                     )
                     .rows
-                    .row(i as u32)
+                    .row_expanded(i as u32)
                     .iter()
                     .map(|iv| (iv.start + k0 as u32, iv.end + k0 as u32))
                     .collect();

@@ -30,6 +30,19 @@ fn export_error(py: Python<'_>, e: &compilemask::ExportError) -> PyErr {
     plan_error(py, None, &e.clone().into())
 }
 
+/// Every distinct mask as plain intervals, for the arrays that hold no strides (`CM0412`
+/// past their limit).
+fn unit_masks<'p>(
+    py: Python<'_>,
+    p: &'p compilemask::Plan,
+) -> PyResult<Vec<std::borrow::Cow<'p, compilemask::RowIntervals>>> {
+    p.masks
+        .iter()
+        .map(|m| m.rows.expanded())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| plan_error(py, None, &compilemask::expand_error(e)))
+}
+
 /// The traversal's name, as `compilemask plan --json` writes it.
 fn traversal_name(t: Traversal) -> &'static str {
     match t {
@@ -283,7 +296,11 @@ impl Plan {
     fn intervals(&self, q: i64, b: i64, h: i64) -> PyResult<Vec<(u32, u32)>> {
         let m = self.mask(b, h)?;
         let q = self.row_index(q)?;
-        Ok(m.rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect())
+        Ok(m.rows
+            .row_expanded(q)
+            .iter()
+            .map(|iv| (iv.start, iv.end))
+            .collect())
     }
 
     /// Intervals of rows `start .. stop` of `(b, h)`.
@@ -297,7 +314,13 @@ impl Plan {
             )));
         }
         Ok((start as u32..stop as u32)
-            .map(|q| m.rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect())
+            .map(|q| {
+                m.rows
+                    .row_expanded(q)
+                    .iter()
+                    .map(|iv| (iv.start, iv.end))
+                    .collect()
+            })
             .collect())
     }
 
@@ -316,13 +339,14 @@ impl Plan {
         py: Python<'py>,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let p = &self.inner;
+        let masks = unit_masks(py, p)?;
         let (row_ptr, flat) = py.detach(|| {
             let mut row_ptr: Vec<u32> = Vec::with_capacity(p.masks.len() * (p.q_len as usize + 1));
             let mut flat: Vec<u32> = Vec::new();
-            for m in &p.masks {
+            for m in &masks {
                 let base = (flat.len() / 2) as u32;
-                row_ptr.extend(m.rows.row_ptr().iter().map(|&o| o + base));
-                for iv in m.rows.intervals() {
+                row_ptr.extend(m.row_ptr().iter().map(|&o| o + base));
+                for iv in m.intervals() {
                     flat.push(iv.start);
                     flat.push(iv.end);
                 }
@@ -338,8 +362,9 @@ impl Plan {
     /// array, in the order of `CUDA_PLAN_ARRAYS` (GIL released).
     fn kernel_arrays<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let p = &self.inner;
+        let unit = unit_masks(py, p)?;
         let host = py.detach(|| {
-            let masks: Vec<&compilemask::RowIntervals> = p.masks.iter().map(|m| &m.rows).collect();
+            let masks: Vec<&compilemask::RowIntervals> = unit.iter().map(|m| m.as_ref()).collect();
             cm_cuda::HostPlan::build_masks(
                 &masks,
                 &p.mask_index,
@@ -458,7 +483,9 @@ impl Plan {
         h: i64,
     ) -> PyResult<(u32, Bound<'py, PyBytes>)> {
         let m = self.mask(b, h)?;
-        let e = py.detach(|| export::cudnn_endpoints(&m.rows));
+        let e = py
+            .detach(|| export::cudnn_endpoints(&m.rows))
+            .map_err(|e| export_error(py, &e))?;
         Ok((e.nfunc, py_bytes(py, &e.endpoints)))
     }
 

@@ -157,6 +157,16 @@ fn check_mask(
             kv_len: shape.kv_len,
         });
     }
+    if mask.has_strides() {
+        return Err(ReferenceError::InvalidMask {
+            mask: index,
+            batch,
+            head,
+            reason: "it holds strided runs, and the reference reads plain intervals: pass \
+                     RowIntervals::expanded()"
+                .into(),
+        });
+    }
     mask.validate()
         .map_err(|reason| ReferenceError::InvalidMask {
             mask: index,

@@ -90,6 +90,7 @@ codes! {
     BadCuSeqlens = "CM0409", "bad `cu_seqlens_q` / `cu_seqlens_k` of a packed plan: lengths differ (each needs batch + 1 entries), not starting at 0, decreasing, a total above `2^26`, or no query or no key at all";
     OrderWithPacking = "CM0410", "a token order asked for with packed samples (`cu_seqlens`)";
     PositionalScore = "CM0411", "score terms that read positions (a bias of q or k, a bias table) with a token order, or with packed samples whose query and key offsets differ or whose terms differ";
+    StridesTooMany = "CM0412", "strided runs (a dilated window) that a consumer without strides (a token order, exports, the CPU reference, the CUDA kernels) would expand into more than `2^27` unit intervals";
 }
 
 impl Code {

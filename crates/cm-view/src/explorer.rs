@@ -38,6 +38,11 @@ const STYLE: &str = include_str!("explorer.css");
 /// in a run with `m = 0`). Greedy: a run grows while the next row fits it, so the cost is
 /// O(intervals).
 pub fn row_runs(rows: &RowIntervals) -> Vec<i32> {
+    // The page draws plain intervals: strided runs as their keys (`explorer` bounds them).
+    let unit = rows
+        .expanded_within(usize::MAX)
+        .unwrap_or_else(|_| unreachable!("no limit"));
+    let rows: &RowIntervals = &unit;
     let mut out = Vec::new();
     let mut q = 0;
     while q < rows.q_len() {
@@ -197,7 +202,7 @@ fn statistics(
             "intervals".into(),
             format!(
                 "{} (at most {} in a row)",
-                mask.rows.intervals().len(),
+                mask.rows.all_runs().len(),
                 mask.rows.max_intervals_per_row()
             ),
         ),
@@ -254,7 +259,7 @@ pub fn explorer(
     let plan = subject.plan;
     let (rows, cols) = view.resolve(plan)?;
     let mask = plan.mask(view.b, view.h);
-    let runs = row_runs(&mask.rows);
+    let runs = row_runs(&*mask.rows.expanded().map_err(ViewError::Strides)?);
     let (tile_ptr, tiles) = tile_runs(mask);
     let bytes = 4 * (runs.len() + tile_ptr.len() + tiles.len());
     if bytes > MAX_EMBEDDED_BYTES {

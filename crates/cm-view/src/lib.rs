@@ -50,6 +50,9 @@ pub type Range = (u32, u32);
 /// Why a view was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ViewError {
+    /// The explorer's page draws plain intervals: strided runs past their limit (`CM0412`).
+    #[error("{0}")]
+    Strides(compilemask::ExpandError),
     #[error("{what} = {value} is out of range; the plan has {limit_name} = {limit} (indices 0 ..= {last})", last = limit - 1)]
     Index {
         what: &'static str,

@@ -105,23 +105,48 @@ pub fn sample(
             current = y;
         }
         count[y] += 1;
-        for iv in mask.rows.row(q) {
-            let (s, e) = (iv.start.max(cols.0), iv.end.min(cols.1));
-            if s >= e {
-                continue;
-            }
-            visible += u64::from(e - s);
+        // Keys [s, e) visible with weight `w` each (1, or 1 / stride spread over a
+        // strided run too dense to draw key by key).
+        let mut add = |s: u32, e: u32, w: f64| {
             let xs = f64::from(s - cols.0) / wf;
             let xe = f64::from(e - cols.0) / wf;
             let first = (xs.floor() as usize).min(sx as usize - 1);
             let last = ((xe.ceil() as usize).max(1) - 1).min(sx as usize - 1);
             if first == last {
-                line[first] += (xe - xs) * wf;
+                line[first] += (xe - xs) * wf * w;
             } else {
-                line[first] += (first as f64 + 1.0 - xs) * wf;
-                line[last] += (xe - last as f64) * wf;
-                diff[first + 1] += wf;
-                diff[last] -= wf;
+                line[first] += (first as f64 + 1.0 - xs) * wf * w;
+                line[last] += (xe - last as f64) * wf * w;
+                diff[first + 1] += wf * w;
+                diff[last] -= wf * w;
+            }
+        };
+        let strides = mask.rows.row_strides(q);
+        for (j, iv) in mask.rows.row_runs(q).iter().enumerate() {
+            let (s, e) = (iv.start.max(cols.0), iv.end.min(cols.1));
+            if s >= e {
+                continue;
+            }
+            let st = strides.map_or(1, |st| st[j]);
+            if st == 1 {
+                visible += u64::from(e - s);
+                add(s, e, 1.0);
+                continue;
+            }
+            // The run's keys in [s, e).
+            let k0 = iv.start + (s - iv.start).div_ceil(st) * st;
+            if k0 >= e {
+                continue;
+            }
+            let keys = (e - 1 - k0) / st + 1;
+            visible += u64::from(keys);
+            if keys <= 2 * sx {
+                for i in 0..keys {
+                    let k = k0 + i * st;
+                    add(k, k + 1, 1.0);
+                }
+            } else {
+                add(k0, k0 + (keys - 1) * st + 1, 1.0 / f64::from(st));
             }
         }
     }

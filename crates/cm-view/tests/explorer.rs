@@ -51,7 +51,7 @@ fn plan_rows(mask: &MaskPlan) -> Vec<Vec<(u32, u32)>> {
     (0..mask.rows.q_len())
         .map(|q| {
             mask.rows
-                .row(q)
+                .row_expanded(q)
                 .iter()
                 .map(|iv| (iv.start, iv.end))
                 .collect()

@@ -29,8 +29,8 @@ pub use cm_ir::bind::LENGTH_LIMITS;
 pub use cm_ir::score::{alibi_slopes, t5_bucket, LinearBias, ScoreTerms, TableBias};
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
-    KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals, TileCounts, TileDescriptor,
-    TileShape, TokenOrder, Traversal,
+    expand_error, ExpandError, KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals,
+    TileCounts, TileDescriptor, TileShape, TokenOrder, Traversal, MAX_EXPANDED_INTERVALS,
 };
 pub use cm_reference::{
     attention_backward, attention_backward_scored, attention_forward, attention_forward_scored,
@@ -779,6 +779,9 @@ pub enum AttentionError {
     UnknownScoreTensor { name: String, expected: String },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
+    /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals.
+    #[error("{0}")]
+    Strides(cm_plan::ExpandError),
 }
 
 /// CPU reference attention with a plan's masks: `q` `[batch, num_heads, q_len, head_dim]`,
@@ -792,7 +795,8 @@ pub enum AttentionError {
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
 /// mask that differs per batch or head, or a plan with score terms) another batch size or
 /// head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
-/// other or the score reads a tensor.
+/// other or the score reads a tensor; [`AttentionError::Strides`] (`CM0412`) for strided
+/// rows past [`cm_plan::MAX_EXPANDED_INTERVALS`].
 pub fn attention<T: Float>(
     shape: &AttentionShape,
     q: &[T],
@@ -838,7 +842,8 @@ pub fn attention_with_scores<T: Float>(
     softmax_scale: T,
     tensors: &[(&str, &[T])],
 ) -> Result<ForwardOutput<T>, AttentionError> {
-    let (masks, index) = plan_masks(shape, plan)?;
+    let (expanded, index) = plan_masks(shape, plan)?;
+    let masks: Vec<&RowIntervals> = expanded.iter().map(|m| m.as_ref()).collect();
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_forward_scored(
         shape,
@@ -868,7 +873,8 @@ pub fn attention_backward_with_scores<T: Float>(
     softmax_scale: T,
     tensors: &[(&str, &[T])],
 ) -> Result<ScoreGradients<T>, AttentionError> {
-    let (masks, index) = plan_masks(shape, plan)?;
+    let (expanded, index) = plan_masks(shape, plan)?;
+    let masks: Vec<&RowIntervals> = expanded.iter().map(|m| m.as_ref()).collect();
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_backward_scored(
         shape,
@@ -932,11 +938,12 @@ fn score_of<'a, T>(
     }))
 }
 
-/// The plan's masks and the `[batch, num_heads]` index for these tensors.
+/// The plan's masks (strided runs expanded, with their limit: the reference reads plain
+/// intervals) and the `[batch, num_heads]` index for these tensors.
 fn plan_masks<'p>(
     shape: &AttentionShape,
     plan: &'p Plan,
-) -> Result<(Vec<&'p RowIntervals>, Vec<usize>), AttentionError> {
+) -> Result<(Vec<std::borrow::Cow<'p, RowIntervals>>, Vec<usize>), AttentionError> {
     let check = |what: &'static str, planned: u32, given: usize| {
         if planned as usize == given {
             Ok(())
@@ -950,7 +957,12 @@ fn plan_masks<'p>(
     };
     check("q_len", plan.q_len, shape.q_len)?;
     check("kv_len", plan.kv_len, shape.kv_len)?;
-    let masks: Vec<&RowIntervals> = plan.masks.iter().map(|m| &m.rows).collect();
+    let masks = plan
+        .masks
+        .iter()
+        .map(|m| m.rows.expanded())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(AttentionError::Strides)?;
     // One distinct mask applies to every (batch, head); otherwise the plan's
     // `[batch, num_heads]` index must describe exactly these tensors.
     let index: Vec<usize> = if plan.masks.len() == 1 {

@@ -581,7 +581,7 @@ fn cm0314_cm0315_cm0411_score_values() {
         ..opts(4)
     };
     let err = program.plan(&options).unwrap_err();
-    assert_eq!(err.code, "CM0411");
+    assert_eq!(err.code, "CM0412");
     all.push_str(&format!(
         "--- source\n{alibi}--- order 1,0,2,3\n{}\n",
         program.render_error(&err)
@@ -593,7 +593,7 @@ fn cm0314_cm0315_cm0411_score_values() {
             &PlanOptions::default(),
         )
         .unwrap_err();
-    assert_eq!(err.code, "CM0411");
+    assert_eq!(err.code, "CM0412");
     all.push_str(&format!(
         "--- source\n{alibi}--- cu_seqlens_q {cq:?} cu_seqlens_k {ck:?}\n{}\n",
         program.render_error(&err)
@@ -669,6 +669,26 @@ fn cm0410_order_with_packing() {
         .unwrap_err();
     assert_eq!(err.code, "CM0410");
     insta::assert_snapshot!("cm0410", program.render_error(&err));
+}
+
+/// A dilated window at 128K is one strided run per row; what reads plain intervals (here a
+/// token order) would need 264M of them.
+#[test]
+fn cm0412_strided_runs_past_the_expansion_limit() {
+    let program = compilemask::builtin("dilated_window").unwrap();
+    let n = 131072u32;
+    let options = PlanOptions {
+        order: compilemask::OrderRequest::Explicit((0..n).rev().collect()),
+        ..opts(i64::from(n))
+    };
+    let err = program.plan(&options).unwrap_err();
+    assert_eq!(err.code, "CM0412");
+    insta::assert_snapshot!("cm0412", program.render_error(&err));
+    // The exports refuse it the same way.
+    let plan = program.plan(&opts(i64::from(n))).unwrap();
+    let e = compilemask::export::cudnn_endpoints(&plan.mask(0, 0).rows).unwrap_err();
+    assert_eq!(e.code(), compilemask::Code::StridesTooMany);
+    assert_eq!(e.message(), err.message);
 }
 
 #[test]

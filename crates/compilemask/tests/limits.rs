@@ -43,6 +43,10 @@ fn every_public_limit_is_documented_with_its_value() {
         ("pairs evaluated one by one", MAX_ELEMENTWISE_PAIRS),
         ("intervals of one mask", MAX_INTERVALS as u64),
         ("tile-descriptor entries", MAX_TILE_ENTRIES as u64),
+        (
+            "unit intervals of one mask's strided runs",
+            compilemask::MAX_EXPANDED_INTERVALS as u64,
+        ),
         ("a dense export (", compilemask::DENSE_LIMIT),
         ("a dense export written as JSON", compilemask::JSON_LIMIT),
         ("`cu_seqlens` totals", MAX_LEN as u64),

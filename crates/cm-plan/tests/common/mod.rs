@@ -42,7 +42,10 @@ pub fn shape(q_len: i64, kv_len: i64) -> Shape {
 
 /// Row `q` of a mask's rows as `(start, end)` pairs.
 pub fn row_pairs(rows: &cm_plan::RowIntervals, q: u32) -> Vec<(u32, u32)> {
-    rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect()
+    rows.row_expanded(q)
+        .iter()
+        .map(|iv| (iv.start, iv.end))
+        .collect()
 }
 
 /// Plans `program` and checks every row of every (batch, head) against brute force, and
@@ -66,7 +69,7 @@ pub fn check_against_brute_force(
                 let want = bound.brute_force_row(q, b, h).unwrap();
                 let got: Vec<(u32, u32)> = m
                     .rows
-                    .row(q as u32)
+                    .row_expanded(q as u32)
                     .iter()
                     .map(|iv| (iv.start, iv.end))
                     .collect();

@@ -23,7 +23,11 @@ pub fn plan(program: &Program, options: &PlanOptions) -> Plan {
 
 /// The intervals of row `q` of a mask, as pairs.
 pub fn row(m: &MaskPlan, q: u32) -> Vec<(u32, u32)> {
-    m.rows.row(q).iter().map(|iv| (iv.start, iv.end)).collect()
+    m.rows
+        .row_expanded(q)
+        .iter()
+        .map(|iv| (iv.start, iv.end))
+        .collect()
 }
 
 /// Every row of `(b, h)` as pairs.
@@ -199,7 +203,7 @@ pub fn dump(plan: &Plan, b: u32, h: u32) -> String {
     for q in 0..plan.q_len {
         let ivs: Vec<String> = m
             .rows
-            .row(q)
+            .row_expanded(q)
             .iter()
             .map(|iv| format!("[{},{})", iv.start, iv.end))
             .collect();
