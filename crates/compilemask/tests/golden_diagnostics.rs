@@ -581,7 +581,7 @@ fn cm0314_cm0315_cm0411_score_values() {
         ..opts(4)
     };
     let err = program.plan(&options).unwrap_err();
-    assert_eq!(err.code, "CM0412");
+    assert_eq!(err.code, "CM0411");
     all.push_str(&format!(
         "--- source\n{alibi}--- order 1,0,2,3\n{}\n",
         program.render_error(&err)
@@ -593,7 +593,7 @@ fn cm0314_cm0315_cm0411_score_values() {
             &PlanOptions::default(),
         )
         .unwrap_err();
-    assert_eq!(err.code, "CM0412");
+    assert_eq!(err.code, "CM0411");
     all.push_str(&format!(
         "--- source\n{alibi}--- cu_seqlens_q {cq:?} cu_seqlens_k {ck:?}\n{}\n",
         program.render_error(&err)
