@@ -366,7 +366,10 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
         raise NotImplementedError(
             "compilemask.attention with score terms differentiates `out` only; a loss that "
             "uses `lse` is not supported with score terms yet")
-    want_dist = dist_bias is not None and ctx.needs_input_grad[10]
+    # Every table and sink present gets its gradient: what needs_input_grad says under
+    # torch.compile's traced backward cannot be relied on here (a compiled step lost the
+    # table's gradient with it), and the cost is one fp32 sum per tile.
+    want_dist = dist_bias is not None
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
@@ -376,7 +379,7 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
     # softcap, linear, slopes, dist_bias, dist_run_end, sinks.
     return (dq, dk, dv, [None] * len(kernel), None, None, None, None, None, None,
             ddist.to(dist_bias.dtype) if want_dist else None, None,
-            dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[12] else None)
+            dsinks.to(sinks.dtype) if sinks is not None else None)
 
 
 attention_forward_score.register_autograd(_score_backward, setup_context=_setup_score_context)
