@@ -232,9 +232,21 @@ impl Variant {
 pub const VARIANTS: [Variant; 40] = {
     use DType::{Bf16, F16};
     use KernelKind::{BwdDkDv, BwdDq, BwdPost, BwdPre, FwdSimple, FwdWgmma, FwdWs};
-    const KINDS: [KernelKind; 7] = [FwdSimple, FwdWgmma, FwdWs, BwdPre, BwdDkDv, BwdDq, BwdPost];
-    const SCORED: [KernelKind; 3] = [FwdWs, BwdDkDv, BwdDq];
+    // Every kernel plain, then the score variant of each kernel that has one.
+    const KINDS: [(KernelKind, bool); 10] = [
+        (FwdSimple, false),
+        (FwdWgmma, false),
+        (FwdWs, false),
+        (BwdPre, false),
+        (BwdDkDv, false),
+        (BwdDq, false),
+        (BwdPost, false),
+        (FwdWs, true),
+        (BwdDkDv, true),
+        (BwdDq, true),
+    ];
     const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
+    assert!(KINDS.len() * SHAPES.len() == 40);
     let mut out = [Variant {
         kernel: FwdSimple,
         dtype: Bf16,
@@ -242,37 +254,17 @@ pub const VARIANTS: [Variant; 40] = {
         score: false,
     }; 40];
     let mut n = 0;
-    let mut k = 0;
-    while k < KINDS.len() {
-        let mut i = 0;
-        while i < SHAPES.len() {
-            out[n] = Variant {
-                kernel: KINDS[k],
-                dtype: SHAPES[i].0,
-                head_dim: SHAPES[i].1,
-                score: false,
-            };
-            n += 1;
-            i += 1;
-        }
-        k += 1;
+    while n < out.len() {
+        let (kernel, score) = KINDS[n / SHAPES.len()];
+        let (dtype, head_dim) = SHAPES[n % SHAPES.len()];
+        out[n] = Variant {
+            kernel,
+            dtype,
+            head_dim,
+            score,
+        };
+        n += 1;
     }
-    k = 0;
-    while k < SCORED.len() {
-        let mut i = 0;
-        while i < SHAPES.len() {
-            out[n] = Variant {
-                kernel: SCORED[k],
-                dtype: SHAPES[i].0,
-                head_dim: SHAPES[i].1,
-                score: true,
-            };
-            n += 1;
-            i += 1;
-        }
-        k += 1;
-    }
-    assert!(n == 40);
     out
 };
 
