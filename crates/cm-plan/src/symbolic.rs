@@ -1157,16 +1157,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
-            Region::KMod {
-                alpha,
-                rest,
-                div,
-                op,
-                rhs,
-                span,
-            } => {
-                let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-                self.window_keys(p, w, hull, *span)
+            Region::KMod { .. } => {
+                let (w, span) = self.kmod_of(p, r)?.expect("a `%` atom");
+                self.window_keys(p, w, hull, span)
             }
             Region::Elementwise(c, espan) => {
                 if p.n > 1 {
@@ -1248,17 +1241,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                     };
                 }
                 if is_inter {
-                    if let Region::KMod {
-                        alpha,
-                        rest,
-                        div,
-                        op,
-                        rhs,
-                        span,
-                    } = self.through_conds(p, b)?
-                    {
-                        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-                        if let Some(v) = self.strided_inter(p, w, &x, *span)? {
+                    if let Some((w, span)) = self.kmod_of(p, b)? {
+                        if let Some(v) = self.strided_inter(p, w, &x, span)? {
                             return Ok(v);
                         }
                     }
@@ -1610,7 +1594,28 @@ impl<'a, 'p> Solver<'a, 'p> {
         if b.uses_elementwise() {
             return Ok(None);
         }
-        let a = self.through_conds(p, a)?;
+        let Some((w, span)) = self.kmod_of(p, a)? else {
+            return Ok(None);
+        };
+        let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+        if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), span)? {
+            return Ok(Some(Vec::new()));
+        }
+        let y = self.region(p, b, hull)?;
+        if y.is_empty() {
+            return Ok(Some(y));
+        }
+        if let Some(v) = self.strided_inter(p, w, &y, span)? {
+            return Ok(Some(v));
+        }
+        let (ylo, yhi) = keys_hull(p, &y);
+        let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), span)?;
+        Ok(Some(self.inter(p, &y, &x)?))
+    }
+
+    /// The residue window of `r` and its span when `r` is, through its `if`s on the row, a
+    /// `%` atom (its row-level values evaluated, so their errors come first).
+    fn kmod_of(&self, p: &Piece, r: &Region) -> Eval<Option<(KeyWindow, Span)>> {
         let Region::KMod {
             alpha,
             rest,
@@ -1618,25 +1623,14 @@ impl<'a, 'p> Solver<'a, 'p> {
             op,
             rhs,
             span,
-        } = a
+        } = self.through_conds(p, r)?
         else {
             return Ok(None);
         };
-        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-        let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-        if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), *span)? {
-            return Ok(Some(Vec::new()));
-        }
-        let y = self.region(p, b, hull)?;
-        if y.is_empty() {
-            return Ok(Some(y));
-        }
-        if let Some(v) = self.strided_inter(p, w, &y, *span)? {
-            return Ok(Some(v));
-        }
-        let (ylo, yhi) = keys_hull(p, &y);
-        let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), *span)?;
-        Ok(Some(self.inter(p, &y, &x)?))
+        Ok(Some((
+            self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?,
+            *span,
+        )))
     }
 
     /// The region `r` stands for on this piece once its `if`s on the row are decided.
