@@ -1059,7 +1059,7 @@ mod tests {
         let rows = unit_rows(strided, "dilated_window", 8192).unwrap();
         assert!(strided.has_strides() && !rows.has_strides());
         assert_eq!(rows.visible_pairs(), strided.visible_pairs());
-        assert_eq!(&*rows.row(8191), &*strided.row_expanded(8191));
+        assert_eq!(rows.row(8191), &*strided.row_expanded(8191));
         let big = program.plan(&PlanOptions::new(131072)).unwrap();
         let e = unit_rows(&big.mask(0, 0).rows, "dilated_window", 131072)
             .unwrap_err()
