@@ -16,6 +16,8 @@ MASKS = [
     ("sliding_window", 200, 200, {"window": 33}),
     ("causal_bottom_right", 90, 140, {}),
     ("causal_bottom_right", 140, 90, {}),
+    # Strided runs (one per row), written out as plain intervals by every export.
+    ("dilated_window", 211, 190, {"window": 40, "dilation": 3}),
 ]
 BLOCKS = [(128, 128), (16, 16), (32, 48), (7, 5)]
 
@@ -120,6 +122,19 @@ def test_interval_arrays():
     assert len(row_ptr) == 17 and row_ptr[0] == 0 and row_ptr[-1] == len(ivs)
     for q in range(16):
         assert ivs[row_ptr[q]:row_ptr[q + 1]] == plan.intervals(q)
+
+
+def test_strided_runs_past_the_expansion_limit():
+    """A dilated window at 128K is one strided run per row: its rows read as their keys,
+    but the flat interval arrays would need 264M intervals (CM0412)."""
+    plan = cm.builtin("dilated_window").plan(131072)
+    assert plan.intervals(131071) == [(k, k + 1) for k in range(131071 - 4094, 131072, 2)]
+    assert plan.intervals(2) == [(0, 1), (2, 3)]
+    for arrays in (plan.interval_arrays, plan._native.kernel_arrays):
+        with pytest.raises(cm.PlanError) as e:
+            arrays()
+        assert e.value.code == "CM0412"
+        assert "264243200 unit intervals" in str(e.value)
 
 
 def test_dense_limit():

@@ -222,7 +222,9 @@ fn plan_jobs(a: &BenchArgs, tile: (u32, u32)) -> Result<Vec<Job>> {
                 if plan.masks.len() != 1 {
                     bail!("{name} differs per batch or head; bench runs one mask shared by every head");
                 }
-                let rows = plan.mask(0, 0).rows.clone();
+                // The kernels read plain intervals: strided runs written out (CM0412 past
+                // the limit).
+                let rows = unit_rows(&plan.mask(0, 0).rows, name, q_len)?;
                 let ordered = match plan.order {
                     Some(o) => Some(Ordered {
                         order: o,
@@ -255,7 +257,20 @@ fn raster_rows(program: &compilemask::Program, name: &str, q_len: u32) -> Result
                 program.render_error(&e).trim_end()
             )
         })?;
-    Ok(plan.mask(0, 0).rows.clone())
+    unit_rows(&plan.mask(0, 0).rows, name, q_len)
+}
+
+/// A mask's rows as plain intervals, as the kernels read them.
+fn unit_rows(rows: &RowIntervals, name: &str, q_len: u32) -> Result<RowIntervals> {
+    rows.expanded()
+        .map(std::borrow::Cow::into_owned)
+        .map_err(|e| {
+            let e = compilemask::expand_error(e);
+            anyhow!(
+                "{name} at q_len {q_len}: {}",
+                compilemask::render_error("", "", &e).trim_end()
+            )
+        })
 }
 
 fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
@@ -1035,6 +1050,23 @@ fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A built-in with strided runs reaches the kernels as plain intervals, or as CM0412.
+    #[test]
+    fn strided_masks_reach_the_kernels_as_plain_intervals() {
+        let program = compilemask::builtin("dilated_window").unwrap();
+        let plan = program.plan(&PlanOptions::new(8192)).unwrap();
+        let strided = &plan.mask(0, 0).rows;
+        let rows = unit_rows(strided, "dilated_window", 8192).unwrap();
+        assert!(strided.has_strides() && !rows.has_strides());
+        assert_eq!(rows.visible_pairs(), strided.visible_pairs());
+        assert_eq!(rows.row(8191), &*strided.row_expanded(8191));
+        let big = program.plan(&PlanOptions::new(131072)).unwrap();
+        let e = unit_rows(&big.mask(0, 0).rows, "dilated_window", 131072)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CM0412"), "{e}");
+    }
 
     #[test]
     fn clear_lengths_follow_workloads_md() {

@@ -9,6 +9,7 @@ use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::Code;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most intervals one plan may hold (8 bytes each), so a pathological mask fails with a
 /// clear error instead of exhausting memory.
@@ -184,23 +185,121 @@ pub fn row_intervals_runs(
 ) -> PResult<RowIntervals> {
     runs.clear();
     let shape = solver.bound.shape;
-    // Every piece is solved first and its interval lists kept (a piece's first row, and the
-    // slopes of a piece of several rows), so the rows are written once into arrays allocated
-    // at their final size: growing them piece by piece costs a copy per doubling and, in a
-    // fresh process, a page fault per 4 KiB more than the writes themselves.
-    let mut solved: Vec<SolvedPiece> = Vec::new();
-    let mut lists: Vec<KeyInterval> = Vec::new();
-    // The strides of `lists` where a piece holds strided runs (1 elsewhere), up to the
-    // last such piece.
-    let mut strides: Vec<u32> = Vec::new();
-    let mut total = 0usize;
-    let mut q0 = 0i64;
+    let program = solver.bound.program;
+    let blocks = if program.mask.uses_elementwise() && shape.q_len >= PARALLEL_ROWS {
+        solve_in_parallel(solver, b, h)?
+    } else {
+        let intervals = AtomicUsize::new(0);
+        vec![solve_rows(solver, b, h, 0..shape.q_len, &intervals)?]
+    };
+    // The rows written once into arrays allocated at their final size: growing them piece
+    // by piece costs a copy per doubling and, in a fresh process, a page fault per 4 KiB
+    // more than the writes themselves.
+    let total: usize = blocks.iter().map(|s| s.total).sum();
+    if total > MAX_INTERVALS {
+        return Err(too_many_intervals());
+    }
+    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, total);
+    for block in &blocks {
+        for sp in &block.pieces {
+            let first = &block.lists[sp.at..sp.at + sp.len];
+            let step = if sp.n > 1 {
+                &block.lists[sp.at + sp.len..sp.at + 2 * sp.len]
+            } else {
+                first
+            };
+            if sp.strided {
+                rows.push_affine_runs(first, step, &block.strides[sp.at..sp.at + sp.len], sp.n);
+            } else {
+                rows.push_affine_rows(first, step, sp.n);
+            }
+        }
+        runs.extend(&block.runs);
+        *pieces += block.pieces.len() as u64;
+    }
+    Ok(rows)
+}
+
+/// Rows from which a mask with `elementwise` is solved in [`ROW_BLOCKS`] blocks of rows on
+/// several threads (rayon): its rows are pieces of one row each, evaluated pair by pair.
+const PARALLEL_ROWS: i64 = 1024;
+
+/// Blocks of rows of a parallel solve: a fixed number, so the pieces (which end at block
+/// edges) do not depend on the machine.
+const ROW_BLOCKS: i64 = 64;
+
+/// Solves rows `0..q_len` in [`ROW_BLOCKS`] blocks on several threads, each with a solver of
+/// its own, their `elementwise` pairs counted together (`solver.elementwise_pairs` holds
+/// the plan's count before, and gets the total). The error is the one of the first failing
+/// block in row order, which is the sequential driver's, except past the pair limit, which
+/// is reported for the whole plan.
+fn solve_in_parallel(solver: &Solver<'_, '_>, b: i64, h: i64) -> PResult<Vec<SolvedRows>> {
+    use rayon::prelude::*;
+    use std::sync::atomic::AtomicU64;
+    let q_len = solver.bound.shape.q_len;
+    let before = solver.elementwise_pairs.get();
+    let shared = AtomicU64::new(before);
+    let intervals = AtomicUsize::new(0);
+    let size = (q_len + ROW_BLOCKS - 1) / ROW_BLOCKS;
+    let ranges: Vec<std::ops::Range<i64>> = (0..q_len)
+        .step_by(size as usize)
+        .map(|a| a..(a + size).min(q_len))
+        .collect();
+    let bound = solver.bound;
+    let solved: Vec<(PResult<SolvedRows>, bool)> = ranges
+        .into_par_iter()
+        .map(|r| {
+            let s = Solver::new(bound).with_shared_pairs(&shared);
+            (solve_rows(&s, b, h, r, &intervals), s.hit_pair_limit())
+        })
+        .collect();
+    let mut out = Vec::with_capacity(solved.len());
+    for (block, hit_limit) in solved {
+        match block {
+            Ok(block) => out.push(block),
+            Err(_) if hit_limit => return Err(Solver::pair_limit_error(None)),
+            Err(e) => return Err(e),
+        }
+    }
+    solver.elementwise_pairs.set(shared.load(Ordering::Relaxed));
+    Ok(out)
+}
+
+/// Solved rows: their pieces, the interval lists the pieces point into, the strides of
+/// those lists where a piece holds strided runs, the first row of every piece, and the
+/// intervals the rows hold.
+struct SolvedRows {
+    pieces: Vec<SolvedPiece>,
+    lists: Vec<KeyInterval>,
+    strides: Vec<u32>,
+    runs: Vec<u32>,
+    total: usize,
+}
+
+/// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
+/// of several rows, their slopes kept), counting their intervals into `intervals` (shared
+/// by the blocks of a parallel solve) against [`MAX_INTERVALS`].
+fn solve_rows(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    rows: std::ops::Range<i64>,
+    intervals: &AtomicUsize,
+) -> PResult<SolvedRows> {
+    let mut out = SolvedRows {
+        pieces: Vec::new(),
+        lists: Vec::new(),
+        strides: Vec::new(),
+        runs: Vec::new(),
+        total: 0,
+    };
+    let mut q0 = rows.start;
     // Rows where evaluation found the structure to change, nearest last: after a piece
     // succeeds, the next one is tried up to the nearest known change, not to the end.
-    let mut ends: Vec<i64> = vec![shape.q_len];
+    let mut ends: Vec<i64> = vec![rows.end];
     let mut hints: Vec<i64> = Vec::new();
-    while q0 < shape.q_len {
-        let mut end = ends.last().copied().unwrap_or(shape.q_len);
+    while q0 < rows.end {
+        let mut end = ends.last().copied().unwrap_or(rows.end);
         loop {
             let p = Piece {
                 q0,
@@ -211,38 +310,38 @@ pub fn row_intervals_runs(
             solver.clear_split_hints();
             match solver.region(&p, &solver.bound.program.mask, None) {
                 Ok(list) => {
-                    total += list.len() * p.n as usize;
-                    if total > MAX_INTERVALS {
+                    let here = list.len() * p.n as usize;
+                    out.total += here;
+                    if intervals.fetch_add(here, Ordering::Relaxed) + here > MAX_INTERVALS {
                         return Err(too_many_intervals());
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.
-                    let at = lists.len();
-                    lists.extend(list.iter().map(|iv| KeyInterval {
+                    let at = out.lists.len();
+                    out.lists.extend(list.iter().map(|iv| KeyInterval {
                         start: iv.start.first as u32,
                         end: iv.end.first as u32,
                     }));
                     if p.n > 1 {
-                        lists.extend(list.iter().map(|iv| KeyInterval {
+                        out.lists.extend(list.iter().map(|iv| KeyInterval {
                             start: iv.start.step as u32,
                             end: iv.end.step as u32,
                         }));
                     }
                     let strided = list.iter().any(|iv| iv.stride != 1);
                     if strided {
-                        strides.resize(lists.len(), 1);
+                        out.strides.resize(out.lists.len(), 1);
                         for (i, iv) in list.iter().enumerate() {
-                            strides[at + i] = iv.stride as u32;
+                            out.strides[at + i] = iv.stride as u32;
                         }
                     }
-                    solved.push(SolvedPiece {
+                    out.pieces.push(SolvedPiece {
                         n: p.n as usize,
                         at,
                         len: list.len(),
                         strided,
                     });
-                    runs.push(q0 as u32);
-                    *pieces += 1;
+                    out.runs.push(q0 as u32);
                     q0 = end;
                     while ends.last().is_some_and(|&e| e <= q0) {
                         ends.pop();
@@ -274,21 +373,7 @@ pub fn row_intervals_runs(
             }
         }
     }
-    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, total);
-    for sp in &solved {
-        let first = &lists[sp.at..sp.at + sp.len];
-        let step = if sp.n > 1 {
-            &lists[sp.at + sp.len..sp.at + 2 * sp.len]
-        } else {
-            first
-        };
-        if sp.strided {
-            rows.push_affine_runs(first, step, &strides[sp.at..sp.at + sp.len], sp.n);
-        } else {
-            rows.push_affine_rows(first, step, sp.n);
-        }
-    }
-    Ok(rows)
+    Ok(out)
 }
 
 /// A solved piece's rows: `n` rows whose first row's intervals are `lists[at..at + len]`

@@ -19,16 +19,11 @@ use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (tens of seconds
-/// on one core; a simple predicate costs about 70 ns a pair).
+/// on one core; a short predicate costs about 60 ns a pair).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
-
-/// Keys of one row `elementwise` evaluates as one task.
-const ELEMENTWISE_CHUNK: i64 = 256;
-
-/// Pairs of one row from which `elementwise` runs its chunks on several threads.
-const ELEMENTWISE_PARALLEL: u64 = 4 * ELEMENTWISE_CHUNK as u64;
 
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
@@ -122,6 +117,11 @@ pub struct Solver<'a, 'p> {
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
+    /// The plan's `elementwise` pairs when several solvers count them together (rows
+    /// solved in blocks on several threads), instead of `elementwise_pairs`.
+    shared_pairs: Option<&'a AtomicU64>,
+    /// Whether this solver stopped at the pair limit.
+    hit_limit: Cell<bool>,
 }
 
 /// The keys of a key-side atom `f(k) op v` (see [`Solver::key_cmp`]): every key's `f`,
@@ -233,7 +233,27 @@ impl<'a, 'p> Solver<'a, 'p> {
             vars: Cell::new([0; MAX_QUANT_DEPTH]),
             quant_cache: RefCell::default(),
             key_sweeps: RefCell::default(),
+            shared_pairs: None,
+            hit_limit: Cell::new(false),
         }
+    }
+
+    /// This solver counting its `elementwise` pairs into `pairs`, with other solvers of the
+    /// same plan, against [`MAX_ELEMENTWISE_PAIRS`].
+    pub fn with_shared_pairs(mut self, pairs: &'a AtomicU64) -> Self {
+        self.shared_pairs = Some(pairs);
+        self
+    }
+
+    /// Whether an evaluation stopped at [`MAX_ELEMENTWISE_PAIRS`].
+    pub fn hit_pair_limit(&self) -> bool {
+        self.hit_limit.get()
+    }
+
+    /// CM0404 past [`MAX_ELEMENTWISE_PAIRS`], at the `elementwise` of `span`.
+    pub fn pair_limit_error(span: Option<Span>) -> PlanError {
+        PlanError::new(Code::TooLargeToPlan, span, format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
+            .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
     }
 
     /// Takes the change points recorded by the evaluation that last returned
@@ -1157,16 +1177,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
-            Region::KMod {
-                alpha,
-                rest,
-                div,
-                op,
-                rhs,
-                span,
-            } => {
-                let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-                self.window_keys(p, w, hull, *span)
+            Region::KMod { .. } => {
+                let (w, span) = self.kmod_of(p, r)?.expect("a `%` atom");
+                self.window_keys(p, w, hull, span)
             }
             Region::Elementwise(c, espan) => {
                 if p.n > 1 {
@@ -1248,17 +1261,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                     };
                 }
                 if is_inter {
-                    if let Region::KMod {
-                        alpha,
-                        rest,
-                        div,
-                        op,
-                        rhs,
-                        span,
-                    } = self.through_conds(p, b)?
-                    {
-                        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-                        if let Some(v) = self.strided_inter(p, w, &x, *span)? {
+                    if let Some((w, span)) = self.kmod_of(p, b)? {
+                        if let Some(v) = self.strided_inter(p, w, &x, span)? {
                             return Ok(v);
                         }
                     }
@@ -1315,10 +1319,9 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// The keys of `ranges` (ascending, disjoint, on the one row of `p`) where `c` holds,
-    /// evaluated pair by pair in chunks of [`ELEMENTWISE_CHUNK`] keys, on several threads
-    /// when there are many (rayon), each chunk stopping at its first error; the error is the
-    /// one at the smallest failing key, as the reference, which walks the keys in order,
-    /// meets it first. The pairs count towards [`MAX_ELEMENTWISE_PAIRS`].
+    /// evaluated pair by pair in key order, stopping at the first error (the reference's,
+    /// which walks the keys in order). The pairs count towards [`MAX_ELEMENTWISE_PAIRS`]
+    /// (with the other solvers of the plan when they share a count).
     fn elementwise_keys(
         &self,
         p: &Piece,
@@ -1326,57 +1329,33 @@ impl<'a, 'p> Solver<'a, 'p> {
         span: Span,
         ranges: &[(i64, i64)],
     ) -> Eval<Vec<AffineInterval>> {
-        use rayon::prelude::*;
         let pairs: u64 = ranges.iter().map(|&(a, z)| (z - a).max(0) as u64).sum();
-        let total = self.elementwise_pairs.get() + pairs;
+        let total = match self.shared_pairs {
+            Some(shared) => shared.fetch_add(pairs, Ordering::Relaxed) + pairs,
+            None => self.elementwise_pairs.get() + pairs,
+        };
         if total > MAX_ELEMENTWISE_PAIRS {
-            return Err(PlanError::new(Code::TooLargeToPlan, Some(span), format!("`elementwise` would evaluate more than {MAX_ELEMENTWISE_PAIRS} (q, k) pairs one by one"))
-                .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms")
-                .into());
+            self.hit_limit.set(true);
+            return Err(Self::pair_limit_error(Some(span)).into());
         }
-        let chunks: Vec<(i64, i64)> = ranges
-            .iter()
-            .flat_map(|&(a, z)| {
-                (a..z)
-                    .step_by(ELEMENTWISE_CHUNK as usize)
-                    .map(move |x| (x, (x + ELEMENTWISE_CHUNK).min(z)))
-            })
-            .collect();
-        let env = self.env(p);
-        let bound = self.bound;
-        // The runs of one chunk's keys where `c` holds, or the first error in it.
-        let run = |&(a, z): &(i64, i64)| -> Result<Vec<(i64, i64)>, PlanError> {
-            let mut env = env;
-            let mut out: Vec<(i64, i64)> = Vec::new();
+        let mut env = self.env(p);
+        let mut out: Vec<AffineInterval> = Vec::new();
+        for &(a, z) in ranges {
             for k in a..z {
                 env.k = k;
-                if bound.eval_bool(c, &env)? {
+                if self.bound.eval_bool(c, &env)? {
                     match out.last_mut() {
-                        Some(last) if last.1 == k => last.1 += 1,
-                        _ => out.push((k, k + 1)),
+                        Some(last) if last.end.first == k => last.end.first += 1,
+                        _ => out.push(AffineInterval::unit(
+                            Affine::constant(k),
+                            Affine::constant(k + 1),
+                        )),
                     }
                 }
             }
-            Ok(out)
-        };
-        let found: Vec<Result<Vec<(i64, i64)>, PlanError>> = if pairs >= ELEMENTWISE_PARALLEL {
-            chunks.par_iter().map(run).collect()
-        } else {
-            chunks.iter().map(run).collect()
-        };
-        let mut out: Vec<AffineInterval> = Vec::new();
-        for chunk in found {
-            for (a, z) in chunk? {
-                match out.last_mut() {
-                    Some(last) if last.end.first == a => last.end.first = z,
-                    _ => out.push(AffineInterval::unit(
-                        Affine::constant(a),
-                        Affine::constant(z),
-                    )),
-                }
-            }
         }
-        self.elementwise_pairs.set(total);
+        self.elementwise_pairs
+            .set(self.elementwise_pairs.get() + pairs);
         Ok(out)
     }
 
@@ -1610,7 +1589,28 @@ impl<'a, 'p> Solver<'a, 'p> {
         if b.uses_elementwise() {
             return Ok(None);
         }
-        let a = self.through_conds(p, a)?;
+        let Some((w, span)) = self.kmod_of(p, a)? else {
+            return Ok(None);
+        };
+        let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+        if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), span)? {
+            return Ok(Some(Vec::new()));
+        }
+        let y = self.region(p, b, hull)?;
+        if y.is_empty() {
+            return Ok(Some(y));
+        }
+        if let Some(v) = self.strided_inter(p, w, &y, span)? {
+            return Ok(Some(v));
+        }
+        let (ylo, yhi) = keys_hull(p, &y);
+        let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), span)?;
+        Ok(Some(self.inter(p, &y, &x)?))
+    }
+
+    /// The residue window of `r` and its span when `r` is, through its `if`s on the row, a
+    /// `%` atom (its row-level values evaluated, so their errors come first).
+    fn kmod_of(&self, p: &Piece, r: &Region) -> Eval<Option<(KeyWindow, Span)>> {
         let Region::KMod {
             alpha,
             rest,
@@ -1618,25 +1618,14 @@ impl<'a, 'p> Solver<'a, 'p> {
             op,
             rhs,
             span,
-        } = a
+        } = self.through_conds(p, r)?
         else {
             return Ok(None);
         };
-        let w = self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?;
-        let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
-        if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), *span)? {
-            return Ok(Some(Vec::new()));
-        }
-        let y = self.region(p, b, hull)?;
-        if y.is_empty() {
-            return Ok(Some(y));
-        }
-        if let Some(v) = self.strided_inter(p, w, &y, *span)? {
-            return Ok(Some(v));
-        }
-        let (ylo, yhi) = keys_hull(p, &y);
-        let x = self.window_keys(p, w, Some((ylo.max(lo), yhi.min(hi))), *span)?;
-        Ok(Some(self.inter(p, &y, &x)?))
+        Ok(Some((
+            self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?,
+            *span,
+        )))
     }
 
     /// The region `r` stands for on this piece once its `if`s on the row are decided.

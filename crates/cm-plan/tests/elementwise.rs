@@ -1,7 +1,8 @@
 //! `elementwise` evaluated where the surrounding regions leave the answer open: on the
-//! right of `&` and `-`, at the left side's keys alone (not their hull); in chunks of keys,
-//! on several threads for long rows, with the reference's error (the smallest failing key)
-//! whichever chunk meets it; the pairs counted. Against the pairwise semantics.
+//! right of `&` and `-`, at the left side's keys alone (not their hull); rows in blocks on
+//! several threads from 1024 rows, with the reference's error (the first failing row, the
+//! smallest failing key) whichever block finishes first; the pairs counted. Against the
+//! pairwise semantics.
 
 #[allow(dead_code)]
 mod common;
@@ -38,8 +39,7 @@ proptest! {
     }
 }
 
-/// Rows long enough to be evaluated on several threads give the same keys, and count every
-/// pair of the left side's keys only.
+/// Long rows give the same keys, and count every pair of the left side's keys only.
 #[test]
 fn long_rows_in_parallel_chunks() {
     let program = compile("mask = (k < 3000 | k >= 9000) & elementwise((k * k + q) % 7 < 3);");
@@ -66,4 +66,38 @@ fn the_first_failing_key_decides_the_error() {
     let e = plan(&bound, TileShape::default()).unwrap_err();
     assert_eq!(e.code, reference.code);
     assert!(e.message.contains("index 5000"), "{}", e.message);
+}
+
+/// From 1024 rows a mask with `elementwise` is solved in blocks of rows on several threads:
+/// the same rows and tiles, every row a piece, the pairs of every block counted.
+#[test]
+fn row_blocks_on_several_threads() {
+    let program =
+        compile("mask = (k < 5 | q - 20 < k <= q) & elementwise((k * k + q) % 7 < 3) | k == q;");
+    let s = shape(2000, 50);
+    let p = check_against_brute_force(&program, s, &params(&[]), TileShape::default());
+    let want: u64 = (0..2000i64)
+        .map(|q| {
+            (0..50i64)
+                .filter(|&k| k < 5 || (q - 20 < k && k <= q))
+                .count() as u64
+        })
+        .sum();
+    assert_eq!(p.elementwise_pairs, want);
+}
+
+/// Two failing rows in different blocks: the error is the first row's, as the sequential
+/// reference meets it first, whichever block finishes first.
+#[test]
+fn the_first_failing_row_decides_the_error_across_blocks() {
+    let program = compile(
+        "param a: [int] = [1, 2, 3];\n\
+         mask = k >= 0 & elementwise(q == 1900 & a[k + 10] == 0 | q == 1700 & 1 / (k - k) == 0);",
+    );
+    let bound = program.bind(shape(2000, 30), &params(&[])).unwrap();
+    for _ in 0..5 {
+        let e = plan(&bound, TileShape::default()).unwrap_err();
+        assert_eq!(e.code, cm_syntax::Code::DivisionByZero);
+        assert!(e.message.contains("row q = 1700"), "{}", e.message);
+    }
 }
