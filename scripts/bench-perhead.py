@@ -22,27 +22,13 @@ import math
 import torch
 
 import compilemask as cm
+from cuda_timing import median_ms
 
 
 def visible_pairs(n: int, w: int) -> int:
     """Visible pairs of a causal sliding window of w keys over n rows: sum_q min(q + 1, w)."""
     w = min(w, n)
     return w * n - w * (w - 1) // 2
-
-
-def median_ms(fn, runs: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def check(q, k, v, plan, rows: list[int]) -> float:

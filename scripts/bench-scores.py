@@ -28,21 +28,7 @@ import torch
 
 import compilemask as cm
 from compilemask import _ops
-
-
-def median_ms(fn, runs: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+from cuda_timing import median_ms
 
 
 def t5_buckets(n: int, num_buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
@@ -83,8 +69,8 @@ def flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, runs, ours) -> dic
     for name, mod in mods.items():
         params = [q, k, v] + ([table] if name == "t5_table" else [])
         fn = lambda mod=mod: flex(q, k, v, score_mod=mod, block_mask=bm)  # noqa: E731
-        fwd = median_ms(fn, runs)
-        fwd_bwd = median_ms(lambda: torch.autograd.grad(fn(), params, dout), runs)
+        fwd = median_ms(fn, runs, warmup=2)
+        fwd_bwd = median_ms(lambda: torch.autograd.grad(fn(), params, dout), runs, warmup=2)
         out[name] = {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_ms": fwd_bwd,
                      "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
                      "ours_over_flex_fwd": ours[name]["fwd_tflops"] / (flops / fwd / 1e9),
@@ -137,12 +123,12 @@ def main() -> None:
         for tname, fn in [("none", plain)] + [(t, (lambda t=t: scored(terms[t]))) for t in terms]:
             params = [q, k, v] + [x for x in (terms.get(tname, {}).get("table"),
                                               terms.get(tname, {}).get("sinks")) if x is not None]
-            fwd = median_ms(lambda: fn(), a.runs)
+            fwd = median_ms(lambda: fn(), a.runs, warmup=2)
 
             def step():
                 torch.autograd.grad(fn(), params, dout)
 
-            fwd_bwd = median_ms(step, a.runs)
+            fwd_bwd = median_ms(step, a.runs, warmup=2)
             row[tname] = {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9,
                           "fwd_bwd_ms": fwd_bwd, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9}
         for tname in terms:

@@ -155,17 +155,28 @@ def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk)
         p, dp = _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks, w)
         ds = p * (dp - delta.unsqueeze(-1))
         if use["dist"]:
-            idx = (torch.arange(lq, device="cuda").view(-1, 1) - torch.arange(lk, device="cuda").view(1, -1)
-                   + lk - 1)
-            per_dist = torch.zeros((hq, lq + lk - 1), device="cuda", dtype=torch.float64)
-            per_dist.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(hq, -1))
-            ref_grads.append(torch.zeros((hq, 8), device="cuda", dtype=torch.float64)
-                             .index_add_(1, bucket, per_dist))
+            ref_grads.append(_table_grad(ds, bucket, 8))
         if use["sinks"]:
-            ref_grads.append(-(torch.exp(sinks.double().view(1, -1, 1) - ref_lse) * delta).sum((0, 2)))
+            ref_grads.append(_sink_grad(sinks, ref_lse, delta))
     for i, (gr, rf) in enumerate(zip(grads, ref_grads)):
         e = (gr.double() - rf).abs().max().item() / max(1.0, rf.abs().max().item())
         assert not torch.isnan(gr).any() and e <= tol_grad, (i, e)
+
+
+def _table_grad(ds, bucket, num_buckets):
+    """d loss / d table[h, j] from every pair's dS ([batch, heads, q_len, kv_len], float64):
+    summed per distance q - k, then per bucket."""
+    _, hq, lq, lk = ds.shape
+    idx = (torch.arange(lq, device=ds.device).view(-1, 1) - torch.arange(lk, device=ds.device).view(1, -1)
+           + lk - 1)
+    per_dist = torch.zeros((hq, lq + lk - 1), device=ds.device, dtype=torch.float64)
+    per_dist.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(hq, -1))
+    return torch.zeros((hq, num_buckets), device=ds.device, dtype=torch.float64).index_add_(1, bucket, per_dist)
+
+
+def _sink_grad(sinks, lse, delta):
+    """d loss / d sinks[h] = -sum over rows of exp(sink - lse) delta (float64)."""
+    return -(torch.exp(sinks.double().view(1, -1, 1) - lse) * delta).sum((0, 2))
 
 
 def _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks, w):
@@ -240,16 +251,11 @@ def test_attention_with_score_tensors_against_dense(source, shapes):
         ds = p * (dp - delta.unsqueeze(-1))
         for name in tensors:
             if name == score.table:
-                idx = (torch.arange(lq, device="cuda").view(-1, 1) - torch.arange(lk, device="cuda").view(1, -1)
-                       + lk - 1)
-                per_dist = torch.zeros((hq, lq + lk - 1), device="cuda", dtype=torch.float64)
-                per_dist.index_add_(1, idx.reshape(-1), ds.sum(0).reshape(hq, -1))
                 t = tensors[name]
-                dt = torch.zeros((hq,) + tuple(t.shape[-1:]), device="cuda", dtype=torch.float64)
-                dt.index_add_(1, score.bucket, per_dist)
+                dt = _table_grad(ds, score.bucket, t.shape[-1])
                 refs.append(dt if t.dim() == 2 else dt.sum(0))
             else:
-                refs.append(-(torch.exp(sinks.double().view(1, -1, 1) - ref_lse) * delta).sum((0, 2)))
+                refs.append(_sink_grad(sinks, ref_lse, delta))
     for i, (gg, rf) in enumerate(zip(grads, refs)):
         rf = rf.double().to(gg.device)
         e = (gg.double() - rf).abs().max().item() / max(1.0, rf.abs().max().item())

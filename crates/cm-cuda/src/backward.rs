@@ -25,7 +25,7 @@
 //! on CTA timing, so its last bits can differ run to run. dK and dV are never atomic, and the
 //! deterministic mode gives the same bits on every run.
 
-use crate::forward::{check_addr, prepare as prepare_forward, ForwardRaw};
+use crate::forward::{check_addr, check_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
 use crate::plan::{PlanArray, PlanLayout, PlanView};
 use crate::score::{Score, ScoreParams, ScoreRaw};
@@ -273,13 +273,11 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
         softmax_scale: a.softmax_scale,
         score: a.score,
     };
-    let kind = if a.score.is_active() {
-        KernelKind::FwdWs
-    } else {
-        KernelKind::FwdSimple
-    };
-    prepare_forward(plan, &forward, kind, false)?;
-    a.score.check(plan.q_len, plan.kv_len, a.deterministic)?;
+    check_forward(plan, &forward)?;
+    // The deterministic mode's table gradient is int64 fixed point (cm_cuda::score).
+    if a.deterministic {
+        check_addr("score dist_bias_grad", a.score.dist_bias_grad, 8)?;
+    }
     let [b, h, _, d] = a.q_layout.shape;
     let elem = a.dtype.size_bytes() as u64;
     if a.dout_layout.shape != a.q_layout.shape {

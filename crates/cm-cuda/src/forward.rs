@@ -155,7 +155,7 @@ pub(crate) fn prepare(
             kernel_kind.name()
         )));
     }
-    a.score.check(plan.q_len, plan.kv_len, false)?;
+    a.score.check(plan.q_len, plan.kv_len)?;
     let variant =
         cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, scored).ok_or_else(|| {
             let dims: Vec<String> = cm_kernels::VARIANTS

@@ -99,10 +99,7 @@ impl ScoreRaw {
 
     /// Every check of the terms against the launch: the softcap's value, alignment, a
     /// gradient buffer only with its table, offsets exact in fp32.
-    pub(crate) fn check(&self, q_len: u32, kv_len: u32, deterministic: bool) -> Result<(), Error> {
-        if deterministic {
-            crate::forward::check_addr("score dist_bias_grad", self.dist_bias_grad, 8)?;
-        }
+    pub(crate) fn check(&self, q_len: u32, kv_len: u32) -> Result<(), Error> {
         if self.softcap != 0.0 && !(self.softcap.is_finite() && self.softcap > 0.0) {
             return Err(Error::invalid(format!(
                 "score softcap = {}: expected a finite value > 0 (or 0 for none)",

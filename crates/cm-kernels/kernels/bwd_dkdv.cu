@@ -164,13 +164,7 @@ __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], co
     }
     // Only the scores before the cap carry its derivative; without a table it came in
     // through P (cap_in_p).
-    if (sp.softcap > 0.f && sp.dist_bias_grad != nullptr) {
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[j][e] *= dcap[j][e];
-        }
-    }
+    if (sp.softcap > 0.f && sp.dist_bias_grad != nullptr) cm_mul_fragment(dp, dcap);
 }
 #endif
 
@@ -384,13 +378,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // With a softcap and no table to differentiate, dS takes the cap's derivative
             // through P, which dV no longer needs (it has pa): dcap ends here, not after dP.
             const bool cap_in_p = p.score.softcap > 0.f && p.score.dist_bias_grad == nullptr;
-            if (cap_in_p) {
-    #pragma unroll
-                for (int j = 0; j < BLOCK_M / 8; ++j) {
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) sc[j][e] *= dcap[j][e];
-                }
-            }
+            if (cap_in_p) cm_mul_fragment(sc, dcap);
 #endif
             cm_wgmma_fence();
     #pragma unroll

@@ -185,13 +185,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
 
 #if CM_SCORE
         // Only the scores before the cap carry its derivative.
-        if (p.score.softcap > 0.f) {
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[j][e] *= dcap[j][e];
-            }
-        }
+        if (p.score.softcap > 0.f) cm_mul_fragment(dp, dcap);
 #endif
         // dQ += dS K: contraction over the tile's 64 keys, K read transposed.
         u32 dsa[BLOCK_N / 16][4];

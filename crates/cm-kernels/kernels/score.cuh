@@ -18,6 +18,17 @@ __device__ __forceinline__ float cm_tanh(float x) {
     return r;
 }
 
+// a *= b element by element: the softcap's derivative into dS (or into P, which becomes dS's
+// factor) in the backward kernels.
+template <int NB>
+__device__ __forceinline__ void cm_mul_fragment(float (&a)[NB][4], const float (&b)[NB][4]) {
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[j][e] *= b[j][e];
+    }
+}
+
 // Whether any term changes the logits themselves (sinks alone only change each row's
 // normalisation, so the plain path runs).
 __device__ __forceinline__ bool cm_score_modifies_logits(const CmScoreParams& sp) {
