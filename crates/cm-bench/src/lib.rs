@@ -450,7 +450,8 @@ impl Measurement {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the upper one of an even count); `v` must not be empty.
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -697,7 +698,7 @@ fn check(
 
 /// Per-call GPU milliseconds of `runs` back-to-back calls of `f`, each between two CUDA
 /// events, after `warmup` untimed calls.
-fn time_calls(
+pub fn time_calls(
     rt: &Runtime,
     stream: &Arc<CudaStream>,
     warmup: usize,

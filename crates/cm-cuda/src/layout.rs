@@ -136,7 +136,12 @@ fn span(shape: &[usize], strides: &[i64]) -> usize {
     usize::try_from(last + 1).unwrap_or(usize::MAX)
 }
 
-fn check_strides(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) -> Result<(), Error> {
+pub(crate) fn check_strides(
+    name: &str,
+    dims: &[&str],
+    shape: &[usize],
+    strides: &[i64],
+) -> Result<(), Error> {
     let mut last_offset: u128 = 0;
     for (i, (&n, &s)) in shape.iter().zip(strides).enumerate() {
         if s < 0 {
@@ -158,7 +163,7 @@ fn check_strides(name: &str, dims: &[&str], shape: &[usize], strides: &[i64]) ->
 
 /// An output written through two index tuples at one address would race; a sufficient check:
 /// sorted by stride, every dim of size > 1 steps past everything the smaller dims span.
-fn check_no_overlap(
+pub(crate) fn check_no_overlap(
     name: &str,
     dims: &[&str],
     shape: &[usize],

@@ -52,6 +52,7 @@
 //! ```
 
 mod backward;
+pub mod decode;
 mod error;
 pub mod external;
 mod forward;
@@ -64,6 +65,7 @@ mod tma;
 
 pub use backward::{backward_workspace_len, check_backward, Backward, BackwardRaw};
 pub use cm_kernels::{DType, KernelKind, BWD_TILE, TILE, WS_TILE};
+pub use decode::{check_decode, decode_splits, decode_workspace_len, Decode, DecodeRaw};
 pub use error::Error;
 pub use forward::{check_forward, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};

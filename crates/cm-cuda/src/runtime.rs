@@ -1,5 +1,6 @@
 //! The loaded kernels of one CUDA context and the launch entry points.
 
+use crate::decode::{prepare_decode, row_major, Decode, DecodeRaw};
 use crate::forward::{prepare, Launch};
 use crate::layout::check_buffer_len;
 use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanView};
@@ -276,6 +277,156 @@ impl Runtime {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }
+    }
+
+    /// Streaming multiprocessors of the device.
+    pub fn num_sms(&self) -> u32 {
+        self.num_sms
+    }
+
+    /// CTAs of the decode kernel at `dtype` and `head_dim` that one SM runs at once (the
+    /// driver's occupancy of its registers and shared memory), for [`crate::decode_splits`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a head_dim without a decode kernel; [`Error::Driver`].
+    pub fn decode_ctas_per_sm(&self, dtype: crate::DType, head_dim: u32) -> Result<u32, Error> {
+        let v = cm_kernels::find_variant(KernelKind::Decode, dtype, head_dim, false).ok_or_else(|| {
+            Error::invalid(format!(
+                "head_dim = {head_dim} is not supported by the decode kernel; built head dims: 64, 128"
+            ))
+        })?;
+        let variant = &VARIANTS[v];
+        self.functions[v]
+            .occupancy_max_active_blocks_per_multiprocessor(
+                variant.kernel.threads(),
+                variant.dynamic_shared_bytes() as usize,
+                None,
+            )
+            .map_err(|e| Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))
+    }
+
+    /// Serving attention of one step over a paged KV cache in Rust-owned buffers
+    /// ([`crate::decode`]), enqueued on `stream`; returns without waiting for the GPU.
+    ///
+    /// # Errors
+    /// As [`Runtime::decode_raw`], and a buffer shorter than its shape spans.
+    #[allow(unsafe_code)]
+    pub fn decode(&self, stream: &Arc<CudaStream>, args: Decode<'_>) -> Result<(), Error> {
+        let [total_q, h, d] = args.q_shape;
+        let [num_seqs, _] = args.block_table_shape;
+        let span = |shape: &[usize]| shape.iter().product::<usize>();
+        check_buffer_len("q", args.q.len(), span(&args.q_shape))?;
+        check_buffer_len("k_cache", args.k_cache.len(), span(&args.cache_shape))?;
+        check_buffer_len("v_cache", args.v_cache.len(), span(&args.cache_shape))?;
+        check_buffer_len("out", args.out.len(), span(&args.q_shape))?;
+        if let Some(lse) = &args.lse {
+            check_buffer_len("lse", lse.len(), total_q * h)?;
+        }
+        check_buffer_len(
+            "block_table",
+            args.block_table.len(),
+            span(&args.block_table_shape),
+        )?;
+        check_buffer_len("cu_q", args.cu_q.len(), num_seqs + 1)?;
+        check_buffer_len("kv_len", args.kv_len.len(), num_seqs)?;
+        check_buffer_len("row_ptr", args.row_ptr.len(), total_q + 1)?;
+        if args.intervals.len() % 2 != 0 {
+            return Err(Error::invalid(format!(
+                "intervals: {} elements, expected (start, end) pairs",
+                args.intervals.len()
+            )));
+        }
+        let (q, _gq) = args.q.device_ptr(stream);
+        let (k, _gk) = args.k_cache.device_ptr(stream);
+        let (v, _gv) = args.v_cache.device_ptr(stream);
+        let (bt, _gb) = args.block_table.device_ptr(stream);
+        let (cu_q, _gc) = args.cu_q.device_ptr(stream);
+        let (kv_len, _gl) = args.kv_len.device_ptr(stream);
+        let (row_ptr, _gr) = args.row_ptr.device_ptr(stream);
+        let (intervals, _gi) = args.intervals.device_ptr(stream);
+        let num_intervals = args.intervals.len() / 2;
+        let (out, _go) = args.out.device_ptr_mut(stream);
+        let (lse, _gs) = match args.lse {
+            Some(buf) => {
+                let (p, g) = buf.device_ptr_mut(stream);
+                (Some((p, h as i64)), Some(g))
+            }
+            None => (None, None),
+        };
+        let (workspace, _gw) = match args.workspace {
+            Some(buf) => {
+                let len = buf.len();
+                let (p, g) = buf.device_ptr_mut(stream);
+                (Some((p, len)), Some(g))
+            }
+            None => (None, None),
+        };
+        let raw = DecodeRaw {
+            dtype: args.dtype,
+            q,
+            q_shape: args.q_shape,
+            q_strides: row_major(args.q_shape),
+            k_cache: k,
+            v_cache: v,
+            cache_shape: args.cache_shape,
+            k_strides: row_major(args.cache_shape),
+            v_strides: row_major(args.cache_shape),
+            out,
+            out_strides: row_major([total_q, h, d]),
+            lse,
+            block_table: bt,
+            block_table_shape: args.block_table_shape,
+            block_table_stride: args.block_table_shape[1] as i64,
+            cu_q,
+            kv_len,
+            row_ptr,
+            intervals,
+            num_intervals,
+            max_q_len: args.max_q_len,
+            num_splits: args.num_splits,
+            workspace,
+            softmax_scale: args.softmax_scale,
+        };
+        // SAFETY: every address comes from a live CudaSlice whose length was checked against
+        // the span its shape reaches (the step's arrays against num_seqs and total_q; the
+        // kernel clamps the indices it reads from them), and the guards above record the use on
+        // `stream` until the launch is enqueued; `out`, `lse` and `workspace` are distinct
+        // `&mut` buffers, so they alias nothing.
+        unsafe { self.decode_raw(stream, &raw) }
+    }
+
+    /// Serving attention of one step over device addresses owned by the caller, enqueued on
+    /// `stream` (one launch, two with `num_splits > 1`: the split-KV partials, then their
+    /// merge); returns without waiting for the GPU, so it can be captured in a CUDA graph.
+    ///
+    /// # Safety
+    /// Each address must point to device memory of this runtime's context holding its shape
+    /// (the step's arrays: `num_seqs + 1`, `num_seqs`, `total_q + 1` and `2 x num_intervals`
+    /// int32), live until the launch has finished on `stream`; `out`, `lse` and `workspace`
+    /// must not overlap each other or the inputs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first check of [`crate::check_decode`] that fails;
+    /// [`Error::Driver`] if a launch is refused.
+    #[allow(unsafe_code)]
+    pub unsafe fn decode_raw(&self, stream: &CudaStream, args: &DecodeRaw) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.bind_context()?;
+        let Some(launch) = prepare_decode(args)? else {
+            return Ok(());
+        };
+        let kernels = std::iter::once((launch.variant, launch.config)).chain(launch.merge);
+        for (variant, config) in kernels {
+            let mut builder = stream.launch_builder(&self.functions[variant]);
+            builder.arg(&launch.params);
+            // SAFETY: both entry points of decode.cu take one by-value CmDecodeParams, which
+            // DecodeParams mirrors; block size and shared memory are the variant's.
+            // `prepare_decode` checked alignment, strides and the workspace's size, the kernel
+            // clamps every index it reads from the step's arrays and the block table, and the
+            // caller guarantees the spans are allocated and live (this function's contract).
+            unsafe { builder.launch(config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
+        }
+        Ok(())
     }
 
     /// The device address of `stream`'s work counter.
