@@ -148,7 +148,7 @@ pub(crate) struct DecodeParams {
     num_intervals: u32,
     m_tiles_per_seq: u32,
     scale_log2: f32,
-    pad: u32,
+    page_shift: u32,
 }
 
 const _: () = assert!(
@@ -430,7 +430,11 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
         num_intervals: a.num_intervals as u32,
         m_tiles_per_seq: m_tiles as u32,
         scale_log2: a.softmax_scale * std::f32::consts::LOG2_E,
-        pad: 0,
+        page_shift: if page_size.is_power_of_two() {
+            page_size.trailing_zeros()
+        } else {
+            32
+        },
     };
     let config = LaunchConfig {
         grid_dim: (grid_x, num_kv_heads as u32, a.num_splits),

@@ -71,7 +71,7 @@ struct CmDecodeParams {
     u32 num_intervals;
     u32 m_tiles_per_seq;  // grid.x = num_seqs * m_tiles_per_seq; a CTA also takes m_tile + m_tiles_per_seq, ...
     float scale_log2;     // softmax_scale * log2(e)
-    u32 pad_;
+    u32 page_shift;       // log2(page_size) for a power of two (a shift instead of a division), else 32
 };
 
 static_assert(sizeof(CmDecodeParams) == 240, "must match cm_cuda::decode::DecodeParams");
@@ -98,15 +98,18 @@ __device__ __forceinline__ void cm_load_kv_tile(u16* stage, const CmDecodeParams
         const int pos = key0 + r;
         bool ok = pos < limit;
         int page = 0;
+        u32 slot = 0;
         if (ok) {
-            page = __ldg(table + (u32)pos / p.page_size);
+            const u32 up = (u32)pos;
+            const bool pow2 = p.page_shift < 32;
+            page = __ldg(table + (pow2 ? up >> p.page_shift : up / p.page_size));
+            slot = pow2 ? up & (p.page_size - 1) : up % p.page_size;
             ok = page >= 0 && (u32)page < p.num_pages;
         }
-        const i64 slot = (i64)((u32)pos % p.page_size);
-        const u16* k = p.k_cache + (ok ? (i64)page * p.k_stride_page + slot * p.k_stride_slot +
+        const u16* k = p.k_cache + (ok ? (i64)page * p.k_stride_page + (i64)slot * p.k_stride_slot +
                                              (i64)kv_head * p.k_stride_head + col
                                        : 0);
-        const u16* v = p.v_cache + (ok ? (i64)page * p.v_stride_page + slot * p.v_stride_slot +
+        const u16* v = p.v_cache + (ok ? (i64)page * p.v_stride_page + (i64)slot * p.v_stride_slot +
                                              (i64)kv_head * p.v_stride_head + col
                                        : 0);
         cm_cp_async16(base + (u32)(r * PITCH + col) * 2, k, ok ? 16 : 0);

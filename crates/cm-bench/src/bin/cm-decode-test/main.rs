@@ -4,7 +4,7 @@
 //! machine, run on the GPU machine:
 //!
 //! ```text
-//! cm-decode-test [--seed N] [--json PATH] [--skip-bench]
+//! cm-decode-test [--seed N] [--json PATH] [--skip-bench] [--bench-only]
 //! ```
 //! Cases: bottom-right causal, sliding window, draft trees over the cached prefix (random
 //! parent arrays) and random interval rows with empty ones; q_len 1 / 7 / 64, kv_len 1 / 127 /
@@ -638,7 +638,7 @@ fn bench(gpu: &Gpu) -> Res<Value> {
 }
 
 fn main() -> ExitCode {
-    let args = match common::parse_args("cm-decode-test", &["--skip-bench"]) {
+    let args = match common::parse_args("cm-decode-test", &["--skip-bench", "--bench-only"]) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("{e}");
@@ -647,12 +647,13 @@ fn main() -> ExitCode {
     };
     let seed = args.seed;
     let skip_bench = args.has("--skip-bench");
+    let bench_only = args.has("--bench-only");
     common::finish("cm-decode-test", &args, json!({}), |report| {
         let gpu = Gpu::new(report)?;
         let mut rng = Rng(seed);
         let mut pass = true;
         let mut results = Vec::new();
-        for c in cases() {
+        for c in cases().into_iter().filter(|_| !bench_only) {
             let r = run_case(&gpu, &mut rng, &c).unwrap_or_else(|e| {
                 println!("FAIL decode {}: error {e}", c.name);
                 json!({"case": c.name, "error": e.to_string(), "pass": false})
@@ -660,7 +661,9 @@ fn main() -> ExitCode {
             results.push(r);
         }
         pass &= common::record(report, "cases", results);
-        pass &= common::record(report, "validation", validation(&gpu)?);
+        if !bench_only {
+            pass &= common::record(report, "validation", validation(&gpu)?);
+        }
         if !skip_bench {
             report["bench"] = bench(&gpu)?;
         }
