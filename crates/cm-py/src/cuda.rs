@@ -384,3 +384,207 @@ pub fn cuda_backward(
     })
     .map_err(py_err)
 }
+
+/// The split-KV count of a serving step on `device` (`cm_cuda::decode_splits` with the
+/// device's SMs and the decode kernel's occupancy at `dtype` / `head_dim`), from capacities
+/// only, so a CUDA graph captured with it stays valid while lengths change.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_decode_splits(
+    device: usize,
+    dtype: &str,
+    head_dim: u32,
+    num_seqs: usize,
+    max_q_len: usize,
+    heads_per_kv_head: usize,
+    num_kv_heads: usize,
+    max_kv_len: usize,
+) -> PyResult<u32> {
+    let dtype = match dtype {
+        "bfloat16" => cm_cuda::DType::Bf16,
+        "float16" => cm_cuda::DType::F16,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "compilemask.paged_attention: dtype {other} is not supported on CUDA (bfloat16, float16)"
+            )))
+        }
+    };
+    let rt = runtime(device).map_err(py_err)?;
+    let ctas = rt.decode_ctas_per_sm(dtype, head_dim).map_err(py_err)?;
+    Ok(cm_cuda::decode_splits(
+        num_seqs,
+        max_q_len,
+        heads_per_kv_head,
+        num_kv_heads,
+        max_kv_len,
+        rt.num_sms(),
+        ctas,
+    ))
+}
+
+/// fp32 elements of a serving step's split-KV workspace (`cm_cuda::decode_workspace_len`).
+#[pyfunction]
+pub fn cuda_decode_workspace_len(
+    num_splits: u32,
+    total_q: usize,
+    num_heads: usize,
+    head_dim: usize,
+) -> usize {
+    cm_cuda::decode_workspace_len(num_splits, total_q, num_heads, head_dim)
+}
+
+/// Serving attention of one step over a paged KV cache on `stream` (GIL released; one launch,
+/// two when split): `q` and `out` `[total_q, num_heads, head_dim]`, `k_cache` / `v_cache`
+/// `[num_pages, page_size, num_kv_heads, head_dim]` of q's dtype, `lse` float32 `[total_q,
+/// num_heads]` (head stride 1) or None, `block_table` int32 `[num_seqs, max_pages_per_seq]`
+/// (page stride 1), the step's int32 arrays `cu_q`, `kv_len`, `row_ptr`, `intervals`
+/// (contiguous; `cm_cuda::decode` gives their meaning) and, with `num_splits > 1`, a
+/// contiguous float32 `workspace` of `cuda_decode_workspace_len` elements. Every tensor is
+/// checked (device, dtype, contiguity where required) before the launch's own checks.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_paged_attention(
+    py: Python<'_>,
+    stream: usize,
+    q: TensorArg<3>,
+    k_cache: TensorArg<4>,
+    v_cache: TensorArg<4>,
+    out: TensorArg<3>,
+    lse: Option<TensorArg<2>>,
+    block_table: TensorArg<2>,
+    step: [TensorArg<1>; 4],
+    max_q_len: usize,
+    num_splits: u32,
+    workspace: Option<TensorArg<1>>,
+    scale: f32,
+) -> PyResult<()> {
+    let checked = || -> Result<(usize, cm_cuda::DecodeRaw), Error> {
+        let (q, k, v, out, bt) = (
+            to_external(q),
+            to_external(k_cache),
+            to_external(v_cache),
+            to_external(out),
+            to_external(block_table),
+        );
+        let (device, dtype) = external::launch_device_and_dtype(&[
+            ("q", &q.dtype, q.device, true),
+            ("k_cache", &k.dtype, k.device, true),
+            ("v_cache", &v.dtype, v.device, true),
+            ("out", &out.dtype, out.device, true),
+        ])?;
+        if k.shape != v.shape {
+            return Err(Error::invalid(format!(
+                "v_cache: shape {:?} differs from k_cache's shape {:?}",
+                v.shape, k.shape
+            )));
+        }
+        if out.shape != q.shape {
+            return Err(Error::invalid(format!(
+                "out: shape {:?} differs from q's shape {:?}",
+                out.shape, q.shape
+            )));
+        }
+        external::check_tensor("block_table", &bt.dtype, bt.device, "int32", device)?;
+        if bt.shape[1] > 1 && bt.strides[1] != 1 {
+            return Err(Error::invalid(format!(
+                "block_table: page stride {}, expected 1",
+                bt.strides[1]
+            )));
+        }
+        let mut addrs = [0u64; 4];
+        let mut lens = [0usize; 4];
+        for (i, (name, t)) in ["cu_q", "kv_len", "row_ptr", "intervals"]
+            .into_iter()
+            .zip(step)
+            .enumerate()
+        {
+            let t = to_external(t);
+            external::check_tensor(name, &t.dtype, t.device, "int32", device)?;
+            (addrs[i], lens[i]) = t.contiguous(name)?;
+        }
+        let [total_q, num_heads, _] = q.shape;
+        let num_seqs = bt.shape[0];
+        for (name, len, want) in [
+            ("cu_q", lens[0], num_seqs + 1),
+            ("kv_len", lens[1], num_seqs),
+            ("row_ptr", lens[2], total_q + 1),
+        ] {
+            if len != want {
+                return Err(Error::invalid(format!(
+                    "{name}: {len} elements, expected {want} (num_seqs = {num_seqs}, total_q = {total_q})"
+                )));
+            }
+        }
+        if lens[3] % 2 != 0 {
+            return Err(Error::invalid(format!(
+                "intervals: {} elements, expected (start, end) pairs",
+                lens[3]
+            )));
+        }
+        let lse = match lse {
+            Some(t) => {
+                let t = to_external(t);
+                external::check_tensor("lse", &t.dtype, t.device, "float32", device)?;
+                if t.shape != [total_q, num_heads] || (num_heads > 1 && t.strides[1] != 1) {
+                    return Err(Error::invalid(format!(
+                        "lse: shape {:?} strides {:?}, expected [total_q, num_heads] = [{total_q}, {num_heads}] with head stride 1",
+                        t.shape, t.strides
+                    )));
+                }
+                Some((t.addr, t.strides[0]))
+            }
+            None => None,
+        };
+        let workspace = match workspace {
+            Some(t) => {
+                let t = to_external(t);
+                external::check_tensor("workspace", &t.dtype, t.device, "float32", device)?;
+                Some(t.contiguous("workspace")?)
+            }
+            None => None,
+        };
+        let raw = cm_cuda::DecodeRaw {
+            dtype,
+            q: q.addr,
+            q_shape: q.shape,
+            q_strides: q.strides,
+            k_cache: k.addr,
+            v_cache: v.addr,
+            cache_shape: k.shape,
+            k_strides: k.strides,
+            v_strides: v.strides,
+            out: out.addr,
+            out_strides: out.strides,
+            lse,
+            block_table: bt.addr,
+            block_table_shape: bt.shape,
+            block_table_stride: bt.strides[0],
+            cu_q: addrs[0],
+            kv_len: addrs[1],
+            row_ptr: addrs[2],
+            intervals: addrs[3],
+            num_intervals: lens[3] / 2,
+            max_q_len,
+            num_splits,
+            workspace,
+            softmax_scale: scale,
+        };
+        cm_cuda::check_decode(&raw)?;
+        Ok((device, raw))
+    };
+    let (device, raw) = checked().map_err(py_err)?;
+    py.detach(|| {
+        let rt = runtime(device)?;
+        let stream = torch_stream(&rt, stream);
+        // SAFETY: every address is the data pointer of a torch tensor checked above to be on
+        // `device` with its dtype, passed with its own shape and strides (the step's arrays
+        // with their lengths checked against num_seqs and total_q, the workspace's length
+        // checked by `check_decode`), all kept allocated by torch until stream-ordered work
+        // after this launch; `out`, `lse` and `workspace` are outputs the caller made fresh.
+        #[allow(unsafe_code)]
+        unsafe {
+            rt.decode_raw(&stream, &raw)
+        }
+    })
+    .map_err(py_err)
+}

@@ -227,6 +227,31 @@ def cuda_forward(
     lse: _Tensor,
     scale: float,
 ) -> None: ...
+def cuda_paged_attention(
+    stream: int,
+    q: _Tensor,
+    k_cache: _Tensor,
+    v_cache: _Tensor,
+    out: _Tensor,
+    lse: _Tensor | None,
+    block_table: _Tensor,
+    step: tuple[_Tensor, _Tensor, _Tensor, _Tensor],
+    max_q_len: int,
+    num_splits: int,
+    workspace: _Tensor | None,
+    scale: float,
+) -> None: ...
+def cuda_decode_splits(
+    device: int,
+    dtype: str,
+    head_dim: int,
+    num_seqs: int,
+    max_q_len: int,
+    heads_per_kv_head: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+) -> int: ...
+def cuda_decode_workspace_len(num_splits: int, total_q: int, num_heads: int, head_dim: int) -> int: ...
 def cuda_backward(
     stream: int,
     plan: _Descriptor,
