@@ -191,7 +191,7 @@ fn build_step(c: &Case, rng: &mut Rng) -> Res<Step> {
             // A shared prompt: sequence 0's full pages stand for the first pages of the others.
             let shared = c.share_prompt && si > 0 && p + 1 < pages_of[0] && p + 1 < n;
             row.push(if shared {
-                first[p]
+                first.get(p).copied().ok_or("shared page past the prompt")?
             } else {
                 next.next().ok_or("page pool exhausted")?
             });
