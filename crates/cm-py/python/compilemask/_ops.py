@@ -437,3 +437,60 @@ def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
     (:func:`distance_runs`)."""
     run_end, runs = distance_runs(bucket)
     return _TableByDistance.apply(table, bucket, *runs), run_end
+
+
+# Serving: one step's new rows against a paged KV cache (the decode kernel of cm-cuda).
+
+@torch.library.custom_op("compilemask::paged_attention", mutates_args=())
+def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                       cu_q: Tensor, kv_len: Tensor, row_ptr: Tensor, intervals: Tensor,
+                       max_q_len: int, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
+    of the step on CUDA. The split-KV count comes from capacities only (the shapes of q, the
+    cache and the block table, and ``max_q_len``), so a CUDA graph captured once stays valid
+    while the step's lengths change."""
+    total_q, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, max_pages = block_table.shape
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"compilemask.paged_attention: num_kv_heads = {num_kv_heads} must "
+                         f"divide num_heads = {num_heads}")
+    dtype = str(q.dtype).removeprefix("torch.")
+    device = q.device.index
+    splits = _native.cuda_decode_splits(device, dtype, head_dim, num_seqs, max_q_len,
+                                        num_heads // num_kv_heads, num_kv_heads,
+                                        max_pages * page_size)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
+    ws_len = _native.cuda_decode_workspace_len(splits, total_q, num_heads, head_dim)
+    workspace = torch.empty(ws_len, dtype=torch.float32, device=q.device) if ws_len else None
+    step = tuple(_raw(t.reshape(-1)) for t in (cu_q, kv_len, row_ptr, intervals))
+    with torch.cuda.device(q.device):
+        _native.cuda_paged_attention(
+            _stream(q.device), _raw(q), _raw(k_cache), _raw(v_cache), _raw(out), _raw(lse),
+            _raw(block_table), step, max_q_len, splits, _opt_raw(workspace), scale)
+    return out, lse
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, cu_q, kv_len, row_ptr, intervals, max_q_len, scale):
+    total_q, num_heads, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((total_q, num_heads), dtype=torch.float32))
+
+
+def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                         tensors: Any, scale: float, return_lse: bool):
+    """:func:`compilemask.paged_attention` on CUDA tensors: ``tensors`` holds the step's int32
+    arrays ``cu_q``, ``kv_len``, ``row_ptr``, ``intervals`` on q's device and its
+    ``max_q_len`` (the most new rows of any sequence, a capacity)."""
+    if q.dtype not in _CUDA_DTYPES or q.shape[-1] not in (64, 128):
+        raise NotImplementedError(
+            f"compilemask.paged_attention on CUDA supports bfloat16 and float16 with head_dim 64 "
+            f"or 128; got {str(q.dtype).removeprefix('torch.')} with head_dim {q.shape[-1]}. "
+            "Use CPU tensors (the reference) for other cases.")
+    out, lse = paged_attention_op(
+        _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache), block_table,
+        tensors.cu_q, tensors.kv_len, tensors.row_ptr, tensors.intervals,
+        int(tensors.max_q_len), float(scale))
+    return (out, lse) if return_lse else out
