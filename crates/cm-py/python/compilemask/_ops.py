@@ -449,6 +449,8 @@ def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table:
     of the step on CUDA. The split-KV count comes from capacities only (the shapes of q, the
     cache and the block table, and ``max_q_len``), so a CUDA graph captured once stays valid
     while the step's lengths change."""
+    # Inside the op, where the tensors are real (a traced call's are fake and have no address).
+    q, k_cache, v_cache = _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache)
     total_q, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_pages = block_table.shape
@@ -490,7 +492,7 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
             f"or 128; got {str(q.dtype).removeprefix('torch.')} with head_dim {q.shape[-1]}. "
             "Use CPU tensors (the reference) for other cases.")
     out, lse = paged_attention_op(
-        _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache), block_table,
+        q, k_cache, v_cache, block_table,
         tensors.cu_q, tensors.kv_len, tensors.row_ptr, tensors.intervals,
         int(tensors.max_q_len), float(scale))
     return (out, lse) if return_lse else out
