@@ -8,9 +8,9 @@
 //   - split-KV: grid.z splits each CTA's key range (the hull of its rows' intervals) into
 //     num_splits parts, each written as a partial output with its lse, merged by
 //     cm_decode_merge (FlashDecoding), so that a batch too small to fill the GPU still does;
-//   - pages: each 64-key tile is gathered row by row through the block table with cp.async
-//     into a three-stage ring (K and V of tiles i + 1 and i + 2 land during the products of
-//     tile i).
+//   - pages: each 64-key tile is gathered row by row through the block table, one bulk copy
+//     (cp.async.bulk) per key row, into a three-stage ring of mbarriers (K and V of tiles
+//     i + 1 and i + 2 land during the products of tile i).
 // Each warp owns 16 packed rows and runs mma.sync (m16n8k16); warps with no rows only help
 // load. Visibility is per element from the row's intervals (64-bit words per row and tile).
 //
@@ -22,6 +22,8 @@
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64 | 128),
 // CM_DYNAMIC_SMEM_BYTES (the ring's size, checked below).
 #include "fwd_common.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 
 #ifndef CM_HEAD_DIM
 #error "CM_HEAD_DIM must be defined (64 or 128)"
@@ -83,37 +85,45 @@ __device__ __forceinline__ u64 cm_bit_range(int lo, int hi) {
     return upto & ~((1ull << lo) - 1ull);
 }
 
-// Gathers the keys [key0, key0 + 64) of one kv head into a stage of the ring (K then V),
-// zero-filling positions at or past `limit` and slots whose page is outside the cache.
-__device__ __forceinline__ void cm_load_kv_tile(u16* stage, const CmDecodeParams& p, const int* table, u32 kv_head,
-                                                int key0, int limit) {
-    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
-    constexpr int PER_THREAD = BLOCK_N * CHUNKS_PER_ROW / NUM_THREADS;
-    const u32 base = cm_smem_addr(stage);
+// Gathers the keys [key0, key0 + 64) of one kv head into a stage of the ring: thread t takes
+// key row t % 64 of K (t < 64) or of V, one bulk copy of its head_dim x 2 bytes completing on
+// the stage's barrier (bulk copies move a row in one request, where 16-byte cp.async moves it
+// in head_dim / 8); a position at or past `limit`, or whose page lies outside the cache, is
+// zero-filled by plain stores instead. Every thread arrives once.
+__device__ __forceinline__ void cm_load_kv_tile(u16* stage, u32 bar, const CmDecodeParams& p, const int* table,
+                                                u32 kv_head, int key0, int limit) {
+    constexpr u32 ROW_BYTES = HEAD_DIM * 2;
+    const int r = threadIdx.x % BLOCK_N;
+    const bool is_v = threadIdx.x >= BLOCK_N;
+    const int pos = key0 + r;
+    bool ok = pos < limit;
+    int page = 0;
+    u32 slot = 0;
+    if (ok) {
+        const u32 up = (u32)pos;
+        const bool pow2 = p.page_shift < 32;
+        page = __ldg(table + (pow2 ? up >> p.page_shift : up / p.page_size));
+        slot = pow2 ? up & (p.page_size - 1) : up % p.page_size;
+        ok = page >= 0 && (u32)page < p.num_pages;
+    }
+    u16* dst = stage + ((is_v ? BLOCK_N : 0) + r) * PITCH;
+    if (ok) {
+        const u16* src = is_v ? p.v_cache + (i64)page * p.v_stride_page + (i64)slot * p.v_stride_slot +
+                                    (i64)kv_head * p.v_stride_head
+                              : p.k_cache + (i64)page * p.k_stride_page + (i64)slot * p.k_stride_slot +
+                                    (i64)kv_head * p.k_stride_head;
+        // The stage was last read through ldmatrix (the generic proxy); the bulk copy writes it
+        // through the async proxy.
+        cm_fence_proxy_async();
+        cm_mbar_arrive_expect_tx(bar, ROW_BYTES);
+        cm_bulk_load(cm_smem_addr(dst), src, ROW_BYTES, bar);
+    } else {
+        const u32 d = cm_smem_addr(dst);
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = threadIdx.x + i * NUM_THREADS;
-        const int r = c / CHUNKS_PER_ROW;
-        const int col = (c % CHUNKS_PER_ROW) * 8;
-        const int pos = key0 + r;
-        bool ok = pos < limit;
-        int page = 0;
-        u32 slot = 0;
-        if (ok) {
-            const u32 up = (u32)pos;
-            const bool pow2 = p.page_shift < 32;
-            page = __ldg(table + (pow2 ? up >> p.page_shift : up / p.page_size));
-            slot = pow2 ? up & (p.page_size - 1) : up % p.page_size;
-            ok = page >= 0 && (u32)page < p.num_pages;
+        for (int c = 0; c < HEAD_DIM; c += 8) {
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(d + c * 2), "r"(0u) : "memory");
         }
-        const u16* k = p.k_cache + (ok ? (i64)page * p.k_stride_page + (i64)slot * p.k_stride_slot +
-                                             (i64)kv_head * p.k_stride_head + col
-                                       : 0);
-        const u16* v = p.v_cache + (ok ? (i64)page * p.v_stride_page + (i64)slot * p.v_stride_slot +
-                                             (i64)kv_head * p.v_stride_head + col
-                                       : 0);
-        cm_cp_async16(base + (u32)(r * PITCH + col) * 2, k, ok ? 16 : 0);
-        cm_cp_async16(base + (u32)((BLOCK_N + r) * PITCH + col) * 2, v, ok ? 16 : 0);
+        cm_mbar_arrive(bar);
     }
 }
 
@@ -177,6 +187,9 @@ static_assert(NUM_THREADS * STATE_FLOATS * 4 <= STAGES * STAGE_ELEMS * 2, "the m
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_decode(const CmDecodeParams p) {
     extern __shared__ __align__(128) u16 smem[];
     __shared__ int s_hull[2];
+    // One barrier per stage of the ring: a stage is full when its 128 rows' threads arrived
+    // and its bulk copies completed.
+    __shared__ __align__(8) u64 s_full[STAGES];
 
     const u32 seq = blockIdx.x / p.m_tiles_per_seq;
     const u32 kv_head = blockIdx.y;
@@ -193,6 +206,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_decode(const CmD
     const u64 capacity = (u64)p.max_pages_per_seq * p.page_size;
     const int limit = (int)min((u64)max(p.kv_len[seq], 0), min(capacity, (u64)CM_INT_MAX));
     const int* table = p.block_table + (i64)seq * p.block_table_stride;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) cm_mbar_init(cm_smem_addr(&s_full[i]), NUM_THREADS);
+        cm_mbar_init_fence();
+    }
+    __syncthreads();
+    // Tiles issued into and consumed from the ring so far (across m_tiles): tile n uses stage
+    // n % STAGES in its barrier's phase n / STAGES.
+    u32 issued = 0, consumed = 0;
 
     for (u32 m_tile = blockIdx.x % p.m_tiles_per_seq; m_tile * BLOCK_M < packed_rows; m_tile += p.m_tiles_per_seq) {
         const u32 p0 = m_tile * BLOCK_M;
@@ -281,24 +303,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_decode(const CmD
         float row_max[2] = {cm_neg_inf(), cm_neg_inf()};
         float row_sum[2] = {0.f, 0.f};
 
+        auto issue = [&](int tile) {
+            const u32 stage = issued % STAGES;
+            cm_load_kv_tile(smem + stage * STAGE_ELEMS, cm_smem_addr(&s_full[stage]), p, table, kv_head,
+                            tile * BLOCK_N, limit);
+            ++issued;
+        };
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (tile_begin + i < tile_end) {
-                cm_load_kv_tile(smem + i * STAGE_ELEMS, p, table, kv_head, (tile_begin + i) * BLOCK_N, limit);
-            }
-            cm_cp_async_commit();
+            if (tile_begin + i < tile_end) issue(tile_begin + i);
         }
         for (int tile = tile_begin; tile < tile_end; ++tile) {
-            const int it = tile - tile_begin;
-            const int ahead = tile + STAGES - 1;
-            if (ahead < tile_end) {
-                cm_load_kv_tile(smem + ((it + STAGES - 1) % STAGES) * STAGE_ELEMS, p, table, kv_head, ahead * BLOCK_N,
-                                limit);
-            }
-            cm_cp_async_commit();
-            cm_cp_async_wait<STAGES - 1>();  // this tile's K and V landed
-            __syncthreads();
-            const u16* sK = smem + (it % STAGES) * STAGE_ELEMS;
+            // The stage this refills was consumed in the previous iteration, which every warp
+            // left through its closing barrier.
+            if (tile + STAGES - 1 < tile_end) issue(tile + STAGES - 1);
+            const u32 stage = consumed % STAGES;
+            cm_mbar_wait(cm_smem_addr(&s_full[stage]), (consumed / STAGES) & 1);
+            ++consumed;
+            const u16* sK = smem + stage * STAGE_ELEMS;
             const u16* sV = sK + BLOCK_N * PITCH;
             const int key0 = tile * BLOCK_N;
             if (warp_rows) {
@@ -326,8 +348,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_decode(const CmD
             }
             __syncthreads();  // every warp is done with this stage before it is refilled
         }
-        cm_cp_async_wait<0>();
-        __syncthreads();
 
         // The key groups of a row block merge into its first warp's state (the ring is free
         // now): m = max(m_j), sum = sum_j sum_j 2^(m_j - m), out likewise.
