@@ -4,7 +4,8 @@
 //! latency with the host launch included. [`measure`] does the forward; [`measure_backward`]
 //! adds the backward (a forward with lse then a backward on one stream: sampled dQ rows and
 //! dK / dV keys against the float64 gradients of [`grad`], no NaN in any gradient, then
-//! forward + backward timing). `compilemask bench [--bwd]` prints these.
+//! forward + backward timing); [`decode::measure_decode`] serving's decode over a paged cache.
+//! `compilemask bench [--bwd | --decode]` prints these.
 //!
 //! ```no_run
 //! # fn demo(rows: &cm_plan::rows::RowIntervals) -> Result<(), cm_cuda::Error> {
@@ -20,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod decode;
 pub mod grad;
 pub mod reference;
 

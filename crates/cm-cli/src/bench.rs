@@ -21,6 +21,11 @@
 //! plus 1e-3), then a forward with lse followed by a backward on one stream is timed:
 //! effective TFLOP/s = 3.5 x the forward's FLOPs over that time, the backward alone 2.5 x.
 //! It works in every `--order`: the backward runs on the same (permuted) plan.
+//!
+//! `--decode` (serving) runs `cm_bench::decode::measure_decode` instead: `--batch` sequences
+//! of one new token each over a paged KV cache of each `--sizes` keys and `--page-sizes`
+//! (`--heads` / `--kv-heads` / `--head-dim` / `--dtype`), checked against float64 on sampled
+//! sequences, then TB/s of K and V read against the copy bandwidth of the same run.
 
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, ValueEnum};
@@ -109,6 +114,22 @@ pub struct BenchArgs {
     /// With --bwd: also check and time the deterministic backward (dQ without atomics).
     #[arg(long, requires = "bwd")]
     deterministic: bool,
+    /// Serving decode over a paged KV cache instead of the workloads: `--sizes` are the
+    /// cached keys per sequence (e.g. `--decode --sizes 8192,32768,131072 --heads 32
+    /// --kv-heads 8`).
+    #[arg(long, conflicts_with_all = ["bwd", "order_check"])]
+    decode: bool,
+    /// With --decode: sequences in the batch.
+    #[arg(long, default_value_t = 64, requires = "decode")]
+    batch: usize,
+    /// With --decode: keys per cache page, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,64",
+        requires = "decode"
+    )]
+    page_sizes: Vec<usize>,
     /// Back-to-back calls timed per workload and per timed quantity (the protocol asks for at
     /// least 50).
     #[arg(long, default_value_t = 60)]
@@ -343,6 +364,9 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
 /// Runs the benchmark; `Ok(false)` when a correctness check failed.
 pub fn run(a: &BenchArgs) -> Result<bool> {
     let (opts, kernel) = options(a)?;
+    if a.decode {
+        return run_decode(a, opts);
+    }
     if a.order_check {
         return run_order_check(a, opts, kernel);
     }
@@ -447,6 +471,88 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
             outln!("order auto: planned in the compiler's patch order (patch t,y,x and traversal in the order column) for the kernel tile;");
             outln!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
         }
+    }
+    if let Some(path) = &a.output {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+    }
+    Ok(all_pass)
+}
+
+/// `--decode`: every (size, page size) of a serving decode step, one row each.
+fn run_decode(a: &BenchArgs, opts: BenchOptions) -> Result<bool> {
+    if a.batch == 0 || a.page_sizes.is_empty() || a.page_sizes.contains(&0) {
+        bail!(
+            "--batch {} --page-sizes {:?}: the batch and every page size must be positive",
+            a.batch,
+            a.page_sizes
+        );
+    }
+    let rt = Runtime::new_on_device(0)?;
+    let stream = rt.context().default_stream();
+    let device = rt.context().name()?;
+    let copy = cm_bench::decode::copy_bandwidth(&rt, &stream, 10)?;
+    if !a.json {
+        outln!(
+            "compilemask bench --decode on {device}: batch {} H={} H_kv={} head_dim={} {}, median of {} calls; copy bandwidth {copy:.2} TB/s",
+            a.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype, opts.runs
+        );
+        outln!(
+            "{:>8} {:>5} {:>6} {:>9} {:>9} {:>7} {:>8} {:>10} {:>5}",
+            "kv_len",
+            "page",
+            "splits",
+            "median_ms",
+            "TB/s",
+            "copy",
+            "enqueue",
+            "err/tol",
+            "check"
+        );
+    }
+    let mut results = Vec::new();
+    let mut all_pass = true;
+    for &kv_len in &a.sizes {
+        for &page_size in &a.page_sizes {
+            let m = cm_bench::decode::measure_decode(
+                &rt,
+                &stream,
+                cm_bench::decode::DecodeOptions {
+                    batch: a.batch,
+                    kv_len: kv_len as usize,
+                    page_size,
+                    num_heads: opts.heads,
+                    num_kv_heads: opts.kv_heads,
+                    head_dim: opts.head_dim,
+                    dtype: opts.dtype,
+                    runs: opts.runs,
+                    seed: opts.seed,
+                },
+            )?;
+            all_pass &= m.pass();
+            if !a.json {
+                outln!(
+                    "{:>8} {:>5} {:>6} {:>9.3} {:>9.2} {:>6.0}% {:>6.1}us {:>10.2} {:>5}",
+                    kv_len,
+                    page_size,
+                    m.splits,
+                    m.median_ms,
+                    m.kv_tb_per_s,
+                    100.0 * m.kv_tb_per_s / copy,
+                    m.enqueue_us,
+                    m.max_err / m.tolerance,
+                    if m.pass() { "ok" } else { "FAIL" }
+                );
+            }
+            results.push(m.json(copy));
+        }
+    }
+    let report = json!({"device": device, "decode": true, "copy_tb_per_s": copy, "pass": all_pass, "results": results});
+    if a.json {
+        outln!("{report}");
+    } else {
+        outln!("TB/s = batch x kv_len x num_kv_heads x head_dim x 2 bytes x 2 (K and V) / median; copy = that over a 4 GiB device-to-device copy's read + write rate;");
+        outln!("enqueue = host time of one step's checks and launches; err/tol = the sampled sequences' largest error / the accuracy rule's bound (<= 1 passes).");
     }
     if let Some(path) = &a.output {
         let text = serde_json::to_string_pretty(&report)?;

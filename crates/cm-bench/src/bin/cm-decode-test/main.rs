@@ -18,7 +18,7 @@
 mod common;
 
 use cm_bench::reference::{self, Inputs, Shape};
-use cm_bench::{from_bits, median, nan_bits, time_calls, to_bits};
+use cm_bench::{from_bits, nan_bits, to_bits};
 use cm_cuda::{decode_splits, decode_workspace_len, DType, Decode};
 use cm_plan::rows::RowIntervals;
 use common::{Expect, Gpu, Res, Rng};
@@ -553,111 +553,42 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
     Ok(ex.results)
 }
 
-/// A device buffer of `n` random 16-bit values (one random 64 MiB block, repeated): HBM reads
-/// of zeros measured up to a third faster than of random bits, so timings read random data.
-fn random_buffer(gpu: &Gpu, rng: &mut Rng, n: usize) -> Res<CudaSlice<u16>> {
-    let s = &gpu.stream;
-    let block: Vec<u16> = (0..(32usize << 20).min(n))
-        .map(|_| {
-            to_bits(
-                DType::Bf16,
-                common::random_values(rng, DType::Bf16, 1, true)[0] as f32,
-            )
-        })
-        .collect();
-    let block = s.clone_htod(&block)?;
-    let mut buf = s.alloc_zeros::<u16>(n)?;
-    let mut at = 0;
-    while at < n {
-        let len = block.len().min(n - at);
-        s.memcpy_dtod(&block.slice(..len), &mut buf.slice_mut(at..at + len))?;
-        at += len;
-    }
-    Ok(buf)
-}
-
-/// Decode at serving shapes against the device's copy bandwidth, in TB/s of K and V read.
-fn bench(gpu: &Gpu, rng: &mut Rng) -> Res<Value> {
-    let s = &gpu.stream;
-    // Copy bandwidth: a 4 GiB device-to-device copy reads and writes 4 GiB each.
-    let n = 1usize << 31;
-    let src = random_buffer(gpu, rng, n)?;
-    let mut dst = s.alloc_zeros::<u16>(n)?;
-    let copy_ms = median(time_calls(&gpu.rt, s, 2, 10, || {
-        s.memcpy_dtod(&src, &mut dst)
-            .map_err(|e| cm_cuda::Error::driver("cuMemcpyDtoD", e))
-    })?);
-    let copy_tbs = 2.0 * (n * 2) as f64 / copy_ms / 1e9;
-    drop((src, dst));
-    println!("copy bandwidth {copy_tbs:.2} TB/s (4 GiB device-to-device, read + write)");
+/// Decode at serving shapes (`cm_bench::decode`): batch 64, kv_len 8K / 32K / 128K, GQA
+/// 32/8, head_dim 128, bf16, page sizes 16 and 64, against the copy bandwidth of the same run.
+fn bench(gpu: &Gpu, seed: u64) -> Res<Value> {
+    let copy = cm_bench::decode::copy_bandwidth(&gpu.rt, &gpu.stream, 10)?;
+    println!("copy bandwidth {copy:.2} TB/s (4 GiB device-to-device, read + write)");
     let mut rows = Vec::new();
-    let (h, h_kv, d) = (32usize, 8usize, 128usize);
-    for &kv in &[8192usize, 32768, 131072] {
-        for &ps in &[16usize, 64] {
-            let seqs = 64usize;
-            let pages_per_seq = kv / ps;
-            let num_pages = seqs * pages_per_seq;
-            let k = random_buffer(gpu, rng, num_pages * ps * h_kv * d)?;
-            let v = random_buffer(gpu, rng, num_pages * ps * h_kv * d)?;
-            // Sequence s's pages interleaved with the others' (page p of s is p * seqs + s), as
-            // a cache that grew one step at a time lays them out.
-            let table: Vec<i32> = (0..seqs)
-                .flat_map(|si| (0..pages_per_seq).map(move |p| (p * seqs + si) as i32))
-                .collect();
-            let bt = s.clone_htod(&table)?;
-            let cu: Vec<i32> = (0..=seqs as i32).collect();
-            let cu_q = s.clone_htod(&cu)?;
-            let kv_len = s.clone_htod(&vec![kv as i32; seqs])?;
-            let row_ptr = s.clone_htod(&cu)?;
-            let iv: Vec<i32> = (0..seqs).flat_map(|_| [0, kv as i32]).collect();
-            let intervals = s.clone_htod(&iv)?;
-            let q = random_buffer(gpu, rng, seqs * h * d)?;
-            let mut out = s.alloc_zeros::<u16>(seqs * h * d)?;
-            let ctas = gpu.rt.decode_ctas_per_sm(DType::Bf16, d as u32)?;
-            let heuristic = decode_splits(seqs, 1, h / h_kv, h_kv, kv, gpu.rt.num_sms(), ctas);
-            for splits in [1, heuristic] {
-                let mut ws =
-                    s.alloc_zeros::<f32>(decode_workspace_len(splits, seqs, h, d).max(1))?;
-                let ms = median(time_calls(&gpu.rt, s, 3, 20, || {
-                    gpu.rt.decode(
-                        s,
-                        Decode {
-                            dtype: DType::Bf16,
-                            q: &q,
-                            q_shape: [seqs, h, d],
-                            k_cache: &k,
-                            v_cache: &v,
-                            cache_shape: [num_pages, ps, h_kv, d],
-                            out: &mut out,
-                            lse: None,
-                            block_table: &bt,
-                            block_table_shape: [seqs, pages_per_seq],
-                            cu_q: &cu_q,
-                            kv_len: &kv_len,
-                            row_ptr: &row_ptr,
-                            intervals: &intervals,
-                            max_q_len: 1,
-                            num_splits: splits,
-                            workspace: (splits > 1).then_some(&mut ws),
-                            softmax_scale: 0.088,
-                        },
-                    )
-                })?);
-                let bytes = (seqs * kv * h_kv * d * 2 * 2) as f64;
-                let tbs = bytes / ms / 1e9;
-                println!(
-                    "decode batch {seqs} kv_len {kv} GQA {h}/{h_kv} d{d} page {ps} splits {splits}: {ms:.3} ms, {tbs:.2} TB/s ({:.0}% of copy)",
-                    100.0 * tbs / copy_tbs
-                );
-                rows.push(
-                    json!({"kv_len": kv, "page_size": ps, "batch": seqs, "num_heads": h,
-                    "num_kv_heads": h_kv, "head_dim": d, "splits": splits, "median_ms": ms,
-                    "kv_tb_per_s": tbs, "fraction_of_copy": tbs / copy_tbs}),
-                );
-            }
+    for kv_len in [8192, 32768, 131072] {
+        for page_size in [16, 64] {
+            let opts = cm_bench::decode::DecodeOptions {
+                batch: 64,
+                kv_len,
+                page_size,
+                num_heads: 32,
+                num_kv_heads: 8,
+                head_dim: 128,
+                dtype: DType::Bf16,
+                runs: 20,
+                seed,
+            };
+            let m = cm_bench::decode::measure_decode(&gpu.rt, &gpu.stream, opts)?;
+            println!(
+                "{} decode batch 64 kv_len {kv_len} GQA 32/8 d128 page {page_size} splits {}: err {:.1e} (tol {:.1e}), \
+                 {:.3} ms, {:.2} TB/s ({:.0}% of copy), enqueue {:.1} us",
+                if m.pass() { "PASS" } else { "FAIL" },
+                m.splits,
+                m.max_err,
+                m.tolerance,
+                m.median_ms,
+                m.kv_tb_per_s,
+                100.0 * m.kv_tb_per_s / copy,
+                m.enqueue_us
+            );
+            rows.push(m.json(copy));
         }
     }
-    Ok(json!({"copy_tb_per_s": copy_tbs, "decode": rows}))
+    Ok(json!({"copy_tb_per_s": copy, "decode": rows}))
 }
 
 fn main() -> ExitCode {
@@ -688,7 +619,11 @@ fn main() -> ExitCode {
             pass &= common::record(report, "validation", validation(&gpu)?);
         }
         if !skip_bench {
-            report["bench"] = bench(&gpu, &mut rng)?;
+            let b = bench(&gpu, seed)?;
+            pass &= b["decode"]
+                .as_array()
+                .is_some_and(|rows| rows.iter().all(|r| r["pass"] == json!(true)));
+            report["bench"] = b;
         }
         Ok(pass)
     })
