@@ -10,7 +10,15 @@ bf16, page sizes 16 and 64.
 - FlashAttention-4 (`flash_attn.cute.flash_attn_varlen_func` with `page_table`) on the same
   paged cache, where it runs (its error is recorded otherwise).
 
-Each reported as median milliseconds of `--runs` calls and TB/s of K and V read (batch x kv_len
+Then the two mask targets, ours against FlexAttention with the equivalent `mask_mod` (the peer
+that can express them): tree decode (batch 16, a random 64-node draft tree per sequence over a
+32K cached prefix: node i sees the prefix, its ancestors and itself) and shared-prompt scoring
+(one 8K prompt and 16 responses of 512 tokens: each response's rows see the prompt and their
+own response causally; ours reads the prompt's pages through every response's block table,
+Flex one packed sequence of prompt and responses), as TFLOP/s of visible pairs
+(4 x head_dim x num_heads x pairs).
+
+Each decode row is reported as median milliseconds of `--runs` calls and TB/s of K and V read (batch x kv_len
 x num_kv_heads x head_dim x 2 bytes x 2), with the device-to-device copy bandwidth measured in
 the same run (a 4 GiB copy reads and writes 4 GiB each). Correctness is
 tests/python/test_paged_cuda.py's and cm-decode-test's; here ours is also checked against
@@ -45,6 +53,127 @@ def reference(q, k4, v4, scale, chunk=8):
         k, v = k4[b:b + chunk].float(), v4[b:b + chunk].float()
         p = torch.softmax(torch.einsum("bgrd,bgkd->bgrk", qg, k) * scale, -1)
         out[b:b + chunk] = torch.einsum("bgrk,bgkd->bgrd", p, v).reshape(-1, h, d).to(q.dtype)
+    return out
+
+
+def _tree_parents(n: int, gen: torch.Generator) -> list:
+    """A random draft tree in depth-first order: node i's parent is an earlier node."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def mask_targets(runs: int, flex) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask
+    dev = "cuda"
+    h, h_kv, d = 32, 8, 128
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(1)
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = {}
+
+    # Tree decode: 16 sequences x 64 nodes over a 32K prefix, page size 64.
+    b, n, prefix, ps = 16, 64, 32768, 64
+    kv = prefix + n
+    anc = torch.zeros((b, n, n), dtype=torch.bool)
+    rows = []
+    for s in range(b):
+        par = _tree_parents(n, gen)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[s, i, j] = True
+                j = par[j]
+            keys = [prefix + j for j in range(n) if anc[s, i, j]]
+            row = [[0, prefix]]
+            for k in keys:
+                if row[-1][1] == k:
+                    row[-1][1] = k + 1
+                else:
+                    row.append([k, k + 1])
+            rows.append(row)
+    pairs = sum(e - a for row in rows for a, e in row)
+    pages = kv // ps + 1
+    kc = torch.randn((b * pages, ps, h_kv, d), device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(b * pages, **i32).view(b, pages)
+    flat = [x for row in rows for iv in row for x in iv]
+    lens = [len(row) for row in rows]
+    tensors = SimpleNamespace(
+        cu_q=torch.arange(0, b * n + 1, n, **i32), kv_len=torch.full((b,), kv, **i32),
+        row_ptr=torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), **i32),
+        intervals=torch.tensor(flat, **i32), max_q_len=n)
+    q = torch.randn((b * n, h, d), device=dev, dtype=torch.bfloat16)
+    ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
+    ms = median_ms(ours, runs)
+    flops = 4 * d * h * pairs
+    tree = {"batch": b, "nodes": n, "prefix": prefix, "ms": ms, "tflops": flops / ms / 1e9}
+    try:
+        # Flex on the same keys, contiguous: [b, h_kv, kv, d].
+        pos = torch.arange(kv, device=dev)
+        k4 = kc.view(b, pages * ps, h_kv, d)[:, :kv].transpose(1, 2).contiguous()
+        v4 = vc.view(b, pages * ps, h_kv, d)[:, :kv].transpose(1, 2).contiguous()
+        anc_d = anc.to(dev)
+
+        def mask_mod(bb, hh, qi, ki):
+            kt = (ki - prefix).clamp(min=0)
+            return (ki < prefix) | anc_d[bb, qi, kt]
+
+        bm = create_block_mask(mask_mod, b, None, n, kv, device=dev)
+        q4 = q.view(b, n, h, d).transpose(1, 2)
+        fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
+        err = (ours().float() - fl().transpose(1, 2).reshape(b * n, h, d).float()).abs().max().item()
+        fms = median_ms(fl, runs)
+        tree.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
+        del k4, v4, pos
+    except Exception as e:  # noqa: BLE001
+        tree["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print("tree", json.dumps(tree), flush=True)
+    out["tree_decode"] = tree
+    del kc, vc
+
+    # Shared-prompt scoring: an 8K prompt, 16 responses of 512, page size 64.
+    p_len, r, r_len, ps = 8192, 16, 512, 64
+    kv = p_len + r_len
+    p_pages, r_pages = p_len // ps, r_len // ps
+    kc = torch.randn((p_pages + r * r_pages, ps, h_kv, d), device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.stack([torch.cat([torch.arange(p_pages), p_pages + s * r_pages + torch.arange(r_pages)])
+                         for s in range(r)]).to(**i32)
+    cu = torch.arange(0, r * r_len + 1, r_len, **i32)
+    rows_end = torch.arange(p_len + 1, kv + 1, **i32).repeat(r)
+    tensors = SimpleNamespace(
+        cu_q=cu, kv_len=torch.full((r,), kv, **i32), row_ptr=torch.arange(r * r_len + 1, **i32),
+        intervals=torch.stack([torch.zeros_like(rows_end), rows_end], 1).reshape(-1).contiguous(),
+        max_q_len=r_len)
+    q = torch.randn((r * r_len, h, d), device=dev, dtype=torch.bfloat16)
+    pairs = r * sum(p_len + i + 1 for i in range(r_len))
+    flops = 4 * d * h * pairs
+    ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
+    ms = median_ms(ours, runs)
+    shared = {"prompt": p_len, "responses": r, "response_len": r_len, "ms": ms, "tflops": flops / ms / 1e9}
+    try:
+        total = p_len + r * r_len
+        k_p = kc[:p_pages].reshape(p_len, h_kv, d)
+        k_r = kc[p_pages:].reshape(r * r_len, h_kv, d)
+        v_p = vc[:p_pages].reshape(p_len, h_kv, d)
+        v_r = vc[p_pages:].reshape(r * r_len, h_kv, d)
+        k4 = torch.cat([k_p, k_r]).transpose(0, 1)[None].contiguous()
+        v4 = torch.cat([v_p, v_r]).transpose(0, 1)[None].contiguous()
+
+        def mask_mod(bb, hh, qi, ki):
+            # query qi is response token qi of the packed responses; key ki of the packed sequence
+            qr, kr = qi // r_len, (ki - p_len) // r_len
+            return (ki < p_len) | ((kr == qr) & (ki - p_len <= qi))
+
+        bm = create_block_mask(mask_mod, 1, None, r * r_len, total, device=dev)
+        q4 = q.transpose(0, 1)[None]
+        fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
+        err = (ours().float() - fl()[0].transpose(0, 1).float()).abs().max().item()
+        fms = median_ms(fl, runs)
+        shared.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
+    except Exception as e:  # noqa: BLE001
+        shared["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print("shared_prompt", json.dumps(shared), flush=True)
+    out["shared_prompt"] = shared
     return out
 
 
@@ -147,6 +276,7 @@ def main() -> None:
         results["rows"].append(row)
         del k4, v4
         torch.cuda.empty_cache()
+    results["masks"] = mask_targets(a.runs, flex)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
