@@ -99,7 +99,7 @@ def mask_targets(runs: int, flex) -> dict:
     lens = [len(row) for row in rows]
     tensors = SimpleNamespace(
         cu_q=torch.arange(0, b * n + 1, n, **i32), kv_len=torch.full((b,), kv, **i32),
-        row_ptr=torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), **i32),
+        row_ptr=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), **i32),
         intervals=torch.tensor(flat, **i32), max_q_len=n)
     q = torch.randn((b * n, h, d), device=dev, dtype=torch.bfloat16)
     ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
