@@ -112,7 +112,6 @@ fn page(
 
 /// Dense float64 attention of every step row over its sequence's contiguous K / V, with
 /// visibility from the pairwise semantics of the program bound at the sequence's length.
-#[allow(clippy::too_many_arguments)]
 fn dense(
     program: &cm_ir::Program,
     values: &[Params],
@@ -126,7 +125,7 @@ fn dense(
     let group = hq / hk;
     let mut out = vec![0.0; plan.total_q() * hq * dv];
     let mut lse = vec![0.0; plan.total_q() * hq];
-    for s in 0..plan.num_seqs() {
+    for (s, values) in values.iter().enumerate() {
         let kv = plan.kv_len()[s] as i64;
         let shape = Shape {
             q_len: kv,
@@ -134,7 +133,7 @@ fn dense(
             batch: plan.num_seqs() as i64,
             num_heads: 1,
         };
-        let bound = program.bind(shape, &values[s]).unwrap();
+        let bound = program.bind(shape, values).unwrap();
         for i in 0..plan.q_len(s) {
             let r = plan.cu_q()[s] as usize + i;
             let p = plan.position(s, i) as i64;
