@@ -14,7 +14,10 @@ work under ``torch.compile``:
 applies to every batch or head), with which the CUDA kernels find each (batch, head)'s mask
 in ``kernel``: one launch (one backward sequence) serves the whole plan.
 
-Both have fake (meta) implementations; the forward has autograd through the backward op.
+``paged_attention_cuda`` is the CUDA path of :func:`compilemask.paged_attention` (serving
+steps over a paged KV cache).
+
+Both ops have fake (meta) implementations; the forward has autograd through the backward op.
 CPU tensors run the Rust CPU reference. CUDA tensors run the kernels of ``cm-cuda`` on the
 current stream: torch allocates every output and workspace, the extension gets addresses,
 shapes and strides as ints, releases the GIL and launches without synchronising.
@@ -206,6 +209,21 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, sca
                                   plan_dims, scale, deterministic)
     dk = (dk.float() + scale * pq.float()).to(k.dtype)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- paged attention
+
+def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                         tensors: Any, scale: float, return_lse: bool) -> Any:
+    """The CUDA path of :func:`compilemask.paged_attention`, called with checked arguments
+    on one CUDA device: ``q`` ``[total_q, num_heads, head_dim]``, ``k_cache`` / ``v_cache``
+    ``[num_pages, page_size, num_kv_heads, head_dim(_v)]`` (one float dtype), ``block_table``
+    int32 ``[num_seqs, max_pages_per_seq]``, ``tensors`` a
+    :class:`compilemask.StepTensors` (int32 ``cu_q``, ``kv_len``, ``row_ptr``,
+    ``intervals`` on the same device), ``scale`` a finite float. Returns ``out``
+    ``[total_q, num_heads, head_dim_v]`` in ``q``'s dtype, or ``(out, lse)`` with ``lse``
+    float32 ``[total_q, num_heads]`` (natural log) when ``return_lse``."""
+    raise NotImplementedError("paged attention on CUDA: the decode kernel is not wired yet")
 
 
 # --------------------------------------------------------------------------- the ops
