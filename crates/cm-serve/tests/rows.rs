@@ -80,6 +80,12 @@ fn programs() -> Vec<(&'static str, Arc<cm_ir::Program>, Params, bool)> {
             false,
         ),
         (
+            "reads_num_heads",
+            compile("mask = k <= q & k % num_heads == 0;"),
+            Params::new(),
+            false,
+        ),
+        (
             "elementwise",
             compile("mask = k <= q & elementwise((q * 7 + k * 3) % 5 < 3);"),
             Params::new(),
@@ -268,6 +274,26 @@ fn decode_solves_few_pieces() {
         );
         assert_eq!(step.plan().kv_len()[63], 32_000 + 7 * 63 + 200);
     }
+}
+
+/// `num_heads` is what a program reading it sees (the mask is still one for every head).
+#[test]
+fn num_heads_is_the_programs_value() {
+    let program = compile("mask = k <= q & k % num_heads == 0;");
+    let mut planner = StepPlanner::new(program, Params::new())
+        .unwrap()
+        .with_num_heads(4)
+        .unwrap();
+    let plan = planner.plan(&[1], &[10]).unwrap();
+    assert_eq!(plan.row(0).collect::<Vec<_>>(), [(0, 1), (4, 5), (8, 9)]);
+    let e = StepPlanner::new(builtin("causal"), Params::new())
+        .unwrap()
+        .with_num_heads(0)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "[CM0402] Error: num_heads = 0 is out of range; expected 1 ..= 65536"
+    );
 }
 
 /// Every bad input is a clear error naming the value, and leaves an appending step as it

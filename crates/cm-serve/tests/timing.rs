@@ -27,7 +27,12 @@ fn time(runs: usize, mut f: impl FnMut()) -> (f64, f64) {
 fn decode_step_host_time() {
     let window = params(&[("window", Value::Int(4096))]);
     for (name, program, shared, per_seq) in [
-        ("causal, piece cache", builtin("causal"), Params::new(), false),
+        (
+            "causal, piece cache",
+            builtin("causal"),
+            Params::new(),
+            false,
+        ),
         (
             "sliding_window 4096, piece cache",
             builtin("sliding_window"),
@@ -67,7 +72,9 @@ fn decode_step_host_time() {
 #[ignore = "timing: run with --release -- --ignored --nocapture"]
 fn tree_step_host_time() {
     // 16 sequences, a 64-node tree each over a 32K prefix (a 4-ary tree, breadth first).
-    let parents: Vec<i64> = (0..64).map(|i| if i == 0 { -1 } else { (i - 1) / 4 }).collect();
+    let parents: Vec<i64> = (0..64)
+        .map(|i| if i == 0 { -1 } else { (i - 1) / 4 })
+        .collect();
     let own = vec![params(&[("parents", Value::Array(parents.into()))]); 16];
     let kv: Vec<i64> = (0..16).map(|s| 32_768 + 64 + s).collect();
     let mut planner = StepPlanner::new(builtin("tree_decode"), Params::new()).unwrap();
