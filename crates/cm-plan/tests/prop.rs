@@ -1174,6 +1174,24 @@ fn check_row_range_case(
     Ok(all_ok)
 }
 
+/// [`check_row_range_case`] of a generated program and row range, the case in the message.
+fn row_range_case(
+    pre: &str,
+    mask: &str,
+    sz: &Sizes,
+    vals: &BTreeMap<String, Value>,
+    ends: (u32, u32),
+) -> Result<(), TestCaseError> {
+    let src = program_source(pre, mask);
+    let rows = row_range(sz.shape.q_len, ends);
+    check_row_range_case(&src, sz.shape, vals, rows.clone()).map_err(|e| {
+        TestCaseError::fail(format!(
+            "{e}\nrows {rows:?}, sizes: {sz:?}\nvalues: {vals:?}\n{src}"
+        ))
+    })?;
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(config(1000))]
 
@@ -1187,10 +1205,7 @@ proptest! {
         vals in values(Mode::Safe),
         ends in (any::<u32>(), any::<u32>()),
     ) {
-        let src = program_source(&pre, &mask);
-        let rows = row_range(sz.shape.q_len, ends);
-        check_row_range_case(&src, sz.shape, &vals, rows.clone())
-            .map_err(|e| TestCaseError::fail(format!("{e}\nrows {rows:?}, sizes: {sz:?}\nvalues: {vals:?}\n{src}")))?;
+        row_range_case(&pre, &mask, &sz, &vals, ends)?;
     }
 
     /// Programs that may raise plan-time errors: a row range fails exactly when brute force
@@ -1203,10 +1218,7 @@ proptest! {
         vals in values(Mode::Risky),
         ends in (any::<u32>(), any::<u32>()),
     ) {
-        let src = program_source(&pre, &mask);
-        let rows = row_range(sz.shape.q_len, ends);
-        check_row_range_case(&src, sz.shape, &vals, rows.clone())
-            .map_err(|e| TestCaseError::fail(format!("{e}\nrows {rows:?}, sizes: {sz:?}\nvalues: {vals:?}\n{src}")))?;
+        row_range_case(&pre, &mask, &sz, &vals, ends)?;
     }
 }
 
@@ -1218,7 +1230,7 @@ fn row_range_outside_the_rows_is_an_error() {
         .bind(cm_testkit::shape(10, 10, 1, 1), &BTreeMap::new())
         .unwrap();
     let solver = cm_plan::symbolic::Solver::new(&bound);
-    for rows in [-1..3, 4..11, 5..4] {
+    for rows in [-1..3, 4..11, std::ops::Range { start: 5, end: 4 }] {
         let e = cm_plan::row_range_intervals(&solver, 0, 0, rows.clone(), &mut 0).unwrap_err();
         assert_eq!(e.code.as_str(), "CM0402", "{rows:?}");
         assert!(

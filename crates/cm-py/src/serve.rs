@@ -8,10 +8,11 @@ use compilemask::{Float, PagedShape, StepError, StepPlan, Value};
 use pyo3::buffer::Element;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::convert::{self, py_bytes, read_vec, to_bytes, NeBytes};
+use crate::convert::{self, py_bytes, read_three, read_vec, NeBytes};
 use crate::errors::plan_error;
+use crate::reference::{bytearray, Forward};
 
 /// A step's error as Python sees it: a `PlanError` rendered against the program for a
 /// sequence's plan-time error, a `ValueError` naming the value otherwise.
@@ -165,24 +166,18 @@ fn paged_t<'py, T>(
     v_cache: &Bound<'py, PyAny>,
     block_table: &[i32],
     scale: f64,
-) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)>
+) -> PyResult<Forward<'py>>
 where
     T: Float + Element + NeBytes + for<'a, 'p> FromPyObject<'a, 'p>,
 {
-    let (q, k, v): (Vec<T>, Vec<T>, Vec<T>) = (
-        read_vec(q, "query")?,
-        read_vec(k_cache, "k_cache")?,
-        read_vec(v_cache, "v_cache")?,
-    );
+    let [q, k, v]: [Vec<T>; 3] =
+        read_three([(q, "query"), (k_cache, "k_cache"), (v_cache, "v_cache")])?;
     let out = py
         .detach(|| {
             compilemask::paged_attention(&shape, step, &q, &k, &v, block_table, T::from_f64(scale))
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    Ok((
-        PyByteArray::new(py, &to_bytes(&out.out)),
-        PyByteArray::new(py, &to_bytes(&out.lse)),
-    ))
+    Ok((bytearray(py, &out.out), bytearray(py, &out.lse)))
 }
 
 /// The CPU reference of a step over a paged cache: `q` `[total_q, num_heads, head_dim]`,
@@ -208,7 +203,7 @@ pub fn paged_reference<'py>(
     ),
     scale: f64,
     double: bool,
-) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+) -> PyResult<Forward<'py>> {
     let (cu_q, kv_len, row_ptr, intervals) = step;
     let plan = StepPlan::from_parts(
         read_vec(&cu_q, "cu_q")?,

@@ -213,9 +213,6 @@ class Step:
                 f"total_q={self.total_q}, num_intervals={self.num_intervals})")
 
 
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -249,7 +246,7 @@ def paged_attention(
     differentiable (serving is inference). Wrong shapes, dtypes or devices raise
     ``ValueError``.
     """
-    from ._torch import require_torch
+    from ._torch import _DTYPES, require_torch
 
     torch = require_torch("compilemask.paged_attention")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table}
