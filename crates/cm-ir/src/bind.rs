@@ -304,6 +304,33 @@ impl Program {
         self.params.iter().map(|p| p.name.as_str()).collect()
     }
 
+    /// Checks that every name of `values` is a declared parameter, as [`Program::bind`] does
+    /// first (for callers that bind later, or not at all).
+    ///
+    /// # Errors
+    /// `CM0309` for the first unknown name, with the nearest declared name as a hint.
+    pub fn check_param_names(&self, values: &BTreeMap<String, Value>) -> PResult<()> {
+        for name in values.keys() {
+            if !self.params.iter().any(|p| &p.name == name) {
+                let hint = match crate::check::suggest(
+                    name,
+                    self.params.iter().map(|p| p.name.as_str()),
+                ) {
+                    Some(s) => format!("did you mean `{s}`?"),
+                    None if self.params.is_empty() => "this mask takes no parameters".to_string(),
+                    None => format!("its parameters are: {}", self.param_names().join(", ")),
+                };
+                return Err(PlanError::new(
+                    Code::UnknownParam,
+                    None,
+                    format!("unknown parameter `{name}`"),
+                )
+                .with_hint(hint));
+            }
+        }
+        Ok(())
+    }
+
     /// Binds the program to `shape` and `values` (parameters not given take their
     /// defaults). Cost: O(segments + parameters), independent of `q_len x kv_len`.
     ///
@@ -334,24 +361,7 @@ impl Program {
                 ),
             ));
         }
-        for name in values.keys() {
-            if !self.params.iter().any(|p| &p.name == name) {
-                let hint = match crate::check::suggest(
-                    name,
-                    self.params.iter().map(|p| p.name.as_str()),
-                ) {
-                    Some(s) => format!("did you mean `{s}`?"),
-                    None if self.params.is_empty() => "this mask takes no parameters".to_string(),
-                    None => format!("its parameters are: {}", self.param_names().join(", ")),
-                };
-                return Err(PlanError::new(
-                    Code::UnknownParam,
-                    None,
-                    format!("unknown parameter `{name}`"),
-                )
-                .with_hint(hint));
-            }
-        }
+        self.check_param_names(values)?;
         let mut b = Bound {
             program: self,
             shape,

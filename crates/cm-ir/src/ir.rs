@@ -560,4 +560,12 @@ pub struct Program {
     /// Where the score first reads `h` (slopes or tables per head), which the mask's
     /// `h_span` does not count.
     pub score_h_span: Option<Span>,
+    /// Whether anything the program holds (a parameter default, a segmentation, including
+    /// the implicit `fill q_len`, a grid, a tree, a requirement, the mask, a tensor extent,
+    /// the score) reads `q_len`, `kv_len`, `batch` or `num_heads`. Set wherever the checker
+    /// resolves one of those names, so a name read only by an unused `let` counts too: when
+    /// false, binding at any lengths gives the same parameters, structures and pairwise
+    /// visibility, the lengths only bounding the keys (what `cm-serve` relies on to reuse
+    /// one binding across sequence lengths).
+    pub reads_lengths: bool,
 }

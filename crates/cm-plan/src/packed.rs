@@ -181,29 +181,6 @@ impl Packing {
     }
 }
 
-/// Unknown parameter names fail here, even when no sample is bound (every sample empty).
-fn check_names(program: &Program, values: &BTreeMap<String, Value>) -> PResult<()> {
-    for name in values.keys() {
-        if !program.params.iter().any(|p| &p.name == name) {
-            let hint =
-                match cm_ir::check::suggest(name, program.params.iter().map(|p| p.name.as_str())) {
-                    Some(s) => format!("did you mean `{s}`?"),
-                    None if program.params.is_empty() => {
-                        "this mask takes no parameters".to_string()
-                    }
-                    None => format!("its parameters are: {}", program.param_names().join(", ")),
-                };
-            return Err(PlanError::new(
-                Code::UnknownParam,
-                None,
-                format!("unknown parameter `{name}`"),
-            )
-            .with_hint(hint));
-        }
-    }
-    Ok(())
-}
-
 /// Names the sample in a per-sample error.
 fn in_sample(mut e: PlanError, b: u32, lq: u32, lk: u32) -> PlanError {
     e.message = format!(
@@ -256,7 +233,8 @@ pub fn plan_packed(
             ),
         ));
     }
-    check_names(program, values)?;
+    // Unknown parameter names fail here, even when no sample is bound (every sample empty).
+    program.check_param_names(values)?;
     let hs = if program.uses_h { num_heads as u32 } else { 1 };
     let (total_q, total_k) = (packing.total_q(), packing.total_k());
     // Bound programs by (len_q, len_k), shared by every head.

@@ -4,7 +4,7 @@
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
 use crate::rows::{ExpandError, KeyInterval, RowIntervals};
-use crate::symbolic::{Flow, Piece, Solver};
+use crate::symbolic::{Affine, AffineInterval, Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::Code;
@@ -190,8 +190,150 @@ pub fn row_intervals_runs(
         solve_in_parallel(solver, b, h)?
     } else {
         let intervals = AtomicUsize::new(0);
-        vec![solve_rows(solver, b, h, 0..shape.q_len, &intervals)?]
+        vec![solve_rows(
+            solver,
+            b,
+            h,
+            0..shape.q_len,
+            usize::MAX,
+            &intervals,
+        )?]
     };
+    assemble(
+        &blocks,
+        shape.q_len as u32,
+        shape.kv_len as u32,
+        pieces,
+        runs,
+    )
+}
+
+/// Checks that `rows` lies inside the bound program's rows `[0, q_len)`.
+fn check_row_range(solver: &Solver<'_, '_>, rows: &std::ops::Range<i64>) -> PResult<()> {
+    let q_len = solver.bound.shape.q_len;
+    if rows.start < 0 || rows.start > rows.end || rows.end > q_len {
+        return Err(PlanError::new(
+            Code::LengthOutOfRange,
+            None,
+            format!(
+                "rows {}..{} are not a range inside the program's rows 0..{q_len} (q_len = {q_len})",
+                rows.start, rows.end
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Solves the rows `rows` of one (batch, head) mask alone, in program positions
+/// (`0 <= rows.start <= rows.end <= q_len`, half-open): the returned [`RowIntervals`] has
+/// `rows.end - rows.start` rows over the bound program's `kv_len` keys, its row `i` being
+/// the program's row `rows.start + i`, exactly as [`row_intervals`] gives it. Cost
+/// O(pieces x intervals) of those rows: the rows before `rows.start` are never solved (what
+/// a serving step needs for the new rows of a long sequence). A mask with `elementwise` is
+/// solved on the calling thread whatever the row count. `pieces` counts the solver's
+/// pieces.
+///
+/// # Errors
+/// `CM0402` for a range outside `[0, q_len]`; any plan-time error of those rows (another
+/// row's error is not raised).
+pub fn row_range_intervals(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    rows: std::ops::Range<i64>,
+    pieces: &mut u64,
+) -> PResult<RowIntervals> {
+    check_row_range(solver, &rows)?;
+    let n = (rows.end - rows.start) as u32;
+    let block = solve_rows(solver, b, h, rows, usize::MAX, &AtomicUsize::new(0))?;
+    let kv_len = solver.bound.shape.kv_len as u32;
+    assemble(&[block], n, kv_len, pieces, &mut Vec::new())
+}
+
+/// Rows `q0 .. q0 + n` (program positions) whose runs are affine in the row: row `q0 + t`
+/// holds, for every run, the keys `[start.at(t), end.at(t))` with its `stride` (1: a plain
+/// interval; above 1 a strided run, see [`crate::rows`]). On every row of the piece the runs
+/// are canonical: non-empty, inside `[0, kv_len)`, sorted, maximal.
+#[derive(Clone, Debug)]
+pub struct AffineRows {
+    pub q0: i64,
+    pub n: i64,
+    pub runs: Vec<AffineInterval>,
+}
+
+/// The solver's first piece of `rows` (`0 <= rows.start < rows.end <= q_len`): the run of
+/// rows from `rows.start`, ending at or before `rows.end`, over which every endpoint is
+/// affine, as the planner finds it. Cost O(intervals) per evaluation of the piece (a few
+/// when the structure changes inside `rows`), independent of the rows before `rows.start`
+/// and of how many rows the piece holds.
+///
+/// # Errors
+/// `CM0402` for an empty range or one outside `[0, q_len]`; a plan-time error of the
+/// piece's rows.
+pub fn first_piece(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    rows: std::ops::Range<i64>,
+) -> PResult<AffineRows> {
+    check_row_range(solver, &rows)?;
+    if rows.is_empty() {
+        return Err(PlanError::new(
+            Code::LengthOutOfRange,
+            None,
+            format!("rows {}..{} hold no row", rows.start, rows.end),
+        ));
+    }
+    let q0 = rows.start;
+    let block = solve_rows(solver, b, h, rows, 1, &AtomicUsize::new(0))?;
+    let sp = &block.pieces[0];
+    // Slopes are stored as wrapping `u32`s; every endpoint stays in [0, kv_len] on every row
+    // of the piece, so a slope's magnitude is at most kv_len < 2^31 and reading it as an
+    // `i32` is exact.
+    let slope = |at: usize| {
+        if sp.n > 1 {
+            let d = block.lists[at + sp.len];
+            (i64::from(d.start as i32), i64::from(d.end as i32))
+        } else {
+            (0, 0)
+        }
+    };
+    let runs = (sp.at..sp.at + sp.len)
+        .map(|at| {
+            let (iv, (ds, de)) = (block.lists[at], slope(at));
+            AffineInterval {
+                start: Affine {
+                    first: i64::from(iv.start),
+                    step: ds,
+                },
+                end: Affine {
+                    first: i64::from(iv.end),
+                    step: de,
+                },
+                stride: if sp.strided {
+                    i64::from(block.strides[at])
+                } else {
+                    1
+                },
+            }
+        })
+        .collect();
+    Ok(AffineRows {
+        q0,
+        n: sp.n as i64,
+        runs,
+    })
+}
+
+/// The rows of solved blocks, in order, as one [`RowIntervals`] of `q_len` rows; the first
+/// row of every piece goes to `runs` and the pieces are counted into `pieces`.
+fn assemble(
+    blocks: &[SolvedRows],
+    q_len: u32,
+    kv_len: u32,
+    pieces: &mut u64,
+    runs: &mut Vec<u32>,
+) -> PResult<RowIntervals> {
     // The rows written once into arrays allocated at their final size: growing them piece
     // by piece costs a copy per doubling and, in a fresh process, a page fault per 4 KiB
     // more than the writes themselves.
@@ -199,8 +341,8 @@ pub fn row_intervals_runs(
     if total > MAX_INTERVALS {
         return Err(too_many_intervals());
     }
-    let mut rows = RowIntervals::with_capacity(shape.q_len as u32, shape.kv_len as u32, total);
-    for block in &blocks {
+    let mut rows = RowIntervals::with_capacity(q_len, kv_len, total);
+    for block in blocks {
         for sp in &block.pieces {
             let first = &block.lists[sp.at..sp.at + sp.len];
             let step = if sp.n > 1 {
@@ -250,7 +392,10 @@ fn solve_in_parallel(solver: &Solver<'_, '_>, b: i64, h: i64) -> PResult<Vec<Sol
         .into_par_iter()
         .map(|r| {
             let s = Solver::new(bound).with_shared_pairs(&shared);
-            (solve_rows(&s, b, h, r, &intervals), s.hit_pair_limit())
+            (
+                solve_rows(&s, b, h, r, usize::MAX, &intervals),
+                s.hit_pair_limit(),
+            )
         })
         .collect();
     let mut out = Vec::with_capacity(solved.len());
@@ -278,12 +423,14 @@ struct SolvedRows {
 
 /// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
 /// of several rows, their slopes kept), counting their intervals into `intervals` (shared
-/// by the blocks of a parallel solve) against [`MAX_INTERVALS`].
+/// by the blocks of a parallel solve) against [`MAX_INTERVALS`]; stops after `max_pieces`
+/// pieces, the rows after them unsolved.
 fn solve_rows(
     solver: &Solver<'_, '_>,
     b: i64,
     h: i64,
     rows: std::ops::Range<i64>,
+    max_pieces: usize,
     intervals: &AtomicUsize,
 ) -> PResult<SolvedRows> {
     let mut out = SolvedRows {
@@ -298,7 +445,7 @@ fn solve_rows(
     // succeeds, the next one is tried up to the nearest known change, not to the end.
     let mut ends: Vec<i64> = vec![rows.end];
     let mut hints: Vec<i64> = Vec::new();
-    while q0 < rows.end {
+    while q0 < rows.end && out.pieces.len() < max_pieces {
         let mut end = ends.last().copied().unwrap_or(rows.end);
         loop {
             let p = Piece {

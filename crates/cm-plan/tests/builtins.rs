@@ -218,4 +218,17 @@ fn grids() {
         ]),
         t,
     );
+    // A draft tree at the end of the sequence, numbered out of order; the default tree.
+    for (n, parents) in [
+        (7, &[3, 3, -1, 2, 0, 4, 2][..]),
+        (129, &[-1, 0, 1, 1, 0][..]),
+    ] {
+        check_against_brute_force(
+            &builtin("tree_decode"),
+            shape(n, n),
+            &params(&[("parents", arr(parents))]),
+            t,
+        );
+    }
+    check_against_brute_force(&builtin("tree_decode"), shape(200, 200), &params(&[]), t);
 }

@@ -1065,6 +1065,187 @@ proptest! {
     }
 }
 
+/// Rows `lo..hi` of `q_len` from two fractions: a non-empty range anywhere, often at an end.
+fn row_range(q_len: i64, (a, z): (u32, u32)) -> std::ops::Range<i64> {
+    let lo = i64::from(a) % q_len;
+    let hi = lo + 1 + i64::from(z) % (q_len - lo);
+    lo..hi
+}
+
+/// A piece's rows written out as the unit intervals brute force gives (strided runs as
+/// their keys).
+fn piece_rows(piece: &cm_plan::AffineRows) -> Rows {
+    (0..piece.n)
+        .map(|t| {
+            let mut row = Vec::new();
+            for r in &piece.runs {
+                let (a, z) = (r.start.at(t) as u32, r.end.at(t) as u32);
+                if r.stride == 1 {
+                    row.push((a, z));
+                } else {
+                    row.extend((a..z).step_by(r.stride as usize).map(|k| (k, k + 1)));
+                }
+            }
+            row
+        })
+        .collect()
+}
+
+/// Rows `rows` of every distinct (b, h), solved alone (`row_range_intervals`) and as the
+/// solver's first piece from `rows.start` (`first_piece`), against brute force of those
+/// rows only: both succeed exactly when brute force does, with its rows. Returns whether
+/// they succeeded.
+fn check_row_range_case(
+    src: &str,
+    shape: Shape,
+    values: &BTreeMap<String, Value>,
+    rows: std::ops::Range<i64>,
+) -> Result<bool, TestCaseError> {
+    let program = compile(src);
+    let Ok(bound) = program.bind(shape, values) else {
+        return Ok(false);
+    };
+    let bs = if program.uses_b { shape.batch } else { 1 };
+    let hs = if program.uses_h { shape.num_heads } else { 1 };
+    let mut all_ok = true;
+    for b in 0..bs {
+        let at = bound.at_batch(b);
+        let Ok(at) = at else {
+            return Ok(false);
+        };
+        for h in 0..hs {
+            let want: Result<Rows, _> = rows.clone().map(|q| at.brute_force_row(q, b, h)).collect();
+            let solver = cm_plan::symbolic::Solver::new(&at);
+            let got = cm_plan::row_range_intervals(&solver, b, h, rows.clone(), &mut 0);
+            let solver = cm_plan::symbolic::Solver::new(&at);
+            let piece = cm_plan::first_piece(&solver, b, h, rows.clone());
+            match (want, got) {
+                (Ok(want), Ok(got)) => {
+                    prop_assert_eq!(got.q_len() as usize, want.len());
+                    prop_assert_eq!(i64::from(got.kv_len()), shape.kv_len);
+                    if let Err(e) = got.validate() {
+                        return Err(TestCaseError::fail(format!("not canonical: {e}")));
+                    }
+                    for (i, w) in want.iter().enumerate() {
+                        let g: Vec<(u32, u32)> = got
+                            .row_expanded(i as u32)
+                            .iter()
+                            .map(|iv| (iv.start, iv.end))
+                            .collect();
+                        prop_assert_eq!(&g, w, "row {} (b={}, h={})", rows.start + i as i64, b, h);
+                    }
+                    let piece = piece.map_err(|e| {
+                        TestCaseError::fail(format!(
+                            "first_piece fails with {e}, the range succeeds"
+                        ))
+                    })?;
+                    prop_assert_eq!(piece.q0, rows.start);
+                    prop_assert!(
+                        piece.n >= 1 && piece.q0 + piece.n <= rows.end,
+                        "piece {:?}",
+                        (piece.q0, piece.n)
+                    );
+                    let pr = piece_rows(&piece);
+                    for (t, w) in pr.iter().enumerate() {
+                        prop_assert_eq!(
+                            w,
+                            &want[t],
+                            "piece row {} (b={}, h={})",
+                            rows.start + t as i64,
+                            b,
+                            h
+                        );
+                    }
+                }
+                (Err(e), Ok(_)) => {
+                    return Err(TestCaseError::fail(format!(
+                        "brute force of rows {rows:?} raises {e} but the range succeeds"
+                    )))
+                }
+                (Ok(_), Err(e)) => {
+                    return Err(TestCaseError::fail(format!(
+                        "the range {rows:?} fails with {e} but brute force succeeds"
+                    )))
+                }
+                (Err(_), Err(_)) => all_ok = false,
+            }
+        }
+    }
+    Ok(all_ok)
+}
+
+/// [`check_row_range_case`] of a generated program and row range, the case in the message.
+fn row_range_case(
+    pre: &str,
+    mask: &str,
+    sz: &Sizes,
+    vals: &BTreeMap<String, Value>,
+    ends: (u32, u32),
+) -> Result<(), TestCaseError> {
+    let src = program_source(pre, mask);
+    let rows = row_range(sz.shape.q_len, ends);
+    check_row_range_case(&src, sz.shape, vals, rows.clone()).map_err(|e| {
+        TestCaseError::fail(format!(
+            "{e}\nrows {rows:?}, sizes: {sz:?}\nvalues: {vals:?}\n{src}"
+        ))
+    })?;
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config(1000))]
+
+    /// Any row range of a safe program, solved alone, is brute force's rows of that range,
+    /// at odd lengths, batches and heads; so is the first piece from its first row.
+    #[test]
+    fn row_range_equals_brute_force(
+        pre in preamble(Mode::Safe),
+        mask in region(Mode::Safe),
+        sz in sizes(),
+        vals in values(Mode::Safe),
+        ends in (any::<u32>(), any::<u32>()),
+    ) {
+        row_range_case(&pre, &mask, &sz, &vals, ends)?;
+    }
+
+    /// Programs that may raise plan-time errors: a row range fails exactly when brute force
+    /// of its rows does.
+    #[test]
+    fn row_range_errors_iff_brute_force_errors(
+        pre in preamble(Mode::Risky),
+        mask in risky_region(),
+        sz in sizes(),
+        vals in values(Mode::Risky),
+        ends in (any::<u32>(), any::<u32>()),
+    ) {
+        row_range_case(&pre, &mask, &sz, &vals, ends)?;
+    }
+}
+
+/// Bad row ranges are errors naming the range, never a panic.
+#[test]
+fn row_range_outside_the_rows_is_an_error() {
+    let program = compile("mask = k <= q;");
+    let bound = program
+        .bind(cm_testkit::shape(10, 10, 1, 1), &BTreeMap::new())
+        .unwrap();
+    let solver = cm_plan::symbolic::Solver::new(&bound);
+    for rows in [-1..3, 4..11, std::ops::Range { start: 5, end: 4 }] {
+        let e = cm_plan::row_range_intervals(&solver, 0, 0, rows.clone(), &mut 0).unwrap_err();
+        assert_eq!(e.code.as_str(), "CM0402", "{rows:?}");
+        assert!(
+            e.message
+                .contains(&format!("rows {}..{}", rows.start, rows.end)),
+            "{}",
+            e.message
+        );
+    }
+    let e = cm_plan::first_piece(&solver, 0, 0, 3..3).unwrap_err();
+    assert!(e.message.contains("hold no row"), "{}", e.message);
+    let empty = cm_plan::row_range_intervals(&solver, 0, 0, 10..10, &mut 0).unwrap();
+    assert_eq!(empty.q_len(), 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // Reductions of what the properties found. Fixed bugs stay as regression tests; open ones
 // are `#[ignore = "bug: ..."]` and assert the behaviour we want, so removing the `ignore`

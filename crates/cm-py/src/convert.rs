@@ -74,6 +74,16 @@ where
     })
 }
 
+/// Three flat buffers of one element type (`q`, `k`, `v` of an attention call), each
+/// named in its error.
+pub fn read_three<T>(bufs: [(&Bound<'_, PyAny>, &str); 3]) -> PyResult<[Vec<T>; 3]>
+where
+    T: Element + Copy + for<'a, 'py> FromPyObject<'a, 'py>,
+{
+    let [(a, na), (b, nb), (c, nc)] = bufs;
+    Ok([read_vec(a, na)?, read_vec(b, nb)?, read_vec(c, nc)?])
+}
+
 /// Native-endian bytes of a slice of plain numbers.
 pub trait NeBytes: Copy {
     const SIZE: usize;

@@ -17,6 +17,7 @@ mod errors;
 mod plan;
 mod program;
 mod reference;
+mod serve;
 
 use pyo3::prelude::*;
 
@@ -52,6 +53,7 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<errors::Diagnostic>()?;
     m.add_class::<program::Program>()?;
     m.add_class::<plan::Plan>()?;
+    m.add_class::<serve::Step>()?;
     m.add_function(wrap_pyfunction!(errors::py_plan_error, m)?)?;
     m.add_function(wrap_pyfunction!(program::compile, m)?)?;
     m.add_function(wrap_pyfunction!(program::builtin, m)?)?;
@@ -61,6 +63,7 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::score_terms, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_forward_scored, m)?)?;
     m.add_function(wrap_pyfunction!(reference::reference_backward_scored, m)?)?;
+    m.add_function(wrap_pyfunction!(serve::paged_reference, m)?)?;
     m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
     m.add("CUDA_HEAD_DIMS", cuda::head_dims())?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;

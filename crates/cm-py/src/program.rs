@@ -237,6 +237,25 @@ impl Program {
         }
     }
 
+    /// The first serving step: sequence `s` has `q_len[s]` new rows over `kv_len[s]` keys
+    /// (see `compilemask::Program::plan_step`); `params` apply to every sequence,
+    /// `seq_params[s]` to sequence `s` over them. Raises `PlanError` for a sequence's
+    /// plan-time error, `ValueError` for bad lengths.
+    #[pyo3(signature = (q_len, kv_len, num_heads = 1, params = None, seq_params = None))]
+    fn plan_step(
+        &self,
+        py: Python<'_>,
+        q_len: Vec<i64>,
+        kv_len: Vec<i64>,
+        num_heads: i64,
+        params: Option<&Bound<'_, PyDict>>,
+        seq_params: Option<&Bound<'_, pyo3::types::PyList>>,
+    ) -> PyResult<crate::serve::Step> {
+        let shared = convert::params(params)?;
+        let own = crate::serve::seq_params(seq_params)?;
+        crate::serve::plan_step(py, &self.inner, q_len, kv_len, num_heads, shared, own)
+    }
+
     /// The visible intervals of row `q` of batch `b`, head `h` by the pairwise reference
     /// semantics, testing every key (O(kv_len); for tests and spot checks).
     #[pyo3(signature = (q, q_len, kv_len = None, batch = 1, num_heads = 1, b = 0, h = 0, params = None))]

@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
-use crate::convert::{read_vec, to_bytes, NeBytes};
+use crate::convert::{read_three, read_vec, to_bytes, NeBytes};
 
 /// `(batch, num_heads, num_kv_heads, q_len, kv_len, head_dim, head_dim_v)`.
 type Dims = (usize, usize, usize, usize, usize, usize, usize);
@@ -107,11 +107,11 @@ impl IndexedMasks {
     }
 }
 
-fn bytearray<'py, T: NeBytes>(py: Python<'py>, v: &[T]) -> Bound<'py, PyByteArray> {
+pub(crate) fn bytearray<'py, T: NeBytes>(py: Python<'py>, v: &[T]) -> Bound<'py, PyByteArray> {
     PyByteArray::new(py, &to_bytes(v))
 }
 
-type Forward<'py> = (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>);
+pub(crate) type Forward<'py> = (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>);
 
 #[allow(clippy::too_many_arguments)]
 fn forward_t<'py, T>(
@@ -126,11 +126,7 @@ fn forward_t<'py, T>(
 where
     T: Float + Element + NeBytes + for<'a, 'p> FromPyObject<'a, 'p>,
 {
-    let (q, k, v): (Vec<T>, Vec<T>, Vec<T>) = (
-        read_vec(q, "query")?,
-        read_vec(k, "key")?,
-        read_vec(v, "value")?,
-    );
+    let [q, k, v]: [Vec<T>; 3] = read_three([(q, "query"), (k, "key"), (v, "value")])?;
     let out = py
         .detach(|| attention_forward(&s, &q, &k, &v, &plan.masks(), T::from_f64(scale)))
         .map_err(value_error)?;

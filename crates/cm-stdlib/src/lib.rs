@@ -157,6 +157,10 @@ pub const BUILTINS: &[Builtin] = &[
         source: include_str!("../masks/tree.cmask"),
     },
     Builtin {
+        name: "tree_decode",
+        source: include_str!("../masks/tree_decode.cmask"),
+    },
+    Builtin {
         name: "flashmask",
         source: include_str!("../masks/flashmask.cmask"),
     },

@@ -11,7 +11,8 @@
 //!
 //! The public boundary of the Rust crates: [`compile`], [`builtin`], [`Program::plan`],
 //! [`Program::plan_packed`] (samples packed back to back, FlashAttention's `cu_seqlens`),
-//! [`attention`] and the exports. Positions are 0-based and absolute (top-left aligned);
+//! [`attention`], the exports, and serving steps over a paged KV cache
+//! ([`Program::plan_step`], [`Step::append`], [`paged_attention`]; `cm-serve`). Positions are 0-based and absolute (top-left aligned);
 //! every interval is half-open `[start, end)`. The language is documented in
 //! `docs/language.md`.
 
@@ -35,6 +36,10 @@ pub use cm_plan::{
 pub use cm_reference::{
     attention_backward, attention_backward_scored, attention_forward, attention_forward_scored,
     AttentionShape, Float, ForwardOutput, Gradients, Masks, ReferenceError, Score, ScoreGradients,
+};
+pub use cm_serve::{
+    paged_attention, PagedError, PagedShape, Step, StepError, StepPlan, StepPlanner,
+    MAX_STEP_INTERVALS,
 };
 pub use cm_stdlib::{Builtin, BUILTINS};
 pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
@@ -301,6 +306,44 @@ impl Program {
         self.ir
             .bind(options.shape(), &options.params)?
             .brute_force_row(q, b, h)
+    }
+
+    /// A planner of serving steps of this program with parameter values `params` (see
+    /// [`StepPlanner`]): each sequence's new rows of a decode, tree or prefill-chunk step,
+    /// planned for those rows alone, the piece cache kept from step to step.
+    ///
+    /// # Errors
+    /// [`StepError::PerHeadMask`] for a mask that reads `h`, [`StepError::ScoreTerms`] for a
+    /// program with a `score` or `sink`, [`StepError::Plan`] (`CM0309`) for an unknown
+    /// parameter.
+    pub fn step_planner(&self, params: &BTreeMap<String, Value>) -> Result<StepPlanner, StepError> {
+        StepPlanner::new(self.ir.clone(), params.clone())
+    }
+
+    /// The first serving step of a batch: sequence `s` has `q_len[s]` new rows (its last
+    /// tokens, already written into the cache) over `kv_len[s]` keys; `params` apply to
+    /// every sequence, `seq_params[s]` (if given) to sequence `s` over them. Grow it with
+    /// [`Step::append`]. The arrays are [`StepPlan`]'s.
+    ///
+    /// ```
+    /// let causal = compilemask::builtin("causal").unwrap();
+    /// let mut step = causal.plan_step(&[1, 1], &[4, 9], &Default::default(), None).unwrap();
+    /// assert_eq!(step.plan().row(1).collect::<Vec<_>>(), [(0, 9)]);
+    /// step.append(&[1, 1]).unwrap();
+    /// assert_eq!(step.plan().kv_len(), &[5, 10]);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Program::step_planner`] and [`StepPlanner::plan_each`]; render a
+    /// [`StepError::Plan`] with [`Program::render_error`].
+    pub fn plan_step(
+        &self,
+        q_len: &[i64],
+        kv_len: &[i64],
+        params: &BTreeMap<String, Value>,
+        seq_params: Option<Vec<BTreeMap<String, Value>>>,
+    ) -> Result<Step, StepError> {
+        Step::new(self.step_planner(params)?, q_len, kv_len, seq_params)
     }
 
     /// The declared parameters: name, whether it is an integer array, whether it has a

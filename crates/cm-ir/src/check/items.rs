@@ -113,7 +113,10 @@ impl<'a> Checker<'a> {
                 Ok(i) => i,
                 Err(()) => return,
             },
-            None => Int::new(IntKind::QLen, name.span),
+            None => {
+                self.reads_lengths = true;
+                Int::new(IntKind::QLen, name.span)
+            }
         };
         let per_batch = std::mem::take(&mut self.seg_reads_b);
         self.early = None;

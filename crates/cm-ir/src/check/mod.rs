@@ -115,6 +115,8 @@ struct Checker<'a> {
     uses_h: Option<Span>,
     /// Where the score first reads `h` (it does not make the mask per head).
     score_h: Option<Span>,
+    /// Whether some expression read a length (see `Program::reads_lengths`).
+    reads_lengths: bool,
     /// Whether each parameter is read.
     params_read: Vec<bool>,
     /// Each `let`'s expression depth with the `let`s it uses inlined (see [`lets`]).
@@ -201,6 +203,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         uses_b: None,
         uses_h: None,
         score_h: None,
+        reads_lengths: false,
         params_read: Vec::new(),
         let_depths: Vec::new(),
         declared_at: HashMap::new(),
@@ -310,6 +313,7 @@ impl<'a> Checker<'a> {
             b_span: self.uses_b,
             h_span: self.uses_h,
             score_h_span: self.score_h,
+            reads_lengths: self.reads_lengths,
         };
         (Some(program), self.diags)
     }

@@ -187,10 +187,15 @@ impl Checker<'_> {
                 self.uses_h = self.uses_h.or(Some(span));
                 Some(IntKind::H)
             }
-            "q_len" => Some(IntKind::QLen),
-            "kv_len" => Some(IntKind::KvLen),
-            "batch" => Some(IntKind::Batch),
-            "num_heads" => Some(IntKind::NumHeads),
+            "q_len" | "kv_len" | "batch" | "num_heads" => {
+                self.reads_lengths = true;
+                Some(match n {
+                    "q_len" => IntKind::QLen,
+                    "kv_len" => IntKind::KvLen,
+                    "batch" => IntKind::Batch,
+                    _ => IntKind::NumHeads,
+                })
+            }
             RAW_SCORE => {
                 self.err(
                     Diagnostic::error(
@@ -476,6 +481,33 @@ impl Checker<'_> {
 mod tests {
     use super::super::testing::{error, error_diag, program, small};
     use crate::ir::{Arr, IntKind, Region};
+
+    /// Every place a length can be read sets `reads_lengths`, the implicit `fill q_len` of a
+    /// segmentation included; programs that read none leave it false.
+    #[test]
+    fn reads_lengths_marks_every_read_of_a_length() {
+        for src in [
+            "mask = k <= q;",
+            "param w: int = 4;\nmask = q - w < k <= q;",
+            "segments d = [2, 3] fill 5;\nmask = k <= q & d.index(k) == d.index(q);",
+            "param parents: [int] = [-1, 0];\ntree t = parents at 3;\nmask = k in t.path(q);",
+            "grid g = [2, 2] at 0;\nmask = k <= q;\nrequire 1 < 2 else \"no\";",
+        ] {
+            assert!(!program(src).reads_lengths, "{src}");
+        }
+        for src in [
+            "mask = k <= q + kv_len - q_len;",
+            "param w: int = q_len / 4;\nmask = q - w < k <= q;",
+            "segments d = [2, 3];\nmask = k <= q & d.index(k) == d.index(q);",
+            "segments d = [2, 3] fill kv_len;\nmask = k <= q & d.index(k) == d.index(q);",
+            "require batch < 9 else \"too many\";\nmask = k <= q;",
+            "grid g = [2, num_heads] at 0;\nmask = k <= q;",
+            "let x = q_len;\nmask = k <= q;",
+            "param parents: [int] = [-1, 0];\ntree t = parents at kv_len - 2;\nmask = k in t.path(q);",
+        ] {
+            assert!(program(src).reads_lengths, "{src}");
+        }
+    }
 
     #[test]
     fn built_in_and_named_array_names_cannot_be_redefined() {

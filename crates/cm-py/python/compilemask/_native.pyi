@@ -75,6 +75,14 @@ class Program:
         params: dict[str, int | list[int]] | None = None,
         order: str | Sequence[int] | None = None,
     ) -> Plan: ...
+    def plan_step(
+        self,
+        q_len: list[int],
+        kv_len: list[int],
+        num_heads: int = 1,
+        params: dict[str, int | list[int]] | None = None,
+        seq_params: list[dict[str, int | list[int]]] | None = None,
+    ) -> Step: ...
     def plan_packed(
         self,
         cu_seqlens_q: list[int],
@@ -182,6 +190,33 @@ def reference_forward(
     scale: float,
     double: bool,
 ) -> tuple[bytearray, bytearray]: ...
+def paged_reference(
+    dims: tuple[int, int, int, int, int, int, int],
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    step: tuple[Any, Any, Any, Any],
+    scale: float,
+    double: bool,
+) -> tuple[bytearray, bytearray]: ...
+
+class Step:
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def total_q(self) -> int: ...
+    @property
+    def num_intervals(self) -> int: ...
+    @property
+    def caches_pieces(self) -> bool: ...
+    def arrays(self) -> tuple[bytes, bytes, bytes, bytes]: ...
+    def row(self, r: int) -> list[tuple[int, int]]: ...
+    def append(self, new_tokens: list[int]) -> None: ...
+    def replan(
+        self, q_len: list[int], kv_len: list[int], params: list[dict[str, Any]] | None = None
+    ) -> None: ...
+
 def score_terms(plan: Plan) -> dict[str, Any] | None: ...
 def reference_forward_scored(
     dims: tuple[int, int, int, int, int, int, int],

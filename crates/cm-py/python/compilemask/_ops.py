@@ -14,7 +14,10 @@ work under ``torch.compile``:
 applies to every batch or head), with which the CUDA kernels find each (batch, head)'s mask
 in ``kernel``: one launch (one backward sequence) serves the whole plan.
 
-Both have fake (meta) implementations; the forward has autograd through the backward op.
+``paged_attention_cuda`` is the CUDA path of :func:`compilemask.paged_attention` (serving
+steps over a paged KV cache).
+
+Both ops have fake (meta) implementations; the forward has autograd through the backward op.
 CPU tensors run the Rust CPU reference. CUDA tensors run the kernels of ``cm-cuda`` on the
 current stream: torch allocates every output and workspace, the extension gets addresses,
 shapes and strides as ints, releases the GIL and launches without synchronising.
@@ -486,11 +489,12 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     """:func:`compilemask.paged_attention` on CUDA tensors: ``tensors`` holds the step's int32
     arrays ``cu_q``, ``kv_len``, ``row_ptr``, ``intervals`` on q's device and its
     ``max_q_len`` (the most new rows of any sequence, a capacity)."""
-    if q.dtype not in _CUDA_DTYPES or q.shape[-1] not in (64, 128):
+    if q.dtype not in _CUDA_DTYPES or q.shape[-1] not in (64, 128) or v_cache.shape[-1] != q.shape[-1]:
         raise NotImplementedError(
             f"compilemask.paged_attention on CUDA supports bfloat16 and float16 with head_dim 64 "
-            f"or 128; got {str(q.dtype).removeprefix('torch.')} with head_dim {q.shape[-1]}. "
-            "Use CPU tensors (the reference) for other cases.")
+            f"or 128 and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
+            f"head_dim {q.shape[-1]} and head_dim_v {v_cache.shape[-1]}. Use CPU tensors (the "
+            "reference) for other cases.")
     out, lse = paged_attention_op(
         q, k_cache, v_cache, block_table,
         tensors.cu_q, tensors.kv_len, tensors.row_ptr, tensors.intervals,

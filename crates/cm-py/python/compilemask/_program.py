@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
+    from ._serve import Step
+
 ParamValue = Union[int, Sequence[int]]
 DenseFormat = Literal["auto", "torch", "numpy", "list"]
 OrderRequest = Union[Literal["raster", "auto"], Sequence[int], None]
@@ -498,6 +500,37 @@ class Program:
         )
         _warn(native)
         return Plan(native, self)
+
+    def plan_step(
+        self,
+        q_len: int | Sequence[int],
+        kv_len: Sequence[int],
+        *,
+        num_heads: int | None = None,
+        params: Sequence[Mapping[str, ParamValue]] | None = None,
+        **shared: ParamValue,
+    ) -> Step:
+        """Plans a serving step over a paged KV cache: sequence ``s`` has ``q_len[s]`` new
+        query rows (an int: the same for every sequence; 1 for decode, a draft tree's size,
+        or a prefill chunk) over ``kv_len[s] >= q_len[s]`` keys, the new tokens included (their
+        K / V are written into the cache before the step runs, as in vLLM and FlashInfer).
+        New row ``i`` of sequence ``s`` is the logical position ``kv_len[s] - q_len[s] + i``
+        and holds the program's visible keys there, the program bound at ``q_len = kv_len =
+        kv_len[s]`` with batch index ``b = s``; only the new rows are planned, never the cached
+        prefix. Keyword parameters (and the program's defaults) apply to every sequence;
+        ``params[s]`` (a list of dicts, one per sequence) to sequence ``s`` over them, e.g.
+        each sequence's speculative tree (``builtin("tree_decode")``'s ``parents``).
+        ``num_heads`` is only what a program reading ``num_heads`` sees: one mask serves every
+        head (a mask that reads ``h`` is refused, as is one with a ``score`` or ``sink``).
+
+        Returns a :class:`Step`; :meth:`Step.append` plans the next decode step and
+        :func:`compilemask.paged_attention` runs it. Raises :class:`PlanError` for a
+        sequence whose binding or rows fail (the message names it), ``ValueError`` for
+        lengths that break the step's contract (``q_len < 1``, ``q_len > kv_len``).
+        """
+        from ._serve import plan_step
+
+        return plan_step(self, q_len, kv_len, num_heads, params, shared)
 
     def brute_force_row(
         self,

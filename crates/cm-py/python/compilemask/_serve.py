@@ -1,0 +1,340 @@
+"""Serving steps over a paged KV cache: :class:`Step` (the rows of a decode, speculative-tree
+or chunked-prefill step, planned for the new rows alone) and :func:`paged_attention`.
+
+Planning needs nothing but this package; :meth:`Step.to_tensors` and :func:`paged_attention`
+import torch when called.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from . import _native
+from ._program import _int, _ordered, _type_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._program import Program
+
+
+class StepTensors(NamedTuple):
+    """A step's rows as the decode kernel reads them, int32 tensors on one device:
+    ``cu_q`` ``[num_seqs + 1]`` (rows of sequence ``s`` are ``cu_q[s] .. cu_q[s + 1]`` of the
+    packed query), ``kv_len`` ``[num_seqs]`` (keys of each sequence, the new tokens
+    included), ``row_ptr`` ``[total_q + 1]`` (row ``r``'s intervals are ``row_ptr[r] ..
+    row_ptr[r + 1]``), ``intervals`` ``[2 * num_intervals]`` (``(start, end)`` pairs,
+    half-open logical key positions of the row's own sequence, sorted and maximal);
+    ``max_q_len``, the most new rows of any sequence, sizes the CUDA kernel's grid (a capacity:
+    when the arrays are rewritten in place for a captured CUDA graph, keep it at least the
+    largest step's, or rows past it are computed by fewer CTAs). Made by
+    :meth:`Step.to_tensors`."""
+
+    cu_q: torch.Tensor
+    kv_len: torch.Tensor
+    row_ptr: torch.Tensor
+    intervals: torch.Tensor
+    num_seqs: int
+    total_q: int
+    max_q_len: int
+
+
+def _ints(raw: bytes) -> list[int]:
+    a = array.array("i")
+    a.frombytes(raw)
+    return a.tolist()
+
+
+def _int_list(name: str, value: Any) -> list[int]:
+    """A list of ints from a sequence, an iterator, a numpy array or an integer tensor."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    value = _ordered(name, value, "a sequence of ints, one per sequence")
+    out = [_int(f"{name}[{i}]", x) for i, x in enumerate(value)]
+    for i, x in enumerate(out):
+        if not -(1 << 63) <= x < (1 << 63):
+            raise ValueError(f"{name}[{i}] = {x} is out of range")
+    return out
+
+
+def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
+    """One int per sequence: an int (the same for every sequence) or a sequence of ints."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _int_list(name, [value] * num_seqs)
+    return _int_list(name, value)
+
+
+def _seq_params(program: Program, params: Any) -> list[dict[str, Any]] | None:
+    """Per-sequence parameter values, checked and converted like :meth:`Program.plan`'s."""
+    if params is None:
+        return None
+    from ._program import _param_value
+
+    params = _ordered("params", params, "a list of dicts, one per sequence")
+    out = []
+    for i, p in enumerate(params):
+        if not isinstance(p, Mapping):
+            raise TypeError(f"params[{i}] must be a dict of parameter values, got {_type_name(p)}")
+        program._check_names(p)
+        out.append({k: _param_value(k, v) for k, v in p.items()})
+    return out
+
+
+def plan_step(program: Program, q_len: Any, kv_len: Any, num_heads: Any, params: Any,
+              shared: Mapping[str, Any]) -> Step:
+    kv = _int_list("kv_len", kv_len)
+    q = _counts("q_len", q_len, len(kv))
+    heads = 1 if num_heads is None else _int("num_heads", num_heads)
+    native = program._native.plan_step(q, kv, heads, program._params(shared),
+                                       _seq_params(program, params))
+    return Step(native, program)
+
+
+class Step:
+    """The rows of one serving step over a paged KV cache, made by
+    :meth:`Program.plan_step` and grown by :meth:`append`.
+
+    Sequence ``s`` has ``q_len[s]`` new query rows (its last tokens, whose K / V are already
+    in the cache) and ``kv_len[s]`` keys including them; new row ``i`` is the logical
+    position ``kv_len[s] - q_len[s] + i`` (bottom-right aligned). Each row holds the
+    program's visible keys at that position, the program bound at ``q_len = kv_len =
+    kv_len[s]`` with batch index ``b = s``. One mask serves every head.
+    """
+
+    __slots__ = ("_native", "_program", "_tensors")
+
+    def __init__(self, native: _native.Step, program: Program):
+        self._native = native
+        self._program = program
+        self._tensors: dict[str, StepTensors] = {}
+
+    @property
+    def program(self) -> Program:
+        return self._program
+
+    @property
+    def num_seqs(self) -> int:
+        return self._native.num_seqs
+
+    @property
+    def total_q(self) -> int:
+        """Query rows of the step (``sum(q_len)``)."""
+        return self._native.total_q
+
+    @property
+    def num_intervals(self) -> int:
+        return self._native.num_intervals
+
+    def _arrays(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return self._native.arrays()
+
+    @property
+    def cu_q(self) -> list[int]:
+        """``[num_seqs + 1]`` row offsets."""
+        return _ints(self._arrays()[0])
+
+    @property
+    def kv_len(self) -> list[int]:
+        """``[num_seqs]`` keys per sequence, the new tokens included."""
+        return _ints(self._arrays()[1])
+
+    @property
+    def q_len(self) -> list[int]:
+        """``[num_seqs]`` new rows per sequence."""
+        cu = self.cu_q
+        return [b - a for a, b in zip(cu, cu[1:])]
+
+    @property
+    def row_ptr(self) -> list[int]:
+        """``[total_q + 1]`` interval offsets."""
+        return _ints(self._arrays()[2])
+
+    @property
+    def intervals(self) -> list[int]:
+        """``[2 * num_intervals]`` ``(start, end)`` pairs, flat, row after row."""
+        return _ints(self._arrays()[3])
+
+    def row(self, r: int) -> list[tuple[int, int]]:
+        """Row ``r``'s visible intervals (``0 <= r < total_q``), half-open."""
+        return list(self._native.row(_int("r", r)))
+
+    def positions(self) -> list[int]:
+        """The logical position of every row: ``kv_len[s] - q_len[s] + i``."""
+        out: list[int] = []
+        for q, kv in zip(self.q_len, self.kv_len):
+            out.extend(range(kv - q, kv))
+        return out
+
+    @property
+    def caches_pieces(self) -> bool:
+        """Whether rows come from the planner's piece cache (masks that read no length,
+        ``b``, ``h`` or ``elementwise``): a decode step then costs a lookup per sequence."""
+        return self._native.caches_pieces
+
+    def append(self, new_tokens: Any = 1) -> Step:
+        """The next step, in place: sequence ``s`` gains ``new_tokens[s] >= 1`` tokens (an
+        int: the same for every sequence), written into the cache before the step runs,
+        which are its new rows (``q_len[s] = new_tokens[s]``, ``kv_len[s]`` grows by as much).
+        Only those rows are planned; each sequence keeps its parameters. Returns the step.
+        On an error (``ValueError``) the step is unchanged."""
+        self._native.append(_counts("new_tokens", new_tokens, self.num_seqs))
+        self._tensors.clear()
+        return self
+
+    def replan(self, q_len: Any, kv_len: Any, params: Any = None) -> Step:
+        """A step of other sequences (the batch changed), in place, with the same program,
+        shared parameters and piece cache; ``params`` as in :meth:`Program.plan_step`."""
+        kv = _int_list("kv_len", kv_len)
+        self._native.replan(_counts("q_len", q_len, len(kv)), kv,
+                            _seq_params(self._program, params))
+        self._tensors.clear()
+        return self
+
+    def to_tensors(self, device: Any = None) -> StepTensors:
+        """The step's arrays as int32 tensors on ``device`` (default CPU), cached until the
+        next :meth:`append`."""
+        from ._torch import _cache_key, _int32, require_torch
+
+        torch = require_torch("Step.to_tensors")
+        key = _cache_key(torch, device)
+        cached = self._tensors.get(key)
+        if cached is not None:
+            return cached
+        dev = torch.device(key)
+        cu, kv, rp, iv = self._arrays()
+        n, t = self.num_seqs, self.total_q
+        offsets = _ints(cu)
+        max_q = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+        out = StepTensors(_int32(torch, cu, (n + 1,), dev), _int32(torch, kv, (n,), dev),
+                          _int32(torch, rp, (t + 1,), dev),
+                          _int32(torch, iv, (len(iv) // 4,), dev), n, t, max_q)
+        self._tensors[key] = out
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Step({self._program.name!r}, num_seqs={self.num_seqs}, "
+                f"total_q={self.total_q}, num_intervals={self.num_intervals})")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    step: Step | StepTensors,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> Any:
+    """Attention of a serving step's rows over a paged KV cache (vLLM / FlashInfer layout).
+
+    ``q`` ``[total_q, num_heads, head_dim]``: the step's new rows packed by ``cu_q``;
+    ``k_cache`` ``[num_pages, page_size, num_kv_heads, head_dim]``, ``v_cache`` ``[num_pages,
+    page_size, num_kv_heads, head_dim_v]``, with the step's new tokens already written;
+    ``block_table`` int32 ``[num_seqs, max_pages_per_seq]``: logical key ``p`` of sequence
+    ``s`` is slot ``p % page_size`` of page ``block_table[s][p // page_size]`` (only a
+    sequence's first ``ceil(kv_len[s] / page_size)`` entries are read, so pages may be shared
+    between sequences: a shared prompt is block-table sharing). ``step`` is a :class:`Step`
+    or its :meth:`Step.to_tensors`. Query head ``h`` reads kv head ``h // (num_heads //
+    num_kv_heads)`` (GQA / MQA). ``scale`` defaults to ``1 / sqrt(head_dim)``.
+
+    Returns ``out`` ``[total_q, num_heads, head_dim_v]`` in the input dtype, and with
+    ``return_lse`` also ``lse`` ``[total_q, num_heads]`` (natural log; float32, float64 for
+    float64 inputs). A row with no visible key gives 0 and ``-inf``.
+
+    CPU tensors run the CPU reference (float32 / float64; float16 and bfloat16 computed in
+    float32): each sequence's pages gathered, then the exact per-row softmax; block-table
+    entries outside ``[0, num_pages)`` that a sequence reads raise ``ValueError``. CUDA
+    tensors run the decode kernel (``compilemask._ops.paged_attention_cuda``). Not
+    differentiable (serving is inference). Wrong shapes, dtypes or devices raise
+    ``ValueError``.
+    """
+    from ._torch import _DTYPES, require_torch
+
+    torch = require_torch("compilemask.paged_attention")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
+    for name, t, dims in (("q", q, "[total_q, num_heads, head_dim]"),
+                          ("k_cache", k_cache, "[num_pages, page_size, num_kv_heads, head_dim]"),
+                          ("v_cache", v_cache,
+                           "[num_pages, page_size, num_kv_heads, head_dim_v]"),
+                          ("block_table", block_table, "[num_seqs, max_pages_per_seq]")):
+        if t.dim() != dims.count(",") + 1:
+            raise ValueError(f"{name} must be {dims}, got shape {tuple(t.shape)}")
+    for name, t in list(named.items())[:3]:
+        if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(
+                f"{name} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must have one dtype, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise ValueError(
+            "q, k_cache, v_cache and block_table must be on one device, got "
+            + ", ".join(f"{n} on {t.device}" for n, t in named.items()))
+    total_q, hq, d = q.shape
+    num_pages, page_size, hk, dk = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (num_pages, page_size, hk):
+        raise ValueError(
+            f"v_cache has shape {tuple(v_cache.shape)}; its first three dims must be k_cache's "
+            f"[num_pages, page_size, num_kv_heads] = {(num_pages, page_size, hk)}")
+    if dk != d:
+        raise ValueError(f"q has head_dim {d} but k_cache {dk}")
+    if min(d, v_cache.shape[3], page_size, hq, hk) == 0:
+        raise ValueError("head_dim, head_dim_v, page_size, num_heads and num_kv_heads must be "
+                         "at least 1")
+    if hq % hk != 0:
+        raise ValueError(f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}")
+    if isinstance(step, Step):
+        tensors = step.to_tensors(q.device)
+    elif isinstance(step, StepTensors):
+        tensors = step
+    else:
+        raise TypeError(f"step must be a compilemask.Step or StepTensors, got {_type_name(step)}")
+    if tensors.total_q != total_q:
+        raise ValueError(f"the step has total_q = {tensors.total_q} rows, but q has {total_q}")
+    if tensors.num_seqs != block_table.shape[0]:
+        raise ValueError(f"the step has num_seqs = {tensors.num_seqs} sequences, but "
+                         f"block_table has {block_table.shape[0]} rows")
+    if tensors.cu_q.device != q.device:
+        raise ValueError(f"the step tensors are on {tensors.cu_q.device} but q is on "
+                         f"{q.device}; use step.to_tensors({str(q.device)!r})")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if q.device.type == "cuda":
+        from . import _ops
+
+        return _ops.paged_attention_cuda(q, k_cache, v_cache, block_table, tensors, scale,
+                                         bool(return_lse))
+    if q.device.type != "cpu":
+        raise ValueError(f"compilemask.paged_attention runs on CPU and CUDA tensors, got "
+                         f"{q.device}")
+    out, lse = _paged_cpu(torch, q, k_cache, v_cache, block_table, tensors, scale)
+    return (out, lse) if return_lse else out
+
+
+def _paged_cpu(torch: Any, q: Any, k_cache: Any, v_cache: Any, block_table: Any,
+               tensors: StepTensors, scale: float) -> tuple:
+    """The CPU reference (``compilemask._native.paged_reference``) on torch tensors."""
+    from ._ops import _compute_dtype, _from_bytes, _host, _lse_dtype
+
+    cd = _compute_dtype(q.dtype)
+    total_q, hq, d = q.shape
+    num_pages, page_size, hk, _ = k_cache.shape
+    dv = v_cache.shape[3]
+    dims = (hq, hk, d, dv, num_pages, page_size, block_table.shape[1])
+    arrays = tuple(_host(t, torch.int32) for t in tensors[:4])
+    out, lse = _native.paged_reference(
+        dims, _host(q, cd), _host(k_cache, cd), _host(v_cache, cd),
+        _host(block_table, torch.int32), arrays, scale, cd == torch.float64)
+    return (_from_bytes(out, cd, (total_q, hq, dv)).to(q.dtype),
+            _from_bytes(lse, cd, (total_q, hq)).to(_lse_dtype(q.dtype)))

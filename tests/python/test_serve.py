@@ -1,0 +1,324 @@
+"""Serving steps over a paged KV cache: `Program.plan_step`, `Step.append` and
+`compilemask.paged_attention`.
+
+The rows are checked against the pairwise semantics (`Program.brute_force_row` of each
+sequence bound at its own length) without torch; `paged_attention` on CPU against a torch
+float64 dense softmax built from the step's rows over the gathered pages (those tests skip
+without torch)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+import compilemask as cm
+
+
+def brute_rows(program, q_len, kv_len, per_seq=None, **shared):
+    """Every row of a step by brute force: sequence s bound at q_len = kv_len = kv_len[s],
+    batch = num_seqs, b = s; its new rows are the positions kv_len[s] - q_len[s] ..."""
+    rows = []
+    for s, (q, kv) in enumerate(zip(q_len, kv_len)):
+        params = dict(shared)
+        if per_seq is not None:
+            params.update(per_seq[s])
+        for p in range(kv - q, kv):
+            rows.append(program.brute_force_row(p, kv, kv, batch=len(q_len), b=s, **params))
+    return rows
+
+
+PROGRAMS = {
+    "causal": (cm.builtin("causal"), {}),
+    "sliding_window": (cm.builtin("sliding_window"), {"window": 50}),
+    "dilated_window": (cm.builtin("dilated_window"), {"window": 30, "dilation": 3}),
+    "causal_bottom_right": (cm.builtin("causal_bottom_right"), {}),
+    "tree_decode": (cm.builtin("tree_decode"), {}),
+    "reads_b": (cm.compile("mask = k <= q & (k + b) % 3 != 0;"), {}),
+    "recent_and_sinks": (cm.compile("mask = k < 4 | k >= kv_len - 8;"), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_step_rows_equal_brute_force(name):
+    program, params = PROGRAMS[name]
+    q_len, kv_len = [1, 7, 64, 1, 7], [127, 129, 129, 4097, 7]
+    step = program.plan_step(q_len, kv_len, **params)
+    assert (step.num_seqs, step.total_q) == (5, sum(q_len))
+    assert step.q_len == q_len and step.kv_len == kv_len
+    assert step.cu_q == [0, 1, 8, 72, 73, 80]
+    want = brute_rows(program, q_len, kv_len, **params)
+    got = [step.row(r) for r in range(step.total_q)]
+    assert got == want
+    # The flat arrays say the same.
+    rp, iv = step.row_ptr, step.intervals
+    assert len(rp) == step.total_q + 1 and len(iv) == 2 * step.num_intervals
+    for r in range(step.total_q):
+        pairs = iv[2 * rp[r]:2 * rp[r + 1]]
+        assert list(zip(pairs[::2], pairs[1::2])) == got[r]
+    assert step.positions()[:3] == [126, 122, 123]
+    assert step.caches_pieces == (name in ("causal", "sliding_window", "dilated_window"))
+
+
+def test_append_plans_the_next_step():
+    program = cm.builtin("sliding_window", window=100)
+    step = program.plan_step(1, [4090, 30, 500])
+    rng = random.Random(5)
+    kv = [4090, 30, 500]
+    for _ in range(10):
+        new = [rng.randint(1, 4) for _ in kv]
+        assert step.append(new) is step
+        kv = [k + n for k, n in zip(kv, new)]
+        assert step.kv_len == kv and step.q_len == new
+        assert [step.row(r) for r in range(step.total_q)] == brute_rows(program, new, kv)
+    step.append()  # one token each
+    assert step.q_len == [1, 1, 1] and step.kv_len == [k + 1 for k in kv]
+    step.replan([2, 1], [50, 9000])
+    assert [step.row(r) for r in range(3)] == brute_rows(program, [2, 1], [50, 9000])
+
+
+def test_trees_per_sequence():
+    program = cm.builtin("tree_decode")
+    trees = [[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 1], [-1] + [i // 4 for i in range(63)]]
+    per_seq = [{"parents": t} for t in trees]
+    q_len = [len(t) for t in trees]
+    kv_len = [1000, 3, 4097]
+    step = program.plan_step(q_len, kv_len, params=per_seq)
+    assert [step.row(r) for r in range(step.total_q)] == brute_rows(program, q_len, kv_len,
+                                                                       per_seq)
+    # Node 3 (parent 1, grandparent 0) of the first tree: the prefix, 0, 1 and itself.
+    assert step.row(3) == [(0, 995), (996, 997)]
+    assert step.row(7) == [(0, 1)]  # the second tree fills its sequence: no prefix
+
+
+def test_bad_steps_raise():
+    causal = cm.builtin("causal")
+    with pytest.raises(ValueError, match=r"q_len\[1\] = 0: every sequence of a step"):
+        causal.plan_step([1, 0], [4, 4])
+    with pytest.raises(ValueError, match=r"q_len\[0\] = 5 is more than kv_len\[0\] = 4"):
+        causal.plan_step(5, [4])
+    with pytest.raises(ValueError, match="kv_len has 1 entries for 2 sequences"):
+        causal.plan_step([1, 1], [4])
+    with pytest.raises(ValueError, match="a step needs at least one sequence"):
+        causal.plan_step([], [])
+    with pytest.raises(TypeError, match="kv_len must be a sequence of ints"):
+        causal.plan_step(1, {3, 4})
+    with pytest.raises(ValueError, match="one mask for every head"):
+        cm.compile("mask = k <= q - h;").plan_step(1, [3])
+    with pytest.raises(ValueError, match="score"):
+        cm.builtin("causal_alibi").plan_step(1, [3])
+    with pytest.raises(cm.PlanError) as e:
+        cm.builtin("tree_decode").plan_step([7, 3], [100, 5])
+    assert e.value.code == "CM0305"
+    assert "(sequence 1: q_len = 3, kv_len = 5)" in str(e.value)
+    with pytest.raises(cm.PlanError) as e:
+        cm.builtin("sliding_window").plan_step(1, [9], params=[{"widow": 3}])
+    assert e.value.code == "CM0309"
+    step = causal.plan_step(1, [4, 9])
+    with pytest.raises(ValueError, match="new_tokens has 3 entries for 2 sequences"):
+        step.append([1, 1, 1])
+    with pytest.raises(ValueError, match=r"q_len\[0\] = 0"):
+        step.append(0)
+    assert step.kv_len == [4, 9]
+    with pytest.raises(IndexError, match="row 2 is out of range"):
+        step.row(2)
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def make_cache(torch, kv_len, page_size, num_kv_heads, head_dim, head_dim_v, shared, seed):
+    """A paged cache over random contiguous K / V per sequence (kept for the reference):
+    shuffled pages, sequence s with shared[s] = (t, n) sharing its first n pages with t, NaN
+    in every slot no sequence owns, -1 past each sequence's pages."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-kv // page_size) for kv in kv_len]
+    max_pages = max(needed) + 1
+    owned = sum(n - (sh[1] if sh else 0) for n, sh in zip(needed, shared))
+    num_pages = owned + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(kv_len), max_pages), -1, dtype=torch.int32)
+    dense_k, dense_v = [], []
+    for s, kv in enumerate(kv_len):
+        k = torch.randn(kv, num_kv_heads, head_dim, generator=g, dtype=torch.float64)
+        v = torch.randn(kv, num_kv_heads, head_dim_v, generator=g, dtype=torch.float64)
+        for j in range(needed[s]):
+            if shared[s] and j < shared[s][1]:
+                table[s, j] = table[shared[s][0], j]
+            else:
+                table[s, j] = order.pop()
+        if shared[s]:
+            t, n = shared[s]
+            k[:n * page_size] = dense_k[t][:n * page_size]
+            v[:n * page_size] = dense_v[t][:n * page_size]
+        dense_k.append(k)
+        dense_v.append(v)
+    kc = torch.full((num_pages, page_size, num_kv_heads, head_dim), math.nan, dtype=torch.float64)
+    vc = torch.full((num_pages, page_size, num_kv_heads, head_dim_v), math.nan,
+                    dtype=torch.float64)
+    for s, kv in enumerate(kv_len):
+        p = torch.arange(kv)
+        pages = table[s, p // page_size].long()
+        kc[pages, p % page_size] = dense_k[s]
+        vc[pages, p % page_size] = dense_v[s]
+    return kc, vc, table
+
+
+def dense_reference(torch, q, kc, vc, table, step, scale):
+    """float64 attention of every step row over its sequence's gathered pages, the mask from
+    the step's rows."""
+    total_q, hq, d = q.shape
+    page_size, hk = kc.shape[1], kc.shape[2]
+    out = torch.zeros(total_q, hq, vc.shape[3], dtype=torch.float64)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64)
+    cu = step.cu_q
+    for s, kv in enumerate(step.kv_len):
+        p = torch.arange(kv)
+        pages = table[s, p // page_size].long()
+        k = kc[pages, p % page_size].repeat_interleave(hq // hk, dim=1)  # [kv, hq, d]
+        v = vc[pages, p % page_size].repeat_interleave(hq // hk, dim=1)
+        for r in range(cu[s], cu[s + 1]):
+            visible = torch.zeros(kv, dtype=torch.bool)
+            for a, b in step.row(r):
+                visible[a:b] = True
+            if not visible.any():
+                continue
+            logits = scale * torch.einsum("hd,khd->hk", q[r].double(), k)
+            logits = logits.masked_fill(~visible, -math.inf)
+            lse[r] = torch.logsumexp(logits, dim=-1)
+            out[r] = torch.einsum("hk,khd->hd", torch.softmax(logits, dim=-1), v)
+    return out, lse
+
+
+SERVING = [
+    ("causal", {}),
+    ("sliding_window", {"window": 100}),
+    ("dilated_window", {"window": 40, "dilation": 3}),
+]
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 4097])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 1), (8, 2)])
+@pytest.mark.parametrize("name,params", SERVING)
+def test_paged_attention_equals_dense(torch, name, params, heads, page_size):
+    hq, hk = heads
+    q_len, kv_len = [1, 7, 64, 1, 7, 1], [1, 127, 129, 4097, 7, 129]
+    step = cm.builtin(name, **params).plan_step(q_len, kv_len)
+    kc, vc, table = make_cache(torch, kv_len, page_size, hk, 8, 5, [None] * 6, page_size + hq)
+    q = torch.randn(step.total_q, hq, 8, dtype=torch.float64)
+    out, lse = cm.paged_attention(q, kc, vc, table, step, return_lse=True)
+    want, want_lse = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(8))
+    assert out.shape == (step.total_q, hq, 5) and out.dtype == torch.float64
+    assert lse.shape == (step.total_q, hq) and lse.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
+    # float32 inputs: the same computation from rounded values; StepTensors instead of Step.
+    out32 = cm.paged_attention(q.float(), kc.float(), vc.float(), table, step.to_tensors(),
+                               scale=0.3)
+    want32, _ = dense_reference(torch, q.float().double(), kc.float().double(),
+                                vc.float().double(), table, step, 0.3)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), want32, rtol=0, atol=1e-5)
+
+
+def test_shared_prompt_pages_and_trees(torch):
+    trees = [[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 1, 2], [-1] + [i // 3 for i in range(63)]]
+    kv_len = [256 + 40 + 7, 256 + 4, 256 + 1 + 64]
+    step = cm.builtin("tree_decode").plan_step([len(t) for t in trees], kv_len,
+                                               params=[{"parents": t} for t in trees])
+    kc, vc, table = make_cache(torch, kv_len, 16, 2, 8, 8, [None, (0, 16), (0, 16)], 1)
+    assert table[0, :16].tolist() == table[1, :16].tolist() == table[2, :16].tolist()
+    q = torch.randn(step.total_q, 8, 8, dtype=torch.float64)
+    out = cm.paged_attention(q, kc, vc, table, step)
+    want, _ = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(8))
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+def test_empty_rows_are_zero_and_minus_inf(torch):
+    step = cm.compile("mask = k < q - 200;").plan_step([3, 1], [150, 300])
+    kc, vc, table = make_cache(torch, [150, 300], 16, 1, 4, 4, [None, None], 2)
+    q = torch.randn(4, 2, 4, dtype=torch.float64)
+    out, lse = cm.paged_attention(q, kc, vc, table, step, return_lse=True)
+    assert torch.equal(out[:3], torch.zeros(3, 2, 4, dtype=torch.float64))
+    assert lse[:3].isneginf().all() and lse[3].isfinite().all()
+
+
+def test_step_tensors(torch):
+    step = cm.builtin("dilated_window", window=9, dilation=2).plan_step([2, 1], [12, 3])
+    t = step.to_tensors()
+    assert all(x.dtype == torch.int32 for x in t[:4])
+    assert t.cu_q.tolist() == [0, 2, 3] and t.kv_len.tolist() == [12, 3]
+    assert t.row_ptr.tolist() == step.row_ptr and t.intervals.tolist() == step.intervals
+    assert t.intervals.tolist()[:4] == [2, 3, 4, 5]
+    assert (t.num_seqs, t.total_q) == (2, 3)
+    assert step.to_tensors() is t
+    step.append(1)
+    assert step.to_tensors() is not t and step.to_tensors().kv_len.tolist() == [13, 4]
+
+
+def test_paged_attention_bad_inputs(torch):
+    step = cm.builtin("causal").plan_step([1, 2], [20, 5])
+    kc, vc, table = make_cache(torch, [20, 5], 8, 2, 4, 4, [None, None], 3)
+    q = torch.randn(3, 4, 4, dtype=torch.float64)
+    bad = table.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[0\]\[1\] = .* is out of range; "
+                                         r"sequence 0 reads it"):
+        cm.paged_attention(q, kc, vc, bad, step)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        cm.paged_attention(q, kc, vc, table.long(), step)
+    with pytest.raises(ValueError, match="the step has total_q = 3 rows, but q has 2"):
+        cm.paged_attention(q[:2], kc, vc, table, step)
+    with pytest.raises(ValueError, match="block_table has 1 rows"):
+        cm.paged_attention(q, kc, vc, table[:1], step)
+    with pytest.raises(ValueError, match="q must be"):
+        cm.paged_attention(q[None], kc, vc, table, step)
+    with pytest.raises(ValueError, match="must be a multiple of num_kv_heads"):
+        cm.paged_attention(torch.randn(3, 3, 4, dtype=torch.float64), kc, vc, table, step)
+    with pytest.raises(ValueError, match="one dtype"):
+        cm.paged_attention(q.float(), kc, vc, table, step)
+    with pytest.raises(ValueError, match="needs 3 pages of 8 slots"):
+        cm.paged_attention(q, kc, vc, table[:, :2].contiguous(), step)
+    with pytest.raises(TypeError, match="step must be a compilemask.Step"):
+        cm.paged_attention(q, kc, vc, table, [0, 1])
+
+
+@pytest.mark.parametrize("name,params", SERVING + [("tree_decode", None)])
+def test_cuda_matches_the_float64_reference(torch, name, params):
+    """The decode kernel through the public API (bf16, head_dim 64 and 128, GQA, shared and
+    shuffled pages, NaN in every slot no sequence owns) against the float64 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = "cuda"
+    q_len, kv_len = [1, 7, 64, 1, 5], [1, 127, 129, 4097, 600]
+    if params is None:
+        trees = [[-1], [-1, 0, 0, 1, 1, 2, 2], [-1] + [i // 2 for i in range(63)], [-1],
+                 [-1, 0, 1, 2, 3]]
+        step = cm.builtin(name).plan_step(q_len, kv_len, params=[{"parents": t} for t in trees])
+    else:
+        step = cm.builtin(name, **params).plan_step(q_len, kv_len)
+    for d, (hq, hk) in [(128, (32, 8)), (64, (8, 1))]:
+        kc, vc, table = make_cache(torch, kv_len, 16, hk, d, d, [None, None, (1, 7), None, None], d)
+        q = torch.randn(step.total_q, hq, d, dtype=torch.float64)
+        bf = torch.bfloat16
+        q, kc, vc = (x.to(bf).double() for x in (q, kc, vc))
+        want, want_lse = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(d))
+        out, lse = cm.paged_attention(q.to(bf).to(dev), kc.to(bf).to(dev), vc.to(bf).to(dev),
+                                      table.to(dev), step, return_lse=True)
+        assert out.dtype == bf and out.device.type == "cuda"
+        assert (out.double().cpu() - want).abs().max().item() <= 2e-2
+        finite = want_lse.isfinite()
+        assert torch.equal(lse.cpu().isfinite(), finite)
+        assert (lse.double().cpu()[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+
+
+def test_cuda_refuses_what_the_kernel_lacks(torch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = "cuda"
+    step = cm.builtin("causal").plan_step(1, [4])
+    kc, vc, table = make_cache(torch, [4], 4, 1, 8, 4, [None], 4)
+    with pytest.raises(NotImplementedError, match="head_dim 64 or 128"):
+        cm.paged_attention(torch.zeros(1, 1, 8, device=dev, dtype=torch.float16),
+                           kc.half().to(dev), vc.half().to(dev), table.to(dev), step)
