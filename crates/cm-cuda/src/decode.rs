@@ -443,7 +443,11 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
     };
     let merge = if a.num_splits > 1 {
         let v = cm_kernels::find_variant(KernelKind::DecodeMerge, a.dtype, head_dim as u32, false)
-            .expect("every decode variant has its merge");
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "q: head_dim = {head_dim} has no split-KV merge kernel; use num_splits = 1"
+                ))
+            })?;
         let items = total_q as u64 * num_heads as u64;
         let warps = (cm_kernels::VARIANTS[v].kernel.threads() / 32) as u64;
         let blocks = u32::try_from(items.div_ceil(warps)).map_err(|_| {
