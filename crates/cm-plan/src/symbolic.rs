@@ -423,25 +423,39 @@ impl<'a, 'p> Solver<'a, 'p> {
                 PlanError::new(Code::DivisionByZero, Some(span), "division by zero").into(),
             );
         }
+        if d == 1 {
+            return self.affine(p, Some(x.first), Some(x.step), span);
+        }
         let q0 = bind::floor_div(x.first, d, span)?;
-        if x.step % d == 0 {
+        if x.step == 0 || x.step % d == 0 {
             // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
             return self.affine(p, Some(q0), Some(x.step / d), span);
         }
         // The quotient is monotone in t: it first changes where the numerator crosses the
-        // next multiple of d in its direction of travel (d made positive by negating both).
-        let (v, a, d) = if d > 0 {
-            (i128::from(x.first), i128::from(x.step), i128::from(d))
+        // next multiple of d in its direction of travel.
+        let change = if d > 0 {
+            // With r = v0 mod d in [0, d): rising, the first t with v0 + a t >= v0 - r + d
+            // is ceil((d - r) / a); falling, the first t with v0 + a t < v0 - r is
+            // floor(r / -a) + 1. Neither overflows, and this is the common case (grid
+            // coordinates), so it avoids 128-bit division.
+            let r = x.first.rem_euclid(d);
+            let t = if x.step > 0 {
+                (d - r - 1) as u64 / x.step as u64 + 1
+            } else {
+                r as u64 / x.step.unsigned_abs() + 1
+            };
+            i128::from(t)
         } else {
-            (-i128::from(x.first), -i128::from(x.step), -i128::from(d))
-        };
-        let q = floor_i128(v, d);
-        let change = if a > 0 {
-            // First t with v + a t >= (q + 1) d.
-            ((q + 1) * d - v + a - 1) / a
-        } else {
-            // First t with v + a t < q d.
-            (v - q * d) / -a + 1
+            // d made positive by negating both.
+            let (v, a, d) = (-i128::from(x.first), -i128::from(x.step), -i128::from(d));
+            let q = floor_i128(v, d);
+            if a > 0 {
+                // First t with v + a t >= (q + 1) d.
+                ((q + 1) * d - v + a - 1) / a
+            } else {
+                // First t with v + a t < q d.
+                (v - q * d) / -a + 1
+            }
         };
         if change < i128::from(p.n) {
             return Err(Flow::Split(p.q0 + change as i64));
@@ -450,9 +464,14 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn floor_mod(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<Affine> {
+        Ok(self.floor_div_mod(p, x, d, span)?.1)
+    }
+
+    /// `floor(x / d)` and `x mod d` (the sign of `d`) from one division.
+    fn floor_div_mod(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<(Affine, Affine)> {
         let q = self.floor_div(p, x, d, span)?;
         let dq = self.scale(p, q, d, span)?;
-        self.sub(p, x, dq, span)
+        Ok((q, self.sub(p, x, dq, span)?))
     }
 
     fn constant(&self, p: &Piece, x: Affine) -> Eval<i64> {
@@ -640,10 +659,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             let d = i128::from(target) - i128::from(pos.first);
             let a = i128::from(pos.step);
             // smallest t >= 0 with a*t >= d (a > 0) or a*t <= d (a < 0)
-            let t = if a > 0 {
-                (d + a - 1).div_euclid(a)
-            } else {
-                (-d + -a - 1).div_euclid(-a)
+            // A slope of one key per row (a grid's `q`) needs no division.
+            let t = match a {
+                1 => d,
+                -1 => -d,
+                _ if a > 0 => (d + a - 1).div_euclid(a),
+                _ => (-d + -a - 1).div_euclid(-a),
             };
             t.clamp(0, i128::from(i64::MAX)) as i64
         };
@@ -685,8 +706,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut out = [Affine::constant(0); 3];
         let mut rest = local;
         for axis in (0..nd).rev() {
-            out[axis] = self.floor_mod(p, rest, gv.dims[axis], span)?;
-            rest = self.floor_div(p, rest, gv.dims[axis], span)?;
+            (rest, out[axis]) = self.floor_div_mod(p, rest, gv.dims[axis], span)?;
         }
         Ok(out)
     }
@@ -830,16 +850,35 @@ impl<'a, 'p> Solver<'a, 'p> {
             let (e, s) = (x[x.len() - 1].end, y[0].start);
             e.at(0) <= s.at(0) && e.at(p.n - 1) <= s.at(p.n - 1)
         };
-        let (mut out, rest) = if before(&a, &b) {
+        let (head, tail) = if before(&a, &b) {
             (a, b)
         } else if before(&b, &a) {
             (b, a)
         } else {
             return self.union_merge(p, a, b);
         };
-        out.reserve(rest.len());
-        self.push_sorted(p, &mut out, rest[0])?;
-        out.extend_from_slice(&rest[1..]);
+        // The shorter list is copied into the longer one (a few keys before a long list,
+        // like the text keys before an image's, are put in front of it).
+        if head.len() >= tail.len() {
+            let mut out = head;
+            out.reserve(tail.len());
+            self.push_sorted(p, &mut out, tail[0])?;
+            out.extend_from_slice(&tail[1..]);
+            return Ok(out);
+        }
+        let mut out = tail;
+        let last = head[head.len() - 1];
+        // As `push_sorted` would merge the tail's first interval into the head's last.
+        let keep = if self.le(p, out[0].start, last.end)? {
+            out[0] = AffineInterval {
+                end: self.max(p, last.end, out[0].end)?,
+                ..last
+            };
+            head.len() - 1
+        } else {
+            head.len()
+        };
+        out.splice(0..0, head[..keep].iter().copied());
         Ok(out)
     }
 
@@ -1771,6 +1810,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                     past.saturating_add(rx),
                 ]);
             }
+            // Only flips inside the grid row matter: a piece starts at a column x0 >= 0
+            // and ends within the row.
+            flips.retain(|&x| x > 0 && x < w);
             flips.sort_unstable();
             flips.dedup();
             cache.key = Some(key);
@@ -1791,7 +1833,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                 return Err(Flow::Split(p.q0 + (flips[from] - x0)));
             }
         }
-        let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len());
+        // Room for one interval more, which a union with keys before the grid's (the text
+        // keys of CLEAR) puts in front without growing the list.
+        let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len() + 1);
         for &(row, rx) in runs {
             let base = gv.at + row * w;
             // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
