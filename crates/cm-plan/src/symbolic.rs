@@ -25,6 +25,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// on one core; a short predicate costs about 60 ns a pair).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
 
+/// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
+/// few (text or sink tokens); past that many, finding one would cost more than solving it.
+const MAX_INVARIANT: usize = 16;
+
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +118,11 @@ pub struct Solver<'a, 'p> {
     /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
     /// (its address in the program, head): the same on every row, so solved once.
     quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+    /// The keys of comparisons `alpha * k + rest op 0` whose `rest` reads neither `q` nor
+    /// an enclosing variable (`k < text`, attention sinks), by (their address in the
+    /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
+    /// tenth of W4's solve). At most [`MAX_INVARIANT`], searched in order.
+    invariant: RefCell<Vec<((usize, i64, i64), Vec<AffineInterval>)>>,
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
@@ -232,6 +241,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             ball_runs: RefCell::default(),
             vars: Cell::new([0; MAX_QUANT_DEPTH]),
             quant_cache: RefCell::default(),
+            invariant: RefCell::default(),
             key_sweeps: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
@@ -1160,8 +1170,18 @@ impl<'a, 'p> Solver<'a, 'p> {
                 op,
                 span,
             } => {
-                let rest = self.int(p, rest)?;
-                self.kcmp_keys(p, *alpha, rest, *op, *span)
+                let key = (r as *const Region as usize, p.b, p.h);
+                if let Some((_, keys)) = self.invariant.borrow().iter().find(|(k, _)| *k == key) {
+                    return Ok(keys.clone());
+                }
+                let keys = self.kcmp_keys(p, *alpha, self.int(p, rest)?, *op, *span)?;
+                let mut cache = self.invariant.borrow_mut();
+                if cache.len() < MAX_INVARIANT
+                    && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
+                {
+                    cache.push((key, keys.clone()));
+                }
+                Ok(keys)
             }
             Region::KDiv {
                 alpha,
