@@ -29,6 +29,9 @@ pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
 const MAX_INVARIANT: usize = 16;
 
+/// A row-invariant comparison's address in the program, b and h.
+type InvariantKey = (usize, i64, i64);
+
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,7 +125,7 @@ pub struct Solver<'a, 'p> {
     /// an enclosing variable (`k < text`, attention sinks), by (their address in the
     /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
     /// tenth of W4's solve). At most [`MAX_INVARIANT`], searched in order.
-    invariant: RefCell<Vec<((usize, i64, i64), Vec<AffineInterval>)>>,
+    invariant: RefCell<Vec<(InvariantKey, Vec<AffineInterval>)>>,
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
