@@ -126,6 +126,11 @@ pub struct Solver<'a, 'p> {
     /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
     /// tenth of W4's solve). At most [`MAX_INVARIANT`], searched in order.
     invariant: RefCell<Vec<(InvariantKey, Vec<AffineInterval>)>>,
+    /// Whether the mask holds an `elementwise` at all.
+    has_elementwise: bool,
+    /// Whether each `elementwise` predicate met so far fails at no pair, by its address
+    /// (see [`Solver::infallible_elementwise`]).
+    infallible: RefCell<Vec<(usize, bool)>>,
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
@@ -245,6 +250,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             vars: Cell::new([0; MAX_QUANT_DEPTH]),
             quant_cache: RefCell::default(),
             invariant: RefCell::default(),
+            has_elementwise: bound.program.mask.uses_elementwise(),
+            infallible: RefCell::default(),
             key_sweeps: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
@@ -1262,7 +1269,17 @@ impl<'a, 'p> Solver<'a, 'p> {
             Region::KeyCmp { f, op, v, span } => self.key_cmp(p, r, f, *op, v, *span, hull),
             Region::Union(a, b) => {
                 if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
+                    // A predicate that cannot fail is evaluated only at the keys the other
+                    // side leaves out, after it (the reference evaluates both sides
+                    // everywhere, but only the other side's errors can be met).
+                    if let Some(e) = self.infallible_elementwise(p, a)? {
+                        let y = self.region(p, b, hull)?;
+                        return self.union_elementwise(p, y, e, hull);
+                    }
                     let x = self.region(p, a, hull)?;
+                    if let Some(e) = self.infallible_elementwise(p, b)? {
+                        return self.union_elementwise(p, x, e, hull);
+                    }
                     let y = self.region(p, b, hull)?;
                     return self.union(p, x, y);
                 }
@@ -1281,16 +1298,43 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
                 let mut all = Vec::new();
+                let mut open = Vec::new();
                 for x in operands {
-                    all.extend(self.region(p, x, hull)?);
+                    match self.infallible_elementwise(p, x)? {
+                        // As for two operands: after the others, at the keys they leave out.
+                        Some(e) => open.push(e),
+                        None => all.extend(self.region(p, x, hull)?),
+                    }
                 }
-                self.union_all(p, all)
+                let mut out = self.union_all(p, all)?;
+                for e in open {
+                    out = self.union_elementwise(p, out, e, hull)?;
+                }
+                Ok(out)
             }
             Region::Inter(a, b) | Region::Diff(a, b) => {
                 let is_inter = matches!(r, Region::Inter(..));
                 if is_inter {
                     if let Some(v) = self.sparse_first_inter(p, a, b, hull)? {
                         return Ok(v);
+                    }
+                }
+                if let Some((c, espan)) = self.infallible_elementwise(p, a)? {
+                    // The reference evaluates the right side only where the predicate on the
+                    // left holds. That predicate cannot fail, so when the right side solves
+                    // on the whole hull the predicate is evaluated only at its keys (`&`) or
+                    // outside them (`-`); else (the right side fails somewhere on the hull)
+                    // both are evaluated as the reference orders them, below.
+                    if let Ok(y) = self.region(p, b, hull) {
+                        if !has_strided(&y) {
+                            let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+                            let ranges = if is_inter {
+                                single_row_ranges(&y, (lo, hi))
+                            } else {
+                                single_row_gaps(&y, (lo, hi))
+                            };
+                            return self.elementwise_keys(p, c, espan, &ranges);
+                        }
                     }
                 }
                 let x = self.region(p, a, hull)?;
@@ -1308,13 +1352,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 {
                     // The reference evaluates the right side only where the left one holds:
                     // the predicate is evaluated at the left side's keys alone.
-                    let (lo, hi) = inner;
-                    let ranges: Vec<(i64, i64)> = x
-                        .iter()
-                        .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
-                        .filter(|(a, z)| a < z)
-                        .collect();
-                    let y = self.elementwise_keys(p, c, *espan, &ranges)?;
+                    let y = self.elementwise_keys(p, c, *espan, &single_row_ranges(&x, inner))?;
                     return if is_inter {
                         Ok(y)
                     } else {
@@ -1378,6 +1416,56 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Ok(out)
             }
         }
+    }
+
+    /// The predicate of `r`, when `r` stands on this one-row piece (its `if`s on the row
+    /// decided) for an `elementwise` whose predicate fails at no pair of the plan
+    /// ([`Bound::never_fails`], decided once per predicate). Such a predicate may be
+    /// evaluated at fewer keys than the reference evaluates it at: only where the regions
+    /// around it leave the answer open, since no error of it can be missed.
+    fn infallible_elementwise<'r>(
+        &self,
+        p: &Piece,
+        r: &'r Region,
+    ) -> Eval<Option<(&'r Bool, Span)>> {
+        if !self.has_elementwise || p.n != 1 {
+            return Ok(None);
+        }
+        let Region::Elementwise(c, span) = self.through_conds(p, r)? else {
+            return Ok(None);
+        };
+        let key = c as *const Bool as usize;
+        let known = self
+            .infallible
+            .borrow()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|x| x.1);
+        let never_fails = known.unwrap_or_else(|| {
+            let v = self.bound.never_fails(c);
+            self.infallible.borrow_mut().push((key, v));
+            v
+        });
+        Ok(never_fails.then_some((c, *span)))
+    }
+
+    /// `known | elementwise(c)` on a one-row piece, `c` evaluated only at the keys of the
+    /// hull outside `known` (all of the hull when `known` holds strided runs).
+    fn union_elementwise(
+        &self,
+        p: &Piece,
+        known: Vec<AffineInterval>,
+        (c, span): (&Bool, Span),
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let hull = hull.unwrap_or((0, self.bound.shape.kv_len));
+        let ranges = if has_strided(&known) {
+            vec![hull]
+        } else {
+            single_row_gaps(&known, hull)
+        };
+        let y = self.elementwise_keys(p, c, span, &ranges)?;
+        self.union(p, known, y)
     }
 
     /// The keys of `ranges` (ascending, disjoint, on the one row of `p`) where `c` holds,
@@ -2122,6 +2210,29 @@ impl<'a, 'p> Solver<'a, 'p> {
 }
 
 /// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.
+/// The keys of a one-row list (plain intervals) inside `[lo, hi)`, as ascending ranges.
+fn single_row_ranges(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
+    list.iter()
+        .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
+        .filter(|(a, z)| a < z)
+        .collect()
+}
+
+/// The keys of `[lo, hi)` outside a one-row list (plain intervals), as ascending ranges.
+fn single_row_gaps(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
+    let mut out = Vec::with_capacity(list.len() + 1);
+    let mut at = lo;
+    for iv in list {
+        if iv.start.first > at {
+            out.push((at, iv.start.first.min(hi)));
+        }
+        at = at.max(iv.end.first);
+    }
+    out.push((at, hi));
+    out.retain(|(a, z)| a < z);
+    out
+}
+
 fn narrow(range: (i64, i64), hull: Option<(i64, i64)>) -> (i64, i64) {
     match hull {
         Some((lo, hi)) => (range.0.max(lo), range.1.min(hi)),
