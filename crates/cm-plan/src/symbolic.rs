@@ -21,8 +21,8 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (tens of seconds
-/// on one core; a short predicate costs about 60 ns a pair).
+/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about ten seconds
+/// on one core; a short predicate costs about 35 ns a pair).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
