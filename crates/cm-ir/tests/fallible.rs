@@ -12,12 +12,7 @@ fn compile(src: &str) -> Option<Program> {
 }
 
 fn shape(q_len: i64, kv_len: i64, num_heads: i64) -> Shape {
-    Shape {
-        q_len,
-        kv_len,
-        batch: 1,
-        num_heads,
-    }
+    cm_testkit::shape(q_len, kv_len, 1, num_heads)
 }
 
 /// `never_fails` of the predicate of `mask = elementwise(P);`.
