@@ -2209,7 +2209,6 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 }
 
-/// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.
 /// The keys of a one-row list (plain intervals) inside `[lo, hi)`, as ascending ranges.
 fn single_row_ranges(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
     list.iter()
@@ -2233,6 +2232,7 @@ fn single_row_gaps(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i
     out
 }
 
+/// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.
 fn narrow(range: (i64, i64), hull: Option<(i64, i64)>) -> (i64, i64) {
     match hull {
         Some((lo, hi)) => (range.0.max(lo), range.1.min(hi)),
