@@ -10,6 +10,7 @@
 
 pub mod bind;
 pub mod check;
+mod fallible;
 mod interp;
 pub mod ir;
 pub mod score;

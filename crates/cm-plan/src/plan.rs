@@ -344,16 +344,18 @@ fn assemble(
     let mut rows = RowIntervals::with_capacity(q_len, kv_len, total);
     for block in blocks {
         for sp in &block.pieces {
-            let first = &block.lists[sp.at..sp.at + sp.len];
+            let list = &block.chunks[sp.chunk][sp.at..];
+            let first = &list[..sp.len];
             let step = if sp.n > 1 {
-                &block.lists[sp.at + sp.len..sp.at + 2 * sp.len]
+                &list[sp.len..2 * sp.len]
             } else {
                 first
             };
-            if sp.strided {
-                rows.push_affine_runs(first, step, &block.strides[sp.at..sp.at + sp.len], sp.n);
-            } else {
-                rows.push_affine_rows(first, step, sp.n);
+            match sp.strides {
+                Some(at) => {
+                    rows.push_affine_runs(first, step, &block.strides[at..at + sp.len], sp.n)
+                }
+                None => rows.push_affine_rows(first, step, sp.n),
             }
         }
         runs.extend(&block.runs);
@@ -410,15 +412,44 @@ fn solve_in_parallel(solver: &Solver<'_, '_>, b: i64, h: i64) -> PResult<Vec<Sol
     Ok(out)
 }
 
-/// Solved rows: their pieces, the interval lists the pieces point into, the strides of
-/// those lists where a piece holds strided runs, the first row of every piece, and the
+/// Solved rows: their pieces, the chunks of interval lists the pieces point into, the
+/// strides of the pieces that hold strided runs, the first row of every piece, and the
 /// intervals the rows hold.
 struct SolvedRows {
     pieces: Vec<SolvedPiece>,
-    lists: Vec<KeyInterval>,
+    chunks: Vec<Vec<KeyInterval>>,
     strides: Vec<u32>,
     runs: Vec<u32>,
     total: usize,
+}
+
+/// The size of the first chunk of a block's interval lists, in intervals; each next chunk
+/// is twice as large, up to [`LIST_CHUNK_MAX`].
+const LIST_CHUNK_MIN: usize = 1 << 10;
+
+/// The largest chunk of interval lists (2 MiB, a huge page) unless one piece needs more.
+/// The lists are written once into chunks that are never moved: one array grown by
+/// doubling copies itself at every doubling and, in a fresh process, faults in the pages of
+/// every copy.
+const LIST_CHUNK_MAX: usize = 1 << 18;
+
+impl SolvedRows {
+    /// A chunk with room for `need` more intervals.
+    fn chunk_for(&mut self, need: usize) -> (usize, &mut Vec<KeyInterval>) {
+        let fits = self
+            .chunks
+            .last()
+            .is_some_and(|c| c.capacity() - c.len() >= need);
+        if !fits {
+            let size = self
+                .chunks
+                .last()
+                .map_or(LIST_CHUNK_MIN, |c| (2 * c.capacity()).min(LIST_CHUNK_MAX));
+            self.chunks.push(Vec::with_capacity(size.max(need)));
+        }
+        let i = self.chunks.len() - 1;
+        (i, &mut self.chunks[i])
+    }
 }
 
 /// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
@@ -435,7 +466,7 @@ fn solve_rows(
 ) -> PResult<SolvedRows> {
     let mut out = SolvedRows {
         pieces: Vec::new(),
-        lists: Vec::new(),
+        chunks: Vec::new(),
         strides: Vec::new(),
         runs: Vec::new(),
         total: 0,
@@ -464,29 +495,30 @@ fn solve_rows(
                     }
                     // Every endpoint is in [0, kv_len] on every row of the piece, so the
                     // rows follow from the first by adding each endpoint's slope.
-                    let at = out.lists.len();
-                    out.lists.extend(list.iter().map(|iv| KeyInterval {
+                    let (chunk, lists) =
+                        out.chunk_for(if p.n > 1 { 2 * list.len() } else { list.len() });
+                    let at = lists.len();
+                    lists.extend(list.iter().map(|iv| KeyInterval {
                         start: iv.start.first as u32,
                         end: iv.end.first as u32,
                     }));
                     if p.n > 1 {
-                        out.lists.extend(list.iter().map(|iv| KeyInterval {
+                        lists.extend(list.iter().map(|iv| KeyInterval {
                             start: iv.start.step as u32,
                             end: iv.end.step as u32,
                         }));
                     }
-                    let strided = list.iter().any(|iv| iv.stride != 1);
-                    if strided {
-                        out.strides.resize(out.lists.len(), 1);
-                        for (i, iv) in list.iter().enumerate() {
-                            out.strides[at + i] = iv.stride as u32;
-                        }
-                    }
+                    let strides = list.iter().any(|iv| iv.stride != 1).then(|| {
+                        let at = out.strides.len();
+                        out.strides.extend(list.iter().map(|iv| iv.stride as u32));
+                        at
+                    });
                     out.pieces.push(SolvedPiece {
                         n: p.n as usize,
+                        chunk,
                         at,
                         len: list.len(),
-                        strided,
+                        strides,
                     });
                     out.runs.push(q0 as u32);
                     q0 = end;
@@ -523,14 +555,15 @@ fn solve_rows(
     Ok(out)
 }
 
-/// A solved piece's rows: `n` rows whose first row's intervals are `lists[at..at + len]`
-/// and, for `n > 1`, whose slopes follow them at `lists[at + len..at + 2 * len]`; with
-/// `strided`, runs whose strides are `strides[at..at + len]`.
+/// A solved piece's rows: `n` rows whose first row's intervals are `chunks[chunk][at..at +
+/// len]` and, for `n > 1`, whose slopes follow them at `chunks[chunk][at + len..at + 2 *
+/// len]`; with `strides: Some(s)`, runs whose strides are `strides[s..s + len]`.
 struct SolvedPiece {
     n: usize,
+    chunk: usize,
     at: usize,
     len: usize,
-    strided: bool,
+    strides: Option<usize>,
 }
 
 /// Plans a bound program at a tile shape, in the program's own positions.

@@ -21,9 +21,16 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (tens of seconds
-/// on one core; a short predicate costs about 60 ns a pair).
+/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about ten seconds
+/// on one core; a short predicate costs about 35 ns a pair).
 pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
+
+/// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
+/// few (text or sink tokens); past that many, finding one would cost more than solving it.
+const MAX_INVARIANT: usize = 16;
+
+/// A row-invariant comparison's address in the program, b and h.
+type InvariantKey = (usize, i64, i64);
 
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
@@ -114,6 +121,16 @@ pub struct Solver<'a, 'p> {
     /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
     /// (its address in the program, head): the same on every row, so solved once.
     quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+    /// The keys of comparisons `alpha * k + rest op 0` whose `rest` reads neither `q` nor
+    /// an enclosing variable (`k < text`, attention sinks), by (their address in the
+    /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
+    /// tenth of W4's solve). At most [`MAX_INVARIANT`], searched in order.
+    invariant: RefCell<Vec<(InvariantKey, Vec<AffineInterval>)>>,
+    /// Whether the mask holds an `elementwise` at all.
+    has_elementwise: bool,
+    /// Whether each `elementwise` predicate met so far fails at no pair, by its address
+    /// (see [`Solver::infallible_elementwise`]).
+    infallible: RefCell<Vec<(usize, bool)>>,
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
@@ -232,6 +249,9 @@ impl<'a, 'p> Solver<'a, 'p> {
             ball_runs: RefCell::default(),
             vars: Cell::new([0; MAX_QUANT_DEPTH]),
             quant_cache: RefCell::default(),
+            invariant: RefCell::default(),
+            has_elementwise: bound.program.mask.uses_elementwise(),
+            infallible: RefCell::default(),
             key_sweeps: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
@@ -423,25 +443,39 @@ impl<'a, 'p> Solver<'a, 'p> {
                 PlanError::new(Code::DivisionByZero, Some(span), "division by zero").into(),
             );
         }
+        if d == 1 {
+            return self.affine(p, Some(x.first), Some(x.step), span);
+        }
         let q0 = bind::floor_div(x.first, d, span)?;
-        if x.step % d == 0 {
+        if x.step == 0 || x.step % d == 0 {
             // floor((v0 + a t) / d) = floor(v0 / d) + (a / d) t exactly.
             return self.affine(p, Some(q0), Some(x.step / d), span);
         }
         // The quotient is monotone in t: it first changes where the numerator crosses the
-        // next multiple of d in its direction of travel (d made positive by negating both).
-        let (v, a, d) = if d > 0 {
-            (i128::from(x.first), i128::from(x.step), i128::from(d))
+        // next multiple of d in its direction of travel.
+        let change = if d > 0 {
+            // With r = v0 mod d in [0, d): rising, the first t with v0 + a t >= v0 - r + d
+            // is ceil((d - r) / a); falling, the first t with v0 + a t < v0 - r is
+            // floor(r / -a) + 1. Neither overflows, and this is the common case (grid
+            // coordinates), so it avoids 128-bit division.
+            let r = x.first.rem_euclid(d);
+            let t = if x.step > 0 {
+                (d - r - 1) as u64 / x.step as u64 + 1
+            } else {
+                r as u64 / x.step.unsigned_abs() + 1
+            };
+            i128::from(t)
         } else {
-            (-i128::from(x.first), -i128::from(x.step), -i128::from(d))
-        };
-        let q = floor_i128(v, d);
-        let change = if a > 0 {
-            // First t with v + a t >= (q + 1) d.
-            ((q + 1) * d - v + a - 1) / a
-        } else {
-            // First t with v + a t < q d.
-            (v - q * d) / -a + 1
+            // d made positive by negating both.
+            let (v, a, d) = (-i128::from(x.first), -i128::from(x.step), -i128::from(d));
+            let q = floor_i128(v, d);
+            if a > 0 {
+                // First t with v + a t >= (q + 1) d.
+                ((q + 1) * d - v + a - 1) / a
+            } else {
+                // First t with v + a t < q d.
+                (v - q * d) / -a + 1
+            }
         };
         if change < i128::from(p.n) {
             return Err(Flow::Split(p.q0 + change as i64));
@@ -450,9 +484,14 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn floor_mod(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<Affine> {
+        Ok(self.floor_div_mod(p, x, d, span)?.1)
+    }
+
+    /// `floor(x / d)` and `x mod d` (the sign of `d`) from one division.
+    fn floor_div_mod(&self, p: &Piece, x: Affine, d: i64, span: Span) -> Eval<(Affine, Affine)> {
         let q = self.floor_div(p, x, d, span)?;
         let dq = self.scale(p, q, d, span)?;
-        self.sub(p, x, dq, span)
+        Ok((q, self.sub(p, x, dq, span)?))
     }
 
     fn constant(&self, p: &Piece, x: Affine) -> Eval<i64> {
@@ -640,10 +679,12 @@ impl<'a, 'p> Solver<'a, 'p> {
             let d = i128::from(target) - i128::from(pos.first);
             let a = i128::from(pos.step);
             // smallest t >= 0 with a*t >= d (a > 0) or a*t <= d (a < 0)
-            let t = if a > 0 {
-                (d + a - 1).div_euclid(a)
-            } else {
-                (-d + -a - 1).div_euclid(-a)
+            // A slope of one key per row (a grid's `q`) needs no division.
+            let t = match a {
+                1 => d,
+                -1 => -d,
+                _ if a > 0 => (d + a - 1).div_euclid(a),
+                _ => (-d + -a - 1).div_euclid(-a),
             };
             t.clamp(0, i128::from(i64::MAX)) as i64
         };
@@ -685,8 +726,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let mut out = [Affine::constant(0); 3];
         let mut rest = local;
         for axis in (0..nd).rev() {
-            out[axis] = self.floor_mod(p, rest, gv.dims[axis], span)?;
-            rest = self.floor_div(p, rest, gv.dims[axis], span)?;
+            (rest, out[axis]) = self.floor_div_mod(p, rest, gv.dims[axis], span)?;
         }
         Ok(out)
     }
@@ -830,16 +870,35 @@ impl<'a, 'p> Solver<'a, 'p> {
             let (e, s) = (x[x.len() - 1].end, y[0].start);
             e.at(0) <= s.at(0) && e.at(p.n - 1) <= s.at(p.n - 1)
         };
-        let (mut out, rest) = if before(&a, &b) {
+        let (head, tail) = if before(&a, &b) {
             (a, b)
         } else if before(&b, &a) {
             (b, a)
         } else {
             return self.union_merge(p, a, b);
         };
-        out.reserve(rest.len());
-        self.push_sorted(p, &mut out, rest[0])?;
-        out.extend_from_slice(&rest[1..]);
+        // The shorter list is copied into the longer one (a few keys before a long list,
+        // like the text keys before an image's, are put in front of it).
+        if head.len() >= tail.len() {
+            let mut out = head;
+            out.reserve(tail.len());
+            self.push_sorted(p, &mut out, tail[0])?;
+            out.extend_from_slice(&tail[1..]);
+            return Ok(out);
+        }
+        let mut out = tail;
+        let last = head[head.len() - 1];
+        // As `push_sorted` would merge the tail's first interval into the head's last.
+        let keep = if self.le(p, out[0].start, last.end)? {
+            out[0] = AffineInterval {
+                end: self.max(p, last.end, out[0].end)?,
+                ..last
+            };
+            head.len() - 1
+        } else {
+            head.len()
+        };
+        out.splice(0..0, head[..keep].iter().copied());
         Ok(out)
     }
 
@@ -1121,8 +1180,18 @@ impl<'a, 'p> Solver<'a, 'p> {
                 op,
                 span,
             } => {
-                let rest = self.int(p, rest)?;
-                self.kcmp_keys(p, *alpha, rest, *op, *span)
+                let key = (r as *const Region as usize, p.b, p.h);
+                if let Some((_, keys)) = self.invariant.borrow().iter().find(|(k, _)| *k == key) {
+                    return Ok(keys.clone());
+                }
+                let keys = self.kcmp_keys(p, *alpha, self.int(p, rest)?, *op, *span)?;
+                let mut cache = self.invariant.borrow_mut();
+                if cache.len() < MAX_INVARIANT
+                    && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
+                {
+                    cache.push((key, keys.clone()));
+                }
+                Ok(keys)
             }
             Region::KDiv {
                 alpha,
@@ -1200,7 +1269,17 @@ impl<'a, 'p> Solver<'a, 'p> {
             Region::KeyCmp { f, op, v, span } => self.key_cmp(p, r, f, *op, v, *span, hull),
             Region::Union(a, b) => {
                 if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
+                    // A predicate that cannot fail is evaluated only at the keys the other
+                    // side leaves out, after it (the reference evaluates both sides
+                    // everywhere, but only the other side's errors can be met).
+                    if let Some(e) = self.infallible_elementwise(p, a)? {
+                        let y = self.region(p, b, hull)?;
+                        return self.union_elementwise(p, y, e, hull);
+                    }
                     let x = self.region(p, a, hull)?;
+                    if let Some(e) = self.infallible_elementwise(p, b)? {
+                        return self.union_elementwise(p, x, e, hull);
+                    }
                     let y = self.region(p, b, hull)?;
                     return self.union(p, x, y);
                 }
@@ -1219,16 +1298,43 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
                 let mut all = Vec::new();
+                let mut open = Vec::new();
                 for x in operands {
-                    all.extend(self.region(p, x, hull)?);
+                    match self.infallible_elementwise(p, x)? {
+                        // As for two operands: after the others, at the keys they leave out.
+                        Some(e) => open.push(e),
+                        None => all.extend(self.region(p, x, hull)?),
+                    }
                 }
-                self.union_all(p, all)
+                let mut out = self.union_all(p, all)?;
+                for e in open {
+                    out = self.union_elementwise(p, out, e, hull)?;
+                }
+                Ok(out)
             }
             Region::Inter(a, b) | Region::Diff(a, b) => {
                 let is_inter = matches!(r, Region::Inter(..));
                 if is_inter {
                     if let Some(v) = self.sparse_first_inter(p, a, b, hull)? {
                         return Ok(v);
+                    }
+                }
+                if let Some((c, espan)) = self.infallible_elementwise(p, a)? {
+                    // The reference evaluates the right side only where the predicate on the
+                    // left holds. That predicate cannot fail, so when the right side solves
+                    // on the whole hull the predicate is evaluated only at its keys (`&`) or
+                    // outside them (`-`); else (the right side fails somewhere on the hull)
+                    // both are evaluated as the reference orders them, below.
+                    if let Ok(y) = self.region(p, b, hull) {
+                        if !has_strided(&y) {
+                            let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
+                            let ranges = if is_inter {
+                                single_row_ranges(&y, (lo, hi))
+                            } else {
+                                single_row_gaps(&y, (lo, hi))
+                            };
+                            return self.elementwise_keys(p, c, espan, &ranges);
+                        }
                     }
                 }
                 let x = self.region(p, a, hull)?;
@@ -1246,13 +1352,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 {
                     // The reference evaluates the right side only where the left one holds:
                     // the predicate is evaluated at the left side's keys alone.
-                    let (lo, hi) = inner;
-                    let ranges: Vec<(i64, i64)> = x
-                        .iter()
-                        .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
-                        .filter(|(a, z)| a < z)
-                        .collect();
-                    let y = self.elementwise_keys(p, c, *espan, &ranges)?;
+                    let y = self.elementwise_keys(p, c, *espan, &single_row_ranges(&x, inner))?;
                     return if is_inter {
                         Ok(y)
                     } else {
@@ -1316,6 +1416,56 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Ok(out)
             }
         }
+    }
+
+    /// The predicate of `r`, when `r` stands on this one-row piece (its `if`s on the row
+    /// decided) for an `elementwise` whose predicate fails at no pair of the plan
+    /// ([`Bound::never_fails`], decided once per predicate). Such a predicate may be
+    /// evaluated at fewer keys than the reference evaluates it at: only where the regions
+    /// around it leave the answer open, since no error of it can be missed.
+    fn infallible_elementwise<'r>(
+        &self,
+        p: &Piece,
+        r: &'r Region,
+    ) -> Eval<Option<(&'r Bool, Span)>> {
+        if !self.has_elementwise || p.n != 1 {
+            return Ok(None);
+        }
+        let Region::Elementwise(c, span) = self.through_conds(p, r)? else {
+            return Ok(None);
+        };
+        let key = c as *const Bool as usize;
+        let known = self
+            .infallible
+            .borrow()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|x| x.1);
+        let never_fails = known.unwrap_or_else(|| {
+            let v = self.bound.never_fails(c);
+            self.infallible.borrow_mut().push((key, v));
+            v
+        });
+        Ok(never_fails.then_some((c, *span)))
+    }
+
+    /// `known | elementwise(c)` on a one-row piece, `c` evaluated only at the keys of the
+    /// hull outside `known` (all of the hull when `known` holds strided runs).
+    fn union_elementwise(
+        &self,
+        p: &Piece,
+        known: Vec<AffineInterval>,
+        (c, span): (&Bool, Span),
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let hull = hull.unwrap_or((0, self.bound.shape.kv_len));
+        let ranges = if has_strided(&known) {
+            vec![hull]
+        } else {
+            single_row_gaps(&known, hull)
+        };
+        let y = self.elementwise_keys(p, c, span, &ranges)?;
+        self.union(p, known, y)
     }
 
     /// The keys of `ranges` (ascending, disjoint, on the one row of `p`) where `c` holds,
@@ -1771,6 +1921,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                     past.saturating_add(rx),
                 ]);
             }
+            // Only flips inside the grid row matter: a piece starts at a column x0 >= 0
+            // and ends within the row.
+            flips.retain(|&x| x > 0 && x < w);
             flips.sort_unstable();
             flips.dedup();
             cache.key = Some(key);
@@ -1791,7 +1944,9 @@ impl<'a, 'p> Solver<'a, 'p> {
                 return Err(Flow::Split(p.q0 + (flips[from] - x0)));
             }
         }
-        let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len());
+        // Room for one interval more, which a union with keys before the grid's (the text
+        // keys of CLEAR) puts in front without growing the list.
+        let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len() + 1);
         for &(row, rx) in runs {
             let base = gv.at + row * w;
             // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
@@ -2052,6 +2207,29 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         Ok(out)
     }
+}
+
+/// The keys of a one-row list (plain intervals) inside `[lo, hi)`, as ascending ranges.
+fn single_row_ranges(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
+    list.iter()
+        .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
+        .filter(|(a, z)| a < z)
+        .collect()
+}
+
+/// The keys of `[lo, hi)` outside a one-row list (plain intervals), as ascending ranges.
+fn single_row_gaps(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
+    let mut out = Vec::with_capacity(list.len() + 1);
+    let mut at = lo;
+    for iv in list {
+        if iv.start.first > at {
+            out.push((at, iv.start.first.min(hi)));
+        }
+        at = at.max(iv.end.first);
+    }
+    out.push((at, hi));
+    out.retain(|(a, z)| a < z);
+    out
 }
 
 /// `range` cut to `hull`: a list evaluated within a hull may hold anything outside it.

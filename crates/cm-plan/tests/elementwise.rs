@@ -19,6 +19,18 @@ const MASKS: &[&str] = &[
     "mask = (k < c | k > q + 2) - elementwise(k * k % (q + 2) == 0);",
     "mask = elementwise((q * k) % 3 == 0) | k == q;",
     "mask = if q % 2 == 0 then k <= q & elementwise(k * k * q % 11 < 5) else k < c;",
+    // Predicates that cannot fail, where the regions around them decide some keys.
+    "mask = elementwise((k * k + q) % 7 < 3) & q - w < k <= q;",
+    "mask = (k < c | q - w < k <= q) | elementwise((k * q + k) % 5 == 1);",
+    "mask = elementwise(k * k % 11 < 4) | k <= q;",
+    "mask = elementwise((q + k) % 3 == 0) - (q - w < k <= q);",
+    "mask = k == c | elementwise(k % 4 == q % 4) | k == q | k > q + w;",
+    "mask = elementwise(k % 3 == 0) | elementwise(k % 5 == q % 5);",
+    "mask = if q % 3 == 1 then elementwise(k * q % 4 == 1) else k < c | elementwise(k % 2 == 0);",
+    // Predicates that may fail (a zero divisor): evaluated at every key the reference does.
+    "mask = k <= q | elementwise(k * k % (q - c) < 3);",
+    "mask = elementwise(k / (q - c) < 2) & q - w < k <= q;",
+    "mask = elementwise(1 / (k - q + c) == 0) - (k < c);",
 ];
 
 proptest! {
@@ -35,8 +47,98 @@ proptest! {
         let src = format!("param w: int = {w};\nparam c: int = {c};\n{mask}");
         let program = compile(&src);
         let tile = TileShape { block_m: 8, block_n: 8 };
-        check_against_brute_force(&program, shape(q_len, kv_len), &params(&[]), tile);
+        check_or_same_error(&program, shape(q_len, kv_len), tile);
     }
+}
+
+/// Plans `program`: rows and tiles equal brute force, or, where the reference fails, the
+/// plan fails with the same code.
+fn check_or_same_error(program: &cm_ir::Program, s: Shape, tile: TileShape) {
+    let bound = program.bind(s, &params(&[])).unwrap();
+    let reference: Result<Vec<_>, _> = (0..s.q_len)
+        .map(|q| bound.brute_force_row(q, 0, 0))
+        .collect();
+    match reference {
+        Ok(_) => {
+            check_against_brute_force(program, s, &params(&[]), tile);
+        }
+        Err(want) => {
+            let got = plan(&bound, tile).expect_err("the reference fails, the plan must too");
+            assert_eq!(got.code, want.code, "{got} vs {want}");
+        }
+    }
+}
+
+/// The pairs a plan evaluates one by one: only where the regions around the predicate
+/// leave the answer open when it cannot fail, every key the reference evaluates when it
+/// may; counted independently from the analytic side's rows.
+#[test]
+fn pairs_counted_only_where_the_answer_is_open() {
+    let (q_len, kv_len, w, c) = (300i64, 257i64, 40i64, 9i64);
+    let band = |q: i64, k: i64| q - w < k && k <= q;
+    let count = |keep: &dyn Fn(i64, i64) -> bool| -> u64 {
+        (0..q_len)
+            .map(|q| (0..kv_len).filter(|&k| keep(q, k)).count() as u64)
+            .sum()
+    };
+    let all = (q_len * kv_len) as u64;
+    let cases: Vec<(&str, u64)> = vec![
+        // On the right of `&` (as before) and now on its left: the band's keys only.
+        (
+            "mask = q - w < k <= q & elementwise((k * k + q) % 13 < 6);",
+            count(&band),
+        ),
+        (
+            "mask = elementwise((k * k + q) % 13 < 6) & q - w < k <= q;",
+            count(&band),
+        ),
+        // `|`: the keys the other side leaves out.
+        (
+            "mask = (k < c | q - w < k <= q) | elementwise((k * q + k) % 5 == 1);",
+            all - count(&|q, k| k < c || band(q, k)),
+        ),
+        (
+            "mask = elementwise(k * k % 11 < 4) | k <= q;",
+            all - count(&|q, k| k <= q),
+        ),
+        (
+            "mask = k == c | elementwise(k % 4 == q % 4) | k == q;",
+            all - count(&|q, k| k == c || k == q),
+        ),
+        // `-` with the predicate on the left: the keys outside the right side.
+        (
+            "mask = elementwise((q + k) % 3 == 0) - (q - w < k <= q);",
+            all - count(&band),
+        ),
+        // A predicate that may fail (an array lookup is not analysed) keeps the reference's
+        // evaluation: every key on both sides of `|`, every key on the left of `&`.
+        ("mask = k <= q | elementwise(a[k % 3] == 1);", all),
+        ("mask = elementwise(a[k % 3] == 1) & q - w < k <= q;", all),
+    ];
+    for (mask, want) in cases {
+        let src = format!(
+            "param w: int = {w};\nparam c: int = {c};\nparam a: [int] = [1, 0, 1];\n{mask}"
+        );
+        let p = check_against_brute_force(
+            &compile(&src),
+            shape(q_len, kv_len),
+            &params(&[]),
+            TileShape::default(),
+        );
+        assert_eq!(p.elementwise_pairs, want, "{mask}");
+    }
+}
+
+/// A predicate that fails only at keys the other side of `|` already holds still fails the
+/// plan, as the reference evaluates both sides everywhere.
+#[test]
+fn errors_inside_the_other_side_are_kept() {
+    let program = compile("mask = k <= q | elementwise(k == q & 1 / (k - q) == 0);");
+    let bound = program.bind(shape(50, 50), &params(&[])).unwrap();
+    let want = bound.brute_force_row(0, 0, 0).unwrap_err();
+    let got = plan(&bound, TileShape::default()).unwrap_err();
+    assert_eq!(got.code, want.code);
+    assert!(got.message.contains("row q = 0"), "{}", got.message);
 }
 
 /// Long rows give the same keys, and count every pair of the left side's keys only.
