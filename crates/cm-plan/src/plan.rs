@@ -287,20 +287,21 @@ pub fn first_piece(
     let q0 = rows.start;
     let block = solve_rows(solver, b, h, rows, 1, &AtomicUsize::new(0))?;
     let sp = &block.pieces[0];
+    let list = &block.chunks[sp.chunk][sp.at..];
     // Slopes are stored as wrapping `u32`s; every endpoint stays in [0, kv_len] on every row
     // of the piece, so a slope's magnitude is at most kv_len < 2^31 and reading it as an
     // `i32` is exact.
-    let slope = |at: usize| {
+    let slope = |i: usize| {
         if sp.n > 1 {
-            let d = block.lists[at + sp.len];
+            let d = list[sp.len + i];
             (i64::from(d.start as i32), i64::from(d.end as i32))
         } else {
             (0, 0)
         }
     };
-    let runs = (sp.at..sp.at + sp.len)
-        .map(|at| {
-            let (iv, (ds, de)) = (block.lists[at], slope(at));
+    let runs = (0..sp.len)
+        .map(|i| {
+            let (iv, (ds, de)) = (list[i], slope(i));
             AffineInterval {
                 start: Affine {
                     first: i64::from(iv.start),
@@ -310,11 +311,7 @@ pub fn first_piece(
                     first: i64::from(iv.end),
                     step: de,
                 },
-                stride: if sp.strided {
-                    i64::from(block.strides[at])
-                } else {
-                    1
-                },
+                stride: sp.strides.map_or(1, |at| i64::from(block.strides[at + i])),
             }
         })
         .collect();
