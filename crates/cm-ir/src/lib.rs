@@ -22,6 +22,11 @@ pub use cm_syntax::{Code, Diagnostic};
 pub use ir::*;
 pub use score::{LinearBias, ScoreTerms, TableBias};
 
+/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about ten seconds
+/// on one core; a short predicate costs about 35 ns a pair). The planner enforces it
+/// (`CM0404`); the checker's hints quote it.
+pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
+
 /// Parses and checks `source` in one step, with `arrays` as built-in names (see
 /// [`NamedArray`]; `cm_stdlib::ARRAYS` holds the standard library's).
 pub fn compile(

@@ -21,9 +21,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Most (q, k) pairs one plan may evaluate one by one in `elementwise` (about ten seconds
-/// on one core; a short predicate costs about 35 ns a pair).
-pub const MAX_ELEMENTWISE_PAIRS: u64 = 1 << 28;
+pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
@@ -1347,12 +1345,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                 if inner.0 >= inner.1 {
                     return Ok(Vec::new());
                 }
-                if let (Region::Elementwise(c, espan), 1, false) =
-                    (self.through_conds(p, b)?, p.n, has_strided(&x))
-                {
+                if let (Region::Elementwise(c, espan), 1) = (self.through_conds(p, b)?, p.n) {
                     // The reference evaluates the right side only where the left one holds:
-                    // the predicate is evaluated at the left side's keys alone.
-                    let y = self.elementwise_keys(p, c, *espan, &single_row_ranges(&x, inner))?;
+                    // the predicate is evaluated at the left side's keys alone (a strided
+                    // run's keys, not its span).
+                    let y = self.elementwise_keys(p, c, *espan, &single_row_keys(&x, inner))?;
                     return if is_inter {
                         Ok(y)
                     } else {
@@ -2215,6 +2212,32 @@ fn single_row_ranges(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64,
         .map(|iv| (iv.start.first.max(lo), iv.end.first.min(hi)))
         .filter(|(a, z)| a < z)
         .collect()
+}
+
+/// The keys of a one-row list inside `[lo, hi)` as ascending ranges: a plain run as one
+/// range, a strided run as one range per key.
+fn single_row_keys(list: &[AffineInterval], (lo, hi): (i64, i64)) -> Vec<(i64, i64)> {
+    let mut out = Vec::new();
+    for iv in list {
+        let (start, end) = (iv.start.first, iv.end.first.min(hi));
+        if iv.stride == 1 {
+            if start.max(lo) < end {
+                out.push((start.max(lo), end));
+            }
+            continue;
+        }
+        // The first key of the run at or after lo: start + ceil((lo - start) / stride) * stride.
+        let mut k = if start >= lo {
+            start
+        } else {
+            start + (lo - start + iv.stride - 1) / iv.stride * iv.stride
+        };
+        while k < end {
+            out.push((k, k + 1));
+            k += iv.stride;
+        }
+    }
+    out
 }
 
 /// The keys of `[lo, hi)` outside a one-row list (plain intervals), as ascending ranges.

@@ -31,6 +31,11 @@ const MASKS: &[&str] = &[
     "mask = k <= q | elementwise(k * k % (q - c) < 3);",
     "mask = elementwise(k / (q - c) < 2) & q - w < k <= q;",
     "mask = elementwise(1 / (k - q + c) == 0) - (k < c);",
+    // Strided left sides: evaluated at the runs' keys, not their spans (a zero divisor at
+    // an even key, which the odd-key run never holds).
+    "mask = k % 2 == 1 & k < 30 & elementwise(q / (k - 2 * c) < 2);",
+    "mask = q - w < k <= q & (q - k) % 2 == 1 & elementwise(q / (k - q + 2) < 2);",
+    "mask = (k % 3 == 0 & k < q + w) - elementwise(q / (k - 3 * c - 1) < 1);",
 ];
 
 proptest! {

@@ -645,7 +645,7 @@ impl Checker<'_> {
              `doc.index(k) == doc.index(q)`), with terms on either side; anything else can be \
              evaluated pair by pair with `elementwise(...)`, at most {} pairs per plan, so \
              narrow it with a solvable region (`q - 512 < k <= q & elementwise(...)`)",
-            1u64 << 26
+            crate::MAX_ELEMENTWISE_PAIRS
         ));
         if let Some((at, why)) = cause {
             d = d.with_related(at, why);
