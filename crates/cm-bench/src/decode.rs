@@ -11,7 +11,7 @@
 //! tensor filled with random values (reads of zeros measured up to a third faster).
 
 use crate::reference::{self, Inputs, Shape};
-use crate::{median, time_calls, to_bits};
+use crate::{median, random_bits, time_calls};
 use cm_cuda::{decode_splits, decode_workspace_len, DType, Decode, Error, Runtime};
 use cm_plan::rows::RowIntervals;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -73,7 +73,8 @@ impl DecodeMeasurement {
     }
 }
 
-/// xorshift64* values of one random block that fills the benchmark's tensors periodically.
+/// One block of random values ([`random_bits`]) that fills the benchmark's tensors
+/// periodically, kept on the host for the reference.
 struct Block {
     host: Vec<u16>,
     device: CudaSlice<u16>,
@@ -83,17 +84,7 @@ const BLOCK_ELEMS: usize = 1 << 24;
 
 impl Block {
     fn new(stream: &Arc<CudaStream>, dtype: DType, seed: u64) -> Result<Block, Error> {
-        let mut state = seed | 1;
-        let host: Vec<u16> = (0..BLOCK_ELEMS)
-            .map(|_| {
-                state ^= state >> 12;
-                state ^= state << 25;
-                state ^= state >> 27;
-                let u =
-                    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
-                to_bits(dtype, ((u - 0.5) * 3.464) as f32)
-            })
-            .collect();
+        let host = random_bits(dtype, BLOCK_ELEMS, seed);
         let device = stream
             .clone_htod(&host)
             .map_err(|e| Error::driver("cuMemcpyHtoD", e))?;
