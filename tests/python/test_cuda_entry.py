@@ -131,9 +131,13 @@ def test_the_backward_checks_its_own_tensors():
         ({"ws": (0x6000_0000, (100_000,), (1,), "float16", 0)}, "workspace: dtype float16"),
         ({"ws": (0x6000_0000, (100_000,), (2,), "float32", 0)}, "workspace: stride 2"),
         ({"dq": _tensor((1, 2, 100, 64), "float16")}, "dq: dtype float16, expected bfloat16"),
+        ({"dlse": _tensor((1, 2, 100), "bfloat16")}, "dlse: dtype bfloat16, expected float32"),
+        ({"dlse": _tensor((1, 2, 99), "float32")}, r"dlse: shape \[1, 2, 99\] differs from lse's"),
+        ({"dlse": (0x5000_0002, (1, 2, 100), (200, 100, 1), "float32", 0)},
+         "dlse: .*aligned"),
     ]:
         dq = bad.get("dq", grads[0])
         with pytest.raises(ValueError, match=message):
             _native.cuda_backward(0, a["plan"], a["q"], a["k"], a["v"], a["out"], a["q"],
-                                  a["lse"], dq, grads[1], grads[2], bad.get("ws", ws), 0.125,
-                                  False, NO_SCORE)
+                                  a["lse"], bad.get("dlse"), dq, grads[1], grads[2],
+                                  bad.get("ws", ws), 0.125, False, NO_SCORE)

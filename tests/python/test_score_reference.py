@@ -102,9 +102,12 @@ def test_torch_forward_and_gradients_match_autograd_of_a_dense_computation():
     rel = torch.randn(heads, 32, generator=g, dtype=torch.float64)
     sinks = torch.randn(heads, generator=g, dtype=torch.float64)
     dout = torch.randn(b, heads, lq, d, generator=g, dtype=torch.float64)
+    dlse = torch.randn(b, heads, lq, generator=g, dtype=torch.float64)
     tensors = {"rel": rel, "sinks": sinks}
     out, lse = reference_attention(q, k, v, plan, tensors, scale=0.6)
-    dq, dk, dv, grads = reference_attention_backward(q, k, v, dout, plan, tensors, scale=0.6)
+    # The loss reads out and lse (every row has a finite lse: the sinks).
+    dq, dk, dv, grads = reference_attention_backward(q, k, v, dout, plan, tensors, scale=0.6,
+                                                     grad_lse=dlse)
 
     terms = score_terms(plan)
     bucket = torch.tensor(struct.unpack(f"={lq + lk - 1}i", terms["table"]["bucket"]))
@@ -124,7 +127,7 @@ def test_torch_forward_and_gradients_match_autograd_of_a_dense_computation():
     want_lse = torch.logsumexp(full, -1)
     p = torch.exp(s - want_lse[..., None])
     want = p @ vv
-    (want * dout).sum().backward()
+    ((want * dout).sum() + (want_lse * dlse).sum()).backward()
     assert torch.allclose(out, want.detach(), atol=1e-12)
     assert torch.allclose(lse, want_lse.detach(), atol=1e-12)
     for got, leaf in zip((dq, dk, dv, grads["rel"], grads["sinks"]), leaves):

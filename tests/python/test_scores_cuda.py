@@ -141,16 +141,20 @@ def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk)
     assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-2
 
     w = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    # The loss reads lse too (rows whose lse is -inf left out: a constant).
+    wl = torch.randn(lse.shape, generator=g, device="cuda", dtype=torch.float64) * finite
     inputs = [q, k, v] + ([table] if use["dist"] else []) + ([sinks] if use["sinks"] else [])
     # The table reaches both through one gather: keep its graph for the reference.
-    grads = torch.autograd.grad((out.double() * w).sum(), inputs, retain_graph=True)
-    ref_grads = list(torch.autograd.grad((ref_out * w).sum(), inputs[:3], retain_graph=True))
+    loss = (out.double() * w).sum() + (lse.double().masked_fill(~finite, 0) * wl).sum()
+    grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+    ref_loss = (ref_out * w).sum() + (ref_lse.masked_fill(~finite, 0) * wl).sum()
+    ref_grads = list(torch.autograd.grad(ref_loss, inputs[:3], retain_graph=True))
     # The table's and the sinks' gradients are sums of dS = P (dP - delta) over many pairs,
     # and each row's dS sums to dout . (O - O_rounded): the output's rounding to the element
     # type, which any kernel's delta = rowsum(dout * out) carries. So their reference takes
     # delta from the kernel's own output (everything else in float64), as the gradients
     # of q, k and v need not.
-    delta = (w * out.detach().double()).sum(-1)
+    delta = (w * out.detach().double()).sum(-1) - wl
     if use["dist"] or use["sinks"]:
         p, dp = _probs_and_dp(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks, w)
         ds = p * (dp - delta.unsqueeze(-1))

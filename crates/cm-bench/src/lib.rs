@@ -258,6 +258,7 @@ impl BenchInputs {
                 out: (&self.out, self.q_layout),
                 dout: (&g.dout, self.q_layout),
                 lse: (&self.lse, LseLayout::contiguous([b, h, s])),
+                dlse: None,
                 dq: (&mut g.dq, self.q_layout),
                 dk: (&mut g.dk, self.kv_layout),
                 dv: (&mut g.dv, self.kv_layout),

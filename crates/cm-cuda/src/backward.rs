@@ -4,7 +4,9 @@
 //! (partial tiles apply the forward's per-row limits, full tiles run no mask code, empty tiles
 //! are never visited):
 //!
-//! 1. `bwd_pre`, per 64-row query block: `delta = rowsum(dO * O)` in fp32 and the forward's lse
+//! 1. `bwd_pre`, per 64-row query block: `delta = rowsum(dO * O) - dlse` in fp32 (`dlse` only
+//!    when the loss reads lse: `d lse_i / d s_ij = P_ij`, so it joins `dS_ij = P_ij (dP_ij -
+//!    delta_i)` with no other pass) and the forward's lse
 //!    in the exp2 domain, into the workspace (rows with no visible key get a `+inf` lse there,
 //!    so the probabilities recomputed for them are exactly 0); in the fast mode it also zeroes
 //!    the fp32 dQ accumulator.
@@ -39,8 +41,8 @@ use cudarc::driver::{
 use std::sync::Arc;
 
 /// A backward launch over Rust-owned device buffers ([`Runtime::backward`]): the gradients of
-/// `sum(out * dout)` for the forward that produced `out` and `lse` from the same `q`, `k`, `v`,
-/// plan and `softmax_scale`.
+/// `sum(out * dout) + sum(lse * dlse)` (the second term only with `dlse`) for the forward that
+/// produced `out` and `lse` from the same `q`, `k`, `v`, plan and `softmax_scale`.
 ///
 /// Q, the output, dO and dQ are `[batch, num_heads, q_len, head_dim]`; K, V, dK and dV
 /// `[batch, num_kv_heads, kv_len, head_dim]` (query head `h` reads KV head
@@ -56,6 +58,10 @@ pub struct Backward<'a> {
     pub out: (&'a CudaSlice<u16>, TensorLayout),
     pub dout: (&'a CudaSlice<u16>, TensorLayout),
     pub lse: (&'a CudaSlice<f32>, LseLayout),
+    /// `d loss / d lse`, shaped as `lse`, when the loss reads lse (FlashAttention's and
+    /// FlexAttention's `grad_lse`); rows with no visible key ignore it (their lse is a
+    /// constant `-inf`).
+    pub dlse: Option<(&'a CudaSlice<f32>, LseLayout)>,
     pub dq: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dk: (&'a mut CudaSlice<u16>, TensorLayout),
     pub dv: (&'a mut CudaSlice<u16>, TensorLayout),
@@ -94,6 +100,8 @@ pub struct BackwardRaw {
     pub dout_layout: TensorLayout,
     pub lse: u64,
     pub lse_layout: LseLayout,
+    /// As [`Backward::dlse`]: its address and layout.
+    pub dlse: Option<(u64, LseLayout)>,
     pub dq: u64,
     pub dq_layout: TensorLayout,
     pub dk: u64,
@@ -123,6 +131,7 @@ struct BwdParams {
     dq_accum: u64,
     lse_log2: u64,
     delta: u64,
+    dlse: u64,
     q_strides: [i64; 3],
     k_strides: [i64; 3],
     v_strides: [i64; 3],
@@ -132,6 +141,7 @@ struct BwdParams {
     dk_strides: [i64; 3],
     dv_strides: [i64; 3],
     lse_strides: [i64; 2],
+    dlse_strides: [i64; 2],
     m_block_order: u64,
     kv_offsets: u64,
     kv_indices: u64,
@@ -162,7 +172,7 @@ struct BwdParams {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 536,
+    std::mem::size_of::<BwdParams>() == 560,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -288,6 +298,16 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     }
     a.dout_layout.validate("dout", elem, false)?;
     check_addr("dout", a.dout, VECTOR_BYTES)?;
+    if let Some((addr, dlse)) = &a.dlse {
+        if dlse.shape != a.lse_layout.shape {
+            return Err(Error::invalid(format!(
+                "dlse: shape {:?} differs from lse's shape {:?}",
+                dlse.shape, a.lse_layout.shape
+            )));
+        }
+        dlse.validate("dlse")?;
+        check_addr("dlse", *addr, 4)?;
+    }
     check_output("dq", &a.dq_layout, a.q_layout.shape, "q", elem, a.dq)?;
     check_output("dk", &a.dk_layout, a.k_layout.shape, "k", elem, a.dk)?;
     check_output("dv", &a.dv_layout, a.k_layout.shape, "k", elem, a.dv)?;
@@ -375,6 +395,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         dq_accum,
         lse_log2,
         delta,
+        dlse: a.dlse.map_or(0, |(addr, _)| addr),
         q_strides: s3(&a.q_layout),
         k_strides: s3(&a.k_layout),
         v_strides: s3(&a.v_layout),
@@ -384,6 +405,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         dk_strides: s3(&a.dk_layout),
         dv_strides: s3(&a.dv_layout),
         lse_strides: [a.lse_layout.strides[0], a.lse_layout.strides[1]],
+        dlse_strides: a.dlse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
         m_block_order: plan.addr(PlanArray::MBlockOrder),
         kv_offsets: plan.addr(PlanArray::KvOffsets),
         kv_indices: plan.addr(PlanArray::KvIndices),
@@ -430,7 +452,7 @@ impl Runtime {
     /// Backward attention over Rust-owned buffers, enqueued on `stream`; returns without
     /// waiting for the GPU.
     ///
-    /// Three kernels run in order on `stream`: `bwd_pre` (delta = rowsum(dO * O) and the lse
+    /// Three kernels run in order on `stream`: `bwd_pre` (delta = rowsum(dO * O) - dlse and the lse
     /// into the workspace), `bwd_dkdv` (per 128-key block over the plan's transposed lists; dK
     /// and dV summed in registers in a fixed order, never atomic; in the fast mode also dQ,
     /// added into an fp32 workspace accumulator with bulk asynchronous reductions), then `bwd_post` (fast mode:
@@ -458,6 +480,9 @@ impl Runtime {
         check_buffer_len("out", args.out.0.len(), args.out.1.span_elements())?;
         check_buffer_len("dout", args.dout.0.len(), args.dout.1.span_elements())?;
         check_buffer_len("lse", args.lse.0.len(), args.lse.1.span_elements())?;
+        if let Some((dlse, layout)) = &args.dlse {
+            check_buffer_len("dlse", dlse.len(), layout.span_elements())?;
+        }
         check_buffer_len("dq", args.dq.0.len(), args.dq.1.span_elements())?;
         check_buffer_len("dk", args.dk.0.len(), args.dk.1.span_elements())?;
         check_buffer_len("dv", args.dv.0.len(), args.dv.1.span_elements())?;
@@ -469,6 +494,9 @@ impl Runtime {
         let (out, _go) = args.out.0.device_ptr(stream);
         let (dout, _gdo) = args.dout.0.device_ptr(stream);
         let (lse, _gl) = args.lse.0.device_ptr(stream);
+        let dlse = args
+            .dlse
+            .map(|(buf, layout)| (buf.device_ptr(stream), layout));
         let (_, _gp) = plan.buffer.device_ptr(stream);
         let (dq, _gdq) = args.dq.0.device_ptr_mut(stream);
         let (dk, _gdk) = args.dk.0.device_ptr_mut(stream);
@@ -519,6 +547,7 @@ impl Runtime {
             dout_layout: args.dout.1,
             lse,
             lse_layout: args.lse.1,
+            dlse: dlse.as_ref().map(|((addr, _), layout)| (*addr, *layout)),
             dq,
             dq_layout: args.dq.1,
             dk,

@@ -238,7 +238,7 @@ pub(crate) fn prepare(
         check_addr(name, addr, VECTOR_BYTES)?;
     }
     if let Some((addr, lse)) = &a.lse {
-        lse.validate()?;
+        lse.validate("lse")?;
         check_addr("lse", *addr, 4)?;
     }
     let mask_strides = plan.mask_strides(b, h)?;

@@ -111,15 +111,16 @@ impl LseLayout {
         span(&self.shape, &self.strides)
     }
 
-    pub(crate) fn validate(&self) -> Result<(), Error> {
+    /// `name`: the argument the errors name (`lse`, `dlse`).
+    pub(crate) fn validate(&self, name: &str) -> Result<(), Error> {
         if self.strides[2] != 1 && self.shape[2] > 1 {
             return Err(Error::invalid(format!(
-                "lse: stride[2] (q_len) = {}, expected 1 (the last dim must be contiguous)",
+                "{name}: stride[2] (q_len) = {}, expected 1 (the last dim must be contiguous)",
                 self.strides[2]
             )));
         }
-        check_strides("lse", &DIMS3, &self.shape, &self.strides)?;
-        check_no_overlap("lse", &DIMS3, &self.shape, &self.strides)
+        check_strides(name, &DIMS3, &self.shape, &self.strides)?;
+        check_no_overlap(name, &DIMS3, &self.shape, &self.strides)
     }
 }
 
@@ -232,7 +233,7 @@ mod tests {
         let mut lse = LseLayout::contiguous([1, 2, 8]);
         lse.strides[2] = 2;
         assert!(lse
-            .validate()
+            .validate("lse")
             .unwrap_err()
             .to_string()
             .contains("lse: stride[2] (q_len) = 2"));

@@ -3,7 +3,7 @@
 // per-row key visibility of a partial tile.
 //
 // The backward pass, for softmax_scale c, P = softmax(c Q K^T) over each row's visible keys:
-//   delta_i = sum_d dO[i, d] O[i, d]                       (bwd_pre)
+//   delta_i = sum_d dO[i, d] O[i, d] - dlse_i              (bwd_pre; dlse_i = d loss / d lse_i)
 //   dS_ij   = P_ij (dO_i . V_j - delta_i)
 //   dV_j    = sum_i P_ij dO_i,   dK_j = c sum_i dS_ij Q_i   (bwd_dkdv, per key block)
 //   dQ_i    = c sum_j dS_ij K_j                             (bwd_dkdv with fp32 atomics + bwd_post,
@@ -54,6 +54,9 @@ struct CmBwdParams {
     float* dq_accum;
     float* lse_log2;
     float* delta;
+    // d loss / d lse, [batch, num_heads, q_len], seq stride 1; null when the loss does not read
+    // lse. d lse_i / d s_ij = P_ij, so it enters every dS_ij as delta_i - dlse_i (bwd_pre).
+    const float* dlse;
     i64 q_stride_batch, q_stride_head, q_stride_row;
     i64 k_stride_batch, k_stride_head, k_stride_row;
     i64 v_stride_batch, v_stride_head, v_stride_row;
@@ -63,6 +66,7 @@ struct CmBwdParams {
     i64 dk_stride_batch, dk_stride_head, dk_stride_row;
     i64 dv_stride_batch, dv_stride_head, dv_stride_row;
     i64 lse_stride_batch, lse_stride_head;
+    i64 dlse_stride_batch, dlse_stride_head;
     // Tile descriptor at BLOCK_M x BLOCK_N (see cm_plan::TileDescriptor): the forward lists
     // per query block that bwd_dq walks.
     const u32* m_block_order;      // [num_m_blocks] query blocks, most tiles first
@@ -101,7 +105,7 @@ struct CmBwdParams {
     CmScoreParams score;    // read by the CM_SCORE variants of bwd_dkdv and bwd_dq
 };
 
-static_assert(sizeof(CmBwdParams) == 536, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 560, "must match cm_cuda::backward::BwdParams");
 
 __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);

@@ -1,5 +1,7 @@
 // Backward pre-processing, one CTA of 128 threads per (64-row query block, head, batch):
-// delta_i = sum_d dO[i, d] * O[i, d] in fp32, the forward lse converted to the exp2 domain, and
+// delta_i = sum_d dO[i, d] * O[i, d] - dlse_i in fp32 (dlse_i, when the loss reads lse, is
+// d loss / d lse_i: lse_i's own softmax derivative is P_ij, so the term folds into every
+// dS_ij = P_ij (dP_ij - delta_i) at no cost), the forward lse converted to the exp2 domain, and
 // (fast mode) the fp32 dQ accumulator zeroed, all into the workspace at padded rows.
 // Rows at or past q_len, and rows with no visible key (lse = -inf), get lse_log2 = +inf and
 // delta = 0: every probability recomputed from them is exp2(s - inf) = 0, so such rows add
@@ -40,7 +42,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwd
         float lse2 = __int_as_float(0x7f800000);  // +inf
         if (row < p.q_len) {
             const float lse = p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + row];
-            if (lse != cm_neg_inf()) lse2 = lse * 1.4426950408889634f;
+            if (lse != cm_neg_inf()) {
+                lse2 = lse * 1.4426950408889634f;
+                // A row with no visible key keeps delta = 0: its -inf lse depends on nothing.
+                if (p.dlse != nullptr) acc -= p.dlse[batch * p.dlse_stride_batch + head * p.dlse_stride_head + row];
+            }
         }
         p.lse_log2[bh * p.q_pad + row] = lse2;
         p.delta[bh * p.q_pad + row] = acc;

@@ -303,9 +303,10 @@ pub fn cuda_forward(
 }
 
 /// Backward attention on `stream` (GIL released): writes `dq`, `dk`, `dv`, the gradients of
-/// `sum(out * dout)`; `workspace` is a contiguous 1-D float32 tensor of at least
+/// `sum(out * dout) + sum(lse * dlse)` (`dlse`: float32 shaped as `lse`, or `None` when the
+/// loss does not read lse); `workspace` is a contiguous 1-D float32 tensor of at least
 /// `cuda_workspace_len`. Arguments, checks and errors as in [`cuda_forward`] (dout, dq, dk
-/// and dv of q's dtype, the workspace float32).
+/// and dv of q's dtype, dlse and the workspace float32).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_backward(
@@ -318,6 +319,7 @@ pub fn cuda_backward(
     out: TensorArg<4>,
     dout: TensorArg<4>,
     lse: TensorArg<3>,
+    dlse: Option<TensorArg<3>>,
     dq: TensorArg<4>,
     dk: TensorArg<4>,
     dv: TensorArg<4>,
@@ -338,6 +340,13 @@ pub fn cuda_backward(
         for (name, t) in [("dout", &dout), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
             external::check_tensor(name, &t.dtype, t.device, &q_dtype, device)?;
         }
+        let dlse = match dlse.map(to_external) {
+            Some(t) => {
+                external::check_tensor("dlse", &t.dtype, t.device, "float32", device)?;
+                Some((t.addr, t.lse_layout()))
+            }
+            None => None,
+        };
         let ws = to_external(workspace);
         external::check_tensor("workspace", &ws.dtype, ws.device, "float32", device)?;
         let (workspace, workspace_len) = ws.contiguous("workspace")?;
@@ -355,6 +364,7 @@ pub fn cuda_backward(
             dout_layout: dout.layout(),
             lse,
             lse_layout,
+            dlse,
             dq: dq.addr,
             dq_layout: dq.layout(),
             dk: dk.addr,

@@ -4,7 +4,7 @@
 //! last offset), and `mask_index` `[batch, num_heads]` (which mask each (b, h) uses).
 
 use compilemask::{
-    attention_backward, attention_forward, AttentionShape, Float, Masks, RowIntervals,
+    attention_backward_scored, attention_forward, AttentionShape, Float, Masks, RowIntervals,
 };
 use pyo3::buffer::Element;
 use pyo3::exceptions::PyValueError;
@@ -191,72 +191,28 @@ where
         Some(d) => Some(read_vec(d, "grad_lse")?),
         None => None,
     };
-    let grads = py
-        .detach(|| backward_with_lse(&s, &q, &k, &v, &dout, dlse.as_deref(), plan, scale))
-        .map_err(value_error)?;
-    Ok((
-        bytearray(py, &grads.0),
-        bytearray(py, &grads.1),
-        bytearray(py, &grads.2),
-    ))
-}
-
-/// Gradients of `sum(out * dout) + sum(lse * dlse)`.
-///
-/// The reference backward covers `dout`; the `lse` term is added here. With `P` the row
-/// softmax, `d lse_i / d s_ij = P_ij`, so `dq_i += scale * dlse_i * sum_j P_ij k_j` (a
-/// forward pass with `v = k`) and `dk_j += scale * sum_i P_ij dlse_i q_i` (the `dv` of a
-/// backward pass with `v = k` and `dout_i = dlse_i * q_i`). Rows with no visible key have
-/// `P = 0` and contribute nothing.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-fn backward_with_lse<T: Float>(
-    s: &AttentionShape,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    dout: &[T],
-    dlse: Option<&[T]>,
-    plan: &IndexedMasks,
-    scale: f64,
-) -> Result<(Vec<T>, Vec<T>, Vec<T>), compilemask::ReferenceError> {
     let masks = plan.masks();
-    let g = attention_backward(s, q, k, v, dout, &masks, T::from_f64(scale))?;
-    let (mut dq, mut dk, dv) = (g.dq, g.dk, g.dv);
-    let Some(dlse) = dlse.filter(|d| d.iter().any(|x| x.to_f64() != 0.0)) else {
-        return Ok((dq, dk, dv));
-    };
-    let d = s.head_dim;
-    let qk_shape = AttentionShape {
-        head_dim_v: s.head_dim,
-        ..*s
-    };
-    if dlse.len() != s.batch * s.num_heads * s.q_len {
-        return Err(compilemask::ReferenceError::LengthMismatch {
-            tensor: "dlse",
-            dims: "[batch, num_heads, q_len]",
-            expected: s.batch * s.num_heads * s.q_len,
-            actual: dlse.len(),
-        });
-    }
-    let pk = attention_forward(&qk_shape, q, k, k, &masks, T::from_f64(scale))?;
-    let mut dout2 = Vec::with_capacity(q.len());
-    for (row, &g) in dlse.iter().enumerate() {
-        let g = g.to_f64();
-        let pk_row = &pk.out[row * d..(row + 1) * d];
-        for (x, p) in dq[row * d..(row + 1) * d].iter_mut().zip(pk_row) {
-            *x = T::from_f64(x.to_f64() + scale * g * p.to_f64());
-        }
-        dout2.extend(
-            q[row * d..(row + 1) * d]
-                .iter()
-                .map(|x| T::from_f64(g * x.to_f64())),
-        );
-    }
-    let g2 = attention_backward(&qk_shape, q, k, k, &dout2, &masks, T::from_f64(scale))?;
-    for (x, y) in dk.iter_mut().zip(&g2.dv) {
-        *x = T::from_f64(x.to_f64() + scale * y.to_f64());
-    }
-    Ok((dq, dk, dv))
+    let grads = py
+        .detach(|| {
+            attention_backward_scored(
+                &s,
+                &q,
+                &k,
+                &v,
+                &dout,
+                dlse.as_deref(),
+                &masks,
+                T::from_f64(scale),
+                None,
+            )
+        })
+        .map_err(value_error)?
+        .grads;
+    Ok((
+        bytearray(py, &grads.dq),
+        bytearray(py, &grads.dk),
+        bytearray(py, &grads.dv),
+    ))
 }
 
 /// Backward attention on the CPU reference: gradients `(dq, dk, dv)` of
@@ -379,6 +335,7 @@ fn scored_t<'py, T>(
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
     dout: Option<&Bound<'py, PyAny>>,
+    dlse: Option<&Bound<'py, PyAny>>,
     plan: &compilemask::Plan,
     scale: f64,
     tensors: Option<&Bound<'py, PyDict>>,
@@ -392,6 +349,7 @@ where
         read_vec(v, "value")?,
     );
     let dout: Option<Vec<T>> = dout.map(|d| read_vec(d, "grad_out")).transpose()?;
+    let dlse: Option<Vec<T>> = dlse.map(|d| read_vec(d, "grad_lse")).transpose()?;
     let named = score_tensors::<T>(tensors)?;
     let refs: Vec<(&str, &[T])> = named
         .iter()
@@ -403,7 +361,15 @@ where
             let fwd = compilemask::attention_with_scores(&s, &q, &k, &v, plan, scale, &refs)?;
             let bwd = match &dout {
                 Some(d) => Some(compilemask::attention_backward_with_scores(
-                    &s, &q, &k, &v, d, plan, scale, &refs,
+                    &s,
+                    &q,
+                    &k,
+                    &v,
+                    d,
+                    dlse.as_deref(),
+                    plan,
+                    scale,
+                    &refs,
                 )?),
                 None => None,
             };
@@ -443,18 +409,19 @@ pub fn reference_forward_scored<'py>(
 ) -> PyResult<Forward<'py>> {
     let s = shape(dims);
     let run = if double {
-        scored_t::<f64>(py, s, q, k, v, None, &plan.inner, scale, tensors)
+        scored_t::<f64>(py, s, q, k, v, None, None, &plan.inner, scale, tensors)
     } else {
-        scored_t::<f32>(py, s, q, k, v, None, &plan.inner, scale, tensors)
+        scored_t::<f32>(py, s, q, k, v, None, None, &plan.inner, scale, tensors)
     };
     Ok(run?.0)
 }
 
-/// Backward of [`reference_forward_scored`]: the gradients of `sum(out * grad_out)` as
-/// `(dq, dk, dv, dtable, dsink)` bytearrays of the input float type, `dtable` / `dsink`
-/// `None` when the score has no table / no sinks (GIL released).
+/// Backward of [`reference_forward_scored`]: the gradients of `sum(out * grad_out) +
+/// sum(lse * grad_lse)` (`dlse` may be `None`) as `(dq, dk, dv, dtable, dsink)` bytearrays
+/// of the input float type, `dtable` / `dsink` `None` when the score has no table / no sinks
+/// (GIL released).
 #[pyfunction]
-#[pyo3(signature = (dims, q, k, v, dout, plan, scale, double, tensors = None))]
+#[pyo3(signature = (dims, q, k, v, dout, dlse, plan, scale, double, tensors = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn reference_backward_scored<'py>(
     py: Python<'py>,
@@ -463,6 +430,7 @@ pub fn reference_backward_scored<'py>(
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
     dout: &Bound<'py, PyAny>,
+    dlse: Option<&Bound<'py, PyAny>>,
     plan: &crate::plan::Plan,
     scale: f64,
     double: bool,
@@ -470,9 +438,31 @@ pub fn reference_backward_scored<'py>(
 ) -> PyResult<ScoredBackward<'py>> {
     let s = shape(dims);
     let run = if double {
-        scored_t::<f64>(py, s, q, k, v, Some(dout), &plan.inner, scale, tensors)
+        scored_t::<f64>(
+            py,
+            s,
+            q,
+            k,
+            v,
+            Some(dout),
+            dlse,
+            &plan.inner,
+            scale,
+            tensors,
+        )
     } else {
-        scored_t::<f32>(py, s, q, k, v, Some(dout), &plan.inner, scale, tensors)
+        scored_t::<f32>(
+            py,
+            s,
+            q,
+            k,
+            v,
+            Some(dout),
+            dlse,
+            &plan.inner,
+            scale,
+            tensors,
+        )
     };
     run?.1
         .ok_or_else(|| value_error("the backward gave no gradients"))

@@ -16,6 +16,7 @@ const Q_DIMS: &str = "[batch, num_heads, q_len, head_dim]";
 const K_DIMS: &str = "[batch, num_kv_heads, kv_len, head_dim]";
 const V_DIMS: &str = "[batch, num_kv_heads, kv_len, head_dim_v]";
 const OUT_DIMS: &str = "[batch, num_heads, q_len, head_dim_v]";
+const LSE_DIMS: &str = "[batch, num_heads, q_len]";
 
 /// Result of [`attention_forward`].
 #[derive(Clone, Debug, PartialEq)]
@@ -452,14 +453,15 @@ pub fn attention_backward<T: Float>(
     masks: &Masks<'_>,
     softmax_scale: T,
 ) -> Result<Gradients<T>, ReferenceError> {
-    Ok(attention_backward_scored(shape, q, k, v, dout, masks, softmax_scale, None)?.grads)
+    Ok(attention_backward_scored(shape, q, k, v, dout, None, masks, softmax_scale, None)?.grads)
 }
 
-/// [`attention_backward`] with score terms: the gradients of `sum(out * dout)` for
+/// [`attention_backward`] with score terms: the gradients of `sum(out * dout) + sum(lse *
+/// dlse)` (the second term only with `dlse`, `[batch, num_heads, q_len]`) for
 /// [`attention_forward_scored`] on the same inputs, also of the bias table and the sinks.
 /// With `P` the row softmax (the sink's probability `P_sink` included) and `D_i = sum_j
-/// P_ij * (dout_i . v_j)` (the sink's value vector is 0): `dS2_ij = P_ij * (dout_i . v_j -
-/// D_i)`, `dS_ij = dS2_ij * (1 - tanh^2(s_ij / c))` with a softcap (else `dS2_ij`),
+/// P_ij * (dout_i . v_j) - dlse_i` (the sink's value vector is 0; `d lse_i / d s_ij = P_ij`):
+/// `dS2_ij = P_ij * (dout_i . v_j - D_i)`, `dS_ij = dS2_ij * (1 - tanh^2(s_ij / c))` with a softcap (else `dS2_ij`),
 /// `dq_i = softmax_scale * sum_j dS_ij * k_j`, `dk_j += softmax_scale * dS_ij * q_i`,
 /// `dv_j += P_ij * dout_i`, `dtable[entry(i, j, h)] += dS2_ij` and `dsink[h] -= P_sink,i *
 /// D_i`, summed over batches, rows and (for a table shared by all heads) heads. Slopes
@@ -467,7 +469,7 @@ pub fn attention_backward<T: Float>(
 ///
 /// # Errors
 /// Those of [`attention_forward_scored`], plus a wrong length or a non-finite element of
-/// `dout`.
+/// `dout` or `dlse`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_scored<T: Float>(
     shape: &AttentionShape,
@@ -475,6 +477,7 @@ pub fn attention_backward_scored<T: Float>(
     k: &[T],
     v: &[T],
     dout: &[T],
+    dlse: Option<&[T]>,
     masks: &Masks<'_>,
     softmax_scale: T,
     score: Option<&Score<'_, T>>,
@@ -482,6 +485,10 @@ pub fn attention_backward_scored<T: Float>(
     let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale, score)?;
     check_len("dout", OUT_DIMS, dout.len(), ctx.sizes.out)?;
     check_finite("dout", dout)?;
+    if let Some(dlse) = dlse {
+        check_len("dlse", LSE_DIMS, dlse.len(), ctx.sizes.lse)?;
+        check_finite("dlse", dlse)?;
+    }
     let (d, dvw, scale) = (shape.head_dim, shape.head_dim_v, ctx.scale);
     let mut dq = vec![T::from_f64(0.0); ctx.sizes.q];
     // dk/dv receive contributions from many rows and heads, so they stay in f64 until the end.
@@ -505,7 +512,12 @@ pub fn attention_backward_scored<T: Float>(
                 let row = ctx.q_row(b, h, i);
                 widen_into(&mut qf, &q[row * d..(row + 1) * d]);
                 let Some(stats) = ctx.row_logits(b, h, i, &qf, &mut logits)? else {
-                    continue; // dq is already 0; the row touches no key.
+                    // dq is already 0; the row touches no key. With a sink its lse is the
+                    // sink itself (d lse / d sink = 1).
+                    if let (Some(ds), Some(_), Some(dlse)) = (&mut dsink, &ctx.score.sink, dlse) {
+                        ds[h] += dlse[row].to_f64();
+                    }
+                    continue;
                 };
                 widen_into(&mut dof, &dout[row * dvw..(row + 1) * dvw]);
                 probs.clear();
@@ -521,6 +533,9 @@ pub fn attention_backward_scored<T: Float>(
                         probs.push(p);
                         dps.push(dp);
                     }
+                }
+                if let Some(dlse) = dlse {
+                    delta -= dlse[row].to_f64();
                 }
                 if let (Some(ds), Some(s)) = (&mut dsink, stats.sink) {
                     ds[h] -= (s - stats.max).exp() / stats.sum * delta;

@@ -46,6 +46,8 @@ struct Case {
     k: Vec<f64>,
     v: Vec<f64>,
     dout: Vec<f64>,
+    /// The loss's weight on each row's lse (`d loss / d lse`).
+    dlse: Vec<f64>,
     table: Vec<f64>,
     sink: Vec<f64>,
 }
@@ -63,6 +65,7 @@ fn case(rng: &mut Rng, shape: AttentionShape, table_len: usize) -> Case {
         k: rand_vec(rng, nk * s.head_dim, 1.5),
         v: rand_vec(rng, nk * s.head_dim_v, 1.0),
         dout: rand_vec(rng, nq * s.head_dim_v, 1.0),
+        dlse: rand_vec(rng, nq, 1.0),
         table: rand_vec(rng, table_len, 2.0),
         sink: rand_vec(rng, s.num_heads, 2.0),
         shape,
@@ -120,9 +123,17 @@ fn dense(bound: &Bound<'_>, c: &Case, scale: f64) -> (Vec<f64>, Vec<f64>) {
     (out, lse)
 }
 
+/// `sum(out * dout) + sum(lse * dlse)` over the rows whose lse is finite (an empty row's
+/// `-inf` lse is a constant).
 fn loss(bound: &Bound<'_>, c: &Case, scale: f64) -> f64 {
-    let (out, _) = dense(bound, c, scale);
-    out.iter().zip(&c.dout).map(|(a, b)| a * b).sum()
+    let (out, lse) = dense(bound, c, scale);
+    let by_lse: f64 = lse
+        .iter()
+        .zip(&c.dlse)
+        .filter(|(l, _)| l.is_finite())
+        .map(|(l, g)| l * g)
+        .sum();
+    out.iter().zip(&c.dout).map(|(a, b)| a * b).sum::<f64>() + by_lse
 }
 
 /// Central finite differences of the dense loss in every element of one tensor.
@@ -216,6 +227,7 @@ fn forward_and_gradients_match_dense_float64_and_finite_differences() {
                 &c.k,
                 &c.v,
                 &c.dout,
+                Some(&c.dlse),
                 &m,
                 scale,
                 Some(&score),
@@ -223,11 +235,12 @@ fn forward_and_gradients_match_dense_float64_and_finite_differences() {
             .unwrap();
             // The f32 path computes in f64 too: the same numbers to f32 rounding.
             let f = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
-            let (q32, k32, v32, d32, t32, s32) = (
+            let (q32, k32, v32, d32, l32, t32, s32) = (
                 f(&c.q),
                 f(&c.k),
                 f(&c.v),
                 f(&c.dout),
+                f(&c.dlse),
                 f(&c.table),
                 f(&c.sink),
             );
@@ -242,6 +255,7 @@ fn forward_and_gradients_match_dense_float64_and_finite_differences() {
                 &k32,
                 &v32,
                 &d32,
+                Some(&l32),
                 &m,
                 0.7f32,
                 Some(&score32),
@@ -341,7 +355,8 @@ fn empty_rows_with_and_without_sinks() {
             vec![f64::NEG_INFINITY; 4]
         };
         assert_eq!(fwd.lse, want);
-        let g = attention_backward_scored(&shape, &x, &kv, &kv, &x, &m, 1.0, Some(&score)).unwrap();
+        let g = attention_backward_scored(&shape, &x, &kv, &kv, &x, None, &m, 1.0, Some(&score))
+            .unwrap();
         assert!(g
             .grads
             .dq

@@ -899,12 +899,14 @@ pub fn attention_with_scores<T: Float>(
     )?)
 }
 
-/// The gradients of `sum(out * dout)` for [`attention_with_scores`] on the same inputs:
-/// `dq`, `dk`, `dv`, and those of the bias table and the sinks (see
+/// The gradients of `sum(out * dout) + sum(lse * dlse)` (the second term only with `dlse`,
+/// `[batch, num_heads, q_len]`) for [`attention_with_scores`] on the same inputs: `dq`,
+/// `dk`, `dv`, and those of the bias table and the sinks (see
 /// [`attention_backward_scored`]).
 ///
 /// # Errors
-/// As [`attention_with_scores`], plus a wrong length or a non-finite element of `dout`.
+/// As [`attention_with_scores`], plus a wrong length or a non-finite element of `dout` or
+/// `dlse`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_with_scores<T: Float>(
     shape: &AttentionShape,
@@ -912,6 +914,7 @@ pub fn attention_backward_with_scores<T: Float>(
     k: &[T],
     v: &[T],
     dout: &[T],
+    dlse: Option<&[T]>,
     plan: &Plan,
     softmax_scale: T,
     tensors: &[(&str, &[T])],
@@ -925,6 +928,7 @@ pub fn attention_backward_with_scores<T: Float>(
         k,
         v,
         dout,
+        dlse,
         &Masks::indexed(&masks, &index),
         softmax_scale,
         score.as_ref(),

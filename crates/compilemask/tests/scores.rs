@@ -51,9 +51,16 @@ fn tensors_by_name_are_the_plans_terms() {
     let m = Masks::indexed(&masks, &[0, 0, 0]);
     let direct = attention_forward_scored(&s, &q, &k, &v, &m, 0.5, Some(&score)).unwrap();
     assert_eq!(fwd, direct);
-    let g = attention_backward_with_scores(&s, &q, &k, &v, &dout, &plan, 0.5, &named).unwrap();
-    let g2 = attention_backward_scored(&s, &q, &k, &v, &dout, &m, 0.5, Some(&score)).unwrap();
-    assert_eq!(g, g2);
+    let dlse: Vec<f64> = (0..15).map(|i| 0.25 * i as f64 - 1.0).collect();
+    for dlse in [None, Some(&dlse[..])] {
+        let g = attention_backward_with_scores(&s, &q, &k, &v, &dout, dlse, &plan, 0.5, &named)
+            .unwrap();
+        let g2 =
+            attention_backward_scored(&s, &q, &k, &v, &dout, dlse, &m, 0.5, Some(&score)).unwrap();
+        assert_eq!(g, g2);
+    }
+    let g =
+        attention_backward_with_scores(&s, &q, &k, &v, &dout, None, &plan, 0.5, &named).unwrap();
     assert_eq!(g.dtable.as_ref().unwrap().len(), 24);
     assert_eq!(g.dsink.as_ref().unwrap().len(), 3);
 

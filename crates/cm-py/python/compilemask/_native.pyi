@@ -234,6 +234,7 @@ def reference_backward_scored(
     k: Any,
     v: Any,
     dout: Any,
+    dlse: Any | None,
     plan: Plan,
     scale: float,
     double: bool,
@@ -251,6 +252,10 @@ def cuda_workspace_len(
 _Tensor = tuple[int, tuple[int, ...], tuple[int, ...], str, int]
 # A plan's descriptor: (q_len, kv_len, num_masks, (mask_batch, mask_heads), arrays).
 _Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor]]
+# The score terms (softcap, slopes, (q_coef, k_coef, offset), dist_bias, dist_per_head,
+# dist_run_end, sinks, dist_bias_grad), as cm-py's `ScoreArg`.
+_Score = tuple[float, _Tensor | None, tuple[float, float, float], _Tensor | None, bool,
+               _Tensor | None, _Tensor | None, _Tensor | None]
 
 def cuda_forward(
     stream: int,
@@ -261,6 +266,7 @@ def cuda_forward(
     out: _Tensor,
     lse: _Tensor,
     scale: float,
+    score: _Score,
 ) -> None: ...
 def cuda_paged_attention(
     stream: int,
@@ -296,12 +302,14 @@ def cuda_backward(
     out: _Tensor,
     dout: _Tensor,
     lse: _Tensor,
+    dlse: _Tensor | None,
     dq: _Tensor,
     dk: _Tensor,
     dv: _Tensor,
     workspace: _Tensor,
     scale: float,
     deterministic: bool,
+    score: _Score,
 ) -> None: ...
 def reference_backward(
     dims: tuple[int, int, int, int, int, int, int],

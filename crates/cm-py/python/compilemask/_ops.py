@@ -173,8 +173,9 @@ def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
 
 
 def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic,
-                       score=None, dist_bias_grad=None):
-    """dq, dk, dv of ``sum(out * dout)`` by the backward kernels."""
+                       score=None, dist_bias_grad=None, grad_lse=None):
+    """dq, dk, dv of ``sum(out * dout) + sum(lse * grad_lse)`` by the backward kernels
+    (``grad_lse`` enters the kernels' delta: d lse_i / d s_ij = P_ij)."""
     b, hq, lq, d = q.shape
     lk = k.shape[2]
     dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
@@ -185,8 +186,10 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
     with torch.cuda.device(q.device):
         _native.cuda_backward(
             _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
-            _raw(v), _raw(out), _raw(dout), _raw(lse), _raw(dq), _raw(dk), _raw(dv),
-            _raw(workspace), scale, deterministic, _score_arg(score, dist_bias_grad))
+            _raw(v), _raw(out), _raw(dout), _raw(lse),
+            None if grad_lse is None else _raw(grad_lse.float().contiguous()), _raw(dq),
+            _raw(dk), _raw(dv), _raw(workspace), scale, deterministic,
+            _score_arg(score, dist_bias_grad))
     return dq, dk, dv
 
 
@@ -194,21 +197,8 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, sca
                    deterministic):
     _check_cuda_supported(q, v)
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
-    dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
-                                    deterministic)
-    if grad_lse is None:
-        return dq, dk, dv
-    # The kernels differentiate sum(out * dout) only. With P the row softmax,
-    # d lse_i / d s_ij = P_ij, so lse adds dq_i += scale * g_i * sum_j P_ij k_j (a forward
-    # with v = k) and dk_j += scale * sum_i P_ij g_i q_i (the dv of a backward with v = k
-    # and dout_i = g_i q_i). Rows with no visible key have P = 0 and add nothing.
-    g = grad_lse.float().unsqueeze(-1)
-    pk, _ = _cuda_forward(q, k, k, kernel, plan_dims, scale)
-    dq = (dq.float() + scale * g * pk.float()).to(q.dtype)
-    _, _, pq = _cuda_backward_out((g * q.float()).to(q.dtype), q, k, k, pk, lse, kernel,
-                                  plan_dims, scale, deterministic)
-    dk = (dk.float() + scale * pq.float()).to(k.dtype)
-    return dq, dk, dv
+    return _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
+                              deterministic, grad_lse=grad_lse)
 
 
 # --------------------------------------------------------------------------- the ops
@@ -261,8 +251,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.plan_dims = plan_dims
     ctx.scale = scale
     ctx.deterministic = deterministic
-    # Outputs the loss does not use get None instead of zeros, so a loss of `out` alone
-    # skips the extra passes that the gradient through `lse` costs.
+    # Outputs the loss does not use get None instead of zeros: a loss of `out` alone passes
+    # no lse gradient to the kernels.
     ctx.set_materialize_grads(False)
 
 
@@ -292,10 +282,14 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # differentiable; ``dist_run_end`` (int32 ``[q_len + kv_len - 1]``, the last index of each
 # index's run of equal values) lets the kernels add one constant for a tile inside one run.
 
-def _sink_grad(sinks: Tensor, lse: Tensor, out: Tensor, dout: Tensor) -> Tensor:
-    """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * rowsum(dout * out): the
-    sink is one more logit of each row's softmax, with value 0 (so its dP is 0)."""
+def _sink_grad(sinks: Tensor, lse: Tensor, out: Tensor, dout: Tensor,
+               grad_lse: Optional[Tensor]) -> Tensor:
+    """d loss / d sinks[h] = sum over rows of exp(sinks[h] - lse) * (grad_lse -
+    rowsum(dout * out)): the sink is one more logit of each row's softmax, with value 0 (so
+    its dP is 0), and d lse / d sink = exp(sink - lse)."""
     delta = (dout.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
     share = torch.exp(sinks.float().view(1, -1, 1) - lse.float())
     return -(share * delta).sum(dim=(0, 2))
 
@@ -320,8 +314,8 @@ def _(q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes,
 
 
 @torch.library.custom_op("compilemask::attention_backward_score", mutates_args=())
-def attention_backward_score(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                             lse: Tensor, kernel: list[Tensor], plan_dims: list[int],
+def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
+                             k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kernel: list[Tensor], plan_dims: list[int],
                              scale: float, deterministic: bool, softcap: float,
                              linear: list[float], slopes: Optional[Tensor],
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
@@ -335,17 +329,17 @@ def attention_backward_score(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     ddist = (torch.zeros_like(dist_bias, dtype=torch.int64 if deterministic else torch.float32)
              if want_dist_grad and dist_bias is not None else None)
     dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
-                                    deterministic, score, ddist)
+                                    deterministic, score, ddist, grad_lse)
     if ddist is not None and deterministic:
         ddist = (ddist.double() * 2.0 ** -32).float()
-    dsinks = (_sink_grad(sinks, lse, out, dout) if sinks is not None
+    dsinks = (_sink_grad(sinks, lse, out, dout, grad_lse) if sinks is not None
               else q.new_zeros((0,), dtype=torch.float32))
     return dq, dk, dv, (ddist if ddist is not None else q.new_zeros((0,), dtype=torch.float32)), dsinks
 
 
 @attention_backward_score.register_fake
-def _(grad_out, q, k, v, out, lse, kernel, plan_dims, scale, deterministic, softcap, linear,
-      slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
+def _(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale, deterministic, softcap,
+      linear, slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
     ddist = (torch.empty_like(dist_bias, dtype=torch.float32)
              if want_dist_grad and dist_bias is not None else q.new_empty((0,), dtype=torch.float32))
     dsinks = (torch.empty_like(sinks, dtype=torch.float32) if sinks is not None
@@ -365,10 +359,6 @@ def _setup_score_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
     q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, *kernel = ctx.saved_tensors
-    if grad_lse is not None:
-        raise NotImplementedError(
-            "compilemask.attention with score terms differentiates `out` only; a loss that "
-            "uses `lse` is not supported with score terms yet")
     # Every table and sink present gets its gradient: what needs_input_grad says under
     # torch.compile's traced backward cannot be relied on here (a compiled step lost the
     # table's gradient with it), and the cost is one fp32 sum per tile.
@@ -376,7 +366,7 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
-        grad_out, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale, ctx.deterministic,
+        grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale, ctx.deterministic,
         ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks, want_dist)
     # One gradient per input: q, k, v, kernel (a list), plan_dims, scale, deterministic,
     # softcap, linear, slopes, dist_bias, dist_run_end, sinks.

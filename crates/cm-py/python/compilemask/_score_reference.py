@@ -56,15 +56,18 @@ def reference_attention(query: Any, key: Any, value: Any, plan: Any,
 
 def reference_attention_backward(query: Any, key: Any, value: Any, grad_out: Any, plan: Any,
                                  score_tensors: Mapping[str, Any] | None = None,
-                                 scale: float | None = None) -> tuple[Any, Any, Any, dict]:
-    """Gradients of ``sum(out * grad_out)`` for :func:`reference_attention`: ``(dq, dk, dv,
-    grads)`` with ``grads`` the score tensors' gradients by name (the bias table's and the
-    sinks'; slopes and softcaps are constants)."""
+                                 scale: float | None = None,
+                                 grad_lse: Any | None = None) -> tuple[Any, Any, Any, dict]:
+    """Gradients of ``sum(out * grad_out) + sum(lse * grad_lse)`` (``grad_lse``
+    ``[B, H, Lq]`` or ``None``) for :func:`reference_attention`: ``(dq, dk, dv, grads)``
+    with ``grads`` the score tensors' gradients by name (the bias table's and the sinks';
+    slopes and softcaps are constants). Rows whose lse is ``-inf`` ignore ``grad_lse``."""
     from ._ops import _from_bytes, _host
     cd, dims, (q, k, v), tensors, scale, double = _prepare(query, key, value, score_tensors,
                                                            scale)
+    dlse = None if grad_lse is None else _host(grad_lse, cd)
     dq, dk, dv, dtable, dsink = _native.reference_backward_scored(
-        dims, q, k, v, _host(grad_out, cd), plan._native, scale, double, tensors)
+        dims, q, k, v, _host(grad_out, cd), dlse, plan._native, scale, double, tensors)
     terms = score_terms(plan) or {}
     grads = {}
     for raw, part in ((dtable, terms.get("table")), (dsink, terms.get("sink"))):

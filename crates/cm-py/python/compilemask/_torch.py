@@ -263,17 +263,13 @@ def _scored_reference(torch: Any) -> Any:
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            if dlse is not None:
-                raise NotImplementedError(
-                    "compilemask.attention with score terms differentiates `out` only; a loss "
-                    "that uses `lse` is not supported with score terms yet")
             q, k, v, table, sink = ctx.saved_tensors
             score = ctx.score
             if dout is None:
                 dout = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
             tensors = {n: t for n, t in ((score.table, table), (score.sink, sink)) if n is not None}
             dq, dk, dv, grads = reference_attention_backward(q, k, v, dout, ctx.plan, tensors,
-                                                             ctx.scale)
+                                                             ctx.scale, dlse)
             return (dq, dk, dv, grads.get(score.table) if table is not None else None,
                     grads.get(score.sink) if sink is not None else None, None, None, None)
 
