@@ -175,7 +175,8 @@ def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
 def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic,
                        score=None, dist_bias_grad=None, grad_lse=None):
     """dq, dk, dv of ``sum(out * dout) + sum(lse * grad_lse)`` by the backward kernels
-    (``grad_lse`` enters the kernels' delta: d lse_i / d s_ij = P_ij)."""
+    (``grad_lse`` enters the kernels' delta: d lse_i / d s_ij = P_ij), and that delta
+    (``rowsum(dout * out) - grad_lse``, float32 ``[b, hq, lq]``, a view of the workspace)."""
     b, hq, lq, d = q.shape
     lk = k.shape[2]
     dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
@@ -190,7 +191,12 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
             None if grad_lse is None else _raw(grad_lse.float().contiguous()), _raw(dq),
             _raw(dk), _raw(dv), _raw(workspace), scale, deterministic,
             _score_arg(score, dist_bias_grad))
-    return dq, dk, dv
+    # The workspace holds lse_log2, then delta, each [b, hq, q_pad] (cm_cuda's
+    # backward_workspace_len), then the fast mode's dQ accumulator (q_pad per head_dim).
+    per_row = 2 if deterministic else 2 + d
+    rows = workspace.numel() // per_row
+    delta = workspace[rows:2 * rows].view(b, hq, rows // max(b * hq, 1))[..., :lq]
+    return dq, dk, dv, delta
 
 
 def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale,
@@ -198,7 +204,7 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, sca
     _check_cuda_supported(q, v)
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
     return _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
-                              deterministic, grad_lse=grad_lse)
+                              deterministic, grad_lse=grad_lse)[:3]
 
 
 # --------------------------------------------------------------------------- the ops
@@ -282,14 +288,10 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # differentiable; ``dist_run_end`` (int32 ``[q_len + kv_len - 1]``, the last index of each
 # index's run of equal values) lets the kernels add one constant for a tile inside one run.
 
-def _sink_grad(sinks: Tensor, lse: Tensor, out: Tensor, dout: Tensor,
-               grad_lse: Optional[Tensor]) -> Tensor:
-    """d loss / d sinks[h] = sum over rows of exp(sinks[h] - lse) * (grad_lse -
-    rowsum(dout * out)): the sink is one more logit of each row's softmax, with value 0 (so
-    its dP is 0), and d lse / d sink = exp(sink - lse)."""
-    delta = (dout.float() * out.float()).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.float()
+def _sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, with the
+    kernels' delta = rowsum(dout * out) - grad_lse: the sink is one more logit of each row's
+    softmax, with value 0 (so its dP is 0), and d lse / d sink = exp(sink - lse)."""
     share = torch.exp(sinks.float().view(1, -1, 1) - lse.float())
     return -(share * delta).sum(dim=(0, 2))
 
@@ -328,11 +330,11 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
     # 2^-32; integer atomics repeat their bits), the fast one in float32.
     ddist = (torch.zeros_like(dist_bias, dtype=torch.int64 if deterministic else torch.float32)
              if want_dist_grad and dist_bias is not None else None)
-    dq, dk, dv = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
-                                    deterministic, score, ddist, grad_lse)
+    dq, dk, dv, delta = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
+                                           deterministic, score, ddist, grad_lse)
     if ddist is not None and deterministic:
         ddist = (ddist.double() * 2.0 ** -32).float()
-    dsinks = (_sink_grad(sinks, lse, out, dout, grad_lse) if sinks is not None
+    dsinks = (_sink_grad(sinks, lse, delta) if sinks is not None
               else q.new_zeros((0,), dtype=torch.float32))
     return dq, dk, dv, (ddist if ddist is not None else q.new_zeros((0,), dtype=torch.float32)), dsinks
 
