@@ -154,7 +154,8 @@ def _score_arg(score: Optional[tuple], dist_bias_grad: Optional[Tensor] = None) 
     per_head = dist_bias is not None and dist_bias.dim() == 2 and dist_bias.shape[0] > 1
     return (float(softcap), _opt_raw(slopes), tuple(float(x) for x in linear),
             _opt_raw(dist_bias), per_head, _opt_raw(run_end), _opt_raw(sinks),
-            _opt_raw(dist_bias_grad))
+            # An output: a view (never reshape's silent copy, which the kernels would fill).
+            None if dist_bias_grad is None else _raw(dist_bias_grad.view(-1)))
 
 
 def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
@@ -327,8 +328,12 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
     dout = _kernel_ready(grad_out)
     # The deterministic backward sums the table's gradient in int64 fixed point (units of
-    # 2^-32; integer atomics repeat their bits), the fast one in float32.
-    ddist = (torch.zeros_like(dist_bias, dtype=torch.int64 if deterministic else torch.float32)
+    # 2^-32; integer atomics repeat their bits), the fast one in float32. The kernels write
+    # it through its address, so it must be contiguous: zeros_like would copy a strided
+    # dist_bias's layout (torch.compile's gather can give one), and the flat view the
+    # extension takes of it would be a copy that the kernels' sums never reach.
+    ddist = (torch.zeros(dist_bias.shape, dtype=torch.int64 if deterministic else torch.float32,
+                         device=dist_bias.device)
              if want_dist_grad and dist_bias is not None else None)
     dq, dk, dv, delta = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
                                            deterministic, score, ddist, grad_lse)
@@ -342,7 +347,7 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
 @attention_backward_score.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale, deterministic, softcap,
       linear, slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
-    ddist = (torch.empty_like(dist_bias, dtype=torch.float32)
+    ddist = (torch.empty(dist_bias.shape, dtype=torch.float32, device=dist_bias.device)
              if want_dist_grad and dist_bias is not None else q.new_empty((0,), dtype=torch.float32))
     dsinks = (torch.empty_like(sinks, dtype=torch.float32) if sinks is not None
               else q.new_empty((0,), dtype=torch.float32))
