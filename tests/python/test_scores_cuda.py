@@ -104,6 +104,34 @@ TERMS = ["softcap", "linear", "dist", "sinks", "all"]
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype,d,hq,hk", [(torch.bfloat16, 64, 4, 2), (torch.float16, 128, 2, 2)])
 def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk):
+    _check_against_dense(case, terms, deterministic, dtype, d, hq, hk)
+
+
+# Lengths 1, 63, 64, 65 and 127 past a multiple of 128 (full and partial edge tiles of every
+# kernel's tile), q_len != kv_len among them.
+EDGE_CASES = [
+    ("causal_bottom_right", {}, 129, 129),
+    ("causal_bottom_right", {}, 63, 191),
+    ("causal_bottom_right", {}, 192, 192),
+    ("sliding_window", {"window": 70}, 193, 193),
+    ("causal_bottom_right", {}, 100, 255),
+]
+
+
+@pytest.mark.parametrize("shift", [-120.0, 60.0])
+@pytest.mark.parametrize("terms", ["dist", "all"])
+@pytest.mark.parametrize("case", EDGE_CASES, ids=[f"{c[2]}x{c[3]}" for c in EDGE_CASES])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_score_terms_at_tile_edges_with_extreme_logits(case, terms, shift, deterministic):
+    """Logits around -120 (lse far below ln(FLT_MIN) = -87.3: a key past kv_len recomputed
+    with score 0 would give exp(-lse) = inf) and around +60, through the table (and the
+    sinks), at lengths that end inside a tile: no inf or NaN, the float64 reference's values."""
+    _check_against_dense(case, terms, deterministic, torch.bfloat16, 64, 4, 2, shift)
+
+
+def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0):
+    """Forward and gradients of one plan with `terms` against the float64 dense attention;
+    `shift` is added to every table entry and sink."""
     from compilemask import _ops
 
     name, params, lq, lk = case
@@ -124,10 +152,11 @@ def test_score_terms_against_dense(case, terms, deterministic, dtype, d, hq, hk)
     dist_bias = run_end = None
     if use["dist"]:
         bucket = torch.tensor(_buckets(lq, lk), device="cuda")
-        table = torch.randn((hq, 8), generator=g, device="cuda").requires_grad_()
+        table = (torch.randn((hq, 8), generator=g, device="cuda") + shift).requires_grad_()
         dist_bias, run_end = _ops.table_by_distance(table, bucket)
         assert run_end.tolist() == _run_end(bucket.tolist())
-    sinks = (torch.randn((hq,), generator=g, device="cuda") + 1.0).requires_grad_() if use["sinks"] else None
+    sinks = ((torch.randn((hq,), generator=g, device="cuda") + 1.0 + shift).requires_grad_()
+             if use["sinks"] else None)
 
     out, lse = _ops.attention_forward_score(
         q, k, v, list(pt.kernel), [pt.row_ptr.shape[0], pt.batch, pt.num_heads], scale,
