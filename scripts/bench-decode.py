@@ -18,19 +18,22 @@ own response causally; ours reads the prompt's pages through every response's bl
 Flex one packed sequence of prompt and responses), as TFLOP/s of visible pairs
 (4 x head_dim x num_heads x pairs).
 
-Each decode row is reported as median milliseconds of `--runs` calls and TB/s of K and V read (batch x kv_len
+Each decode row is reported as median milliseconds per call of `--runs` samples of `--calls`
+back-to-back calls (device time: the host's work per call, reported as `host_us` for ours,
+overlaps the GPU's) and TB/s of K and V read (batch x kv_len
 x num_kv_heads x head_dim x 2 bytes x 2), with the device-to-device copy bandwidth measured in
 the same run (a 4 GiB copy reads and writes 4 GiB each). Correctness is
 tests/python/test_paged_cuda.py's and cm-decode-test's; here ours is also checked against
 Flex's output on the same keys.
 
-    python3 scripts/bench-decode.py [--runs 20] [--json OUT.json] [--kv 8192,32768,131072]
+    python3 scripts/bench-decode.py [--runs 20] [--calls 10] [--json OUT.json] [--kv 8192,32768,131072]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -39,6 +42,21 @@ import torch._dynamo
 from torch.nn.attention.flex_attention import flex_attention
 
 from compilemask import _ops
+
+# Back-to-back calls per timed sample (--calls).
+CALLS = 10
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Microseconds of host time per call of `fn` (Python, checks, launch), without waiting
+    for the GPU (the launches queue behind each other)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
 from cuda_timing import median_ms
 
 
@@ -103,7 +121,7 @@ def mask_targets(runs: int, flex) -> dict:
         intervals=torch.tensor(flat, **i32), max_q_len=n)
     q = torch.randn((b * n, h, d), device=dev, dtype=torch.bfloat16)
     ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
-    ms = median_ms(ours, runs)
+    ms = median_ms(ours, runs, calls=CALLS)
     flops = 4 * d * h * pairs
     tree = {"batch": b, "nodes": n, "prefix": prefix, "ms": ms, "tflops": flops / ms / 1e9}
     try:
@@ -121,7 +139,7 @@ def mask_targets(runs: int, flex) -> dict:
         q4 = q.view(b, n, h, d).transpose(1, 2)
         fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
         err = (ours().float() - fl().transpose(1, 2).reshape(b * n, h, d).float()).abs().max().item()
-        fms = median_ms(fl, runs)
+        fms = median_ms(fl, runs, calls=CALLS)
         tree.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
         del k4, v4, pos
     except Exception as e:  # noqa: BLE001
@@ -148,7 +166,7 @@ def mask_targets(runs: int, flex) -> dict:
     pairs = r * sum(p_len + i + 1 for i in range(r_len))
     flops = 4 * d * h * pairs
     ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
-    ms = median_ms(ours, runs)
+    ms = median_ms(ours, runs, calls=CALLS)
     shared = {"prompt": p_len, "responses": r, "response_len": r_len, "ms": ms, "tflops": flops / ms / 1e9}
     try:
         total = p_len + r * r_len
@@ -168,7 +186,7 @@ def mask_targets(runs: int, flex) -> dict:
         q4 = q.transpose(0, 1)[None]
         fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
         err = (ours().float() - fl()[0].transpose(0, 1).float()).abs().max().item()
-        fms = median_ms(fl, runs)
+        fms = median_ms(fl, runs, calls=CALLS)
         shared.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
     except Exception as e:  # noqa: BLE001
         shared["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -182,7 +200,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--kv", default="8192,32768,131072")
     ap.add_argument("--json")
+    ap.add_argument("--calls", type=int, default=10,
+                    help="back-to-back calls per timed sample (1: single calls, host time included)")
     a = ap.parse_args()
+    global CALLS
+    CALLS = a.calls
     dev = "cuda"
     batch, h, h_kv, d = 64, 32, 8, 128
     scale = d ** -0.5
@@ -218,7 +240,8 @@ def main() -> None:
         row = {"kv_len": kv}
         try:
             flex_out = flex(q4, k4, v4, scale=scale, enable_gqa=True)
-            flex_ms = median_ms(lambda: flex(q4, k4, v4, scale=scale, enable_gqa=True), a.runs)
+            flex_ms = median_ms(lambda: flex(q4, k4, v4, scale=scale, enable_gqa=True), a.runs,
+                                calls=CALLS)
             row.update(flex_ms=flex_ms, flex_tb_per_s=bytes_kv / flex_ms / 1e9)
         except Exception as e:  # noqa: BLE001
             row["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -241,8 +264,9 @@ def main() -> None:
             def ours():
                 return _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)
 
-            ms = median_ms(ours, a.runs)
-            cell = {"ms": ms, "tb_per_s": bytes_kv / ms / 1e9,
+            ms = median_ms(ours, a.runs, calls=CALLS)
+            cell_host = host_us(ours)
+            cell = {"ms": ms, "host_us": cell_host, "tb_per_s": bytes_kv / ms / 1e9,
                     "fraction_of_copy": bytes_kv / ms / 1e9 / copy_tbs}
             # The reference output: Flex's where it ran, else a float32 softmax of the keys.
             if flex_out is None:
@@ -265,7 +289,7 @@ def main() -> None:
                     o = fa()
                     o = o[0] if isinstance(o, tuple) else o
                     cell["fa4_max_abs_diff_vs_reference"] = (o.float() - flex_out.view(batch, h, d).float()).abs().max().item()
-                    fa_ms = median_ms(fa, a.runs)
+                    fa_ms = median_ms(fa, a.runs, calls=CALLS)
                     cell.update(fa4_ms=fa_ms, fa4_tb_per_s=bytes_kv / fa_ms / 1e9, over_fa4=fa_ms / ms)
                 except Exception as e:  # noqa: BLE001
                     cell["fa4_error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -6,18 +6,22 @@ from __future__ import annotations
 import torch
 
 
-def median_ms(fn, runs: int, warmup: int = 3) -> float:
-    """Median milliseconds of `runs` calls of `fn` after `warmup` untimed ones, each call
-    timed with CUDA events around it and synchronised."""
+def median_ms(fn, runs: int, warmup: int = 3, calls: int = 1) -> float:
+    """Median milliseconds per call of `fn` over `runs` samples after `warmup` untimed calls;
+    each sample times `calls` back-to-back calls with CUDA events around them, synchronised.
+    With `calls = 1` the time includes the host's work before the launch whenever the GPU
+    is idle waiting for it; with more calls the host runs ahead of the GPU, so a sample
+    measures device time (for kernels shorter than their host overhead, e.g. decode)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     times.sort()
     return times[len(times) // 2]
