@@ -48,14 +48,18 @@ pub fn plan_array_names() -> Vec<&'static str> {
 }
 
 /// Invalid arguments are the caller's `ValueError`; everything else (no kernels in this
-/// build, no driver, an unsupported GPU, a driver failure) is a `RuntimeError`.
-fn py_err(e: Error) -> PyErr {
-    match e {
-        Error::InvalidArgument(msg) => {
-            PyValueError::new_err(format!("compilemask.attention: {msg}"))
-        }
-        other => PyRuntimeError::new_err(format!("compilemask.attention on CUDA: {other}")),
+/// build, no driver, an unsupported GPU, a driver failure) is a `RuntimeError`. `api` is the
+/// public function the message names.
+fn api_err(api: &'static str) -> impl Fn(Error) -> PyErr {
+    move |e| match e {
+        Error::InvalidArgument(msg) => PyValueError::new_err(format!("{api}: {msg}")),
+        other => PyRuntimeError::new_err(format!("{api} on CUDA: {other}")),
     }
+}
+
+/// [`api_err`] of `compilemask.attention` (the forward and backward entries).
+fn py_err(e: Error) -> PyErr {
+    api_err("compilemask.attention")(e)
 }
 
 type Runtimes = Mutex<HashMap<usize, Arc<Runtime>>>;
@@ -419,8 +423,10 @@ pub fn cuda_decode_splits(
             )))
         }
     };
-    let rt = runtime(device).map_err(py_err)?;
-    let ctas = rt.decode_ctas_per_sm(dtype, head_dim).map_err(py_err)?;
+    let rt = runtime(device).map_err(api_err("compilemask.paged_attention"))?;
+    let ctas = rt
+        .decode_ctas_per_sm(dtype, head_dim)
+        .map_err(api_err("compilemask.paged_attention"))?;
     Ok(cm_cuda::decode_splits(
         num_seqs,
         max_q_len,
@@ -582,7 +588,7 @@ pub fn cuda_paged_attention(
         cm_cuda::check_decode(&raw)?;
         Ok((device, raw))
     };
-    let (device, raw) = checked().map_err(py_err)?;
+    let (device, raw) = checked().map_err(api_err("compilemask.paged_attention"))?;
     py.detach(|| {
         let rt = runtime(device)?;
         let stream = torch_stream(&rt, stream);
@@ -596,5 +602,5 @@ pub fn cuda_paged_attention(
             rt.decode_raw(&stream, &raw)
         }
     })
-    .map_err(py_err)
+    .map_err(api_err("compilemask.paged_attention"))
 }
