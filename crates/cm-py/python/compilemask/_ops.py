@@ -330,8 +330,8 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
     # The deterministic backward sums the table's gradient in int64 fixed point (units of
     # 2^-32; integer atomics repeat their bits), the fast one in float32. The kernels write
     # it through its address, so it must be contiguous: zeros_like would copy a strided
-    # dist_bias's layout (torch.compile's gather can give one), and the flat view the
-    # extension takes of it would be a copy that the kernels' sums never reach.
+    # dist_bias's layout, and the flat view the extension takes of it would be a copy that
+    # the kernels' sums never reach.
     ddist = (torch.zeros(dist_bias.shape, dtype=torch.int64 if deterministic else torch.float32,
                          device=dist_bias.device)
              if want_dist_grad and dist_bias is not None else None)
