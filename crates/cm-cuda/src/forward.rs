@@ -82,11 +82,14 @@ pub(crate) struct FwdParams {
     batch: u32,
     num_masks: u32,
     mask_strides: [u32; 2],
+    /// Set by the runtime at launch from its L2 size, for FwdWs ([`ws_head_group`]).
+    pub(crate) ws_head_group: u32,
+    pad: u32,
     score: ScoreParams,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 344,
+    std::mem::size_of::<FwdParams>() == 352,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -105,6 +108,21 @@ pub(crate) struct Launch {
     pub(crate) config: LaunchConfig,
     pub(crate) params: FwdParams,
     pub(crate) tensor_maps: Option<[TensorMap; 3]>,
+    /// Bytes of K and V that one (batch, query head) pair reads (its kv head's, shared by the
+    /// query heads of a GQA group), for [`ws_head_group`].
+    pub(crate) kv_bytes_per_pair: u64,
+    /// batch x num_heads.
+    pub(crate) pairs: u64,
+}
+
+/// How many (batch, head) pairs `fwd_ws` interleaves, rank by rank (every pair's heaviest
+/// query block first): as many as three quarters of the L2 holds the K and V of (so the CTAs
+/// of a group keep re-reading their keys from L2), at least 1, at most `pairs`. One pair after
+/// the other would start the last pair's heaviest block only after every other pair's work,
+/// which for masks of long and short documents ends the launch a whole block late.
+pub(crate) fn ws_head_group(l2_bytes: u64, kv_bytes_per_pair: u64, pairs: u64) -> u32 {
+    let fit = (l2_bytes / 4 * 3) / kv_bytes_per_pair.max(1);
+    fit.clamp(1, pairs.max(1)).min(u64::from(u32::MAX)) as u32
 }
 
 const MAX_GRID_YZ: usize = 65535;
@@ -312,6 +330,8 @@ pub(crate) fn prepare(
         batch: b as u32,
         num_masks: plan.num_masks,
         mask_strides,
+        ws_head_group: 1,
+        pad: 0,
         score: a.score.params(plan.q_len, plan.kv_len, false),
     };
     let tensor_maps = if ws && encode_maps {
@@ -340,16 +360,34 @@ pub(crate) fn prepare(
         block_dim: (kernel.kernel.threads(), 1, 1),
         shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };
+    let elem = a.dtype.size_bytes() as u64;
+    let kv_bytes_per_pair =
+        u64::from(plan.kv_len) * a.k_layout.shape[3] as u64 * elem * 2 / (h / h_kv).max(1) as u64;
     Ok(Some(Launch {
         variant,
         config,
         params,
         tensor_maps,
+        kv_bytes_per_pair,
+        pairs: b as u64 * h as u64,
     }))
 }
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn head_groups_fill_three_quarters_of_the_l2() {
+        let mib = 1u64 << 20;
+        // H200: 50 MiB of L2. K and V of one pair at 8K, head_dim 128, bf16: 4 MiB.
+        assert_eq!(ws_head_group(50 * mib, 4 * mib, 16), 9);
+        assert_eq!(ws_head_group(50 * mib, 16 * mib, 16), 2);
+        // More room than pairs; K and V larger than the L2; degenerate sizes.
+        assert_eq!(ws_head_group(50 * mib, mib, 4), 4);
+        assert_eq!(ws_head_group(50 * mib, 64 * mib, 16), 1);
+        assert_eq!(ws_head_group(0, 0, 0), 1);
+        assert_eq!(ws_head_group(u64::MAX, 1, u64::MAX), u32::MAX);
+    }
     use super::*;
     use crate::plan::{HostPlan, PlanLayout};
     use crate::PLAN_ARRAY_COUNT;

@@ -24,6 +24,8 @@ pub struct Runtime {
     forward_kernel: KernelKind,
     /// Streaming multiprocessors of the device: the grid of the persistent kernels.
     num_sms: u32,
+    /// L2 cache bytes of the device (fwd_ws's head groups).
+    l2_bytes: u64,
     /// Owns the work counters of the persistent kernels, two u32 per slot, all zero between
     /// launches (each launch leaves its counter as it found it).
     _schedulers: CudaSlice<u32>,
@@ -104,6 +106,9 @@ impl Runtime {
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        let l2_bytes = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
         let init = ctx.default_stream();
         let schedulers = init
             .alloc_zeros::<u32>(2 * MAX_SCHEDULER_STREAMS)
@@ -119,6 +124,7 @@ impl Runtime {
             functions,
             forward_kernel: KernelKind::FwdWs,
             num_sms: num_sms.max(1) as u32,
+            l2_bytes: l2_bytes.max(0) as u64,
             _schedulers: schedulers,
             schedulers_base,
             scheduler_slots: Mutex::new(HashMap::new()),
@@ -455,6 +461,11 @@ impl Runtime {
             // FwdWs is persistent: one CTA per SM takes work items from the stream's counter.
             launch.config.grid_dim.0 = launch.config.grid_dim.0.min(self.num_sms);
             launch.params.scheduler = self.scheduler_for(stream)?;
+            launch.params.ws_head_group = crate::forward::ws_head_group(
+                self.l2_bytes,
+                launch.kv_bytes_per_pair,
+                launch.pairs,
+            );
         }
         let func = &self.functions[launch.variant];
         let mut builder = stream.launch_builder(func);

@@ -80,11 +80,15 @@ struct CmFwdParams {
     u32 num_masks;
     u32 mask_stride_batch;  // 0 when one row of masks serves every batch
     u32 mask_stride_head;   // 0 when one mask serves every head
+    // fwd_ws: (batch, head) pairs whose items are interleaved (heaviest query blocks of all
+    // of them first), as many as the L2 holds the K and V of; 1: one pair after the other.
+    u32 ws_head_group;
+    u32 pad_;
     CmScoreParams score;
 };
 
 static_assert(sizeof(CmScoreParams) == 64, "must match cm_cuda::ScoreParams");
-static_assert(sizeof(CmFwdParams) == 344, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 352, "must match cm_cuda::forward::FwdParams");
 
 // The plan's mask of (batch, head), an index into its per-mask arrays (cm_cuda::PlanArray).
 // The host checked every entry when it built the plan; the clamp keeps a corrupted index

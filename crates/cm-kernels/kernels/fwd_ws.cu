@@ -1,9 +1,11 @@
 // The warp-specialised Hopper forward kernel (FlashAttention-3's structure), persistent: one
 // CTA of three warpgroups per SM takes work items (128-row query block, head, batch) from a
-// global counter until none is left. Items are numbered batch, head, then query block in the
-// descriptor's heaviest-first order, so the longest blocks of each head start first, the
-// last items are the lightest, and the CTAs running at one time share one head's K and V in
-// L2. Warpgroup 0 is the producer: one thread issues TMA loads of each
+// global counter until none is left. Items come in groups of (batch, head) pairs (as many as
+// the L2 holds the K and V of, p.ws_head_group), and inside a group query block by query block
+// in the descriptor's heaviest-first order across the group's pairs: the longest blocks of
+// every pair of a group start first (a pair's heaviest block started after the other pairs'
+// work would end the launch late), the group's last items are the lightest, and the CTAs
+// running at one time share the group's K and V in L2. Warpgroup 0 is the producer: one thread issues TMA loads of each
 // item's Q block and of every key tile the descriptor lists into a two-stage ring of K and V
 // buffers, each guarded by "full" (TMA bytes landed) and "empty" (consumers done reading)
 // mbarriers; the ring and its phases run on across items, the next item's number reaches the
@@ -86,8 +88,15 @@ struct WsItem {
 
 __device__ __forceinline__ WsItem ws_item(const CmFwdParams& p, u32 item) {
     WsItem w;
-    const u32 head_batch = item / p.num_m_blocks;
-    const u32 rank = item - head_batch * p.num_m_blocks;
+    // Groups of ws_head_group (batch, head) pairs one after the other; inside a group, rank
+    // by rank (each pair's heaviest query block first) across its pairs.
+    const u32 group_items = p.ws_head_group * p.num_m_blocks;
+    const u32 group = item / group_items;
+    const u32 first_pair = group * p.ws_head_group;
+    const u32 pairs = min(p.ws_head_group, p.num_heads * p.batch - first_pair);
+    const u32 in_group = item - group * group_items;
+    const u32 rank = in_group / pairs;
+    const u32 head_batch = first_pair + (in_group - rank * pairs);
     w.head = head_batch % p.num_heads;
     w.batch = head_batch / p.num_heads;
     const CmFwdLists lists = cm_fwd_lists(p, w.batch, w.head);
