@@ -168,11 +168,14 @@ struct BwdParams {
     mask_strides: [u32; 2],
     num_m_blocks: u32,
     bwd_num_n_blocks: u32,
+    /// Set at launch from the device's L2 ([`crate::forward::ws_head_group`]'s rule).
+    bwd_head_group: u32,
+    bwd_pairs: u32,
     score: ScoreParams,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 560,
+    std::mem::size_of::<BwdParams>() == 568,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -196,6 +199,9 @@ struct Launches {
     params: BwdParams,
     steps: Vec<Step>,
     tensor_maps: [TensorMap; 4],
+    /// Bytes of Q and dO that one (batch, kv head) pair's key blocks stream (its query
+    /// heads'), for the head groups of `bwd_dkdv`.
+    pair_bytes: u64,
 }
 
 /// fp32 elements of workspace a backward over a `q_len`-row plan at `tile` needs: `lse_log2`
@@ -362,7 +368,15 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         Ok(())
     };
     push(KernelKind::BwdPre, per_query_block)?;
-    let per_key_block = (plan.bwd_num_n_blocks, h_kv32, b32);
+    // One dimension: bwd_dkdv decodes (rank, kv head, batch) from its head groups.
+    let blocks = u64::from(plan.bwd_num_n_blocks) * h_kv as u64 * b as u64;
+    let blocks = u32::try_from(blocks).map_err(|_| {
+        Error::invalid(format!(
+            "{} key blocks x num_kv_heads = {h_kv} x batch = {b} = {blocks} backward blocks exceed 2^32",
+            plan.bwd_num_n_blocks
+        ))
+    })?;
+    let per_key_block = (blocks, 1, 1);
     // bwd_dkdv adds dQ atomically exactly when the workspace has a dQ accumulator.
     push(KernelKind::BwdDkDv, per_key_block)?;
     push(
@@ -432,6 +446,8 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         mask_strides: plan.mask_strides(b, h)?,
         num_m_blocks: plan.num_m_blocks,
         bwd_num_n_blocks: plan.bwd_num_n_blocks,
+        bwd_head_group: 1,
+        bwd_pairs: b32.saturating_mul(h_kv32),
         score: a.score.params(plan.q_len, plan.kv_len, true),
     };
     let (query_rows, key_rows) = cm_kernels::BWD_TILE;
@@ -441,10 +457,13 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         TensorMap::encode("k", a.dtype, a.k, &a.k_layout, key_rows)?,
         TensorMap::encode("v", a.dtype, a.v, &a.v_layout, key_rows)?,
     ];
+    let pair_bytes =
+        u64::from(plan.q_len) * d as u64 * a.dtype.size_bytes() as u64 * 2 * (h / h_kv) as u64;
     Ok(Some(Launches {
         params,
         steps,
         tensor_maps,
+        pair_bytes,
     }))
 }
 
@@ -596,6 +615,12 @@ impl Runtime {
 
     #[allow(unsafe_code)]
     fn launch_backward(&self, stream: &CudaStream, launches: &Launches) -> Result<(), Error> {
+        let mut params = launches.params;
+        params.bwd_head_group = crate::forward::ws_head_group(
+            self.l2_bytes(),
+            launches.pair_bytes,
+            u64::from(params.bwd_pairs),
+        );
         for step in &launches.steps {
             let variant = &cm_kernels::VARIANTS[step.variant];
             let config = LaunchConfig {
@@ -604,7 +629,7 @@ impl Runtime {
                 shared_mem_bytes: variant.dynamic_shared_bytes(),
             };
             let mut builder = stream.launch_builder(self.function(step.variant));
-            builder.arg(&launches.params);
+            builder.arg(&params);
             if step.tensor_maps {
                 for map in &launches.tensor_maps {
                     builder.arg(map);

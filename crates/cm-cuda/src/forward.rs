@@ -115,9 +115,11 @@ pub(crate) struct Launch {
     pub(crate) pairs: u64,
 }
 
-/// How many (batch, head) pairs `fwd_ws` interleaves, rank by rank (every pair's heaviest
-/// query block first): as many as three quarters of the L2 holds the K and V of (so the CTAs
-/// of a group keep re-reading their keys from L2), at least 1, at most `pairs`. One pair after
+/// How many (batch, head) pairs `fwd_ws` (and, over kv heads, `bwd_dkdv`) interleaves, rank
+/// by rank (every pair's heaviest block first): as many as three quarters of the L2 holds the
+/// streamed tensors of (`kv_bytes_per_pair`: K and V in the forward, Q and dO in the
+/// backward; so the CTAs of a group keep re-reading them from L2), at least 1, at most
+/// `pairs`. One pair after
 /// the other would start the last pair's heaviest block only after every other pair's work,
 /// which for masks of long and short documents ends the launch a whole block late.
 pub(crate) fn ws_head_group(l2_bytes: u64, kv_bytes_per_pair: u64, pairs: u64) -> u32 {

@@ -290,6 +290,11 @@ impl Runtime {
         self.num_sms
     }
 
+    /// L2 cache bytes of the device (the forward's and backward's head groups).
+    pub(crate) fn l2_bytes(&self) -> u64 {
+        self.l2_bytes
+    }
+
     /// CTAs of the decode kernel at `dtype` and `head_dim` that one SM runs at once (the
     /// driver's occupancy of its registers and shared memory), for [`crate::decode_splits`].
     ///

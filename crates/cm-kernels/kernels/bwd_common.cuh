@@ -102,10 +102,15 @@ struct CmBwdParams {
     u32 mask_stride_head;   // 0 when one mask serves every head
     u32 num_m_blocks;       // query blocks at BLOCK_M (the forward lists)
     u32 bwd_num_n_blocks;   // key blocks of the transposed lists
+    // bwd_dkdv's one-dimensional grid: (batch, kv head) pairs in groups of bwd_head_group
+    // (sized to the L2), inside a group key block by key block across its pairs (every
+    // pair's heaviest block first); bwd_pairs = batch x num_kv_heads.
+    u32 bwd_head_group;
+    u32 bwd_pairs;
     CmScoreParams score;    // read by the CM_SCORE variants of bwd_dkdv and bwd_dq
 };
 
-static_assert(sizeof(CmBwdParams) == 560, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 568, "must match cm_cuda::backward::BwdParams");
 
 __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
