@@ -385,37 +385,62 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
 attention_forward_score.register_autograd(_score_backward, setup_context=_setup_score_context)
 
 
-class _TableByDistance(torch.autograd.Function):
-    """``table[..., bucket]``: a bucketed bias table (``[num_heads, num_buckets]`` or
-    ``[num_buckets]``) as the bias by distance the kernels take. Its backward sums the
-    gradient of each run of equal buckets (a float64 prefix sum over the distances), then
-    each bucket's runs (a prefix sum over the runs sorted by bucket), never scattering with
-    atomics: deterministic, and free of the contention of 65K distances landing on a few
-    dozen buckets at 32K tokens."""
+@torch.library.custom_op("compilemask::table_by_distance", mutates_args=())
+def table_gather(table: Tensor, bucket: Tensor, run_last: Tensor, run_order: Tensor,
+                 seg_last: Tensor, seg_bucket: Tensor) -> Tensor:
+    """``table[..., bucket]`` in float32: a bucketed bias table (``[num_heads, num_buckets]``
+    or ``[num_buckets]``) as the bias by distance the kernels take; the runs
+    (:func:`distance_runs`) are its backward's. Its backward sums the gradient of each run
+    of equal buckets (a float64 prefix sum over the distances), then each bucket's runs (a
+    prefix sum over the runs sorted by bucket), never scattering with atomics:
+    deterministic, and free of the contention of 65K distances landing on a few dozen
+    buckets at 32K tokens. Ops rather than an autograd function: a compiled step traced the
+    function's backward into a zero gradient (measured on the H200)."""
+    return table[..., bucket].float()
 
-    @staticmethod
-    def forward(ctx: Any, table: Tensor, bucket: Tensor, run_last: Tensor, run_order: Tensor,
-                seg_last: Tensor, seg_bucket: Tensor) -> Tensor:
-        ctx.save_for_backward(run_last, run_order, seg_last, seg_bucket)
-        ctx.shape = table.shape
-        return table[..., bucket].float()
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        run_last, run_order, seg_last, seg_bucket = ctx.saved_tensors
-        pad = torch.nn.functional.pad
-        cs = grad.double().cumsum(-1)[..., run_last]
-        per_run = (cs - pad(cs[..., :-1], (1, 0)))[..., run_order]
-        cs = per_run.cumsum(-1)[..., seg_last]
-        dtable = torch.zeros(ctx.shape, dtype=torch.float64, device=grad.device)
-        dtable[..., seg_bucket] = cs - pad(cs[..., :-1], (1, 0))
-        return dtable.to(grad.dtype), None, None, None, None, None
+@table_gather.register_fake
+def _(table, bucket, run_last, run_order, seg_last, seg_bucket):
+    return table.new_empty(tuple(table.shape[:-1]) + tuple(bucket.shape), dtype=torch.float32)
+
+
+@torch.library.custom_op("compilemask::table_by_distance_backward", mutates_args=())
+def table_gather_backward(grad: Tensor, run_last: Tensor, run_order: Tensor,
+                          seg_last: Tensor, seg_bucket: Tensor, num_buckets: int) -> Tensor:
+    """d loss / d table from ``grad`` (d loss / d table[..., bucket]), float32."""
+    pad = torch.nn.functional.pad
+    cs = grad.double().cumsum(-1)[..., run_last]
+    per_run = (cs - pad(cs[..., :-1], (1, 0)))[..., run_order]
+    cs = per_run.cumsum(-1)[..., seg_last]
+    dtable = torch.zeros(tuple(grad.shape[:-1]) + (num_buckets,), dtype=torch.float64,
+                         device=grad.device)
+    dtable[..., seg_bucket] = cs - pad(cs[..., :-1], (1, 0))
+    return dtable.float()
+
+
+@table_gather_backward.register_fake
+def _(grad, run_last, run_order, seg_last, seg_bucket, num_buckets):
+    return grad.new_empty(tuple(grad.shape[:-1]) + (num_buckets,), dtype=torch.float32)
+
+
+def _setup_table_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    table, _, run_last, run_order, seg_last, seg_bucket = inputs
+    ctx.save_for_backward(run_last, run_order, seg_last, seg_bucket)
+    ctx.num_buckets, ctx.dtype = table.shape[-1], table.dtype
+
+
+def _table_backward(ctx: Any, grad: Tensor) -> tuple:
+    dtable = table_gather_backward(grad, *ctx.saved_tensors, ctx.num_buckets)
+    return dtable.to(ctx.dtype), None, None, None, None, None
+
+
+table_gather.register_autograd(_table_backward, setup_context=_setup_table_context)
 
 
 def distance_runs(bucket: Tensor) -> tuple[Tensor, list]:
     """For ``bucket`` (int64 ``[q_len + kv_len - 1]``, the bucket of distance ``q - k`` at
     index ``q - k + kv_len - 1``): the kernels' ``dist_run_end`` (int32, the last index of
-    each index's run of equal buckets) and what :class:`_TableByDistance`'s backward needs
+    each index's run of equal buckets) and what :func:`table_gather`'s backward needs
     (every run's last index, the runs in bucket order, and each bucket's last run in that
     order with its bucket)."""
     change = torch.ones_like(bucket, dtype=torch.bool)
@@ -436,7 +461,7 @@ def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
     """The bias by distance of a bucketed table and the kernels' ``dist_run_end``
     (:func:`distance_runs`)."""
     run_end, runs = distance_runs(bucket)
-    return _TableByDistance.apply(table, bucket, *runs), run_end
+    return table_gather(table, bucket, *runs), run_end
 
 
 # Serving: one step's new rows against a paged KV cache (the decode kernel of cm-cuda).

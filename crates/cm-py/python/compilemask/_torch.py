@@ -218,17 +218,9 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
     if query.device.type == "cuda":
         from . import _ops
 
-        if table is not None and table.requires_grad and torch.compiler.is_compiling():
-            # A compiled step computed this table's gradient as zeros (measured on the H200):
-            # refuse rather than train on it.
-            raise NotImplementedError(
-                f"a learnable bias table (score tensor {score.table!r}) under torch.compile: its "
-                "gradient is not supported there yet; run the attention eagerly, or pass the "
-                "table detached (requires_grad=False)"
-            )
         dist = None
         if table is not None:
-            dist = _ops._TableByDistance.apply(table.float(), score.bucket, *score.runs)
+            dist = _ops.table_gather(table.float(), score.bucket, *score.runs)
             if dist.dim() == 1:
                 dist = dist.unsqueeze(0)
         return _ops.attention_forward_score(
