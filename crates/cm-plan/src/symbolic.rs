@@ -32,9 +32,11 @@ const MAX_INVARIANT: usize = 16;
 /// A row-invariant comparison's address in the program, b and h.
 type InvariantKey = (usize, i64, i64);
 
-/// A row-invariant comparison's keys, and the keys at which its `alpha * k + rest` does not
-/// overflow ([`ok_keys`]), by its [`InvariantKey`].
-type Invariant = (InvariantKey, Vec<AffineInterval>, (i128, i128));
+/// A row-invariant comparison's keys and the value of its `rest`, by its [`InvariantKey`].
+type Invariant = (InvariantKey, Vec<AffineInterval>, i64);
+
+/// A canonical list of keys (see the module docs).
+type List = Vec<AffineInterval>;
 
 /// Keys found pair by pair, and the first key where the predicate failed, with its error.
 type Scan = (Vec<AffineInterval>, Option<(i64, PlanError)>);
@@ -126,8 +128,9 @@ pub struct Solver<'a, 'p> {
     /// The values of the enclosing `any` / `all` variables, outermost first.
     vars: Cell<[i64; MAX_QUANT_DEPTH]>,
     /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
-    /// (its address in the program, head): the same on every row, so solved once.
-    quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+    /// (its address in the program, head): the same on every row, so solved once (`None`:
+    /// solving it on all keys failed).
+    quant_cache: RefCell<HashMap<(usize, i64), Option<List>>>,
     /// The keys of comparisons `alpha * k + rest op 0` whose `rest` reads neither `q` nor
     /// an enclosing variable (`k < text`, attention sinks), by (their address in the
     /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
@@ -828,13 +831,49 @@ impl<'a, 'p> Solver<'a, 'p> {
         (lo.max(0), hi.min(kv_len))
     }
 
-    /// An overflow unless every key of `hull` lies in `ok` (inclusive, from [`ok_keys`]):
-    /// the reference evaluates an atom's `alpha * k + rest` at each key it reaches, and the
-    /// solver, which moves terms instead, never forms it. The keys that do not overflow are
-    /// one range, so a hull whose ends are in it has no key that does.
-    fn no_overflow(&self, ok: (i128, i128), hull: Option<(i64, i64)>, span: Span) -> Eval<()> {
+    /// An overflow unless the reference's `add(mul(alpha, k), r)` fits at every key of
+    /// `hull` for every `r` in `rest` (inclusive; the rest's values over the piece), and with
+    /// `min_fails` (a divisor of -1 follows) is not `i64::MIN` either: the reference forms it
+    /// at each key it reaches, the solver, which moves terms instead, never does. Both are
+    /// affine in `k` and `r`, so their extremes are at the corners.
+    #[inline]
+    fn no_overflow(
+        &self,
+        alpha: i64,
+        rest: (i64, i64),
+        min_fails: bool,
+        hull: Option<(i64, i64)>,
+        span: Span,
+    ) -> Eval<()> {
+        // Keys are below 2^26 (`MAX_LEN`): a product below 2^57 plus a rest below 2^61 fits.
+        const SMALL: i64 = 1 << 61;
+        if alpha.unsigned_abs() <= 1 << 31 && -SMALL <= rest.0 && rest.1 <= SMALL {
+            return Ok(());
+        }
+        self.no_overflow_at_ends(alpha, rest, min_fails, hull, span)
+    }
+
+    /// [`Solver::no_overflow`] for large values, at the hull's ends.
+    #[cold]
+    #[inline(never)]
+    fn no_overflow_at_ends(
+        &self,
+        alpha: i64,
+        rest: (i64, i64),
+        min_fails: bool,
+        hull: Option<(i64, i64)>,
+        span: Span,
+    ) -> Eval<()> {
         let (lo, hi) = self.clip(hull);
-        if lo < hi && (i128::from(lo) < ok.0 || i128::from(hi - 1) > ok.1) {
+        let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
+        let fits = |k: i64| {
+            let x = i128::from(alpha) * i128::from(k);
+            x >= min
+                && x <= max
+                && x + i128::from(rest.0) >= min + i128::from(min_fails)
+                && x + i128::from(rest.1) <= max
+        };
+        if lo < hi && !(fits(lo) && fits(hi - 1)) {
             return Err(overflow(span));
         }
         Ok(())
@@ -1216,26 +1255,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 rest,
                 op,
                 span,
-            } => {
-                let key = (r as *const Region as usize, p.b, p.h);
-                if let Some((_, keys, ok)) =
-                    self.invariant.borrow().iter().find(|(k, ..)| *k == key)
-                {
-                    self.no_overflow(*ok, hull, *span)?;
-                    return Ok(keys.clone());
-                }
-                let value = self.int(p, rest)?;
-                let ok = ok_keys(*alpha, ends(p, value), false);
-                self.no_overflow(ok, hull, *span)?;
-                let keys = self.kcmp_keys(p, *alpha, value, *op, *span)?;
-                let mut cache = self.invariant.borrow_mut();
-                if cache.len() < MAX_INVARIANT
-                    && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
-                {
-                    cache.push((key, keys.clone(), ok));
-                }
-                Ok(keys)
-            }
+            } => self.kcmp(p, r, *alpha, rest, *op, *span, hull),
             Region::KDiv {
                 alpha,
                 rest,
@@ -1256,7 +1276,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 let rest = self.int(p, rest)?;
                 // `floor(x / -1)` overflows for `x = i64::MIN`.
-                self.no_overflow(ok_keys(*alpha, ends(p, rest), d == -1), hull, *span)?;
+                self.no_overflow(*alpha, ends(p, rest), d == -1, hull, *span)?;
                 let (alpha, rest, d) = if d < 0 {
                     let Some(neg_d) = d.checked_neg() else {
                         return Err(overflow(div.span));
@@ -1313,13 +1333,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             Region::Path { tree, pos, span } => self.tree_path(p, *tree, pos, *span),
             Region::KeyCmp { f, op, v, span } => {
                 // The reference evaluates `f` at every key it reaches.
-                let error = {
-                    let sweep = self.key_sweep(p, r, f);
-                    sweep
-                        .first_failing(&[self.clip(hull)])
-                        .and(sweep.error.clone())
-                };
-                if let Some(e) = error {
+                if let Some(e) = self.key_failure_in(p, r, f, hull) {
                     return Err(e.into());
                 }
                 self.key_cmp(p, r, f, *op, v, *span, hull)
@@ -1423,13 +1437,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                         }
                     }
                 }
-                let y = self.region(p, b, Some(inner))?;
-                if is_inter {
-                    self.inter(p, &x, &y)
-                } else {
-                    let not_y = self.complement(p, &y)?;
-                    self.inter(p, &x, &not_y)
-                }
+                self.where_holds(p, &x, b, is_inter, hull)
             }
             Region::Not(a) => {
                 let x = self.region(p, a, hull)?;
@@ -1452,26 +1460,119 @@ impl<'a, 'p> Solver<'a, 'p> {
             } => {
                 let invariant = !r.reads_q() && !r.reads_outer_vars(*depth);
                 let key = (r as *const Region as usize, p.h);
-                if invariant {
-                    if let Some(v) = self.quant_cache.borrow().get(&key) {
-                        return Ok(v.clone());
-                    }
+                // Solved once on all keys when it is kept for every row, unless that fails
+                // (at keys the reference may not reach): then within the hull, each time.
+                let cached = self.quant_cache.borrow().get(&key).cloned();
+                if let Some(Some(v)) = cached {
+                    return Ok(v);
                 }
                 let lo = self.int(p, lo)?;
                 let hi = self.int(p, hi)?;
                 let range = bind::quant_range(self.constant(p, lo)?, self.constant(p, hi)?, *span)?;
-                // Solved on all keys when it is kept for every row.
-                let hull = if invariant { None } else { hull };
                 let outer = self.vars.get();
-                let out = self.quantifier(p, *all, *depth as usize, range, body, hull);
+                let (depth, all) = (*depth as usize, *all);
+                let once = invariant && cached.is_none();
+                let mut out = if once {
+                    self.quantifier(p, all, depth, range.clone(), body, None)
+                } else {
+                    self.quantifier(p, all, depth, range.clone(), body, hull)
+                };
+                if once {
+                    self.quant_cache
+                        .borrow_mut()
+                        .insert(key, out.as_ref().ok().cloned());
+                    if out.is_err() {
+                        out = self.quantifier(p, all, depth, range, body, hull);
+                    }
+                }
                 self.vars.set(outer);
-                let out = out?;
-                if invariant {
-                    self.quant_cache.borrow_mut().insert(key, out.clone());
+                out
+            }
+        }
+    }
+
+    /// `x & r` (`keep`) or `x - r` within `hull`, `r` evaluated where `x` holds, as the
+    /// reference evaluates the right side of `&` and `-`: over the hull of `x`'s keys, or,
+    /// where that fails (maybe in `x`'s gaps, where the reference does not evaluate `r`), over
+    /// each interval of `x` apart.
+    fn where_holds(
+        &self,
+        p: &Piece,
+        x: &[AffineInterval],
+        r: &Region,
+        keep: bool,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let part = |x: &[AffineInterval]| -> Eval<Vec<AffineInterval>> {
+            let inner = narrow(keys_hull(p, x), hull);
+            if inner.0 >= inner.1 {
+                return Ok(Vec::new());
+            }
+            let y = self.region(p, r, Some(inner))?;
+            if keep {
+                self.inter(p, x, &y)
+            } else {
+                let not_y = self.complement(p, &y)?;
+                self.inter(p, x, &not_y)
+            }
+        };
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        match part(x) {
+            Err(Flow::Error(_)) if x.len() > 1 => {
+                // Each part lies inside its interval, and the intervals are apart.
+                let mut out = Vec::new();
+                for iv in x {
+                    out.extend(part(std::slice::from_ref(iv))?);
                 }
                 Ok(out)
             }
+            out => out,
         }
+    }
+
+    /// The keys of `alpha * k + rest  op  0` (atom `r`) within `hull`.
+    #[allow(clippy::too_many_arguments)]
+    fn kcmp(
+        &self,
+        p: &Piece,
+        r: &Region,
+        alpha: i64,
+        rest: &Int,
+        op: CmpOp,
+        span: Span,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let key = (r as *const Region as usize, p.b, p.h);
+        if let Some((_, keys, value)) = self.invariant.borrow().iter().find(|(k, ..)| *k == key) {
+            self.no_overflow(alpha, (*value, *value), false, hull, span)?;
+            return Ok(keys.clone());
+        }
+        let value = self.int(p, rest)?;
+        self.no_overflow(alpha, ends(p, value), false, hull, span)?;
+        let keys = self.kcmp_keys(p, alpha, value, op, span)?;
+        let mut cache = self.invariant.borrow_mut();
+        if cache.len() < MAX_INVARIANT
+            && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
+        {
+            cache.push((key, keys.clone(), value.first));
+        }
+        Ok(keys)
+    }
+
+    /// How key-side atom `r` (its function `f`) fails at a key of `hull`, if it does.
+    fn key_failure_in(
+        &self,
+        p: &Piece,
+        r: &Region,
+        f: &Int,
+        hull: Option<(i64, i64)>,
+    ) -> Option<PlanError> {
+        let sweep = self.key_sweep(p, r, f);
+        sweep
+            .first_failing(&[self.clip(hull)])
+            .and(sweep.error.clone())
     }
 
     /// The predicate of `r`, when `r` stands on this one-row piece (its `if`s on the row
@@ -1573,13 +1674,13 @@ impl<'a, 'p> Solver<'a, 'p> {
             self.hit_limit.set(true);
             return Err(Self::pair_limit_error(Some(span)).into());
         }
-        self.elementwise_pairs
-            .set(self.elementwise_pairs.get() + pairs);
+        let mut left = pairs;
         let mut env = self.env(p);
         let mut out: Vec<AffineInterval> = Vec::new();
         for &(a, z) in ranges {
             for k in a..z {
                 env.k = k;
+                left -= 1;
                 match holds(&env) {
                     Ok(true) => match out.last_mut() {
                         Some(last) if last.end.first == k => last.end.first += 1,
@@ -1589,11 +1690,25 @@ impl<'a, 'p> Solver<'a, 'p> {
                         )),
                     },
                     Ok(false) => {}
-                    Err(e) => return Ok((out, Some((k, e)))),
+                    Err(e) => {
+                        self.count_pairs(pairs - left, left);
+                        return Ok((out, Some((k, e))));
+                    }
                 }
             }
         }
+        self.count_pairs(pairs, 0);
         Ok((out, None))
+    }
+
+    /// Counts `evaluated` pairs as evaluated one by one, and gives back `unused` pairs that
+    /// [`Solver::scan`] counted against the limit before a failure stopped it.
+    fn count_pairs(&self, evaluated: u64, unused: u64) {
+        if let Some(shared) = self.shared_pairs {
+            shared.fetch_sub(unused, Ordering::Relaxed);
+        }
+        self.elementwise_pairs
+            .set(self.elementwise_pairs.get() + evaluated);
     }
 
     /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
@@ -1617,15 +1732,16 @@ impl<'a, 'p> Solver<'a, 'p> {
         for i in range {
             vars[depth] = i;
             self.vars.set(vars);
-            let inner = if all && !acc.is_empty() {
-                Some(narrow(keys_hull(p, &acc), hull))
+            // `all` is a chain of `&`: each term evaluated where the earlier ones hold.
+            let term = if all {
+                self.where_holds(p, &acc, body, true, hull)
             } else {
-                hull
+                self.region(p, body, hull)
             };
-            match self.region(p, body, inner) {
+            match term {
                 Ok(v) if all => {
                     if splits.is_empty() {
-                        acc = self.inter(p, &acc, &v)?;
+                        acc = v;
                         // Like `&`: later terms are not evaluated where none is left.
                         if acc.is_empty() {
                             break;
@@ -1676,7 +1792,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             );
         }
         let r = self.int(p, rest)?;
-        self.no_overflow(ok_keys(alpha, ends(p, r), false), hull, span)?;
+        self.no_overflow(alpha, ends(p, r), false, hull, span)?;
         let v = self.int(p, rhs)?;
         let neg = |x: Affine| self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span);
         // x mod d == -((-x) mod -d) for d < 0, so a negative divisor is the positive one with
@@ -2392,24 +2508,6 @@ fn square_overflows(metric: Metric, r: i64) -> bool {
 fn ends(p: &Piece, x: Affine) -> (i64, i64) {
     let last = x.at(p.n - 1);
     (x.first.min(last), x.first.max(last))
-}
-
-/// The keys `k`, as an inclusive range (empty when its start is past its end), at which the
-/// reference's `add(mul(alpha, k), r)` fails for no `r` in `rest` (inclusive): the product
-/// and the sum fit in 64 bits, and with `min_fails` (a divisor of -1 follows) the sum is not
-/// `i64::MIN` either. `alpha != 0`.
-fn ok_keys(alpha: i64, rest: (i64, i64), min_fails: bool) -> (i128, i128) {
-    let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
-    // alpha * k must lie in [lo, hi] for both ends of `rest`.
-    let lo = min.max(min + i128::from(min_fails) - i128::from(rest.0));
-    let hi = max.min(max - i128::from(rest.1));
-    let a = i128::from(alpha);
-    let ceil = |x: i128, d: i128| -floor_i128(-x, d);
-    if a > 0 {
-        (ceil(lo, a), floor_i128(hi, a))
-    } else {
-        (ceil(hi, a), floor_i128(lo, a))
-    }
 }
 
 /// The start of the first run `[s + j m, s + j m + len)` (over integers `j`) that ends after

@@ -263,6 +263,30 @@ fn guard() -> BoxedStrategy<String> {
     .boxed()
 }
 
+/// A term that can fail behind a guard that keeps the reference from its failing keys or
+/// rows (as often as not only just), sometimes with more keys in front of it.
+fn guarded() -> BoxedStrategy<String> {
+    let term = prop_oneof![
+        (pos(), 1i64..200).prop_map(|(c, n)| format!("k != {c} & {n} / (k - {c}) < q")),
+        pos().prop_map(|c| format!("(k < {c} | k > {c}) & (k * k) % (k - {c}) <= q % 5")),
+        pos().prop_map(|c| format!("k >= {c} & isqrt(k - {c}) <= q / 2")),
+        pos().prop_map(|c| format!("k in {c} .. {c} + count(a) & a[k - {c}] <= q")),
+        pos().prop_map(|c| format!("q >= {c} & k < isqrt(q - {c})")),
+        pos().prop_map(|c| format!("q != {c} & k <= q / (q - {c})")),
+        (big(), 0i64..4).prop_map(|(b, n)| format!("k < {n} & k * {b} < q")),
+        (0i64..8, 0i64..6).prop_map(|(c, n)| format!("k < {c} & (all i in 0 .. {n}: k >= g[i])")),
+        pos().prop_map(|c| format!("k != {c} & (k <= q | elementwise(q / (k - {c}) < 2))")),
+        pos().prop_map(|c| format!("k % 2 == {} & elementwise(q / (k - {c}) < 2)", 1 - c % 2)),
+    ];
+    (term, guard(), 0u8..3)
+        .prop_map(|(t, g, how)| match how {
+            0 => t,
+            1 => format!("({g}) | ({t})"),
+            _ => format!("({t}) - ({g})"),
+        })
+        .boxed()
+}
+
 /// A row predicate for `if`, sometimes one that fails.
 fn qbool() -> BoxedStrategy<String> {
     prop_oneof![
@@ -277,7 +301,7 @@ fn qbool() -> BoxedStrategy<String> {
 /// Guards and fallible terms combined, `depth` operators deep at most (the variable of an
 /// `any` / `all` at depth `d` is `j{d}`, so nested ones never share a name).
 fn region(depth: u32) -> BoxedStrategy<String> {
-    let leaf = prop_oneof![3 => guard(), 2 => fallible()].boxed();
+    let leaf = prop_oneof![3 => guard(), 2 => fallible(), 2 => guarded()].boxed();
     if depth == 0 {
         return leaf;
     }

@@ -25,7 +25,8 @@
 //! at the keys in its grid, and `elementwise` at the keys where its predicate fails.
 
 use super::{
-    ok_keys, single_row_keys, square_overflows, Affine, AffineInterval, Eval, Flow, Piece, Solver,
+    floor_i128, single_row_keys, square_overflows, Affine, AffineInterval, Eval, Flow, Piece,
+    Solver,
 };
 use cm_ir::bind;
 use cm_ir::ir::{Int, Region};
@@ -91,6 +92,24 @@ fn meet(dom: &[(i64, i64)], list: &[AffineInterval]) -> Keys {
         }
     }
     out
+}
+
+/// The keys `k`, as an inclusive range (empty when its start is past its end), at which the
+/// reference's `add(mul(alpha, k), rest)` does not fail, as [`Solver::no_overflow`] asks at
+/// two keys: the product and the sum fit in 64 bits, and with `min_fails` (a divisor of -1
+/// follows) the sum is not `i64::MIN` either. `alpha != 0`.
+fn ok_keys(alpha: i64, rest: i64, min_fails: bool) -> (i128, i128) {
+    let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
+    // alpha * k must lie in [lo, hi].
+    let lo = min.max(min + i128::from(min_fails) - i128::from(rest));
+    let hi = max.min(max - i128::from(rest));
+    let a = i128::from(alpha);
+    let ceil = |x: i128, d: i128| -floor_i128(-x, d);
+    if a > 0 {
+        (ceil(lo, a), floor_i128(hi, a))
+    } else {
+        (ceil(hi, a), floor_i128(lo, a))
+    }
 }
 
 /// The first key of `dom` outside the inclusive range `ok`.
@@ -303,13 +322,13 @@ impl Solver<'_, '_> {
         match r {
             Region::KCmp { alpha, rest, .. } | Region::KMod { alpha, rest, .. } => {
                 let r = value(rest)?;
-                first_outside(dom, ok_keys(*alpha, (r, r), false))
+                first_outside(dom, ok_keys(*alpha, r, false))
             }
             Region::KDiv {
                 alpha, rest, div, ..
             } => {
                 let r = value(rest)?;
-                first_outside(dom, ok_keys(*alpha, (r, r), value(div)? == -1))
+                first_outside(dom, ok_keys(*alpha, r, value(div)? == -1))
             }
             Region::KeyCmp { f, .. } => self.key_sweep(p, r, f).first_failing(dom),
             Region::Ball {
