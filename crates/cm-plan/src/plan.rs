@@ -452,7 +452,8 @@ impl SolvedRows {
 /// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
 /// of several rows, their slopes kept), counting their intervals into `intervals` (shared
 /// by the blocks of a parallel solve) against [`MAX_INTERVALS`]; stops after `max_pieces`
-/// pieces, the rows after them unsolved.
+/// pieces, the rows after them unsolved. The error is the pairwise reference's on the first
+/// row where it fails (see [`Solver::exact_row`]).
 fn solve_rows(
     solver: &Solver<'_, '_>,
     b: i64,

@@ -11,6 +11,13 @@
 //! Invariant of every interval list returned for a piece: for *every* row of the piece the
 //! intervals are non-empty, inside `[0, kv_len)`, sorted and maximal (neither overlapping
 //! nor touching). Comparisons that would break this for some row split the piece instead.
+//!
+//! Errors: a piece that evaluates has no pair at which the pairwise reference fails (every
+//! value is checked over the piece's rows and the keys of the hull it is evaluated at,
+//! which hold the keys the reference evaluates it at). The converse is not kept here: an
+//! evaluation may fail at rows or keys the reference never reaches, and the driver then
+//! halves the piece down to one row, evaluated exactly by [`Solver::exact_row`] (the
+//! `exact` module).
 
 use crate::plan::{too_many_intervals, MAX_INTERVALS};
 use cm_ir::bind::{self, piece_range, Bound, Env, PlanError, MAX_QUANT_DEPTH};
