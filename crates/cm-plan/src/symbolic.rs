@@ -857,30 +857,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         if alpha.unsigned_abs() <= 1 << 31 && -SMALL <= rest.0 && rest.1 <= SMALL {
             return Ok(());
         }
-        self.no_overflow_at_ends(alpha, rest, min_fails, hull, span)
-    }
-
-    /// [`Solver::no_overflow`] for large values, at the hull's ends.
-    #[cold]
-    #[inline(never)]
-    fn no_overflow_at_ends(
-        &self,
-        alpha: i64,
-        rest: (i64, i64),
-        min_fails: bool,
-        hull: Option<(i64, i64)>,
-        span: Span,
-    ) -> Eval<()> {
         let (lo, hi) = self.clip(hull);
-        let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
-        let fits = |k: i64| {
-            let x = i128::from(alpha) * i128::from(k);
-            x >= min
-                && x <= max
-                && x + i128::from(rest.0) >= min + i128::from(min_fails)
-                && x + i128::from(rest.1) <= max
-        };
-        if lo < hi && !(fits(lo) && fits(hi - 1)) {
+        if lo < hi && overflows(alpha, rest, min_fails, (lo, hi - 1)) {
             return Err(overflow(span));
         }
         Ok(())
@@ -2502,6 +2480,22 @@ fn keys_hull(p: &Piece, list: &[AffineInterval]) -> (i64, i64) {
     let (first, last) = (list[0].start, list[list.len() - 1].end);
     let t = p.n - 1;
     (first.first.min(first.at(t)), last.first.max(last.at(t)))
+}
+
+/// Whether [`Solver::no_overflow`] fails for keys `ks` (inclusive, `ks.0 <= ks.1`): at
+/// either end.
+#[cold]
+#[inline(never)]
+fn overflows(alpha: i64, rest: (i64, i64), min_fails: bool, ks: (i64, i64)) -> bool {
+    let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
+    let fits = |k: i64| {
+        let x = i128::from(alpha) * i128::from(k);
+        x >= min
+            && x <= max
+            && x + i128::from(rest.0) >= min + i128::from(min_fails)
+            && x + i128::from(rest.1) <= max
+    };
+    !(fits(ks.0) && fits(ks.1))
 }
 
 /// Whether the reference's square of an L2 ball's radius `r` (`r * r` for `r > 0`)
