@@ -389,9 +389,9 @@ fn plan_fails_exactly_where_the_reference_fails() {
     }
 }
 
-/// Long rows: the fallback evaluates exactly the rows whose pieces fail, one at a time, at
-/// a cost of a few intervals each (a guard with a gap in front of a division, at 4096
-/// rows, well under a second in the test profile).
+/// At length, a guard with a gap in front of a term that fails in the gap keeps its pieces
+/// long: the right side is evaluated over each interval of the guard's keys apart (21
+/// pieces at 4096 rows, where the term's values change), not one row at a time.
 #[test]
 fn gapped_guards_plan_at_length() {
     let s = Shape {
@@ -402,10 +402,9 @@ fn gapped_guards_plan_at_length() {
     };
     let program = compile("mask = k != 5 & 100 / (k - 5) < q;");
     let bound = program.bind(s, &params(&[])).unwrap();
-    let t = std::time::Instant::now();
     let p = plan(&bound, TileShape::default()).unwrap();
-    assert!(t.elapsed().as_secs_f64() < 2.0, "took {:?}", t.elapsed());
-    for q in [0u32, 1, 6, 105, 4095] {
+    assert!(p.pieces < 64, "{} pieces", p.pieces);
+    for q in [0u32, 1, 6, 50, 105, 4095] {
         let want = bound.brute_force_row(i64::from(q), 0, 0).unwrap();
         assert_eq!(row_pairs(&p.masks[0].rows, q), want, "row {q}");
     }

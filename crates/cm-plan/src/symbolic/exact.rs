@@ -22,7 +22,10 @@
 //! key), or at keys that depend on the atom: `alpha * k + rest` overflowing (one range of
 //! keys does not, [`ok_keys`]; `i64::MIN / -1` in a `/` atom), a key-side function failing at
 //! the keys it was found to fail at ([`KeySweep`]), an L2 ball whose squared radius overflows
-//! at the keys in its grid, and `elementwise` at the keys where its predicate fails.
+//! at the keys in its grid, and `elementwise` at the keys where its predicate fails. An atom
+//! that fails nowhere in its domain is solved as [`Solver::region`] solves it within the
+//! domain's hull, or, where the solver's own arithmetic overflows (constants near the 64-bit
+//! limits), pair by pair at the domain's keys, counted as `elementwise` pairs.
 
 use super::{
     floor_i128, single_row_keys, square_overflows, Affine, AffineInterval, Eval, Flow, Piece,
@@ -140,9 +143,13 @@ fn once<T>(r: Eval<T>) -> PResult<T> {
 }
 
 impl Solver<'_, '_> {
-    /// The mask's keys on the one row of `p`, exactly as the pairwise reference gives them,
-    /// or the reference's error on that row (see the module docs); planning limits
-    /// (`CM0404`) as [`Solver::region`] meets them.
+    /// The mask's keys on the one row of `p` (`p.n == 1`) as canonical plain intervals (or
+    /// strided runs), exactly as the pairwise reference gives them (see the module docs).
+    ///
+    /// # Errors
+    /// The error the reference raises on that row: the one at its first failing key. A
+    /// planning limit (`CM0404`: intervals, `elementwise` pairs) as [`Solver::region`]
+    /// meets it.
     pub fn exact_row(&self, p: &Piece) -> PResult<Vec<AffineInterval>> {
         debug_assert_eq!(p.n, 1, "one row at a time");
         let kv_len = self.bound.shape.kv_len;
