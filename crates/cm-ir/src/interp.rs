@@ -52,7 +52,13 @@ impl Bound<'_> {
         Ok(out)
     }
 
-    pub(crate) fn region_at(&self, r: &Region, env: &Env) -> PResult<bool> {
+    /// Whether region `r` (the mask or a part of it) holds at the pair of `env`, evaluated
+    /// as the mask evaluates it there (the key is not checked against `[0, kv_len)`; the
+    /// segmentations are this binding's).
+    ///
+    /// # Errors
+    /// The first error the evaluation meets, as [`Bound::visible`].
+    pub fn region_at(&self, r: &Region, env: &Env) -> PResult<bool> {
         crate::deep(|| self.region_here(r, env))
     }
 

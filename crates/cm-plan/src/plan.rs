@@ -452,7 +452,8 @@ impl SolvedRows {
 /// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
 /// of several rows, their slopes kept), counting their intervals into `intervals` (shared
 /// by the blocks of a parallel solve) against [`MAX_INTERVALS`]; stops after `max_pieces`
-/// pieces, the rows after them unsolved.
+/// pieces, the rows after them unsolved. The error is the pairwise reference's on the first
+/// row where it fails (see [`Solver::exact_row`]).
 fn solve_rows(
     solver: &Solver<'_, '_>,
     b: i64,
@@ -483,47 +484,8 @@ fn solve_rows(
                 h,
             };
             solver.clear_split_hints();
-            match solver.region(&p, &solver.bound.program.mask, None) {
-                Ok(list) => {
-                    let here = list.len() * p.n as usize;
-                    out.total += here;
-                    if intervals.fetch_add(here, Ordering::Relaxed) + here > MAX_INTERVALS {
-                        return Err(too_many_intervals());
-                    }
-                    // Every endpoint is in [0, kv_len] on every row of the piece, so the
-                    // rows follow from the first by adding each endpoint's slope.
-                    let (chunk, lists) =
-                        out.chunk_for(if p.n > 1 { 2 * list.len() } else { list.len() });
-                    let at = lists.len();
-                    lists.extend(list.iter().map(|iv| KeyInterval {
-                        start: iv.start.first as u32,
-                        end: iv.end.first as u32,
-                    }));
-                    if p.n > 1 {
-                        lists.extend(list.iter().map(|iv| KeyInterval {
-                            start: iv.start.step as u32,
-                            end: iv.end.step as u32,
-                        }));
-                    }
-                    let strides = list.iter().any(|iv| iv.stride != 1).then(|| {
-                        let at = out.strides.len();
-                        out.strides.extend(list.iter().map(|iv| iv.stride as u32));
-                        at
-                    });
-                    out.pieces.push(SolvedPiece {
-                        n: p.n as usize,
-                        chunk,
-                        at,
-                        len: list.len(),
-                        strides,
-                    });
-                    out.runs.push(q0 as u32);
-                    q0 = end;
-                    while ends.last().is_some_and(|&e| e <= q0) {
-                        ends.pop();
-                    }
-                    break;
-                }
+            let list = match solver.region(&p, &solver.bound.program.mask, None) {
+                Ok(list) => list,
                 Err(Flow::Split(s)) => {
                     debug_assert!(s > q0 && s < end, "split {s} outside ({q0}, {end})");
                     // Later change points the evaluation already found, nearest last.
@@ -531,22 +493,63 @@ fn solve_rows(
                     ends.extend(hints.iter().rev().filter(|&&x| x > s && x < end));
                     end = s;
                     ends.push(s);
+                    continue;
                 }
-                Err(Flow::Error(mut e)) => {
-                    let rows = if p.n == 1 {
-                        format!("row q = {q0}")
-                    } else {
-                        format!("rows q = {q0}..{end}")
-                    };
+                // A piece's evaluation may fail where the reference does not (on a row of
+                // the piece that is not the first, or at keys of a hull the reference
+                // skips): halved until a row is evaluated alone, exactly.
+                Err(Flow::Error(_)) if p.n > 1 => {
+                    end = q0 + p.n / 2;
+                    ends.push(end);
+                    continue;
+                }
+                Err(Flow::Error(_)) => solver.exact_row(&p).map_err(|mut e| {
                     let bh = if solver.bound.program.uses_b || solver.bound.program.uses_h {
                         format!(", b = {b}, h = {h}")
                     } else {
                         String::new()
                     };
-                    e.message = format!("{} (planning {rows}{bh})", e.message);
-                    return Err(e);
-                }
+                    e.message = format!("{} (planning row q = {q0}{bh})", e.message);
+                    e
+                })?,
+            };
+            let here = list.len() * p.n as usize;
+            out.total += here;
+            if intervals.fetch_add(here, Ordering::Relaxed) + here > MAX_INTERVALS {
+                return Err(too_many_intervals());
             }
+            // Every endpoint is in [0, kv_len] on every row of the piece, so the rows
+            // follow from the first by adding each endpoint's slope.
+            let (chunk, lists) = out.chunk_for(if p.n > 1 { 2 * list.len() } else { list.len() });
+            let at = lists.len();
+            lists.extend(list.iter().map(|iv| KeyInterval {
+                start: iv.start.first as u32,
+                end: iv.end.first as u32,
+            }));
+            if p.n > 1 {
+                lists.extend(list.iter().map(|iv| KeyInterval {
+                    start: iv.start.step as u32,
+                    end: iv.end.step as u32,
+                }));
+            }
+            let strides = list.iter().any(|iv| iv.stride != 1).then(|| {
+                let at = out.strides.len();
+                out.strides.extend(list.iter().map(|iv| iv.stride as u32));
+                at
+            });
+            out.pieces.push(SolvedPiece {
+                n: p.n as usize,
+                chunk,
+                at,
+                len: list.len(),
+                strides,
+            });
+            out.runs.push(q0 as u32);
+            q0 = end;
+            while ends.last().is_some_and(|&e| e <= q0) {
+                ends.pop();
+            }
+            break;
         }
     }
     Ok(out)

@@ -11,17 +11,26 @@
 //! Invariant of every interval list returned for a piece: for *every* row of the piece the
 //! intervals are non-empty, inside `[0, kv_len)`, sorted and maximal (neither overlapping
 //! nor touching). Comparisons that would break this for some row split the piece instead.
+//!
+//! Errors: a piece that evaluates has no pair at which the pairwise reference fails (every
+//! value is checked over the piece's rows and the keys of the hull it is evaluated at,
+//! which hold the keys the reference evaluates it at). The converse is not kept here: an
+//! evaluation may fail at rows or keys the reference never reaches, and the driver then
+//! halves the piece down to one row, evaluated exactly by [`Solver::exact_row`] (the
+//! `exact` module).
 
 use crate::plan::{too_many_intervals, MAX_INTERVALS};
 use cm_ir::bind::{self, piece_range, Bound, Env, PlanError, MAX_QUANT_DEPTH};
 use cm_ir::ir::*;
 use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, RefCell, RefMut};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
+
+mod exact;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
@@ -29,6 +38,15 @@ const MAX_INVARIANT: usize = 16;
 
 /// A row-invariant comparison's address in the program, b and h.
 type InvariantKey = (usize, i64, i64);
+
+/// A row-invariant comparison's keys and the value of its `rest`, by its [`InvariantKey`].
+type Invariant = (InvariantKey, Vec<AffineInterval>, i64);
+
+/// A canonical list of keys (see the module docs).
+type List = Vec<AffineInterval>;
+
+/// Keys found pair by pair, and the first key where the predicate failed, with its error.
+type Scan = (Vec<AffineInterval>, Option<(i64, PlanError)>);
 
 /// An integer affine in the row over a piece: `value(q0 + t) = first + step * t` for
 /// `0 <= t < n`.
@@ -117,13 +135,14 @@ pub struct Solver<'a, 'p> {
     /// The values of the enclosing `any` / `all` variables, outermost first.
     vars: Cell<[i64; MAX_QUANT_DEPTH]>,
     /// The keys of each `any` / `all` that reads neither `q` nor an enclosing variable, by
-    /// (its address in the program, head): the same on every row, so solved once.
-    quant_cache: RefCell<HashMap<(usize, i64), Vec<AffineInterval>>>,
+    /// (its address in the program, head): the same on every row, so solved once (`None`:
+    /// solving it on all keys failed).
+    quant_cache: RefCell<HashMap<(usize, i64), Option<List>>>,
     /// The keys of comparisons `alpha * k + rest op 0` whose `rest` reads neither `q` nor
     /// an enclosing variable (`k < text`, attention sinks), by (their address in the
     /// program, b, h): the same on every row, and evaluated once per piece otherwise (a
     /// tenth of W4's solve). At most [`MAX_INVARIANT`], searched in order.
-    invariant: RefCell<Vec<(InvariantKey, Vec<AffineInterval>)>>,
+    invariant: RefCell<Vec<Invariant>>,
     /// Whether the mask holds an `elementwise` at all.
     has_elementwise: bool,
     /// Whether each `elementwise` predicate met so far fails at no pair, by its address
@@ -145,8 +164,10 @@ pub struct Solver<'a, 'p> {
 struct KeySweep {
     /// `(f(k), k)` for every key whose `f` evaluates, ascending.
     sorted: Vec<(i64, u32)>,
-    /// The smallest key whose `f` fails, and how.
-    error: Option<(u32, PlanError)>,
+    /// The keys whose `f` fails, ascending.
+    failing: Vec<u32>,
+    /// How `f` fails at the first of them.
+    error: Option<PlanError>,
     /// `sorted[..below]` are the keys in `runs`.
     below: usize,
     /// Maximal runs of those keys: start -> end.
@@ -154,6 +175,15 @@ struct KeySweep {
 }
 
 impl KeySweep {
+    /// The first key of `keys` (ascending, disjoint ranges) whose `f` fails.
+    fn first_failing(&self, keys: &[(i64, i64)]) -> Option<i64> {
+        keys.iter().find_map(|&(a, z)| {
+            let i = self.failing.partition_point(|&k| i64::from(k) < a);
+            let k = i64::from(*self.failing.get(i)?);
+            (k < z).then_some(k)
+        })
+    }
+
     /// Moves the set to the keys with `f(k) <= threshold`.
     fn move_to(&mut self, threshold: i64) {
         let target = self.sorted.partition_point(|&(v, _)| v <= threshold);
@@ -801,6 +831,39 @@ impl<'a, 'p> Solver<'a, 'p> {
         )]
     }
 
+    /// The keys of `hull` (all keys for `None`) inside `[0, kv_len)`, as `[lo, hi)`.
+    fn clip(&self, hull: Option<(i64, i64)>) -> (i64, i64) {
+        let kv_len = self.bound.shape.kv_len;
+        let (lo, hi) = hull.unwrap_or((0, kv_len));
+        (lo.max(0), hi.min(kv_len))
+    }
+
+    /// An overflow unless the reference's `add(mul(alpha, k), r)` fits at every key of
+    /// `hull` for every `r` in `rest` (inclusive; the rest's values over the piece), and with
+    /// `min_fails` (a divisor of -1 follows) is not `i64::MIN` either: the reference forms it
+    /// at each key it reaches, the solver, which moves terms instead, never does. Both are
+    /// affine in `k` and `r`, so their extremes are at the corners.
+    #[inline]
+    fn no_overflow(
+        &self,
+        alpha: i64,
+        rest: (i64, i64),
+        min_fails: bool,
+        hull: Option<(i64, i64)>,
+        span: Span,
+    ) -> Eval<()> {
+        // Keys are below 2^26 (`MAX_LEN`): a product below 2^57 plus a rest below 2^61 fits.
+        const SMALL: i64 = 1 << 61;
+        if alpha.unsigned_abs() <= 1 << 31 && -SMALL <= rest.0 && rest.1 <= SMALL {
+            return Ok(());
+        }
+        let (lo, hi) = self.clip(hull);
+        if lo < hi && overflows(alpha, rest, min_fails, (lo, hi - 1)) {
+            return Err(overflow(span));
+        }
+        Ok(())
+    }
+
     /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
     fn interval(&self, p: &Piece, lo: Affine, hi: Affine) -> Eval<Vec<AffineInterval>> {
         let s = self.max(p, lo, Affine::constant(0))?;
@@ -1177,20 +1240,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 rest,
                 op,
                 span,
-            } => {
-                let key = (r as *const Region as usize, p.b, p.h);
-                if let Some((_, keys)) = self.invariant.borrow().iter().find(|(k, _)| *k == key) {
-                    return Ok(keys.clone());
-                }
-                let keys = self.kcmp_keys(p, *alpha, self.int(p, rest)?, *op, *span)?;
-                let mut cache = self.invariant.borrow_mut();
-                if cache.len() < MAX_INVARIANT
-                    && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
-                {
-                    cache.push((key, keys.clone()));
-                }
-                Ok(keys)
-            }
+            } => self.kcmp(p, r, *alpha, rest, *op, *span, hull),
             Region::KDiv {
                 alpha,
                 rest,
@@ -1210,6 +1260,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                     .into());
                 }
                 let rest = self.int(p, rest)?;
+                // `floor(x / -1)` overflows for `x = i64::MIN`.
+                self.no_overflow(*alpha, ends(p, rest), d == -1, hull, *span)?;
                 let (alpha, rest, d) = if d < 0 {
                     let Some(neg_d) = d.checked_neg() else {
                         return Err(overflow(div.span));
@@ -1245,7 +1297,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
             }
             Region::KMod { .. } => {
-                let (w, span) = self.kmod_of(p, r)?.expect("a `%` atom");
+                let (w, span) = self.kmod_of(p, r, hull)?.expect("a `%` atom");
                 self.window_keys(p, w, hull, span)
             }
             Region::Elementwise(c, espan) => {
@@ -1261,10 +1313,16 @@ impl<'a, 'p> Solver<'a, 'p> {
                 strict,
                 radius,
                 span,
-            } => self.ball(p, *grid, *metric, *strict, radius, *span),
+            } => self.ball(p, *grid, *metric, *strict, radius, *span, hull),
             Region::Box { grid, ranges, span } => self.grid_box(p, *grid, ranges, *span),
             Region::Path { tree, pos, span } => self.tree_path(p, *tree, pos, *span),
-            Region::KeyCmp { f, op, v, span } => self.key_cmp(p, r, f, *op, v, *span, hull),
+            Region::KeyCmp { f, op, v, span } => {
+                // The reference evaluates `f` at every key it reaches.
+                if let Some(e) = self.key_failure_in(p, r, f, hull) {
+                    return Err(e.into());
+                }
+                self.key_cmp(p, r, f, *op, v, *span, hull)
+            }
             Region::Union(a, b) => {
                 if !matches!(**a, Region::Union(..)) && !matches!(**b, Region::Union(..)) {
                     // A predicate that cannot fail is evaluated only at the keys the other
@@ -1358,19 +1416,13 @@ impl<'a, 'p> Solver<'a, 'p> {
                     };
                 }
                 if is_inter {
-                    if let Some((w, span)) = self.kmod_of(p, b)? {
+                    if let Some((w, span)) = self.kmod_of(p, b, Some(inner))? {
                         if let Some(v) = self.strided_inter(p, w, &x, span)? {
                             return Ok(v);
                         }
                     }
                 }
-                let y = self.region(p, b, Some(inner))?;
-                if is_inter {
-                    self.inter(p, &x, &y)
-                } else {
-                    let not_y = self.complement(p, &y)?;
-                    self.inter(p, &x, &not_y)
-                }
+                self.where_holds(p, &x, b, is_inter, hull)
             }
             Region::Not(a) => {
                 let x = self.region(p, a, hull)?;
@@ -1393,26 +1445,119 @@ impl<'a, 'p> Solver<'a, 'p> {
             } => {
                 let invariant = !r.reads_q() && !r.reads_outer_vars(*depth);
                 let key = (r as *const Region as usize, p.h);
-                if invariant {
-                    if let Some(v) = self.quant_cache.borrow().get(&key) {
-                        return Ok(v.clone());
-                    }
+                // Solved once on all keys when it is kept for every row, unless that fails
+                // (at keys the reference may not reach): then within the hull, each time.
+                let cached = self.quant_cache.borrow().get(&key).cloned();
+                if let Some(Some(v)) = cached {
+                    return Ok(v);
                 }
                 let lo = self.int(p, lo)?;
                 let hi = self.int(p, hi)?;
                 let range = bind::quant_range(self.constant(p, lo)?, self.constant(p, hi)?, *span)?;
-                // Solved on all keys when it is kept for every row.
-                let hull = if invariant { None } else { hull };
                 let outer = self.vars.get();
-                let out = self.quantifier(p, *all, *depth as usize, range, body, hull);
+                let (depth, all) = (*depth as usize, *all);
+                let once = invariant && cached.is_none();
+                let mut out = if once {
+                    self.quantifier(p, all, depth, range.clone(), body, None)
+                } else {
+                    self.quantifier(p, all, depth, range.clone(), body, hull)
+                };
+                if once {
+                    self.quant_cache
+                        .borrow_mut()
+                        .insert(key, out.as_ref().ok().cloned());
+                    if out.is_err() {
+                        out = self.quantifier(p, all, depth, range, body, hull);
+                    }
+                }
                 self.vars.set(outer);
-                let out = out?;
-                if invariant {
-                    self.quant_cache.borrow_mut().insert(key, out.clone());
+                out
+            }
+        }
+    }
+
+    /// `x & r` (`keep`) or `x - r` within `hull`, `r` evaluated where `x` holds, as the
+    /// reference evaluates the right side of `&` and `-`: over the hull of `x`'s keys, or,
+    /// where that fails (maybe in `x`'s gaps, where the reference does not evaluate `r`), over
+    /// each interval of `x` apart.
+    fn where_holds(
+        &self,
+        p: &Piece,
+        x: &[AffineInterval],
+        r: &Region,
+        keep: bool,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let part = |x: &[AffineInterval]| -> Eval<Vec<AffineInterval>> {
+            let inner = narrow(keys_hull(p, x), hull);
+            if inner.0 >= inner.1 {
+                return Ok(Vec::new());
+            }
+            let y = self.region(p, r, Some(inner))?;
+            if keep {
+                self.inter(p, x, &y)
+            } else {
+                let not_y = self.complement(p, &y)?;
+                self.inter(p, x, &not_y)
+            }
+        };
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        match part(x) {
+            Err(Flow::Error(_)) if x.len() > 1 => {
+                // Each part lies inside its interval, and the intervals are apart.
+                let mut out = Vec::new();
+                for iv in x {
+                    out.extend(part(std::slice::from_ref(iv))?);
                 }
                 Ok(out)
             }
+            out => out,
         }
+    }
+
+    /// The keys of `alpha * k + rest  op  0` (atom `r`) within `hull`.
+    #[allow(clippy::too_many_arguments)]
+    fn kcmp(
+        &self,
+        p: &Piece,
+        r: &Region,
+        alpha: i64,
+        rest: &Int,
+        op: CmpOp,
+        span: Span,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Vec<AffineInterval>> {
+        let key = (r as *const Region as usize, p.b, p.h);
+        if let Some((_, keys, value)) = self.invariant.borrow().iter().find(|(k, ..)| *k == key) {
+            self.no_overflow(alpha, (*value, *value), false, hull, span)?;
+            return Ok(keys.clone());
+        }
+        let value = self.int(p, rest)?;
+        self.no_overflow(alpha, ends(p, value), false, hull, span)?;
+        let keys = self.kcmp_keys(p, alpha, value, op, span)?;
+        let mut cache = self.invariant.borrow_mut();
+        if cache.len() < MAX_INVARIANT
+            && !rest.mentions(&|x| matches!(x, IntKind::Q | IntKind::Var(_)))
+        {
+            cache.push((key, keys.clone(), value.first));
+        }
+        Ok(keys)
+    }
+
+    /// How key-side atom `r` (its function `f`) fails at a key of `hull`, if it does.
+    fn key_failure_in(
+        &self,
+        p: &Piece,
+        r: &Region,
+        f: &Int,
+        hull: Option<(i64, i64)>,
+    ) -> Option<PlanError> {
+        let sweep = self.key_sweep(p, r, f);
+        sweep
+            .first_failing(&[self.clip(hull)])
+            .and(sweep.error.clone())
     }
 
     /// The predicate of `r`, when `r` stands on this one-row piece (its `if`s on the row
@@ -1476,6 +1621,35 @@ impl<'a, 'p> Solver<'a, 'p> {
         span: Span,
         ranges: &[(i64, i64)],
     ) -> Eval<Vec<AffineInterval>> {
+        match self.elementwise_scan(p, c, span, ranges)? {
+            (keys, None) => Ok(keys),
+            (_, Some((_, e))) => Err(e.into()),
+        }
+    }
+
+    /// [`Solver::elementwise_keys`], stopping at the first key where `c` fails: the keys
+    /// before it where `c` holds, and the key with its error.
+    fn elementwise_scan(
+        &self,
+        p: &Piece,
+        c: &Bool,
+        span: Span,
+        ranges: &[(i64, i64)],
+    ) -> Eval<Scan> {
+        self.scan(p, span, ranges, |env| self.bound.eval_bool(c, env))
+    }
+
+    /// The keys of `ranges` (ascending, disjoint, on the one row of `p`) where `holds`, asked
+    /// pair by pair in key order up to the first key where it fails (that key and its error
+    /// returned with the keys before it); the pairs count as `elementwise` pairs, against
+    /// [`MAX_ELEMENTWISE_PAIRS`] (CM0404 at `span` past it).
+    fn scan(
+        &self,
+        p: &Piece,
+        span: Span,
+        ranges: &[(i64, i64)],
+        holds: impl Fn(&Env) -> cm_ir::PResult<bool>,
+    ) -> Eval<Scan> {
         let pairs: u64 = ranges.iter().map(|&(a, z)| (z - a).max(0) as u64).sum();
         let total = match self.shared_pairs {
             Some(shared) => shared.fetch_add(pairs, Ordering::Relaxed) + pairs,
@@ -1485,25 +1659,41 @@ impl<'a, 'p> Solver<'a, 'p> {
             self.hit_limit.set(true);
             return Err(Self::pair_limit_error(Some(span)).into());
         }
+        let mut left = pairs;
         let mut env = self.env(p);
         let mut out: Vec<AffineInterval> = Vec::new();
         for &(a, z) in ranges {
             for k in a..z {
                 env.k = k;
-                if self.bound.eval_bool(c, &env)? {
-                    match out.last_mut() {
+                left -= 1;
+                match holds(&env) {
+                    Ok(true) => match out.last_mut() {
                         Some(last) if last.end.first == k => last.end.first += 1,
                         _ => out.push(AffineInterval::unit(
                             Affine::constant(k),
                             Affine::constant(k + 1),
                         )),
+                    },
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.count_pairs(pairs - left, left);
+                        return Ok((out, Some((k, e))));
                     }
                 }
             }
         }
+        self.count_pairs(pairs, 0);
+        Ok((out, None))
+    }
+
+    /// Counts `evaluated` pairs as evaluated one by one, and gives back `unused` pairs that
+    /// [`Solver::scan`] counted against the limit before a failure stopped it.
+    fn count_pairs(&self, evaluated: u64, unused: u64) {
+        if let Some(shared) = self.shared_pairs {
+            shared.fetch_sub(unused, Ordering::Relaxed);
+        }
         self.elementwise_pairs
-            .set(self.elementwise_pairs.get() + pairs);
-        Ok(out)
+            .set(self.elementwise_pairs.get() + evaluated);
     }
 
     /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
@@ -1527,15 +1717,16 @@ impl<'a, 'p> Solver<'a, 'p> {
         for i in range {
             vars[depth] = i;
             self.vars.set(vars);
-            let inner = if all && !acc.is_empty() {
-                Some(narrow(keys_hull(p, &acc), hull))
+            // `all` is a chain of `&`: each term evaluated where the earlier ones hold.
+            let term = if all {
+                self.where_holds(p, &acc, body, true, hull)
             } else {
-                hull
+                self.region(p, body, hull)
             };
-            match self.region(p, body, inner) {
+            match term {
                 Ok(v) if all => {
                     if splits.is_empty() {
-                        acc = self.inter(p, &acc, &v)?;
+                        acc = v;
                         // Like `&`: later terms are not evaluated where none is left.
                         if acc.is_empty() {
                             break;
@@ -1564,7 +1755,8 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// The keys of `(alpha * k + rest) mod div  op  rhs` over the piece as a residue window
     /// ([`KeyWindow`]). `div` must be constant over the piece (else one row at a time).
-    /// Row-level values only (`div`, `rest`, `rhs`), so their errors do not depend on `k`.
+    /// Row-level values (`div`, `rest`, `rhs`), whose errors do not depend on `k`, and the
+    /// overflow of `alpha * k + rest` at the keys of `hull`.
     #[allow(clippy::too_many_arguments)]
     fn kmod_window(
         &self,
@@ -1575,6 +1767,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         op: CmpOp,
         rhs: &Int,
         span: Span,
+        hull: Option<(i64, i64)>,
     ) -> Eval<KeyWindow> {
         let d = self.int(p, div)?;
         let d = self.constant(p, d)?;
@@ -1584,6 +1777,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             );
         }
         let r = self.int(p, rest)?;
+        self.no_overflow(alpha, ends(p, r), false, hull, span)?;
         let v = self.int(p, rhs)?;
         let neg = |x: Affine| self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span);
         // x mod d == -((-x) mod -d) for d < 0, so a negative divisor is the positive one with
@@ -1736,7 +1930,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         if b.uses_elementwise() {
             return Ok(None);
         }
-        let Some((w, span)) = self.kmod_of(p, a)? else {
+        let Some((w, span)) = self.kmod_of(p, a, hull)? else {
             return Ok(None);
         };
         let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
@@ -1756,8 +1950,14 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     /// The residue window of `r` and its span when `r` is, through its `if`s on the row, a
-    /// `%` atom (its row-level values evaluated, so their errors come first).
-    fn kmod_of(&self, p: &Piece, r: &Region) -> Eval<Option<(KeyWindow, Span)>> {
+    /// `%` atom (its row-level values evaluated, so their errors come first), evaluated at
+    /// the keys of `hull` (see [`Solver::no_overflow`]).
+    fn kmod_of(
+        &self,
+        p: &Piece,
+        r: &Region,
+        hull: Option<(i64, i64)>,
+    ) -> Eval<Option<(KeyWindow, Span)>> {
         let Region::KMod {
             alpha,
             rest,
@@ -1770,7 +1970,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             return Ok(None);
         };
         Ok(Some((
-            self.kmod_window(p, *alpha, rest, div, *op, rhs, *span)?,
+            self.kmod_window(p, *alpha, rest, div, *op, rhs, *span, hull)?,
             *span,
         )))
     }
@@ -1814,6 +2014,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         self.push_sorted(p, out, AffineInterval::unit(s, e))
     }
 
+    /// The keys of a grid ball around the query's grid point; an overflow where the
+    /// reference squares an L2 radius that does not fit at a key of `hull` in the grid.
+    #[allow(clippy::too_many_arguments)]
     fn ball(
         &self,
         p: &Piece,
@@ -1822,13 +2025,22 @@ impl<'a, 'p> Solver<'a, 'p> {
         strict: bool,
         radius: &Int,
         span: Span,
+        hull: Option<(i64, i64)>,
     ) -> Eval<Vec<AffineInterval>> {
+        // The reference evaluates the radius on every row, inside the grid or not.
+        let r = self.int(p, radius)?;
         let qa = self.affine(p, Some(p.q0), Some(1), span)?;
         if !self.in_grid(p, g, qa)? {
             return Ok(Vec::new());
         }
-        let r = self.int(p, radius)?;
         let r = self.constant(p, r)?;
+        if square_overflows(metric, r) {
+            let gv = &self.bound.grids[g];
+            let (lo, hi) = self.clip(hull);
+            if lo.max(gv.at) < hi.min(gv.at.saturating_add(gv.size)) {
+                return Err(overflow(span));
+            }
+        }
         let c = self.grid_coords(p, g, qa, span)?;
         let gv = &self.bound.grids[g];
         let nd = gv.dims.len();
@@ -1982,11 +2194,43 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
+    /// The keys of key-side atom `r` (its function `f`) sorted by their value, once per
+    /// (batch, head), with the keys whose `f` fails.
+    fn key_sweep(&self, p: &Piece, r: &Region, f: &Int) -> RefMut<'_, KeySweep> {
+        let key = (r as *const Region as usize, p.h);
+        RefMut::map(self.key_sweeps.borrow_mut(), |sweeps| {
+            sweeps.entry(key).or_insert_with(|| {
+                let kv_len = self.bound.shape.kv_len;
+                let mut env = self.env(p);
+                let mut sorted = Vec::with_capacity(kv_len as usize);
+                let (mut failing, mut error) = (Vec::new(), None);
+                for k in 0..kv_len {
+                    env.k = k;
+                    match self.bound.eval_int(f, &env) {
+                        Ok(x) => sorted.push((x, k as u32)),
+                        Err(e) => {
+                            failing.push(k as u32);
+                            error.get_or_insert(e);
+                        }
+                    }
+                }
+                sorted.sort_unstable();
+                KeySweep {
+                    sorted,
+                    failing,
+                    error,
+                    below: 0,
+                    runs: Default::default(),
+                }
+            })
+        })
+    }
+
     /// `f(k) op v`, `f` a function of the key alone: the keys sorted by `f` once per (batch,
     /// head); a piece's keys are those with `f(k) <= v` (or `< v`, or the complements, or
     /// `f(k) == v`), constant until `v` crosses the next key's value, where the piece ends.
-    /// A key whose `f` fails fails the plan only when the caller keeps it (`hull`), as the
-    /// reference evaluates `f` only at the pairs it reaches.
+    /// Keys whose `f` fails are in no set; whether the reference reaches them is the
+    /// caller's to check.
     #[allow(clippy::too_many_arguments)]
     fn key_cmp(
         &self,
@@ -1999,42 +2243,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         hull: Option<(i64, i64)>,
     ) -> Eval<Vec<AffineInterval>> {
         let kv_len = self.bound.shape.kv_len;
-        let key = (r as *const Region as usize, p.h);
-        let mut sweeps = self.key_sweeps.borrow_mut();
-        let sweep = sweeps.entry(key).or_insert_with(|| {
-            let mut env = self.env(p);
-            let mut sorted = Vec::with_capacity(kv_len as usize);
-            let mut error = None;
-            for k in 0..kv_len {
-                env.k = k;
-                match self.bound.eval_int(f, &env) {
-                    Ok(x) => sorted.push((x, k as u32)),
-                    Err(e) => {
-                        error.get_or_insert((k as u32, e));
-                    }
-                }
-            }
-            sorted.sort_unstable();
-            KeySweep {
-                sorted,
-                error,
-                below: 0,
-                runs: Default::default(),
-            }
-        });
+        let mut sweep = self.key_sweep(p, r, f);
         let (lo, hi) = hull.unwrap_or((0, kv_len));
-        // The reference evaluates `f(k)`, then `v`, at each pair it reaches, keys ascending.
-        let failing = match &sweep.error {
-            Some((k, e)) if (lo..hi).contains(&i64::from(*k)) => Some((i64::from(*k), e)),
-            _ => None,
-        };
-        if let Some((_, e)) = failing.filter(|&(k, _)| k <= lo.max(0)) {
-            return Err(e.clone().into());
-        }
         let v = self.int(p, v)?;
-        if let Some((_, e)) = failing {
-            return Err(e.clone().into());
-        }
         // f < v is f <= v - 1, so every comparison reads one or two prefixes of the order.
         let minus_one = |x: Affine| self.affine(p, x.first.checked_sub(1), Some(x.step), span);
         let emit = |sweep: &KeySweep| -> Vec<AffineInterval> {
@@ -2063,10 +2274,10 @@ impl<'a, 'p> Solver<'a, 'p> {
                 } else {
                     v
                 };
-                self.sweep_split(p, sweep, t)?;
+                self.sweep_split(p, &sweep, t)?;
                 sweep.move_to(t.first);
-                let below = emit(sweep);
-                drop(sweeps);
+                let below = emit(&sweep);
+                drop(sweep);
                 if matches!(op, CmpOp::Le | CmpOp::Lt) {
                     Ok(below)
                 } else {
@@ -2075,7 +2286,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             CmpOp::Eq | CmpOp::Ne => {
                 if v.step != 0 {
-                    drop(sweeps);
+                    drop(sweep);
                     return Err(self.single(p));
                 }
                 let at = v.first;
@@ -2092,7 +2303,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                         )),
                     }
                 }
-                drop(sweeps);
+                drop(sweep);
                 if op == CmpOp::Eq {
                     Ok(eq)
                 } else {
@@ -2269,6 +2480,35 @@ fn keys_hull(p: &Piece, list: &[AffineInterval]) -> (i64, i64) {
     let (first, last) = (list[0].start, list[list.len() - 1].end);
     let t = p.n - 1;
     (first.first.min(first.at(t)), last.first.max(last.at(t)))
+}
+
+/// Whether [`Solver::no_overflow`] fails for keys `ks` (inclusive, `ks.0 <= ks.1`): at
+/// either end.
+#[cold]
+#[inline(never)]
+fn overflows(alpha: i64, rest: (i64, i64), min_fails: bool, ks: (i64, i64)) -> bool {
+    let (min, max) = (i128::from(i64::MIN), i128::from(i64::MAX));
+    let fits = |k: i64| {
+        let x = i128::from(alpha) * i128::from(k);
+        x >= min
+            && x <= max
+            && x + i128::from(rest.0) >= min + i128::from(min_fails)
+            && x + i128::from(rest.1) <= max
+    };
+    !(fits(ks.0) && fits(ks.1))
+}
+
+/// Whether the reference's square of an L2 ball's radius `r` (`r * r` for `r > 0`)
+/// overflows: it squares it at the pairs whose query and key both lie in the grid.
+fn square_overflows(metric: Metric, r: i64) -> bool {
+    metric == Metric::L2 && r.max(0).checked_mul(r.max(0)).is_none()
+}
+
+/// The smallest and largest value of `x` over the piece (an affine value's extremes are at
+/// its ends).
+fn ends(p: &Piece, x: Affine) -> (i64, i64) {
+    let last = x.at(p.n - 1);
+    (x.first.min(last), x.first.max(last))
 }
 
 /// The start of the first run `[s + j m, s + j m + len)` (over integers `j`) that ends after
