@@ -759,8 +759,8 @@ fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<Run
     let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
     let k = first.len();
     // Each endpoint's direction is the one from the first row to the last; every step must
-    // keep it (or stay).
-    let rising = |f: u32, l: u32| f <= l;
+    // keep it or stay. Checked a row at a time, without a branch per endpoint.
+    let keeps = |p: u32, r: u32, f: u32, l: u32| (p <= r) == (f <= l) || p == r;
     let mut widest_step = 0u32;
     let mut prev = first;
     for q in a + 1..b {
@@ -768,23 +768,16 @@ fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<Run
         if row.len() != k {
             return None;
         }
+        let mut monotone = true;
         for ((p, r), (f, l)) in prev.iter().zip(row).zip(first.iter().zip(last)) {
-            let starts = if rising(f.start, l.start) {
-                p.start <= r.start
-            } else {
-                p.start >= r.start
-            };
-            let ends = if rising(f.end, l.end) {
-                p.end <= r.end
-            } else {
-                p.end >= r.end
-            };
-            if !(starts && ends) {
-                return None;
-            }
+            monotone &=
+                keeps(p.start, r.start, f.start, l.start) & keeps(p.end, r.end, f.end, l.end);
             widest_step = widest_step
                 .max(p.start.abs_diff(r.start))
                 .max(p.end.abs_diff(r.end));
+        }
+        if !monotone {
+            return None;
         }
         prev = row;
     }
