@@ -4,7 +4,7 @@
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
 use crate::rows::{ExpandError, KeyInterval, RowIntervals};
-use crate::symbolic::{Affine, AffineInterval, Flow, Piece, Solver};
+use crate::symbolic::{has_strided, Affine, AffineInterval, Flow, Piece, Solver};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::Code;
@@ -186,26 +186,23 @@ pub fn row_intervals_runs(
     runs.clear();
     let shape = solver.bound.shape;
     let program = solver.bound.program;
-    let blocks = if program.mask.uses_elementwise() && shape.q_len >= PARALLEL_ROWS {
-        solve_in_parallel(solver, b, h)?
-    } else {
-        let intervals = AtomicUsize::new(0);
-        vec![solve_rows(
-            solver,
-            b,
-            h,
-            0..shape.q_len,
-            usize::MAX,
-            &intervals,
-        )?]
-    };
-    assemble(
-        &blocks,
-        shape.q_len as u32,
-        shape.kv_len as u32,
-        pieces,
-        runs,
-    )
+    let (q_len, kv_len) = (shape.q_len as u32, shape.kv_len as u32);
+    if program.mask.uses_elementwise() && shape.q_len >= PARALLEL_ROWS {
+        return solve_in_parallel(solver, b, h, pieces, runs);
+    }
+    let mut sink = RowSink::new(q_len, kv_len, true, std::mem::take(runs));
+    solve_rows(
+        solver,
+        (b, h),
+        0..shape.q_len,
+        usize::MAX,
+        &AtomicUsize::new(0),
+        &mut sink,
+    )?;
+    *pieces += sink.pieces;
+    let rows;
+    (rows, *runs) = sink.finish();
+    Ok(rows)
 }
 
 /// Checks that `rows` lies inside the bound program's rows `[0, q_len)`.
@@ -245,9 +242,18 @@ pub fn row_range_intervals(
 ) -> PResult<RowIntervals> {
     check_row_range(solver, &rows)?;
     let n = (rows.end - rows.start) as u32;
-    let block = solve_rows(solver, b, h, rows, usize::MAX, &AtomicUsize::new(0))?;
     let kv_len = solver.bound.shape.kv_len as u32;
-    assemble(&[block], n, kv_len, pieces, &mut Vec::new())
+    let mut sink = RowSink::new(n, kv_len, true, Vec::new());
+    solve_rows(
+        solver,
+        (b, h),
+        rows,
+        usize::MAX,
+        &AtomicUsize::new(0),
+        &mut sink,
+    )?;
+    *pieces += sink.pieces;
+    Ok(sink.finish().0)
 }
 
 /// Rows `q0 .. q0 + n` (program positions) whose runs are affine in the row: row `q0 + t`
@@ -259,6 +265,28 @@ pub struct AffineRows {
     pub q0: i64,
     pub n: i64,
     pub runs: Vec<AffineInterval>,
+}
+
+impl PieceSink for Option<AffineRows> {
+    fn piece(&mut self, q0: i64, n: i64, list: &[AffineInterval]) {
+        // A one-row piece has no slope to report.
+        let flat = |a: Affine| Affine {
+            first: a.first,
+            step: if n > 1 { a.step } else { 0 },
+        };
+        *self = Some(AffineRows {
+            q0,
+            n,
+            runs: list
+                .iter()
+                .map(|iv| AffineInterval {
+                    start: flat(iv.start),
+                    end: flat(iv.end),
+                    stride: iv.stride,
+                })
+                .collect(),
+        });
+    }
 }
 
 /// The solver's first piece of `rows` (`0 <= rows.start < rows.end <= q_len`): the run of
@@ -284,81 +312,9 @@ pub fn first_piece(
             format!("rows {}..{} hold no row", rows.start, rows.end),
         ));
     }
-    let q0 = rows.start;
-    let block = solve_rows(solver, b, h, rows, 1, &AtomicUsize::new(0))?;
-    let sp = &block.pieces[0];
-    let list = &block.chunks[sp.chunk][sp.at..];
-    // Slopes are stored as wrapping `u32`s; every endpoint stays in [0, kv_len] on every row
-    // of the piece, so a slope's magnitude is at most kv_len < 2^31 and reading it as an
-    // `i32` is exact.
-    let slope = |i: usize| {
-        if sp.n > 1 {
-            let d = list[sp.len + i];
-            (i64::from(d.start as i32), i64::from(d.end as i32))
-        } else {
-            (0, 0)
-        }
-    };
-    let runs = (0..sp.len)
-        .map(|i| {
-            let (iv, (ds, de)) = (list[i], slope(i));
-            AffineInterval {
-                start: Affine {
-                    first: i64::from(iv.start),
-                    step: ds,
-                },
-                end: Affine {
-                    first: i64::from(iv.end),
-                    step: de,
-                },
-                stride: sp.strides.map_or(1, |at| i64::from(block.strides[at + i])),
-            }
-        })
-        .collect();
-    Ok(AffineRows {
-        q0,
-        n: sp.n as i64,
-        runs,
-    })
-}
-
-/// The rows of solved blocks, in order, as one [`RowIntervals`] of `q_len` rows; the first
-/// row of every piece goes to `runs` and the pieces are counted into `pieces`.
-fn assemble(
-    blocks: &[SolvedRows],
-    q_len: u32,
-    kv_len: u32,
-    pieces: &mut u64,
-    runs: &mut Vec<u32>,
-) -> PResult<RowIntervals> {
-    // The rows written once into arrays allocated at their final size: growing them piece
-    // by piece costs a copy per doubling and, in a fresh process, a page fault per 4 KiB
-    // more than the writes themselves.
-    let total: usize = blocks.iter().map(|s| s.total).sum();
-    if total > MAX_INTERVALS {
-        return Err(too_many_intervals());
-    }
-    let mut rows = RowIntervals::with_capacity(q_len, kv_len, total);
-    for block in blocks {
-        for sp in &block.pieces {
-            let list = &block.chunks[sp.chunk][sp.at..];
-            let first = &list[..sp.len];
-            let step = if sp.n > 1 {
-                &list[sp.len..2 * sp.len]
-            } else {
-                first
-            };
-            match sp.strides {
-                Some(at) => {
-                    rows.push_affine_runs(first, step, &block.strides[at..at + sp.len], sp.n)
-                }
-                None => rows.push_affine_rows(first, step, sp.n),
-            }
-        }
-        runs.extend(&block.runs);
-        *pieces += block.pieces.len() as u64;
-    }
-    Ok(rows)
+    let mut first = None;
+    solve_rows(solver, (b, h), rows, 1, &AtomicUsize::new(0), &mut first)?;
+    Ok(first.expect("a non-empty range has a first piece"))
 }
 
 /// Rows from which a mask with `elementwise` is solved in [`ROW_BLOCKS`] blocks of rows on
@@ -371,13 +327,22 @@ const ROW_BLOCKS: i64 = 64;
 
 /// Solves rows `0..q_len` in [`ROW_BLOCKS`] blocks on several threads, each with a solver of
 /// its own, their `elementwise` pairs counted together (`solver.elementwise_pairs` holds
-/// the plan's count before, and gets the total). The error is the one of the first failing
-/// block in row order, which is the sequential driver's, except past the pair limit, which
-/// is reported for the whole plan.
-fn solve_in_parallel(solver: &Solver<'_, '_>, b: i64, h: i64) -> PResult<Vec<SolvedRows>> {
+/// the plan's count before, and gets the total), then joins the blocks' rows (pieces
+/// counted into `pieces`, their first rows into `runs`). The error is the one of the first
+/// failing block in row order, which is the sequential driver's, except past the pair
+/// limit, which is reported for the whole plan.
+fn solve_in_parallel(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    pieces: &mut u64,
+    runs: &mut Vec<u32>,
+) -> PResult<RowIntervals> {
     use rayon::prelude::*;
     use std::sync::atomic::AtomicU64;
-    let q_len = solver.bound.shape.q_len;
+    let shape = solver.bound.shape;
+    let q_len = shape.q_len;
+    let kv_len = shape.kv_len as u32;
     let before = solver.elementwise_pairs.get();
     let shared = AtomicU64::new(before);
     let intervals = AtomicUsize::new(0);
@@ -387,52 +352,83 @@ fn solve_in_parallel(solver: &Solver<'_, '_>, b: i64, h: i64) -> PResult<Vec<Sol
         .map(|a| a..(a + size).min(q_len))
         .collect();
     let bound = solver.bound;
-    let solved: Vec<(PResult<SolvedRows>, bool)> = ranges
+    let solved: Vec<(PResult<RowSink>, bool)> = ranges
         .into_par_iter()
         .map(|r| {
             let s = Solver::new(bound).with_shared_pairs(&shared);
-            (
-                solve_rows(&s, b, h, r, usize::MAX, &intervals),
-                s.hit_pair_limit(),
-            )
+            // Each block keeps its pieces until all are solved and the rows' array is
+            // allocated at its final size.
+            let mut sink = RowSink::new((r.end - r.start) as u32, kv_len, false, Vec::new());
+            let done = solve_rows(&s, (b, h), r, usize::MAX, &intervals, &mut sink);
+            (done.map(|()| sink), s.hit_pair_limit())
         })
         .collect();
-    let mut out = Vec::with_capacity(solved.len());
+    let mut blocks = Vec::with_capacity(solved.len());
     for (block, hit_limit) in solved {
         match block {
-            Ok(block) => out.push(block),
+            Ok(block) => blocks.push(block),
             Err(_) if hit_limit => return Err(Solver::pair_limit_error(None)),
             Err(e) => return Err(e),
         }
     }
     solver.elementwise_pairs.set(shared.load(Ordering::Relaxed));
-    Ok(out)
+    let total = blocks.iter().map(|s| s.total).sum();
+    let mut rows = RowIntervals::with_capacity(q_len as u32, kv_len, total);
+    for block in blocks {
+        block.kept.write_into(&mut rows);
+        runs.extend(block.runs);
+        *pieces += block.pieces;
+    }
+    Ok(rows)
 }
 
-/// Solved rows: their pieces, the chunks of interval lists the pieces point into, the
-/// strides of the pieces that hold strided runs, the first row of every piece, and the
-/// intervals the rows hold.
-struct SolvedRows {
-    pieces: Vec<SolvedPiece>,
+/// Where the driver puts each solved piece: `n` rows from row `q0` whose runs are `list`,
+/// affine in the row.
+trait PieceSink {
+    fn piece(&mut self, q0: i64, n: i64, list: &[AffineInterval]);
+}
+
+/// Pieces kept as their first row's intervals and, for a piece of several rows, their
+/// slopes, until the array of the rows is allocated (see [`RowSink`]).
+#[derive(Default)]
+struct Kept {
+    pieces: Vec<KeptPiece>,
     chunks: Vec<Vec<KeyInterval>>,
     strides: Vec<u32>,
-    runs: Vec<u32>,
-    total: usize,
+    /// Intervals in `chunks`.
+    len: usize,
 }
 
-/// The size of the first chunk of a block's interval lists, in intervals; each next chunk
-/// is twice as large, up to [`LIST_CHUNK_MAX`].
+/// A kept piece's rows: `n` rows whose first row's intervals are `chunks[chunk][at..at +
+/// len]` and, for `n > 1`, whose slopes follow them at `chunks[chunk][at + len..at + 2 *
+/// len]`; with `strides: Some(s)`, runs whose strides are `strides[s..s + len]`.
+struct KeptPiece {
+    n: usize,
+    chunk: usize,
+    at: usize,
+    len: usize,
+    strides: Option<usize>,
+}
+
+/// The size of the first chunk of kept interval lists, in intervals; each next chunk is
+/// twice as large, up to [`LIST_CHUNK_MAX`].
 const LIST_CHUNK_MIN: usize = 1 << 10;
 
-/// The largest chunk of interval lists (2 MiB, a huge page) unless one piece needs more.
-/// The lists are written once into chunks that are never moved: one array grown by
+/// The largest chunk of kept interval lists (2 MiB, a huge page) unless one piece needs
+/// more. The lists are written once into chunks that are never moved: one array grown by
 /// doubling copies itself at every doubling and, in a fresh process, faults in the pages of
 /// every copy.
 const LIST_CHUNK_MAX: usize = 1 << 18;
 
-impl SolvedRows {
-    /// A chunk with room for `need` more intervals.
-    fn chunk_for(&mut self, need: usize) -> (usize, &mut Vec<KeyInterval>) {
+/// Kept interval lists (first rows and slopes) past which a [`RowSink`] that may switch
+/// allocates the rows' array and writes every later piece into it as soon as it is solved
+/// (256 KiB of lists).
+pub const KEPT_MAX: usize = 1 << 15;
+
+impl Kept {
+    /// Keeps a piece of `n` rows whose runs are `list`.
+    fn keep(&mut self, n: usize, list: &[AffineInterval]) {
+        let need = if n > 1 { 2 * list.len() } else { list.len() };
         let fits = self
             .chunks
             .last()
@@ -444,37 +440,193 @@ impl SolvedRows {
                 .map_or(LIST_CHUNK_MIN, |c| (2 * c.capacity()).min(LIST_CHUNK_MAX));
             self.chunks.push(Vec::with_capacity(size.max(need)));
         }
-        let i = self.chunks.len() - 1;
-        (i, &mut self.chunks[i])
+        let chunk = self.chunks.len() - 1;
+        let lists = &mut self.chunks[chunk];
+        let at = lists.len();
+        first_and_slopes(n, list, lists);
+        self.len += need;
+        let strides = has_strided(list).then(|| {
+            let at = self.strides.len();
+            self.strides.extend(list.iter().map(|iv| iv.stride as u32));
+            at
+        });
+        self.pieces.push(KeptPiece {
+            n,
+            chunk,
+            at,
+            len: list.len(),
+            strides,
+        });
+    }
+
+    /// Writes every kept piece's rows, in order, after the rows of `rows`.
+    fn write_into(&self, rows: &mut RowIntervals) {
+        for sp in &self.pieces {
+            let list = &self.chunks[sp.chunk][sp.at..];
+            let first = &list[..sp.len];
+            let step = if sp.n > 1 {
+                &list[sp.len..2 * sp.len]
+            } else {
+                first
+            };
+            match sp.strides {
+                Some(at) => {
+                    rows.push_affine_runs(first, step, &self.strides[at..at + sp.len], sp.n)
+                }
+                None => rows.push_affine_rows(first, step, sp.n),
+            }
+        }
     }
 }
 
-/// Solves rows `rows` piece by piece (each piece's first row's intervals and, for a piece
-/// of several rows, their slopes kept), counting their intervals into `intervals` (shared
-/// by the blocks of a parallel solve) against [`MAX_INTERVALS`]; stops after `max_pieces`
-/// pieces, the rows after them unsolved. The error is the pairwise reference's on the first
-/// row where it fails (see [`Solver::exact_row`]).
+/// Appends a piece's first row's intervals and, for `n > 1` rows, their slopes. Every
+/// endpoint is in `[0, kv_len]` on every row of the piece, so the rows follow from the first
+/// by adding each endpoint's slope in wrapping `u32` arithmetic.
+fn first_and_slopes(n: usize, list: &[AffineInterval], out: &mut Vec<KeyInterval>) {
+    out.extend(list.iter().map(|iv| KeyInterval {
+        start: iv.start.first as u32,
+        end: iv.end.first as u32,
+    }));
+    if n > 1 {
+        out.extend(list.iter().map(|iv| KeyInterval {
+            start: iv.start.step as u32,
+            end: iv.end.step as u32,
+        }));
+    }
+}
+
+/// The solved rows `0..q_len` of a range (relative to its first row) over `kv_len` keys,
+/// with the first row of every piece and the pieces counted.
+///
+/// The rows' array is allocated once, at its final size, only when every row is solved
+/// (growing it piece by piece would copy it at every doubling and, in a fresh process,
+/// fault in the pages of every copy), so the pieces are kept until then as their first
+/// rows and slopes ([`Kept`]). Keeping them costs pages of its own when they are many (W4's
+/// 3424 pieces keep 1.1 MiB): once the kept lists pass [`KEPT_MAX`] intervals, a sink that
+/// may switch allocates the array with room for the rows to come as estimated (the rows
+/// left, each as wide as twice the widest piece so far; at most what `q_len` rows over
+/// `kv_len` keys and [`MAX_INTERVALS`] allow), writes the kept pieces into it and every
+/// later piece as soon as it is solved. The room is address space: only the pages written
+/// are touched, the rest is given back by [`RowSink::finish`]; a mask whose later rows are
+/// wider than estimated grows the array as they come.
+struct RowSink {
+    q_len: u32,
+    kv_len: u32,
+    kept: Kept,
+    /// The rows' array once allocated.
+    rows: Option<RowIntervals>,
+    runs: Vec<u32>,
+    pieces: u64,
+    /// Rows solved, and the intervals they hold.
+    done: u64,
+    total: usize,
+    /// The most runs in a row of any piece so far.
+    widest: usize,
+    may_switch: bool,
+    /// A piece's first row and slopes, and its strides, once the array is allocated;
+    /// reused from piece to piece.
+    scratch: Vec<KeyInterval>,
+    scratch_strides: Vec<u32>,
+}
+
+impl RowSink {
+    /// A sink for `q_len` rows over `kv_len` keys that switches to writing rows as they are
+    /// solved when `may_switch` (see [`RowSink`]); `runs` is reused for the pieces' first
+    /// rows.
+    fn new(q_len: u32, kv_len: u32, may_switch: bool, runs: Vec<u32>) -> RowSink {
+        RowSink {
+            q_len,
+            kv_len,
+            kept: Kept::default(),
+            rows: None,
+            runs,
+            pieces: 0,
+            done: 0,
+            total: 0,
+            widest: 0,
+            may_switch,
+            scratch: Vec::new(),
+            scratch_strides: Vec::new(),
+        }
+    }
+
+    /// Allocates the rows' array with room for the rows solved so far and `rows_left` more of
+    /// at most `per_row` runs each, and writes the kept pieces into it.
+    fn allocate(&mut self, rows_left: u64, per_row: u64) {
+        let most = u64::from(self.q_len) * u64::from(self.kv_len.div_ceil(2));
+        let room = (self.total as u64)
+            .saturating_add(rows_left.saturating_mul(per_row))
+            .min(most)
+            .min(MAX_INTERVALS as u64) as usize;
+        let mut rows = RowIntervals::with_capacity(self.q_len, self.kv_len, 0);
+        // Short of room for all (the allocator refusing it), the array grows as rows come.
+        rows.try_reserve_intervals(room.max(self.total));
+        self.kept.write_into(&mut rows);
+        self.kept = Kept::default();
+        self.rows = Some(rows);
+    }
+
+    /// The rows, and the first row of every piece.
+    fn finish(mut self) -> (RowIntervals, Vec<u32>) {
+        match &mut self.rows {
+            Some(rows) => rows.shrink_to_fit(),
+            None => self.allocate(0, 0),
+        }
+        (self.rows.expect("allocated"), self.runs)
+    }
+}
+
+impl PieceSink for RowSink {
+    fn piece(&mut self, q0: i64, n: i64, list: &[AffineInterval]) {
+        let n = n as usize;
+        self.runs.push(q0 as u32);
+        self.pieces += 1;
+        self.done += n as u64;
+        self.total += n * list.len();
+        self.widest = self.widest.max(list.len());
+        let Some(rows) = &mut self.rows else {
+            self.kept.keep(n, list);
+            if self.may_switch && self.kept.len > KEPT_MAX {
+                let left = u64::from(self.q_len) - self.done;
+                self.allocate(left, 2 * self.widest as u64);
+            }
+            return;
+        };
+        self.scratch.clear();
+        first_and_slopes(n, list, &mut self.scratch);
+        let k = list.len();
+        let first = &self.scratch[..k];
+        let step = if n > 1 { &self.scratch[k..] } else { first };
+        if has_strided(list) {
+            self.scratch_strides.clear();
+            self.scratch_strides
+                .extend(list.iter().map(|iv| iv.stride as u32));
+            rows.push_affine_runs(first, step, &self.scratch_strides, n);
+        } else {
+            rows.push_affine_rows(first, step, n);
+        }
+    }
+}
+
+/// Solves rows `rows` piece by piece into `sink`, counting their intervals into `intervals`
+/// (shared by the blocks of a parallel solve) against [`MAX_INTERVALS`] before any is
+/// written; stops after `max_pieces` pieces, the rows after them unsolved. The error is the
+/// pairwise reference's on the first row where it fails (see [`Solver::exact_row`]).
 fn solve_rows(
     solver: &Solver<'_, '_>,
-    b: i64,
-    h: i64,
+    (b, h): (i64, i64),
     rows: std::ops::Range<i64>,
     max_pieces: usize,
     intervals: &AtomicUsize,
-) -> PResult<SolvedRows> {
-    let mut out = SolvedRows {
-        pieces: Vec::new(),
-        chunks: Vec::new(),
-        strides: Vec::new(),
-        runs: Vec::new(),
-        total: 0,
-    };
+    sink: &mut impl PieceSink,
+) -> PResult<()> {
     let mut q0 = rows.start;
+    let mut done = 0usize;
     // Rows where evaluation found the structure to change, nearest last: after a piece
     // succeeds, the next one is tried up to the nearest known change, not to the end.
     let mut ends: Vec<i64> = vec![rows.end];
     let mut hints: Vec<i64> = Vec::new();
-    while q0 < rows.end && out.pieces.len() < max_pieces {
+    while q0 < rows.end && done < max_pieces {
         let mut end = ends.last().copied().unwrap_or(rows.end);
         loop {
             let p = Piece {
@@ -514,37 +666,11 @@ fn solve_rows(
                 })?,
             };
             let here = list.len() * p.n as usize;
-            out.total += here;
             if intervals.fetch_add(here, Ordering::Relaxed) + here > MAX_INTERVALS {
                 return Err(too_many_intervals());
             }
-            // Every endpoint is in [0, kv_len] on every row of the piece, so the rows
-            // follow from the first by adding each endpoint's slope.
-            let (chunk, lists) = out.chunk_for(if p.n > 1 { 2 * list.len() } else { list.len() });
-            let at = lists.len();
-            lists.extend(list.iter().map(|iv| KeyInterval {
-                start: iv.start.first as u32,
-                end: iv.end.first as u32,
-            }));
-            if p.n > 1 {
-                lists.extend(list.iter().map(|iv| KeyInterval {
-                    start: iv.start.step as u32,
-                    end: iv.end.step as u32,
-                }));
-            }
-            let strides = list.iter().any(|iv| iv.stride != 1).then(|| {
-                let at = out.strides.len();
-                out.strides.extend(list.iter().map(|iv| iv.stride as u32));
-                at
-            });
-            out.pieces.push(SolvedPiece {
-                n: p.n as usize,
-                chunk,
-                at,
-                len: list.len(),
-                strides,
-            });
-            out.runs.push(q0 as u32);
+            sink.piece(q0, p.n, &list);
+            done += 1;
             q0 = end;
             while ends.last().is_some_and(|&e| e <= q0) {
                 ends.pop();
@@ -552,18 +678,7 @@ fn solve_rows(
             break;
         }
     }
-    Ok(out)
-}
-
-/// A solved piece's rows: `n` rows whose first row's intervals are `chunks[chunk][at..at +
-/// len]` and, for `n > 1`, whose slopes follow them at `chunks[chunk][at + len..at + 2 *
-/// len]`; with `strides: Some(s)`, runs whose strides are `strides[s..s + len]`.
-struct SolvedPiece {
-    n: usize,
-    chunk: usize,
-    at: usize,
-    len: usize,
-    strides: Option<usize>,
+    Ok(())
 }
 
 /// Plans a bound program at a tile shape, in the program's own positions.

@@ -156,9 +156,26 @@ impl RowIntervals {
     fn strided_from_here(&mut self) {
         if !self.strided {
             self.strided = true;
-            self.strides.reserve(self.intervals.capacity());
+            // As much room as the intervals have (grown as runs come where the allocator
+            // refuses it).
+            let _ = self.strides.try_reserve_exact(self.intervals.capacity());
             self.strides.resize(self.intervals.len(), 1);
         }
+    }
+
+    /// Reserves room for `n` intervals in all, if the allocator grants it (else the array
+    /// grows as intervals come): rows written into the room never move. Much of it may stay
+    /// unused; [`RowIntervals::shrink_to_fit`] gives it back.
+    pub(crate) fn try_reserve_intervals(&mut self, n: usize) {
+        let _ = self
+            .intervals
+            .try_reserve_exact(n.saturating_sub(self.intervals.len()));
+    }
+
+    /// Gives back the arrays' unused room.
+    pub(crate) fn shrink_to_fit(&mut self) {
+        self.intervals.shrink_to_fit();
+        self.strides.shrink_to_fit();
     }
 
     /// Appends `n` rows of `first.len()` intervals each: row `t` holds `first[i] + t *

@@ -109,7 +109,7 @@ impl AffineInterval {
 }
 
 /// Whether a list holds a strided run.
-fn has_strided(list: &[AffineInterval]) -> bool {
+pub(crate) fn has_strided(list: &[AffineInterval]) -> bool {
     list.iter().any(|iv| iv.stride != 1)
 }
 

@@ -231,8 +231,9 @@ fn intersect_row(
     }
 }
 
-/// Affine runs shorter than this are classified row by row: their few rows cost less one
-/// at a time than a run's bookkeeping per partial tile.
+/// Affine runs shorter than this are not runs of their own: their few rows cost less one
+/// at a time, or together with the short runs next to them (see [`monotone_rows`]), than a
+/// run's bookkeeping per partial tile.
 const MIN_RUN: u32 = 4;
 
 /// Rows `[a, b)` of one query block, classified together.
@@ -248,15 +249,24 @@ enum Kind<'r> {
     /// Rows of short affine runs, classified in stretches of rows whose intervals move
     /// little from one row to the next (see [`classify_group`]).
     Group,
-    /// The rows of one affine run (see [`TileDescriptor::try_build_runs`]).
+    /// The rows of one affine run (see [`TileDescriptor::try_build_runs`]), or of short
+    /// affine runs whose endpoints are each monotone over them (see [`monotone_rows`]).
     Run(Run<'r>),
 }
 
-/// An affine run's rows within a block: every row has the same number of intervals and each
-/// endpoint is affine in the row, so its extremes over the rows are at the first and last.
+/// Rows within a block whose endpoints are each monotone in the row (non-decreasing or
+/// non-increasing), every row holding the same number of intervals: the rows of an affine
+/// run, or of consecutive short runs checked by [`monotone_rows`]. Each endpoint's extremes
+/// over the rows are at the first and last.
 struct Run<'r> {
     first: &'r [KeyInterval],
     last: &'r [KeyInterval],
+    /// Whether every endpoint is affine in the row (one solver piece), so the row where an
+    /// end crosses a key follows from its first and last values; else it is searched for.
+    affine: bool,
+    /// Whether every start and end moves by at most a tile (`block_n` keys) from one row to
+    /// the next, which makes the rows one stretch (see [`add_stretch`]).
+    stretch: bool,
     /// While filling partial tiles: intervals of the first (`ja`) and last (`jb`) row
     /// ending by the current tile's first key.
     ja: usize,
@@ -264,21 +274,23 @@ struct Run<'r> {
 }
 
 impl<'r> Run<'r> {
-    fn new(first: &'r [KeyInterval], last: &'r [KeyInterval]) -> Self {
+    /// The affine run of rows `[a, b)` of `rows`, at tiles `bn` keys wide.
+    fn affine(rows: &'r RowIntervals, (a, b): (u32, u32), bn: u32) -> Self {
+        let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
+        // Affine endpoints move by the same amount on every row: by at most a tile when
+        // they move by at most a tile per row on average.
+        let span = u64::from(bn) * u64::from(b - a - 1);
+        let stretch = first.iter().zip(last).all(|(f, l)| {
+            u64::from(f.start.abs_diff(l.start)) <= span && u64::from(f.end.abs_diff(l.end)) <= span
+        });
         Run {
             first,
             last,
+            affine: true,
+            stretch,
             ja: 0,
             jb: 0,
         }
-    }
-
-    /// Whether every start and end moves by at most `limit` keys per row over `n` rows.
-    fn slopes_within(&self, n: u32, limit: u32) -> bool {
-        let span = u64::from(limit) * u64::from(n - 1);
-        self.first.iter().zip(self.last).all(|(f, l)| {
-            u64::from(f.start.abs_diff(l.start)) <= span && u64::from(f.end.abs_diff(l.end)) <= span
-        })
     }
 }
 
@@ -337,11 +349,13 @@ impl TileDescriptor {
     /// ([`crate::plan::row_intervals_runs`] reports them; debug builds check it).
     ///
     /// A block's rows are then classified run by run from each run's first and last rows
-    /// (when its endpoints move by at most a tile per row; else row by row), runs shorter
-    /// than a few rows in stretches of similar rows, and the per-row data of partial tiles
-    /// is filled run by run from the rows where an interval end crosses the tile's first
-    /// key. Cost O(runs x intervals + rows in short runs x intervals + non-empty tiles x
-    /// (runs + block_m)).
+    /// (when its endpoints move by at most a tile per row; else row by row). Consecutive
+    /// runs shorter than a few rows are taken together as one run when every endpoint is
+    /// monotone over them, else classified in stretches of similar rows and their per-row
+    /// data filled row by row. The per-row data of partial tiles is filled run by run from
+    /// the rows where an interval end crosses the tile's first key (computed for an affine
+    /// run, searched for in a monotone one). Cost O(runs x intervals + rows in short runs x
+    /// intervals + non-empty tiles x (runs + block_m)).
     ///
     /// # Errors
     /// As [`TileDescriptor::try_build`].
@@ -429,19 +443,25 @@ impl TileDescriptor {
         d.kv_offsets.push(0);
         d.full_kv_offsets.push(0);
         let mut s = Scratch::default();
-        // The segments (runs cut at block edges) of the current block.
+        // The segments (runs cut at block edges) of every block, block `m`'s at
+        // `segments[seg_at[m]..seg_at[m + 1]]`; strided rows have no runs, so these are
+        // segments of `rows` as well as of `touch`.
         let mut segments: Vec<Segment<'_>> = Vec::new();
+        let mut seg_at = Vec::with_capacity(num_m as usize + 1);
+        seg_at.push(0);
         let mut run_at = 0usize;
         let stride = d.partial_row_stride as usize;
         // First pass: the tile lists, block by block.
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            block_segments(touch, runs, (r0, r1), &mut run_at, &mut segments);
+            let from = segments.len();
+            block_segments(touch, runs, (r0, r1), bn, &mut run_at, &mut segments);
+            seg_at.push(segments.len());
             // Key tiles any row of the block touches, as merged inclusive tile-index
             // ranges, and keys every row of the block sees, among them every full tile's.
             s.touched.clear();
             s.inter.clear();
-            for (i, seg) in segments.iter().enumerate() {
+            for (i, seg) in segments[from..].iter().enumerate() {
                 classify_segment(touch, seg, i == 0, (bn, div_n), &mut s);
             }
             if let Some(inter) = inter {
@@ -494,10 +514,9 @@ impl TileDescriptor {
         // (growing it block by block costs more in fresh pages than filling it), tile by
         // tile, segment by segment, in its final order.
         d.partial_row_first = Vec::with_capacity(d.kv_indices.len() * stride);
-        run_at = 0;
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            block_segments(rows, runs, (r0, r1), &mut run_at, &mut segments);
+            let block = &mut segments[seg_at[m as usize]..seg_at[m as usize + 1]];
             let partial = &d.kv_indices
                 [d.kv_offsets[m as usize] as usize..d.kv_offsets[m as usize + 1] as usize];
             let pad = stride - (r1 - r0) as usize;
@@ -505,7 +524,7 @@ impl TileDescriptor {
             s.cursor
                 .extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
             for &nb in partial {
-                for seg in &mut segments {
+                for seg in block.iter_mut() {
                     let out = &mut d.partial_row_first;
                     match &mut seg.kind {
                         Kind::Run(run) => push_run_rows(rows, (seg.a, seg.b), run, nb * bn, out),
@@ -677,15 +696,17 @@ fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
 /// The segments of the block of rows `[r0, r1)`: without `runs`, one segment of rows
 /// classified one by one; else the runs cut at the block's edges (`run_at`: the run holding
 /// `r0`, advanced block by block), those shorter than [`MIN_RUN`] rows joined into
-/// segments of rows classified one by one.
+/// segments, each one run where [`monotone_rows`] finds it monotone, else rows classified
+/// in stretches and filled one by one. Appended to `segments`.
 fn block_segments<'r>(
     rows: &'r RowIntervals,
     runs: Option<&[u32]>,
     (r0, r1): (u32, u32),
+    bn: u32,
     run_at: &mut usize,
     segments: &mut Vec<Segment<'r>>,
 ) {
-    segments.clear();
+    let from = segments.len();
     let Some(runs) = runs else {
         segments.push(Segment {
             a: r0,
@@ -704,10 +725,10 @@ fn block_segments<'r>(
             segments.push(Segment {
                 a,
                 b,
-                kind: Kind::Run(Run::new(rows.row_runs(a), rows.row_runs(b - 1))),
+                kind: Kind::Run(Run::affine(rows, (a, b), bn)),
             });
         } else {
-            match segments.last_mut() {
+            match segments[from..].last_mut() {
                 Some(Segment {
                     b: last_b,
                     kind: Kind::Group,
@@ -722,6 +743,52 @@ fn block_segments<'r>(
         }
         a = b;
     }
+    for seg in &mut segments[from..] {
+        if matches!(seg.kind, Kind::Group) {
+            if let Some(run) = monotone_rows(rows, (seg.a, seg.b), bn) {
+                seg.kind = Kind::Run(run);
+            }
+        }
+    }
+}
+
+/// Rows `[a, b)` as one [`Run`] when every row holds the same number of intervals and each
+/// start and each end is monotone over them (CLEAR's image-edge rows: one- and two-row
+/// pieces whose clamps change one by one); `None` otherwise. Cost O(rows x intervals).
+fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<Run<'_>> {
+    let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
+    let k = first.len();
+    // Each endpoint's direction is the one from the first row to the last; every step must
+    // keep it or stay. Checked a row at a time, without a branch per endpoint.
+    let keeps = |p: u32, r: u32, f: u32, l: u32| (p <= r) == (f <= l) || p == r;
+    let mut widest_step = 0u32;
+    let mut prev = first;
+    for q in a + 1..b {
+        let row = rows.row_runs(q);
+        if row.len() != k {
+            return None;
+        }
+        let mut monotone = true;
+        for ((p, r), (f, l)) in prev.iter().zip(row).zip(first.iter().zip(last)) {
+            monotone &=
+                keeps(p.start, r.start, f.start, l.start) & keeps(p.end, r.end, f.end, l.end);
+            widest_step = widest_step
+                .max(p.start.abs_diff(r.start))
+                .max(p.end.abs_diff(r.end));
+        }
+        if !monotone {
+            return None;
+        }
+        prev = row;
+    }
+    Some(Run {
+        first,
+        last,
+        affine: false,
+        stretch: widest_step <= bn,
+        ja: 0,
+        jb: 0,
+    })
 }
 
 /// Adds one segment's rows to the block's touched tile ranges and to `inter`, the keys that
@@ -736,9 +803,9 @@ fn classify_segment(
     match &seg.kind {
         Kind::Rows => classify_rows(rows, (seg.a, seg.b), first, div_n, s),
         Kind::Group => classify_group(rows, (seg.a, seg.b), first, (bn, div_n), s),
-        // An affine run is a stretch when its slopes are at most a tile; each endpoint's
-        // extremes over it are at its first or last row.
-        Kind::Run(run) if run.slopes_within(seg.b - seg.a, bn) => {
+        // A run whose endpoints move by at most a tile per row is a stretch; each
+        // endpoint's extremes over it are at its first or last row.
+        Kind::Run(run) if run.stretch => {
             s.extremes.clear();
             s.extremes
                 .extend(run.first.iter().zip(run.last).map(|(f, l)| {
@@ -878,8 +945,9 @@ fn push_rows(rows: &RowIntervals, a: u32, cursor: &mut [u32], tile_start: u32, o
 /// after `tile_start`. Tiles come in ascending order; the run keeps its place.
 ///
 /// On row `t` that interval's position `j(t)` counts the ends at or before `tile_start`.
-/// Each end is affine, so the rows where it is at or before `tile_start` are a prefix or a
-/// suffix of the run; and as the ends are sorted on every row, those row sets are nested
+/// Each end is monotone in the row, so the rows where it is at or before `tile_start` are a
+/// prefix or a suffix of the run; and as the ends are sorted on every row, those row sets
+/// are nested
 /// (end `i + 1` at or before `tile_start` implies end `i` too). Nested prefixes and
 /// suffixes that are not empty or everything are all prefixes or all suffixes, so `j` is
 /// monotone over the run: it goes from `ja` on the first row to `jb` on the last, stepping
@@ -905,7 +973,12 @@ fn push_run_rows(
     let mut j = ja;
     while j != jb {
         let i = if ja > jb { j - 1 } else { j };
-        let t = crossing(run.first[i].end, run.last[i].end, n, tile_start).max(t0);
+        let t = if run.affine {
+            crossing(run.first[i].end, run.last[i].end, n, tile_start)
+        } else {
+            search_crossing(rows, row_ptr, i, tile_start, t0)
+        }
+        .max(t0);
         push_from(out, &row_ptr[t0..t], j as u32);
         t0 = t;
         j = if ja > jb { j - 1 } else { j + 1 };
@@ -917,6 +990,32 @@ fn push_run_rows(
 #[inline]
 fn push_from(out: &mut Vec<u32>, row_ptr: &[u32], j: u32) {
     out.extend(row_ptr.iter().map(|&r| r + j));
+}
+
+/// For the monotone end `i` of rows `row_ptr` (each row's first interval, `row_ptr[0]`'s
+/// end on one side of `tile_start` and the last row's on the other): the first row from
+/// `from` on the other side, by bisection.
+fn search_crossing(
+    rows: &RowIntervals,
+    row_ptr: &[u32],
+    i: usize,
+    tile_start: u32,
+    from: usize,
+) -> usize {
+    let ivs = rows.all_runs();
+    let before = |t: usize| ivs[row_ptr[t] as usize + i].end <= tile_start;
+    let side = before(0);
+    // Rows before `lo` are on the first side, `hi` and after on the other.
+    let (mut lo, mut hi) = (from.max(1), row_ptr.len() - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if before(mid) == side {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    hi
 }
 
 /// For an end moving affinely from `first` (row 0) to `last` (row `n - 1`) across
