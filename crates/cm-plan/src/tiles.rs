@@ -261,35 +261,50 @@ enum Kind<'r> {
 struct Run<'r> {
     first: &'r [KeyInterval],
     last: &'r [KeyInterval],
-    /// Whether every endpoint is affine in the row (one solver piece), so the row where an
-    /// end crosses a key follows from its first and last values; else it is searched for.
-    affine: bool,
-    /// Whether every start and end moves by at most a tile (`block_n` keys) from one row to
-    /// the next, which makes the rows one stretch (see [`add_stretch`]).
-    stretch: bool,
+    /// How the rows' endpoints move.
+    shape: RunShape,
     /// While filling partial tiles: intervals of the first (`ja`) and last (`jb`) row
     /// ending by the current tile's first key.
     ja: usize,
     jb: usize,
 }
 
+enum RunShape {
+    /// Every endpoint is affine in the row (one solver piece): the row where an end crosses
+    /// a key follows from its first and last values.
+    Affine,
+    /// Monotone only (consecutive short pieces): the row where an end crosses a key is
+    /// searched for; `stretch` tells whether every start and end moves by at most a tile
+    /// (`block_n` keys) from one row to the next, which makes the rows one stretch (see
+    /// [`add_stretch`]).
+    Monotone { stretch: bool },
+}
+
 impl<'r> Run<'r> {
-    /// The affine run of rows `[a, b)` of `rows`, at tiles `bn` keys wide.
-    fn affine(rows: &'r RowIntervals, (a, b): (u32, u32), bn: u32) -> Self {
-        let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
-        // Affine endpoints move by the same amount on every row: by at most a tile when
-        // they move by at most a tile per row on average.
-        let span = u64::from(bn) * u64::from(b - a - 1);
-        let stretch = first.iter().zip(last).all(|(f, l)| {
-            u64::from(f.start.abs_diff(l.start)) <= span && u64::from(f.end.abs_diff(l.end)) <= span
-        });
+    fn new(rows: &'r RowIntervals, (a, b): (u32, u32), shape: RunShape) -> Self {
         Run {
-            first,
-            last,
-            affine: true,
-            stretch,
+            first: rows.row_runs(a),
+            last: rows.row_runs(b - 1),
+            shape,
             ja: 0,
             jb: 0,
+        }
+    }
+
+    /// Whether the run's `n` rows are one stretch (see [`add_stretch`]) at tiles `bn` keys
+    /// wide.
+    fn stretch(&self, n: u32, bn: u32) -> bool {
+        match self.shape {
+            // Affine endpoints move by the same amount on every row: by at most a tile when
+            // they move by at most a tile per row on average.
+            RunShape::Affine => {
+                let span = u64::from(bn) * u64::from(n - 1);
+                self.first.iter().zip(self.last).all(|(f, l)| {
+                    u64::from(f.start.abs_diff(l.start)) <= span
+                        && u64::from(f.end.abs_diff(l.end)) <= span
+                })
+            }
+            RunShape::Monotone { stretch } => stretch,
         }
     }
 }
@@ -443,25 +458,30 @@ impl TileDescriptor {
         d.kv_offsets.push(0);
         d.full_kv_offsets.push(0);
         let mut s = Scratch::default();
-        // The segments (runs cut at block edges) of every block, block `m`'s at
-        // `segments[seg_at[m]..seg_at[m + 1]]`; strided rows have no runs, so these are
-        // segments of `rows` as well as of `touch`.
+        // The segments (runs cut at block edges) of the current block, and whether each
+        // group of short runs is monotone (found in the first pass, read in the second).
         let mut segments: Vec<Segment<'_>> = Vec::new();
-        let mut seg_at = Vec::with_capacity(num_m as usize + 1);
-        seg_at.push(0);
+        let mut monotone: Vec<Option<bool>> = Vec::new();
         let mut run_at = 0usize;
         let stride = d.partial_row_stride as usize;
         // First pass: the tile lists, block by block.
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            let from = segments.len();
-            block_segments(touch, runs, (r0, r1), bn, &mut run_at, &mut segments);
-            seg_at.push(segments.len());
+            let groups = Groups::Find(&mut monotone);
+            block_segments(
+                touch,
+                runs,
+                (r0, r1),
+                bn,
+                &mut run_at,
+                groups,
+                &mut segments,
+            );
             // Key tiles any row of the block touches, as merged inclusive tile-index
             // ranges, and keys every row of the block sees, among them every full tile's.
             s.touched.clear();
             s.inter.clear();
-            for (i, seg) in segments[from..].iter().enumerate() {
+            for (i, seg) in segments.iter().enumerate() {
                 classify_segment(touch, seg, i == 0, (bn, div_n), &mut s);
             }
             if let Some(inter) = inter {
@@ -514,9 +534,12 @@ impl TileDescriptor {
         // (growing it block by block costs more in fresh pages than filling it), tile by
         // tile, segment by segment, in its final order.
         d.partial_row_first = Vec::with_capacity(d.kv_indices.len() * stride);
+        run_at = 0;
+        let mut known = monotone.iter();
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            let block = &mut segments[seg_at[m as usize]..seg_at[m as usize + 1]];
+            let groups = Groups::Known(&mut known);
+            block_segments(rows, runs, (r0, r1), bn, &mut run_at, groups, &mut segments);
             let partial = &d.kv_indices
                 [d.kv_offsets[m as usize] as usize..d.kv_offsets[m as usize + 1] as usize];
             let pad = stride - (r1 - r0) as usize;
@@ -524,7 +547,7 @@ impl TileDescriptor {
             s.cursor
                 .extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
             for &nb in partial {
-                for seg in block.iter_mut() {
+                for seg in &mut segments {
                     let out = &mut d.partial_row_first;
                     match &mut seg.kind {
                         Kind::Run(run) => push_run_rows(rows, (seg.a, seg.b), run, nb * bn, out),
@@ -696,17 +719,18 @@ fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
 /// The segments of the block of rows `[r0, r1)`: without `runs`, one segment of rows
 /// classified one by one; else the runs cut at the block's edges (`run_at`: the run holding
 /// `r0`, advanced block by block), those shorter than [`MIN_RUN`] rows joined into
-/// segments, each one run where [`monotone_rows`] finds it monotone, else rows classified
-/// in stretches and filled one by one. Appended to `segments`.
+/// segments, each one run where [`monotone_rows`] finds it monotone (`groups`), else rows
+/// classified in stretches and filled one by one.
 fn block_segments<'r>(
     rows: &'r RowIntervals,
     runs: Option<&[u32]>,
     (r0, r1): (u32, u32),
     bn: u32,
     run_at: &mut usize,
+    mut groups: Groups<'_, '_>,
     segments: &mut Vec<Segment<'r>>,
 ) {
-    let from = segments.len();
+    segments.clear();
     let Some(runs) = runs else {
         segments.push(Segment {
             a: r0,
@@ -725,10 +749,10 @@ fn block_segments<'r>(
             segments.push(Segment {
                 a,
                 b,
-                kind: Kind::Run(Run::affine(rows, (a, b), bn)),
+                kind: Kind::Run(Run::new(rows, (a, b), RunShape::Affine)),
             });
         } else {
-            match segments[from..].last_mut() {
+            match segments.last_mut() {
                 Some(Segment {
                     b: last_b,
                     kind: Kind::Group,
@@ -743,19 +767,42 @@ fn block_segments<'r>(
         }
         a = b;
     }
-    for seg in &mut segments[from..] {
-        if matches!(seg.kind, Kind::Group) {
-            if let Some(run) = monotone_rows(rows, (seg.a, seg.b), bn) {
-                seg.kind = Kind::Run(run);
+    for seg in segments.iter_mut() {
+        if !matches!(seg.kind, Kind::Group) {
+            continue;
+        }
+        let stretch = match &mut groups {
+            Groups::Find(found) => {
+                let stretch = monotone_rows(rows, (seg.a, seg.b), bn);
+                found.push(stretch);
+                stretch
             }
+            Groups::Known(known) => *known.next().expect("the first pass met this group"),
+        };
+        if let Some(stretch) = stretch {
+            seg.kind = Kind::Run(Run::new(
+                rows,
+                (seg.a, seg.b),
+                RunShape::Monotone { stretch },
+            ));
         }
     }
 }
 
-/// Rows `[a, b)` as one [`Run`] when every row holds the same number of intervals and each
-/// start and each end is monotone over them (CLEAR's image-edge rows: one- and two-row
-/// pieces whose clamps change one by one); `None` otherwise. Cost O(rows x intervals).
-fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<Run<'_>> {
+/// Whether each group of short runs, in the order the blocks meet them, is monotone, and
+/// then whether it is a stretch (see [`monotone_rows`]): found and recorded by the first
+/// pass over the blocks, read back by the second.
+enum Groups<'m, 'i> {
+    Find(&'m mut Vec<Option<bool>>),
+    Known(&'m mut std::slice::Iter<'i, Option<bool>>),
+}
+
+/// Whether rows `[a, b)` are one [`Run`]: every row holds the same number of intervals and
+/// each start and each end is monotone over them (CLEAR's image-edge rows: one- and two-row
+/// pieces whose clamps change one by one). `Some(stretch)` when they are, `stretch` telling
+/// whether no endpoint moves by more than a tile (`bn` keys) from one row to the next;
+/// `None` otherwise. Cost O(rows x intervals).
+fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<bool> {
     let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
     let k = first.len();
     // Each endpoint's direction is the one from the first row to the last; every step must
@@ -781,14 +828,7 @@ fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<Run
         }
         prev = row;
     }
-    Some(Run {
-        first,
-        last,
-        affine: false,
-        stretch: widest_step <= bn,
-        ja: 0,
-        jb: 0,
-    })
+    Some(widest_step <= bn)
 }
 
 /// Adds one segment's rows to the block's touched tile ranges and to `inter`, the keys that
@@ -805,7 +845,7 @@ fn classify_segment(
         Kind::Group => classify_group(rows, (seg.a, seg.b), first, (bn, div_n), s),
         // A run whose endpoints move by at most a tile per row is a stretch; each
         // endpoint's extremes over it are at its first or last row.
-        Kind::Run(run) if run.stretch => {
+        Kind::Run(run) if run.stretch(seg.b - seg.a, bn) => {
             s.extremes.clear();
             s.extremes
                 .extend(run.first.iter().zip(run.last).map(|(f, l)| {
@@ -973,7 +1013,7 @@ fn push_run_rows(
     let mut j = ja;
     while j != jb {
         let i = if ja > jb { j - 1 } else { j };
-        let t = if run.affine {
+        let t = if matches!(run.shape, RunShape::Affine) {
             crossing(run.first[i].end, run.last[i].end, n, tile_start)
         } else {
             search_crossing(rows, row_ptr, i, tile_start, t0)
