@@ -823,8 +823,9 @@ pub enum AttentionError {
     UnknownScoreTensor { name: String, expected: String },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
-    /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals.
-    #[error("{0}")]
+    /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals;
+    /// it reads as the plan's own error (code, message and hint).
+    #[error("{}", expand_error(.0.clone()))]
     Strides(cm_plan::ExpandError),
 }
 
