@@ -50,8 +50,9 @@ pub type Range = (u32, u32);
 /// Why a view was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ViewError {
-    /// The explorer's page draws plain intervals: strided runs past their limit (`CM0412`).
-    #[error("{0}")]
+    /// The explorer's page draws plain intervals: strided runs past their limit (`CM0412`),
+    /// read as the plan's own error (code, message and hint), as the exports refuse them.
+    #[error("{}", compilemask::expand_error(.0.clone()))]
     Strides(compilemask::ExpandError),
     #[error("{what} = {value} is out of range; the plan has {limit_name} = {limit} (indices 0 ..= {last})", last = limit - 1)]
     Index {

@@ -268,3 +268,24 @@ fn views_outside_the_plan_are_refused() {
         assert!(e.to_string().starts_with(want), "{e}");
     }
 }
+
+/// The page embeds plain intervals, so a dilated window at 128K (one strided run per row,
+/// 264M unit intervals written out) is refused with the plan's own `CM0412` error: its
+/// code, message and hint, as the exports and token orders refuse it.
+#[test]
+fn strided_runs_past_the_expansion_limit_are_cm0412() {
+    let p = plan(None, Some("dilated_window"), &PlanOptions::new(131072));
+    let e = explorer(&subject(&p), &View::default(), None).unwrap_err();
+    let ViewError::Strides(x) = &e else {
+        panic!("expected ViewError::Strides, got {e:?}")
+    };
+    assert_eq!(x.intervals, 264_243_200);
+    let want = compilemask::expand_error(x.clone());
+    assert_eq!(want.code, "CM0412");
+    assert_eq!(e.to_string(), want.to_string());
+    assert!(
+        e.to_string()
+            .starts_with("[CM0412] Error: the mask's strided runs expand to 264243200"),
+        "{e}"
+    );
+}

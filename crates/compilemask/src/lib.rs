@@ -291,11 +291,12 @@ impl Program {
         )
     }
 
-    /// Whether the key `k` is visible from row `q`, by the pairwise reference semantics
-    /// (O(1) per pair; for tests and spot checks).
+    /// Row `q`'s visible keys for batch index `b` and head `h` (0-based), as sorted,
+    /// disjoint, maximal half-open `[start, end)` runs, by the pairwise reference semantics:
+    /// every key of `[0, kv_len)` is tested (O(kv_len); for tests and spot checks).
     ///
     /// # Errors
-    /// As [`Program::plan`].
+    /// As [`Program::plan`] for binding; then the first error the reference meets on the row.
     pub fn brute_force_row(
         &self,
         options: &PlanOptions,
@@ -822,8 +823,9 @@ pub enum AttentionError {
     UnknownScoreTensor { name: String, expected: String },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
-    /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals.
-    #[error("{0}")]
+    /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals;
+    /// it reads as the plan's own error (code, message and hint).
+    #[error("{}", expand_error(.0.clone()))]
     Strides(cm_plan::ExpandError),
 }
 

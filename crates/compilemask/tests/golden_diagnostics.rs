@@ -689,6 +689,23 @@ fn cm0412_strided_runs_past_the_expansion_limit() {
     let e = compilemask::export::cudnn_endpoints(&plan.mask(0, 0).rows).unwrap_err();
     assert_eq!(e.code(), compilemask::Code::StridesTooMany);
     assert_eq!(e.message(), err.message);
+    // So does the CPU reference, reading as the same error (code, message and hint).
+    let shape = compilemask::AttentionShape {
+        batch: 1,
+        num_heads: 1,
+        num_kv_heads: 1,
+        q_len: n as usize,
+        kv_len: n as usize,
+        head_dim: 1,
+        head_dim_v: 1,
+    };
+    let x = vec![0f32; n as usize];
+    let e = compilemask::attention(&shape, &x, &x, &x, &plan, 1.0).unwrap_err();
+    assert!(
+        matches!(e, compilemask::AttentionError::Strides(_)),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), err.to_string());
 }
 
 #[test]
