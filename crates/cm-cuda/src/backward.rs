@@ -168,7 +168,7 @@ struct BwdParams {
     mask_strides: [u32; 2],
     num_m_blocks: u32,
     bwd_num_n_blocks: u32,
-    /// Set at launch from the device's L2 ([`crate::forward::ws_head_group`]'s rule).
+    /// Set at launch from the device's L2 ([`crate::forward::head_group`]'s rule).
     bwd_head_group: u32,
     bwd_pairs: u32,
     score: ScoreParams,
@@ -616,7 +616,7 @@ impl Runtime {
     #[allow(unsafe_code)]
     fn launch_backward(&self, stream: &CudaStream, launches: &Launches) -> Result<(), Error> {
         let mut params = launches.params;
-        params.bwd_head_group = crate::forward::ws_head_group(
+        params.bwd_head_group = crate::forward::head_group(
             self.l2_bytes(),
             launches.pair_bytes,
             u64::from(params.bwd_pairs),

@@ -82,7 +82,7 @@ pub(crate) struct FwdParams {
     batch: u32,
     num_masks: u32,
     mask_strides: [u32; 2],
-    /// Set by the runtime at launch from its L2 size, for FwdWs ([`ws_head_group`]).
+    /// Set by the runtime at launch from its L2 size, for FwdWs ([`head_group`]).
     pub(crate) ws_head_group: u32,
     pad: u32,
     score: ScoreParams,
@@ -109,7 +109,7 @@ pub(crate) struct Launch {
     pub(crate) params: FwdParams,
     pub(crate) tensor_maps: Option<[TensorMap; 3]>,
     /// Bytes of K and V that one (batch, query head) pair reads (its kv head's, shared by the
-    /// query heads of a GQA group), for [`ws_head_group`].
+    /// query heads of a GQA group), for [`head_group`].
     pub(crate) kv_bytes_per_pair: u64,
     /// batch x num_heads.
     pub(crate) pairs: u64,
@@ -117,13 +117,13 @@ pub(crate) struct Launch {
 
 /// How many (batch, head) pairs `fwd_ws` (and, over kv heads, `bwd_dkdv`) interleaves, rank
 /// by rank (every pair's heaviest block first): as many as three quarters of the L2 holds the
-/// streamed tensors of (`kv_bytes_per_pair`: K and V in the forward, Q and dO in the
-/// backward; so the CTAs of a group keep re-reading them from L2), at least 1, at most
-/// `pairs`. One pair after
-/// the other would start the last pair's heaviest block only after every other pair's work,
-/// which for masks of long and short documents ends the launch a whole block late.
-pub(crate) fn ws_head_group(l2_bytes: u64, kv_bytes_per_pair: u64, pairs: u64) -> u32 {
-    let fit = (l2_bytes / 4 * 3) / kv_bytes_per_pair.max(1);
+/// streamed tensors of (`bytes_per_pair`: K and V in the forward, Q and dO in the backward;
+/// so the CTAs of a group keep re-reading them from L2), at least 1, at most `pairs`. One
+/// pair after the other would start the last pair's heaviest block only after every other
+/// pair's work, which for masks of long and short documents ends the launch a whole block
+/// late.
+pub(crate) fn head_group(l2_bytes: u64, bytes_per_pair: u64, pairs: u64) -> u32 {
+    let fit = (l2_bytes / 4 * 3) / bytes_per_pair.max(1);
     fit.clamp(1, pairs.max(1)).min(u64::from(u32::MAX)) as u32
 }
 
@@ -378,18 +378,6 @@ pub(crate) fn prepare(
 #[cfg(test)]
 mod tests {
 
-    #[test]
-    fn head_groups_fill_three_quarters_of_the_l2() {
-        let mib = 1u64 << 20;
-        // H200: 50 MiB of L2. K and V of one pair at 8K, head_dim 128, bf16: 4 MiB.
-        assert_eq!(ws_head_group(50 * mib, 4 * mib, 16), 9);
-        assert_eq!(ws_head_group(50 * mib, 16 * mib, 16), 2);
-        // More room than pairs; K and V larger than the L2; degenerate sizes.
-        assert_eq!(ws_head_group(50 * mib, mib, 4), 4);
-        assert_eq!(ws_head_group(50 * mib, 64 * mib, 16), 1);
-        assert_eq!(ws_head_group(0, 0, 0), 1);
-        assert_eq!(ws_head_group(u64::MAX, 1, u64::MAX), u32::MAX);
-    }
     use super::*;
     use crate::plan::{HostPlan, PlanLayout};
     use crate::PLAN_ARRAY_COUNT;
@@ -545,5 +533,18 @@ mod tests {
         assert!(err(&three, &good).contains("the plan's masks are for num_heads = 3"));
         let batches = layout(70, 90, 2, [3, 1]);
         assert!(err(&batches, &good).contains("the plan's masks are for batch = 3"));
+    }
+
+    #[test]
+    fn head_groups_fill_three_quarters_of_the_l2() {
+        let mib = 1u64 << 20;
+        // H200: 50 MiB of L2. K and V of one pair at 8K, head_dim 128, bf16: 4 MiB.
+        assert_eq!(head_group(50 * mib, 4 * mib, 16), 9);
+        assert_eq!(head_group(50 * mib, 16 * mib, 16), 2);
+        // More room than pairs; K and V larger than the L2; degenerate sizes.
+        assert_eq!(head_group(50 * mib, mib, 4), 4);
+        assert_eq!(head_group(50 * mib, 64 * mib, 16), 1);
+        assert_eq!(head_group(0, 0, 0), 1);
+        assert_eq!(head_group(u64::MAX, 1, u64::MAX), u32::MAX);
     }
 }

@@ -466,11 +466,8 @@ impl Runtime {
             // FwdWs is persistent: one CTA per SM takes work items from the stream's counter.
             launch.config.grid_dim.0 = launch.config.grid_dim.0.min(self.num_sms);
             launch.params.scheduler = self.scheduler_for(stream)?;
-            launch.params.ws_head_group = crate::forward::ws_head_group(
-                self.l2_bytes,
-                launch.kv_bytes_per_pair,
-                launch.pairs,
-            );
+            launch.params.ws_head_group =
+                crate::forward::head_group(self.l2_bytes, launch.kv_bytes_per_pair, launch.pairs);
         }
         let func = &self.functions[launch.variant];
         let mut builder = stream.launch_builder(func);

@@ -318,9 +318,10 @@ def _(q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes,
 
 @torch.library.custom_op("compilemask::attention_backward_score", mutates_args=())
 def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
-                             k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kernel: list[Tensor], plan_dims: list[int],
-                             scale: float, deterministic: bool, softcap: float,
-                             linear: list[float], slopes: Optional[Tensor],
+                             k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             kernel: list[Tensor], plan_dims: list[int], scale: float,
+                             deterministic: bool, softcap: float, linear: list[float],
+                             slopes: Optional[Tensor],
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                              sinks: Optional[Tensor], want_dist_grad: bool
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -373,8 +374,8 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
-        grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale, ctx.deterministic,
-        ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks, want_dist)
+        grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale,
+        ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks, want_dist)
     # One gradient per input: q, k, v, kernel (a list), plan_dims, scale, deterministic,
     # softcap, linear, slopes, dist_bias, dist_run_end, sinks.
     return (dq, dk, dv, [None] * len(kernel), None, None, None, None, None, None,
