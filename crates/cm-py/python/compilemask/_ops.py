@@ -375,7 +375,8 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
         grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale,
-        ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks, want_dist)
+        ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks,
+        want_dist)
     # One gradient per input: q, k, v, kernel (a list), plan_dims, scale, deterministic,
     # softcap, linear, slopes, dist_bias, dist_run_end, sinks.
     return (dq, dk, dv, [None] * len(kernel), None, None, None, None, None, None,
