@@ -242,11 +242,20 @@ struct KeyWindow {
 #[derive(Default)]
 struct BallRuns {
     key: Option<BallKey>,
-    runs: Vec<(i64, i64)>,
+    runs: Vec<BallRun>,
     /// The query columns `x` (ascending, distinct) where some run's clamp to its grid row
     /// or to the keys starts or stops holding: a piece of slope 1 from column `x0` is
     /// uniform until the first of them above `x0`.
     flips: Vec<i64>,
+}
+
+/// One run of a ball: the first key of its grid row, its half-width, and the first query
+/// column from which its end is clamped to the grid row's end (`x + rx + 1 >= w`).
+#[derive(Clone, Copy)]
+struct BallRun {
+    base: i64,
+    rx: i64,
+    hi_from: i64,
 }
 
 /// What a ball's runs (grid row, half-width) depend on: the grid, the metric, the radius
@@ -2110,7 +2119,11 @@ impl<'a, 'p> Solver<'a, 'p> {
                     let last_dy = (last_row - (tq + dt) * hd - yq).min(ry).min(hd - 1 - yq);
                     for dy in (-ry).max(-yq)..=last_dy {
                         if let Some(rx) = reach(cost(dt) + cost(dy)) {
-                            runs.push(((tq + dt) * hd + (yq + dy), rx));
+                            runs.push(BallRun {
+                                base: gv.at + ((tq + dt) * hd + (yq + dy)) * w,
+                                rx,
+                                hi_from: w.saturating_sub(rx).saturating_sub(1),
+                            });
                         }
                     }
                 }
@@ -2120,14 +2133,13 @@ impl<'a, 'p> Solver<'a, 'p> {
             // run's ends reach the keys' end.
             let BallRuns { runs, flips, .. } = &mut *cache;
             flips.clear();
-            for &(row, rx) in runs.iter() {
-                let base = gv.at + row * w;
-                let past = kv_len.saturating_sub(base);
+            for run in runs.iter() {
+                let past = kv_len.saturating_sub(run.base);
                 flips.extend([
-                    rx.saturating_add(1),
-                    w.saturating_sub(rx).saturating_sub(1),
-                    past.saturating_sub(rx),
-                    past.saturating_add(rx),
+                    run.rx.saturating_add(1),
+                    run.hi_from,
+                    past.saturating_sub(run.rx),
+                    past.saturating_add(run.rx),
                 ]);
             }
             // Only flips inside the grid row matter: a piece starts at a column x0 >= 0
@@ -2156,8 +2168,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         // Room for one interval more, which a union with keys before the grid's (the text
         // keys of CLEAR) puts in front without growing the list.
         let mut out: Vec<AffineInterval> = Vec::with_capacity(runs.len() + 1);
-        for &(row, rx) in runs {
-            let base = gv.at + row * w;
+        for &BallRun { base, rx, hi_from } in runs {
             // Clamped as soon as the run reaches its grid row's edge, so runs of adjacent
             // grid rows touch exactly when both are clamped (both constant).
             let lo = if x0 <= rx {
@@ -2168,7 +2179,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                     step: slope,
                 }
             };
-            let hi = if x0.saturating_add(rx).saturating_add(1) >= w {
+            let hi = if x0 >= hi_from {
                 Affine::constant(base + w)
             } else {
                 Affine {

@@ -325,6 +325,8 @@ struct Scratch {
     cursor: Vec<u32>,
     /// A stretch's extremes of each interval (see [`add_stretch`]).
     extremes: Vec<[u32; 4]>,
+    /// Each endpoint's direction over a group of short runs (see [`monotone_rows`]).
+    signs: Vec<[u32; 2]>,
 }
 
 impl TileDescriptor {
@@ -467,7 +469,7 @@ impl TileDescriptor {
         // First pass: the tile lists, block by block.
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            let groups = Groups::Find(&mut monotone);
+            let groups = Groups::Find(&mut monotone, &mut s.signs);
             block_segments(
                 touch,
                 runs,
@@ -772,8 +774,8 @@ fn block_segments<'r>(
             continue;
         }
         let stretch = match &mut groups {
-            Groups::Find(found) => {
-                let stretch = monotone_rows(rows, (seg.a, seg.b), bn);
+            Groups::Find(found, signs) => {
+                let stretch = monotone_rows(rows, (seg.a, seg.b), bn, signs);
                 found.push(stretch);
                 stretch
             }
@@ -793,7 +795,8 @@ fn block_segments<'r>(
 /// then whether it is a stretch (see [`monotone_rows`]): found and recorded by the first
 /// pass over the blocks, read back by the second.
 enum Groups<'m, 'i> {
-    Find(&'m mut Vec<Option<bool>>),
+    /// The records to append to, and scratch for [`monotone_rows`].
+    Find(&'m mut Vec<Option<bool>>, &'m mut Vec<[u32; 2]>),
     Known(&'m mut std::slice::Iter<'i, Option<bool>>),
 }
 
@@ -801,34 +804,53 @@ enum Groups<'m, 'i> {
 /// each start and each end is monotone over them (CLEAR's image-edge rows: one- and two-row
 /// pieces whose clamps change one by one). `Some(stretch)` when they are, `stretch` telling
 /// whether no endpoint moves by more than a tile (`bn` keys) from one row to the next;
-/// `None` otherwise. Cost O(rows x intervals).
-fn monotone_rows(rows: &RowIntervals, (a, b): (u32, u32), bn: u32) -> Option<bool> {
+/// `None` otherwise, and for keys from 2^31 (beyond the planner's lengths), whose steps
+/// the check below does not take exactly. `signs` is scratch. Cost O(rows x intervals).
+fn monotone_rows(
+    rows: &RowIntervals,
+    (a, b): (u32, u32),
+    bn: u32,
+    signs: &mut Vec<[u32; 2]>,
+) -> Option<bool> {
+    if rows.kv_len() > i32::MAX as u32 {
+        return None;
+    }
     let (first, last) = (rows.row_runs(a), rows.row_runs(b - 1));
-    let k = first.len();
-    // Each endpoint's direction is the one from the first row to the last; every step must
-    // keep it or stay. Checked a row at a time, without a branch per endpoint.
-    let keeps = |p: u32, r: u32, f: u32, l: u32| (p <= r) == (f <= l) || p == r;
-    let mut widest_step = 0u32;
+    // Each endpoint's direction is the one from the first row to the last, as a mask that
+    // negates a step against it (all ones) or keeps it (zero): every step, so oriented, must
+    // be non-negative, and the rows are a stretch when none exceeds a tile. Checked a row at
+    // a time, without a branch per endpoint; a step between keys below 2^31 is exact as an
+    // `i32`.
+    let dir = |f: u32, l: u32| if f <= l { 0 } else { u32::MAX };
+    signs.clear();
+    signs.extend(
+        first
+            .iter()
+            .zip(last)
+            .map(|(f, l)| [dir(f.start, l.start), dir(f.end, l.end)]),
+    );
+    let oriented = |p: u32, r: u32, m: u32| ((r.wrapping_sub(p) ^ m).wrapping_sub(m)) as i32;
+    let (mut against, mut far) = (0i32, 0i32);
     let mut prev = first;
     for q in a + 1..b {
         let row = rows.row_runs(q);
-        if row.len() != k {
+        if row.len() != first.len() {
             return None;
         }
-        let mut monotone = true;
-        for ((p, r), (f, l)) in prev.iter().zip(row).zip(first.iter().zip(last)) {
-            monotone &=
-                keeps(p.start, r.start, f.start, l.start) & keeps(p.end, r.end, f.end, l.end);
-            widest_step = widest_step
-                .max(p.start.abs_diff(r.start))
-                .max(p.end.abs_diff(r.end));
+        for ((p, r), m) in prev.iter().zip(row).zip(signs.iter()) {
+            let (s, e) = (
+                oriented(p.start, r.start, m[0]),
+                oriented(p.end, r.end, m[1]),
+            );
+            against |= s | e;
+            far |= i32::from(s as u32 > bn) | i32::from(e as u32 > bn);
         }
-        if !monotone {
+        if against < 0 {
             return None;
         }
         prev = row;
     }
-    Some(widest_step <= bn)
+    Some(far == 0)
 }
 
 /// Adds one segment's rows to the block's touched tile ranges and to `inter`, the keys that
@@ -1113,7 +1135,61 @@ fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, V
 
 #[cfg(test)]
 mod tests {
-    use super::DivU32;
+    use super::{DivU32, TileDescriptor, TileShape};
+    use crate::rows::RowIntervals;
+
+    /// Rows of one-row runs (so the builder groups them), monotone or not, some of whose
+    /// endpoints step by more than 2^31 keys from one row to the next: over `kv_len` from
+    /// 2^31 they are not taken as monotone (such steps do not fit the check's 32 bits, and a
+    /// fall past 2^31 would read as a rise), and either way the descriptor is the per-row
+    /// builder's.
+    #[test]
+    fn short_runs_with_steps_past_2_pow_31() {
+        for (kv_len, jump) in [
+            (3_000_000_000u32, 2_500_000_000u32),
+            (1_900_000_000, 1_800_000_000),
+        ] {
+            let monotone = |q: u32| {
+                let s = if q < 5 { 100 + q } else { jump + q };
+                vec![(q, q + 2), (s, s + 5 + q)]
+            };
+            let sawtooth = |q: u32| match q % 3 {
+                0 => vec![(q, q + 2), (jump + q, jump + 20)],
+                1 => vec![(q, q + 3), (100 + q, jump + 21)],
+                _ => vec![(q + 1, q + 4), (jump + 2, jump + 22)],
+            };
+            // Rises below 2^31 and one fall past it: every step looks like a rise in 32
+            // bits.
+            let ends = [
+                200_000_000u32,
+                1_700_000_000,
+                3_200_000_000,
+                700_000_000,
+                2_200_000_000,
+            ];
+            let hidden_fall = |q: u32| {
+                let e = ends[q.min(4) as usize].min(kv_len - 1);
+                vec![(q, q + 2), (e - 5, e)]
+            };
+            for make in [
+                &monotone as &dyn Fn(u32) -> Vec<(u32, u32)>,
+                &sawtooth,
+                &hidden_fall,
+            ] {
+                let rows =
+                    RowIntervals::from_rows(kv_len, &(0..9).map(make).collect::<Vec<_>>()).unwrap();
+                let runs: Vec<u32> = (0..9).collect();
+                for block_n in [1 << 20, 1 << 16] {
+                    let tile = TileShape {
+                        block_m: 16,
+                        block_n,
+                    };
+                    let fast = TileDescriptor::try_build_runs(&rows, &runs, tile, usize::MAX);
+                    assert_eq!(fast, TileDescriptor::try_build(&rows, tile, usize::MAX));
+                }
+            }
+        }
+    }
 
     #[test]
     fn division_by_multiply_high_is_exact() {
