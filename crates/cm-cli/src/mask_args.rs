@@ -236,8 +236,7 @@ fn utf8<'a>(arg: &'a OsStr, what: &str) -> Result<&'a str> {
 /// `arg`, or the contents of FILE when `arg` is `@FILE` (`what` names the flag in errors).
 fn text_or_file(what: &str, arg: &OsStr) -> Result<String> {
     match at_path(arg) {
-        Some(path) => read_capped_text(&path, &format!("the {what} file"))
-            .with_context(|| format!("{what}: cannot read `{}`", path.display())),
+        Some(path) => read_capped_text(&path, &format!("the {what} file")),
         None => Ok(utf8(arg, what)?.to_string()),
     }
 }
@@ -347,8 +346,7 @@ impl MaskArgs {
             let what = format!("--set {name}");
             let v: Value = if let Some(path) = value.strip_prefix(b"@") {
                 let path = os_path(path);
-                let text = read_capped_text(&path, &format!("the {what} file"))
-                    .with_context(|| format!("{what}: cannot read `{}`", path.display()))?;
+                let text = read_capped_text(&path, &format!("the {what} file"))?;
                 let items = compilemask::parse_int_list(&text).map_err(|e| {
                     PlanError::new(Code::BadParamValue, None, format!("{what}: {e}"))
                 })?;

@@ -231,8 +231,19 @@ fn unknown_or_ill_typed_parameters() {
             "--set",
             "lengths=@missing_file",
         ],
-        &["--set lengths", "cannot read `missing_file`"],
+        &["cannot read the --set lengths file `missing_file`: "],
     );
+    // Files after `@` are named once, by the reader: no context repeating it.
+    for args in [
+        &["--q-len", "8", "--set", "lengths=@missing_file"][..],
+        &["--cu-seqlens-q", "@missing_file"][..],
+    ] {
+        let err = fails(
+            &[&["plan", "--builtin", "document_causal"][..], args].concat(),
+            &["cannot read", "missing_file"],
+        );
+        assert_eq!(err.matches("missing_file").count(), 1, "{err}");
+    }
     let bad = write(&dir, "bad_lengths.txt", "4 four 4\n");
     fails(
         &[

@@ -867,28 +867,35 @@ impl<'p> Bound<'p> {
                 let pv = self.eval_int(p, env)?;
                 match self.grids[*g].coords(pv) {
                     Some(c) => c[*axis as usize],
-                    None => return Err(self.outside_grid(*g, pv, p.span)),
+                    None => return Err(self.outside_grid(*g, pv, p.span, p.has_k())),
                 }
             }
         })
     }
 
-    pub fn outside_grid(&self, g: GridId, p: i64, span: Span) -> PlanError {
+    /// `CM0310` for the coordinates of position `p` outside grid `g`; `of_key` says whether
+    /// the position reads `k`, whose guard is a region (`k in G & ...`), since an `if`
+    /// condition cannot read `k`.
+    pub fn outside_grid(&self, g: GridId, p: i64, span: Span, of_key: bool) -> PlanError {
         let gv = &self.grids[g];
+        let name = &self.program.grids[g].name;
         PlanError::new(
             Code::OutsideGrid,
             Some(span),
             format!(
-                "position {p} is not in grid `{}`, which covers [{}, {})",
-                self.program.grids[g].name,
+                "position {p} is not in grid `{name}`, which covers [{}, {})",
                 gv.at,
                 gv.at + gv.size
             ),
         )
-        .with_hint(format!(
-            "guard coordinates with `if q in {} then ... else ...`",
-            self.program.grids[g].name
-        ))
+        .with_hint(if of_key {
+            format!(
+                "guard key coordinates with `k in {name} & ...`: `&` evaluates its right side \
+                 only where its left side holds"
+            )
+        } else {
+            format!("guard coordinates with `if q in {name} then ... else ...`")
+        })
     }
 
     /// Evaluates a boolean; `and` / `or` short-circuit.

@@ -103,19 +103,23 @@ impl TreeTable {
             }
             if v >= 0 && state[v as usize] == ON_WALK {
                 let at_cycle = walk.iter().position(|&w| w as i64 == v).unwrap_or(0);
-                let cycle: Vec<String> = walk[at_cycle..]
+                let len = walk.len() - at_cycle;
+                let shown: Vec<String> = walk[at_cycle..]
                     .iter()
                     .take(8)
                     .map(usize::to_string)
                     .collect();
-                let more = if walk.len() - at_cycle > 8 {
-                    " -> ..."
+                // Every `a -> b` shown is a parent link; a long cycle skips to its end.
+                let (size, cycle) = if len > 8 {
+                    (
+                        format!(" of {len} nodes"),
+                        format!("{} -> ... -> {v}", shown.join(" -> ")),
+                    )
                 } else {
-                    ""
+                    (String::new(), format!("{} -> {v}", shown.join(" -> ")))
                 };
                 return bad(format!(
-                    "tree `{name}` has a cycle: {} -> {v}{more} (a node's parents must reach a root)",
-                    cycle.join(" -> ")
+                    "tree `{name}` has a cycle{size}: {cycle} (a node's parents must reach a root)"
                 ));
             }
             for &w in walk.iter().rev() {
@@ -310,13 +314,32 @@ mod tests {
                 "{parents:?}"
             );
         }
+        // A long cycle shows its first links and its end: every `a -> b` is a parent link.
         let long: Vec<i64> = (1..=20).chain([0]).collect();
         let e = table(&long).unwrap_err();
-        assert!(
-            e.message
-                .ends_with("-> ... (a node's parents must reach a root)"),
-            "{}",
-            e.message
+        assert_eq!(
+            e.message,
+            "tree `t` has a cycle of 21 nodes: 0 -> 1 -> 2 -> 3 -> 4 -> 5 -> 6 -> 7 -> ... -> 0 \
+             (a node's parents must reach a root)"
         );
+        for parents in [
+            vec![0],
+            vec![-1, 2, 3, 1],
+            long,
+            (1..=9).chain([0]).collect(),
+        ] {
+            let e = table(&parents).unwrap_err();
+            let chain = e.message.split(": ").nth(1).unwrap();
+            let chain = chain.split(" (").next().unwrap();
+            let nodes: Vec<&str> = chain.split(" -> ").collect();
+            for pair in nodes.windows(2) {
+                if let [a, b] = pair {
+                    if *a != "..." && *b != "..." {
+                        let (a, b): (usize, i64) = (a.parse().unwrap(), b.parse().unwrap());
+                        assert_eq!(parents[a], b, "{}", e.message);
+                    }
+                }
+            }
+        }
     }
 }

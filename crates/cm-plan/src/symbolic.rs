@@ -662,7 +662,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             IntKind::GridCoord(g, axis, pos) => {
                 let pos = self.int(p, pos)?;
                 if !self.in_grid(p, *g, pos)? {
-                    return Err(self.bound.outside_grid(*g, pos.first, span).into());
+                    return Err(self.bound.outside_grid(*g, pos.first, span, false).into());
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }

@@ -519,6 +519,38 @@ fn cm0310_grid_coordinate_outside_grid() {
     );
 }
 
+/// CM0310's hint guards the side whose position failed: a query's coordinates with `if q in
+/// G`, a key's with `k in G & ...` (an `if` condition cannot read `k`), and the guard it
+/// suggests plans, exactly.
+#[test]
+fn cm0310_hint_guards_the_side_that_failed() {
+    let hint = |src: &str| {
+        let program = compilemask::compile_named(src, NAME).unwrap();
+        let err = program.plan(&opts(6)).unwrap_err();
+        assert_eq!(err.code, "CM0310", "{err}");
+        err.hint.unwrap()
+    };
+    assert_eq!(
+        hint("grid img = [2, 2] at 2;\nmask = k <= img.x(q);\n"),
+        "guard coordinates with `if q in img then ... else ...`"
+    );
+    assert_eq!(
+        hint("grid img = [2, 2] at 2;\nmask = img.y(k) == 1;\n"),
+        "guard key coordinates with `k in img & ...`: `&` evaluates its right side only where \
+         its left side holds"
+    );
+    let guarded = "grid img = [2, 2] at 2;\nmask = k in img & img.y(k) == 1;\n";
+    let plan = compilemask::compile_named(guarded, NAME)
+        .unwrap()
+        .plan(&opts(6))
+        .unwrap();
+    let rows = &plan.mask(0, 0).rows;
+    for q in 0..6 {
+        let row: Vec<(u32, u32)> = rows.row(q).iter().map(|i| (i.start, i.end)).collect();
+        assert_eq!(row, [(4, 6)], "row {q}");
+    }
+}
+
 #[test]
 fn cm0311_bad_grid_extent() {
     plan_golden(
