@@ -18,6 +18,7 @@ mod plan;
 mod program;
 mod reference;
 mod serve;
+mod shard;
 
 use pyo3::prelude::*;
 
@@ -53,6 +54,7 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<errors::Diagnostic>()?;
     m.add_class::<program::Program>()?;
     m.add_class::<plan::Plan>()?;
+    m.add_class::<shard::Sharding>()?;
     m.add_class::<serve::Step>()?;
     m.add_function(wrap_pyfunction!(errors::py_plan_error, m)?)?;
     m.add_function(wrap_pyfunction!(program::compile, m)?)?;

@@ -356,6 +356,12 @@ impl Plan {
         Ok((py_bytes(py, &row_ptr), py_bytes(py, &flat)))
     }
 
+    /// This plan's sequence dealt to `ranks` ranks in chunks of `chunk` tokens by work
+    /// (context parallelism, `cm_shard`); `ValueError` naming what cannot be sharded.
+    fn shard(&self, ranks: u32, chunk: u32) -> PyResult<crate::shard::Sharding> {
+        crate::shard::Sharding::new(self, ranks, chunk)
+    }
+
     /// The CUDA kernels' descriptor of the whole plan at their tile shape
     /// (`cuda_kernel_tile`): every distinct mask back to back and the plan's `mask_index
     /// [batch, num_heads]` (`cm_cuda::HostPlan::build_masks`), one uint32 bytes object per

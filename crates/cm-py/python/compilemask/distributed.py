@@ -1,0 +1,372 @@
+"""Context parallelism: one long sequence split across ranks by the work its mask gives each
+token, each rank fetching from the others only the keys its rows see.
+
+A plain split by positions gives the ranks very different work (the last of two shards of a
+causal mask computes three times the pairs of the first), and ring attention moves every
+key to every rank. :class:`ContextParallel` cuts the sequence into chunks, deals them to the
+ranks so that each holds about the same number of visible pairs and the same number of
+tokens, and derives, for every pair of ranks, the ranges of keys one reads from the other and
+its rows against them as a plan of their own (``cm_shard`` in the Rust core; MagiAttention's
+dispatch by mask area and FlashMask's context-parallel balancing balance the same quantity).
+
+>>> import compilemask as cm
+>>> from compilemask.distributed import ContextParallel
+>>> cp = ContextParallel(cm.builtin("causal").plan(4096), ranks=2, chunk=256)
+>>> [w / sum(cp.work) for w in cp.work]
+[0.5, 0.5]
+
+Each rank holds its tokens' Q, K and V (``cp.shard(x, rank)``: the rank's rows of a tensor
+in the program's positions); :func:`attention` runs one rank's part: it fetches the keys it
+reads over ``torch.distributed`` (one ``all_to_all_single`` for K and one for V; NCCL on GPUs,
+gloo on CPU), runs :func:`compilemask.attention` on each source's part and merges the partial
+results by lse. In the backward the gradients of fetched keys go back to their ranks the same
+way and are summed there; dQ stays local. :func:`simulate` runs every rank in one process
+through the same per-rank code (the transport is indexing instead of a collective), for tests
+and single-GPU development; its output and gradients are those of ``cm.attention`` on the
+whole sequence.
+
+Layouts: ``[batch, heads, seq, head_dim]`` as :func:`compilemask.attention` takes them; the
+plan is batch 1 with one mask for every head (a packed plan of documents, say) and no score
+terms. Positions are 0-based and ranges half-open.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from ._program import Plan
+from ._torch import require_torch
+
+__all__ = ["ContextParallel", "attention", "simulate"]
+
+
+class ContextParallel:
+    """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens (default:
+    512, or ``len // ranks`` when that gives fewer chunks than ranks) by visible pairs.
+
+    Rank ``r`` holds new positions ``offsets[r] .. offsets[r + 1]``, original tokens
+    ``order[offsets[r]:offsets[r + 1]]`` (its chunks, ascending). ``ValueError`` when the
+    plan is not one square mask of batch 1 without score terms, or has fewer chunks than
+    ranks.
+    """
+
+    __slots__ = ("_native", "plan", "_plans", "_index")
+
+    def __init__(self, plan: Plan, ranks: int, chunk: Optional[int] = None):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+        if chunk is None:
+            chunk = 512 if plan.q_len >= 512 * ranks else max(1, plan.q_len // ranks)
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        self._native = plan._native.shard(ranks, chunk)
+        self.plan = plan
+        self._plans: dict = {}
+        self._index: dict = {}
+
+    @property
+    def ranks(self) -> int:
+        return self._native.ranks
+
+    @property
+    def chunk(self) -> int:
+        return self._native.chunk
+
+    @property
+    def offsets(self) -> list[int]:
+        """``ranks + 1`` boundaries of the ranks' positions in the sharded order."""
+        return self._native.offsets
+
+    @property
+    def chunks(self) -> list[list[int]]:
+        """Each rank's chunks (chunk ``c``: original tokens ``c * chunk .. (c + 1) * chunk``)."""
+        return self._native.chunks
+
+    @property
+    def work(self) -> list[int]:
+        """Visible pairs of each rank's rows."""
+        return self._native.work
+
+    @property
+    def computed_pairs(self) -> list[int]:
+        """Pairs each rank's kernels compute at the plan's tile (its parts' non-empty tiles)."""
+        return self._native.computed_pairs()
+
+    def shard_len(self, rank: int) -> int:
+        return self.offsets[rank + 1] - self.offsets[rank]
+
+    def fetched(self, rank: int) -> int:
+        """Keys ``rank`` fetches from the other ranks (K and V each)."""
+        return self._native.fetched(rank)
+
+    def ring_fetched(self, rank: int) -> int:
+        """Keys ring attention would move to ``rank``: every other rank's."""
+        return self._native.ring_fetched(rank)
+
+    def keys(self, rank: int, source: int) -> list[tuple[int, int]]:
+        """Ranges of ``source``'s local key positions that ``rank``'s rows see."""
+        return self._native.keys(rank, source)
+
+    def part_plan(self, rank: int, source: int) -> Plan:
+        """``rank``'s rows against the keys it reads from ``source``, compacted, as a plan."""
+        key = (rank, source)
+        if key not in self._plans:
+            self._plans[key] = Plan(self._native.part_plan(rank, source), self.plan.program)
+        return self._plans[key]
+
+    def order(self, device: Any = None) -> Any:
+        """``order[new] = original`` as an int64 tensor."""
+        torch = require_torch("ContextParallel.order")
+        return _int32_tensor(torch, self._native.order).to(device=device, dtype=torch.int64)
+
+    def key_index(self, rank: int, source: int, device: Any = None) -> Any:
+        """The local key positions of ``source`` that ``rank`` fetches, as an int64 tensor."""
+        torch = require_torch("ContextParallel.key_index")
+        key = (rank, source, str(device))
+        if key not in self._index:
+            ranges = self.keys(rank, source)
+            pieces = [torch.arange(a, b) for a, b in ranges]
+            index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+            self._index[key] = index.to(device)
+        return self._index[key]
+
+    def shard(self, x: Any, rank: int, dim: int = -2) -> Any:
+        """Rank ``rank``'s tokens of ``x`` (positions in the program's order along ``dim``)."""
+        index = self.order(x.device)[self.offsets[rank]:self.offsets[rank + 1]]
+        return x.index_select(dim, index)
+
+    def unshard(self, shards: list, dim: int = -2) -> Any:
+        """The inverse of :meth:`shard` over every rank: the ranks' tensors back in the
+        program's order along ``dim``."""
+        torch = require_torch("ContextParallel.unshard")
+        if len(shards) != self.ranks:
+            raise ValueError(f"unshard takes one tensor per rank ({self.ranks}), got {len(shards)}")
+        whole = torch.cat(list(shards), dim)
+        inverse = torch.empty_like(order := self.order(whole.device))
+        inverse[order] = torch.arange(order.numel(), device=whole.device)
+        return whole.index_select(dim, inverse)
+
+
+def _int32_tensor(torch: Any, raw: bytes) -> Any:
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
+
+
+def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale: float,
+                    enable_gqa: bool, deterministic: bool) -> tuple:
+    """One rank's attention from its queries and, per source rank, the keys and values it
+    fetched (``None`` where it reads none): the parts merged by lse, in float32, as
+    FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
+    exp(lse_s - lse) out_s``). Rows that see no key get 0 and lse -inf. lse is float32
+    (float64 for float64 inputs), as :func:`compilemask.attention`'s."""
+    torch = require_torch("compilemask.distributed.attention")
+    from ._torch import attention as cm_attention
+
+    # Merged in float32 (float64 for float64 inputs, which the CPU reference computes in).
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs, lses = [], []
+    for source, kv in enumerate(fetched):
+        if kv is None:
+            continue
+        k, v = kv
+        out, lse = cm_attention(q, k, v, cp.part_plan(rank, source), scale=scale,
+                                enable_gqa=enable_gqa, return_lse=True,
+                                deterministic=deterministic)
+        outs.append(out)
+        lses.append(lse.to(acc))
+    b, h, n, _ = q.shape
+    dv = _fetched_dim(fetched, q)
+    if not outs:
+        return (q.new_zeros((b, h, n, dv)),
+                torch.full((b, h, n), -math.inf, dtype=acc, device=q.device))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    stacked = torch.stack(lses)
+    # Rows that see no key in any part keep lse -inf and weight 0, and give no gradient: every
+    # branch that is not selected there stays finite (exp(-inf - -inf) and log(0) would not).
+    seen = torch.isfinite(stacked).any(0)
+    top = torch.where(seen, stacked.amax(0), 0.0).detach()
+    total = torch.exp(stacked - top).sum(0)
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, 1.0)), -math.inf)
+    weights = torch.exp(stacked - torch.where(seen, lse, 0.0))
+    out = sum(w.unsqueeze(-1) * o.to(acc) for w, o in zip(weights, outs))
+    return out.to(q.dtype), lse
+
+
+def _fetched_dim(fetched: list, q: Any) -> int:
+    for kv in fetched:
+        if kv is not None:
+            return kv[1].shape[-1]
+    return q.shape[-1]
+
+
+def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
+             scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
+             deterministic: bool = False) -> Any:
+    """Every rank of ``cp`` in one process through :func:`attention`'s per-rank code, the
+    transport being indexing: ``query`` / ``key`` / ``value`` are the whole sequence in the
+    program's positions (``[batch, heads, seq, head_dim]``); the result (and, through
+    autograd, the gradients) is in those positions too, as :func:`compilemask.attention`'s on
+    the whole sequence."""
+    require_torch("compilemask.distributed.simulate")
+    _check_lengths(cp, query, key, value)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    shards = [(cp.shard(query, r), cp.shard(key, r), cp.shard(value, r)) for r in range(cp.ranks)]
+    outs, lses = [], []
+    for r in range(cp.ranks):
+        fetched = []
+        for s in range(cp.ranks):
+            index = cp.key_index(r, s, query.device)
+            if index.numel() == 0:
+                fetched.append(None)
+            else:
+                fetched.append((shards[s][1].index_select(-2, index),
+                                shards[s][2].index_select(-2, index)))
+        out, lse = _rank_attention(cp, r, shards[r][0], fetched, float(scale), enable_gqa,
+                                   deterministic)
+        outs.append(out)
+        lses.append(lse)
+    out = cp.unshard(outs, -2)
+    return (out, cp.unshard(lses, -1)) if return_lse else out
+
+
+def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: Any = None,
+              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
+              deterministic: bool = False) -> Any:
+    """This rank's part of context-parallel attention over ``torch.distributed``: ``query``,
+    ``key`` and ``value`` are this rank's shards (``cp.shard(x, rank)``, ``[batch, heads,
+    cp.shard_len(rank), head_dim]``); the rank is ``group``'s (the default group when
+    ``None``), whose size must be ``cp.ranks``. Returns this rank's output (and lse) in its
+    shard's positions; differentiable (the gradients of fetched keys are sent back to their
+    ranks and summed there). Every rank must call it, with equal ``batch``, heads and dtypes.
+    """
+    torch = require_torch("compilemask.distributed.attention")
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size != cp.ranks:
+        raise ValueError(f"the process group has {size} ranks, the sharding {cp.ranks}")
+    n = cp.shard_len(rank)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[2] != n:
+            raise ValueError(
+                f"{name} must be rank {rank}'s shard [batch, heads, {n}, head_dim], got shape "
+                f"{tuple(t.shape)}"
+            )
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    anchor, *pieces = _Fetch.apply(key, value, cp, rank, group)
+    fetched = []
+    it = iter(pieces)
+    for s in range(cp.ranks):
+        if s == rank:
+            index = cp.key_index(rank, rank, key.device)
+            fetched.append(None if index.numel() == 0
+                           else (key.index_select(-2, index), value.index_select(-2, index)))
+        elif cp.keys(rank, s):
+            fetched.append((next(it), next(it)))
+        else:
+            fetched.append(None)
+    out, lse = _rank_attention(cp, rank, query, fetched, float(scale), enable_gqa,
+                               deterministic)
+    out = out + anchor.to(out.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _check_lengths(cp: ContextParallel, *tensors: Any) -> None:
+    for name, t in zip(("query", "key", "value"), tensors):
+        if t.dim() != 4 or t.shape[2] != cp.plan.q_len:
+            raise ValueError(
+                f"{name} must be [batch, heads, {cp.plan.q_len}, head_dim] (the plan's "
+                f"sequence), got shape {tuple(t.shape)}"
+            )
+
+
+def _exchange(torch: Any, dist: Any, send: list, recv_sizes: list, like: Any, group: Any) -> list:
+    """``send[s]`` (token-major ``[n_s, ...]``) to rank ``s`` and ``recv_sizes[s]`` tokens from
+    each, by one ``all_to_all_single``; the received pieces in rank order."""
+    flat = torch.cat(send, 0).contiguous()
+    out = like.new_empty((sum(recv_sizes),) + tuple(flat.shape[1:]))
+    dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
+                           input_split_sizes=[t.shape[0] for t in send], group=group)
+    return list(torch.split(out, recv_sizes, 0))
+
+
+def _fetch_cls() -> Any:
+    torch = require_torch("compilemask.distributed.attention")
+
+    class Fetch(torch.autograd.Function):
+        """A zero scalar (the anchor: the caller adds it to its output, so that this rank's
+        backward always runs, as the other ranks' backward exchanges need it to), then the keys
+        and values this rank reads from every other rank (sources ascending, K then V of each,
+        only sources it reads). Backward returns their gradients to their ranks, which add
+        them at the keys they sent."""
+
+        @staticmethod
+        def forward(ctx, k, v, cp, rank, group):
+            import torch.distributed as dist
+
+            ranks = cp.ranks
+            # What each rank s wants of mine, and what I want of each.
+            send_index = [k.new_zeros(0, dtype=torch.int64) if s == rank
+                          else cp.key_index(s, rank, k.device) for s in range(ranks)]
+            recv_sizes = [0 if s == rank else sum(b - a for a, b in cp.keys(rank, s))
+                          for s in range(ranks)]
+            ctx.save_for_backward(*send_index)
+            ctx.meta = (cp, rank, group, recv_sizes, tuple(k.shape), tuple(v.shape), k.dtype,
+                        k.device)
+            pieces = []
+            for x in (k, v):
+                tokens = x.permute(2, 0, 1, 3)  # [n, b, h, d]
+                got = _exchange(torch, dist, [tokens.index_select(0, i) for i in send_index],
+                                recv_sizes, tokens, group)
+                pieces.append([g.permute(1, 2, 0, 3) for g in got])
+            out = [k.new_zeros(())]
+            for s in range(ranks):
+                if s != rank and recv_sizes[s] > 0:
+                    out += [pieces[0][s], pieces[1][s]]
+            return tuple(out)
+
+        @staticmethod
+        def backward(ctx, _anchor, *grads):
+            import torch.distributed as dist
+
+            send_index = ctx.saved_tensors
+            cp, rank, group, recv_sizes, k_shape, v_shape, dtype, device = ctx.meta
+            it = iter(grads)
+            back = {s: (next(it), next(it)) for s in range(cp.ranks)
+                    if s != rank and recv_sizes[s] > 0}
+            results = []
+            for which, (b, h, n, d) in enumerate((k_shape, v_shape)):
+                send = []
+                for s in range(cp.ranks):
+                    g = back[s][which] if s in back else torch.zeros(
+                        (b, h, recv_sizes[s], d), dtype=dtype, device=device)
+                    send.append(g.to(dtype).permute(2, 0, 1, 3))
+                got = _exchange(torch, dist, send, [i.numel() for i in send_index], send[0],
+                                group)
+                # Summed in float32 (float64 for float64 inputs).
+                acc = torch.promote_types(dtype, torch.float32)
+                total = torch.zeros((n, b, h, d), dtype=acc, device=device)
+                for i, g in zip(send_index, got):
+                    if i.numel():
+                        total.index_add_(0, i, g.to(acc))
+                results.append(total.permute(1, 2, 0, 3).to(dtype))
+            return results[0], results[1], None, None, None
+
+    return Fetch
+
+
+class _Fetch:
+    """:func:`_fetch_cls`, built on first use (this module imports without torch)."""
+
+    fn = None
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        if cls.fn is None:
+            cls.fn = _fetch_cls()
+        return cls.fn.apply(*args)

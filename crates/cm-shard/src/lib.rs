@@ -1,0 +1,359 @@
+//! Context parallelism: one long sequence (self-attention: its tokens are both the query rows
+//! and the keys, `q_len == kv_len`) split across `ranks` devices by the work its mask gives each
+//! token, and what every rank must fetch from every other.
+//!
+//! A plain split by positions gives the ranks very different work: under a causal mask the
+//! last of two shards computes three times the pairs of the first. Here the sequence is cut
+//! into chunks of `chunk` tokens, and the chunks are dealt to the ranks so that each holds
+//! about the same number of visible pairs (query rows times their visible keys) with the same
+//! number of chunks (so the same number of tokens, give or take one short last chunk): a
+//! longest-first greedy deal with capacities, then swaps between the heaviest and the
+//! lightest rank while they shrink the gap (MagiAttention's dispatch by mask area and
+//! FlashMask's context-parallel balancing both balance the same quantity). Rank `r` holds its
+//! chunks in ascending order; the [`TokenOrder`] that concatenates rank 0's tokens, rank 1's,
+//! ... permutes the plan exactly (queries and keys alike, `cm_plan::order::permute_rows`).
+//!
+//! Each rank's rows then read keys of every rank. For each pair (rank `r`, source `s`) a
+//! [`Part`] holds the ranges of `s`'s local keys that some row of `r` sees (the only keys `r`
+//! fetches from `s`; ring attention would fetch all of them) and `r`'s rows against those keys
+//! compacted into one index range, as row intervals. Attention over the parts of one rank,
+//! merged by lse, is attention over its rows; the gradients of fetched keys go back to their
+//! source along the same ranges and are summed there.
+//!
+//! Positions are 0-based; every interval and range is half-open `[start, end)`.
+
+use cm_plan::order::{permute_rows, TokenOrder};
+use cm_plan::rows::RowIntervals;
+use cm_plan::tiles::{TileDescriptor, TileShape};
+use cm_plan::{MaskPlan, Plan};
+use serde::Serialize;
+
+/// Why a sequence cannot be sharded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardError {
+    #[error("ranks = 0: context parallelism needs at least one rank")]
+    NoRanks,
+    #[error("chunk = 0: chunks need at least one token")]
+    EmptyChunk,
+    #[error(
+        "q_len = {q_len} and kv_len = {kv_len} differ: context parallelism splits one sequence \
+         whose tokens are both the queries and the keys (self-attention)"
+    )]
+    NotSquare { q_len: u32, kv_len: u32 },
+    #[error(
+        "{len} tokens in chunks of {chunk} make {chunks} chunks, fewer than ranks = {ranks}: \
+         use a smaller chunk (at most {max_chunk}) or fewer ranks"
+    )]
+    TooFewChunks {
+        len: u32,
+        chunk: u32,
+        chunks: u32,
+        ranks: u32,
+        max_chunk: u32,
+    },
+    #[error("the mask's strided runs expand to more intervals than a plan holds: {0}")]
+    Expand(String),
+    #[error(
+        "the plan has batch = {batch} and {masks} distinct masks: context parallelism shards \
+         one sequence (batch 1, e.g. a packed plan) whose heads share one mask"
+    )]
+    NotOneMask { batch: u32, masks: usize },
+    #[error(
+        "the plan has score terms, which are bound to positions: context parallelism shards \
+         masks without them"
+    )]
+    Score,
+}
+
+/// What rank `r` reads from source rank `s` (`s == r`: its own keys, nothing to fetch).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Part {
+    /// Ranges of `s`'s local key positions (`0..shard_len(s)`) that some row of `r` sees,
+    /// ascending, disjoint and maximal.
+    pub keys: Vec<(u32, u32)>,
+    /// `r`'s rows (`0..shard_len(r)`) against those keys compacted in order: key `j` is the
+    /// `j`-th key of `keys`. `kv_len` is the number of keys fetched.
+    #[serde(skip)]
+    pub rows: RowIntervals,
+}
+
+impl Part {
+    /// Keys fetched: the sum of the ranges' lengths.
+    pub fn fetched(&self) -> u32 {
+        self.keys.iter().map(|&(a, b)| b - a).sum()
+    }
+}
+
+/// A sequence dealt to ranks by work ([`shard`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct Sharding {
+    pub ranks: u32,
+    /// Tokens per chunk (the last chunk of the sequence may be shorter).
+    pub chunk: u32,
+    /// Sequence length (`q_len == kv_len`).
+    pub len: u32,
+    /// `order[new] = original`: rank 0's tokens, then rank 1's, ...
+    pub order: TokenOrder,
+    /// `ranks + 1` entries: rank `r` holds new positions `offsets[r]..offsets[r + 1]`.
+    pub offsets: Vec<u32>,
+    /// Rank `r`'s chunks, ascending (chunk `c` is original tokens `c * chunk ..
+    /// min((c + 1) * chunk, len)`).
+    pub chunks: Vec<Vec<u32>>,
+    /// Visible pairs of each rank's rows.
+    pub work: Vec<u64>,
+    /// `parts[r][s]`: what rank `r` reads from rank `s`.
+    pub parts: Vec<Vec<Part>>,
+}
+
+impl Sharding {
+    /// Tokens held by rank `r`.
+    pub fn shard_len(&self, r: usize) -> u32 {
+        self.offsets[r + 1] - self.offsets[r]
+    }
+
+    /// Keys rank `r` fetches from the other ranks.
+    pub fn fetched(&self, r: usize) -> u64 {
+        self.parts[r]
+            .iter()
+            .enumerate()
+            .filter(|&(s, _)| s != r)
+            .map(|(_, p)| u64::from(p.fetched()))
+            .sum()
+    }
+
+    /// Keys ring attention moves to rank `r`: every other rank's shard.
+    pub fn ring_fetched(&self, r: usize) -> u64 {
+        u64::from(self.len - self.shard_len(r))
+    }
+
+    /// Part `parts[r][s]` as a plan of its own at `tile` (batch 1, one mask for every head):
+    /// `q_len` = rank `r`'s tokens, `kv_len` = the keys it fetches from `s`.
+    pub fn part_plan(&self, r: usize, s: usize, tile: TileShape) -> Plan {
+        let rows = self.parts[r][s].rows.clone();
+        let tiles = TileDescriptor::build(&rows, tile);
+        Plan {
+            q_len: rows.q_len(),
+            kv_len: rows.kv_len(),
+            batch: 1,
+            num_heads: 1,
+            tile,
+            raster_computed_pairs: tiles.computed_pairs,
+            masks: vec![MaskPlan { rows, tiles }],
+            mask_index: vec![0],
+            elementwise_pairs: 0,
+            pieces: 0,
+            order: None,
+            order_candidates: Vec::new(),
+            packing: None,
+            score: None,
+        }
+    }
+
+    /// Pairs each rank's kernels compute at `tile` (in-range pairs of the non-empty tiles of
+    /// its parts).
+    pub fn computed_pairs(&self, tile: TileShape) -> Vec<u64> {
+        self.parts
+            .iter()
+            .map(|parts| {
+                parts
+                    .iter()
+                    .map(|p| cm_plan::order::computed_pairs(&p.rows, tile))
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+/// [`shard`] of a plan's one mask; see [`Sharding::part_plan`] for the parts as plans.
+///
+/// # Errors
+/// [`ShardError::NotOneMask`] for a batch above 1 or masks that differ per head,
+/// [`ShardError::Score`] for a plan with score terms, and [`shard`]'s errors.
+pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
+    if plan.batch != 1 || plan.masks.len() != 1 {
+        return Err(ShardError::NotOneMask {
+            batch: plan.batch,
+            masks: plan.masks.len(),
+        });
+    }
+    if plan.score.is_some() {
+        return Err(ShardError::Score);
+    }
+    shard(&plan.masks[0].rows, ranks, chunk)
+}
+
+/// Deals `rows` (one square mask, `q_len == kv_len`) to `ranks` ranks in chunks of `chunk`
+/// tokens, balancing visible pairs; see the module docs. Cost: O(intervals x log) plus
+/// O(chunks x ranks).
+///
+/// # Errors
+/// [`ShardError`] for zero ranks or chunk, a mask that is not square, fewer chunks than ranks,
+/// or strided runs too many to expand.
+pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
+    if ranks == 0 {
+        return Err(ShardError::NoRanks);
+    }
+    if chunk == 0 {
+        return Err(ShardError::EmptyChunk);
+    }
+    let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+    if q_len != kv_len {
+        return Err(ShardError::NotSquare { q_len, kv_len });
+    }
+    let len = q_len;
+    let num_chunks = len.div_ceil(chunk);
+    if num_chunks < ranks {
+        return Err(ShardError::TooFewChunks {
+            len,
+            chunk,
+            chunks: num_chunks,
+            ranks,
+            max_chunk: (len / ranks).max(1),
+        });
+    }
+    let rows = rows
+        .expanded()
+        .map_err(|e| ShardError::Expand(e.to_string()))?;
+    let chunk_work: Vec<u64> = (0..num_chunks)
+        .map(|c| {
+            (c * chunk..((c + 1) * chunk).min(len))
+                .map(|q| rows.row(q).iter().map(|iv| iv.len()).sum::<u64>())
+                .sum()
+        })
+        .collect();
+    let chunks = deal(&chunk_work, ranks);
+    let work: Vec<u64> = chunks
+        .iter()
+        .map(|cs| cs.iter().map(|&c| chunk_work[c as usize]).sum())
+        .collect();
+
+    let mut order = Vec::with_capacity(len as usize);
+    let mut offsets = vec![0u32];
+    for cs in &chunks {
+        for &c in cs {
+            order.extend(c * chunk..((c + 1) * chunk).min(len));
+        }
+        offsets.push(order.len() as u32);
+    }
+    let order =
+        TokenOrder::from_permutation(order, len).expect("every chunk is dealt to exactly one rank");
+    let permuted = permute_rows(&rows, &order);
+    let parts = (0..ranks as usize)
+        .map(|r| {
+            (0..ranks as usize)
+                .map(|s| part(&permuted, &offsets, r, s))
+                .collect()
+        })
+        .collect();
+    Ok(Sharding {
+        ranks,
+        chunk,
+        len,
+        order,
+        offsets,
+        chunks,
+        work,
+        parts,
+    })
+}
+
+/// Chunks per rank: a longest-first greedy deal in which rank `r` takes `num / ranks` chunks
+/// (one more for the first `num % ranks` ranks), then swaps of one chunk between the heaviest
+/// and the lightest rank while a swap lowers the heavier of the two. Each rank's list
+/// ascending.
+fn deal(chunk_work: &[u64], ranks: u32) -> Vec<Vec<u32>> {
+    let (num, ranks) = (chunk_work.len(), ranks as usize);
+    let capacity = |r: usize| num / ranks + usize::from(r < num % ranks);
+    let mut by_work: Vec<u32> = (0..num as u32).collect();
+    by_work.sort_by_key(|&c| (std::cmp::Reverse(chunk_work[c as usize]), c));
+    let mut dealt: Vec<Vec<u32>> = vec![Vec::new(); ranks];
+    let mut load = vec![0u64; ranks];
+    for c in by_work {
+        let r = (0..ranks)
+            .filter(|&r| dealt[r].len() < capacity(r))
+            .min_by_key(|&r| (load[r], r))
+            .expect("the capacities sum to the number of chunks");
+        dealt[r].push(c);
+        load[r] += chunk_work[c as usize];
+    }
+    // Each swap strictly lowers the larger of the two loads it touches without raising the
+    // other above it, so the loop ends; the bound keeps it linear in the worst case.
+    for _ in 0..num {
+        let heavy = (0..ranks).max_by_key(|&r| (load[r], r)).unwrap_or(0);
+        let light = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        let gap = load[heavy] - load[light];
+        let mut best: Option<(u64, usize, usize)> = None;
+        for (i, &a) in dealt[heavy].iter().enumerate() {
+            for (j, &b) in dealt[light].iter().enumerate() {
+                let (wa, wb) = (chunk_work[a as usize], chunk_work[b as usize]);
+                if wa > wb && wa - wb < gap {
+                    let after = (gap as i128 - 2 * (wa - wb) as i128).unsigned_abs() as u64;
+                    if best.is_none_or(|(g, _, _)| after < g) {
+                        best = Some((after, i, j));
+                    }
+                }
+            }
+        }
+        let Some((_, i, j)) = best else { break };
+        let (a, b) = (dealt[heavy][i], dealt[light][j]);
+        let d = chunk_work[a as usize] - chunk_work[b as usize];
+        dealt[heavy][i] = b;
+        dealt[light][j] = a;
+        load[heavy] -= d;
+        load[light] += d;
+    }
+    for cs in &mut dealt {
+        cs.sort_unstable();
+    }
+    dealt
+}
+
+/// Rank `r`'s rows of `permuted` against source `s`'s keys: the union of the key ranges they
+/// see, in `s`'s local positions, and the rows on those keys compacted.
+fn part(permuted: &RowIntervals, offsets: &[u32], r: usize, s: usize) -> Part {
+    let (r0, r1) = (offsets[r], offsets[r + 1]);
+    let (k0, k1) = (offsets[s], offsets[s + 1]);
+    let clip = |q: u32| {
+        permuted.row(q).iter().filter_map(move |iv| {
+            let (a, b) = (iv.start.max(k0), iv.end.min(k1));
+            (a < b).then(|| (a - k0, b - k0))
+        })
+    };
+    let mut keys: Vec<(u32, u32)> = (r0..r1).flat_map(clip).collect();
+    keys.sort_unstable();
+    let mut merged: Vec<(u32, u32)> = Vec::with_capacity(keys.len());
+    for (a, b) in keys {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    // Compacted position of each range's first key.
+    let mut base = Vec::with_capacity(merged.len());
+    let mut fetched = 0u32;
+    for &(a, b) in &merged {
+        base.push(fetched);
+        fetched += b - a;
+    }
+    let compact = |x: u32| {
+        let i = merged.partition_point(|&(a, _)| a <= x) - 1;
+        base[i] + (x - merged[i].0)
+    };
+    let local: Vec<Vec<(u32, u32)>> = (r0..r1)
+        .map(|q| {
+            // A visible interval lies inside one merged range, so both ends map through it;
+            // intervals whose gap no row fetched become adjacent and are joined.
+            let mut row: Vec<(u32, u32)> = Vec::new();
+            for (a, b) in clip(q).map(|(a, b)| (compact(a), compact(b - 1) + 1)) {
+                match row.last_mut() {
+                    Some(last) if a == last.1 => last.1 = b,
+                    _ => row.push((a, b)),
+                }
+            }
+            row
+        })
+        .collect();
+    let rows = RowIntervals::from_rows(fetched, &local)
+        .expect("compacted intervals are sorted, disjoint and inside the fetched keys");
+    Part { keys: merged, rows }
+}

@@ -1,0 +1,186 @@
+"""Context parallelism (`compilemask.distributed`): the sharding's balance and errors (no
+torch needed), and with torch the simulated ranks and real ranks over torch.distributed
+(gloo processes on CPU; NCCL on GPUs runs the same code) against `compilemask.attention` on
+the whole sequence: output, lse and gradients, for W1, W2, W3, W6, W7 and W8 at odd lengths
+and 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+import compilemask as cm
+from compilemask.distributed import ContextParallel
+
+# The workloads context parallelism is for, at small odd lengths (docs/workloads.md's
+# builtins with shorter documents).
+WORKLOADS = [
+    ("W1 causal", lambda n: cm.builtin("causal").plan(n)),
+    ("W2 hstu", lambda n: cm.builtin("hstu", lengths=[n // 3, n // 4, n - n // 3 - n // 4],
+                                     contextual=2, target_divisor=4).plan(n)),
+    ("W3 shared_prefix", lambda n: cm.builtin(
+        "shared_prefix", prompts=[n // 4, n // 5], responses=[n // 8, n // 8, n // 7,
+                                                             n - n // 4 - n // 5 - n // 4 - n // 7],
+        group=2).plan(n)),
+    ("W6 document_causal", lambda n: cm.builtin(
+        "document_causal", lengths=[n // 2, n // 7, n - n // 2 - n // 7]).plan(n)),
+    ("W7 trace_documents", lambda n: cm.builtin("trace_documents").plan(n)),
+    ("W8 trace_prompt_groups", lambda n: cm.builtin("trace_prompt_groups").plan(n)),
+]
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_causal_work_is_balanced(ranks):
+    cp = ContextParallel(cm.builtin("causal").plan(65536), ranks=ranks)
+    mean = sum(cp.work) / ranks
+    assert all(abs(w - mean) <= 0.01 * mean for w in cp.work), cp.work
+    mean_c = sum(cp.computed_pairs) / ranks
+    assert all(abs(c - mean_c) <= 0.05 * mean_c for c in cp.computed_pairs)
+    assert sum(cp.work) == cm.builtin("causal").plan(65536).visible_pairs
+    assert [cp.shard_len(r) for r in range(ranks)] == [65536 // ranks] * ranks
+
+
+def test_documents_fetch_fewer_keys_than_ring_attention():
+    plan = cm.builtin("document_causal", lengths=[4096, 1024, 8192, 512] * 4).plan(55296)
+    cp = ContextParallel(plan, ranks=4)
+    for r in range(4):
+        assert cp.fetched(r) < cp.ring_fetched(r) == 55296 - cp.shard_len(r)
+        assert cp.keys(r, r)  # its own rows see some of its own keys
+
+
+def test_errors_name_the_value():
+    causal = cm.builtin("causal").plan(100)
+    with pytest.raises(ValueError, match="fewer than ranks = 8"):
+        ContextParallel(causal, ranks=8, chunk=64)
+    with pytest.raises(ValueError, match="ranks must be a positive int, got 0"):
+        ContextParallel(causal, ranks=0)
+    with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
+        ContextParallel(causal, ranks=2, chunk=0)
+    with pytest.raises(ValueError, match="q_len = 100 and kv_len = 120 differ"):
+        ContextParallel(cm.builtin("causal").plan(100, 120), ranks=2)
+    per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
+    with pytest.raises(ValueError, match="batch = 2 and 2 distinct masks"):
+        ContextParallel(per_batch, ranks=2)
+    with pytest.raises(ValueError, match="score terms"):
+        ContextParallel(cm.builtin("causal_softcap").plan(64), ranks=2)
+    with pytest.raises(TypeError, match="compilemask.Plan"):
+        ContextParallel("causal", ranks=2)
+    cp = ContextParallel(causal, ranks=2, chunk=10)
+    with pytest.raises(IndexError, match="rank = 2 is out of range"):
+        cp.fetched(2)
+
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+
+def _inputs(n, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((1, 4, n, 16), (1, 2, n, 16), (1, 2, n, 24))
+    return [torch.randn(s, generator=g, device=device, dtype=dtype).requires_grad_()
+            for s in shapes]
+
+
+def _grads(out, lse, q, k, v, seed):
+    g = torch.Generator(device=out.device).manual_seed(seed)
+    w = torch.randn(out.shape, generator=g, device=out.device, dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, generator=g, device=out.device, dtype=torch.float64)
+    w_lse = w_lse.masked_fill(torch.isinf(lse), 0)
+    loss = (out.double() * w).sum() + (lse.double().masked_fill(torch.isinf(lse), 0) * w_lse).sum()
+    return torch.autograd.grad(loss, (q, k, v))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name,make", WORKLOADS)
+def test_simulated_ranks_match_the_whole_sequence(name, make, ranks):
+    plan = make(301)
+    cp = ContextParallel(plan, ranks=ranks, chunk=16)
+    q, k, v = _inputs(301, torch.float64, "cpu", seed=ranks)
+    out, lse = cm.distributed.simulate(q, k, v, cp, enable_gqa=True, return_lse=True)
+    ref, ref_lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out - ref).abs().max().item() < 1e-12
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-12
+    for a, b in zip(_grads(out, lse, q, k, v, 1), _grads(ref, ref_lse, q, k, v, 1)):
+        assert torch.isfinite(a).all() and (a - b).abs().max().item() < 1e-12
+
+
+def _gloo_worker(rank, ranks, init, outdir, n):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    try:
+        plan = cm.builtin("document_causal", lengths=[n // 2, n // 7, n - n // 2 - n // 7]).plan(n)
+        cp = ContextParallel(plan, ranks=ranks, chunk=16)
+        full = _inputs(n, torch.float64, "cpu", seed=5)
+        local = [cp.shard(t.detach(), rank).requires_grad_() for t in full]
+        out, lse = cm.distributed.attention(*local, cp, enable_gqa=True, return_lse=True)
+        g = torch.Generator().manual_seed(9)
+        w = torch.randn((1, 4, n, 24), generator=g, dtype=torch.float64)
+        loss = (out * cp.shard(w, rank)).sum()
+        grads = torch.autograd.grad(loss, local)
+        torch.save({"out": out.detach(), "lse": lse.detach(), "grads": grads},
+                   os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gloo_ranks_match_the_whole_sequence(tmp_path, ranks):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    n = 203
+    init = f"file://{tmp_path / 'init'}"
+    mp.spawn(_gloo_worker, args=(ranks, init, str(tmp_path), n), nprocs=ranks, join=True)
+    plan = cm.builtin("document_causal", lengths=[n // 2, n // 7, n - n // 2 - n // 7]).plan(n)
+    cp = ContextParallel(plan, ranks=ranks, chunk=16)
+    q, k, v = _inputs(n, torch.float64, "cpu", seed=5)
+    ref, ref_lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn((1, 4, n, 24), generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
+    out = cp.unshard([r["out"] for r in results])
+    lse = cp.unshard([r["lse"] for r in results], -1)
+    assert (out - ref).abs().max().item() < 1e-12
+    assert (lse - ref_lse).abs().max().item() < 1e-12
+    for i, want in enumerate(ref_grads):
+        got = cp.unshard([r["grads"][i] for r in results])
+        assert (got - want).abs().max().item() < 1e-12, "qkv"[i]
+
+
+def test_shard_and_unshard_are_inverse():
+    cp = ContextParallel(cm.builtin("causal").plan(1000), ranks=3, chunk=64)
+    x = torch.arange(1000.0).view(1, 1, 1000, 1)
+    shards = [cp.shard(x, r) for r in range(3)]
+    assert [s.shape[2] for s in shards] == [cp.shard_len(r) for r in range(3)]
+    assert torch.equal(cp.unshard(shards), x)
+    order = cp.order()
+    assert torch.equal(torch.sort(order).values, torch.arange(1000))
+
+
+CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a Hopper GPU (compute capability 9.0)")
+@pytest.mark.parametrize("name,make", WORKLOADS)
+def test_simulated_ranks_on_the_gpu(name, make):
+    """bf16 on the kernels: within twice the whole sequence's own error against float64
+    plus 1e-3 (the merge adds one rounding of each part's output)."""
+    plan = make(1001)
+    cp = ContextParallel(plan, ranks=4, chunk=64)
+    q, k, v = _inputs(1001, torch.bfloat16, "cuda", seed=2)
+    out, lse = cm.distributed.simulate(q, k, v, cp, enable_gqa=True, return_lse=True)
+    ref, ref_lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True)
+    exact, exact_lse = cm.attention(*(t.detach().double().cpu() for t in (q, k, v)), plan,
+                                    enable_gqa=True, return_lse=True)
+    own = (ref.double().cpu() - exact).abs().max().item()
+    assert (out.double().cpu() - exact).abs().max().item() <= 2 * own + 1e-3
+    finite = torch.isfinite(exact_lse)
+    assert (lse.double().cpu()[finite] - exact_lse[finite]).abs().max().item() <= 1e-3
+    assert math.isfinite(sum(g.double().sum().item() for g in _grads(out, lse, q, k, v, 3)))
