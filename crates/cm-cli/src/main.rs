@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod mask_args;
 mod score;
+mod shard;
 mod show;
 
 use anyhow::{anyhow, Result};
@@ -119,6 +120,23 @@ enum Command {
         /// Output file (default: standard output).
         #[arg(short, long)]
         output: Option<String>,
+    },
+    /// Context parallelism: deal the mask's sequence (one square mask of batch 1) to --ranks
+    /// ranks in chunks of --chunk tokens by visible pairs, and print each rank's tokens,
+    /// visible and computed pairs (against the mean and a split by positions) and the keys
+    /// it fetches against ring attention's (docs/python.md, "Context parallelism").
+    Shard {
+        #[command(flatten)]
+        mask: MaskArgs,
+        /// Ranks (GPUs) to deal the sequence to.
+        #[arg(long)]
+        ranks: u32,
+        /// Tokens per chunk.
+        #[arg(long, default_value_t = 512)]
+        chunk: u32,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// List the built-in masks with their parameters and defaults.
     List {
@@ -468,6 +486,24 @@ fn run(command: Command) -> Result<ExitCode> {
                     );
                 }
                 out!("  plan time       {ms:.3} ms");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Shard {
+            mask,
+            ranks,
+            chunk,
+            json,
+        } => {
+            let (program, _, plan, _) = mask.plan()?;
+            let (sharding, ms) = shard::shard(&plan, ranks, chunk)?;
+            let report = shard::report(&plan, &sharding, ms);
+            if json {
+                out!("{report}");
+            } else {
+                for line in shard::lines(program.name(), &report) {
+                    out!("{line}");
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

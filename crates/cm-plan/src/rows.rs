@@ -115,6 +115,39 @@ impl RowIntervals {
         Ok(out)
     }
 
+    /// Builds from CSR arrays: row `q`'s intervals are `intervals[row_ptr[q]..row_ptr[q + 1]]`
+    /// (`row_ptr` is `[q_len + 1]`, starting at 0), which must already satisfy the invariants.
+    ///
+    /// # Errors
+    /// A message naming the first row or offset that breaks an invariant.
+    pub fn from_csr(
+        kv_len: u32,
+        row_ptr: Vec<u32>,
+        intervals: Vec<KeyInterval>,
+    ) -> Result<Self, String> {
+        let q_len = u32::try_from(row_ptr.len().saturating_sub(1))
+            .map_err(|_| "too many rows".to_string())?;
+        if row_ptr.first() != Some(&0)
+            || row_ptr.last().map(|&e| e as usize) != Some(intervals.len())
+            || row_ptr.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(format!(
+                "row_ptr must rise from 0 to the {} intervals, one entry per row and one more",
+                intervals.len()
+            ));
+        }
+        let out = RowIntervals {
+            q_len,
+            kv_len,
+            row_ptr,
+            intervals,
+            strides: Vec::new(),
+            strided: false,
+        };
+        out.validate()?;
+        Ok(out)
+    }
+
     /// Builds from per-row runs `(start, end, stride)` (stride 1: a plain interval); the
     /// runs must already satisfy the invariants of the module docs.
     ///

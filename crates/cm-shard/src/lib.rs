@@ -11,7 +11,7 @@
 //! lightest rank while they shrink the gap (MagiAttention's dispatch by mask area and
 //! FlashMask's context-parallel balancing both balance the same quantity). Rank `r` holds its
 //! chunks in ascending order; the [`TokenOrder`] that concatenates rank 0's tokens, rank 1's,
-//! ... permutes the plan exactly (queries and keys alike, `cm_plan::order::permute_rows`).
+//! ... is the permutation of the sequence (queries and keys alike).
 //!
 //! Each rank's rows then read keys of every rank. For each pair (rank `r`, source `s`) a
 //! [`Part`] holds the ranges of `s`'s local keys that some row of `r` sees (the only keys `r`
@@ -22,8 +22,8 @@
 //!
 //! Positions are 0-based; every interval and range is half-open `[start, end)`.
 
-use cm_plan::order::{permute_rows, TokenOrder};
-use cm_plan::rows::RowIntervals;
+use cm_plan::order::TokenOrder;
+use cm_plan::rows::{KeyInterval, RowIntervals};
 use cm_plan::tiles::{TileDescriptor, TileShape};
 use cm_plan::{MaskPlan, Plan};
 use serde::Serialize;
@@ -183,8 +183,8 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
 }
 
 /// Deals `rows` (one square mask, `q_len == kv_len`) to `ranks` ranks in chunks of `chunk`
-/// tokens, balancing visible pairs; see the module docs. Cost: O(intervals x log) plus
-/// O(chunks x ranks).
+/// tokens, balancing visible pairs; see the module docs. Cost: O(intervals x ranks x log
+/// chunks) plus the deal's O(chunks^2) at worst.
 ///
 /// # Errors
 /// [`ShardError`] for zero ranks or chunk, a mask that is not square, fewer chunks than ranks,
@@ -237,14 +237,7 @@ pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, Sh
     }
     let order =
         TokenOrder::from_permutation(order, len).expect("every chunk is dealt to exactly one rank");
-    let permuted = permute_rows(&rows, &order);
-    let parts = (0..ranks as usize)
-        .map(|r| {
-            (0..ranks as usize)
-                .map(|s| part(&permuted, &offsets, r, s))
-                .collect()
-        })
-        .collect();
+    let parts = parts(&rows, &chunks, chunk, len);
     Ok(Sharding {
         ranks,
         chunk,
@@ -308,18 +301,61 @@ fn deal(chunk_work: &[u64], ranks: u32) -> Vec<Vec<u32>> {
     dealt
 }
 
-/// Rank `r`'s rows of `permuted` against source `s`'s keys: the union of the key ranges they
-/// see, in `s`'s local positions, and the rows on those keys compacted.
-fn part(permuted: &RowIntervals, offsets: &[u32], r: usize, s: usize) -> Part {
-    let (r0, r1) = (offsets[r], offsets[r + 1]);
-    let (k0, k1) = (offsets[s], offsets[s + 1]);
-    let clip = |q: u32| {
-        permuted.row(q).iter().filter_map(move |iv| {
-            let (a, b) = (iv.start.max(k0), iv.end.min(k1));
-            (a < b).then(|| (a - k0, b - k0))
-        })
-    };
-    let mut keys: Vec<(u32, u32)> = (r0..r1).flat_map(clip).collect();
+/// Every (rank, source) part. A rank's chunks are ascending, so the local position of an
+/// original key inside its owner is monotone in the key, and a row interval meets each
+/// source's keys in one local range (from its first key there to its last): O(intervals x
+/// ranks x log chunks) in all, with no permuted copy of the mask (whose rows would break
+/// into a run per chunk).
+fn parts(rows: &RowIntervals, chunks: &[Vec<u32>], chunk: u32, len: u32) -> Vec<Vec<Part>> {
+    let ranks = chunks.len();
+    // Rank `s`'s local position of original key `x` in one of its chunks: every chunk but
+    // the sequence's last is full, and the last is the last of its rank's list.
+    let mut slot = vec![0u32; len.div_ceil(chunk) as usize];
+    for cs in chunks {
+        for (i, &c) in cs.iter().enumerate() {
+            slot[c as usize] = i as u32;
+        }
+    }
+    let local = |x: u32| slot[(x / chunk) as usize] * chunk + x % chunk;
+    // Rows of each (rank, source) in the source's local positions, as CSR.
+    let mut csr: Vec<Vec<(Vec<u32>, Vec<(u32, u32)>)>> =
+        vec![vec![(vec![0u32], Vec::new()); ranks]; ranks];
+    for (r, cs) in chunks.iter().enumerate() {
+        for q in cs
+            .iter()
+            .flat_map(|&c| c * chunk..((c + 1) * chunk).min(len))
+        {
+            for (s, (row_ptr, ivs)) in csr[r].iter_mut().enumerate() {
+                let own = &chunks[s];
+                let row_start = ivs.len();
+                for iv in rows.row(q) {
+                    let first = own.partition_point(|&c| (c + 1) * chunk <= iv.start);
+                    let last = own.partition_point(|&c| c * chunk < iv.end);
+                    if first >= last {
+                        continue;
+                    }
+                    let lo = iv.start.max(own[first] * chunk);
+                    let hi = iv.end.min((own[last - 1] + 1) * chunk).min(len);
+                    let (a, b) = (local(lo), local(hi - 1) + 1);
+                    // Keys of other ranks between two intervals vanish here: join them.
+                    match ivs[row_start..].last_mut() {
+                        Some(prev) if prev.1 == a => prev.1 = b,
+                        _ => ivs.push((a, b)),
+                    }
+                }
+                row_ptr.push(ivs.len() as u32);
+            }
+        }
+    }
+    csr.into_iter()
+        .map(|row| row.into_iter().map(|(p, ivs)| compact(&p, &ivs)).collect())
+        .collect()
+}
+
+/// A part from its rows in the source's local positions (CSR): the union of the ranges
+/// they see, and the rows on those keys compacted.
+fn compact(row_ptr: &[u32], ivs: &[(u32, u32)]) -> Part {
+    let mut keys = ivs.to_vec();
     keys.sort_unstable();
     let mut merged: Vec<(u32, u32)> = Vec::with_capacity(keys.len());
     for (a, b) in keys {
@@ -335,25 +371,27 @@ fn part(permuted: &RowIntervals, offsets: &[u32], r: usize, s: usize) -> Part {
         base.push(fetched);
         fetched += b - a;
     }
-    let compact = |x: u32| {
+    let at = |x: u32| {
         let i = merged.partition_point(|&(a, _)| a <= x) - 1;
         base[i] + (x - merged[i].0)
     };
-    let local: Vec<Vec<(u32, u32)>> = (r0..r1)
-        .map(|q| {
-            // A visible interval lies inside one merged range, so both ends map through it;
-            // intervals whose gap no row fetched become adjacent and are joined.
-            let mut row: Vec<(u32, u32)> = Vec::new();
-            for (a, b) in clip(q).map(|(a, b)| (compact(a), compact(b - 1) + 1)) {
-                match row.last_mut() {
-                    Some(last) if a == last.1 => last.1 = b,
-                    _ => row.push((a, b)),
-                }
+    let mut out_ptr = Vec::with_capacity(row_ptr.len());
+    let mut out: Vec<KeyInterval> = Vec::with_capacity(ivs.len());
+    out_ptr.push(0u32);
+    for w in row_ptr.windows(2) {
+        let row_start = out.len();
+        // A visible interval lies inside one merged range, so both ends map through it;
+        // intervals whose gap no row fetched become adjacent and are joined.
+        for &(a, b) in &ivs[w[0] as usize..w[1] as usize] {
+            let (a, b) = (at(a), at(b - 1) + 1);
+            match out[row_start..].last_mut() {
+                Some(prev) if prev.end == a => prev.end = b,
+                _ => out.push(KeyInterval { start: a, end: b }),
             }
-            row
-        })
-        .collect();
-    let rows = RowIntervals::from_rows(fetched, &local)
+        }
+        out_ptr.push(out.len() as u32);
+    }
+    let rows = RowIntervals::from_csr(fetched, out_ptr, out)
         .expect("compacted intervals are sorted, disjoint and inside the fetched keys");
     Part { keys: merged, rows }
 }
