@@ -251,7 +251,11 @@ mod tests {
         values.extend((0..5).map(|_| Ok(17)));
         values.extend((0..30).map(|k| Ok(100 - 3 * k)));
         values.extend([Ok(5), Ok(9), Ok(2)]);
-        values.push(Err(PlanError::new(cm_syntax::Code::IndexOutOfRange, None, "x")));
+        values.push(Err(PlanError::new(
+            cm_syntax::Code::IndexOutOfRange,
+            None,
+            "x",
+        )));
         values.extend((0..20).map(|k| Ok(2 * k - 7)));
         let expect = |t: i64| -> Vec<u32> {
             (0..values.len() as u32)
