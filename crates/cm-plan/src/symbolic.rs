@@ -32,6 +32,7 @@ pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
 mod keys;
+mod quasi;
 
 use keys::KeySweep;
 
@@ -478,7 +479,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(Affine::constant(self.bound.eval_int(e, &self.env(p))?))
     }
 
+    /// A q-side value over the piece, affine, or a split where it stops being affine: its
+    /// parts evaluated affinely, and where that splits, the value as a whole through the
+    /// normal form of its floor terms ([`quasi`]).
     pub fn int(&self, p: &Piece, e: &Int) -> Eval<Affine> {
+        match self.int_plain(p, e) {
+            Err(Flow::Split(at)) if matches!(e.kind, IntKind::Bin(..) | IntKind::Neg(_)) => {
+                self.int_quasi(p, e, at)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Solver::int`] without the normal form at this level (its parts use it through
+    /// `if` conditions and ranges only).
+    fn int_plain(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         cm_ir::deep(|| self.int_at(p, e))
     }
 
@@ -498,7 +513,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::ArrIndex(arr, i) => {
-                let idx = self.int(p, i)?;
+                let idx = self.int_plain(p, i)?;
                 // An array that reads q (`[q, 1]`) may differ on every row; one that reads
                 // only b, h and parameters is the same over the piece.
                 if idx.step != 0 || arr.reads_q() {
@@ -526,16 +541,16 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::Neg(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?
             }
             IntKind::Abs(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 let nx = self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?;
                 self.max(p, x, nx)?
             }
             IntKind::Isqrt(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 if x.step == 0 {
                     Affine::constant(bind::isqrt(x.first, span)?)
                 } else {
@@ -553,8 +568,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
             }
             IntKind::Bin(op, x, y) => {
-                let x = self.int(p, x)?;
-                let y = self.int(p, y)?;
+                let x = self.int_plain(p, x)?;
+                let y = self.int_plain(p, y)?;
                 match op {
                     IntOp::Add => self.add(p, x, y, span)?,
                     IntOp::Sub => self.sub(p, x, y, span)?,
@@ -581,19 +596,19 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             IntKind::If(c, x, y) => {
                 if self.boolean(p, c)? {
-                    self.int(p, x)?
+                    self.int_plain(p, x)?
                 } else {
-                    self.int(p, y)?
+                    self.int_plain(p, y)?
                 }
             }
             IntKind::RangeLo(r) => self.range(p, r)?.0,
             IntKind::RangeHi(r) => self.range(p, r)?.1,
             IntKind::SegIndex(s, pos) => {
-                let pos = self.int(p, pos)?;
+                let pos = self.int_plain(p, pos)?;
                 Affine::constant(self.seg_index(p, *s, pos, span)? as i64)
             }
             IntKind::GridCoord(g, axis, pos) => {
-                let pos = self.int(p, pos)?;
+                let pos = self.int_plain(p, pos)?;
                 if !self.in_grid(p, *g, pos)? {
                     return Err(self.bound.outside_grid(*g, pos.first, span, false).into());
                 }
@@ -1720,7 +1735,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         let r = self.int(p, rest)?;
         self.no_overflow(alpha, ends(p, r), false, hull, span)?;
-        let v = self.int(p, rhs)?;
+        // `(±k + rest) % d == x % d` (or `!=`): the window is one residue anchored at `x`
+        // itself, since only the anchor's residue matters, so `k % d == q % d` is a run
+        // along the whole band rather than a piece per residue of q. `x % d` cannot fail
+        // once `x` and `d` evaluate (d is not 0), so its errors are those of `x` and `d`.
+        let (v, is_residue) = match &rhs.kind {
+            IntKind::Bin(IntOp::Mod, x, dx) if matches!(op, CmpOp::Eq | CmpOp::Ne) => {
+                let dxv = self.int(p, dx)?;
+                if self.constant(p, dxv)? == d {
+                    (self.int(p, x)?, true)
+                } else {
+                    (self.int(p, rhs)?, false)
+                }
+            }
+            _ => (self.int(p, rhs)?, false),
+        };
         let neg = |x: Affine| self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span);
         // x mod d == -((-x) mod -d) for d < 0, so a negative divisor is the positive one with
         // k's coefficient, the rest and the compared value negated and the comparison
@@ -1738,7 +1767,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         // The residues u that satisfy `u op v`: the cyclic run [lo, lo + len), len in [0, m].
         let (lo, len) = match op {
             CmpOp::Eq | CmpOp::Ne => {
-                let hit = self.within(p, v, 0, m)?;
+                let hit = is_residue || self.within(p, v, 0, m)?;
                 match (op == CmpOp::Eq, hit) {
                     (true, true) => (v, one),
                     (true, false) => (zero, zero),
