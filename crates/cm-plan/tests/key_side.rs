@@ -119,7 +119,9 @@ fn affine_column_bounds_plan_in_few_pieces() {
         num_heads: 1,
     };
     let arr = |f: &dyn Fn(i64) -> i64| Value::Array((0..n).map(f).collect::<Vec<_>>().into());
-    let cases: [(Vec<(&str, Value)>, fn(u32) -> (u32, u32)); 2] = [
+    // The parameters, and row q's one interval.
+    type Case = (Vec<(&'static str, Value)>, fn(u32) -> (u32, u32));
+    let cases: [Case; 2] = [
         (vec![("uts", arr(&|_| 0)), ("ute", arr(&|k| k))], |q| {
             (0, q + 1)
         }),

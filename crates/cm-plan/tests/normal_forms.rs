@@ -139,10 +139,10 @@ proptest::proptest! {
 
 /// NATTEN's 1D neighbourhood with dilation, exactly as NATTEN defines it (the Flex mask of
 /// `natten/backends/flex.py`, one spatial axis, stride 1, not causal): query `q` and key `k`
-/// in the same dilation group (`q % d == k % d`), the group's length `L // d + 1 -
-/// ((g + d - L % d) // d)`, the window centre `q // d` clamped to `[K // 2, Lg - 1 - (K // 2
-/// + K % 2 - 1)]`, and the key's group index within `K // 2` left / `K // 2 + K % 2 - 1`
-/// right of it.
+/// in the same dilation group (`q % d == k % d`), the group's length `Lg = L // d + 1 -
+/// ((g + d - L % d) // d)`, the window centre `q // d` clamped to `[left, Lg - 1 - right]`
+/// with `left = K // 2` and `right = K // 2 + K % 2 - 1`, and the key's group index at most
+/// `left` before it or `right` after it.
 fn natten_visible(q: i64, k: i64, n: i64, kernel: i64, d: i64) -> bool {
     let (qi, ki, g) = (q / d, k / d, q % d);
     let group_len = n / d + 1 - (g + (d - n % d)) / d;

@@ -247,7 +247,7 @@ mod tests {
     fn the_set_is_every_key_at_or_below_the_threshold_as_it_moves_both_ways() {
         // Runs up, down, constant, short and failing keys, in one array.
         let mut values: Vec<Result<i64, PlanError>> = Vec::new();
-        values.extend((0..40).map(|k| Ok(k)));
+        values.extend((0..40).map(Ok));
         values.extend((0..5).map(|_| Ok(17)));
         values.extend((0..30).map(|k| Ok(100 - 3 * k)));
         values.extend([Ok(5), Ok(9), Ok(2)]);

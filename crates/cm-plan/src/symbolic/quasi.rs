@@ -151,8 +151,9 @@ impl Solver<'_, '_> {
     /// a `min` / `max` changes sides, or where a remaining floor term steps, if later).
     pub(super) fn int_quasi(&self, p: &Piece, e: &Int, at: i64) -> Eval<Affine> {
         match self.qv(p, e)? {
-            Some(Qv::Q(q)) if q.c == 0 => Ok(q.aff),
-            Some(Qv::Q(q)) if q.m - q.o < p.n => Err(Flow::Split(at.max(p.q0 + q.m - q.o))),
+            // The floor term is 0 until `t + o` reaches `m`.
+            Some(Qv::Q(q)) if q.c == 0 || q.m - q.o >= p.n => Ok(q.aff),
+            Some(Qv::Q(q)) => Err(Flow::Split(at.max(p.q0 + q.m - q.o))),
             _ => Err(Flow::Split(at)),
         }
     }
