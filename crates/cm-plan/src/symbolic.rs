@@ -31,6 +31,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
+mod keys;
+mod quasi;
+
+use keys::KeySweep;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
@@ -156,76 +160,6 @@ pub struct Solver<'a, 'p> {
     shared_pairs: Option<&'a AtomicU64>,
     /// Whether this solver stopped at the pair limit.
     hit_limit: Cell<bool>,
-}
-
-/// The keys of a key-side atom `f(k) op v` (see [`Solver::key_cmp`]): every key's `f`,
-/// sorted, and the set of keys with `f(k) <= threshold` for the threshold last asked for, as
-/// runs, moved key by key when the threshold moves.
-struct KeySweep {
-    /// `(f(k), k)` for every key whose `f` evaluates, ascending.
-    sorted: Vec<(i64, u32)>,
-    /// The keys whose `f` fails, ascending.
-    failing: Vec<u32>,
-    /// How `f` fails at the first of them.
-    error: Option<PlanError>,
-    /// `sorted[..below]` are the keys in `runs`.
-    below: usize,
-    /// Maximal runs of those keys: start -> end.
-    runs: std::collections::BTreeMap<u32, u32>,
-}
-
-impl KeySweep {
-    /// The first key of `keys` (ascending, disjoint ranges) whose `f` fails.
-    fn first_failing(&self, keys: &[(i64, i64)]) -> Option<i64> {
-        keys.iter().find_map(|&(a, z)| {
-            let i = self.failing.partition_point(|&k| i64::from(k) < a);
-            let k = i64::from(*self.failing.get(i)?);
-            (k < z).then_some(k)
-        })
-    }
-
-    /// Moves the set to the keys with `f(k) <= threshold`.
-    fn move_to(&mut self, threshold: i64) {
-        let target = self.sorted.partition_point(|&(v, _)| v <= threshold);
-        while self.below < target {
-            let k = self.sorted[self.below].1;
-            self.add(k);
-            self.below += 1;
-        }
-        while self.below > target {
-            self.below -= 1;
-            let k = self.sorted[self.below].1;
-            self.remove(k);
-        }
-    }
-
-    fn add(&mut self, k: u32) {
-        let (mut start, mut end) = (k, k + 1);
-        if let Some((&s, &e)) = self.runs.range(..=k).next_back() {
-            if e == k {
-                start = s;
-            }
-        }
-        if let Some(e) = self.runs.remove(&(k + 1)) {
-            end = e;
-        }
-        self.runs.insert(start, end);
-    }
-
-    fn remove(&mut self, k: u32) {
-        let (&s, &e) = self
-            .runs
-            .range(..=k)
-            .next_back()
-            .expect("a key in the set lies in a run");
-        self.runs.remove(&s);
-        if s < k {
-            self.runs.insert(s, k);
-        }
-        if k + 1 < e {
-            self.runs.insert(k + 1, e);
-        }
-    }
 }
 
 /// The keys `k` with `(k - start) mod m < len` (`m > 0`, `0 <= len <= m`): the solution of a
@@ -545,7 +479,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(Affine::constant(self.bound.eval_int(e, &self.env(p))?))
     }
 
+    /// A q-side value over the piece, affine, or a split where it stops being affine: its
+    /// parts evaluated affinely, and where that splits, the value as a whole through the
+    /// normal form of its floor terms ([`quasi`]).
     pub fn int(&self, p: &Piece, e: &Int) -> Eval<Affine> {
+        match self.int_plain(p, e) {
+            Err(Flow::Split(at)) if matches!(e.kind, IntKind::Bin(..) | IntKind::Neg(_)) => {
+                self.int_quasi(p, e, at)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Solver::int`] without the normal form at this level (its parts use it through
+    /// `if` conditions and ranges only).
+    fn int_plain(&self, p: &Piece, e: &Int) -> Eval<Affine> {
         cm_ir::deep(|| self.int_at(p, e))
     }
 
@@ -565,7 +513,7 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::ArrIndex(arr, i) => {
-                let idx = self.int(p, i)?;
+                let idx = self.int_plain(p, i)?;
                 // An array that reads q (`[q, 1]`) may differ on every row; one that reads
                 // only b, h and parameters is the same over the piece.
                 if idx.step != 0 || arr.reads_q() {
@@ -593,16 +541,16 @@ impl<'a, 'p> Solver<'a, 'p> {
                 Affine::constant(self.bound.eval_int(e, &self.env(p))?)
             }
             IntKind::Neg(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?
             }
             IntKind::Abs(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 let nx = self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span)?;
                 self.max(p, x, nx)?
             }
             IntKind::Isqrt(x) => {
-                let x = self.int(p, x)?;
+                let x = self.int_plain(p, x)?;
                 if x.step == 0 {
                     Affine::constant(bind::isqrt(x.first, span)?)
                 } else {
@@ -620,8 +568,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
             }
             IntKind::Bin(op, x, y) => {
-                let x = self.int(p, x)?;
-                let y = self.int(p, y)?;
+                let x = self.int_plain(p, x)?;
+                let y = self.int_plain(p, y)?;
                 match op {
                     IntOp::Add => self.add(p, x, y, span)?,
                     IntOp::Sub => self.sub(p, x, y, span)?,
@@ -648,19 +596,19 @@ impl<'a, 'p> Solver<'a, 'p> {
             }
             IntKind::If(c, x, y) => {
                 if self.boolean(p, c)? {
-                    self.int(p, x)?
+                    self.int_plain(p, x)?
                 } else {
-                    self.int(p, y)?
+                    self.int_plain(p, y)?
                 }
             }
             IntKind::RangeLo(r) => self.range(p, r)?.0,
             IntKind::RangeHi(r) => self.range(p, r)?.1,
             IntKind::SegIndex(s, pos) => {
-                let pos = self.int(p, pos)?;
+                let pos = self.int_plain(p, pos)?;
                 Affine::constant(self.seg_index(p, *s, pos, span)? as i64)
             }
             IntKind::GridCoord(g, axis, pos) => {
-                let pos = self.int(p, pos)?;
+                let pos = self.int_plain(p, pos)?;
                 if !self.in_grid(p, *g, pos)? {
                     return Err(self.bound.outside_grid(*g, pos.first, span, false).into());
                 }
@@ -1787,7 +1735,21 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
         let r = self.int(p, rest)?;
         self.no_overflow(alpha, ends(p, r), false, hull, span)?;
-        let v = self.int(p, rhs)?;
+        // `(±k + rest) % d == x % d` (or `!=`): the window is one residue anchored at `x`
+        // itself, since only the anchor's residue matters, so `k % d == q % d` is a run
+        // along the whole band rather than a piece per residue of q. `x % d` cannot fail
+        // once `x` and `d` evaluate (d is not 0), so its errors are those of `x` and `d`.
+        let (v, is_residue) = match &rhs.kind {
+            IntKind::Bin(IntOp::Mod, x, dx) if matches!(op, CmpOp::Eq | CmpOp::Ne) => {
+                let dxv = self.int(p, dx)?;
+                if self.constant(p, dxv)? == d {
+                    (self.int(p, x)?, true)
+                } else {
+                    (self.int(p, rhs)?, false)
+                }
+            }
+            _ => (self.int(p, rhs)?, false),
+        };
         let neg = |x: Affine| self.affine(p, x.first.checked_neg(), x.step.checked_neg(), span);
         // x mod d == -((-x) mod -d) for d < 0, so a negative divisor is the positive one with
         // k's coefficient, the rest and the compared value negated and the comparison
@@ -1805,7 +1767,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         // The residues u that satisfy `u op v`: the cyclic run [lo, lo + len), len in [0, m].
         let (lo, len) = match op {
             CmpOp::Eq | CmpOp::Ne => {
-                let hit = self.within(p, v, 0, m)?;
+                let hit = is_residue || self.within(p, v, 0, m)?;
                 match (op == CmpOp::Eq, hit) {
                     (true, true) => (v, one),
                     (true, false) => (zero, zero),
@@ -2205,43 +2167,31 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(out)
     }
 
-    /// The keys of key-side atom `r` (its function `f`) sorted by their value, once per
-    /// (batch, head), with the keys whose `f` fails.
+    /// The keys of key-side atom `r` (its function `f`) by their value, once per (batch,
+    /// head), with the keys whose `f` fails ([`KeySweep::new`]).
     fn key_sweep(&self, p: &Piece, r: &Region, f: &Int) -> RefMut<'_, KeySweep> {
         let key = (r as *const Region as usize, p.h);
         RefMut::map(self.key_sweeps.borrow_mut(), |sweeps| {
             sweeps.entry(key).or_insert_with(|| {
-                let kv_len = self.bound.shape.kv_len;
                 let mut env = self.env(p);
-                let mut sorted = Vec::with_capacity(kv_len as usize);
-                let (mut failing, mut error) = (Vec::new(), None);
-                for k in 0..kv_len {
-                    env.k = k;
-                    match self.bound.eval_int(f, &env) {
-                        Ok(x) => sorted.push((x, k as u32)),
-                        Err(e) => {
-                            failing.push(k as u32);
-                            error.get_or_insert(e);
-                        }
-                    }
-                }
-                sorted.sort_unstable();
-                KeySweep {
-                    sorted,
-                    failing,
-                    error,
-                    below: 0,
-                    runs: Default::default(),
-                }
+                let values = (0..self.bound.shape.kv_len)
+                    .map(|k| {
+                        env.k = k;
+                        self.bound.eval_int(f, &env)
+                    })
+                    .collect();
+                KeySweep::new(values)
             })
         })
     }
 
-    /// `f(k) op v`, `f` a function of the key alone: the keys sorted by `f` once per (batch,
+    /// `f(k) op v`, `f` a function of the key alone: the keys by their `f` once per (batch,
     /// head); a piece's keys are those with `f(k) <= v` (or `< v`, or the complements, or
-    /// `f(k) == v`), constant until `v` crosses the next key's value, where the piece ends.
-    /// Keys whose `f` fails are in no set; whether the reference reaches them is the
-    /// caller's to check.
+    /// `f(k) == v`), constant until `v` crosses the next single key's value or a sloped
+    /// run's smallest or largest value, where the piece ends, except within the sloped runs
+    /// that `v` is inside, whose keys at or below `v` are one interval with an end affine in
+    /// `v` ([`keys`]). Keys whose `f` fails are in no set; whether the reference reaches
+    /// them is the caller's to check.
     #[allow(clippy::too_many_arguments)]
     fn key_cmp(
         &self,
@@ -2287,8 +2237,27 @@ impl<'a, 'p> Solver<'a, 'p> {
                 };
                 self.sweep_split(p, &sweep, t)?;
                 sweep.move_to(t.first);
-                let below = emit(&sweep);
+                let whole = emit(&sweep);
+                let partial: Vec<keys::SlopedRun> = sweep
+                    .partial
+                    .iter()
+                    .map(|&i| sweep.sloped[i as usize])
+                    .filter(|run| i64::from(run.k1) > lo && i64::from(run.k0) < hi)
+                    .collect();
                 drop(sweep);
+                let mut parts = Vec::with_capacity(partial.len());
+                for run in partial {
+                    parts.push(self.sloped_part(p, run, t, span)?);
+                }
+                // Parts of adjacent runs may touch (a falling run's part ends where a
+                // rising one's starts), so they are merged with the rest in one sort.
+                let below = if parts.is_empty() {
+                    whole
+                } else {
+                    let mut all = whole;
+                    all.extend(parts);
+                    self.union_all(p, all)?
+                };
                 if matches!(op, CmpOp::Le | CmpOp::Lt) {
                     Ok(below)
                 } else {
@@ -2303,8 +2272,19 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let at = v.first;
                 let from = sweep.sorted.partition_point(|&(x, _)| x < at);
                 let to = sweep.sorted.partition_point(|&(x, _)| x <= at);
+                let mut hits: Vec<u32> = sweep.sorted[from..to].iter().map(|&(_, k)| k).collect();
+                // A sloped run holds the value at most once.
+                for run in &sweep.sloped {
+                    let (rlo, rhi) = run.range();
+                    let off = i128::from(at) - i128::from(run.f0);
+                    if (rlo..=rhi).contains(&at) && off % i128::from(run.slope) == 0 {
+                        hits.push(run.k0 + (off / i128::from(run.slope)) as u32);
+                    }
+                }
+                drop(sweep);
+                hits.sort_unstable();
                 let mut eq: Vec<AffineInterval> = Vec::new();
-                for &(_, k) in &sweep.sorted[from..to] {
+                for k in hits {
                     let k = i64::from(k);
                     match eq.last_mut() {
                         Some(last) if last.end.first == k => last.end.first += 1,
@@ -2314,7 +2294,6 @@ impl<'a, 'p> Solver<'a, 'p> {
                         )),
                     }
                 }
-                drop(sweep);
                 if op == CmpOp::Eq {
                     Ok(eq)
                 } else {
@@ -2324,26 +2303,52 @@ impl<'a, 'p> Solver<'a, 'p> {
         }
     }
 
-    /// The first row of the piece where the set `f(k) <= threshold` changes: where the
-    /// threshold reaches the next key's value (rising) or drops below the last one's.
+    /// The keys of a sloped run that `t` is inside on every row of the piece (its smallest
+    /// value `<= t <` its largest) with `f(k) <= t`: from its first key to the last with
+    /// `f0 + s (k - k0) <= t` (`s > 0`), or from the first such key to its end (`s < 0`).
+    fn sloped_part(
+        &self,
+        p: &Piece,
+        run: keys::SlopedRun,
+        t: Affine,
+        span: Span,
+    ) -> Eval<AffineInterval> {
+        let (k0, k1) = (
+            Affine::constant(i64::from(run.k0)),
+            Affine::constant(i64::from(run.k1)),
+        );
+        let above = self.sub(p, t, Affine::constant(run.f0), span)?;
+        let steps = self.floor_div(p, above, run.slope.abs(), span)?;
+        Ok(if run.slope > 0 {
+            let end = self.add(p, self.add(p, k0, steps, span)?, Affine::constant(1), span)?;
+            AffineInterval::unit(k0, end)
+        } else {
+            AffineInterval::unit(self.sub(p, k0, steps, span)?, k1)
+        })
+    }
+
+    /// The first row of the piece where the set `f(k) <= threshold` changes other than
+    /// affinely: where the threshold reaches the next single key's value or a sloped run's
+    /// smallest or largest value (rising), or drops below the last one's (falling).
     fn sweep_split(&self, p: &Piece, sweep: &KeySweep, t: Affine) -> Eval<()> {
         if t.step == 0 || p.n == 1 {
             return Ok(());
         }
-        let at = sweep.sorted.partition_point(|&(x, _)| x <= t.first);
         let (d, a) = (i128::from(t.first), i128::from(t.step));
-        let change = if a > 0 {
-            // The first t with first + a t >= next value.
-            sweep
-                .sorted
-                .get(at)
-                .map(|&(x, _)| (i128::from(x) - d + a - 1) / a)
-        } else {
-            // The first t with first + a t < the last value at or below.
-            at.checked_sub(1)
-                .map(|i| (d - i128::from(sweep.sorted[i].0)) / -a + 1)
+        let change = |sorted: &[(i64, u32)]| {
+            let at = sorted.partition_point(|&(x, _)| x <= t.first);
+            if a > 0 {
+                // The first t with first + a t >= next value.
+                sorted
+                    .get(at)
+                    .map(|&(x, _)| (i128::from(x) - d + a - 1) / a)
+            } else {
+                // The first t with first + a t < the last value at or below.
+                at.checked_sub(1)
+                    .map(|i| (d - i128::from(sorted[i].0)) / -a + 1)
+            }
         };
-        match change {
+        match sweep.thresholds().into_iter().filter_map(change).min() {
             Some(c) if c < i128::from(p.n) => Err(Flow::Split(p.q0 + c as i64)),
             _ => Ok(()),
         }

@@ -62,6 +62,91 @@ proptest! {
     }
 }
 
+/// Masks over per-key arrays made of runs of affine values (`sloped` runs of the solver:
+/// rising, falling and constant runs of random lengths, as FlashMask's causal and window
+/// bounds are), compared with thresholds that rise, fall and stay, and for equality.
+const SLOPED_MASKS: &[&str] = &[
+    "mask = q in lo[k % count(lo)] .. hi[k % count(hi)];",
+    "mask = k <= q & !(q in lo[k % count(lo)] .. hi[k % count(hi)]);",
+    "mask = lo[k % count(lo)] > 2 * q - 40;",
+    "mask = lo[k % count(lo)] >= 90 - q;",
+    "mask = lo[k % count(lo)] == q | hi[k % count(hi)] == 17;",
+    "mask = lo[k % count(lo)] != q + 1 & k < 3 * q;",
+    "mask = hi[k % count(hi)] - lo[k % count(lo)] <= q / 3 - 10;",
+];
+
+/// An array of `runs` (slope, first value, length) laid end to end.
+fn affine_runs(runs: &[(i64, i64, usize)]) -> Vec<i64> {
+    runs.iter()
+        .flat_map(|&(s, v, n)| (0..n as i64).map(move |i| v + s * i))
+        .collect()
+}
+
+fn runs_strategy() -> impl Strategy<Value = Vec<(i64, i64, usize)>> {
+    proptest::collection::vec((-3i64..=3, -20i64..150, 1usize..45), 1..6)
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 300, 0x51ed))]
+
+    #[test]
+    fn sloped_runs_of_key_values_equal_brute_force(
+        mask in proptest::sample::select(SLOPED_MASKS),
+        lo in runs_strategy(),
+        hi in runs_strategy(),
+        (q_len, kv_len) in (1i64..140, 1i64..140),
+        (bm, bn) in (1u32..20, 1u32..20),
+    ) {
+        let src = source(mask, &affine_runs(&lo), &affine_runs(&hi), &[5]);
+        let program = compile(&src);
+        let tile = TileShape { block_m: bm, block_n: bn };
+        check_against_brute_force(&program, shape(q_len, kv_len), &params(&[]), tile);
+    }
+}
+
+/// FlashMask's column forms whose bounds run affinely in `k` plan in a few pieces at 131072
+/// keys, not one per row: causal given as upper-triangle bounds (`uts = 0`, `ute = k`), and
+/// a causal sliding window of 4096 as lower-triangle starts (`lts = k + 4096` up to the last
+/// row, with `causal = 1`); rows checked against the closed form.
+#[test]
+fn affine_column_bounds_plan_in_few_pieces() {
+    let n = 131072i64;
+    let flashmask = builtin("flashmask");
+    let shape = Shape {
+        q_len: n,
+        kv_len: n,
+        batch: 1,
+        num_heads: 1,
+    };
+    let arr = |f: &dyn Fn(i64) -> i64| Value::Array((0..n).map(f).collect::<Vec<_>>().into());
+    // The parameters, and row q's one interval.
+    type Case = (Vec<(&'static str, Value)>, fn(u32) -> (u32, u32));
+    let cases: [Case; 2] = [
+        (vec![("uts", arr(&|_| 0)), ("ute", arr(&|k| k))], |q| {
+            (0, q + 1)
+        }),
+        (
+            vec![
+                ("causal", Value::Int(1)),
+                ("lts", arr(&|k| (k + 4096).min(n))),
+            ],
+            |q| (q.saturating_sub(4095), q + 1),
+        ),
+    ];
+    for (values, row) in cases {
+        let bound = flashmask.bind(shape, &params(&values)).unwrap();
+        let t = Instant::now();
+        let p = plan(&bound, TileShape::default()).unwrap();
+        let took = t.elapsed();
+        assert!(p.pieces <= 8, "{} pieces", p.pieces);
+        for q in [0u32, 1, 4095, 4096, 70001, n as u32 - 1] {
+            let (a, b) = row(q);
+            assert_eq!(row_pairs(&p.masks[0].rows, q), vec![(a, b)], "row {q}");
+        }
+        assert!(took.as_secs_f64() < 5.0, "{took:?}");
+    }
+}
+
 /// A key whose value fails (an index past the array) fails the plan exactly when the
 /// reference reaches it: not when `&` or the hull of its context excludes it.
 #[test]

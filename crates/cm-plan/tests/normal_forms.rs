@@ -93,3 +93,124 @@ fn normal_forms_plan_in_few_pieces() {
     let src = format!("mask = ({}) | k <= q;", chain.join(" | "));
     assert!(pieces(&src, n, n, &[]) <= 300);
 }
+
+/// Forms of q-side values whose floor terms cancel or are clamped away, and `k % d == x %
+/// d`, with random windows `w`, dilations `d` (negative too) and offsets, at odd lengths
+/// with `q_len != kv_len`: each against the pairwise semantics.
+const FLOOR_FORMS: &[&str] = &[
+    // `d * (q / d) + q % d` is q, in either order and scaled.
+    "mask = k >= d * (q / d) + q % d - w & k <= (q / d) * d + q % d;",
+    "mask = k <= 2 * (q % d) + 2 * d * (q / d) - w;",
+    // A residue of k against a residue of a q-side value: one residue, anchored at it.
+    "mask = k % d == q % d & q - w <= k & k <= q + w;",
+    "mask = (k + c) % d != (q - c) % d & abs(q - k) <= w;",
+    "mask = (q - k) % d == (q + c) % d & k <= q;",
+    // NATTEN's window start in global coordinates, the window clamped at both edges.
+    "let g = q % d;\nlet s = max(0, min(q / d - w, (q_len - g + d - 1) / d - 2 * w - 1));\n\
+     mask = (k - q) % d == 0 & k in g + d * s .. g + d * (s + 2 * w) + 1;",
+    "let g = q % d;\nlet lo = max(g, min(q - d * w, g + d * ((q_len - g + d - 1) / d - 2 * w - 1)));\n\
+     mask = (k - q) % d == 0 & k in lo .. lo + 2 * d * w + 1;",
+    // Clamps whose sides cross inside the rows.
+    "mask = k < min(q % d + c, q - w) | k == max(q / d, q - 3 * w);",
+];
+
+proptest::proptest! {
+    #![proptest_config(cm_testkit::config::env_config(cm_testkit::config::PROPTEST_CASES, 300, 0x1a7e))]
+
+    #[test]
+    fn floor_terms_in_normal_form_equal_brute_force(
+        form in proptest::sample::select(FLOOR_FORMS),
+        w in 0i64..6,
+        d in proptest::sample::select(vec![-4i64, -3, -1, 1, 2, 3, 4, 5, 7]),
+        c in -9i64..9,
+        (q_len, kv_len) in (1i64..90, 1i64..90),
+        (bm, bn) in (1u32..17, 1u32..17),
+    ) {
+        // NATTEN's forms need d > 0 and a window that fits each dilation group.
+        let natten = form.contains("q_len - g");
+        let d = if natten { d.abs() } else { d };
+        let q_len = if natten { q_len.max(d * (2 * w + 1)) } else { q_len };
+        let src = format!("param w: int = {w};\nparam d: int = {d};\nparam c: int = {c};\n{form}");
+        let program = compile(&src);
+        let tile = TileShape { block_m: bm, block_n: bn };
+        check_against_brute_force(&program, shape(q_len, kv_len), &params(&[]), tile);
+    }
+}
+
+/// NATTEN's 1D neighbourhood with dilation, exactly as NATTEN defines it (the Flex mask of
+/// `natten/backends/flex.py`, one spatial axis, stride 1, not causal): query `q` and key `k`
+/// in the same dilation group (`q % d == k % d`), the group's length `Lg = L // d + 1 -
+/// ((g + d - L % d) // d)`, the window centre `q // d` clamped to `[left, Lg - 1 - right]`
+/// with `left = K // 2` and `right = K // 2 + K % 2 - 1`, and the key's group index at most
+/// `left` before it or `right` after it.
+fn natten_visible(q: i64, k: i64, n: i64, kernel: i64, d: i64) -> bool {
+    let (qi, ki, g) = (q / d, k / d, q % d);
+    let group_len = n / d + 1 - (g + (d - n % d)) / d;
+    let (left, right) = (kernel / 2, kernel / 2 + kernel % 2 - 1);
+    let center = qi.max(left).min(group_len - 1 - right);
+    let (w0, w1) = (center - ki, ki - center);
+    ((0..=left).contains(&w0) || (0..=right).contains(&w1)) && g == k % d
+}
+
+/// The same neighbourhood in the language, in global coordinates: keys of q's residue from
+/// `g + d * s` for `K` steps of `d`, `s` the window's first group index.
+const NATTEN_1D: &str = "param K: int = 7;\nparam d: int = 2;\n\
+    let g = q % d;\n\
+    let n = q_len / d + 1 - (g + d - q_len % d) / d;\n\
+    let s = min(max(q / d, K / 2), n - 1 - (K / 2 + K % 2 - 1)) - K / 2;\n\
+    mask = (k - q) % d == 0 & k in g + d * s .. g + d * (s + K - 1) + 1;";
+
+#[test]
+fn natten_1d_with_dilation_equals_its_definition() {
+    let program = compile(NATTEN_1D);
+    for (kernel, d) in [(1, 1), (3, 2), (4, 3), (7, 2), (5, 4), (6, 1), (9, 3)] {
+        for n in [
+            kernel * d,
+            kernel * d + 1,
+            kernel * d + 7,
+            3 * kernel * d + 5,
+        ] {
+            let values = params(&[("K", Value::Int(kernel)), ("d", Value::Int(d))]);
+            let bound = program.bind(shape(n, n), &values).unwrap();
+            let p = plan(&bound, TILES[1]).unwrap();
+            for q in 0..n {
+                let dense: Vec<u32> = (0..n)
+                    .filter(|&k| natten_visible(q, k, n, kernel, d))
+                    .map(|k| k as u32)
+                    .collect();
+                let got: Vec<u32> = row_pairs(&p.masks[0].rows, q as u32)
+                    .into_iter()
+                    .flat_map(|(a, b)| a..b)
+                    .collect();
+                assert_eq!(got, dense, "K {kernel}, d {d}, n {n}, row {q}");
+            }
+            check_against_brute_force(&program, shape(n, n), &values, TILES[0]);
+        }
+    }
+}
+
+/// At 131072 rows NATTEN's formulation is one strided run per row in a few pieces for a
+/// small kernel (the edges a piece per group index they clamp), not a piece per `d` rows.
+#[test]
+fn natten_1d_plans_as_strided_runs_in_few_pieces() {
+    let n = 131072;
+    for (kernel, d, most) in [(7i64, 2i64, 16u64), (13, 4, 32), (1025, 2, 1100)] {
+        let values = [("K", Value::Int(kernel)), ("d", Value::Int(d))];
+        let got = pieces(NATTEN_1D, n, n, &values);
+        assert!(got <= most, "K {kernel}, d {d}: {got} pieces");
+    }
+    let program = compile(NATTEN_1D);
+    let bound = program.bind(shape(n, n), &params(&[])).unwrap();
+    let p = plan(&bound, TileShape::default()).unwrap();
+    for q in [0i64, 5, 6, 7, 70001, n - 7, n - 1] {
+        let got: Vec<u32> = row_pairs(&p.masks[0].rows, q as u32)
+            .into_iter()
+            .flat_map(|(a, b)| a..b)
+            .collect();
+        let dense: Vec<u32> = (0..n)
+            .filter(|&k| natten_visible(q, k, n, 7, 2))
+            .map(|k| k as u32)
+            .collect();
+        assert_eq!(got, dense, "row {q}");
+    }
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{arr, check_brute_force, compile, plan, rows};
+use common::{arr, check_brute_force, compile, plan, rows, set};
 use compilemask::{export, PlanOptions, Value};
 
 fn ints(v: &[i32]) -> Value {
@@ -60,4 +60,97 @@ fn column_bounds_give_the_mask_back() {
     // The defaults mask nothing.
     let options = PlanOptions::new(9).kv_len(4);
     assert_eq!(plan(&flashmask, &options).visible_pairs(), 36);
+}
+
+/// FlashMask's `causal=True` form (`causal = 1`): the upper triangle masked without arrays,
+/// the lower triangle's masked rows given by `lts` alone (each run to the last row) or by
+/// `lts` and `lte`, against FlashMask's definition evaluated pair by pair (key `k` visible to
+/// row `q` when `k <= q` and `q` is not in `[lts[k], lte[k])`), at odd and unequal lengths.
+#[test]
+fn the_causal_form_masks_the_upper_triangle() {
+    let flashmask = compilemask::builtin("flashmask").unwrap();
+    let (q_len, kv_len) = (37u32, 29u32);
+    // Causal documents of 11, 5 and the rest: a key is masked from its document's end.
+    let doc_end = |k: u32| {
+        if k < 11 {
+            11
+        } else if k < 16 {
+            16
+        } else {
+            q_len
+        }
+    };
+    // A causal sliding window of 6 written as lower-triangle starts, and a band of masked
+    // rows [k + 3, k + 9) per key.
+    type Case = (Vec<i64>, Option<Vec<i64>>);
+    let cases: Vec<Case> = vec![
+        ((0..kv_len).map(|k| i64::from(doc_end(k))).collect(), None),
+        (
+            (0..kv_len).map(|k| i64::from((k + 6).min(q_len))).collect(),
+            None,
+        ),
+        (
+            (0..kv_len).map(|k| i64::from(k + 3)).collect(),
+            Some((0..kv_len).map(|k| i64::from(k + 9)).collect()),
+        ),
+    ];
+    for (lts, lte) in cases {
+        let mut options = PlanOptions::new(i64::from(q_len))
+            .kv_len(i64::from(kv_len))
+            .param("causal", Value::Int(1))
+            .param("lts", arr(&lts));
+        if let Some(lte) = &lte {
+            options = options.param("lte", arr(lte));
+        }
+        let p = plan(&flashmask, &options);
+        check_brute_force(&flashmask, &options, &p);
+        for q in 0..q_len {
+            let keys = (0..kv_len).filter(|&k| {
+                let (lo, hi) = (
+                    lts[k as usize],
+                    lte.as_ref().map_or(i64::MAX, |e| e[k as usize]),
+                );
+                k <= q && !(lo..hi).contains(&i64::from(q))
+            });
+            assert_eq!(
+                rows(&p, 0, 0)[q as usize],
+                set(keys),
+                "row {q} of lts {lts:?}"
+            );
+        }
+    }
+}
+
+/// Bad `causal` values and arrays that do not fit the form are errors naming them.
+#[test]
+fn bad_column_forms_are_named() {
+    let flashmask = compilemask::builtin("flashmask").unwrap();
+    let cases = [
+        (
+            PlanOptions::new(8).param("causal", Value::Int(2)),
+            "causal must be 0 or 1, got 2",
+        ),
+        (
+            PlanOptions::new(8)
+                .param("causal", Value::Int(1))
+                .param("uts", arr(&[0, 0]))
+                .param("ute", arr(&[0, 1])),
+            "give lts (and lte) only, got 2 uts",
+        ),
+        (
+            PlanOptions::new(8)
+                .param("lts", arr(&[3, 4]))
+                .param("lte", arr(&[5])),
+            "got 2 lts and 1 lte",
+        ),
+        (
+            PlanOptions::new(8).param("uts", arr(&[3, 4])),
+            "uts and ute need equal lengths, got 2 and 0",
+        ),
+    ];
+    for (options, message) in cases {
+        let err = flashmask.plan(&options).unwrap_err();
+        let text = flashmask.render_error(&err);
+        assert!(text.contains(message), "{text}");
+    }
 }
