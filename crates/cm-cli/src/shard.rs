@@ -93,14 +93,15 @@ pub fn lines(name: &str, r: &Value) -> Vec<String> {
         "  rank  tokens  visible pairs  computed pairs  fetched keys  ring keys".to_string(),
     ];
     for x in r["per_rank"].as_array().into_iter().flatten() {
+        let n = |k: &str| x[k].as_u64().unwrap_or(0);
         out.push(format!(
             "  {:>4}  {:>6}  {:>13}  {:>14}  {:>12}  {:>9}",
-            x["rank"],
-            x["tokens"],
-            x["visible_pairs"],
-            x["computed_pairs"],
-            x["fetched_keys"],
-            x["ring_fetched_keys"]
+            n("rank"),
+            n("tokens"),
+            n("visible_pairs"),
+            n("computed_pairs"),
+            n("fetched_keys"),
+            n("ring_fetched_keys")
         ));
     }
     out

@@ -1,0 +1,132 @@
+//! `compilemask shard`: the deal of a causal and a document mask against hand-computed
+//! totals (visible pairs summed over ranks, the split by positions' imbalance, equal tokens),
+//! the human-readable report, and clear errors for what cannot be sharded.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn causal_is_balanced_where_a_position_split_is_not() {
+    let v = json(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "4096",
+        "--ranks",
+        "4",
+        "--chunk",
+        "128",
+        "--json",
+    ]);
+    let ranks = v["per_rank"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    let total: u64 = ranks
+        .iter()
+        .map(|r| r["visible_pairs"].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, 4096 * 4097 / 2);
+    assert!(ranks
+        .iter()
+        .all(|r| r["tokens"] == 1024 && r["chunks"] == 8));
+    assert!(v["max_over_mean_visible"].as_f64().unwrap() < 1.001);
+    // Rank r of a split by positions sees (2r + 1) / 16 of the pairs (+ its diagonal).
+    let split = v["position_split_max_over_mean_visible"].as_f64().unwrap();
+    assert!((split - 1.75).abs() < 0.01, "{split}");
+    let position: Vec<u64> = ranks
+        .iter()
+        .map(|r| r["position_split_visible_pairs"].as_u64().unwrap())
+        .collect();
+    let want: Vec<u64> = (0..4u64)
+        .map(|r| (r * 1024..(r + 1) * 1024).map(|q| q + 1).sum())
+        .collect();
+    assert_eq!(position, want);
+    for r in ranks {
+        assert!(r["fetched_keys"].as_u64() <= r["ring_fetched_keys"].as_u64());
+    }
+}
+
+#[test]
+fn the_report_names_every_rank() {
+    let out = ok(&[
+        "shard",
+        "--builtin",
+        "document_causal",
+        "--set",
+        "lengths=[700,300,1000]",
+        "--q-len",
+        "2000",
+        "--ranks",
+        "3",
+        "--chunk",
+        "100",
+    ]);
+    assert!(
+        out.contains("2000 tokens over 3 ranks in chunks of 100"),
+        "{out}"
+    );
+    assert!(out.contains("of ring attention's"), "{out}");
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.trim_start().starts_with(['0', '1', '2']))
+            .count(),
+        3
+    );
+}
+
+#[test]
+fn what_cannot_be_sharded_is_named() {
+    fails(
+        &[
+            "shard",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "100",
+            "--ranks",
+            "8",
+            "--chunk",
+            "64",
+        ],
+        &["fewer than ranks = 8", "at most 12"],
+    );
+    fails(
+        &[
+            "shard",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "100",
+            "--ranks",
+            "0",
+        ],
+        &["ranks = 0"],
+    );
+    fails(
+        &[
+            "shard",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "100",
+            "--kv-len",
+            "120",
+            "--ranks",
+            "2",
+        ],
+        &["q_len = 100 and kv_len = 120 differ"],
+    );
+    fails(
+        &[
+            "shard",
+            "--builtin",
+            "causal_softcap",
+            "--q-len",
+            "100",
+            "--ranks",
+            "2",
+        ],
+        &["score terms"],
+    );
+}
