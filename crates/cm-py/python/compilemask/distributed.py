@@ -155,9 +155,11 @@ def _int32_tensor(torch: Any, raw: bytes) -> Any:
 
 
 def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale: float,
-                    enable_gqa: bool, deterministic: bool) -> tuple:
+                    enable_gqa: bool, deterministic: bool, ready: Any = None) -> tuple:
     """One rank's attention from its queries and, per source rank, the keys and values it
-    fetched (``None`` where it reads none): the parts merged by lse, in float32, as
+    fetched (``None`` where it reads none). Its own part runs first; ``ready()`` (when given)
+    is called after it, before any fetched tensor is read, so the exchange overlaps the own
+    part's work. The parts are merged by lse, in float32, as
     FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
     exp(lse_s - lse) out_s``). Rows that see no key get 0 and lse -inf. lse is float32
     (float64 for float64 inputs), as :func:`compilemask.attention`'s."""
@@ -167,7 +169,11 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale
     # Merged in float32 (float64 for float64 inputs, which the CPU reference computes in).
     acc = torch.promote_types(q.dtype, torch.float32)
     outs, lses = [], []
-    for source, kv in enumerate(fetched):
+    sources = [rank] + [s for s in range(cp.ranks) if s != rank]
+    for i, source in enumerate(sources):
+        if i == 1 and ready is not None:
+            ready()
+        kv = fetched[source]
         if kv is None:
             continue
         k, v = kv
@@ -258,7 +264,8 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
             )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    anchor, *pieces = _Fetch.apply(key, value, cp, rank, group)
+    pending: list = []
+    anchor, *pieces = _Fetch.apply(key, value, cp, rank, group, pending)
     fetched = []
     it = iter(pieces)
     for s in range(cp.ranks):
@@ -271,7 +278,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
         else:
             fetched.append(None)
     out, lse = _rank_attention(cp, rank, query, fetched, float(scale), enable_gqa,
-                               deterministic)
+                               deterministic, ready=lambda: [w.wait() for w in pending])
     out = out + anchor.to(out.dtype)
     return (out, lse) if return_lse else out
 
@@ -285,13 +292,19 @@ def _check_lengths(cp: ContextParallel, *tensors: Any) -> None:
             )
 
 
-def _exchange(torch: Any, dist: Any, send: list, recv_sizes: list, like: Any, group: Any) -> list:
+def _exchange(torch: Any, dist: Any, send: list, recv_sizes: list, like: Any, group: Any,
+              pending: Optional[list] = None) -> list:
     """``send[s]`` (token-major ``[n_s, ...]``) to rank ``s`` and ``recv_sizes[s]`` tokens from
-    each, by one ``all_to_all_single``; the received pieces in rank order."""
+    each, by one ``all_to_all_single``; the received pieces in rank order. With ``pending``
+    the collective is asynchronous and its work handle is appended there: the pieces may be
+    read only after its ``wait()``."""
     flat = torch.cat(send, 0).contiguous()
     out = like.new_empty((sum(recv_sizes),) + tuple(flat.shape[1:]))
-    dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
-                           input_split_sizes=[t.shape[0] for t in send], group=group)
+    work = dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
+                                  input_split_sizes=[t.shape[0] for t in send], group=group,
+                                  async_op=pending is not None)
+    if pending is not None:
+        pending.append(work)
     return list(torch.split(out, recv_sizes, 0))
 
 
@@ -302,11 +315,12 @@ def _fetch_cls() -> Any:
         """A zero scalar (the anchor: the caller adds it to its output, so that this rank's
         backward always runs, as the other ranks' backward exchanges need it to), then the keys
         and values this rank reads from every other rank (sources ascending, K then V of each,
-        only sources it reads). Backward returns their gradients to their ranks, which add
-        them at the keys they sent."""
+        only sources it reads), still arriving: the exchanges' work handles are appended to
+        ``pending``, to wait on before reading them. Backward returns their gradients to their
+        ranks, which add them at the keys they sent (synchronously)."""
 
         @staticmethod
-        def forward(ctx, k, v, cp, rank, group):
+        def forward(ctx, k, v, cp, rank, group, pending):
             import torch.distributed as dist
 
             ranks = cp.ranks
@@ -322,7 +336,7 @@ def _fetch_cls() -> Any:
             for x in (k, v):
                 tokens = x.permute(2, 0, 1, 3)  # [n, b, h, d]
                 got = _exchange(torch, dist, [tokens.index_select(0, i) for i in send_index],
-                                recv_sizes, tokens, group)
+                                recv_sizes, tokens, group, pending)
                 pieces.append([g.permute(1, 2, 0, 3) for g in got])
             out = [k.new_zeros(())]
             for s in range(ranks):
@@ -355,7 +369,7 @@ def _fetch_cls() -> Any:
                     if i.numel():
                         total.index_add_(0, i, g.to(acc))
                 results.append(total.permute(1, 2, 0, 3).to(dtype))
-            return results[0], results[1], None, None, None
+            return results[0], results[1], None, None, None, None
 
     return Fetch
 
