@@ -14,6 +14,7 @@ mod fallible;
 mod interp;
 pub mod ir;
 pub mod score;
+mod square;
 pub mod tree;
 
 pub use bind::{Bound, Env, PResult, PlanError, Shape, Value};

@@ -8,9 +8,11 @@
 //! key-side atom such as `arr[k] <= q` also sorts the sequence's keys, O(kv_len log kv_len)).
 //!
 //! **The piece cache.** Most serving masks (causal, sliding windows, sinks, dilated
-//! windows, fixed prefixes) read no length: [`cm_ir::Program::reads_lengths`] is false, and
-//! neither `b`, `h` nor `elementwise` appears. Then binding at any length gives the same
-//! pairwise visibility, the length only bounding the keys, so row `p` of a sequence of
+//! windows, fixed prefixes) read no length, or read `q_len` and `kv_len` only where they
+//! cancel in a square binding (bottom-right causal: `k <= q + kv_len - q_len`):
+//! [`cm_ir::Program::square_invariant`] holds, and neither `b`, `h` nor `elementwise`
+//! appears. Then binding square at any length gives the same pairwise visibility, the length
+//! only bounding the keys, so row `p` of a sequence of
 //! `kv_len` keys is row `p` of the program bound once at a *capacity* `C >= kv_len`, its
 //! keys cut at `kv_len`. The planner keeps, per capacity, the solver's pieces (runs of rows
 //! whose intervals are affine in the row, `cm_plan::first_piece`) that steps have asked for;
@@ -46,7 +48,10 @@ pub struct StepPlanner {
 
 /// Whether rows of `program` at any length are its rows at a larger one, cut at the length.
 fn cacheable(program: &Program) -> bool {
-    !program.reads_lengths && !program.uses_b && !program.uses_h && !program.mask.uses_elementwise()
+    program.square_invariant()
+        && !program.uses_b
+        && !program.uses_h
+        && !program.mask.uses_elementwise()
 }
 
 /// The error with the sequence it arose in.

@@ -64,6 +64,20 @@ fn programs() -> Vec<(&'static str, Arc<cm_ir::Program>, Params, bool)> {
             "causal_bottom_right",
             builtin("causal_bottom_right"),
             Params::new(),
+            true,
+        ),
+        (
+            "window_bottom_right",
+            compile(
+                "param d: int = kv_len - q_len;\nmask = q + d - 40 < k <= q + d & k >= (kv_len - q_len) / 2;",
+            ),
+            Params::new(),
+            true,
+        ),
+        (
+            "lengths_not_cancelling",
+            compile("mask = k <= q + kv_len / 2 - q_len / 2 | k < q_len / 9;"),
+            Params::new(),
             false,
         ),
         ("tree_decode", builtin("tree_decode"), Params::new(), false),

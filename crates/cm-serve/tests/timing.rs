@@ -40,7 +40,7 @@ fn decode_step_host_time() {
             false,
         ),
         (
-            "causal_bottom_right (reads lengths: one binding per sequence)",
+            "causal_bottom_right (lengths that cancel: piece cache)",
             builtin("causal_bottom_right"),
             Params::new(),
             false,
