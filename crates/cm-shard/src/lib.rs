@@ -301,6 +301,9 @@ fn deal(chunk_work: &[u64], ranks: u32) -> Vec<Vec<u32>> {
     dealt
 }
 
+/// Rows as CSR: `row_ptr` (`[rows + 1]`) and the intervals `(start, end)`.
+type Csr = (Vec<u32>, Vec<(u32, u32)>);
+
 /// Every (rank, source) part. A rank's chunks are ascending, so the local position of an
 /// original key inside its owner is monotone in the key, and a row interval meets each
 /// source's keys in one local range (from its first key there to its last): O(intervals x
@@ -317,9 +320,8 @@ fn parts(rows: &RowIntervals, chunks: &[Vec<u32>], chunk: u32, len: u32) -> Vec<
         }
     }
     let local = |x: u32| slot[(x / chunk) as usize] * chunk + x % chunk;
-    // Rows of each (rank, source) in the source's local positions, as CSR.
-    let mut csr: Vec<Vec<(Vec<u32>, Vec<(u32, u32)>)>> =
-        vec![vec![(vec![0u32], Vec::new()); ranks]; ranks];
+    // Rows of each (rank, source) in the source's local positions.
+    let mut csr: Vec<Vec<Csr>> = vec![vec![(vec![0u32], Vec::new()); ranks]; ranks];
     for (r, cs) in chunks.iter().enumerate() {
         for q in cs
             .iter()
