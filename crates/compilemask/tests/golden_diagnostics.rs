@@ -79,6 +79,15 @@ fn cm0101_unexpected_character() {
     compile_golden("CM0101", "mask = k <= q $ 1;\n");
 }
 
+/// A typeset character pasted for an operator: its hint names the ASCII spelling, and the
+/// statement reports nothing after it.
+#[test]
+fn cm0101_lookalike_character() {
+    insta::with_settings!({snapshot_suffix => "lookalike"}, {
+        compile_golden("CM0101", "param w: int = 8;\nmask = q \u{2013} w < k <= q;\n");
+    });
+}
+
 #[test]
 fn cm0102_unterminated_string() {
     compile_golden(
