@@ -31,6 +31,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
+mod quant;
+
+pub use quant::MAX_QUANT_EVALS;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
@@ -156,6 +159,12 @@ pub struct Solver<'a, 'p> {
     shared_pairs: Option<&'a AtomicU64>,
     /// Whether this solver stopped at the pair limit.
     hit_limit: Cell<bool>,
+    /// Terms of `any` / `all` evaluated so far, against [`MAX_QUANT_EVALS`].
+    pub quant_evals: Cell<u64>,
+    /// While an `any` is solved in runs of its variable (`quant`): the depth of that
+    /// variable, which pieces then range over (a piece's `q0` is its first value), and the
+    /// row, fixed meanwhile.
+    var_mode: Cell<Option<(usize, i64)>>,
 }
 
 /// The keys of a key-side atom `f(k) op v` (see [`Solver::key_cmp`]): every key's `f`,
@@ -292,6 +301,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             key_sweeps: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
+            quant_evals: Cell::new(0),
+            var_mode: Cell::new(None),
         }
     }
 
@@ -326,13 +337,30 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn env(&self, p: &Piece) -> Env {
+        let mut vars = self.vars.get();
+        let q = match self.var_mode.get() {
+            Some((depth, q)) => {
+                vars[depth] = p.q0;
+                q
+            }
+            None => p.q0,
+        };
         Env {
-            q: p.q0,
+            q,
             k: 0,
             b: p.b,
             h: p.h,
             seg_len: 0,
-            vars: self.vars.get(),
+            vars,
+        }
+    }
+
+    /// The row `q` over the piece: affine in it, or, while pieces range over an `any`
+    /// variable, the one row being solved.
+    fn q_of(&self, p: &Piece, span: Span) -> Eval<Affine> {
+        match self.var_mode.get() {
+            Some((_, q)) => Ok(Affine::constant(q)),
+            None => self.affine(p, Some(p.q0), Some(1), span),
         }
     }
 
@@ -554,7 +582,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let sh = &self.bound.shape;
         Ok(match &e.kind {
             IntKind::Const(v) => Affine::constant(*v),
-            IntKind::Q => self.affine(p, Some(p.q0), Some(1), span)?,
+            IntKind::Q => self.q_of(p, span)?,
             IntKind::B => Affine::constant(p.b),
             IntKind::H => Affine::constant(p.h),
             IntKind::QLen => Affine::constant(sh.q_len),
@@ -666,7 +694,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
-            IntKind::Var(d) => Affine::constant(self.vars.get()[*d as usize]),
+            IntKind::Var(d) => match self.var_mode.get() {
+                Some((depth, _)) if depth == *d as usize => {
+                    self.affine(p, Some(p.q0), Some(1), span)?
+                }
+                _ => Affine::constant(self.vars.get()[*d as usize]),
+            },
             IntKind::K | IntKind::SegLen => {
                 unreachable!("checked: k and len do not reach q-side evaluation")
             }
@@ -1466,6 +1499,17 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let outer = self.vars.get();
                 let (depth, all) = (*depth as usize, *all);
                 let once = invariant && cached.is_none();
+                if !once && p.n == 1 {
+                    let out = self.quant_in_runs(p, all, depth, range, body, hull, *span);
+                    self.vars.set(outer);
+                    return out;
+                }
+                // Over a run of an enclosing variable, terms cost one evaluation each, and
+                // that variable's values one by one cost about one run each.
+                if !once && self.var_mode.get().is_some() && range.end - range.start > p.n {
+                    return Err(self.single(p));
+                }
+                self.count_quant_evals(range.end - range.start, *span)?;
                 let mut out = if once {
                     self.quantifier(p, all, depth, range.clone(), body, None)
                 } else {
@@ -2038,7 +2082,7 @@ impl<'a, 'p> Solver<'a, 'p> {
     ) -> Eval<Vec<AffineInterval>> {
         // The reference evaluates the radius on every row, inside the grid or not.
         let r = self.int(p, radius)?;
-        let qa = self.affine(p, Some(p.q0), Some(1), span)?;
+        let qa = self.q_of(p, span)?;
         if !self.in_grid(p, g, qa)? {
             return Ok(Vec::new());
         }
