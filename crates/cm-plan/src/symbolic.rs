@@ -159,12 +159,17 @@ pub struct Solver<'a, 'p> {
     shared_pairs: Option<&'a AtomicU64>,
     /// Whether this solver stopped at the pair limit.
     hit_limit: Cell<bool>,
-    /// Terms of `any` / `all` evaluated so far, against [`MAX_QUANT_EVALS`].
+    /// Terms of `any` / `all` evaluated so far, against `quant_limit`.
     pub quant_evals: Cell<u64>,
+    /// [`MAX_QUANT_EVALS`] unless a test sets it ([`Solver::with_quant_limit`]).
+    quant_limit: u64,
     /// While an `any` is solved in runs of its variable (`quant`): the depth of that
     /// variable, which pieces then range over (a piece's `q0` is its first value), and the
     /// row, fixed meanwhile.
     var_mode: Cell<Option<(usize, i64)>>,
+    /// Counting the pairs `elementwise` would evaluate, not evaluating them (see
+    /// [`Solver::counting`]).
+    count_only: bool,
 }
 
 /// The keys of a key-side atom `f(k) op v` (see [`Solver::key_cmp`]): every key's `f`,
@@ -302,7 +307,21 @@ impl<'a, 'p> Solver<'a, 'p> {
             shared_pairs: None,
             hit_limit: Cell::new(false),
             quant_evals: Cell::new(0),
+            quant_limit: MAX_QUANT_EVALS,
             var_mode: Cell::new(None),
+            count_only: false,
+        }
+    }
+
+    /// A solver that counts the pairs `elementwise` would evaluate instead of evaluating
+    /// them, taking its predicate to hold at each (so its rows are not the mask's), with no
+    /// limit: the planner's count before it evaluates any, exact for a mask whose one
+    /// `elementwise` lies outside every `any` / `all` (where no predicate's value decides
+    /// where it is evaluated).
+    pub fn counting(bound: &'a Bound<'p>) -> Self {
+        Solver {
+            count_only: true,
+            ..Solver::new(bound)
         }
     }
 
@@ -1704,6 +1723,20 @@ impl<'a, 'p> Solver<'a, 'p> {
         holds: impl Fn(&Env) -> cm_ir::PResult<bool>,
     ) -> Eval<Scan> {
         let pairs: u64 = ranges.iter().map(|&(a, z)| (z - a).max(0) as u64).sum();
+        if self.count_only {
+            let mut keys: Vec<AffineInterval> = Vec::new();
+            for &(a, z) in ranges.iter().filter(|(a, z)| a < z) {
+                match keys.last_mut() {
+                    Some(last) if last.end.first == a => last.end.first = z,
+                    _ => keys.push(AffineInterval::unit(
+                        Affine::constant(a),
+                        Affine::constant(z),
+                    )),
+                }
+            }
+            self.count_pairs(pairs, 0);
+            return Ok((keys, None));
+        }
         let total = match self.shared_pairs {
             Some(shared) => shared.fetch_add(pairs, Ordering::Relaxed) + pairs,
             None => self.elementwise_pairs.get() + pairs,
@@ -1746,7 +1779,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             shared.fetch_sub(unused, Ordering::Relaxed);
         }
         self.elementwise_pairs
-            .set(self.elementwise_pairs.get() + evaluated);
+            .set(self.elementwise_pairs.get().saturating_add(evaluated));
     }
 
     /// The union (`any`) or intersection (`all`) of `body` over the variable's values in

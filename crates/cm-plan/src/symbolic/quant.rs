@@ -28,16 +28,24 @@ use cm_syntax::{Code, Span};
 pub const MAX_QUANT_EVALS: u64 = 1 << 25;
 
 impl Solver<'_, '_> {
-    /// Counts `terms` evaluations of a quantifier's body (the one at `span`) against
-    /// [`MAX_QUANT_EVALS`], before they are made.
+    /// This solver stopping past `limit` terms of `any` / `all` instead of
+    /// [`MAX_QUANT_EVALS`] (tests of the limit that cannot wait for 2^25 terms).
+    pub fn with_quant_limit(mut self, limit: u64) -> Self {
+        self.quant_limit = limit;
+        self
+    }
+
+    /// Counts `terms` evaluations of a quantifier's body (the one at `span`) against the
+    /// solver's limit ([`MAX_QUANT_EVALS`] unless set), before they are made.
     pub(super) fn count_quant_evals(&self, terms: i64, span: Span) -> Result<(), PlanError> {
         let total = self.quant_evals.get().saturating_add(terms.max(0) as u64);
-        if total > MAX_QUANT_EVALS {
+        let limit = self.quant_limit;
+        if total > limit {
             return Err(PlanError::new(
                 Code::TooLargeToPlan,
                 Some(span),
                 format!(
-                    "`any` / `all` would evaluate more than {MAX_QUANT_EVALS} terms (each term once per piece of rows it is solved on)"
+                    "`any` / `all` would evaluate more than {limit} terms (each term once per piece of rows it is solved on)"
                 ),
             )
             .with_hint(
@@ -77,12 +85,23 @@ impl Solver<'_, '_> {
         self.var_mode.set(saved);
         // Change points of the variable's runs are not the caller's.
         self.clear_split_hints();
-        let found = found?;
-        let union = if found.len() == 1 {
+        let mut found = found?;
+        // Strided runs joined one by one, so they stay runs where they meet nothing else.
+        let mut strided = Vec::new();
+        found.retain(|iv| {
+            iv.stride == 1 || {
+                strided.push(*iv);
+                false
+            }
+        });
+        let mut union = if found.len() <= 1 {
             found
         } else {
             self.union_all(p, found)?
         };
+        for run in strided {
+            union = self.union(p, union, vec![run])?;
+        }
         if all {
             self.complement(p, &union)
         } else {
