@@ -132,7 +132,9 @@ proptest! {
 fn a_range_that_reads_q_costs_runs_not_terms() {
     type Keys = fn(i64) -> Vec<(u32, u32)>;
     let cases: [(&str, Keys); 3] = [
-        ("mask = any i in 0 .. q + 1: k == i;", |q| vec![(0, q as u32 + 1)]),
+        ("mask = any i in 0 .. q + 1: k == i;", |q| {
+            vec![(0, q as u32 + 1)]
+        }),
         (
             "mask = all i in q - 4096 .. q + 1: k >= i - 4096 & k <= q;",
             |q| vec![((q - 4096).max(0) as u32, q as u32 + 1)],
@@ -153,7 +155,11 @@ fn a_range_that_reads_q_costs_runs_not_terms() {
         let p = plan(&bound, TileShape::default()).unwrap();
         let took = t.elapsed();
         for q in [0, 1, 4095, 4096, 65537, n - 1] {
-            assert_eq!(row_pairs(&p.masks[0].rows, q as u32), keys(q), "{mask} row {q}");
+            assert_eq!(
+                row_pairs(&p.masks[0].rows, q as u32),
+                keys(q),
+                "{mask} row {q}"
+            );
         }
         assert!(took.as_secs_f64() < 5.0, "{mask}: {took:?}");
     }

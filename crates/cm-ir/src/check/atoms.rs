@@ -819,8 +819,10 @@ impl Checker<'_> {
         .with_hint(format!(
             "solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=, `a` any q-side \
              integer), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d < g(q)`, `abs(a*k + f(q)) < \
-             g(q)`, and any function of `k` alone against q-side values (`arr[k] <= q`, \
-             `doc.index(k) == doc.index(q)`), with terms on either side; anything else can be \
+             g(q)`, any function of `k` alone against q-side values (`arr[k] <= q`, \
+             `doc.index(k) == doc.index(q)`), with terms on either side, and these with \
+             `abs`, `min` or `max` of linear terms anywhere in them (split into cases: \
+             `min(k, q) < 5`, `abs(k - q) % 3 == 0`); anything else can be \
              evaluated pair by pair with `elementwise(...)`, at most {} pairs per plan, so \
              narrow it with a solvable region (`q - 512 < k <= q & elementwise(...)`)",
             crate::MAX_ELEMENTWISE_PAIRS
@@ -946,6 +948,19 @@ mod tests {
             ("(k / 2) % 3 == q % 3", "KeyCmp"),
             ("[5, 1, 4, 1, 5, 9, 2, 6][k % 8] != q % 7", "KeyCmp"),
             ("abs(k * k - 9) <= q", "Inter"),
+            // Split into cases at `abs`, `min` and `max` terms of linear arguments.
+            ("min(k, q) < 5", "Union"),
+            ("max(q - k, 0) <= 3", "Union"),
+            ("abs(k - q) % 3 == 0", "Union"),
+            ("abs(k - q) / 2 == 1", "Union"),
+            ("(abs(k - q) + 1) % 4 < 2", "Union"),
+            ("min(k, q - 3) >= 2", "Union"),
+            ("max(k, 2 * q) == q + 4", "Union"),
+            ("min(k, q) != 3", "Union"),
+            ("max(k, q) % 5 == 0", "Union"),
+            ("min(abs(k - q), 3) < 2", "Union"),
+            ("min(k, 10 - k) > q % 4", "KeyCmp"),
+            ("min(k, q) + max(k, 3) < q", "Union"),
         ];
         for (cmp, kind) in cases {
             let src = format!("mask = {cmp};");
@@ -1046,7 +1061,8 @@ mod tests {
                 "(k + q) / (q + 2)",
                 "together with `q`",
             ),
-            ("k < min(k, q)", "min(k, q)", "together with `q`"),
+            ("k < min(k * k, q)", "min(k * k, q)", "together with `q`"),
+            ("abs(k * q) % 3 == 0", "k * q", "together with `q`"),
             (
                 "any i in 0 .. 2: [1, 2, 3][k + i] == 2",
                 "[1, 2, 3][k + i]",
