@@ -17,8 +17,8 @@ pub mod tiles;
 pub use order::{TokenOrder, Traversal};
 pub use packed::{plan_packed, Packing};
 pub use plan::{
-    expand_error, first_piece, plan, plan_in_order, row_range_intervals, AffineRows, MaskPlan,
-    OrderRequest, Plan,
+    elementwise_pairs_up_front, expand_error, first_piece, plan, plan_in_order,
+    row_range_intervals, AffineRows, MaskPlan, OrderRequest, Plan,
 };
 pub use rows::{ExpandError, KeyInterval, RowIntervals, MAX_EXPANDED_INTERVALS};
 pub use tiles::{TileCounts, TileDescriptor, TileShape};

@@ -4,10 +4,13 @@
 use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
 use crate::rows::{ExpandError, KeyInterval, RowIntervals};
-use crate::symbolic::{has_strided, Affine, AffineInterval, Flow, Piece, Solver};
+use crate::symbolic::{
+    has_strided, Affine, AffineInterval, Flow, Piece, Solver, MAX_ELEMENTWISE_PAIRS,
+};
 use crate::tiles::{TileCounts, TileDescriptor, TileShape};
+use cm_ir::ir::Region;
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
-use cm_syntax::Code;
+use cm_syntax::{Code, Span};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -187,6 +190,7 @@ pub fn row_intervals_runs(
     let shape = solver.bound.shape;
     let program = solver.bound.program;
     let (q_len, kv_len) = (shape.q_len as u32, shape.kv_len as u32);
+    check_pairs_up_front(solver, b, h, 0..shape.q_len)?;
     if program.mask.uses_elementwise() && shape.q_len >= PARALLEL_ROWS {
         return solve_in_parallel(solver, b, h, pieces, runs);
     }
@@ -203,6 +207,93 @@ pub fn row_intervals_runs(
     let rows;
     (rows, *runs) = sink.finish();
     Ok(rows)
+}
+
+/// The `elementwise` of a mask that holds exactly one, outside every `any` / `all`: the
+/// mask whose evaluated pairs [`elementwise_pairs_up_front`] counts exactly.
+fn lone_elementwise(mask: &Region) -> Option<Span> {
+    let mut found = None;
+    let mut stack = vec![mask];
+    while let Some(r) = stack.pop() {
+        match r {
+            Region::Elementwise(_, span) if found.is_none() => found = Some(*span),
+            Region::Elementwise(..) => return None,
+            Region::Quant { body, .. } if body.uses_elementwise() => return None,
+            Region::Union(a, b)
+            | Region::Inter(a, b)
+            | Region::Diff(a, b)
+            | Region::Cond(_, a, b) => stack.extend([&**a, &**b]),
+            Region::Not(a) => stack.push(a),
+            _ => {}
+        }
+    }
+    found
+}
+
+/// The (q, k) pairs the mask's `elementwise` would evaluate one by one on rows `rows`
+/// (half-open, program positions) of the mask of batch index `b`, head `h`, counted
+/// without evaluating any ([`Solver::counting`]: the rows solved with every predicate
+/// taken to hold, in O(rows x intervals)). `None` unless the mask holds exactly one
+/// `elementwise`, outside every `any` / `all` (then where it is evaluated depends on no
+/// predicate's value, so the count is the one planning makes), or when counting meets a
+/// plan-time error (planning reports it).
+pub fn elementwise_pairs_up_front(
+    bound: &Bound<'_>,
+    b: i64,
+    h: i64,
+    rows: std::ops::Range<i64>,
+) -> Option<u64> {
+    lone_elementwise(&bound.program.mask)?;
+    let counter = Solver::counting(bound);
+    let counted = solve_rows(
+        &counter,
+        (b, h),
+        rows,
+        usize::MAX,
+        &AtomicUsize::new(0),
+        &mut Discard,
+    );
+    counted.ok().map(|()| counter.elementwise_pairs.get())
+}
+
+/// CM0404 before any pair is evaluated when the mask's one `elementwise` would take the
+/// plan's pairs (those of `solver` so far and those of rows `rows` of (b, h), counted by
+/// [`elementwise_pairs_up_front`]) past [`MAX_ELEMENTWISE_PAIRS`], naming the count. Rows
+/// that cannot reach the limit however many pairs they evaluate are not counted.
+fn check_pairs_up_front(
+    solver: &Solver<'_, '_>,
+    b: i64,
+    h: i64,
+    rows: std::ops::Range<i64>,
+) -> PResult<()> {
+    let bound = solver.bound;
+    let Some(span) = lone_elementwise(&bound.program.mask) else {
+        return Ok(());
+    };
+    let so_far = solver.elementwise_pairs.get();
+    let most = (rows.end - rows.start) as u64 * bound.shape.kv_len as u64;
+    if so_far.saturating_add(most) <= MAX_ELEMENTWISE_PAIRS {
+        return Ok(());
+    }
+    match elementwise_pairs_up_front(bound, b, h, rows) {
+        Some(pairs) if so_far.saturating_add(pairs) > MAX_ELEMENTWISE_PAIRS => {
+            let total = so_far.saturating_add(pairs);
+            Err(PlanError::new(
+                Code::TooLargeToPlan,
+                Some(span),
+                format!("`elementwise` would evaluate {total} (q, k) pairs one by one, more than the limit of {MAX_ELEMENTWISE_PAIRS} per plan"),
+            )
+            .with_hint("narrow it with a solvable region, e.g. `q - 512 < k <= q & elementwise(...)`, or write the rule in solvable forms"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A sink that keeps nothing: the counting solve of [`elementwise_pairs_up_front`].
+struct Discard;
+
+impl PieceSink for Discard {
+    fn piece(&mut self, _: i64, _: i64, _: &[AffineInterval]) {}
 }
 
 /// Checks that `rows` lies inside the bound program's rows `[0, q_len)`.
@@ -241,6 +332,7 @@ pub fn row_range_intervals(
     pieces: &mut u64,
 ) -> PResult<RowIntervals> {
     check_row_range(solver, &rows)?;
+    check_pairs_up_front(solver, b, h, rows.clone())?;
     let n = (rows.end - rows.start) as u32;
     let kv_len = solver.bound.shape.kv_len as u32;
     let mut sink = RowSink::new(n, kv_len, true, Vec::new());

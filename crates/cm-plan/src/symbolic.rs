@@ -32,9 +32,11 @@ pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
 mod keys;
+mod quant;
 mod quasi;
 
 use keys::KeySweep;
+pub use quant::MAX_QUANT_EVALS;
 
 /// Most row-invariant comparisons a solver keeps ([`Solver`]'s `invariant`): a mask has a
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
@@ -160,6 +162,17 @@ pub struct Solver<'a, 'p> {
     shared_pairs: Option<&'a AtomicU64>,
     /// Whether this solver stopped at the pair limit.
     hit_limit: Cell<bool>,
+    /// Terms of `any` / `all` evaluated so far, against `quant_limit`.
+    pub quant_evals: Cell<u64>,
+    /// [`MAX_QUANT_EVALS`] unless a test sets it ([`Solver::with_quant_limit`]).
+    quant_limit: u64,
+    /// While an `any` is solved in runs of its variable (`quant`): the depth of that
+    /// variable, which pieces then range over (a piece's `q0` is its first value), and the
+    /// row, fixed meanwhile.
+    var_mode: Cell<Option<(usize, i64)>>,
+    /// Counting the pairs `elementwise` would evaluate, not evaluating them (see
+    /// [`Solver::counting`]).
+    count_only: bool,
 }
 
 /// The keys `k` with `(k - start) mod m < len` (`m > 0`, `0 <= len <= m`): the solution of a
@@ -226,6 +239,22 @@ impl<'a, 'p> Solver<'a, 'p> {
             key_sweeps: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
+            quant_evals: Cell::new(0),
+            quant_limit: MAX_QUANT_EVALS,
+            var_mode: Cell::new(None),
+            count_only: false,
+        }
+    }
+
+    /// A solver that counts the pairs `elementwise` would evaluate instead of evaluating
+    /// them, taking its predicate to hold at each (so its rows are not the mask's), with no
+    /// limit: the planner's count before it evaluates any, exact for a mask whose one
+    /// `elementwise` lies outside every `any` / `all` (where no predicate's value decides
+    /// where it is evaluated).
+    pub fn counting(bound: &'a Bound<'p>) -> Self {
+        Solver {
+            count_only: true,
+            ..Solver::new(bound)
         }
     }
 
@@ -260,13 +289,30 @@ impl<'a, 'p> Solver<'a, 'p> {
     }
 
     fn env(&self, p: &Piece) -> Env {
+        let mut vars = self.vars.get();
+        let q = match self.var_mode.get() {
+            Some((depth, q)) => {
+                vars[depth] = p.q0;
+                q
+            }
+            None => p.q0,
+        };
         Env {
-            q: p.q0,
+            q,
             k: 0,
             b: p.b,
             h: p.h,
             seg_len: 0,
-            vars: self.vars.get(),
+            vars,
+        }
+    }
+
+    /// The row `q` over the piece: affine in it, or, while pieces range over an `any`
+    /// variable, the one row being solved.
+    fn q_of(&self, p: &Piece, span: Span) -> Eval<Affine> {
+        match self.var_mode.get() {
+            Some((_, q)) => Ok(Affine::constant(q)),
+            None => self.affine(p, Some(p.q0), Some(1), span),
         }
     }
 
@@ -502,7 +548,7 @@ impl<'a, 'p> Solver<'a, 'p> {
         let sh = &self.bound.shape;
         Ok(match &e.kind {
             IntKind::Const(v) => Affine::constant(*v),
-            IntKind::Q => self.affine(p, Some(p.q0), Some(1), span)?,
+            IntKind::Q => self.q_of(p, span)?,
             IntKind::B => Affine::constant(p.b),
             IntKind::H => Affine::constant(p.h),
             IntKind::QLen => Affine::constant(sh.q_len),
@@ -614,7 +660,12 @@ impl<'a, 'p> Solver<'a, 'p> {
                 }
                 self.grid_coords(p, *g, pos, span)?[*axis as usize]
             }
-            IntKind::Var(d) => Affine::constant(self.vars.get()[*d as usize]),
+            IntKind::Var(d) => match self.var_mode.get() {
+                Some((depth, _)) if depth == *d as usize => {
+                    self.affine(p, Some(p.q0), Some(1), span)?
+                }
+                _ => Affine::constant(self.vars.get()[*d as usize]),
+            },
             IntKind::K | IntKind::SegLen => {
                 unreachable!("checked: k and len do not reach q-side evaluation")
             }
@@ -1414,6 +1465,17 @@ impl<'a, 'p> Solver<'a, 'p> {
                 let outer = self.vars.get();
                 let (depth, all) = (*depth as usize, *all);
                 let once = invariant && cached.is_none();
+                if !once && p.n == 1 {
+                    let out = self.quant_in_runs(p, all, depth, range, body, hull, *span);
+                    self.vars.set(outer);
+                    return out;
+                }
+                // Over a run of an enclosing variable, terms cost one evaluation each, and
+                // that variable's values one by one cost about one run each.
+                if !once && self.var_mode.get().is_some() && range.end - range.start > p.n {
+                    return Err(self.single(p));
+                }
+                self.count_quant_evals(range.end - range.start, *span)?;
                 let mut out = if once {
                     self.quantifier(p, all, depth, range.clone(), body, None)
                 } else {
@@ -1608,6 +1670,20 @@ impl<'a, 'p> Solver<'a, 'p> {
         holds: impl Fn(&Env) -> cm_ir::PResult<bool>,
     ) -> Eval<Scan> {
         let pairs: u64 = ranges.iter().map(|&(a, z)| (z - a).max(0) as u64).sum();
+        if self.count_only {
+            let mut keys: Vec<AffineInterval> = Vec::new();
+            for &(a, z) in ranges.iter().filter(|(a, z)| a < z) {
+                match keys.last_mut() {
+                    Some(last) if last.end.first == a => last.end.first = z,
+                    _ => keys.push(AffineInterval::unit(
+                        Affine::constant(a),
+                        Affine::constant(z),
+                    )),
+                }
+            }
+            self.count_pairs(pairs, 0);
+            return Ok((keys, None));
+        }
         let total = match self.shared_pairs {
             Some(shared) => shared.fetch_add(pairs, Ordering::Relaxed) + pairs,
             None => self.elementwise_pairs.get() + pairs,
@@ -1650,7 +1726,7 @@ impl<'a, 'p> Solver<'a, 'p> {
             shared.fetch_sub(unused, Ordering::Relaxed);
         }
         self.elementwise_pairs
-            .set(self.elementwise_pairs.get() + evaluated);
+            .set(self.elementwise_pairs.get().saturating_add(evaluated));
     }
 
     /// The union (`any`) or intersection (`all`) of `body` over the variable's values in
@@ -2000,7 +2076,7 @@ impl<'a, 'p> Solver<'a, 'p> {
     ) -> Eval<Vec<AffineInterval>> {
         // The reference evaluates the radius on every row, inside the grid or not.
         let r = self.int(p, radius)?;
-        let qa = self.affine(p, Some(p.q0), Some(1), span)?;
+        let qa = self.q_of(p, span)?;
         if !self.in_grid(p, g, qa)? {
             return Ok(Vec::new());
         }

@@ -1,16 +1,19 @@
 //! `elementwise` evaluated where the surrounding regions leave the answer open: on the
 //! right of `&` and `-`, at the left side's keys alone (not their hull); rows in blocks on
 //! several threads from 1024 rows, with the reference's error (the first failing row, the
-//! smallest failing key) whichever block finishes first; the pairs counted. Against the
-//! pairwise semantics.
+//! smallest failing key) whichever block finishes first; the pairs counted, and counted
+//! up front (before any is evaluated) for a mask with one `elementwise`, so a plan past the
+//! limit fails at once. Against the pairwise semantics.
 
 #[allow(dead_code)]
 mod common;
 use cm_ir::Shape;
-use cm_plan::{plan, TileShape};
+use cm_plan::symbolic::MAX_ELEMENTWISE_PAIRS;
+use cm_plan::{elementwise_pairs_up_front, plan, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
+use std::time::Instant;
 
 /// Predicates no solvable form covers, behind left sides of one or several intervals.
 const MASKS: &[&str] = &[
@@ -53,7 +56,65 @@ proptest! {
         let program = compile(&src);
         let tile = TileShape { block_m: 8, block_n: 8 };
         check_or_same_error(&program, shape(q_len, kv_len), tile);
+        check_counted_up_front(&program, mask, shape(q_len, kv_len));
     }
+}
+
+/// The count made before planning is the plan's own count of evaluated pairs for a mask
+/// with one `elementwise`; none is made for one with two.
+fn check_counted_up_front(program: &cm_ir::Program, mask: &str, s: Shape) {
+    let bound = program.bind(s, &params(&[])).unwrap();
+    let counted = elementwise_pairs_up_front(&bound, 0, 0, 0..s.q_len);
+    let lone = mask.matches("elementwise").count() == 1;
+    if let Ok(p) = plan(&bound, TileShape::default()) {
+        assert_eq!(counted, lone.then_some(p.elementwise_pairs), "{mask}");
+    }
+}
+
+/// Past the pair limit a plan fails before evaluating any pair, naming the count: every
+/// pair for a bare `elementwise`, the band's pairs behind a band (counted independently),
+/// the rows of a row range alone; just under the limit the same mask plans.
+#[test]
+fn the_pair_limit_is_checked_up_front() {
+    let pred = "elementwise((q * 7 + k * 3) % 11 < 5)";
+    let band = |n: i64, w: i64| -> u64 { (0..n).map(|q| (q + 1).min(w) as u64).sum() };
+    let cases = [
+        (format!("mask = {pred};"), 32768i64, (32768u64 * 32768)),
+        (
+            format!("mask = q - 9000 < k <= q & {pred};"),
+            40000,
+            band(40000, 9000),
+        ),
+        (
+            format!("mask = {pred} & q - 9000 < k <= q;"),
+            40000,
+            band(40000, 9000),
+        ),
+    ];
+    for (src, n, want) in cases {
+        assert!(want > MAX_ELEMENTWISE_PAIRS, "{src}");
+        let program = compile(&src);
+        let bound = program.bind(shape(n, n), &params(&[])).unwrap();
+        let t = Instant::now();
+        let e = plan(&bound, TileShape::default()).unwrap_err();
+        assert!(t.elapsed().as_secs_f64() < 2.0, "{src}: {:?}", t.elapsed());
+        assert_eq!(e.code, "CM0404", "{e}");
+        assert!(
+            e.message.contains(&format!("evaluate {want} (q, k) pairs"))
+                && e.message.contains(&MAX_ELEMENTWISE_PAIRS.to_string()),
+            "{src}: {e}"
+        );
+        let span = e.span.expect("the elementwise");
+        assert!(
+            src[span.start as usize..].starts_with("elementwise("),
+            "{src}"
+        );
+    }
+    // Rows 0..8192 of the banded mask alone: under the limit, counted exactly.
+    let program = compile(&format!("mask = q - 9000 < k <= q & {pred};"));
+    let bound = program.bind(shape(40000, 40000), &params(&[])).unwrap();
+    let counted = elementwise_pairs_up_front(&bound, 0, 0, 20000..20100);
+    assert_eq!(counted, Some(100 * 9000));
 }
 
 /// Plans `program`: rows and tiles equal brute force, or, where the reference fails, the

@@ -1,13 +1,16 @@
 //! The normal forms of `k` (docs/language.md, "Solvable forms"): `abs`, terms moved across a
 //! comparison, `%` inequalities, q-side coefficients, folded `if`s and `% 1`, and chains of
-//! unions: each planned exactly (rows against the pairwise semantics, tiles against a dense
+//! unions, comparisons split into cases at `abs` / `min` / `max` terms (random ones against
+//! their `elementwise` evaluation): each planned exactly (rows against the pairwise semantics, tiles against a dense
 //! evaluation) and in the pieces its structure needs, not one per row.
 
 #[allow(dead_code)]
 mod common;
 use cm_ir::Value;
 use cm_plan::{plan, TileShape};
+use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
+use proptest::prelude::*;
 
 const TILES: &[TileShape] = &[
     TileShape {
@@ -212,5 +215,70 @@ fn natten_1d_plans_as_strided_runs_in_few_pieces() {
             .map(|k| k as u32)
             .collect();
         assert_eq!(got, dense, "row {q}");
+    }
+}
+
+/// A term linear in `k`: `a*k + b*q + c` with `a` of -1 or 1 (what a `%` inequality of the
+/// split cases needs) and small `b`, `c`.
+fn linear() -> impl Strategy<Value = String> {
+    (prop::bool::ANY, -2i64..=2, -6i64..=6).prop_map(|(neg, b, c)| {
+        let a = if neg { -1 } else { 1 };
+        format!("({a} * k + {b} * q + {c})")
+    })
+}
+
+/// A q-side term `b*q + c`.
+fn q_side() -> impl Strategy<Value = String> {
+    (-2i64..=2, -6i64..=6).prop_map(|(b, c)| format!("({b} * q + {c})"))
+}
+
+/// A term with `abs`, `min` or `max` of linear terms, once or nested, maybe inside `/`, `%`
+/// or a sum (the comparisons `split_cases` brings to a union of atoms).
+fn split_term() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        linear().prop_map(|x| format!("abs({x})")),
+        (linear(), prop_oneof![linear(), q_side()]).prop_map(|(x, y)| format!("min({x}, {y})")),
+        (linear(), prop_oneof![linear(), q_side()]).prop_map(|(x, y)| format!("max({x}, {y})")),
+    ];
+    (leaf, linear(), 0u8..5, 2i64..6).prop_map(|(t, x, how, d)| match how {
+        0 => t,
+        1 => format!("{t} % {d}"),
+        2 => format!("{t} / {d}"),
+        3 => format!("{t} + {x}"),
+        _ => format!("min({t}, {x} + 4)"),
+    })
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 200, 0x5b1_17ca5e))]
+
+    /// Random comparisons split into cases at their `abs` / `min` / `max` terms plan, and
+    /// their rows are the pairwise evaluation of the same comparison inside `elementwise`.
+    #[test]
+    fn comparisons_split_into_cases_equal_elementwise(
+        t in split_term(),
+        op in prop::sample::select(&["<", "<=", ">", ">=", "==", "!="][..]),
+        r in q_side(),
+        (q_len, kv_len) in (1i64..40, 1i64..40),
+        (bm, bn) in (1u32..9, 1u32..9),
+    ) {
+        let cmp = format!("{t} {op} {r}");
+        let program = compile(&format!("mask = {cmp};"));
+        prop_assert!(!program.mask.uses_elementwise(), "{}", cmp);
+        let pairwise = compile(&format!("mask = elementwise({cmp});"));
+        let s = shape(q_len, kv_len);
+        let (a, b) = (program.bind(s, &params(&[])).unwrap(), pairwise.bind(s, &params(&[])).unwrap());
+        let tile = TileShape { block_m: bm, block_n: bn };
+        match (plan(&a, tile), plan(&b, tile)) {
+            (Ok(x), Ok(y)) => {
+                for q in 0..q_len as u32 {
+                    prop_assert_eq!(row_pairs(&x.masks[0].rows, q), row_pairs(&y.masks[0].rows, q), "{} row {}", cmp, q);
+                }
+                check_against_brute_force(&program, s, &params(&[]), tile);
+            }
+            // A division by zero, or an overflow, both ways.
+            (Err(x), Err(y)) => prop_assert_eq!(x.code, y.code, "{}", cmp),
+            (x, y) => prop_assert!(false, "{}: {:?} vs {:?}", cmp, x.err(), y.err()),
+        }
     }
 }

@@ -121,6 +121,65 @@ fn float_end(chars: &[(usize, char)], j: usize) -> Option<usize> {
     (end > j).then_some(end)
 }
 
+/// Whether `c` can begin a token, whitespace or a comment: every character the lexer does
+/// not report as unexpected when it starts one.
+fn starts_token(c: char) -> bool {
+    c.is_whitespace()
+        || c.is_ascii_alphanumeric()
+        || c == '\u{feff}'
+        || "_#\"()[]{},;:=!<>+-*/%&|.".contains(c)
+}
+
+/// The ASCII spelling the language uses for a character often pasted in its place (typeset
+/// minus signs and dashes, comparison signs, quotes, multiplication and division signs).
+fn ascii_lookalike(c: char) -> Option<&'static str> {
+    Some(match c {
+        '\u{2010}'..='\u{2015}' | '\u{2212}' | '\u{fe63}' | '\u{ff0d}' => "-",
+        '\u{2264}' | '\u{2a7d}' => "<=",
+        '\u{2265}' | '\u{2a7e}' => ">=",
+        '\u{2260}' => "!=",
+        '\u{00d7}' | '\u{22c5}' | '\u{2217}' => "*",
+        '\u{00f7}' | '\u{2215}' => "/",
+        '\u{201c}' | '\u{201d}' | '\u{201e}' => "\"",
+        '\u{2026}' => "..",
+        '\u{2227}' => "&",
+        '\u{2228}' => "|",
+        '\u{00ac}' => "!",
+        '\u{ff1b}' => ";",
+        '\u{ff08}' => "(",
+        '\u{ff09}' => ")",
+        _ => return None,
+    })
+}
+
+/// `CM0101` for a run of characters no token starts with (`chars`, at `span`), showing
+/// control characters by code point and naming the ASCII spelling of a lookalike.
+fn unexpected_characters(chars: &[(usize, char)], span: Span) -> Diagnostic {
+    let shown = if chars.iter().any(|c| c.1.is_control()) {
+        let points: Vec<String> = chars
+            .iter()
+            .map(|c| format!("U+{:04X}", c.1 as u32))
+            .collect();
+        points.join(" ")
+    } else {
+        format!("`{}`", chars.iter().map(|c| c.1).collect::<String>())
+    };
+    let plural = if chars.len() == 1 { "" } else { "s" };
+    let message = format!("unexpected character{plural} {shown}");
+    let lookalike = match chars {
+        [(_, c)] => ascii_lookalike(*c).map(|ascii| (*c, ascii)),
+        _ => None,
+    };
+    let hint = match lookalike {
+        Some((c, ascii)) => format!(
+            "`{c}` (U+{:04X}) is not the ASCII `{ascii}` the language uses: write `{ascii}`",
+            c as u32
+        ),
+        None => "comments start with `#`; see docs/language.md for the syntax".into(),
+    };
+    Diagnostic::error(Code::UnexpectedCharacter, span, message).with_hint(hint)
+}
+
 /// Splits `src` into tokens. Unknown characters, bad literals and unterminated strings
 /// become diagnostics (`CM0101`-`CM0103`) and are skipped, so lexing always finishes.
 pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
@@ -329,25 +388,23 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             ('.', _) => (Some(Tok::Dot), 1),
             _ => (None, 1),
         };
-        let span = Span::new(start, end_of(i + n));
-        match tok {
-            Some(tok) => toks.push(Token { tok, span }),
-            None => {
-                let shown = if c.is_control() {
-                    format!("U+{:04X}", c as u32)
-                } else {
-                    format!("`{c}`")
-                };
-                diags.push(
-                    Diagnostic::error(
-                        Code::UnexpectedCharacter,
-                        span,
-                        format!("unexpected character {shown}"),
-                    )
-                    .with_hint("comments start with `#`; see docs/language.md for the syntax"),
-                );
+        let Some(tok) = tok else {
+            // A run of characters the language does not use is one fault, one diagnostic.
+            let mut j = i + 1;
+            while j < chars.len() && !starts_token(chars[j].1) {
+                j += 1;
             }
-        }
+            diags.push(unexpected_characters(
+                &chars[i..j],
+                Span::new(start, end_of(j)),
+            ));
+            i = j;
+            continue;
+        };
+        toks.push(Token {
+            tok,
+            span: Span::new(start, end_of(i + n)),
+        });
         i += n;
     }
     toks.push(Token {
@@ -387,5 +444,49 @@ mod tests {
         assert_eq!(t[0].tok, f(0.0));
         // `4e` is a malformed integer, as before.
         assert_eq!(lex("4e").1[0].code, "CM0103");
+    }
+
+    /// A run of characters no token starts with is one diagnostic over the whole run; a
+    /// typeset lookalike's hint names its ASCII spelling; control characters read as code
+    /// points.
+    #[test]
+    fn unexpected_characters_are_one_diagnostic_per_run() {
+        let one = |src: &str| {
+            let (t, d) = lex(src);
+            assert_eq!(d.len(), 1, "{src}: {d:?}");
+            let kept: Vec<Tok> = t.into_iter().map(|t| t.tok).collect();
+            (d[0].clone(), kept)
+        };
+        let (d, kept) = one("k $@? q");
+        assert_eq!(
+            (d.code.as_str(), d.span.start, d.span.end),
+            ("CM0101", 2, 5)
+        );
+        assert_eq!(d.message, "unexpected characters `$@?`");
+        assert_eq!(
+            kept,
+            [Tok::Ident("k".into()), Tok::Ident("q".into()), Tok::Eof]
+        );
+        // Whitespace ends a run: two runs are two faults.
+        assert_eq!(lex("k $ @ q").1.len(), 2);
+        for (src, ascii) in [
+            ("q \u{2013} 4", "-"),
+            ("q \u{2212} 4", "-"),
+            ("k \u{2264} q", "<="),
+            ("k \u{2265} q", ">="),
+            ("k \u{2260} q", "!="),
+            ("2 \u{d7} k", "*"),
+            ("\u{201c}", "\""),
+        ] {
+            let (d, _) = one(src);
+            let hint = d.hint.unwrap_or_default();
+            assert!(hint.ends_with(&format!("write `{ascii}`")), "{src}: {hint}");
+        }
+        let (d, _) = one("k \u{7}\u{8} q");
+        assert_eq!(d.message, "unexpected characters U+0007 U+0008");
+        assert!(d
+            .hint
+            .unwrap_or_default()
+            .starts_with("comments start with"));
     }
 }

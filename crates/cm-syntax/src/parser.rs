@@ -1,6 +1,7 @@
 //! Recursive-descent parser. It never fails and never panics: syntax errors become
 //! diagnostics (`CM0104` unexpected token, `CM0105` nesting too deep, `CM0106` bad
-//! statement), the broken statement is skipped up to its `;`, and parsing goes on.
+//! statement), the broken statement is skipped up to its `;`, and parsing goes on. A
+//! statement with a lexical error reports only that error.
 
 use crate::ast::*;
 use crate::diag::{Diagnostic, Span};
@@ -35,18 +36,17 @@ struct Parser {
 
 /// Parses a whole program. Always returns a syntax tree (possibly partial) and every
 /// diagnostic found; the tree is meaningful only when no diagnostic is an error.
+///
+/// One fault gives one diagnostic: a statement holding a lexical error (`CM0101`-`CM0103`,
+/// from the end of the statement before it to its own `;`) reports that error alone, not the
+/// syntax errors the skipped or malformed characters cause after it.
 pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
-    let (toks, diags) = lex(src);
-    let mut p = Parser {
-        toks,
-        pos: 0,
-        depth: 0,
-        diags,
-        skipping: false,
-    };
+    let (toks, lexical) = lex(src);
+    let mut p = Parser::new(toks);
     let mut items = Vec::new();
     while !p.at(&Tok::Eof) {
         let before = p.pos;
+        let (start, reported) = (p.prev_end(), p.diags.len());
         p.skipping = false;
         match p.item() {
             Some(item) => items.push(item),
@@ -55,20 +55,25 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
         if p.pos == before {
             p.pos += 1;
         }
+        let end = if p.at(&Tok::Eof) {
+            u32::MAX
+        } else {
+            p.prev_end()
+        };
+        if holds_error(&lexical, start, end) {
+            p.diags.truncate(reported);
+        }
     }
-    (Program { items }, p.diags)
+    let mut diags = lexical;
+    diags.append(&mut p.diags);
+    (Program { items }, diags)
 }
 
-/// Parses one standalone expression (used for `--set` values and tests).
+/// Parses one standalone expression (used for `--set` values and tests). As [`parse`], a
+/// lexical error is reported alone.
 pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
-    let (toks, diags) = lex(src);
-    let mut p = Parser {
-        toks,
-        pos: 0,
-        depth: 0,
-        diags,
-        skipping: false,
-    };
+    let (toks, lexical) = lex(src);
+    let mut p = Parser::new(toks);
     let e = p.expr();
     if !p.at(&Tok::Eof) {
         let t = p.peek().clone();
@@ -78,10 +83,30 @@ pub fn parse_expr(src: &str) -> (Expr, Vec<Diagnostic>) {
             format!("expected end of expression, found {}", t.tok.describe()),
         ));
     }
-    (e, p.diags)
+    if lexical.is_empty() {
+        (e, p.diags)
+    } else {
+        (e, lexical)
+    }
+}
+
+/// Whether one of the lexer's `diags` (in source order) starts in `[start, end)`.
+fn holds_error(diags: &[Diagnostic], start: u32, end: u32) -> bool {
+    let first = diags.partition_point(|d| d.span.start < start);
+    diags.get(first).is_some_and(|d| d.span.start < end)
 }
 
 impl Parser {
+    fn new(toks: Vec<Token>) -> Self {
+        Parser {
+            toks,
+            pos: 0,
+            depth: 0,
+            diags: Vec::new(),
+            skipping: false,
+        }
+    }
+
     fn peek(&self) -> &Token {
         &self.toks[self.pos.min(self.toks.len() - 1)]
     }

@@ -79,6 +79,15 @@ fn cm0101_unexpected_character() {
     compile_golden("CM0101", "mask = k <= q $ 1;\n");
 }
 
+/// A typeset character pasted for an operator: its hint names the ASCII spelling, and the
+/// statement reports nothing after it.
+#[test]
+fn cm0101_lookalike_character() {
+    insta::with_settings!({snapshot_suffix => "lookalike"}, {
+        compile_golden("CM0101", "param w: int = 8;\nmask = q \u{2013} w < k <= q;\n");
+    });
+}
+
 #[test]
 fn cm0102_unterminated_string() {
     compile_golden(
@@ -250,6 +259,23 @@ fn cm0207_names_the_term_at_fault() {
 
 /// `k` inside `abs` is solvable in a comparison; inside a function of q-side values it is
 /// `CM0206` at that argument.
+/// `abs`, `min` and `max` of linear terms are split into cases (`min(k, q) < 5` plans);
+/// of a term that is not linear, the comparison stays CM0207, naming that term.
+#[test]
+fn cm0207_case_splits_need_linear_terms() {
+    for ok in [
+        "mask = min(k, q) < 5;\n",
+        "mask = max(q - k, 0) <= 3;\n",
+        "mask = abs(k - q) % 3 == 0;\n",
+    ] {
+        let p = compilemask::compile_named(ok, NAME).unwrap_or_else(|e| panic!("{}", e.rendered));
+        assert!(p.warnings().is_empty(), "{ok}");
+    }
+    insta::with_settings!({snapshot_suffix => "case_split"}, {
+        compile_golden("CM0207", "mask = min(k * q, 4) % 3 == 0;\n");
+    });
+}
+
 #[test]
 fn cm0206_points_at_the_argument() {
     insta::with_settings!({snapshot_suffix => "argument"}, {
@@ -658,6 +684,19 @@ fn cm0314_cm0315_cm0411_score_values() {
         ));
     }
     insta::assert_snapshot!("cm0314_cm0315_cm0411_score_values", all);
+}
+
+/// Past the pair limit, before any pair is evaluated: the count of the pairs the regions
+/// around the predicate leave open, and the limit.
+#[test]
+fn cm0404_elementwise_pairs_counted_up_front() {
+    insta::with_settings!({snapshot_suffix => "elementwise"}, {
+        plan_golden(
+            "CM0404",
+            "mask = q - 9000 < k <= q & elementwise((q * 7 + k * 3) % 11 < 5);\n",
+            &opts(40000),
+        );
+    });
 }
 
 #[test]

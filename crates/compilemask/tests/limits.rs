@@ -33,7 +33,7 @@ fn every_public_limit_is_documented_with_its_value() {
     };
     use cm_ir::tree::MAX_TREE_INTERVALS;
     use cm_plan::plan::{MAX_INTERVALS, MAX_TILE_ENTRIES};
-    use cm_plan::symbolic::MAX_ELEMENTWISE_PAIRS;
+    use cm_plan::symbolic::{MAX_ELEMENTWISE_PAIRS, MAX_QUANT_EVALS};
     for (row, value) in [
         ("`q_len`, `kv_len`", MAX_LEN as u64),
         ("`batch` |", MAX_BATCH as u64),
@@ -52,6 +52,7 @@ fn every_public_limit_is_documented_with_its_value() {
         ("`cu_seqlens` totals", MAX_LEN as u64),
         ("integers one `any`", MAX_QUANT_TERMS as u64),
         ("nesting of `any`", MAX_QUANT_DEPTH as u64),
+        ("terms of `any` / `all` evaluated", MAX_QUANT_EVALS),
         ("nodes of one tree", MAX_LEN as u64),
         ("path intervals of one tree", MAX_TREE_INTERVALS as u64),
     ] {

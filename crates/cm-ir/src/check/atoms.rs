@@ -310,7 +310,153 @@ fn mixed_cause(e: &Int) -> Option<(Span, String)> {
     })
 }
 
+/// Most `abs`, `min` and `max` terms one comparison is split at ([`Checker::split_cases`]):
+/// each doubles the atoms, so a comparison holds at most 2^4 cases.
+const MAX_CASE_SPLITS: u32 = 4;
+
+/// The first `abs(x)`, `min(x, y)` or `max(x, y)` inside `e`, innermost first, that reads
+/// `k` and whose arguments are linear in `k` (no `/`, `%`, `abs`, `min`, `max` of `k` in
+/// them): the term a comparison is split at. Searched through arithmetic, `if` branches,
+/// indices and positions.
+fn split_point(e: &Int) -> Option<&Int> {
+    if !e.has_k() {
+        return None;
+    }
+    let linear = |x: &Int| {
+        let mut holes = Vec::new();
+        terms(x, 1, &mut holes).is_some() && holes.is_empty()
+    };
+    let inner = match &e.kind {
+        IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => split_point(a),
+        IntKind::Bin(_, a, b) | IntKind::If(_, a, b) => split_point(a).or_else(|| split_point(b)),
+        IntKind::ArrIndex(_, a) | IntKind::SegIndex(_, a) | IntKind::GridCoord(_, _, a) => {
+            split_point(a)
+        }
+        _ => None,
+    };
+    inner.or(match &e.kind {
+        IntKind::Abs(x) if linear(x) => Some(e),
+        IntKind::Bin(IntOp::Min | IntOp::Max, x, y) if linear(x) && linear(y) => Some(e),
+        _ => None,
+    })
+}
+
+/// `e` with the sub-term `at` (by address) replaced by `with`.
+fn substitute(e: &Int, at: &Int, with: &Int) -> Int {
+    if std::ptr::eq(e, at) {
+        return with.clone();
+    }
+    let sub = |x: &Int| Box::new(substitute(x, at, with));
+    let kind = match &e.kind {
+        IntKind::Neg(a) => IntKind::Neg(sub(a)),
+        IntKind::Abs(a) => IntKind::Abs(sub(a)),
+        IntKind::Isqrt(a) => IntKind::Isqrt(sub(a)),
+        IntKind::Bin(op, a, b) => IntKind::Bin(*op, sub(a), sub(b)),
+        IntKind::If(c, a, b) => IntKind::If(c.clone(), sub(a), sub(b)),
+        IntKind::ArrIndex(arr, i) => IntKind::ArrIndex(arr.clone(), sub(i)),
+        IntKind::SegIndex(s, p) => IntKind::SegIndex(*s, sub(p)),
+        IntKind::GridCoord(g, axis, p) => IntKind::GridCoord(*g, *axis, sub(p)),
+        other => other.clone(),
+    };
+    Int::new(kind, e.span)
+}
+
 impl Checker<'_> {
+    /// `a op b` (with `k`, of no solvable form as it stands) split into cases at a term
+    /// `abs(x)`, `min(x, y)` or `max(x, y)` whose arguments are linear in `k`
+    /// ([`split_point`]): `T(abs(x))` is `x >= 0 & T(x) | x < 0 & T(-x)`, `T(min(x, y))` is
+    /// `x <= y & T(x) | x > y & T(y)`, `T(max(x, y))` is `x >= y & T(x) | x < y & T(y)`; each
+    /// case's condition is a linear comparison and each `T` is normalised again (split
+    /// further, up to [`MAX_CASE_SPLITS`] terms). So `min(k, q) < 5`, `max(q - k, 0) <= 3`
+    /// and `abs(k - q) % 3 == 0` are unions of solvable atoms. `None` (nothing reported)
+    /// when there is no such term or a case is not solvable.
+    fn split_cases(
+        &mut self,
+        op: CmpOp,
+        (a, b): (&Int, &Int),
+        span: Span,
+        ctx: Ctx,
+        depth: u32,
+    ) -> Option<Val> {
+        if depth >= MAX_CASE_SPLITS {
+            return None;
+        }
+        let at = split_point(a).or_else(|| split_point(b))?;
+        let negate = |x: &Int| Int::new(IntKind::Neg(Box::new(x.clone())), x.span);
+        let zero = Int::constant(0, at.span);
+        // (condition lhs, condition op, condition rhs, what the term is in that case)
+        let cases = match &at.kind {
+            IntKind::Abs(x) => [
+                ((**x).clone(), CmpOp::Ge, zero.clone(), (**x).clone()),
+                ((**x).clone(), CmpOp::Lt, zero, negate(x)),
+            ],
+            IntKind::Bin(m @ (IntOp::Min | IntOp::Max), x, y) => {
+                let (first, second) = if *m == IntOp::Min {
+                    (CmpOp::Le, CmpOp::Gt)
+                } else {
+                    (CmpOp::Ge, CmpOp::Lt)
+                };
+                [
+                    ((**x).clone(), first, (**y).clone(), (**x).clone()),
+                    ((**x).clone(), second, (**y).clone(), (**y).clone()),
+                ]
+            }
+            _ => return None,
+        };
+        let before = self.diags.len();
+        let mut joined: Option<Val> = None;
+        for (cl, cop, cr, term) in cases {
+            let case = (|| {
+                let cond = self
+                    .compare_at(cop, Val::Int(cl), Val::Int(cr), span, ctx)
+                    .ok()?;
+                let (a, b) = (substitute(a, at, &term), substitute(b, at, &term));
+                let cmp = self.normalise(op, &a, &b, span, ctx, depth + 1)?;
+                self.and_or(true, cond, cmp, span).ok()
+            })();
+            let Some(case) = case else {
+                self.diags.truncate(before);
+                return None;
+            };
+            joined = Some(match joined {
+                None => case,
+                Some(prev) => match self.and_or(false, prev, case, span) {
+                    Ok(v) => v,
+                    Err(()) => {
+                        self.diags.truncate(before);
+                        return None;
+                    }
+                },
+            });
+        }
+        joined
+    }
+
+    /// `a op b` normalised as [`Checker::compare_at`] does, reporting nothing when it is not
+    /// solvable (split into cases first, `depth` splits deep): `None` then.
+    fn normalise(
+        &mut self,
+        op: CmpOp,
+        a: &Int,
+        b: &Int,
+        span: Span,
+        ctx: Ctx,
+        depth: u32,
+    ) -> Option<Val> {
+        let before = self.diags.len();
+        let quiet = self.quiet_cases;
+        self.quiet_cases = Some(depth);
+        let v = self.compare_at(op, Val::Int(a.clone()), Val::Int(b.clone()), span, ctx);
+        self.quiet_cases = quiet;
+        match v {
+            Ok(v) if self.diags.len() == before => Some(v),
+            _ => {
+                self.diags.truncate(before);
+                None
+            }
+        }
+    }
+
     /// `a < b <= c`: each link compared on its own, joined with `&`.
     pub(super) fn compare_chain(
         &mut self,
@@ -427,8 +573,40 @@ impl Checker<'_> {
     }
 
     /// [`Checker::compare`] reported at `span` (the comparison as written, for the parts an
-    /// `abs` is expanded to).
+    /// `abs` is expanded to). A comparison with `k` that is not solvable as it stands is split
+    /// into cases at its `abs`, `min` and `max` terms ([`Checker::split_cases`]) before it is
+    /// `CM0207`.
     fn compare_at(&mut self, op: CmpOp, a: Val, b: Val, span: Span, ctx: Ctx) -> R<Val> {
+        let ints = match (&a, &b) {
+            (Val::Int(x), Val::Int(y)) if (x.has_k() || y.has_k()) && !ctx.pairwise() => {
+                Some((x.clone(), y.clone()))
+            }
+            _ => None,
+        };
+        let before = self.diags.len();
+        let v = self.compare_atoms(op, a, b, span, ctx);
+        let Some((x, y)) = ints.filter(|_| v.is_err()) else {
+            return v;
+        };
+        let unsolvable = self.diags[before..]
+            .iter()
+            .all(|d| d.code == Code::UnsolvableComparison);
+        if !unsolvable {
+            return v;
+        }
+        let depth = self.quiet_cases.unwrap_or(0);
+        let kept = self.diags.split_off(before);
+        match self.split_cases(op, (&x, &y), span, ctx, depth) {
+            Some(v) => Ok(v),
+            None => {
+                self.diags.extend(kept);
+                v
+            }
+        }
+    }
+
+    /// [`Checker::compare_at`] without splitting into cases.
+    fn compare_atoms(&mut self, op: CmpOp, a: Val, b: Val, span: Span, ctx: Ctx) -> R<Val> {
         let (a, b, op) = match (a, b) {
             (Val::Dist(g, m, s), Val::Int(r)) => return self.ball(g, m, op, r, s.to(span), ctx),
             (Val::Int(r), Val::Dist(g, m, s)) => {
@@ -641,8 +819,10 @@ impl Checker<'_> {
         .with_hint(format!(
             "solvable forms: `a*k + f(q) < g(q)` (any of < <= > >= == !=, `a` any q-side \
              integer), `(a*k + f(q)) / d < g(q)`, `(±k + f(q)) % d < g(q)`, `abs(a*k + f(q)) < \
-             g(q)`, and any function of `k` alone against q-side values (`arr[k] <= q`, \
-             `doc.index(k) == doc.index(q)`), with terms on either side; anything else can be \
+             g(q)`, any function of `k` alone against q-side values (`arr[k] <= q`, \
+             `doc.index(k) == doc.index(q)`), with terms on either side, and these with \
+             `abs`, `min` or `max` of linear terms anywhere in them (split into cases: \
+             `min(k, q) < 5`, `abs(k - q) % 3 == 0`); anything else can be \
              evaluated pair by pair with `elementwise(...)`, at most {} pairs per plan, so \
              narrow it with a solvable region (`q - 512 < k <= q & elementwise(...)`)",
             crate::MAX_ELEMENTWISE_PAIRS
@@ -768,6 +948,19 @@ mod tests {
             ("(k / 2) % 3 == q % 3", "KeyCmp"),
             ("[5, 1, 4, 1, 5, 9, 2, 6][k % 8] != q % 7", "KeyCmp"),
             ("abs(k * k - 9) <= q", "Inter"),
+            // Split into cases at `abs`, `min` and `max` terms of linear arguments.
+            ("min(k, q) < 5", "Union"),
+            ("max(q - k, 0) <= 3", "Union"),
+            ("abs(k - q) % 3 == 0", "Union"),
+            ("abs(k - q) / 2 == 1", "Union"),
+            ("(abs(k - q) + 1) % 4 < 2", "Union"),
+            ("min(k, q - 3) >= 2", "Union"),
+            ("max(k, 2 * q) == q + 4", "Union"),
+            ("min(k, q) != 3", "Union"),
+            ("max(k, q) % 5 == 0", "Union"),
+            ("min(abs(k - q), 3) < 2", "Union"),
+            ("min(k, 10 - k) > q % 4", "KeyCmp"),
+            ("min(k, q) + max(k, 3) < q", "Union"),
         ];
         for (cmp, kind) in cases {
             let src = format!("mask = {cmp};");
@@ -868,7 +1061,8 @@ mod tests {
                 "(k + q) / (q + 2)",
                 "together with `q`",
             ),
-            ("k < min(k, q)", "min(k, q)", "together with `q`"),
+            ("k < min(k * k, q)", "min(k * k, q)", "together with `q`"),
+            ("abs(k * q) % 3 == 0", "k * q", "together with `q`"),
             (
                 "any i in 0 .. 2: [1, 2, 3][k + i] == 2",
                 "[1, 2, 3][k + i]",

@@ -97,6 +97,9 @@ struct Checker<'a> {
     /// The named constant arrays programs may read (the standard library's data).
     arrays: &'a [NamedArray],
     diags: Vec<Diagnostic>,
+    /// While a case of a comparison split at an `abs`, `min` or `max` is normalised
+    /// (`atoms`): how many splits deep it is.
+    quiet_cases: Option<u32>,
     names: HashMap<String, (Def, Span)>,
     /// Each `let`: its body, whether it was used, and its item index.
     lets: Vec<(&'a ast::Expr, bool, usize)>,
@@ -189,6 +192,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
     let mut c = Checker {
         arrays,
         diags: Vec::new(),
+        quiet_cases: None,
         names: HashMap::new(),
         lets: Vec::new(),
         params: Vec::new(),

@@ -243,6 +243,7 @@ impl Solver<'_, '_> {
                 let Ok(range) = range else {
                     return Ok(Partial::fails_at(first));
                 };
+                self.count_quant_evals(range.end - range.start, *span)?;
                 let outer = self.vars.get();
                 let out = self.exact_quant(p, *all, *depth as usize, range, body, dom);
                 self.vars.set(outer);

@@ -1,0 +1,135 @@
+//! One fault, one diagnostic: a character the language does not use, inserted anywhere
+//! outside a string or comment of a valid program (every built-in mask and the programs
+//! below), makes `compile` report exactly that `CM0101`, at that byte, and nothing else;
+//! faults in two statements give one diagnostic each.
+
+use cm_syntax::lexer::{lex, Tok};
+use cm_testkit::config::fuzz_config;
+use compilemask::{compile, BUILTINS};
+use proptest::prelude::*;
+
+/// Valid programs besides the built-ins: every statement form.
+const PROGRAMS: &[&str] = &[
+    "param w: int = 4;\nparam g: [int] = [0, 9];\nlet lo = max(q - w, 0);\n\
+     mask = lo <= k <= q | any i in 0 .. count(g): k == g[i];\n",
+    "segments doc = [4, 4] fill kv_len;\npart doc.head = 0 .. 2;\n\
+     mask = doc.index(k) == doc.index(q) & k <= q | k in doc.head(q);\n",
+    "grid img = [4, 4];\nmask = if q in img then l2(img) < 2 else k <= q;\n",
+    "require q_len > 0 else \"need rows, got {q_len}\";\nmask = elementwise(k * k <= q);\n",
+];
+
+/// Characters no token starts with: ASCII, typeset lookalikes, control and astral.
+const BAD: &[char] = &[
+    '$', '@', '?', '~', '`', '\\', '\'', '–', '≤', '×', '\u{7}', '🦀',
+];
+
+/// Every byte offset of `src` outside its strings and comments where a character can go: at
+/// each token's start and end and inside every token but a string.
+fn insertion_points(src: &str) -> Vec<usize> {
+    let (toks, diags) = lex(src);
+    assert!(diags.is_empty(), "{src}: {diags:?}");
+    let mut at = Vec::new();
+    for t in toks.iter().filter(|t| t.tok != Tok::Eof) {
+        let (start, end) = (t.span.start as usize, t.span.end as usize);
+        if matches!(t.tok, Tok::Str(_)) {
+            at.extend([start, end]);
+        } else {
+            at.extend((start..=end).filter(|&i| src.is_char_boundary(i)));
+        }
+    }
+    at.sort_unstable();
+    at.dedup();
+    at
+}
+
+fn sources() -> Vec<&'static str> {
+    BUILTINS
+        .iter()
+        .map(|b| b.source)
+        .chain(PROGRAMS.iter().copied())
+        .collect()
+}
+
+/// The diagnostics `compile` reports for `src`, as (code, start byte) pairs.
+fn reported(src: &str) -> Vec<(&'static str, usize)> {
+    match compile(src) {
+        Ok(_) => Vec::new(),
+        Err(e) => e
+            .diagnostics
+            .iter()
+            .map(|d| (d.code.as_str(), d.span.start as usize))
+            .collect(),
+    }
+}
+
+#[test]
+fn every_program_compiles_as_it_is() {
+    for src in sources() {
+        assert!(compile(src).is_ok(), "{src}");
+    }
+}
+
+proptest! {
+    #![proptest_config(fuzz_config(256))]
+
+    #[test]
+    fn one_bad_character_is_one_diagnostic(
+        which in any::<prop::sample::Index>(),
+        point in any::<prop::sample::Index>(),
+        bad in prop::sample::select(BAD),
+    ) {
+        let srcs = sources();
+        let base = srcs[which.index(srcs.len())];
+        let points = insertion_points(base);
+        let at = points[point.index(points.len())];
+        let src = format!("{}{bad}{}", &base[..at], &base[at..]);
+        prop_assert_eq!(reported(&src), vec![("CM0101", at)], "{}", src);
+    }
+
+    /// A run of bad characters is one fault too.
+    #[test]
+    fn a_run_of_bad_characters_is_one_diagnostic(
+        which in any::<prop::sample::Index>(),
+        point in any::<prop::sample::Index>(),
+        run in prop::collection::vec(prop::sample::select(BAD), 2..5),
+    ) {
+        let srcs = sources();
+        let base = srcs[which.index(srcs.len())];
+        let points = insertion_points(base);
+        let at = points[point.index(points.len())];
+        let run: String = run.into_iter().collect();
+        let src = format!("{}{run}{}", &base[..at], &base[at..]);
+        prop_assert_eq!(reported(&src), vec![("CM0101", at)], "{}", src);
+    }
+}
+
+/// Two statements with a fault each: a bad character and a syntax error, in either order,
+/// report one diagnostic each, so recovery hides nothing beyond the statement.
+#[test]
+fn faults_in_two_statements_are_two_diagnostics() {
+    let cases: &[(&str, &[(&str, usize)])] = &[
+        (
+            "let a = k <= $q;\nmask = k <= ;\n",
+            &[("CM0101", 13), ("CM0104", 29)],
+        ),
+        (
+            "mask = k <= ;\nlet a = k $ q;\n",
+            &[("CM0104", 12), ("CM0101", 24)],
+        ),
+        (
+            "let a = q – 4;\nmask = k <= a @ 1;\n",
+            &[("CM0101", 10), ("CM0101", 31)],
+        ),
+        // An unterminated string swallows the statement's `;`: one diagnostic, not a
+        // cascade into the next line.
+        (
+            "require q_len > 0 else \"short;\nmask = k <= q;\n",
+            &[("CM0102", 23)],
+        ),
+        // A malformed literal is a lexical error too.
+        ("mask = k <= 12abc q;\n", &[("CM0103", 12)]),
+    ];
+    for (src, want) in cases {
+        assert_eq!(reported(src), *want, "{src}");
+    }
+}
