@@ -1020,17 +1020,29 @@ impl<'a, 'p> Solver<'a, 'p> {
         a: &[AffineInterval],
         b: &[AffineInterval],
     ) -> Eval<Vec<AffineInterval>> {
-        if has_strided(a) || has_strided(b) {
+        if has_strided(a) && has_strided(b) {
             let (a, b) = (self.unit_list(a.to_vec())?, self.unit_list(b.to_vec())?);
             return self.inter(p, &a, &b);
         }
+        // With strided runs on one side only, a run cut to a plain interval is the run's
+        // residue on the cut (`strided_inter`), so `(q - k) % d == 0 & k > q - w & k <= q`
+        // stays one run per row as `q - w < k <= q & (q - k) % d == 0` does, instead of a
+        // key per interval (a piece per row where the run's anchor alternates).
         let mut out = Vec::new();
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
             let s = self.max(p, a[i].start, b[j].start)?;
             let e = self.min(p, a[i].end, b[j].end)?;
             if self.lt(p, s, e)? {
-                out.push(AffineInterval::unit(s, e));
+                let run = if a[i].stride != 1 { a[i] } else { b[j] };
+                if run.stride == 1 {
+                    out.push(AffineInterval::unit(s, e));
+                } else {
+                    let cut = AffineInterval::unit(s, e);
+                    // Keys lie in `[0, kv_len]`, so this arithmetic cannot overflow.
+                    let keys = self.residue_run(p, run.start, run.stride, &cut, Span::default())?;
+                    out.extend(keys);
+                }
             }
             // Where the ends are equal either list may advance: only a strict change of
             // order splits the piece.
@@ -1118,32 +1130,45 @@ impl<'a, 'p> Solver<'a, 'p> {
         if !single || has_strided(list) {
             return Ok(None);
         }
-        let m = w.m;
         let mut out = Vec::with_capacity(list.len());
         for iv in list {
-            // ceil((x - start) / m) = -floor((start - x) / m)
-            let up = self.floor_div(p, self.sub(p, w.start, iv.start, span)?, m, span)?;
-            let first = self.sub(p, w.start, self.scale(p, up, m, span)?, span)?;
-            let last_end = self.sub(p, iv.end, Affine::constant(1), span)?;
-            let down = self.floor_div(p, self.sub(p, last_end, w.start, span)?, m, span)?;
-            let last = self.add(p, w.start, self.scale(p, down, m, span)?, span)?;
-            let gap = self.sub(p, last, first, span)?;
-            if gap.step != 0 {
-                // The number of keys changes along the piece: one row at a time.
-                return Err(self.single(p));
-            }
-            let end = self.add(p, last, Affine::constant(1), span)?;
-            match gap.first.cmp(&0) {
-                std::cmp::Ordering::Less => {}
-                std::cmp::Ordering::Equal => out.push(AffineInterval::unit(first, end)),
-                std::cmp::Ordering::Greater => out.push(AffineInterval {
-                    start: first,
-                    end,
-                    stride: m,
-                }),
-            }
+            out.extend(self.residue_run(p, w.start, w.m, iv, span)?);
         }
         Ok(Some(out))
+    }
+
+    /// The keys of the plain interval `iv` with `k == start (mod m)`, `m >= 2`: from `start
+    /// + m * ceil((x - start) / m)` to `start + m * floor((e - 1 - start) / m)` for `iv =
+    /// [x, e)`, a strided run (a plain interval for one key, nothing for none).
+    fn residue_run(
+        &self,
+        p: &Piece,
+        start: Affine,
+        m: i64,
+        iv: &AffineInterval,
+        span: Span,
+    ) -> Eval<Option<AffineInterval>> {
+        // ceil((x - start) / m) = -floor((start - x) / m)
+        let up = self.floor_div(p, self.sub(p, start, iv.start, span)?, m, span)?;
+        let first = self.sub(p, start, self.scale(p, up, m, span)?, span)?;
+        let last_end = self.sub(p, iv.end, Affine::constant(1), span)?;
+        let down = self.floor_div(p, self.sub(p, last_end, start, span)?, m, span)?;
+        let last = self.add(p, start, self.scale(p, down, m, span)?, span)?;
+        let gap = self.sub(p, last, first, span)?;
+        if gap.step != 0 {
+            // The number of keys changes along the piece: one row at a time.
+            return Err(self.single(p));
+        }
+        let end = self.add(p, last, Affine::constant(1), span)?;
+        Ok(match gap.first.cmp(&0) {
+            std::cmp::Ordering::Less => None,
+            std::cmp::Ordering::Equal => Some(AffineInterval::unit(first, end)),
+            std::cmp::Ordering::Greater => Some(AffineInterval {
+                start: first,
+                end,
+                stride: m,
+            }),
+        })
     }
 
     /// Keys with `alpha * k + rest  op  0`.

@@ -36,6 +36,9 @@ const MASKS: &[&str] = &[
     "mask = (k <= q) - (q - w < k & (q - k) % m == 0);",
     // Two bands: one run each.
     "mask = (k < c + 3 | q - w < k <= q) & (q - k) % m == 0;",
+    // The residue first, then the band's sides one by one: runs cut by further intervals.
+    "mask = (q - k) % m == 0 & k > q - w & k <= q;",
+    "mask = k % m == c & k >= q - w & k < q + 3 & k != q - 1;",
 ];
 
 const TILES: &[TileShape] = &[
@@ -131,6 +134,30 @@ fn dilated_window_is_one_run_per_row() {
     }
     assert_eq!(rows.visible_pairs(), unit.visible_pairs());
     assert_eq!(rows.expanded_len(), unit.all_runs().len() as u64);
+}
+
+/// A run cut by a further plain interval stays a run: the dilated window written residue
+/// first, `(q - k) % m == 0 & k > q - w & k <= q`, is one run per row like the standard
+/// library's form (it was one interval per key, CM0404 at 128K with window 4096).
+#[test]
+fn runs_cut_by_further_intervals_stay_runs() {
+    let src =
+        "param w: int = 64;\nparam m: int = 4;\nmask = (q - k) % m == 0 & k > q - w & k <= q;";
+    let program = compile(src);
+    let bound = program.bind(shape(300, 300), &params(&[])).unwrap();
+    let p = plan(&bound, TileShape::default()).unwrap();
+    let rows = &p.masks[0].rows;
+    assert!(rows.has_strides());
+    assert_eq!(rows.max_intervals_per_row(), 1);
+    for q in 0..300u32 {
+        let want = bound.brute_force_row(i64::from(q), 0, 0).unwrap();
+        let got: Vec<(u32, u32)> = rows
+            .row_expanded(q)
+            .iter()
+            .map(|iv| (iv.start, iv.end))
+            .collect();
+        assert_eq!(got, want, "row {q}");
+    }
 }
 
 /// Consumers without strides refuse an expansion past the limit with CM0412, naming the
