@@ -1137,9 +1137,9 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(Some(out))
     }
 
-    /// The keys of the plain interval `iv` with `k == start (mod m)`, `m >= 2`: from `start
-    /// + m * ceil((x - start) / m)` to `start + m * floor((e - 1 - start) / m)` for `iv =
-    /// [x, e)`, a strided run (a plain interval for one key, nothing for none).
+    /// The keys of the plain interval `iv = [x, e)` with `k == start (mod m)`, `m >= 2`:
+    /// from `start + m * ceil((x - start) / m)` to `start + m * floor((e - 1 - start) / m)`,
+    /// a strided run (a plain interval for one key, nothing for none).
     fn residue_run(
         &self,
         p: &Piece,
