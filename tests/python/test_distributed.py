@@ -164,6 +164,24 @@ def test_shard_and_unshard_are_inverse():
     assert torch.equal(torch.sort(order).values, torch.arange(1000))
 
 
+def test_shard_and_unshard_refuse_bad_ranks_and_shapes():
+    cp = ContextParallel(cm.builtin("causal").plan(300), ranks=3, chunk=32)
+    x = torch.zeros(1, 2, 300, 8)
+    for rank in (-1, 3, True, 1.0):
+        with pytest.raises(IndexError, match=f"rank = {rank!r} is out of range; the sharding has ranks = 3"):
+            cp.shard(x, rank)
+    with pytest.raises(IndexError, match="rank = -1 is out of range"):
+        cp.shard_len(-1)
+    with pytest.raises(ValueError, match=r"300 positions \(the plan's q_len\), got shape \(1, 2, 299, 8\)"):
+        cp.shard(torch.zeros(1, 2, 299, 8), 0)
+    with pytest.raises(ValueError, match="along dim 0"):
+        cp.shard(x, 0, dim=0)
+    shards = [cp.shard(x, r) for r in range(3)]
+    assert shards[0].shape[2] != shards[2].shape[2], [s.shape for s in shards]
+    with pytest.raises(ValueError, match=f"shard 0 must hold rank 0's {cp.shard_len(0)} positions"):
+        cp.unshard([shards[2], shards[1], shards[0]])
+
+
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 

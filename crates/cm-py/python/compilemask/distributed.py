@@ -96,7 +96,13 @@ class ContextParallel:
         return self._native.computed_pairs()
 
     def shard_len(self, rank: int) -> int:
+        self._check_rank(rank)
         return self.offsets[rank + 1] - self.offsets[rank]
+
+    def _check_rank(self, rank: Any) -> None:
+        # A negative rank would index the offsets from the end: an empty or wrong shard.
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.ranks:
+            raise IndexError(f"rank = {rank!r} is out of range; the sharding has ranks = {self.ranks}")
 
     def fetched(self, rank: int) -> int:
         """Keys ``rank`` fetches from the other ranks (K and V each)."""
@@ -134,7 +140,16 @@ class ContextParallel:
         return self._index[key]
 
     def shard(self, x: Any, rank: int, dim: int = -2) -> Any:
-        """Rank ``rank``'s tokens of ``x`` (positions in the program's order along ``dim``)."""
+        """Rank ``rank``'s tokens of ``x`` (positions in the program's order along ``dim``).
+
+        ``x`` holds the whole sequence along ``dim``: ``plan.q_len`` positions (``ValueError``
+        otherwise); ``IndexError`` for a rank outside ``[0, ranks)``."""
+        self._check_rank(rank)
+        if x.shape[dim] != self.plan.q_len:
+            raise ValueError(
+                f"shard takes the whole sequence along dim {dim}: {self.plan.q_len} positions "
+                f"(the plan's q_len), got shape {tuple(x.shape)}"
+            )
         index = self.order(x.device)[self.offsets[rank]:self.offsets[rank + 1]]
         return x.index_select(dim, index)
 
@@ -144,6 +159,12 @@ class ContextParallel:
         torch = require_torch("ContextParallel.unshard")
         if len(shards) != self.ranks:
             raise ValueError(f"unshard takes one tensor per rank ({self.ranks}), got {len(shards)}")
+        for rank, t in enumerate(shards):
+            if t.shape[dim] != self.shard_len(rank):
+                raise ValueError(
+                    f"shard {rank} must hold rank {rank}'s {self.shard_len(rank)} positions along "
+                    f"dim {dim}, got shape {tuple(t.shape)}"
+                )
         whole = torch.cat(list(shards), dim)
         inverse = torch.empty_like(order := self.order(whole.device))
         inverse[order] = torch.arange(order.numel(), device=whole.device)
