@@ -114,6 +114,19 @@ impl AffineInterval {
     }
 }
 
+/// The leftmost term of a chain of `&` (`(a & b) & c` gives `a`), the others pushed onto
+/// `rest` in order.
+fn left_spine<'r>(r: &'r Region, rest: &mut Vec<&'r Region>) -> &'r Region {
+    match r {
+        Region::Inter(a, b) => {
+            let first = left_spine(a, rest);
+            rest.push(b);
+            first
+        }
+        _ => r,
+    }
+}
+
 /// Whether a list holds a strided run.
 pub(crate) fn has_strided(list: &[AffineInterval]) -> bool {
     list.iter().any(|iv| iv.stride != 1)
@@ -1985,8 +1998,8 @@ impl<'a, 'p> Solver<'a, 'p> {
         Ok(!self.window_keys(p, w, Some((lo, hi)), span)?.is_empty())
     }
 
-    /// `a & b` when `a` (through any `if`s on the row) is a `%` atom and `b` holds no
-    /// `elementwise`: `a`'s keys are runs every `m` keys, so they are enumerated only within
+    /// `a & b` when `a`, or the leftmost term of a chain of `&` in `a`, is (through any
+    /// `if`s on the row) a `%` atom and no other term holds an `elementwise`: `a`'s keys are runs every `m` keys, so they are enumerated only within
     /// `b`'s keys, and `(q - k) % 2 == 0 & q - 5 < k <= q` walks 5 keys per row, not
     /// kv_len / 2. Errors stay those of left-to-right evaluation: `a`'s row-level values are
     /// evaluated first, and `b` only when `a` has a key in the hull (the reference evaluates
@@ -1999,17 +2012,30 @@ impl<'a, 'p> Solver<'a, 'p> {
         b: &Region,
         hull: Option<(i64, i64)>,
     ) -> Eval<Option<Vec<AffineInterval>>> {
-        if b.uses_elementwise() {
+        // `(w & c1) & c2` is `w & (c1 & c2)`, each term evaluated where the earlier ones hold
+        // either way: the left spine's other terms are solved first, in order, so a residue
+        // first and a band's two sides after it (`(q - k) % d == 0 & k > q - w & k <= q`)
+        // cut the band, not a residue run to the last key (whose length alternates by row).
+        let mut terms = Vec::new();
+        let first = left_spine(a, &mut terms);
+        terms.push(b);
+        if terms.iter().any(|t| t.uses_elementwise()) {
             return Ok(None);
         }
-        let Some((w, span)) = self.kmod_of(p, a, hull)? else {
+        let Some((w, span)) = self.kmod_of(p, first, hull)? else {
             return Ok(None);
         };
         let (lo, hi) = hull.unwrap_or((0, self.bound.shape.kv_len));
         if !self.window_meets(p, w, lo.max(0), hi.min(self.bound.shape.kv_len), span)? {
             return Ok(Some(Vec::new()));
         }
-        let y = self.region(p, b, hull)?;
+        let mut y = self.region(p, terms[0], hull)?;
+        for t in &terms[1..] {
+            if y.is_empty() {
+                break;
+            }
+            y = self.where_holds(p, &y, t, true, hull)?;
+        }
         if y.is_empty() {
             return Ok(Some(y));
         }

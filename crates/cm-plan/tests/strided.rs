@@ -149,6 +149,12 @@ fn runs_cut_by_further_intervals_stay_runs() {
     let rows = &p.masks[0].rows;
     assert!(rows.has_strides());
     assert_eq!(rows.max_intervals_per_row(), 1);
+    // The band's sides cut before the residue, as in the band-first form: its pieces, not
+    // a piece every few rows where a residue run to the last key changes length.
+    let band_first =
+        compile("param w: int = 64;\nparam m: int = 4;\nmask = q - w < k <= q & (q - k) % m == 0;");
+    let bf = band_first.bind(shape(300, 300), &params(&[])).unwrap();
+    assert_eq!(p.pieces, plan(&bf, TileShape::default()).unwrap().pieces);
     for q in 0..300u32 {
         let want = bound.brute_force_row(i64::from(q), 0, 0).unwrap();
         let got: Vec<(u32, u32)> = rows
