@@ -54,10 +54,15 @@ def test_errors_name_the_value():
     causal = cm.builtin("causal").plan(100)
     with pytest.raises(ValueError, match="fewer than ranks = 8"):
         ContextParallel(causal, ranks=8, chunk=64)
-    with pytest.raises(ValueError, match="ranks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"ranks must be a positive int \(at most 4294967295\), got 0"):
         ContextParallel(causal, ranks=0)
-    with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"chunk must be a positive int \(at most 4294967295\), got 0"):
         ContextParallel(causal, ranks=2, chunk=0)
+    # Past 32 bits: the same error, not the native conversion's OverflowError.
+    with pytest.raises(ValueError, match=f"ranks must be a positive int .*, got {2**70}"):
+        ContextParallel(causal, ranks=2**70)
+    with pytest.raises(ValueError, match=f"chunk must be a positive int .*, got {2**32}"):
+        ContextParallel(causal, ranks=1, chunk=2**32)
     with pytest.raises(ValueError, match="q_len = 100 and kv_len = 120 differ"):
         ContextParallel(cm.builtin("causal").plan(100, 120), ranks=2)
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)

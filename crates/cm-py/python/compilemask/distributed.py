@@ -40,6 +40,8 @@ from ._torch import require_torch
 
 __all__ = ["ContextParallel", "attention", "simulate"]
 
+_U32_MAX = 2**32 - 1
+
 
 class ContextParallel:
     """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens (default:
@@ -56,12 +58,13 @@ class ContextParallel:
     def __init__(self, plan: Plan, ranks: int, chunk: Optional[int] = None):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
-        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-            raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+        # The native sharding counts ranks and chunk tokens in 32 bits.
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= _U32_MAX:
+            raise ValueError(f"ranks must be a positive int (at most {_U32_MAX}), got {ranks!r}")
         if chunk is None:
             chunk = 512 if plan.q_len >= 512 * ranks else max(1, plan.q_len // ranks)
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= _U32_MAX:
+            raise ValueError(f"chunk must be a positive int (at most {_U32_MAX}), got {chunk!r}")
         self._native = plan._native.shard(ranks, chunk)
         self.plan = plan
         self._plans: dict = {}
