@@ -3,7 +3,7 @@
 //! the keys it fetches against ring attention's.
 
 use anyhow::{anyhow, Result};
-use compilemask::{Plan, Sharding, TileShape};
+use compilemask::{Plan, Sharding};
 use serde_json::{json, Value};
 
 /// Visible pairs of each rank when rank `r` takes positions `r * len / ranks ..` (the plain
@@ -66,10 +66,6 @@ pub fn report(plan: &Plan, s: &Sharding, ms: f64) -> Value {
 
 /// Lines of the human-readable report.
 pub fn lines(name: &str, r: &Value) -> Vec<String> {
-    let tile = TileShape {
-        block_m: r["tile"][0].as_u64().unwrap_or(0) as u32,
-        block_n: r["tile"][1].as_u64().unwrap_or(0) as u32,
-    };
     let mut out = vec![
         format!(
             "{name}: {} tokens over {} ranks in chunks of {} (sharded in {:.3} ms)",
@@ -81,8 +77,8 @@ pub fn lines(name: &str, r: &Value) -> Vec<String> {
         format!(
             "  max / mean     visible pairs {:.4}, computed pairs at {}x{} {:.4}; split by positions {:.4}",
             r["max_over_mean_visible"].as_f64().unwrap_or(0.0),
-            tile.block_m,
-            tile.block_n,
+            r["tile"][0],
+            r["tile"][1],
             r["max_over_mean_computed"].as_f64().unwrap_or(0.0),
             r["position_split_max_over_mean_visible"].as_f64().unwrap_or(0.0),
         ),

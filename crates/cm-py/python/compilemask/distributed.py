@@ -105,7 +105,9 @@ class ContextParallel:
     def _check_rank(self, rank: Any) -> None:
         # A negative rank would index the offsets from the end: an empty or wrong shard.
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.ranks:
-            raise IndexError(f"rank = {rank!r} is out of range; the sharding has ranks = {self.ranks}")
+            raise IndexError(
+                f"rank = {rank!r} is out of range; the sharding has ranks = {self.ranks}"
+            )
 
     def fetched(self, rank: int) -> int:
         """Keys ``rank`` fetches from the other ranks (K and V each)."""
@@ -127,9 +129,24 @@ class ContextParallel:
         return self._plans[key]
 
     def order(self, device: Any = None) -> Any:
-        """``order[new] = original`` as an int64 tensor."""
+        """``order[new] = original`` as an int64 tensor (made once per device)."""
         torch = require_torch("ContextParallel.order")
-        return _int32_tensor(torch, self._native.order).to(device=device, dtype=torch.int64)
+        key = ("order", str(device))
+        if key not in self._index:
+            raw = torch.frombuffer(bytearray(self._native.order), dtype=torch.int32)
+            self._index[key] = raw.to(device=device, dtype=torch.int64)
+        return self._index[key]
+
+    def _inverse(self, device: Any) -> Any:
+        """``inverse[original] = new`` (made once per device)."""
+        torch = require_torch("ContextParallel.unshard")
+        key = ("inverse", str(device))
+        if key not in self._index:
+            order = self.order(device)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            self._index[key] = inverse
+        return self._index[key]
 
     def key_index(self, rank: int, source: int, device: Any = None) -> Any:
         """The local key positions of ``source`` that ``rank`` fetches, as an int64 tensor."""
@@ -169,13 +186,15 @@ class ContextParallel:
                     f"dim {dim}, got shape {tuple(t.shape)}"
                 )
         whole = torch.cat(list(shards), dim)
-        inverse = torch.empty_like(order := self.order(whole.device))
-        inverse[order] = torch.arange(order.numel(), device=whole.device)
-        return whole.index_select(dim, inverse)
+        return whole.index_select(dim, self._inverse(whole.device))
 
-
-def _int32_tensor(torch: Any, raw: bytes) -> Any:
-    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    def _part_keys(self, rank: int, source: int, k: Any, v: Any) -> Optional[tuple]:
+        """The keys and values of ``source``'s shard ``k`` / ``v`` that ``rank`` reads (``None``
+        where it reads none): what the transport delivers, taken here by indexing."""
+        index = self.key_index(rank, source, k.device)
+        if index.numel() == 0:
+            return None
+        return k.index_select(-2, index), v.index_select(-2, index)
 
 
 def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale: float,
@@ -241,20 +260,13 @@ def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
     autograd, the gradients) is in those positions too, as :func:`compilemask.attention`'s on
     the whole sequence."""
     require_torch("compilemask.distributed.simulate")
-    _check_lengths(cp, query, key, value)
+    _check_lengths((query, key, value), cp.plan.q_len, "the plan's sequence")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     shards = [(cp.shard(query, r), cp.shard(key, r), cp.shard(value, r)) for r in range(cp.ranks)]
     outs, lses = [], []
     for r in range(cp.ranks):
-        fetched = []
-        for s in range(cp.ranks):
-            index = cp.key_index(r, s, query.device)
-            if index.numel() == 0:
-                fetched.append(None)
-            else:
-                fetched.append((shards[s][1].index_select(-2, index),
-                                shards[s][2].index_select(-2, index)))
+        fetched = [cp._part_keys(r, s, shards[s][1], shards[s][2]) for s in range(cp.ranks)]
         out, lse = _rank_attention(cp, r, shards[r][0], fetched, float(scale), enable_gqa,
                                    deterministic)
         outs.append(out)
@@ -279,13 +291,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size != cp.ranks:
         raise ValueError(f"the process group has {size} ranks, the sharding {cp.ranks}")
-    n = cp.shard_len(rank)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4 or t.shape[2] != n:
-            raise ValueError(
-                f"{name} must be rank {rank}'s shard [batch, heads, {n}, head_dim], got shape "
-                f"{tuple(t.shape)}"
-            )
+    _check_lengths((query, key, value), cp.shard_len(rank), f"rank {rank}'s shard")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     pending: list = []
@@ -294,9 +300,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     it = iter(pieces)
     for s in range(cp.ranks):
         if s == rank:
-            index = cp.key_index(rank, rank, key.device)
-            fetched.append(None if index.numel() == 0
-                           else (key.index_select(-2, index), value.index_select(-2, index)))
+            fetched.append(cp._part_keys(rank, rank, key, value))
         elif cp.keys(rank, s):
             fetched.append((next(it), next(it)))
         else:
@@ -307,12 +311,13 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     return (out, lse) if return_lse else out
 
 
-def _check_lengths(cp: ContextParallel, *tensors: Any) -> None:
+def _check_lengths(tensors: tuple, n: int, what: str) -> None:
+    """Query, key and value must be 4-D with ``n`` positions (``what`` holds them)."""
     for name, t in zip(("query", "key", "value"), tensors):
-        if t.dim() != 4 or t.shape[2] != cp.plan.q_len:
+        if t.dim() != 4 or t.shape[2] != n:
             raise ValueError(
-                f"{name} must be [batch, heads, {cp.plan.q_len}, head_dim] (the plan's "
-                f"sequence), got shape {tuple(t.shape)}"
+                f"{name} must be {what}, [batch, heads, {n}, head_dim], got shape "
+                f"{tuple(t.shape)}"
             )
 
 
