@@ -14,6 +14,9 @@ cd "$(dirname "$0")/.."
 echo "== NVRTC (scripts/install-nvrtc.sh)"
 CM_NVRTC_DIR="$(bash scripts/install-nvrtc.sh | tail -n 1)"
 export CM_NVRTC_DIR
+# Incremental state is only worth its disk on a machine that rebuilds.
+if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
+echo "== disk: $(df -h . | tail -n 1)"
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -23,6 +26,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== cargo test"
 cargo test --workspace --locked
+
+# The debug and test builds are not read past this point; on CI the release builds below
+# need the disk they held (CI machines may have little).
+echo "== disk after the test build: $(du -sh target | cut -f1)"
+if [ -n "${CI:-}" ]; then rm -rf target/debug; fi
 
 echo "== kernels: every variant for sm_90a, no spills (ptxas facts)"
 bash scripts/build-kernels.sh

@@ -267,7 +267,7 @@ def test_validation():
     q, k, v = (t.detach() for t in _inputs(1, 2, 2, 64, 64, 64, torch.bfloat16))
     with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
         cm.attention(q.float(), k.float(), v.float(), plan)
-    with pytest.raises(NotImplementedError, match="head_dim 64 or 128"):
+    with pytest.raises(NotImplementedError, match="head_dim 64, 128, 192 \\(head_dim_v 128\\), 256"):
         cm.attention(q[..., :32], k[..., :32], v[..., :32], plan)
     wide = torch.zeros(1, 2, 64, 72, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="aligned"):

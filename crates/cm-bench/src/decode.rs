@@ -246,6 +246,7 @@ pub fn measure_decode(
             q_len: 1,
             kv_len: kv,
             head_dim: d,
+            head_dim_v: d,
         };
         let rows = RowIntervals::from_rows(kv as u32, &[vec![(0, kv as u32)]])
             .map_err(|e| Error::invalid(format!("decode benchmark rows: {e}")))?;

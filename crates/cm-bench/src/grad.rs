@@ -550,6 +550,7 @@ mod tests {
             q_len: sq,
             kv_len: skv,
             head_dim: d,
+            head_dim_v: d,
         };
         let dt = DType::Bf16;
         let vals = |n: usize, seed: u64| -> Vec<f64> {

@@ -46,8 +46,10 @@ pub struct BenchOptions {
     pub heads: usize,
     /// Key / value heads; must divide `heads` (GQA, MQA).
     pub kv_heads: usize,
-    /// Elements per head (64 or 128).
+    /// Columns of Q and K per head (64, 128, 192 or 256: `cm_kernels::VARIANTS`).
     pub head_dim: usize,
+    /// Columns of V and of the output per head (`head_dim`, or 128 at 192).
+    pub head_dim_v: usize,
     /// Element type of Q, K, V and the output.
     pub dtype: DType,
     /// Back-to-back calls timed, each between two CUDA events; the protocol asks for >= 50.
@@ -70,6 +72,7 @@ impl Default for BenchOptions {
             heads: 16,
             kv_heads: 16,
             head_dim: 128,
+            head_dim_v: 128,
             dtype: DType::Bf16,
             runs: 60,
             warmup: 5,
@@ -89,7 +92,11 @@ pub struct BenchInputs {
     kv_len: u32,
     q_layout: TensorLayout,
     kv_layout: TensorLayout,
-    /// Host copies, `[1, heads, q_len, head_dim]` and `[1, kv_heads, kv_len, head_dim]`.
+    /// V's, `[1, kv_heads, kv_len, head_dim_v]`.
+    v_layout: TensorLayout,
+    /// The output's, `[1, heads, q_len, head_dim_v]`.
+    out_layout: TensorLayout,
+    /// Host copies of Q, K and V.
     host: [Vec<u16>; 3],
     q: CudaSlice<u16>,
     k: CudaSlice<u16>,
@@ -138,15 +145,16 @@ impl BenchInputs {
         if opts.runs == 0 || opts.latency_runs == 0 {
             return Err(Error::invalid("runs and latency_runs must be at least 1"));
         }
-        let d = opts.head_dim;
+        let (d, dv) = (opts.head_dim, opts.head_dim_v);
         let q_layout = TensorLayout::contiguous([1, opts.heads, q_len as usize, d]);
         let kv_layout = TensorLayout::contiguous([1, opts.kv_heads, kv_len as usize, d]);
+        let v_layout = TensorLayout::contiguous([1, opts.kv_heads, kv_len as usize, dv]);
+        let out_layout = TensorLayout::contiguous([1, opts.heads, q_len as usize, dv]);
         let q_elems = q_layout.span_elements();
-        let kv_elems = kv_layout.span_elements();
         let host = [
             random_bits(opts.dtype, q_elems, opts.seed ^ 0x51),
-            random_bits(opts.dtype, kv_elems, opts.seed ^ 0x4b),
-            random_bits(opts.dtype, kv_elems, opts.seed ^ 0x56),
+            random_bits(opts.dtype, kv_layout.span_elements(), opts.seed ^ 0x4b),
+            random_bits(opts.dtype, v_layout.span_elements(), opts.seed ^ 0x56),
         ];
         let copy = |h: &Vec<u16>| {
             stream
@@ -159,7 +167,7 @@ impl BenchInputs {
             k: copy(&host[1])?,
             v: copy(&host[2])?,
             out: stream
-                .alloc_zeros(q_elems)
+                .alloc_zeros(out_layout.span_elements())
                 .map_err(|e| Error::driver("output allocation", e))?,
             lse: stream
                 .alloc_zeros(opts.heads * q_len as usize)
@@ -168,6 +176,8 @@ impl BenchInputs {
             kv_len,
             q_layout,
             kv_layout,
+            v_layout,
+            out_layout,
             host,
             bwd: None,
         })
@@ -192,8 +202,8 @@ impl BenchInputs {
                 dtype: self.opts.dtype,
                 q: (&self.q, self.q_layout),
                 k: (&self.k, self.kv_layout),
-                v: (&self.v, self.kv_layout),
-                out: (&mut self.out, self.q_layout),
+                v: (&self.v, self.v_layout),
+                out: (&mut self.out, self.out_layout),
                 lse: Some((&mut self.lse, LseLayout::contiguous([b, h, s]))),
                 softmax_scale: 1.0 / (d as f32).sqrt(),
                 score: cm_cuda::Score::NONE,
@@ -212,7 +222,7 @@ impl BenchInputs {
         }
         let drv = |what| move |e| Error::driver(what, e);
         let o = self.opts;
-        let host_dout = random_bits(o.dtype, self.q_layout.span_elements(), o.seed ^ 0x44);
+        let host_dout = random_bits(o.dtype, self.out_layout.span_elements(), o.seed ^ 0x44);
         let ws = plan
             .backward_workspace_len(1, o.heads, o.head_dim, false)
             .ok_or_else(|| Error::invalid("backward workspace size overflows usize"))?;
@@ -226,7 +236,7 @@ impl BenchInputs {
             host_dout,
             dq: alloc(self.q_layout.span_elements())?,
             dk: alloc(self.kv_layout.span_elements())?,
-            dv: alloc(self.kv_layout.span_elements())?,
+            dv: alloc(self.v_layout.span_elements())?,
             workspace: stream
                 .alloc_zeros(ws.max(1))
                 .map_err(drv("workspace allocation"))?,
@@ -254,14 +264,14 @@ impl BenchInputs {
                 dtype: self.opts.dtype,
                 q: (&self.q, self.q_layout),
                 k: (&self.k, self.kv_layout),
-                v: (&self.v, self.kv_layout),
-                out: (&self.out, self.q_layout),
-                dout: (&g.dout, self.q_layout),
+                v: (&self.v, self.v_layout),
+                out: (&self.out, self.out_layout),
+                dout: (&g.dout, self.out_layout),
                 lse: (&self.lse, LseLayout::contiguous([b, h, s])),
                 dlse: None,
                 dq: (&mut g.dq, self.q_layout),
                 dk: (&mut g.dk, self.kv_layout),
-                dv: (&mut g.dv, self.kv_layout),
+                dv: (&mut g.dv, self.v_layout),
                 workspace: &mut g.workspace,
                 softmax_scale: 1.0 / (d as f32).sqrt(),
                 deterministic,
@@ -380,7 +390,7 @@ pub struct Timing {
     pub median_ms: f64,
     /// Mean of the same, milliseconds.
     pub mean_ms: f64,
-    /// `4 * heads * head_dim * visible_pairs / median`, in TFLOP/s.
+    /// `2 * heads * (head_dim + head_dim_v) * visible_pairs / median`, in TFLOP/s.
     pub tflops: f64,
     /// Median host time from the start of a `forward` call to the return of the stream
     /// synchronisation that follows it, on an idle GPU, milliseconds.
@@ -632,6 +642,7 @@ fn check(
         .map_err(drv("lse download"))?;
 
     let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len() as usize, opts.head_dim);
+    let dv = opts.head_dim_v;
     let sel = sample_rows(&opts, q_len, 0);
     let heads = sample_heads(opts.heads);
     let kv_heads: Vec<usize> = heads
@@ -652,13 +663,14 @@ fn check(
         q_len: sel.len(),
         kv_len,
         head_dim: d,
+        head_dim_v: opts.head_dim_v,
     };
     let all: Vec<u32> = (0..sel.len() as u32).collect();
     let scale = 1.0 / (d as f64).sqrt();
     let reduced = Inputs {
         q: gather(&x[0], dt, ql, &heads, Some(&sel)),
         k: gather(&x[1], dt, kl, &kv_heads, None),
-        v: gather(&x[2], dt, kl, &kv_heads, None),
+        v: gather(&x[2], dt, (kv_len, dv), &kv_heads, None),
     };
     let exp = reference::compute(shape, &reduced, &sub, &all, scale, dt);
 
@@ -676,8 +688,8 @@ fn check(
     for (hi, &h) in heads.iter().enumerate() {
         for (ri, &r) in sel.iter().enumerate() {
             let item = hi * sel.len() + ri;
-            let at = (h * q_len as usize + r as usize) * d;
-            let got = &out[at..at + d];
+            let at = (h * q_len as usize + r as usize) * dv;
+            let got = &out[at..at + dv];
             let got_lse = f64::from(lse[h * q_len as usize + r as usize]);
             if rows.row(r).is_empty() {
                 let zero = got.iter().all(|&b| from_bits(dt, b) == 0.0);
@@ -685,11 +697,11 @@ fn check(
                 continue;
             }
             for (col, &b) in got.iter().enumerate() {
-                let want = exp.out[item * d + col];
+                let want = exp.out[item * dv + col];
                 c.max_abs_err = c.max_abs_err.max((from_bits(dt, b) - want).abs());
                 c.emulated_err = c
                     .emulated_err
-                    .max((exp.emulated[item * d + col] - want).abs());
+                    .max((exp.emulated[item * dv + col] - want).abs());
             }
             // NaN compares false here, and is counted above.
             c.lse_err = c.lse_err.max((got_lse - exp.lse[item]).abs());
@@ -780,9 +792,11 @@ fn time(
     })
 }
 
-/// `4 * heads * head_dim * visible_pairs`: the forward's FLOPs by docs/workloads.md.
+/// `2 * heads * (head_dim + head_dim_v) * visible_pairs`: the forward's FLOPs by
+/// docs/workloads.md (`4 * heads * head_dim * visible_pairs` where the two are equal; S = Q K^T
+/// and O = P V, two FLOPs per multiply-add).
 fn forward_flops(opts: &BenchOptions, visible_pairs: u64) -> f64 {
-    4.0 * opts.heads as f64 * opts.head_dim as f64 * visible_pairs as f64
+    2.0 * opts.heads as f64 * (opts.head_dim + opts.head_dim_v) as f64 * visible_pairs as f64
 }
 
 /// The correctness check of one backward mode, run before it is timed.
@@ -1001,6 +1015,7 @@ fn check_backward(
         q_len: sel.len(),
         kv_len: kv_len as usize,
         head_dim: d,
+        head_dim_v: d,
     };
     let all: Vec<u32> = (0..sel.len() as u32).collect();
     let (exact, emulated) = grad::dq_rows(shape, &reduced, &sub, scale, dt, &all);

@@ -18,10 +18,13 @@ pub struct Shape {
     pub q_len: usize,
     pub kv_len: usize,
     pub head_dim: usize,
+    /// Columns of V and of the output.
+    pub head_dim_v: usize,
 }
 
 /// Row-major logical tensors whose values are exactly representable in the test's dtype:
-/// `q` is `[batch, heads, q_len, head_dim]`, `k` and `v` `[batch, kv_heads, kv_len, head_dim]`.
+/// `q` is `[batch, heads, q_len, head_dim]`, `k` `[batch, kv_heads, kv_len, head_dim]` and `v`
+/// `[batch, kv_heads, kv_len, head_dim_v]`.
 pub struct Inputs {
     pub q: Vec<f64>,
     pub k: Vec<f64>,
@@ -30,7 +33,7 @@ pub struct Inputs {
 
 /// Reference results for the selected rows of every (batch, head).
 pub struct Expected {
-    /// float64 attention output, `[batch, heads, rows.len(), head_dim]`; 0 for an empty row.
+    /// float64 attention output, `[batch, heads, rows.len(), head_dim_v]`; 0 for an empty row.
     pub out: Vec<f64>,
     /// float64 natural-log log-sum-exp of the scaled scores, `[batch, heads, rows.len()]`;
     /// `-inf` for an empty row.
@@ -66,12 +69,12 @@ pub fn compute(
     scale: f64,
     dtype: DType,
 ) -> Expected {
-    let d = shape.head_dim;
+    let (d, dv) = (shape.head_dim, shape.head_dim_v);
     let group = shape.heads / shape.kv_heads;
     let n_rows = rows_sel.len();
     let items = shape.batch * shape.heads * n_rows;
-    let mut out = vec![0.0; items * d];
-    let mut emulated = vec![0.0; items * d];
+    let mut out = vec![0.0; items * dv];
+    let mut emulated = vec![0.0; items * dv];
     let mut lse = vec![f64::NEG_INFINITY; items];
     // One (batch, head, row) per step: rows of long masks are heavy and few.
     const CHUNK: usize = 1;
@@ -94,13 +97,14 @@ pub fn compute(
                             let i = rows_sel[r] as usize;
                             let kvh = h / group;
                             let qv = &x.q[((b * shape.heads + h) * shape.q_len + i) * d..][..d];
-                            let key_row =
-                                |j: usize| ((b * shape.kv_heads + kvh) * shape.kv_len + j) * d;
+                            let key_row = |j: usize, width: usize| {
+                                ((b * shape.kv_heads + kvh) * shape.kv_len + j) * width
+                            };
                             s64.clear();
                             s32.clear();
                             for iv in mask.row(i as u32) {
                                 for j in iv.start as usize..iv.end as usize {
-                                    let kj = &x.k[key_row(j)..][..d];
+                                    let kj = &x.k[key_row(j, d)..][..d];
                                     s64.push(
                                         qv.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * scale,
                                     );
@@ -112,29 +116,29 @@ pub fn compute(
                                 }
                             }
                             let (mut o64, mut o_emu, mut row_lse) =
-                                (vec![0.0; d], vec![0.0; d], f64::NEG_INFINITY);
+                                (vec![0.0; dv], vec![0.0; dv], f64::NEG_INFINITY);
                             if !s64.is_empty() {
                                 let m64 = s64.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                                 let m32 = s32.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                                 let (mut l64, mut l32) = (0.0f64, 0.0f32);
-                                let mut acc32 = vec![0f32; d];
+                                let mut acc32 = vec![0f32; dv];
                                 let mut t = 0;
                                 for iv in mask.row(i as u32) {
                                     for j in iv.start as usize..iv.end as usize {
-                                        let vj = &x.v[key_row(j)..][..d];
+                                        let vj = &x.v[key_row(j, dv)..][..dv];
                                         let p64 = (s64[t] - m64).exp();
                                         let p32 = (s32[t] - m32).exp();
                                         let p_rounded = round_to(dtype, p32);
                                         t += 1;
                                         l64 += p64;
                                         l32 += p32;
-                                        for c in 0..d {
+                                        for c in 0..dv {
                                             o64[c] += p64 * vj[c];
                                             acc32[c] += p_rounded * vj[c] as f32;
                                         }
                                     }
                                 }
-                                for c in 0..d {
+                                for c in 0..dv {
                                     o64[c] /= l64;
                                     o_emu[c] = f64::from(round_to(dtype, acc32[c] / l32));
                                 }
@@ -153,8 +157,8 @@ pub fn compute(
             .collect()
     });
     for (item, o64, o_emu, row_lse) in pieces.into_iter().flatten() {
-        out[item * d..][..d].copy_from_slice(&o64);
-        emulated[item * d..][..d].copy_from_slice(&o_emu);
+        out[item * dv..][..dv].copy_from_slice(&o64);
+        emulated[item * dv..][..dv].copy_from_slice(&o_emu);
         lse[item] = row_lse;
     }
     Expected { out, lse, emulated }

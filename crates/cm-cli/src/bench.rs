@@ -1,6 +1,6 @@
 //! `compilemask bench`: the forward kernel on the benchmark workloads of docs/workloads.md, by its
 //! protocol (batch 1, softmax scale 1/sqrt(head_dim)): correctness on sampled rows against the
-//! float64 reference first, then effective TFLOP/s (`4 * heads * head_dim * visible_pairs`
+//! float64 reference first, then effective TFLOP/s (`2 * heads * (head_dim + head_dim_v) * visible_pairs`
 //! over the median of back-to-back calls timed with CUDA events), single-call latency with
 //! the host launch included, host overhead, and the tile-density ceiling. Needs the GPU
 //! machine and a build with embedded kernels; every argument is checked before the GPU is
@@ -81,9 +81,13 @@ pub struct BenchArgs {
     /// Key / value heads (default: --heads); must divide --heads (GQA, MQA).
     #[arg(long)]
     kv_heads: Option<usize>,
-    /// Elements per head.
+    /// Columns of Q and K per head.
     #[arg(long, default_value_t = 128)]
     head_dim: u32,
+    /// Columns of V and of the output per head (default: --head-dim); 128 with --head-dim
+    /// 192 is DeepSeek's MLA shape. Forward only where it differs.
+    #[arg(long)]
+    head_dim_v: Option<u32>,
     /// Element type of Q, K, V and the output.
     #[arg(long, value_enum, default_value = "bf16")]
     dtype: DTypeArg,
@@ -320,17 +324,19 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
         KernelArg::Wgmma => KernelKind::FwdWgmma,
         KernelArg::Simple => KernelKind::FwdSimple,
     };
-    if cm_kernels::find_variant(kernel, dtype, a.head_dim, false).is_none() {
-        let built: Vec<String> = cm_kernels::VARIANTS
-            .iter()
-            .filter(|v| v.kernel == kernel && v.dtype == dtype)
-            .map(|v| v.head_dim.to_string())
-            .collect();
+    let head_dim_v = a.head_dim_v.unwrap_or(a.head_dim);
+    if a.decode && head_dim_v != a.head_dim {
         bail!(
-            "--head-dim {} is not built for {} {dtype}; built head dims: {}",
+            "--decode reads V at head_dim: --head-dim-v {head_dim_v} must equal --head-dim {}",
+            a.head_dim
+        );
+    }
+    if cm_kernels::find_variant(kernel, dtype, a.head_dim, head_dim_v, false).is_none() {
+        bail!(
+            "--head-dim {} --head-dim-v {head_dim_v} is not built for {} {dtype}; built head dims: {}",
             a.head_dim,
             kernel.name(),
-            built.join(", ")
+            cm_kernels::head_dims_text(&cm_kernels::built_head_dims(kernel, dtype, false))
         );
     }
     if a.bwd {
@@ -340,11 +346,13 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
             KernelKind::BwdDq,
             KernelKind::BwdPost,
         ] {
-            if cm_kernels::find_variant(k, dtype, a.head_dim, false).is_none() {
+            if cm_kernels::find_variant(k, dtype, a.head_dim, head_dim_v, false).is_none() {
                 bail!(
-                    "--bwd: {} is not built for head_dim {} {dtype}",
+                    "--bwd: {} is not built for head_dim {} with head_dim_v {head_dim_v} at {dtype} \
+                     (built: {})",
                     k.name(),
-                    a.head_dim
+                    a.head_dim,
+                    cm_kernels::head_dims_text(&cm_kernels::built_head_dims(k, dtype, false))
                 );
             }
         }
@@ -353,6 +361,7 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
         heads: a.heads,
         kv_heads,
         head_dim: a.head_dim as usize,
+        head_dim_v: head_dim_v as usize,
         dtype,
         runs: a.runs,
         seed: a.seed,
@@ -379,12 +388,13 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
     let device = rt.context().name()?;
     if !a.json {
         outln!(
-            "compilemask bench{} on {device}: {} H={} H_kv={} head_dim={} {}, median of {} back-to-back calls",
+            "compilemask bench{} on {device}: {} H={} H_kv={} head_dim={} head_dim_v={} {}, median of {} back-to-back calls",
             if a.bwd { " --bwd" } else { "" },
             kernel.name(),
             opts.heads,
             opts.kv_heads,
             opts.head_dim,
+            opts.head_dim_v,
             opts.dtype,
             opts.runs
         );
@@ -444,6 +454,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         "heads": opts.heads,
         "kv_heads": opts.kv_heads,
         "head_dim": opts.head_dim,
+        "head_dim_v": opts.head_dim_v,
         "dtype": opts.dtype.name(),
         "runs": opts.runs,
         "seed": opts.seed,
@@ -1214,6 +1225,7 @@ mod tests {
                 q_len: s,
                 kv_len: s,
                 head_dim: d,
+                head_dim_v: d,
             };
             let all: Vec<u32> = (0..s as u32).collect();
             let f = |x: &[u16]| x.iter().map(|&b| from_bits(dt, b)).collect::<Vec<f64>>();

@@ -26,7 +26,25 @@ fn bad_arguments_are_refused_before_the_gpu() {
     refused(&["--heads", "0"], &["must be positive"]);
     refused(
         &["--head-dim", "96"],
-        &["--head-dim 96 is not built", "64, 128"],
+        &[
+            "--head-dim 96 --head-dim-v 96 is not built",
+            "64, 128, 192 (head_dim_v 128), 256",
+        ],
+    );
+    refused(
+        &["--head-dim", "192"],
+        &["--head-dim 192 --head-dim-v 192 is not built"],
+    );
+    refused(
+        &["--bwd", "--head-dim", "256"],
+        &[
+            "--bwd: bwd_pre is not built for head_dim 256",
+            "(built: 64, 128)",
+        ],
+    );
+    refused(
+        &["--decode", "--head-dim", "192", "--head-dim-v", "128"],
+        &["--decode reads V at head_dim"],
     );
     refused(
         &["--workloads", "causal,nope"],
@@ -37,7 +55,7 @@ fn bad_arguments_are_refused_before_the_gpu() {
     refused(&["--deterministic"], &["--bwd"]);
     refused(
         &["--bwd", "--head-dim", "96"],
-        &["--head-dim 96 is not built"],
+        &["--head-dim 96 --head-dim-v 96 is not built"],
     );
     refused(&["--bwd", "--runs", "0"], &["--runs must be at least 1"]);
 }

@@ -290,6 +290,17 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
         score: a.score,
     };
     check_forward(plan, &forward)?;
+    let (d, dv) = (a.q_layout.shape[3] as u32, a.v_layout.shape[3] as u32);
+    let scored = a.score.is_active();
+    if cm_kernels::find_variant(KernelKind::BwdDkDv, a.dtype, d, dv, scored).is_none() {
+        let built = cm_kernels::built_head_dims(KernelKind::BwdDkDv, a.dtype, scored);
+        return Err(Error::invalid(format!(
+            "q / v: head_dim = {d} with head_dim_v = {dv} runs forward only; the backward is built \
+             for head dims {} at {}",
+            cm_kernels::head_dims_text(&built),
+            a.dtype
+        )));
+    }
     // The deterministic mode's table gradient is int64 fixed point (cm_cuda::score).
     if a.deterministic {
         check_addr("score dist_bias_grad", a.score.dist_bias_grad, 8)?;
@@ -345,7 +356,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
 
     let variant = |kind: KernelKind| {
         let scored = a.score.is_active() && kind.has_score_variant();
-        cm_kernels::find_variant(kind, a.dtype, d as u32, scored).ok_or_else(|| {
+        cm_kernels::find_variant(kind, a.dtype, d as u32, d as u32, scored).ok_or_else(|| {
             Error::invalid(format!(
                 "no {} kernel for {} at head_dim = {d}",
                 kind.name(),

@@ -10,10 +10,11 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 /// A forward launch over Rust-owned device buffers ([`crate::Runtime::forward`]).
 ///
-/// Q and the output are `[batch, num_heads, q_len, head_dim]`, K and V
-/// `[batch, num_kv_heads, kv_len, head_dim]` (`num_heads % num_kv_heads == 0`; query head `h`
-/// reads KV head `h / (num_heads / num_kv_heads)`), elements of `dtype` stored as raw 16-bit
-/// words. `lse`, when given, receives the natural-log log-sum-exp of every row's scaled scores,
+/// Q is `[batch, num_heads, q_len, head_dim]`, K `[batch, num_kv_heads, kv_len, head_dim]`,
+/// V `[batch, num_kv_heads, kv_len, head_dim_v]` and the output `[batch, num_heads, q_len,
+/// head_dim_v]` (`num_heads % num_kv_heads == 0`; query head `h` reads KV head `h / (num_heads
+/// / num_kv_heads)`; `head_dim_v == head_dim` but for the shapes of
+/// [`cm_kernels::WIDE_SHAPES`]), elements of `dtype` stored as raw 16-bit words. `lse`, when given, receives the natural-log log-sum-exp of every row's scaled scores,
 /// `[batch, num_heads, q_len]` fp32, `-inf` for a row with no visible key (whose output is 0).
 pub struct Forward<'a> {
     pub dtype: DType,
@@ -148,12 +149,8 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
 /// [`Error::InvalidArgument`] naming the first argument that fails, as
 /// [`crate::Runtime::forward`] lists them.
 pub fn check_forward(plan: &PlanLayout, a: &ForwardRaw) -> Result<(), Error> {
-    let kind = if a.score.is_active() {
-        KernelKind::FwdWs
-    } else {
-        KernelKind::FwdSimple
-    };
-    prepare(plan, a, kind, false).map(|_| ())
+    // The runtime's default kernel, the one built at every shape.
+    prepare(plan, a, KernelKind::FwdWs, false).map(|_| ())
 }
 
 /// Every host-side check of a forward launch; no device work and no synchronisation. With
@@ -166,7 +163,9 @@ pub(crate) fn prepare(
 ) -> Result<Option<Launch>, Error> {
     let [b, h, sq, d] = a.q_layout.shape;
     let [kb, h_kv, skv, kd] = a.k_layout.shape;
+    let dv = a.v_layout.shape[3];
     let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
+    let head_dim_v = u32::try_from(dv).unwrap_or(u32::MAX);
     let scored = a.score.is_active();
     if scored && !kernel_kind.has_score_variant() {
         return Err(Error::invalid(format!(
@@ -176,17 +175,16 @@ pub(crate) fn prepare(
         )));
     }
     a.score.check(plan.q_len, plan.kv_len)?;
-    let variant =
-        cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, scored).ok_or_else(|| {
-            let dims: Vec<String> = cm_kernels::VARIANTS
-                .iter()
-                .filter(|v| v.kernel == kernel_kind && v.dtype == a.dtype && v.score == scored)
-                .map(|v| v.head_dim.to_string())
-                .collect();
+    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, head_dim_v, scored)
+        .ok_or_else(|| {
+            let built = cm_kernels::built_head_dims(kernel_kind, a.dtype, scored);
             Error::invalid(format!(
-                "q: head_dim = {d} is not supported for {}; built head dims: {}",
+                "q / v: head_dim = {d} with head_dim_v = {dv} is not supported by {}{} at {}; \
+                 built head dims: {}",
+                kernel_kind.name(),
+                if scored { " with score terms" } else { "" },
                 a.dtype,
-                dims.join(", ")
+                cm_kernels::head_dims_text(&built)
             ))
         })?;
     let kernel: &Variant = &cm_kernels::VARIANTS[variant];
@@ -196,16 +194,17 @@ pub(crate) fn prepare(
             a.k_layout.shape
         )));
     }
-    if a.v_layout.shape != a.k_layout.shape {
+    if a.v_layout.shape[..3] != a.k_layout.shape[..3] {
         return Err(Error::invalid(format!(
-            "v: shape {:?} differs from k's shape {:?}",
+            "v: shape {:?} differs from k's shape {:?} in [batch, num_kv_heads, kv_len]",
             a.v_layout.shape, a.k_layout.shape
         )));
     }
-    if a.out_layout.shape != a.q_layout.shape {
+    if a.out_layout.shape != [b, h, sq, dv] {
         return Err(Error::invalid(format!(
-            "out: shape {:?} differs from q's shape {:?}",
-            a.out_layout.shape, a.q_layout.shape
+            "out: shape {:?}, expected [batch, num_heads, q_len, head_dim_v] = {:?}",
+            a.out_layout.shape,
+            [b, h, sq, dv]
         )));
     }
     if sq != plan.q_len as usize || skv != plan.kv_len as usize {
@@ -337,11 +336,11 @@ pub(crate) fn prepare(
         score: a.score.params(plan.q_len, plan.kv_len, false),
     };
     let tensor_maps = if ws && encode_maps {
-        let rows = kernel_kind.tile().0;
+        let (rows, keys) = (kernel_kind.tile().0, kernel.key_step());
         Some([
             TensorMap::encode("q", a.dtype, a.q, &a.q_layout, rows)?,
-            TensorMap::encode("k", a.dtype, a.k, &a.k_layout, rows)?,
-            TensorMap::encode("v", a.dtype, a.v, &a.v_layout, rows)?,
+            TensorMap::encode("k", a.dtype, a.k, &a.k_layout, keys)?,
+            TensorMap::encode("v", a.dtype, a.v, &a.v_layout, keys)?,
         ])
     } else {
         None
@@ -364,7 +363,7 @@ pub(crate) fn prepare(
     };
     let elem = a.dtype.size_bytes() as u64;
     let kv_bytes_per_pair =
-        u64::from(plan.kv_len) * a.k_layout.shape[3] as u64 * elem * 2 / (h / h_kv).max(1) as u64;
+        u64::from(plan.kv_len) * (d + dv) as u64 * elem / (h / h_kv).max(1) as u64;
     Ok(Some(Launch {
         variant,
         config,
@@ -448,7 +447,7 @@ mod tests {
             (
                 "head_dim",
                 args(2, 4, 2, 70, 90, 96),
-                "head_dim = 96 is not supported",
+                "head_dim = 96 with head_dim_v = 96 is not supported by fwd_simple at bf16; built head dims: 64, 128",
             ),
             (
                 "q_len",
@@ -476,7 +475,7 @@ mod tests {
                     a.v_layout = TensorLayout::contiguous([2, 2, 91, 64]);
                     a
                 },
-                "v: shape [2, 2, 91, 64] differs from k's shape",
+                "v: shape [2, 2, 91, 64] differs from k's shape [2, 2, 90, 64] in [batch, num_kv_heads, kv_len]",
             ),
             (
                 "out shape",
@@ -485,7 +484,7 @@ mod tests {
                     a.out_layout = TensorLayout::contiguous([2, 3, 70, 64]);
                     a
                 },
-                "out: shape [2, 3, 70, 64] differs from q's shape",
+                "out: shape [2, 3, 70, 64], expected [batch, num_heads, q_len, head_dim_v] = [2, 4, 70, 64]",
             ),
             (
                 "lse shape",
@@ -533,6 +532,44 @@ mod tests {
         assert!(err(&three, &good).contains("the plan's masks are for num_heads = 3"));
         let batches = layout(70, 90, 2, [3, 1]);
         assert!(err(&batches, &good).contains("the plan's masks are for batch = 3"));
+    }
+
+    /// The wide shapes run on fwd_ws only: head_dim 256 and 192 with head_dim_v 128 are
+    /// accepted there (V and the output at head_dim_v), refused by the reference kernels and
+    /// at any other pairing, each error naming the shape and listing the built ones.
+    #[test]
+    fn wide_head_dims_are_fwd_ws_shapes() {
+        let plan = layout(70, 90, 1, [1, 1]);
+        let ws = |a: &ForwardRaw| match prepare(&plan, a, KernelKind::FwdWs, false) {
+            Ok(_) => "accepted".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let shaped = |d: usize, dv: usize| {
+            let mut a = args(2, 4, 2, 70, 90, d);
+            a.v_layout = TensorLayout::contiguous([2, 2, 90, dv]);
+            a.out_layout = TensorLayout::contiguous([2, 4, 70, dv]);
+            a
+        };
+        assert_eq!(ws(&shaped(256, 256)), "accepted");
+        assert_eq!(ws(&shaped(192, 128)), "accepted");
+        assert_eq!(
+            check_forward(&plan, &shaped(192, 128)).map_err(|e| e.to_string()),
+            Ok(())
+        );
+        let built = "built head dims: 64, 128, 192 (head_dim_v 128), 256";
+        for (d, dv) in [(192, 192), (256, 128), (128, 64), (96, 96)] {
+            let got = ws(&shaped(d, dv));
+            assert!(
+                got.contains(&format!(
+                    "head_dim = {d} with head_dim_v = {dv} is not supported by fwd_ws"
+                )) && got.contains(built),
+                "{got}"
+            );
+        }
+        assert!(err(&plan, &shaped(256, 256)).contains("built head dims: 64, 128"));
+        let mut wrong_out = shaped(192, 128);
+        wrong_out.out_layout = TensorLayout::contiguous([2, 4, 70, 192]);
+        assert!(ws(&wrong_out).contains("out: shape [2, 4, 70, 192], expected"));
     }
 
     #[test]

@@ -66,29 +66,31 @@ __device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwd
     }
 }
 
-// Masks a 128-key tile's raw scores: a partial tile's rows come as visibility bits (four
-// words per row, as cm_cuda's ws_partial_row_mask holds them): element [j][e] of row half h is key 8 j + 2 t + (e & 1), bit
-// (8 j + 2 t + e) % 32 of word j / 4; a full tile that overhangs kv_len masks the zero-filled
-// keys past it. Masked scores become -inf.
-__device__ __forceinline__ void cm_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
-                                             const u32 (&bits)[2][4], u32 key0, int t) {
+// Masks the raw scores of NB * 8 keys (a 128-key tile, NB = 16, or a 64-key half of one, NB =
+// 8): a partial tile's rows come as visibility bits (NB / 4 words per row, as cm_cuda's
+// ws_partial_row_mask holds them, the half's own words for a half): element [j][e] of row half
+// h is key 8 j + 2 t + (e & 1), bit (8 j + 2 t + e) % 32 of word j / 4; a full tile that
+// overhangs kv_len masks the zero-filled keys past it. Masked scores become -inf.
+template <int NB>
+__device__ __forceinline__ void cm_mask_bits(float (&s)[NB][4], const CmFwdParams& p, bool partial,
+                                             const u32 (&bits)[2][NB / 4], u32 key0, int t) {
     if (partial) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             // Shifted once by this thread's column pair, every test below is by a constant.
-            u32 w[4];
+            u32 w[NB / 4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) w[k] = bits[h][k] >> (t * 2);
+            for (int k = 0; k < NB / 4; ++k) w[k] = bits[h][k] >> (t * 2);
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
+            for (int j = 0; j < NB; ++j) {
                 const u32 bit = 1u << ((j & 3) * 8);
                 if (!(w[j >> 2] & bit)) s[j][h * 2] = cm_neg_inf();
                 if (!(w[j >> 2] & (bit << 1))) s[j][h * 2 + 1] = cm_neg_inf();
             }
         }
-    } else if (key0 + 128 > p.kv_len) {
+    } else if (key0 + NB * 8 > p.kv_len) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < NB; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (key0 + j * 8 + t * 2 + (e & 1) >= p.kv_len) s[j][e] = cm_neg_inf();
@@ -97,13 +99,14 @@ __device__ __forceinline__ void cm_mask_bits(float (&s)[16][4], const CmFwdParam
     }
 }
 
-// As cm_scale_and_mask for 128-key tiles whose partial rows come as visibility bits: scales
-// into the exp2 domain, then cm_mask_bits (scaling first keeps a masked score at -inf
-// whatever the sign of the scale).
-__device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[16][4], const CmFwdParams& p, bool partial,
-                                                       const u32 (&bits)[2][4], u32 key0, int t) {
+// As cm_scale_and_mask for tiles whose partial rows come as visibility bits: scales into the
+// exp2 domain, then cm_mask_bits (scaling first keeps a masked score at -inf whatever the sign
+// of the scale).
+template <int NB>
+__device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[NB][4], const CmFwdParams& p, bool partial,
+                                                       const u32 (&bits)[2][NB / 4], u32 key0, int t) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < NB; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
     }

@@ -28,15 +28,24 @@
 // windows in patch order) costs no more than one with a single run; empty tiles are never
 // loaded, full tiles run no mask code.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128),
-// CM_DYNAMIC_SMEM_BYTES (the launch's dynamic shared memory, checked against the layout),
-// CM_SCORE (1: apply the score terms of CmScoreParams, score.cuh).
+// Wider heads keep the 128x128 descriptor tiles: head_dim 192 with head_dim_v 128 (MLA) runs
+// the same 128-key stages with a 192-column S product and a 128-column output; head_dim 256
+// splits every tile into two 64-key stages (CM_WS_KEY_STEP), each loaded, scored and
+// multiplied on its own with the half of the tile's visibility bits it covers, since two
+// stages of 128 keys x 256 columns of K and V beside the 128 x 256 Q tile exceed shared
+// memory (a 64 x 256 fp32 output per consumer then leaves room for 64-key scores only).
+//
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64, 128,
+// 192 or 256: Q and K columns), CM_HEAD_DIM_V (V and output columns: CM_HEAD_DIM, or 128 at
+// 192), CM_WS_KEY_STEP (keys per stage: 128, or 64 at head_dim 256), CM_DYNAMIC_SMEM_BYTES
+// (the launch's dynamic shared memory, checked against the layout), CM_SCORE (1: apply the
+// score terms of CmScoreParams, score.cuh).
 #include "fwd_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-#ifndef CM_HEAD_DIM
-#error "CM_HEAD_DIM must be defined (64 or 128)"
+#if !defined(CM_HEAD_DIM) || !defined(CM_HEAD_DIM_V) || !defined(CM_WS_KEY_STEP)
+#error "CM_HEAD_DIM, CM_HEAD_DIM_V and CM_WS_KEY_STEP must be defined"
 #endif
 
 #define BLOCK_M 128
@@ -44,12 +53,18 @@
 #define NUM_THREADS 384
 #define STAGES 2
 #define HEAD_DIM CM_HEAD_DIM
-// Bytes of one 128-row tile, a multiple of 1024, so every tile and column atom stays
-// swizzle-atom aligned.
-#define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
+#define HEAD_DIM_V CM_HEAD_DIM_V
+#define KEY_STEP CM_WS_KEY_STEP
+// Pipeline steps (stages' worth of keys) per descriptor tile.
+#define STEPS (BLOCK_N / KEY_STEP)
+// Bytes of the Q tile and of one stage of K and of V, multiples of 1024, so every tile and
+// column atom stays swizzle-atom aligned.
+#define Q_BYTES (BLOCK_M * HEAD_DIM * 2)
+#define K_BYTES (KEY_STEP * HEAD_DIM * 2)
+#define V_BYTES (KEY_STEP * HEAD_DIM_V * 2)
 // Q, STAGES x (K, V), the barriers, then STAGES x the visibility bits of a partial tile's 128
 // rows (16 bytes each); plus 1 KB to align the start.
-#define BAR_OFFSET ((1 + 2 * STAGES) * TILE_BYTES)
+#define BAR_OFFSET (Q_BYTES + STAGES * (K_BYTES + V_BYTES))
 #define BITS_OFFSET (BAR_OFFSET + 256)
 #define BITS_BYTES (BLOCK_M * 16)
 #define SMEM_BYTES (BITS_OFFSET + STAGES * BITS_BYTES + 1024)
@@ -57,8 +72,11 @@
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
 
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
-static_assert(BLOCK_M == BLOCK_N, "Q, K and V tiles share one shape");
+static_assert((HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && HEAD_DIM_V == HEAD_DIM ||
+                  HEAD_DIM == 192 && HEAD_DIM_V == 128,
+              "(head_dim, head_dim_v) must be (64, 64), (128, 128), (256, 256) or (192, 128)");
+static_assert(KEY_STEP == 128 || KEY_STEP == 64 && HEAD_DIM == 256, "keys per stage: 128, or 64 at head_dim 256");
+static_assert(!CM_SCORE || KEY_STEP == BLOCK_N, "score terms read whole 128-key tiles");
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must match cm_kernels");
 
 // Barriers, 8 bytes each, after the tiles.
@@ -120,8 +138,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base;
-    const u32 sK0 = base + TILE_BYTES;
-    const u32 sV0 = sK0 + STAGES * TILE_BYTES;
+    const u32 sK0 = base + Q_BYTES;
+    const u32 sV0 = sK0 + STAGES * K_BYTES;
     const u32 bars = base + BAR_OFFSET;
     auto bar = [&](int i) -> u32 { return bars + 8 * i; };
     const u32 item_slots = bars + ITEM_SLOTS_OFFSET;
@@ -173,37 +191,39 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 if (w.num_tiles == 0) continue;
                 const u32 kv_head = w.head / p.heads_per_kv_head;
                 cm_mbar_wait(bar(BAR_Q_EMPTY), (q_no & 1) ^ 1);
-                cm_mbar_arrive_expect_tx(bar(BAR_Q), TILE_BYTES);
+                cm_mbar_arrive_expect_tx(bar(BAR_Q), Q_BYTES);
 #pragma unroll
                 for (int a = 0; a < HEAD_DIM / 64; ++a) {
                     cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, bar(BAR_Q), a * 64, w.row0, w.head, w.batch);
                 }
                 ++q_no;
-                for (u32 it = 0; it < w.num_tiles; ++it, ++tile_no) {
+                for (u32 it = 0; it < w.num_tiles * STEPS; ++it, ++tile_no) {
+                    const u32 tile = it / STEPS;
                     const u32 s = tile_no % STAGES;
                     const u32 phase = (tile_no / STAGES) & 1;
-                    const int key0 = (int)(ws_n_block(p, w, it) * BLOCK_N);
-                    const u32 sK = sK0 + s * TILE_BYTES;
-                    const u32 sV = sV0 + s * TILE_BYTES;
-                    // A partial tile's row bits travel with its K tile (same slot, same barrier).
-                    const bool partial = it < w.num_partial;
+                    const int key0 = (int)(ws_n_block(p, w, tile) * BLOCK_N + (it % STEPS) * KEY_STEP);
+                    const u32 sK = sK0 + s * K_BYTES;
+                    const u32 sV = sV0 + s * V_BYTES;
+                    // A partial tile's row bits travel with its K tile (same slot, same barrier),
+                    // all 128 keys' of them with each of its steps.
+                    const bool partial = tile < w.num_partial;
                     cm_mbar_wait(bar(BAR_K_EMPTY(s)), phase ^ 1);
-                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), TILE_BYTES + (partial ? BITS_BYTES : 0));
+                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), K_BYTES + (partial ? BITS_BYTES : 0));
 #pragma unroll
                     for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                        cm_tma_load4(sK + a * BLOCK_N * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head,
+                        cm_tma_load4(sK + a * KEY_STEP * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head,
                                      w.batch);
                     }
                     if (partial) {
                         cm_bulk_load(base + BITS_OFFSET + s * BITS_BYTES,
-                                     p.partial_row_mask + (u64)(w.p_begin + it) * BLOCK_M * 4, BITS_BYTES,
+                                     p.partial_row_mask + (u64)(w.p_begin + tile) * BLOCK_M * 4, BITS_BYTES,
                                      bar(BAR_K_FULL(s)));
                     }
                     cm_mbar_wait(bar(BAR_V_EMPTY(s)), phase ^ 1);
-                    cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), TILE_BYTES);
+                    cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), V_BYTES);
 #pragma unroll
-                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                        cm_tma_load4(sV + a * BLOCK_N * 128, &tm_v, bar(BAR_V_FULL(s)), a * 64, key0, kv_head,
+                    for (int a = 0; a < HEAD_DIM_V / 64; ++a) {
+                        cm_tma_load4(sV + a * KEY_STEP * 128, &tm_v, bar(BAR_V_FULL(s)), a * 64, key0, kv_head,
                                      w.batch);
                     }
                 }
@@ -227,15 +247,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const int t = lane & 3;
     const u32 sQ_rows = sQ + (warpgroup - 1) * 64 * 128;
 
-    float sc[BLOCK_N / 8][4];
+    float sc[KEY_STEP / 8][4];
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) {
+    for (int j = 0; j < KEY_STEP / 8; ++j) {
         sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     }
-    u32 pa[BLOCK_N / 16][4];
-    float acc_o[HEAD_DIM / 8][4];
+    u32 pa[KEY_STEP / 16][4];
+    float acc_o[HEAD_DIM_V / 8][4];
     float row_max[2], row_sum[2], alpha[2];
-    u32 bits[2][4];
+    u32 bits[2][KEY_STEP / 32];
     u32 tile_no = 0;
     u32 q_no = 0;
 
@@ -259,42 +279,42 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         release(BAR_ITEM_EMPTY(slot));
         if (!w.valid) break;
 #pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+        for (int j = 0; j < HEAD_DIM_V / 8; ++j) {
             acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
         }
         row_max[0] = row_max[1] = cm_neg_inf();
         row_sum[0] = row_sum[1] = 0.f;
 
-        // S = Q K^T of the item's tile `it` (ring slot `slot`) into sc, issued (not waited
+        // S = Q K^T of the item's step `it` (ring slot `slot`) into sc, issued (not waited
         // for). The Q rows of this consumer are a 64-row slice of the 128-row Q tile: same
         // column atoms (stride BLOCK_M * 128), starting 64 rows in.
         auto issue_s = [&](u32 slot) {
             const u32 s = slot % STAGES;
-            const u32 sK = sK0 + s * TILE_BYTES;
+            const u32 sK = sK0 + s * K_BYTES;
             cm_mbar_wait(bar(BAR_K_FULL(s)), (slot / STAGES) & 1);
 #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                cm_wgmma_n128_ss(sc, cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024),
-                                 cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
+                const u64 a = cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024);
+#if KEY_STEP == 128
+                cm_wgmma_n128_ss(sc, a, cm_desc_k_major(sK, KEY_STEP, ks), ks > 0);
+#else
+                cm_wgmma_n64_ss(sc, a, cm_desc_k_major(sK, KEY_STEP, ks), ks > 0);
+#endif
             }
             cm_wgmma_commit();
         };
         // O += P V of ring slot `slot`, issued (not waited for).
         auto issue_pv = [&](u32 slot) {
             const u32 s = slot % STAGES;
-            const u32 sV = sV0 + s * TILE_BYTES;
+            const u32 sV = sV0 + s * V_BYTES;
             cm_mbar_wait(bar(BAR_V_FULL(s)), (slot / STAGES) & 1);
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-#if HEAD_DIM == 128
-                cm_wgmma_n128<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
-#else
-                cm_wgmma_n64<1>(acc_o, pa[kk], cm_desc_mn_major(sV, BLOCK_N, kk), 1);
-#endif
+            for (int kk = 0; kk < KEY_STEP / 16; ++kk) {
+                cm_wgmma_rs<1>(acc_o, pa[kk], cm_desc_mn_major(sV, KEY_STEP, kk), 1);
             }
             cm_wgmma_commit();
         };
-        // Tile `it`'s first key, read before its scores are issued (and, with score terms,
+        // Step `it`'s first key, read before its scores are issued (and, with score terms,
         // the distance table's view of the tile, whose loads then overlap the product).
         u32 key0 = 0;
 #if CM_SCORE
@@ -302,24 +322,32 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         CmDistTile dist;
 #endif
         auto load_bits = [&](u32 it) {
-            key0 = ws_n_block(p, w, it) * BLOCK_N;
+            key0 = ws_n_block(p, w, it / STEPS) * BLOCK_N + (it % STEPS) * KEY_STEP;
 #if CM_SCORE
             dist = cm_dist_tile<BLOCK_N / 8, false>(p.score, w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                     key0 + 2 * t);
 #endif
         };
-        // When tile `it` (ring slot `slot`) is partial, the visibility bits of this thread's
-        // rows, which arrived with its K tile: read once its scores are done, before the slot
-        // is released.
+        // When step `it` (ring slot `slot`) is in a partial tile, the visibility bits of this
+        // thread's rows for the step's keys, which arrived with its K: read once its scores
+        // are done, before the slot is released.
         auto read_bits = [&](u32 it, u32 slot) {
-            if (it < w.num_partial) {
+            if (it / STEPS < w.num_partial) {
                 const u32 tile_bits = base + BITS_OFFSET + (slot % STAGES) * BITS_BYTES;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+                    const u32 row_bits = tile_bits + (warp * 16 + g + h * 8) * 16;
+#if KEY_STEP == 128
                     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                                  : "=r"(bits[h][0]), "=r"(bits[h][1]), "=r"(bits[h][2]), "=r"(bits[h][3])
-                                 : "r"(tile_bits + (warp * 16 + g + h * 8) * 16)
+                                 : "r"(row_bits)
                                  : "memory");
+#else
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                                 : "=r"(bits[h][0]), "=r"(bits[h][1])
+                                 : "r"(row_bits + (it % STEPS) * (KEY_STEP / 8))
+                                 : "memory");
+#endif
                 }
             }
         };
@@ -335,29 +363,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 cm_score_logits<BLOCK_N / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,
                                                            w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                            key0 + 2 * t);
-                cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_mask_bits(sc, p, it / STEPS < w.num_partial, bits, key0, t);
                 cm_softmax_step_folded(sc, 1.f, row_max, row_sum, alpha);
                 return;
             }
 #endif
             if (p.scale_log2 > 0.f) {
-                cm_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_mask_bits(sc, p, it / STEPS < w.num_partial, bits, key0, t);
                 cm_softmax_step_folded(sc, p.scale_log2, row_max, row_sum, alpha);
             } else {
-                cm_scale_and_mask_bits(sc, p, it < w.num_partial, bits, key0, t);
+                cm_scale_and_mask_bits(sc, p, it / STEPS < w.num_partial, bits, key0, t);
                 cm_softmax_step(sc, row_max, row_sum, alpha);
             }
         };
         auto pack_p = [&]() {
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
+            for (int kk = 0; kk < KEY_STEP / 16; ++kk) cm_p_fragment(sc, kk, pa[kk]);
         };
 
         // FlashAttention-3's intra-warpgroup overlap: while the tensor cores compute S of
         // tile it and O += P V of tile it - 1, this warpgroup waits only for S, then masks and
         // exponentiates it; the output is rescaled once the P V product has drained. Q is
         // handed back to the producer as soon as the item's last S has been computed.
-        const u32 n = w.num_tiles;
+        const u32 n = w.num_tiles * STEPS;
         if (n > 0) {
             load_bits(0);
             cm_mbar_wait(bar(BAR_Q), q_no & 1);

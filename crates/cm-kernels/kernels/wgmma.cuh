@@ -118,6 +118,28 @@ __device__ __forceinline__ void cm_wgmma_n128(float (&d)[16][4], const u32 (&a)[
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TNSP_B));
 }
 
+// As cm_wgmma_n64 for m64n256k16 (d is [32][4]): the P V product of a head_dim_v-256 output.
+template <int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_n256(float (&d)[32][4], const u32 (&a)[4], u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32" CM_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, %134; }"
+        : CM_ACC4(0), CM_ACC4(1), CM_ACC4(2), CM_ACC4(3), CM_ACC4(4), CM_ACC4(5), CM_ACC4(6), CM_ACC4(7),
+          CM_ACC4(8), CM_ACC4(9), CM_ACC4(10), CM_ACC4(11), CM_ACC4(12), CM_ACC4(13), CM_ACC4(14), CM_ACC4(15),
+          CM_ACC4(16), CM_ACC4(17), CM_ACC4(18), CM_ACC4(19), CM_ACC4(20), CM_ACC4(21), CM_ACC4(22), CM_ACC4(23),
+          CM_ACC4(24), CM_ACC4(25), CM_ACC4(26), CM_ACC4(27), CM_ACC4(28), CM_ACC4(29), CM_ACC4(30), CM_ACC4(31)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TNSP_B));
+}
+
 // d (+)= A * B for m64n128k16 with both operands K-major in shared memory (descriptors).
 __device__ __forceinline__ void cm_wgmma_n128_ss(float (&d)[16][4], u64 a, u64 b, int accumulate) {
     asm volatile(
@@ -176,7 +198,7 @@ __device__ __forceinline__ void cm_wgmma_n32_ss_t(float (&d)[4][4], u64 a, u64 b
         : "l"(a), "l"(b), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
 }
 
-// d (+)= a * B at N = 64 (d [8][4]) or N = 128 (d [16][4]), A from registers, B K-major (0)
+// d (+)= a * B at N = 64 (d [8][4]), 128 (d [16][4]) or 256 (d [32][4]), A from registers, B K-major (0)
 // or MN-major (1); cm_wgmma_ss likewise with both operands in shared memory, also at N = 32
 // (d [4][4]): the head_dim-wide products pick the shape by overload.
 template <int TNSP_B>
@@ -186,6 +208,10 @@ __device__ __forceinline__ void cm_wgmma_rs(float (&d)[8][4], const u32 (&a)[4],
 template <int TNSP_B>
 __device__ __forceinline__ void cm_wgmma_rs(float (&d)[16][4], const u32 (&a)[4], u64 b, int accumulate) {
     cm_wgmma_n128<TNSP_B>(d, a, b, accumulate);
+}
+template <int TNSP_B>
+__device__ __forceinline__ void cm_wgmma_rs(float (&d)[32][4], const u32 (&a)[4], u64 b, int accumulate) {
+    cm_wgmma_n256<TNSP_B>(d, a, b, accumulate);
 }
 template <int TNSP_A, int TNSP_B>
 __device__ __forceinline__ void cm_wgmma_ss(float (&d)[4][4], u64 a, u64 b, int accumulate) {

@@ -156,13 +156,16 @@ pub const WS_TILE: (u32, u32) = (128, 128);
 /// (two consumer warpgroups of 64 keys), FlashAttention-3's backward shape for head_dim 128.
 pub const BWD_TILE: (u32, u32) = (64, 128);
 
-/// One compiled instantiation: a kernel at a dtype and head dimension, with or without the
+/// One compiled instantiation: a kernel at a dtype and head dimensions, with or without the
 /// score terms (softcap, biases, sinks: `CmScoreParams` in `kernels/common.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Variant {
     pub kernel: KernelKind,
     pub dtype: DType,
+    /// Columns of Q and K (the dimension `q . k` sums over).
     pub head_dim: u32,
+    /// Columns of V and of the output; equal to `head_dim` but in [`WIDE_SHAPES`]' MLA shape.
+    pub head_dim_v: u32,
     /// Compiled with `CM_SCORE=1`: the kernel forms every logit with the launch's score
     /// terms. Only [`KernelKind::has_score_variant`] kernels have one.
     pub score: bool,
@@ -180,16 +183,39 @@ impl KernelKind {
     }
 }
 
+/// The forward-only shapes `(head_dim, head_dim_v)` beyond 64 and 128: Gemma's head_dim 256
+/// and DeepSeek's MLA (192 for Q and K, 128 for V), built for [`KernelKind::FwdWs`] without
+/// score terms. Their backward is not built yet (its dK / dV tiles of 64 keys x 256 columns do
+/// not fit one consumer warpgroup's registers and need a head_dim split).
+pub const WIDE_SHAPES: [(u32, u32); 2] = [(256, 256), (192, 128)];
+
 impl Variant {
-    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128` or `fwd_ws_score_bf16_d64`.
+    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`, `fwd_ws_score_bf16_d64` or
+    /// `fwd_ws_bf16_d192v128` (head_dim_v named only where it differs).
     pub fn name(&self) -> String {
+        let v = if self.head_dim_v == self.head_dim {
+            String::new()
+        } else {
+            format!("v{}", self.head_dim_v)
+        };
         format!(
-            "{}{}_{}_d{}",
+            "{}{}_{}_d{}{v}",
             self.kernel.name(),
             if self.score { "_score" } else { "" },
             self.dtype.name(),
             self.head_dim
         )
+    }
+
+    /// Keys per pipeline stage of [`KernelKind::FwdWs`]: the descriptor's 128-key tile, or at
+    /// head_dim above 192 half of it (two stages of 128 keys x 256 columns of K and V beside a
+    /// 128 x 256 Q tile exceed the SM's 227 KB of shared memory; the 64-key halves of one tile
+    /// share its visibility bits). Other kernels: their tile's `block_n`.
+    pub const fn key_step(&self) -> u32 {
+        match self.kernel {
+            KernelKind::FwdWs if self.head_dim > 192 => 64,
+            kind => kind.tile().1,
+        }
     }
 
     /// The preprocessor definitions that select this variant in the kernel source.
@@ -198,8 +224,12 @@ impl Variant {
         let mut defines = vec![
             format!("-DCM_DTYPE_BF16={bf16}"),
             format!("-DCM_HEAD_DIM={}", self.head_dim),
+            format!("-DCM_HEAD_DIM_V={}", self.head_dim_v),
             format!("-DCM_SCORE={}", u8::from(self.score)),
         ];
+        if self.kernel == KernelKind::FwdWs {
+            defines.push(format!("-DCM_WS_KEY_STEP={}", self.key_step()));
+        }
         if self.dynamic_shared_bytes() > 0 {
             // The kernel checks its layout against this with a static_assert.
             defines.push(format!(
@@ -234,19 +264,27 @@ impl Variant {
             KernelKind::BwdDq => 6 * tile + 2 * 64 * 8 + 1024,
             // Three stages of a 64-key K and V tile, rows padded by 16 bytes (decode.cu's PITCH).
             KernelKind::Decode => 3 * 2 * 64 * (self.head_dim + 8) * 2,
-            // Q and two stages of K and V (128 x head_dim each, unpadded: 128B-swizzled), 256
-            // bytes of mbarriers and work-item slots, two stages of a partial tile's row bits
-            // (128 rows x 16 bytes), and 1 KB to align the start to a swizzle atom.
-            KernelKind::FwdWs => 5 * 128 * self.head_dim * 2 + 256 + 2 * 128 * 16 + 1024,
+            // Q (128 x head_dim) and two stages of K (key_step x head_dim) and V (key_step x
+            // head_dim_v), unpadded: 128B-swizzled; 256 bytes of mbarriers and work-item
+            // slots, two stages of a partial tile's row bits (128 rows x 16 bytes), and 1 KB
+            // to align the start to a swizzle atom.
+            KernelKind::FwdWs => {
+                128 * self.head_dim * 2
+                    + 2 * self.key_step() * (self.head_dim + self.head_dim_v) * 2
+                    + 256
+                    + 2 * 128 * 16
+                    + 1024
+            }
             _ => 0,
         }
     }
 }
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
-/// launch's kernel here by index: every kernel at both dtypes and both head dims, and the
-/// score variant of each kernel that has one.
-pub const VARIANTS: [Variant; 48] = {
+/// launch's kernel here by index: every kernel at both dtypes and head dims 64 and 128, the
+/// score variant of each kernel that has one, then `fwd_ws` at both dtypes and each of
+/// [`WIDE_SHAPES`].
+pub const VARIANTS: [Variant; 52] = {
     use DType::{Bf16, F16};
     use KernelKind::{
         BwdDkDv, BwdDq, BwdPost, BwdPre, Decode, DecodeMerge, FwdSimple, FwdWgmma, FwdWs,
@@ -267,22 +305,36 @@ pub const VARIANTS: [Variant; 48] = {
         (DecodeMerge, false),
     ];
     const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
-    assert!(KINDS.len() * SHAPES.len() == 48);
+    const SQUARE: usize = KINDS.len() * SHAPES.len();
+    assert!(SQUARE + 2 * WIDE_SHAPES.len() == 52);
     let mut out = [Variant {
         kernel: FwdSimple,
         dtype: Bf16,
         head_dim: 64,
+        head_dim_v: 64,
         score: false,
-    }; 48];
+    }; 52];
     let mut n = 0;
-    while n < out.len() {
+    while n < SQUARE {
         let (kernel, score) = KINDS[n / SHAPES.len()];
         let (dtype, head_dim) = SHAPES[n % SHAPES.len()];
         out[n] = Variant {
             kernel,
             dtype,
             head_dim,
+            head_dim_v: head_dim,
             score,
+        };
+        n += 1;
+    }
+    while n < out.len() {
+        let (head_dim, head_dim_v) = WIDE_SHAPES[(n - SQUARE) / 2];
+        out[n] = Variant {
+            kernel: FwdWs,
+            dtype: if (n - SQUARE) % 2 == 0 { Bf16 } else { F16 },
+            head_dim,
+            head_dim_v,
+            score: false,
         };
         n += 1;
     }
@@ -290,10 +342,48 @@ pub const VARIANTS: [Variant; 48] = {
 };
 
 /// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
-pub fn find_variant(kernel: KernelKind, dtype: DType, head_dim: u32, score: bool) -> Option<usize> {
+pub fn find_variant(
+    kernel: KernelKind,
+    dtype: DType,
+    head_dim: u32,
+    head_dim_v: u32,
+    score: bool,
+) -> Option<usize> {
     VARIANTS.iter().position(|v| {
-        v.kernel == kernel && v.dtype == dtype && v.head_dim == head_dim && v.score == score
+        v.kernel == kernel
+            && v.dtype == dtype
+            && v.head_dim == head_dim
+            && v.head_dim_v == head_dim_v
+            && v.score == score
     })
+}
+
+/// The `(head_dim, head_dim_v)` shapes `kernel` is built for at `dtype` (with or without score
+/// terms), ascending: what an error for an unbuilt shape lists.
+pub fn built_head_dims(kernel: KernelKind, dtype: DType, score: bool) -> Vec<(u32, u32)> {
+    let mut dims: Vec<(u32, u32)> = VARIANTS
+        .iter()
+        .filter(|v| v.kernel == kernel && v.dtype == dtype && v.score == score)
+        .map(|v| (v.head_dim, v.head_dim_v))
+        .collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
+/// `built_head_dims` as text: `64, 128, 192 (head_dim_v 128), 256`.
+pub fn head_dims_text(dims: &[(u32, u32)]) -> String {
+    let items: Vec<String> = dims
+        .iter()
+        .map(|&(d, dv)| {
+            if d == dv {
+                d.to_string()
+            } else {
+                format!("{d} (head_dim_v {dv})")
+            }
+        })
+        .collect();
+    items.join(", ")
 }
 
 /// Every kernel source file by the name it is included as (`#include "common.cuh"`). The
@@ -571,7 +661,7 @@ mod tests {
     fn variants_are_distinct_and_sources_resolve() {
         for (i, v) in VARIANTS.iter().enumerate() {
             assert_eq!(
-                find_variant(v.kernel, v.dtype, v.head_dim, v.score),
+                find_variant(v.kernel, v.dtype, v.head_dim, v.head_dim_v, v.score),
                 Some(i)
             );
             assert!(!v.score || v.kernel.has_score_variant(), "{}", v.name());
@@ -586,5 +676,49 @@ mod tests {
             cache_key(&VARIANTS[0], "nvrtc 13.0"),
             cache_key(&VARIANTS[0], "nvrtc 13.1")
         );
+    }
+
+    /// The wide shapes are fwd_ws's only; their key step keeps two stages of K and V beside
+    /// Q inside one SM's shared memory, and the kernel learns it through its defines.
+    #[test]
+    fn wide_shapes_are_forward_only_and_fit() {
+        let wide: Vec<&Variant> = VARIANTS
+            .iter()
+            .filter(|v| v.head_dim > 128 || v.head_dim_v != v.head_dim)
+            .collect();
+        assert_eq!(wide.len(), 2 * WIDE_SHAPES.len());
+        for v in &wide {
+            assert_eq!(
+                (v.kernel, v.score),
+                (KernelKind::FwdWs, false),
+                "{}",
+                v.name()
+            );
+            assert!(WIDE_SHAPES.contains(&(v.head_dim, v.head_dim_v)));
+            let step = if v.head_dim > 192 { 64 } else { 128 };
+            assert_eq!(v.key_step(), step, "{}", v.name());
+            assert!(v.defines().contains(&format!("-DCM_WS_KEY_STEP={step}")));
+            assert!(
+                v.dynamic_shared_bytes() + 1024 <= 227 * 1024,
+                "{}",
+                v.name()
+            );
+        }
+        assert_eq!(
+            built_head_dims(KernelKind::FwdWs, DType::Bf16, false),
+            vec![(64, 64), (128, 128), (192, 128), (256, 256)]
+        );
+        assert_eq!(
+            head_dims_text(&built_head_dims(KernelKind::FwdWs, DType::F16, false)),
+            "64, 128, 192 (head_dim_v 128), 256"
+        );
+        assert_eq!(
+            built_head_dims(KernelKind::BwdDkDv, DType::Bf16, false),
+            vec![(64, 64), (128, 128)]
+        );
+        let mla = VARIANTS
+            .iter()
+            .find(|v| v.head_dim_v == 128 && v.head_dim == 192);
+        assert_eq!(mla.unwrap().name(), "fwd_ws_bf16_d192v128");
     }
 }

@@ -32,13 +32,16 @@ pub fn cuda_kernel_tile() -> (u32, u32) {
     (t.block_m, t.block_n)
 }
 
-/// The head dimensions the CUDA kernels are built for (every kernel of
-/// `cm_kernels::VARIANTS` at each), ascending.
-pub fn head_dims() -> Vec<u32> {
-    let mut dims: Vec<u32> = cm_kernels::VARIANTS.iter().map(|v| v.head_dim).collect();
-    dims.sort_unstable();
-    dims.dedup();
-    dims
+/// The `(head_dim, head_dim_v)` shapes the CUDA kernels are built for, ascending, in three
+/// lists: the forward without score terms, the forward with them, and the backward (both
+/// modes; every dtype has the same shapes).
+pub fn head_dims() -> [Vec<(u32, u32)>; 3] {
+    use cm_kernels::{built_head_dims, DType, KernelKind};
+    [
+        built_head_dims(KernelKind::FwdWs, DType::Bf16, false),
+        built_head_dims(KernelKind::FwdWs, DType::Bf16, true),
+        built_head_dims(KernelKind::BwdDkDv, DType::Bf16, false),
+    ]
 }
 
 /// Names of the descriptor arrays, in the order `Plan.kernel_arrays` returns them and the

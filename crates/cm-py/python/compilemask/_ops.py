@@ -94,19 +94,41 @@ def _cpu_backward(grad_out, grad_lse, q, k, v, row_ptr, intervals, mask_index, s
 # --------------------------------------------------------------------------- CUDA kernels
 
 _CUDA_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# The head dimensions of the kernels' variant table (cm-kernels), from the extension.
-_CUDA_HEAD_DIMS = tuple(_native.CUDA_HEAD_DIMS)
+# The (head_dim, head_dim_v) shapes of the kernels' variant table (cm-kernels), from the
+# extension: the forward, the forward with score terms, the backward.
+CUDA_FORWARD_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_FORWARD_HEAD_DIMS)
+CUDA_SCORE_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_SCORE_HEAD_DIMS)
+CUDA_BACKWARD_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_BACKWARD_HEAD_DIMS)
 
 
-def _check_cuda_supported(q: Tensor, v: Tensor) -> None:
+def _shapes_text(shapes: tuple) -> str:
+    return ", ".join(str(d) if d == dv else f"{d} (head_dim_v {dv})" for d, dv in shapes)
+
+
+def _check_cuda_supported(q: Tensor, v: Tensor, shapes: tuple = CUDA_FORWARD_HEAD_DIMS,
+                          what: str = "compilemask.attention on CUDA") -> None:
     d, dv = q.shape[-1], v.shape[-1]
-    if q.dtype not in _CUDA_DTYPES or d not in _CUDA_HEAD_DIMS or dv != d:
+    if q.dtype not in _CUDA_DTYPES or (d, dv) not in shapes:
         raise NotImplementedError(
-            f"compilemask.attention on CUDA supports bfloat16 and float16 with head_dim "
-            f"{' or '.join(map(str, _CUDA_HEAD_DIMS))} and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
-            f"head_dim {d} and head_dim_v {dv}. Use CPU tensors (the CPU reference) or "
+            f"{what} supports bfloat16 and float16 with head_dim {_shapes_text(shapes)} "
+            f"(head_dim_v == head_dim unless named); got {str(q.dtype).removeprefix('torch.')} "
+            f"with head_dim {d} and head_dim_v {dv}. Use CPU tensors (the CPU reference) or "
             "plan.to_block_mask() with FlexAttention for other cases."
         )
+
+
+def check_cuda_backward_supported(q: Tensor, k: Tensor, v: Tensor, scored: bool) -> None:
+    """Refuses, before the forward runs, a CUDA call whose inputs need gradients at a shape
+    built forward only (``CUDA_BACKWARD_HEAD_DIMS``), so that training fails at the call, not
+    at ``backward()`` after the forward's work."""
+    if q.device.type != "cuda" or not torch.is_grad_enabled():
+        return
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return
+    _check_cuda_supported(
+        q, v, CUDA_BACKWARD_HEAD_DIMS,
+        "the backward of compilemask.attention on CUDA (inputs that require grad"
+        + (", score terms" if scored else "") + ")")
 
 
 def _raw(t: Tensor) -> tuple:
@@ -159,10 +181,14 @@ def _score_arg(score: Optional[tuple], dist_bias_grad: Optional[Tensor] = None) 
 
 
 def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
-    _check_cuda_supported(q, v)
-    b, hq, lq, d = q.shape
+    if score is None:
+        _check_cuda_supported(q, v)
+    else:
+        _check_cuda_supported(q, v, CUDA_SCORE_HEAD_DIMS,
+                              "compilemask.attention with score terms on CUDA")
+    b, hq, lq, _ = q.shape
     lk = k.shape[2]
-    out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, hq, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     # The launch binds the device's primary context to this thread: make it torch's current
     # device too, so torch's idea of the current device does not change under it.
@@ -202,7 +228,8 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
 
 def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale,
                    deterministic):
-    _check_cuda_supported(q, v)
+    _check_cuda_supported(q, v, CUDA_BACKWARD_HEAD_DIMS,
+                          "the backward of compilemask.attention on CUDA")
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
     return _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
                               deterministic, grad_lse=grad_lse)[:3]
@@ -325,7 +352,8 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                              sinks: Optional[Tensor], want_dist_grad: bool
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_cuda_supported(q, v)
+    _check_cuda_supported(q, v, CUDA_BACKWARD_HEAD_DIMS,
+                          "the backward of compilemask.attention with score terms on CUDA")
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
     dout = _kernel_ready(grad_out)
     # The deterministic backward sums the table's gradient in int64 fixed point (units of

@@ -514,7 +514,8 @@ def attention(
 
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
     computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
-    capability 9.0; bfloat16 / float16, head_dim 64 or 128 with ``head_dim_v == head_dim``;
+    capability 9.0; bfloat16 / float16, head_dim 64 or 128 with ``head_dim_v == head_dim``,
+    and forward only (no inputs that require grad) head_dim 256 and 192 with head_dim_v 128;
     other cases raise ``NotImplementedError``) on the current CUDA stream, without host
     synchronisation, so it can be captured in a CUDA graph. Inputs there need a contiguous
     last dim and 16-byte aligned addresses and strides (a ``.contiguous()`` tensor is fine).
@@ -624,6 +625,10 @@ def attention(
         raise ValueError(
             f"compilemask.attention runs on CPU and CUDA tensors, got {query.device}"
         )
+    if query.device.type == "cuda":
+        from . import _ops
+
+        _ops.check_cuda_backward_supported(query, key, value, pt.score is not None)
     mask_index = pt.mask_index.expand(b, hq)
     # The CUDA kernels find each (batch, head)'s mask in the descriptor through these sizes.
     plan_dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]

@@ -347,6 +347,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             q_len,
             kv_len: kv,
             head_dim: d,
+            head_dim_v: d,
         };
         let inputs = Inputs {
             q: qs,

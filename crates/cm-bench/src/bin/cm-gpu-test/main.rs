@@ -466,7 +466,7 @@ fn validation(gpu: &Gpu) -> Res<Vec<Value>> {
     };
     e.check(
         "head_dim 96",
-        "head_dim = 96 is not supported",
+        "head_dim = 96 with head_dim_v = 96 is not supported",
         fwd(
             DType::Bf16,
             l(4, 100, 96),

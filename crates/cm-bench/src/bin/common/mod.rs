@@ -242,6 +242,7 @@ impl Case {
             q_len: self.mask.q_len() as usize,
             kv_len: self.mask.kv_len() as usize,
             head_dim: self.head_dim,
+            head_dim_v: self.head_dim,
         }
     }
 }

@@ -1,0 +1,113 @@
+"""The forward-only shapes of the CUDA kernels (Hopper; skipped elsewhere): head_dim 256
+(Gemma) and head_dim 192 with head_dim_v 128 (DeepSeek's MLA), on fwd_ws with 128-key tiles
+(64-key stages at 256). Output and lse against a float64 dense masked softmax for every
+workload at small odd sizes, GQA and MQA, both dtypes, the tile-edge class with logits far
+from 0, per-head masks; and the refusals: score terms, and inputs that require grad (the
+backward is built for head_dim 64 and 128), before any work is done."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import compilemask as cm
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
+
+from test_cuda import EDGE_PLANS, TOL, _err  # noqa: E402
+from test_torch import WORKLOADS, dense_attention  # noqa: E402
+
+SHAPES = [(256, 256), (192, 128)]
+
+
+def _inputs(b, hq, hk, lq, lk, d, dv, dtype, seed=0, mu=0.0, sign=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(shape, shift):
+        x = torch.randn(shape, generator=g, device="cuda", dtype=torch.float64) + shift
+        return x.to(dtype)
+
+    return draw((b, hq, lq, d), mu), draw((b, hk, lk, d), sign * mu), draw((b, hk, lk, dv), 0.0)
+
+
+def _check(plan, q, k, v, tol=None, lse_tol=1e-2):
+    with torch.no_grad():
+        out, lse = cm.attention(q, k, v, plan, return_lse=True,
+                                enable_gqa=q.shape[1] != k.shape[1])
+    mask = plan.to_dense(format="torch").cuda()
+    ref_out, ref_lse, empty = dense_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]))
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and out.dtype == q.dtype
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    err = _err(out, ref_out)
+    assert err <= (tol if tol is not None else TOL[q.dtype][0]), err
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty] == 0).all()
+    if (~empty).any():
+        assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() <= lse_tol
+    return out, ref_out
+
+
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,q_len,kv_len,params", WORKLOADS)
+def test_wide_head_workloads_against_dense(name, q_len, kv_len, params, dtype, d, dv):
+    plan = cm.builtin(name, **params).plan(q_len, kv_len)
+    lk = q_len if kv_len is None else kv_len
+    _check(plan, *_inputs(2, 4, 2, q_len, lk, d, dv, dtype))
+
+
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 1)])
+def test_wide_head_mha_mqa_long_rows(d, dv, heads, kv_heads):
+    """Several 128-key tiles per row (full and partial), so every stage of the ring turns
+    over more than once and at head_dim 256 both halves of every tile are used."""
+    plan = cm.builtin("sliding_window", window=300).plan(777)
+    _check(plan, *_inputs(1, heads, kv_heads, 777, 777, d, dv, torch.bfloat16, seed=2))
+    plan = cm.builtin("document_causal", lengths=[500, 33, 400]).plan(933)
+    _check(plan, *_inputs(2, heads, kv_heads, 933, 933, d, dv, torch.float16, seed=4))
+
+
+@pytest.mark.parametrize("logit_mean", [-120.0, 60.0])
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("index", range(len(EDGE_PLANS)))
+def test_wide_head_tile_edges_with_extreme_logits(index, d, dv, logit_mean):
+    """Keys past kv_len and rows past q_len contribute nothing whatever the logits (about
+    `logit_mean` each: at -120 every lse lies below -88.7 = ln FLT_MAX)."""
+    _, plan = EDGE_PLANS[index]
+    scale = 1.0 / math.sqrt(d)
+    mu = math.sqrt(abs(logit_mean) / (scale * d))
+    q, k, v = _inputs(1, 4, 2, plan.q_len, plan.kv_len, d, dv, torch.bfloat16, seed=index,
+                      mu=mu, sign=1.0 if logit_mean > 0 else -1.0)
+    # Peaked rows: the output's error follows the largest probability's rounding.
+    _check(plan, q, k, v, tol=4e-2, lse_tol=2e-3 * abs(logit_mean))
+
+
+def test_wide_head_per_head_masks_under_gqa():
+    """A mask per query head under GQA (head 0 sees nothing, the others causal or windowed)."""
+    program = cm.compile("mask = h > 0 && k <= q && (h % 2 == 1 || k > q - 40);")
+    plan = program.plan(200, num_heads=8)
+    for d, dv in SHAPES:
+        q, k, v = _inputs(2, 8, 2, 200, 200, d, dv, torch.bfloat16, seed=9)
+        out, _ = _check(plan, q, k, v)
+        assert (out[:, 0] == 0).all()
+
+
+def test_wide_head_refusals_name_the_shape():
+    plan = cm.builtin("causal").plan(64)
+    for d, dv in SHAPES:
+        q, k, v = _inputs(1, 2, 2, 64, 64, d, dv, torch.bfloat16)
+        q.requires_grad_()
+        with pytest.raises(NotImplementedError, match=f"head_dim {d} and head_dim_v {dv}"):
+            cm.attention(q, k, v, plan)
+    q, k, v = _inputs(1, 2, 2, 64, 64, 192, 192, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="192 \\(head_dim_v 128\\), 256"):
+        cm.attention(q, k, v, plan)
+    scored = cm.builtin("causal_softcap").plan(64, num_heads=2)
+    q, k, v = _inputs(1, 2, 2, 64, 64, 256, 256, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="score terms"):
+        with torch.no_grad():
+            cm.attention(q, k, v, scored)
