@@ -42,6 +42,10 @@ pub use quant::MAX_QUANT_EVALS;
 /// few (text or sink tokens); past that many, finding one would cost more than solving it.
 const MAX_INVARIANT: usize = 16;
 
+/// Most later piece ends a tree path records as hints when it splits a piece (see
+/// `Solver::tree_path`); the driver tries the next pieces up to them.
+const MAX_TREE_HINTS: usize = 64;
+
 /// A row-invariant comparison's address in the program, b and h.
 type InvariantKey = (usize, i64, i64);
 
@@ -2505,6 +2509,20 @@ impl<'a, 'p> Solver<'a, 'p> {
             1 => {
                 let run = i64::from(t.run[u]);
                 if run + 1 < p.n {
+                    // The next runs' ends are the next pieces' ends (hints), so rows of a
+                    // tree numbered out of depth-first order, pieces of a row or two, are
+                    // each solved once rather than first tried to the end of the rows.
+                    let mut later = self.hints.borrow_mut();
+                    later.clear();
+                    let mut at = run + 1;
+                    while later.len() < MAX_TREE_HINTS {
+                        // u + at is a node: the piece's positions lie in the tree.
+                        at += i64::from(t.run[u + at as usize]) + 1;
+                        if at >= p.n {
+                            break;
+                        }
+                        later.push(p.q0 + at);
+                    }
                     return Err(Flow::Split(p.q0 + run + 1));
                 }
                 Some(t.path(u + 1))

@@ -309,11 +309,19 @@ impl<'r> Run<'r> {
     }
 }
 
+/// Key tiles any row of a block touches, as merged inclusive tile-index ranges.
+#[derive(Default)]
+struct Touched {
+    list: Vec<(u32, u32)>,
+    scratch: Vec<(u32, u32)>,
+    /// Ranges not yet merged into `list` (see [`Touched::add`]).
+    pending: Vec<(u32, u32)>,
+}
+
 /// The per-block scratch lists, reused across blocks.
 #[derive(Default)]
 struct Scratch {
-    touched: Vec<(u32, u32)>,
-    ranges: Vec<(u32, u32)>,
+    touched: Touched,
     /// Keys every row of the block sees, holding every full tile (see [`add_stretch`]).
     inter: Vec<KeyInterval>,
     inter_scratch: Vec<KeyInterval>,
@@ -323,6 +331,8 @@ struct Scratch {
     /// `RowIntervals::intervals()` of the row's first interval ending after the current
     /// tile's first key (by local row).
     cursor: Vec<u32>,
+    /// The end of the interval at each row's `cursor`, `u32::MAX` past the row's last.
+    next_end: Vec<u32>,
     /// A stretch's extremes of each interval (see [`add_stretch`]).
     extremes: Vec<[u32; 4]>,
     /// Each endpoint's direction over a group of short runs (see [`monotone_rows`]).
@@ -481,15 +491,17 @@ impl TileDescriptor {
             );
             // Key tiles any row of the block touches, as merged inclusive tile-index
             // ranges, and keys every row of the block sees, among them every full tile's.
-            s.touched.clear();
+            s.touched.list.clear();
             s.inter.clear();
             for (i, seg) in segments.iter().enumerate() {
                 classify_segment(touch, seg, i == 0, (bn, div_n), &mut s);
             }
+            s.touched.settle();
             if let Some(inter) = inter {
                 // Its keys are some of the rows' own, so the tiles it touches are touched.
                 s.inter.clear();
                 classify_rows(inter, (r0, r1), true, div_n, &mut s);
+                s.touched.settle();
             }
             // Full tiles: those whose in-range keys every row sees, i.e. lie inside `inter`.
             s.full.clear();
@@ -507,7 +519,7 @@ impl TileDescriptor {
             let rows_in = u64::from(r1 - r0);
             let mut fi = 0usize;
             let partial_start = d.kv_indices.len();
-            for &(first, last) in &s.touched {
+            for &(first, last) in &s.touched.list {
                 let end = last + 1;
                 let cols_in = u64::from((end * bn).min(kv_len) - first * bn);
                 d.computed_pairs += rows_in * cols_in;
@@ -548,15 +560,20 @@ impl TileDescriptor {
             s.cursor.clear();
             s.cursor
                 .extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
+            let ivs = rows.all_runs();
+            s.next_end.clear();
+            s.next_end.extend(
+                (r0 as usize..r1 as usize).map(|q| next_end(ivs, row_ptr[q], row_ptr[q + 1])),
+            );
             for &nb in partial {
                 for seg in &mut segments {
                     let out = &mut d.partial_row_first;
                     match &mut seg.kind {
                         Kind::Run(run) => push_run_rows(rows, (seg.a, seg.b), run, nb * bn, out),
                         Kind::Rows | Kind::Group => {
-                            let cursor =
-                                &mut s.cursor[(seg.a - r0) as usize..(seg.b - r0) as usize];
-                            push_rows(rows, seg.a, cursor, nb * bn, out);
+                            let at = (seg.a - r0) as usize..(seg.b - r0) as usize;
+                            let (cursor, ends) = (&mut s.cursor[at.clone()], &mut s.next_end[at]);
+                            push_rows(rows, seg.a, (cursor, ends), nb * bn, out);
                         }
                     }
                 }
@@ -894,7 +911,11 @@ fn classify_rows(
     s: &mut Scratch,
 ) {
     for q in a..b {
-        merge_tile_ranges(&mut s.touched, &mut s.ranges, rows.row_runs(q), div_n);
+        let row = rows.row_runs(q);
+        s.touched.add(
+            row.iter()
+                .map(|iv| (div_n.div(iv.start), div_n.div(iv.end - 1))),
+        );
     }
     let mut q = a;
     if first {
@@ -965,9 +986,7 @@ fn classify_group(
 /// the rows' intersection and every full tile inside `inter`, which is all the
 /// classification needs (they may leave out keys outside full tiles).
 fn add_stretch(first: bool, div_n: DivU32, s: &mut Scratch) {
-    merge_ranges(
-        &mut s.touched,
-        &mut s.ranges,
+    s.touched.add(
         s.extremes
             .iter()
             .map(|x| (div_n.div(x[0]), div_n.div(x[1] - 1))),
@@ -989,17 +1008,63 @@ fn add_stretch(first: bool, div_n: DivU32, s: &mut Scratch) {
     }
 }
 
+/// Touched-tile lists up to this long take each row's ranges by a merge at once; past it
+/// the ranges wait in `pending` for one sort at the block's end ([`Touched::settle`]): merging every
+/// row into a long list costs the list's length per row (a block of scattered rows, as a
+/// tree numbered out of depth-first order, touches hundreds of tiles).
+const SHORT_TOUCHED: usize = 16;
+
+impl Touched {
+    /// Adds inclusive tile ranges, sorted by start.
+    fn add(&mut self, ranges: impl ExactSizeIterator<Item = (u32, u32)>) {
+        if self.pending.is_empty() && self.list.len() + ranges.len() <= SHORT_TOUCHED {
+            merge_ranges(&mut self.list, &mut self.scratch, ranges);
+        } else {
+            self.pending.extend(ranges);
+        }
+    }
+
+    /// Merges the pending ranges into `list`.
+    fn settle(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        self.pending.sort_unstable();
+        merge_ranges(&mut self.list, &mut self.scratch, self.pending.drain(..));
+    }
+}
+
+/// The end of interval `i` of a row whose intervals end at `end`, `u32::MAX` when `i` is
+/// past its last.
+#[inline]
+fn next_end(ivs: &[KeyInterval], i: u32, end: u32) -> u32 {
+    if i < end {
+        ivs[i as usize].end
+    } else {
+        u32::MAX
+    }
+}
+
 /// Appends, for rows `a..` classified one by one, the index of each row's first interval
-/// ending after `tile_start`, advancing each row's `cursor` (tiles come in ascending order).
-fn push_rows(rows: &RowIntervals, a: u32, cursor: &mut [u32], tile_start: u32, out: &mut Vec<u32>) {
+/// ending after `tile_start`, advancing each row's `cursor` (tiles come in ascending order)
+/// and keeping `next_end` the end of the interval there: a row's entry changes only where
+/// one of its intervals ends, so a tile costs a comparison per row and a copy.
+fn push_rows(
+    rows: &RowIntervals,
+    a: u32,
+    (cursor, next): (&mut [u32], &mut [u32]),
+    tile_start: u32,
+    out: &mut Vec<u32>,
+) {
     let ends = &rows.row_ptr()[a as usize + 1..a as usize + 1 + cursor.len()];
     let ivs = rows.all_runs();
-    out.extend(cursor.iter_mut().zip(ends).map(|(i, &end)| {
-        while *i < end && ivs[*i as usize].end <= tile_start {
+    for ((i, e), &end) in cursor.iter_mut().zip(next.iter_mut()).zip(ends) {
+        while *e <= tile_start {
             *i += 1;
+            *e = next_end(ivs, *i, end);
         }
-        *i
-    }));
+    }
+    out.extend_from_slice(cursor);
 }
 
 /// Appends one run's entries of the per-row data of a partial tile whose first key is

@@ -772,66 +772,6 @@ fn plan_rows(plan: &Plan, b: u32, h: u32) -> Rows {
         .collect()
 }
 
-/// The per-row form of partial tiles: walking the intervals from `partial_row_first` as a
-/// kernel does reproduces the tile's visible keys exactly.
-fn check_partial_rows(m: &cm_plan::MaskPlan, dense: &[bool]) -> Result<(), TestCaseError> {
-    let t = &m.tiles;
-    let (bm, bn) = (t.tile.block_m, t.tile.block_n);
-    let (q_len, kv_len) = (t.q_len, t.kv_len);
-    let row_ptr = m.rows.row_ptr();
-    let ivs = m.rows.all_runs();
-    let strides = m.rows.strides();
-    let mut p = 0usize;
-    for mb in 0..t.num_m_blocks {
-        let (a, z) = (
-            t.kv_offsets[mb as usize] as usize,
-            t.kv_offsets[mb as usize + 1] as usize,
-        );
-        for &nb in &t.kv_indices[a..z] {
-            let k0 = nb * bn;
-            let k1 = (k0 + bn).min(kv_len);
-            let stride = t.partial_row_stride;
-            prop_assert!(stride == bm || stride == bm.min(q_len), "stride {}", stride);
-            for r in 0..stride {
-                let q = mb * bm + r;
-                let first = t.partial_row_first[p * stride as usize + r as usize];
-                if q >= q_len {
-                    prop_assert_eq!(first, row_ptr[q_len as usize], "padding row");
-                    continue;
-                }
-                let mut want = Vec::new();
-                for k in k0..k1 {
-                    if dense[(q * kv_len + k) as usize] {
-                        want.push(k);
-                    }
-                }
-                let mut got = Vec::new();
-                let mut i = first as usize;
-                prop_assert!(i >= row_ptr[q as usize] as usize, "first before row start");
-                if i > row_ptr[q as usize] as usize {
-                    prop_assert!(
-                        ivs[i - 1].end <= k0,
-                        "skipped an interval ending in the tile"
-                    );
-                }
-                while i < row_ptr[q as usize + 1] as usize && ivs[i].start < k1 {
-                    // A strided run's keys: its start plus multiples of its stride.
-                    let st = strides.get(i).copied().unwrap_or(1);
-                    for k in ivs[i].start.max(k0)..ivs[i].end.min(k1) {
-                        if (k - ivs[i].start).is_multiple_of(st) {
-                            got.push(k);
-                        }
-                    }
-                    i += 1;
-                }
-                prop_assert_eq!(got, want, "partial tile ({}, {}) row {}", mb, nb, q);
-            }
-            p += 1;
-        }
-    }
-    Ok(())
-}
-
 /// Everything one case must satisfy. Returns whether the plan succeeded.
 fn check_case(
     src: &str,
@@ -916,7 +856,7 @@ fn check_case(
             }
         }
         common::check_tiles(&m.tiles, &dense, s.q_len as u32, s.kv_len as u32);
-        check_partial_rows(m, &dense)?;
+        common::check_partial_rows(m, &dense)?;
     }
     Ok(true)
 }

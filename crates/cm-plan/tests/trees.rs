@@ -182,3 +182,58 @@ fn large_tree_plans_in_pieces() {
     let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
     assert_eq!(plan(&bound, TileShape::default()).unwrap().pieces, 1);
 }
+
+/// Trees numbered out of depth-first order (a random recursive tree: node i's parent
+/// uniform among the earlier nodes; a 4-ary tree numbered breadth first; the same with its
+/// labels shuffled, parents after children), where a block of rows touches hundreds of
+/// scattered key tiles: rows, tile classes and every partial tile's per-row data against
+/// brute force.
+#[test]
+fn scattered_trees_equal_brute_force() {
+    let n = 3000usize;
+    // Park-Miller, as scripts/gen-tree.sh.
+    let mut x = 2u64;
+    let mut rnd = |m: usize| {
+        x = x * 16807 % 2147483647;
+        (x % m as u64) as usize
+    };
+    let random: Vec<i64> = (0..n)
+        .map(|i| if i == 0 { -1 } else { rnd(i) as i64 })
+        .collect();
+    let bfs: Vec<i64> = (0..n as i64)
+        .map(|i| if i == 0 { -1 } else { (i - 1) / 4 })
+        .collect();
+    let mut pos: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        pos.swap(i, rnd(i + 1));
+    }
+    let mut shuffled = vec![-1i64; n];
+    for v in 0..n {
+        if bfs[v] >= 0 {
+            shuffled[pos[v]] = pos[bfs[v] as usize] as i64;
+        }
+    }
+    let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
+    for parents in [random, bfs, shuffled] {
+        let mut most = 0;
+        for (bm, bn) in [(16, 16), (128, 8), (7, 33)] {
+            let values = params(&[("parents", arr(&parents))]);
+            let tile = TileShape {
+                block_m: bm,
+                block_n: bn,
+            };
+            let plan =
+                check_against_brute_force(&program, shape(n as i64, n as i64), &values, tile);
+            let t = &plan.masks[0].tiles;
+            most = most.max(
+                t.kv_offsets
+                    .windows(2)
+                    .map(|w| w[1] - w[0])
+                    .max()
+                    .unwrap_or(0),
+            );
+        }
+        // Blocks of scattered rows: more touched tiles than a block merges row by row.
+        assert!(most > 16, "at most {most} partial tiles in a block");
+    }
+}
