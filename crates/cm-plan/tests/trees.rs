@@ -11,7 +11,6 @@ use cm_plan::{plan, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
-use std::time::Instant;
 
 /// A random forest of `n` nodes: each node's parent an earlier node (or none), then the
 /// nodes renumbered by `order` (a permutation; identity keeps parents before children).
@@ -150,7 +149,8 @@ fn bad_parent_arrays_are_errors() {
 }
 
 /// A 131072-node tree: a complete 4-ary tree in preorder (paths of up to 9 nodes) plans in
-/// well under a second in the test profile, with pieces per run of affine paths.
+/// pieces per run of affine paths, far fewer than its rows (the cost is watched through the
+/// piece count; its time is in BENCHMARKS.md, not a test).
 #[test]
 fn large_tree_plans_in_pieces() {
     let n = 131072usize;
@@ -163,9 +163,7 @@ fn large_tree_plans_in_pieces() {
     let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
     let values = params(&[("parents", Value::Array(parents.clone().into()))]);
     let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
-    let t0 = Instant::now();
     let p = plan(&bound, TileShape::default()).unwrap();
-    let took = t0.elapsed();
     assert!(p.pieces < n as u64 / 2, "{} pieces", p.pieces);
     for q in [0u32, 1, 5000, 77777, n as u32 - 1] {
         let got = row_pairs(&p.masks[0].rows, q);
@@ -175,7 +173,6 @@ fn large_tree_plans_in_pieces() {
             "row {q}"
         );
     }
-    assert!(took.as_secs_f64() < 5.0, "{took:?}");
     // A chain is one piece.
     let chain: Vec<i64> = (-1..n as i64 - 1).collect();
     let values = params(&[("parents", Value::Array(chain.into()))]);

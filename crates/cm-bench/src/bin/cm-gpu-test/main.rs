@@ -69,7 +69,7 @@ fn check<'a>(
     rows_sel: &[u32],
 ) -> Check {
     let mut c = Check::default();
-    let d = shape.head_dim;
+    let d = shape.head_dim_v;
     let n = rows_sel.len();
     for b in 0..shape.batch {
         for h in 0..shape.heads {
@@ -141,7 +141,7 @@ const KERNELS: [KernelKind; 3] = [
 /// Fills the output (and lse) with NaN so that an element the kernel leaves unwritten shows.
 fn poison(gpu: &Gpu, bufs: &mut Buffers, dtype: DType) -> Res<()> {
     gpu.stream
-        .memcpy_htod(&vec![nan_bits(dtype); bufs.q_len_mem], &mut bufs.out)?;
+        .memcpy_htod(&vec![nan_bits(dtype); bufs.out_len_mem], &mut bufs.out)?;
     if let Some(l) = bufs.lse.as_mut() {
         let n = l.len();
         gpu.stream.memcpy_htod(&vec![f32::NAN; n], l)?;
@@ -168,7 +168,12 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
         None
     };
     let mut results = Vec::new();
-    for kernel in KERNELS {
+    // The reference forwards are built at head_dim 64 and 128 only.
+    let square = c.head_dim == c.head_dim_v && c.head_dim <= 128;
+    for kernel in KERNELS
+        .into_iter()
+        .filter(|&k| square || k == KernelKind::FwdWs)
+    {
         gpu.rt.set_forward_kernel(kernel)?;
         poison(gpu, &mut bufs, c.dtype)?;
         bufs.forward(gpu, &plan, c)?;
@@ -183,12 +188,12 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
             c.dtype,
             |_, _| (&c.mask, &exp),
             shape,
-            &bufs.q_layout,
+            &bufs.out_layout,
             &out_mem,
             lse.as_deref(),
             &rows_sel,
         );
-        chk.stray_writes = stray_writes(c.dtype, &bufs.q_layout, &out_mem);
+        chk.stray_writes = stray_writes(c.dtype, &bufs.out_layout, &out_mem);
         let pass = chk.pass() && cross.is_none_or(|d| d < 1e-9);
         println!(
             "{} {:<10} {:<44} max_err {:.2e} (dtype-emulated {:.2e}, tol {:.2e}) lse_err {:.1e} empty {} nan {} stray {}{}",
@@ -273,7 +278,7 @@ fn per_head_masks(gpu: &mut Gpu, rng: &mut Rng) -> Res<Vec<Value>> {
                 c.dtype,
                 mask_of,
                 shape,
-                &bufs.q_layout,
+                &bufs.out_layout,
                 &out_mem,
                 lse.as_deref(),
                 &rows_sel,
@@ -419,6 +424,58 @@ fn cases() -> Vec<Case> {
         out.push(c);
     }
     out.extend(common::edge_cases());
+    for c in &mut out {
+        if !c.lse {
+            c.name += " no-lse";
+        }
+    }
+    out
+}
+
+/// The forward-only shapes of `cm_kernels::WIDE_SHAPES` (fwd_ws only): every workload of
+/// `masks::shared_cases` and the tile-edge class (lengths 1, 63, 64, 65, 127 past a multiple
+/// of 128 with logits around -120 and +60), both dtypes and all three memory layouts in
+/// rotation, and a negative softmax scale (fwd_ws's unfolded softmax).
+fn wide_cases() -> Vec<Case> {
+    let mems = [Mem::Contiguous, Mem::Padded, Mem::SeqMajor];
+    let dtypes = [DType::Bf16, DType::F16];
+    let mut out = Vec::new();
+    let mut n = 0;
+    for (d, dv) in cm_kernels::WIDE_SHAPES {
+        let (d, dv) = (d as usize, dv as usize);
+        let mut masks_here = masks::shared_cases();
+        let edges = masks_here.len();
+        for r in [1u32, 63, 64, 65, 127] {
+            masks_here.push(("full", masks::full(128 + r, 384 - r), (1, 4, 2)));
+            masks_here.push(("causal", masks::causal(256 + r, 128 + r), (1, 2, 2)));
+            masks_here.push((
+                "document_causal",
+                masks::document_causal(256 + r, &[100, 77, 150]),
+                (1, 4, 1),
+            ));
+        }
+        for (i, (name, mask, heads)) in masks_here.into_iter().enumerate() {
+            let mut c =
+                Case::new(name, mask, heads, (dtypes[n % 2], d), mems[n % 3]).with_head_dim_v(dv);
+            if i >= edges {
+                c.logit_mean = if n % 2 == 0 { -120.0 } else { 60.0 };
+                c.name += &format!(" logits{:+}", c.logit_mean);
+            }
+            c.lse = n % 4 != 3;
+            n += 1;
+            out.push(c);
+        }
+        let mut c = Case::new(
+            "document_causal_scale-0.3",
+            masks::document_causal(1000, &[300, 1, 0, 450, 77, 2000, 64, 128]),
+            (1, 4, 2),
+            (DType::Bf16, d),
+            Mem::Contiguous,
+        )
+        .with_head_dim_v(dv);
+        c.softmax_scale = -0.3;
+        out.push(c);
+    }
     for c in &mut out {
         if !c.lse {
             c.name += " no-lse";
@@ -601,6 +658,7 @@ fn graph_capture(gpu: &Gpu, rng: &mut Rng) -> Res<Value> {
         heads: 4,
         kv_heads: 2,
         head_dim: 128,
+        head_dim_v: 128,
         dtype: DType::Bf16,
         mem: Mem::Contiguous,
         lse: true,
@@ -613,7 +671,7 @@ fn graph_capture(gpu: &Gpu, rng: &mut Rng) -> Res<Value> {
     gpu.stream.synchronize()?;
     let eager = gpu.stream.clone_dtoh(&bufs.out)?;
     gpu.stream
-        .memcpy_htod(&vec![0u16; bufs.q_len_mem], &mut bufs.out)?;
+        .memcpy_htod(&vec![0u16; bufs.out_len_mem], &mut bufs.out)?;
     gpu.stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
     bufs.forward(gpu, &plan, &c)?;
@@ -702,7 +760,7 @@ fn run(args: &common::Args, report: &mut Value) -> Res<bool> {
     let mut all_pass = true;
 
     let mut results = Vec::new();
-    for c in cases() {
+    for c in cases().into_iter().chain(wide_cases()) {
         results.extend(
             run_case(&mut gpu, &mut rng, &c).unwrap_or_else(|e| vec![common::failed(&c, e)]),
         );

@@ -163,6 +163,8 @@ pub struct Case {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Columns of V and of the output (`head_dim` but in [`cm_kernels::WIDE_SHAPES`]).
+    pub head_dim_v: usize,
     pub dtype: DType,
     pub mem: Mem,
     pub lse: bool,
@@ -201,12 +203,26 @@ impl Case {
             heads,
             kv_heads,
             head_dim,
+            head_dim_v: head_dim,
             dtype,
             mem,
             lse: true,
             softmax_scale: 1.0 / (head_dim as f32).sqrt(),
             logit_mean: 0.0,
         }
+    }
+
+    /// The case with V and the output at `head_dim_v` columns, named so.
+    pub fn with_head_dim_v(mut self, head_dim_v: usize) -> Case {
+        if head_dim_v != self.head_dim {
+            self.name = self.name.replacen(
+                &format!(" d{} ", self.head_dim),
+                &format!(" d{}v{head_dim_v} ", self.head_dim),
+                1,
+            );
+        }
+        self.head_dim_v = head_dim_v;
+        self
     }
 
     /// The shifts of Q's and K's elements that give logits around `logit_mean`.
@@ -225,7 +241,8 @@ impl Case {
         let mut v = json!({
             "name": self.name, "q_len": self.mask.q_len(), "kv_len": self.mask.kv_len(),
             "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim, "dtype": self.dtype.name(), "layout": self.mem.name(),
+            "head_dim": self.head_dim, "head_dim_v": self.head_dim_v, "dtype": self.dtype.name(),
+            "layout": self.mem.name(),
             "lse": self.lse, "softmax_scale": self.softmax_scale, "logit_mean": self.logit_mean,
         });
         if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
@@ -242,7 +259,7 @@ impl Case {
             q_len: self.mask.q_len() as usize,
             kv_len: self.mask.kv_len() as usize,
             head_dim: self.head_dim,
-            head_dim_v: self.head_dim,
+            head_dim_v: self.head_dim_v,
         }
     }
 }
@@ -324,9 +341,14 @@ pub struct Buffers {
     pub lse: Option<CudaSlice<f32>>,
     pub q_layout: TensorLayout,
     pub kv_layout: TensorLayout,
-    /// Buffer lengths (elements) of Q-shaped and K-shaped tensors.
+    /// V's and the output's (at head_dim_v columns).
+    pub v_layout: TensorLayout,
+    pub out_layout: TensorLayout,
+    /// Buffer lengths (elements) of Q-shaped, K-shaped, V-shaped and output-shaped tensors.
     pub q_len_mem: usize,
     pub kv_len_mem: usize,
+    pub v_len_mem: usize,
+    pub out_len_mem: usize,
 }
 
 impl Buffers {
@@ -336,11 +358,12 @@ impl Buffers {
         let sh = c.shape();
         let q_elems = sh.batch * sh.heads * sh.q_len * sh.head_dim;
         let kv_elems = sh.batch * sh.kv_heads * sh.kv_len * sh.head_dim;
+        let v_elems = sh.batch * sh.kv_heads * sh.kv_len * sh.head_dim_v;
         let (q_shift, k_shift) = c.input_shifts();
         let x = Inputs {
             q: shifted_values(rng, c.dtype, q_elems, q_shift),
             k: shifted_values(rng, c.dtype, kv_elems, k_shift),
-            v: random_values(rng, c.dtype, kv_elems, false),
+            v: random_values(rng, c.dtype, v_elems, false),
         };
         let b = Buffers::new(gpu, c, &x)?;
         Ok((x, b))
@@ -352,6 +375,10 @@ impl Buffers {
         let (kv_layout, kv_len_mem) = c
             .mem
             .layout([sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim]);
+        let (v_layout, v_len_mem) = c
+            .mem
+            .layout([sh.batch, sh.kv_heads, sh.kv_len, sh.head_dim_v]);
+        let (out_layout, out_len_mem) = c.mem.layout([sh.batch, sh.heads, sh.q_len, sh.head_dim_v]);
         let s = &gpu.stream;
         let up =
             |v: &[f64], l: &TensorLayout, len: usize| s.clone_htod(&to_mem(c.dtype, v, l, len));
@@ -363,13 +390,17 @@ impl Buffers {
         Ok(Buffers {
             q: up(&x.q, &q_layout, q_len_mem)?,
             k: up(&x.k, &kv_layout, kv_len_mem)?,
-            v: up(&x.v, &kv_layout, kv_len_mem)?,
-            out: s.clone_htod(&vec![nan_bits(c.dtype); q_len_mem.max(1)])?,
+            v: up(&x.v, &v_layout, v_len_mem)?,
+            out: s.clone_htod(&vec![nan_bits(c.dtype); out_len_mem.max(1)])?,
             lse,
             q_layout,
             kv_layout,
+            v_layout,
+            out_layout,
             q_len_mem,
             kv_len_mem,
+            v_len_mem,
+            out_len_mem,
         })
     }
 
@@ -388,8 +419,8 @@ impl Buffers {
                 dtype: c.dtype,
                 q: (&self.q, self.q_layout),
                 k: (&self.k, self.kv_layout),
-                v: (&self.v, self.kv_layout),
-                out: (&mut self.out, self.q_layout),
+                v: (&self.v, self.v_layout),
+                out: (&mut self.out, self.out_layout),
                 lse: self.lse.as_mut().map(|buf| (buf, lse_layout)),
                 softmax_scale: c.softmax_scale,
                 score: cm_cuda::Score::NONE,
@@ -422,7 +453,7 @@ pub fn attention_shape(s: Shape) -> cm_reference::AttentionShape {
         q_len: s.q_len,
         kv_len: s.kv_len,
         head_dim: s.head_dim,
-        head_dim_v: s.head_dim,
+        head_dim_v: s.head_dim_v,
     }
 }
 
