@@ -2,8 +2,10 @@
 (Gemma) and head_dim 192 with head_dim_v 128 (DeepSeek's MLA), on fwd_ws with 128-key tiles
 (64-key stages at 256). Output and lse against a float64 dense masked softmax for every
 workload at small odd sizes, GQA and MQA, both dtypes, the tile-edge class with logits far
-from 0, per-head masks; and the refusals: score terms, and inputs that require grad (the
-backward is built for head_dim 64 and 128), before any work is done."""
+from 0, per-head masks, every score term (softcap, linear bias, bias by distance, sinks) at
+192 / 128;
+and the refusals: inputs that require grad (the backward is built for head_dim 64 and 128)
+and unbuilt shapes, before any work is done."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
 
 from test_cuda import EDGE_PLANS, TOL, _err  # noqa: E402
+from test_scores_cuda import CASES, TERMS, _buckets, _reference  # noqa: E402
 from test_torch import WORKLOADS, dense_attention  # noqa: E402
 
 SHAPES = [(256, 256), (192, 128)]
+# The score terms' variant is built at 192 / 128 only (at 256 its registers spill).
+SCORE_SHAPES = [(192, 128)]
 
 
 def _inputs(b, hq, hk, lq, lk, d, dv, dtype, seed=0, mu=0.0, sign=1.0):
@@ -107,7 +112,51 @@ def test_wide_head_refusals_name_the_shape():
     with pytest.raises(NotImplementedError, match="192 \\(head_dim_v 128\\), 256"):
         cm.attention(q, k, v, plan)
     scored = cm.builtin("causal_softcap").plan(64, num_heads=2)
-    q, k, v = _inputs(1, 2, 2, 64, 64, 256, 256, torch.bfloat16)
+    q, k, v = _inputs(1, 2, 2, 64, 64, 192, 128, torch.bfloat16)
+    q.requires_grad_()
     with pytest.raises(NotImplementedError, match="score terms"):
+        cm.attention(q, k, v, scored)
+    q, k, v = _inputs(1, 2, 2, 64, 64, 256, 256, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="with score terms on CUDA supports .* "
+                       "head_dim 64, 128, 192 \\(head_dim_v 128\\) "):
         with torch.no_grad():
             cm.attention(q, k, v, scored)
+
+
+@pytest.mark.parametrize("terms", TERMS)
+@pytest.mark.parametrize("d,dv", SCORE_SHAPES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_wide_head_score_terms_forward(case, d, dv, terms):
+    """Each score term (and all together) at MLA's shape, forward output and lse against
+    the float64 dense attention with the terms applied (test_scores_cuda's reference)."""
+    from compilemask import _ops
+
+    name, params, lq, lk = case
+    plan = cm.builtin(name, **params).plan(lq, lk)
+    pt = plan.to_tensors("cuda")
+    mask = plan.to_dense(format="torch").cuda()
+    q, k, v = _inputs(2, 4, 2, lq, lk, d, dv, torch.bfloat16, seed=13)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    use = {t: terms in (t, "all") for t in TERMS[:4]}
+    softcap = 5.0 if use["softcap"] else 0.0
+    slopes = (torch.tensor([2.0 ** (-(i + 1)) for i in range(4)], device="cuda")
+              if use["linear"] else None)
+    linear = [-1.0, 1.0, 0.0]
+    dist_bias = run_end = None
+    if use["dist"]:
+        bucket = torch.tensor(_buckets(lq, lk), device="cuda")
+        table = torch.randn((4, 8), generator=g, device="cuda")
+        dist_bias, run_end = _ops.table_by_distance(table, bucket)
+    sinks = torch.randn((4,), generator=g, device="cuda") + 1.0 if use["sinks"] else None
+    scale = 1.0 / math.sqrt(d)
+    with torch.no_grad():
+        out, lse = _ops.attention_forward_score(
+            q, k, v, list(pt.kernel), [pt.row_ptr.shape[0], pt.batch, pt.num_heads], scale,
+            False, softcap, linear, slopes, dist_bias, run_end, sinks)
+    ref_out, ref_lse = _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias,
+                                  sinks)
+    assert out.shape == (2, 4, lq, dv) and torch.isfinite(out).all()
+    assert _err(out, ref_out) <= TOL[torch.bfloat16][0], _err(out, ref_out)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-2

@@ -76,7 +76,9 @@ static_assert((HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && HEAD_DIM
                   HEAD_DIM == 192 && HEAD_DIM_V == 128,
               "(head_dim, head_dim_v) must be (64, 64), (128, 128), (256, 256) or (192, 128)");
 static_assert(KEY_STEP == 128 || KEY_STEP == 64 && HEAD_DIM == 256, "keys per stage: 128, or 64 at head_dim 256");
-static_assert(!CM_SCORE || KEY_STEP == BLOCK_N, "score terms read whole 128-key tiles");
+// At head_dim 256 the score terms' registers beside the 64 x 256 output spill (also with a
+// 240-register consumer budget); cm_kernels::WIDE_SCORE_SHAPES leaves that variant out.
+static_assert(!CM_SCORE || HEAD_DIM != 256, "no score variant at head_dim 256");
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must match cm_kernels");
 
 // Barriers, 8 bytes each, after the tiles.
@@ -324,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         auto load_bits = [&](u32 it) {
             key0 = ws_n_block(p, w, it / STEPS) * BLOCK_N + (it % STEPS) * KEY_STEP;
 #if CM_SCORE
-            dist = cm_dist_tile<BLOCK_N / 8, false>(p.score, w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
+            dist = cm_dist_tile<KEY_STEP / 8, false>(p.score, w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                     key0 + 2 * t);
 #endif
         };
@@ -359,8 +361,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             // log2 domain), then mask; the folded step then runs at scale 1, keeping its
             // conditional rescaling. Sinks alone take the plain path (they act at the end).
             if (modifies) {
-                float no_dcap[BLOCK_N / 8][4];
-                cm_score_logits<BLOCK_N / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,
+                float no_dcap[KEY_STEP / 8][4];
+                cm_score_logits<KEY_STEP / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,
                                                            w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                            key0 + 2 * t);
                 cm_mask_bits(sc, p, it / STEPS < w.num_partial, bits, key0, t);

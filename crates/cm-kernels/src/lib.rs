@@ -184,10 +184,15 @@ impl KernelKind {
 }
 
 /// The forward-only shapes `(head_dim, head_dim_v)` beyond 64 and 128: Gemma's head_dim 256
-/// and DeepSeek's MLA (192 for Q and K, 128 for V), built for [`KernelKind::FwdWs`] without
-/// score terms. Their backward is not built yet (its dK / dV tiles of 64 keys x 256 columns do
+/// and DeepSeek's MLA (192 for Q and K, 128 for V), built for [`KernelKind::FwdWs`] (with
+/// score terms at [`WIDE_SCORE_SHAPES`] only). Their backward is not built yet (its dK / dV tiles of 64 keys x 256 columns do
 /// not fit one consumer warpgroup's registers and need a head_dim split).
 pub const WIDE_SHAPES: [(u32, u32); 2] = [(256, 256), (192, 128)];
+
+/// The [`WIDE_SHAPES`] with a score-terms variant of `fwd_ws`: at head_dim 256 the terms'
+/// registers beside the 64 x 256 fp32 output spill (8-40 bytes per thread, also with a
+/// 240-register consumer budget), which the build refuses for forward kernels.
+pub const WIDE_SCORE_SHAPES: [(u32, u32); 1] = [(192, 128)];
 
 impl Variant {
     /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`, `fwd_ws_score_bf16_d64` or
@@ -283,8 +288,8 @@ impl Variant {
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index: every kernel at both dtypes and head dims 64 and 128, the
 /// score variant of each kernel that has one, then `fwd_ws` at both dtypes and each of
-/// [`WIDE_SHAPES`].
-pub const VARIANTS: [Variant; 52] = {
+/// [`WIDE_SHAPES`], then with score terms at each of [`WIDE_SCORE_SHAPES`].
+pub const VARIANTS: [Variant; 54] = {
     use DType::{Bf16, F16};
     use KernelKind::{
         BwdDkDv, BwdDq, BwdPost, BwdPre, Decode, DecodeMerge, FwdSimple, FwdWgmma, FwdWs,
@@ -306,14 +311,15 @@ pub const VARIANTS: [Variant; 52] = {
     ];
     const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
     const SQUARE: usize = KINDS.len() * SHAPES.len();
-    assert!(SQUARE + 2 * WIDE_SHAPES.len() == 52);
+    const WIDE: usize = 2 * WIDE_SHAPES.len();
+    assert!(SQUARE + WIDE + 2 * WIDE_SCORE_SHAPES.len() == 54);
     let mut out = [Variant {
         kernel: FwdSimple,
         dtype: Bf16,
         head_dim: 64,
         head_dim_v: 64,
         score: false,
-    }; 52];
+    }; 54];
     let mut n = 0;
     while n < SQUARE {
         let (kernel, score) = KINDS[n / SHAPES.len()];
@@ -328,13 +334,19 @@ pub const VARIANTS: [Variant; 52] = {
         n += 1;
     }
     while n < out.len() {
-        let (head_dim, head_dim_v) = WIDE_SHAPES[(n - SQUARE) / 2];
+        let i = n - SQUARE;
+        let score = i >= WIDE;
+        let (head_dim, head_dim_v) = if score {
+            WIDE_SCORE_SHAPES[(i - WIDE) / 2]
+        } else {
+            WIDE_SHAPES[i / 2]
+        };
         out[n] = Variant {
             kernel: FwdWs,
-            dtype: if (n - SQUARE) % 2 == 0 { Bf16 } else { F16 },
+            dtype: if i % 2 == 0 { Bf16 } else { F16 },
             head_dim,
             head_dim_v,
-            score: false,
+            score,
         };
         n += 1;
     }
@@ -686,14 +698,12 @@ mod tests {
             .iter()
             .filter(|v| v.head_dim > 128 || v.head_dim_v != v.head_dim)
             .collect();
-        assert_eq!(wide.len(), 2 * WIDE_SHAPES.len());
+        assert_eq!(
+            wide.len(),
+            2 * (WIDE_SHAPES.len() + WIDE_SCORE_SHAPES.len())
+        );
         for v in &wide {
-            assert_eq!(
-                (v.kernel, v.score),
-                (KernelKind::FwdWs, false),
-                "{}",
-                v.name()
-            );
+            assert_eq!(v.kernel, KernelKind::FwdWs, "{}", v.name());
             assert!(WIDE_SHAPES.contains(&(v.head_dim, v.head_dim_v)));
             let step = if v.head_dim > 192 { 64 } else { 128 };
             assert_eq!(v.key_step(), step, "{}", v.name());
@@ -713,9 +723,15 @@ mod tests {
             "64, 128, 192 (head_dim_v 128), 256"
         );
         assert_eq!(
-            built_head_dims(KernelKind::BwdDkDv, DType::Bf16, false),
-            vec![(64, 64), (128, 128)]
+            built_head_dims(KernelKind::FwdWs, DType::F16, true),
+            vec![(64, 64), (128, 128), (192, 128)]
         );
+        for score in [false, true] {
+            assert_eq!(
+                built_head_dims(KernelKind::BwdDkDv, DType::Bf16, score),
+                vec![(64, 64), (128, 128)]
+            );
+        }
         let mla = VARIANTS
             .iter()
             .find(|v| v.head_dim_v == 128 && v.head_dim == 192);
