@@ -348,8 +348,8 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
         ] {
             if cm_kernels::find_variant(k, dtype, a.head_dim, head_dim_v, false).is_none() {
                 bail!(
-                    "--bwd: {} is not built for head_dim {} with head_dim_v {head_dim_v} at {dtype} \
-                     (built: {})",
+                    "--bwd: the backward ({}) is not built for head_dim {} with head_dim_v \
+                     {head_dim_v} at {dtype}, which runs forward only (backward head dims: {})",
                     k.name(),
                     a.head_dim,
                     cm_kernels::head_dims_text(&cm_kernels::built_head_dims(k, dtype, false))

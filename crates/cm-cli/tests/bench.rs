@@ -38,8 +38,8 @@ fn bad_arguments_are_refused_before_the_gpu() {
     refused(
         &["--bwd", "--head-dim", "256"],
         &[
-            "--bwd: bwd_pre is not built for head_dim 256",
-            "(built: 64, 128)",
+            "--bwd: the backward (bwd_pre) is not built for head_dim 256",
+            "runs forward only (backward head dims: 64, 128)",
         ],
     );
     refused(
