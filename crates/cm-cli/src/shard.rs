@@ -66,11 +66,12 @@ pub fn report(plan: &Plan, s: &Sharding, ms: f64) -> Value {
 
 /// Lines of the human-readable report.
 pub fn lines(name: &str, r: &Value) -> Vec<String> {
+    let ranks = r["ranks"].as_u64().unwrap_or(0);
     let mut out = vec![
         format!(
-            "{name}: {} tokens over {} ranks in chunks of {} (sharded in {:.3} ms)",
+            "{name}: {} tokens over {ranks} rank{} in chunks of {} (sharded in {:.3} ms)",
             r["q_len"],
-            r["ranks"],
+            if ranks == 1 { "" } else { "s" },
             r["chunk"],
             r["shard_ms"].as_f64().unwrap_or(0.0)
         ),

@@ -67,6 +67,16 @@ fn the_report_names_every_rank() {
         "{out}"
     );
     assert!(out.contains("of ring attention's"), "{out}");
+    let one = ok(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "256",
+        "--ranks",
+        "1",
+    ]);
+    assert!(one.contains("256 tokens over 1 rank in chunks"), "{one}");
     assert_eq!(
         out.lines()
             .filter(|l| l.trim_start().starts_with(['0', '1', '2']))
