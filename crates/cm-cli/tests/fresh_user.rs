@@ -593,7 +593,10 @@ fn paths_need_not_be_utf8() {
 }
 
 /// A chain of `let`s past the depth limit: one error, at the `let` that first exceeds
-/// it, however long the file (10 MB here), and quickly.
+/// it, however long the file (10 MB here). One error is also the bound on the work: the
+/// links after it name a failed `let` and are not lowered, and checking the 4096 unused
+/// links before it one by one (quadratic) would pass the checker's node limit, a second
+/// error.
 #[test]
 fn let_depth_error_is_reported_once_at_its_let() {
     let dir = scratch("let_depth");
@@ -605,9 +608,7 @@ fn let_depth_error_is_reported_once_at_its_let() {
     }
     src.push_str(&format!("mask = a{};\n", i - 1));
     let path = write(&dir, "chain.cmask", &src);
-    let t0 = std::time::Instant::now();
     let err = fails(&["check", &path], &["CM0105", "`a4096` nests too deeply"]);
-    assert!(t0.elapsed().as_secs_f64() < 30.0, "{:?}", t0.elapsed());
     assert_eq!(err.matches("Error").count(), 1, "{err}");
     assert!(err.contains("chain.cmask:4097:5"), "{err}");
 }

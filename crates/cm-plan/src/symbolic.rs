@@ -181,6 +181,14 @@ pub struct Solver<'a, 'p> {
     hit_limit: Cell<bool>,
     /// Terms of `any` / `all` evaluated so far, against `quant_limit`.
     pub quant_evals: Cell<u64>,
+    /// Values of key-side functions (the `f(k)` of `f(k) op v`) evaluated so far: `kv_len`
+    /// for each key-side atom and head, whose keys are then sorted once (see `key_sweeps`),
+    /// however many pieces read them.
+    pub key_evals: Cell<u64>,
+    /// Runs of balls built so far: one per grid row within reach of the query's cell and at
+    /// or above the last key's grid row, built again only when what they depend on changes
+    /// (see `ball_runs`).
+    pub ball_runs_built: Cell<u64>,
     /// [`MAX_QUANT_EVALS`] unless a test sets it ([`Solver::with_quant_limit`]).
     quant_limit: u64,
     /// While an `any` is solved in runs of its variable (`quant`): the depth of that
@@ -257,6 +265,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             shared_pairs: None,
             hit_limit: Cell::new(false),
             quant_evals: Cell::new(0),
+            key_evals: Cell::new(0),
+            ball_runs_built: Cell::new(0),
             quant_limit: MAX_QUANT_EVALS,
             var_mode: Cell::new(None),
             count_only: false,
@@ -2221,6 +2231,8 @@ impl<'a, 'p> Solver<'a, 'p> {
                     }
                 }
             }
+            self.ball_runs_built
+                .set(self.ball_runs_built.get() + runs.len() as u64);
             // Each clamp below holds on one side of a column: lo = base while x <= rx, hi
             // = base + w once x + rx + 1 >= w, and hi = kv_len from the columns where the
             // run's ends reach the keys' end.
@@ -2304,8 +2316,10 @@ impl<'a, 'p> Solver<'a, 'p> {
         let key = (r as *const Region as usize, p.h);
         RefMut::map(self.key_sweeps.borrow_mut(), |sweeps| {
             sweeps.entry(key).or_insert_with(|| {
+                let kv_len = self.bound.shape.kv_len;
+                self.key_evals.set(self.key_evals.get() + kv_len as u64);
                 let mut env = self.env(p);
-                let values = (0..self.bound.shape.kv_len)
+                let values = (0..kv_len)
                     .map(|k| {
                         env.k = k;
                         self.bound.eval_int(f, &env)

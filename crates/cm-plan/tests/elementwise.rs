@@ -13,7 +13,6 @@ use cm_plan::{elementwise_pairs_up_front, plan, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
-use std::time::Instant;
 
 /// Predicates no solvable form covers, behind left sides of one or several intervals.
 const MASKS: &[&str] = &[
@@ -95,12 +94,14 @@ fn the_pair_limit_is_checked_up_front() {
         assert!(want > MAX_ELEMENTWISE_PAIRS, "{src}");
         let program = compile(&src);
         let bound = program.bind(shape(n, n), &params(&[])).unwrap();
-        let t = Instant::now();
         let e = plan(&bound, TileShape::default()).unwrap_err();
-        assert!(t.elapsed().as_secs_f64() < 2.0, "{src}: {:?}", t.elapsed());
         assert_eq!(e.code, "CM0404", "{e}");
+        // The error of the count made before any pair is evaluated: it names the exact
+        // count. The limit met while evaluating pairs (after up to the limit's pairs) can
+        // only say "more than" the limit.
         assert!(
-            e.message.contains(&format!("evaluate {want} (q, k) pairs"))
+            e.message
+                .contains(&format!("would evaluate {want} (q, k) pairs one by one"))
                 && e.message.contains(&MAX_ELEMENTWISE_PAIRS.to_string()),
             "{src}: {e}"
         );

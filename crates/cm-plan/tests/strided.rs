@@ -12,7 +12,6 @@ use cm_plan::{plan, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
-use std::time::Instant;
 
 /// Masks with a single-residue window on either side of `&`, under `if`s, joined with other
 /// regions (which expand the runs where they meet them).
@@ -202,14 +201,13 @@ fn bad_runs_are_refused() {
 }
 
 /// The dilated window at 128K: pieces only where the band is clipped at key 0 (one per
-/// `dilation` rows there), one run per row, well under a second in the test profile.
+/// `dilation` rows there), one run per row. These bound the cost: a piece per row would be
+/// 131072 pieces, and the keys as intervals 2048 a row.
 #[test]
 fn dilated_window_at_128k() {
     let program = builtin("dilated_window");
-    let t = Instant::now();
     let bound = program.bind(shape(131072, 131072), &params(&[])).unwrap();
     let p = plan(&bound, TileShape::default()).unwrap();
-    let ms = t.elapsed().as_secs_f64() * 1e3;
     let rows = &p.masks[0].rows;
     assert!(p.pieces <= 4096 / 2 + 2, "{} pieces", p.pieces);
     assert_eq!(rows.max_intervals_per_row(), 1);
@@ -223,5 +221,4 @@ fn dilated_window_at_128k() {
             "row {q}"
         );
     }
-    assert!(ms < 2000.0, "{ms} ms");
 }

@@ -367,13 +367,16 @@ fn structure_is_named() {
     assert!(p.svg().unwrap().contains("grid img 180x180 at 512"));
 }
 
+/// 2^20 x 2^20 pairs (a dense mask would be a terabyte, and fail to allocate): drawn from
+/// the intervals. What guards the time is only that it finishes (a pass over every pair,
+/// 2^40 of them, would not), left to the harness; the view's visible pairs are counted
+/// from the intervals, exactly.
 #[test]
 fn a_million_rows_draw_without_a_dense_array() {
-    // 2^20 x 2^20 pairs (a dense mask would be a terabyte): drawn from the intervals.
-    let c = builtin("causal", PlanOptions::new(1 << 20).tile(8192, 8192));
-    let t0 = std::time::Instant::now();
+    let n: u64 = 1 << 20;
+    let c = builtin("causal", PlanOptions::new(n as i64).tile(8192, 8192));
     let (p, png) = draw(&c, &View::default());
-    assert!(t0.elapsed().as_secs_f64() < 20.0);
+    assert_eq!(p.visible, n * (n + 1) / 2);
     let img = decode(&png);
     let (x, y) = p.pixel_of(900_000, 10_000).unwrap();
     assert_eq!(pixel(&img, x, y), FULL_DARK);

@@ -20,7 +20,6 @@ use compilemask::{
     attention_backward, attention_forward, AttentionError, AttentionShape, Masks, PlanOptions,
     Value,
 };
-use std::time::{Duration, Instant};
 
 fn mha(q_len: usize, kv_len: usize, d: usize, dv: usize) -> AttentionShape {
     AttentionShape {
@@ -763,12 +762,9 @@ fn mc_01_build_cost_128k() {
     let mut report = String::new();
     for (name, program, mut o) in cases {
         o.num_heads = 32;
-        let t0 = Instant::now();
         let p = plan(&program, &o);
-        let took = t0.elapsed();
         report.push_str(&format!(
-            "{name}: {:.2} ms, rows {} KiB, descriptor {} KiB, pieces {}\n",
-            took.as_secs_f64() * 1e3,
+            "{name}: rows {} KiB, descriptor {} KiB, pieces {}\n",
             p.masks[0].rows.bytes() / 1024,
             p.descriptor_bytes() / 1024,
             p.pieces
@@ -783,7 +779,17 @@ fn mc_01_build_cost_128k() {
             p.descriptor_bytes() < 64 << 20,
             "{name}: descriptor too large"
         );
-        assert!(took < Duration::from_secs(2), "{name}: plan took {took:?}");
+        // O(S) time, counted in the solver's pieces (runs of rows whose intervals are
+        // affine in the row), each costing its intervals: one for causal, the band's clipped
+        // head and the band, one per document, the 8 Bk-row blocks for HD-01 (measured: 1,
+        // 2, 1001, 8; bounds with room). A row-by-row or dense build would be S pieces.
+        let most = match name {
+            "causal" => 2,
+            "sliding_window 4096" => 4,
+            "document_causal, 1000 boundaries" => 2 * docs.len() as u64,
+            _ => 16,
+        };
+        assert!(p.pieces <= most, "{name}: {} pieces", p.pieces);
         // Spot checks against the pairwise semantics, including the first and last rows.
         let m = p.mask(0, 0);
         let mut sample: Vec<i64> = vec![0, 1, S / 2, S - 2, S - 1];
@@ -814,7 +820,7 @@ fn mc_01_build_cost_128k() {
             _ => assert_eq!(p.max_intervals_per_row(), 3),
         }
     }
-    eprintln!("MC-01 plan times (S = 131072, num_heads = 32):\n{report}");
+    eprintln!("MC-01 plans (S = 131072, num_heads = 32):\n{report}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -826,14 +832,13 @@ fn mc_02_no_recompile_new_lengths() {
     let window = compilemask::builtin("sliding_window").unwrap();
     let docs = compilemask::builtin("document_causal").unwrap();
     let lengths = [1000i64, 1017, 1100, 2048, 4095, 4096];
-    let mut slowest = Duration::ZERO;
     // 50 steps of a W = 128 sliding window at varying S.
     for step in 0..50 {
         let s = lengths[rng.below(lengths.len() as u64) as usize];
         let o = PlanOptions::new(s).param("window", Value::Int(128));
-        let t0 = Instant::now();
         let p = plan(&window, &o);
-        slowest = slowest.max(t0.elapsed());
+        // The band's clipped head and the band, at any length (measured: 2).
+        assert!(p.pieces <= 4, "step {step}: {} pieces", p.pieces);
         let m = p.mask(0, 0);
         for q in 0..s as u32 {
             assert_eq!(common::row(m, q), vec![(q.saturating_sub(127), q + 1)]);
@@ -852,9 +857,14 @@ fn mc_02_no_recompile_new_lengths() {
         let n = 1 + rng.below(64) as usize;
         let lens = random_documents(&mut rng, 4096, n);
         let o = PlanOptions::new(4096).param("lengths", arr(&lens));
-        let t0 = Instant::now();
         let p = plan(&docs, &o);
-        slowest = slowest.max(t0.elapsed());
+        // A piece per document (measured: exactly that), whatever the boundaries.
+        assert!(
+            p.pieces <= 2 * lens.len() as u64,
+            "step {step}: {} pieces for {} documents",
+            p.pieces,
+            lens.len()
+        );
         let m = p.mask(0, 0);
         let mut q = 0u32;
         let mut start = 0u32;
@@ -890,11 +900,6 @@ fn mc_02_no_recompile_new_lengths() {
         let p = plan(&window, &o);
         check_brute_force(&window, &o, &p);
     }
-    eprintln!("MC-02 slowest plan: {:.3} ms", slowest.as_secs_f64() * 1e3);
-    assert!(
-        slowest < Duration::from_millis(250),
-        "slowest plan {slowest:?}"
-    );
 }
 
 // ---------------------------------------------------------------------------------------
