@@ -570,6 +570,51 @@ mod tests {
         let mut wrong_out = shaped(192, 128);
         wrong_out.out_layout = TensorLayout::contiguous([2, 4, 70, 192]);
         assert!(ws(&wrong_out).contains("out: shape [2, 4, 70, 192], expected"));
+
+        // The backward of a forward-only shape is refused by name, before its own checks;
+        // at 128 the same arguments pass that check and reach the workspace's.
+        let backward = |d: usize, dv: usize| {
+            let f = shaped(d, dv);
+            let raw = crate::BackwardRaw {
+                dtype: f.dtype,
+                q: f.q,
+                q_layout: f.q_layout,
+                k: f.k,
+                k_layout: f.k_layout,
+                v: f.v,
+                v_layout: f.v_layout,
+                out: f.out,
+                out_layout: f.out_layout,
+                dout: 0x6000_0000,
+                dout_layout: f.out_layout,
+                lse: 0x5000_0000,
+                lse_layout: LseLayout::contiguous([2, 4, 70]),
+                dlse: None,
+                dq: 0x7000_0000,
+                dq_layout: f.q_layout,
+                dk: 0x8000_0000,
+                dk_layout: f.k_layout,
+                dv: 0x9000_0000,
+                dv_layout: f.v_layout,
+                workspace: 0xa000_0000,
+                workspace_len: 0,
+                softmax_scale: f.softmax_scale,
+                deterministic: false,
+                score: f.score,
+            };
+            crate::check_backward(&plan, &raw).map_err(|e| e.to_string())
+        };
+        for (d, dv) in cm_kernels::WIDE_SHAPES {
+            let got = backward(d as usize, dv as usize).unwrap_err();
+            assert!(
+                got.contains(&format!(
+                    "head_dim = {d} with head_dim_v = {dv} runs forward only; the backward is \
+                     built for head dims 64, 128 at bf16"
+                )),
+                "{got}"
+            );
+        }
+        assert!(backward(128, 128).unwrap_err().contains("workspace"));
     }
 
     #[test]
