@@ -276,16 +276,14 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
     let [total_q, num_heads, head_dim] = a.q_shape;
     let [num_pages, page_size, num_kv_heads, kd] = a.cache_shape;
     let [num_seqs, max_pages] = a.block_table_shape;
-    let variant = cm_kernels::find_variant(
-        KernelKind::Decode,
-        a.dtype,
-        head_dim as u32,
-        head_dim as u32,
-        false,
-    )
+    // The decode kernels read V at head_dim (head_dim_v == head_dim).
+    let d = head_dim as u32;
+    let variant = cm_kernels::find_variant(KernelKind::Decode, a.dtype, d, d, false)
         .ok_or_else(|| {
+            let built = cm_kernels::built_head_dims(KernelKind::Decode, a.dtype, false);
             Error::invalid(format!(
-                "q: head_dim = {head_dim} is not supported by the decode kernel; built head dims: 64, 128"
+                "q: head_dim = {head_dim} is not supported by the decode kernel; built head dims: {}",
+                cm_kernels::head_dims_text(&built)
             ))
         })?;
     if kd != head_dim {
@@ -448,18 +446,12 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
         shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };
     let merge = if a.num_splits > 1 {
-        let v = cm_kernels::find_variant(
-            KernelKind::DecodeMerge,
-            a.dtype,
-            head_dim as u32,
-            head_dim as u32,
-            false,
-        )
-        .ok_or_else(|| {
-            Error::invalid(format!(
-                "q: head_dim = {head_dim} has no split-KV merge kernel; use num_splits = 1"
-            ))
-        })?;
+        let v = cm_kernels::find_variant(KernelKind::DecodeMerge, a.dtype, d, d, false)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "q: head_dim = {head_dim} has no split-KV merge kernel; use num_splits = 1"
+                ))
+            })?;
         let items = total_q as u64 * num_heads as u64;
         let warps = (cm_kernels::VARIANTS[v].kernel.threads() / 32) as u64;
         let blocks = u32::try_from(items.div_ceil(warps)).map_err(|_| {

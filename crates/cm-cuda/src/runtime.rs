@@ -301,11 +301,15 @@ impl Runtime {
     /// # Errors
     /// [`Error::InvalidArgument`] for a head_dim without a decode kernel; [`Error::Driver`].
     pub fn decode_ctas_per_sm(&self, dtype: crate::DType, head_dim: u32) -> Result<u32, Error> {
-        let v = cm_kernels::find_variant(KernelKind::Decode, dtype, head_dim, head_dim, false).ok_or_else(|| {
-            Error::invalid(format!(
-                "head_dim = {head_dim} is not supported by the decode kernel; built head dims: 64, 128"
-            ))
-        })?;
+        let v = cm_kernels::find_variant(KernelKind::Decode, dtype, head_dim, head_dim, false)
+            .ok_or_else(|| {
+                let built = cm_kernels::built_head_dims(KernelKind::Decode, dtype, false);
+                Error::invalid(format!(
+                    "head_dim = {head_dim} is not supported by the decode kernel; built head \
+                     dims: {}",
+                    cm_kernels::head_dims_text(&built)
+                ))
+            })?;
         let variant = &VARIANTS[v];
         self.functions[v]
             .occupancy_max_active_blocks_per_multiprocessor(
