@@ -278,7 +278,7 @@ impl Nvrtc {
     /// Compiles one variant; returns the CUBIN and the compile log (ptxas `-v` report).
     #[allow(unsafe_code)]
     fn compile(&self, v: &Variant) -> Result<(Vec<u8>, String), String> {
-        let file = v.kernel.source_file();
+        let file = v.source_file();
         let cstr = |s: &str| CString::new(s).map_err(|_| format!("NUL byte in {s:?}"));
         let src =
             cstr(cm_kernels::source(file).ok_or_else(|| format!("no kernel source {file}"))?)?;

@@ -1,11 +1,12 @@
-"""The forward-only shapes of the CUDA kernels (Hopper; skipped elsewhere): head_dim 256
-(Gemma) and head_dim 192 with head_dim_v 128 (DeepSeek's MLA), on fwd_ws with 128-key tiles
-(64-key stages at 256). Output and lse against a float64 dense masked softmax for every
-workload at small odd sizes, GQA and MQA, both dtypes, the tile-edge class with logits far
-from 0, per-head masks, every score term (softcap, linear bias, bias by distance, sinks) at
-192 / 128;
-and the refusals: inputs that require grad (the backward is built for head_dim 64 and 128)
-and unbuilt shapes, before any work is done."""
+"""The wide shapes of the CUDA kernels (Hopper; skipped elsewhere): head_dim 256 (Gemma) and
+head_dim 192 with head_dim_v 128 (DeepSeek's MLA), forward on fwd_ws with 128-key tiles
+(64-key stages at 256) and backward on bwd_dkdv_wide (64-key CTAs, the head dim split between
+the consumers) in both modes. Output, lse and the gradients of q, k and v against a float64
+dense masked softmax for every workload at small odd sizes, GQA and MQA, both dtypes, the
+tile-edge class with logits far from 0, per-head masks; every score term (softcap, linear
+bias, bias by distance, sinks) at 192 / 128 in the forward; and the refusals: score terms
+with inputs that require grad (their backward is built for head_dim 64 and 128) and unbuilt
+shapes, before any work is done."""
 
 from __future__ import annotations
 
@@ -101,21 +102,110 @@ def test_wide_head_per_head_masks_under_gqa():
         assert (out[:, 0] == 0).all()
 
 
+def _check_grads(plan, q, k, v, deterministic, tol=None, seed=1):
+    """The forward as `_check`, then the gradients of `sum(out * w_out) + sum(lse * w_lse)`
+    (random float64 weights, so both of the backward's inputs are exercised) against the
+    float64 dense attention's, by autograd on both sides."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out, lse = cm.attention(q, k, v, plan, return_lse=True, enable_gqa=q.shape[1] != k.shape[1],
+                            deterministic=deterministic)
+    mask = plan.to_dense(format="torch").cuda()
+    ref_out, ref_lse, empty = dense_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]))
+    assert _err(out, ref_out) <= TOL[q.dtype][0]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, generator=g, device="cuda",
+                        dtype=torch.float64).masked_fill(empty, 0)
+    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    for name, a, b, x in zip("qkv", grads, ref_grads, (q, k, v)):
+        assert a.shape == x.shape and a.dtype == x.dtype, name
+        assert torch.isfinite(a).all(), name
+        err = _err(a, b)
+        assert err <= (tol if tol is not None else TOL[q.dtype][1]), (name, err)
+    return grads
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("name,q_len,kv_len,params", WORKLOADS)
+def test_wide_head_gradients_against_dense(name, q_len, kv_len, params, d, dv, deterministic):
+    """Every workload, GQA 4 / 2, both backward modes (the dtype alternates)."""
+    plan = cm.builtin(name, **params).plan(q_len, kv_len)
+    lk = q_len if kv_len is None else kv_len
+    dtype = torch.bfloat16 if (len(name) + d + deterministic) % 2 else torch.float16
+    _check_grads(plan, *_inputs(2, 4, 2, q_len, lk, d, dv, dtype, seed=3), deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 1)])
+def test_wide_head_gradients_mha_mqa_long_rows(heads, kv_heads, d, dv, deterministic):
+    """Many query tiles per key block (dK / dV summed over tiles and over the query heads of
+    a kv head), partial and full tiles in both halves of a key block, a last block whose
+    second half lies past kv_len."""
+    plan = cm.builtin("sliding_window", window=300).plan(777)
+    _check_grads(plan, *_inputs(1, heads, kv_heads, 777, 777, d, dv, torch.bfloat16, seed=5),
+                 deterministic)
+    plan = cm.builtin("document_causal", lengths=[500, 33, 400]).plan(933)
+    _check_grads(plan, *_inputs(2, heads, kv_heads, 933, 933, d, dv, torch.float16, seed=6),
+                 deterministic)
+
+
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("index", range(len(EDGE_PLANS)))
+def test_wide_head_gradients_at_tile_edges(index, d, dv):
+    """The tile-edge class with logits about -120 or +60 (at -120 every lse lies below
+    -88.7 = ln FLT_MAX, where exp(-lse) of a zero-filled key would overflow), the mode and
+    the sign alternating over the plans: no inf or NaN, gradients against float64."""
+    _, plan = EDGE_PLANS[index]
+    logit_mean = -120.0 if (index + d) % 2 else 60.0
+    deterministic = index % 4 < 2
+    scale = 1.0 / math.sqrt(d)
+    mu = math.sqrt(abs(logit_mean) / (scale * d))
+    q, k, v = _inputs(1, 4, 2, plan.q_len, plan.kv_len, d, dv, torch.bfloat16, seed=index,
+                      mu=mu, sign=1.0 if logit_mean > 0 else -1.0)
+    # Peaked rows: the errors follow the largest probability's rounding.
+    _check_grads(plan, q, k, v, deterministic, tol=6e-2)
+
+
+@pytest.mark.parametrize("d,dv", SHAPES)
+def test_wide_head_gradients_per_head_masks_under_gqa(d, dv):
+    """A mask per query head under GQA (head 0 sees nothing: zero dQ, nothing in dK / dV)."""
+    program = cm.compile("mask = h > 0 && k <= q && (h % 2 == 1 || k > q - 40);")
+    plan = program.plan(200, num_heads=8)
+    for deterministic in (False, True):
+        dq, _, _ = _check_grads(plan, *_inputs(2, 8, 2, 200, 200, d, dv, torch.bfloat16, seed=9),
+                                deterministic)
+        assert (dq[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("d,dv", SHAPES)
+def test_wide_head_deterministic_backward_repeats_its_bits(d, dv):
+    plan = cm.builtin("document_causal", lengths=[300, 41, 500]).plan(841)
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 841, 841, d, dv, torch.bfloat16, seed=8))
+    runs = []
+    for _ in range(2):
+        out = cm.attention(q, k, v, plan, enable_gqa=True, deterministic=True)
+        runs.append(torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_wide_head_refusals_name_the_shape():
     plan = cm.builtin("causal").plan(64)
-    for d, dv in SHAPES:
-        q, k, v = _inputs(1, 2, 2, 64, 64, d, dv, torch.bfloat16)
-        q.requires_grad_()
-        with pytest.raises(NotImplementedError, match=f"head_dim {d} and head_dim_v {dv}"):
-            cm.attention(q, k, v, plan)
     q, k, v = _inputs(1, 2, 2, 64, 64, 192, 192, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="192 \\(head_dim_v 128\\), 256"):
         cm.attention(q, k, v, plan)
+    # The score terms' backward is built at 64 and 128 only: refused before the forward.
     scored = cm.builtin("causal_softcap").plan(64, num_heads=2)
-    q, k, v = _inputs(1, 2, 2, 64, 64, 192, 128, torch.bfloat16)
-    q.requires_grad_()
-    with pytest.raises(NotImplementedError, match="score terms"):
-        cm.attention(q, k, v, scored)
+    for d, dv in SCORE_SHAPES:
+        q, k, v = _inputs(1, 2, 2, 64, 64, d, dv, torch.bfloat16)
+        q.requires_grad_()
+        with pytest.raises(NotImplementedError, match=f"score terms.*head_dim {d} and head_dim_v {dv}"):
+            cm.attention(q, k, v, scored)
     q, k, v = _inputs(1, 2, 2, 64, 64, 256, 256, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="with score terms on CUDA supports .* "
                        "head_dim 64, 128, 192 \\(head_dim_v 128\\) "):

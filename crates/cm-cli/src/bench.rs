@@ -339,24 +339,6 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
             cm_kernels::head_dims_text(&cm_kernels::built_head_dims(kernel, dtype, false))
         );
     }
-    if a.bwd {
-        for k in [
-            KernelKind::BwdPre,
-            KernelKind::BwdDkDv,
-            KernelKind::BwdDq,
-            KernelKind::BwdPost,
-        ] {
-            if cm_kernels::find_variant(k, dtype, a.head_dim, head_dim_v, false).is_none() {
-                bail!(
-                    "--bwd: the backward ({}) is not built for head_dim {} with head_dim_v \
-                     {head_dim_v} at {dtype}, which runs forward only (backward head dims: {})",
-                    k.name(),
-                    a.head_dim,
-                    cm_kernels::head_dims_text(&cm_kernels::built_head_dims(k, dtype, false))
-                );
-            }
-        }
-    }
     let opts = BenchOptions {
         heads: a.heads,
         kv_heads,

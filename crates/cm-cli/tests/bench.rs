@@ -36,13 +36,6 @@ fn bad_arguments_are_refused_before_the_gpu() {
         &["--head-dim 192 --head-dim-v 192 is not built"],
     );
     refused(
-        &["--bwd", "--head-dim", "256"],
-        &[
-            "--bwd: the backward (bwd_pre) is not built for head_dim 256",
-            "runs forward only (backward head dims: 64, 128)",
-        ],
-    );
-    refused(
         &["--decode", "--head-dim", "192", "--head-dim-v", "128"],
         &["--decode reads V at head_dim"],
     );

@@ -11,13 +11,15 @@
 //!    so the probabilities recomputed for them are exactly 0); in the fast mode it also zeroes
 //!    the fp32 dQ accumulator.
 //! 2. `bwd_dkdv`, per (128-key block, kv head, batch), walking the transposed lists at
-//!    [`cm_kernels::BWD_TILE`] (64-row query tiles): dK and dV, summed over the query heads of a
-//!    GQA group and over query tiles in registers in a fixed order, written once. It is
+//!    [`cm_kernels::BWD_TILE`] (64-row query tiles): dK and dV, summed over the query heads of
+//!    a GQA group and over query tiles in registers in a fixed order, written once. It is
 //!    warp-specialised: a TMA producer warpgroup streams Q, dO and the row statistics through a
 //!    two-stage ring while two wgmma consumer warpgroups (64 keys each) compute. In the fast
 //!    mode (the workspace has a dQ accumulator) it also adds each tile's dQ into that fp32
 //!    accumulator with one bulk asynchronous reduction per tile (`cp.reduce.async.bulk .add`),
-//!    in a fragment-ordered layout that `bwd_post` reads back.
+//!    in a fragment-ordered layout that `bwd_post` reads back. At the wide shapes of
+//!    [`cm_kernels::WIDE_SHAPES`] a CTA takes one 64-key half of a block, its two consumers
+//!    split the head dim, and dQ is added with vector reductions (`red.global.add.v4.f32`).
 //! 3. Fast mode: `bwd_post` scales and rounds the accumulator into dQ. Deterministic mode:
 //!    `bwd_dq`, per 64-row query block, walking the forward lists at [`cm_kernels::TILE`],
 //!    recomputes the tile's probabilities and accumulates dQ in registers (one warpgroup,
@@ -44,8 +46,10 @@ use std::sync::Arc;
 /// `sum(out * dout) + sum(lse * dlse)` (the second term only with `dlse`) for the forward that
 /// produced `out` and `lse` from the same `q`, `k`, `v`, plan and `softmax_scale`.
 ///
-/// Q, the output, dO and dQ are `[batch, num_heads, q_len, head_dim]`; K, V, dK and dV
-/// `[batch, num_kv_heads, kv_len, head_dim]` (query head `h` reads KV head
+/// Q and dQ are `[batch, num_heads, q_len, head_dim]`, the output and dO `[batch, num_heads,
+/// q_len, head_dim_v]`; K and dK `[batch, num_kv_heads, kv_len, head_dim]`, V and dV `[batch,
+/// num_kv_heads, kv_len, head_dim_v]` (head_dim_v = head_dim but at the MLA shape of
+/// `cm_kernels::WIDE_SHAPES`; query head `h` reads KV head
 /// `h / (num_heads / num_kv_heads)`; dK and dV are summed over the query heads of each group);
 /// `lse` is the forward's `[batch, num_heads, q_len]` fp32 natural-log log-sum-exp. Rows with no
 /// visible key (lse `-inf`) get dQ = 0 and add nothing to dK / dV; keys no row sees get
@@ -295,8 +299,10 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     if cm_kernels::find_variant(KernelKind::BwdDkDv, a.dtype, d, dv, scored).is_none() {
         let built = cm_kernels::built_head_dims(KernelKind::BwdDkDv, a.dtype, scored);
         return Err(Error::invalid(format!(
-            "q / v: head_dim = {d} with head_dim_v = {dv} runs forward only; the backward is built \
-             for head dims {} at {}",
+            "q / v: head_dim = {d} with head_dim_v = {dv}{} runs forward only; the backward{} is \
+             built for head dims {} at {}",
+            if scored { " and score terms" } else { "" },
+            if scored { " with score terms" } else { "" },
             cm_kernels::head_dims_text(&built),
             a.dtype
         )));
@@ -307,10 +313,10 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     }
     let [b, h, _, d] = a.q_layout.shape;
     let elem = a.dtype.size_bytes() as u64;
-    if a.dout_layout.shape != a.q_layout.shape {
+    if a.dout_layout.shape != a.out_layout.shape {
         return Err(Error::invalid(format!(
-            "dout: shape {:?} differs from q's shape {:?}",
-            a.dout_layout.shape, a.q_layout.shape
+            "dout: shape {:?} differs from out's shape {:?}",
+            a.dout_layout.shape, a.out_layout.shape
         )));
     }
     a.dout_layout.validate("dout", elem, false)?;
@@ -327,7 +333,7 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     }
     check_output("dq", &a.dq_layout, a.q_layout.shape, "q", elem, a.dq)?;
     check_output("dk", &a.dk_layout, a.k_layout.shape, "k", elem, a.dk)?;
-    check_output("dv", &a.dv_layout, a.k_layout.shape, "k", elem, a.dv)?;
+    check_output("dv", &a.dv_layout, a.v_layout.shape, "v", elem, a.dv)?;
     let needed = plan
         .backward_workspace_len(b, h, d, a.deterministic)
         .ok_or_else(|| Error::invalid("the backward workspace size overflows usize"))?;
@@ -350,20 +356,24 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     check_backward(plan, a)?;
     let [b, h, _, d] = a.q_layout.shape;
     let h_kv = a.k_layout.shape[1];
+    let dv = a.v_layout.shape[3];
     if b == 0 || h == 0 {
         return Ok(None);
     }
 
     let variant = |kind: KernelKind| {
         let scored = a.score.is_active() && kind.has_score_variant();
-        cm_kernels::find_variant(kind, a.dtype, d as u32, d as u32, scored).ok_or_else(|| {
+        cm_kernels::find_variant(kind, a.dtype, d as u32, dv as u32, scored).ok_or_else(|| {
             Error::invalid(format!(
-                "no {} kernel for {} at head_dim = {d}",
+                "no {} kernel for {} at head_dim = {d}, head_dim_v = {dv}",
                 kind.name(),
                 a.dtype
             ))
         })
     };
+    // bwd_dkdv's keys per CTA: its 128-key block, or one half of it at the wide shapes.
+    let dkdv_keys = cm_kernels::VARIANTS[variant(KernelKind::BwdDkDv)?].key_step();
+    let ctas_per_block = cm_kernels::BWD_TILE.1 / dkdv_keys;
     let (b32, h32, h_kv32) = (b as u32, h as u32, h_kv as u32);
     let per_query_block = (plan.num_m_blocks, h32, b32);
     let mut steps = Vec::with_capacity(3);
@@ -380,10 +390,12 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     };
     push(KernelKind::BwdPre, per_query_block)?;
     // One dimension: bwd_dkdv decodes (rank, kv head, batch) from its head groups.
-    let blocks = u64::from(plan.bwd_num_n_blocks) * h_kv as u64 * b as u64;
+    let blocks =
+        u64::from(plan.bwd_num_n_blocks) * u64::from(ctas_per_block) * h_kv as u64 * b as u64;
     let blocks = u32::try_from(blocks).map_err(|_| {
         Error::invalid(format!(
-            "{} key blocks x num_kv_heads = {h_kv} x batch = {b} = {blocks} backward blocks exceed 2^32",
+            "{} key blocks x {ctas_per_block} CTAs x num_kv_heads = {h_kv} x batch = {b} = {blocks} \
+             backward CTAs exceed 2^32",
             plan.bwd_num_n_blocks
         ))
     })?;
@@ -461,15 +473,15 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         bwd_pairs: b32.saturating_mul(h_kv32),
         score: a.score.params(plan.q_len, plan.kv_len, true),
     };
-    let (query_rows, key_rows) = cm_kernels::BWD_TILE;
+    let query_rows = cm_kernels::BWD_TILE.0;
     let tensor_maps = [
         TensorMap::encode("q", a.dtype, a.q, &a.q_layout, query_rows)?,
         TensorMap::encode("dout", a.dtype, a.dout, &a.dout_layout, query_rows)?,
-        TensorMap::encode("k", a.dtype, a.k, &a.k_layout, key_rows)?,
-        TensorMap::encode("v", a.dtype, a.v, &a.v_layout, key_rows)?,
+        TensorMap::encode("k", a.dtype, a.k, &a.k_layout, dkdv_keys)?,
+        TensorMap::encode("v", a.dtype, a.v, &a.v_layout, dkdv_keys)?,
     ];
     let pair_bytes =
-        u64::from(plan.q_len) * d as u64 * a.dtype.size_bytes() as u64 * 2 * (h / h_kv) as u64;
+        u64::from(plan.q_len) * (d + dv) as u64 * a.dtype.size_bytes() as u64 * (h / h_kv) as u64;
     Ok(Some(Launches {
         params,
         steps,

@@ -534,9 +534,10 @@ mod tests {
         assert!(err(&batches, &good).contains("the plan's masks are for batch = 3"));
     }
 
-    /// The wide shapes run on fwd_ws only: head_dim 256 and 192 with head_dim_v 128 are
-    /// accepted there (V and the output at head_dim_v), refused by the reference kernels and
-    /// at any other pairing, each error naming the shape and listing the built ones.
+    /// The wide shapes run on fwd_ws (and the backward): head_dim 256 and 192 with head_dim_v
+    /// 128 are accepted there (V and the output at head_dim_v), refused by the reference
+    /// kernels and at any other pairing, each error naming the shape and listing the built
+    /// ones.
     #[test]
     fn wide_head_dims_are_fwd_ws_shapes() {
         let plan = layout(70, 90, 1, [1, 1]);
@@ -571,11 +572,13 @@ mod tests {
         wrong_out.out_layout = TensorLayout::contiguous([2, 4, 70, 192]);
         assert!(ws(&wrong_out).contains("out: shape [2, 4, 70, 192], expected"));
 
-        // The backward of a forward-only shape is refused by name, before its own checks;
-        // at 128 the same arguments pass that check and reach the workspace's.
-        let backward = |d: usize, dv: usize| {
-            let f = shaped(d, dv);
-            let raw = crate::BackwardRaw {
+        // The backward is built at every shape without score terms: the same arguments pass
+        // the shape check and reach the workspace's. With score terms (built forward at
+        // 192 / 128) it is refused by name, before its own checks.
+        let backward_raw = |d: usize, dv: usize, softcap: f32| {
+            let mut f = shaped(d, dv);
+            f.score.softcap = softcap;
+            crate::BackwardRaw {
                 dtype: f.dtype,
                 q: f.q,
                 q_layout: f.q_layout,
@@ -601,20 +604,44 @@ mod tests {
                 softmax_scale: f.softmax_scale,
                 deterministic: false,
                 score: f.score,
-            };
-            crate::check_backward(&plan, &raw).map_err(|e| e.to_string())
+            }
         };
+        let check = |raw: &crate::BackwardRaw| {
+            crate::check_backward(&plan, raw).map_err(|e| e.to_string())
+        };
+        let backward = |d: usize, dv: usize, softcap: f32| check(&backward_raw(d, dv, softcap));
         for (d, dv) in cm_kernels::WIDE_SHAPES {
-            let got = backward(d as usize, dv as usize).unwrap_err();
+            let got = backward(d as usize, dv as usize, 0.0).unwrap_err();
+            assert!(got.contains("workspace"), "{got}");
+        }
+        for (d, dv) in cm_kernels::WIDE_SCORE_SHAPES {
+            let got = backward(d as usize, dv as usize, 30.0).unwrap_err();
             assert!(
                 got.contains(&format!(
-                    "head_dim = {d} with head_dim_v = {dv} runs forward only; the backward is \
-                     built for head dims 64, 128 at bf16"
+                    "head_dim = {d} with head_dim_v = {dv} and score terms runs forward only; the \
+                     backward with score terms is built for head dims 64, 128 at bf16"
                 )),
                 "{got}"
             );
         }
-        assert!(backward(128, 128).unwrap_err().contains("workspace"));
+        assert!(backward(128, 128, 0.0).unwrap_err().contains("workspace"));
+        assert!(backward(128, 128, 30.0).unwrap_err().contains("workspace"));
+        // At MLA's shape dO is shaped as the output and dV as V, not as Q and K.
+        let mut raw = backward_raw(192, 128, 0.0);
+        raw.dout_layout = raw.q_layout;
+        assert!(check(&raw)
+            .unwrap_err()
+            .contains("dout: shape [2, 4, 70, 192] differs from out's shape [2, 4, 70, 128]"));
+        let mut raw = backward_raw(192, 128, 0.0);
+        raw.dv_layout = raw.k_layout;
+        assert!(check(&raw)
+            .unwrap_err()
+            .contains("dv: shape [2, 2, 90, 192] differs from v's shape [2, 2, 90, 128]"));
+        let mut raw = backward_raw(192, 128, 0.0);
+        raw.dk_layout = raw.v_layout;
+        assert!(check(&raw)
+            .unwrap_err()
+            .contains("dk: shape [2, 2, 90, 128] differs from k's shape [2, 2, 90, 192]"));
     }
 
     #[test]

@@ -1,5 +1,5 @@
-// Shared definitions of the backward kernels (bwd_pre.cu, bwd_dkdv.cu, bwd_dq.cu,
-// bwd_post.cu): the parameter block, the 128B-swizzled shared-memory tile loader and the
+// Shared definitions of the backward kernels (bwd_pre.cu, bwd_dkdv.cu, bwd_dkdv_wide.cu,
+// bwd_dq.cu, bwd_post.cu): the parameter block, the 128B-swizzled shared-memory tile loader and the
 // per-row key visibility of a partial tile.
 //
 // The backward pass, for softmax_scale c, P = softmax(c Q K^T) over each row's visible keys:
@@ -16,8 +16,8 @@
 #include "score.cuh"
 #endif
 
-#ifndef CM_HEAD_DIM
-#error "CM_HEAD_DIM must be defined (64 or 128)"
+#if !defined(CM_HEAD_DIM) || !defined(CM_HEAD_DIM_V)
+#error "CM_HEAD_DIM and CM_HEAD_DIM_V must be defined"
 #endif
 #ifndef CM_DTYPE_BF16
 #error "CM_DTYPE_BF16 must be defined (1 = bf16, 0 = fp16)"
@@ -26,13 +26,20 @@
 #define BLOCK_M 64
 #define BLOCK_N 64
 #define NUM_THREADS 128
+// Columns of Q, K, dQ and dK (HEAD_DIM), and of V, O, dO and dV (HEAD_DIM_V).
 #define HEAD_DIM CM_HEAD_DIM
-// Bytes of one 64-row tile of Q, dO, K or V in shared memory: HEAD_DIM / 64 column atoms of
-// [64 rows][128 bytes], 128B-swizzled (wgmma.cuh); a multiple of 1024, so tiles placed back
-// to back from a 1024-byte-aligned base stay swizzle-atom aligned.
+#define HEAD_DIM_V CM_HEAD_DIM_V
+// Bytes of one 64-row tile of Q or K (TILE_BYTES) and of dO or V (TILE_BYTES_V) in shared
+// memory: HEAD_DIM / 64 (HEAD_DIM_V / 64) column atoms of [64 rows][128 bytes],
+// 128B-swizzled (wgmma.cuh); multiples of 1024, so tiles placed back to back from a
+// 1024-byte-aligned base stay swizzle-atom aligned.
 #define TILE_BYTES (BLOCK_M * HEAD_DIM * 2)
+#define TILE_BYTES_V (BLOCK_M * HEAD_DIM_V * 2)
 
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+// cm_kernels::VARIANTS: 64 and 128, and the wide shapes (cm_kernels::WIDE_SHAPES).
+static_assert((HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && HEAD_DIM_V == HEAD_DIM ||
+                  HEAD_DIM == 192 && HEAD_DIM_V == 128,
+              "(head_dim, head_dim_v) must be (64, 64), (128, 128), (256, 256) or (192, 128)");
 static_assert(BLOCK_M == BLOCK_N, "query and key tiles share one loader and one shape");
 
 // Kernel parameters, passed by value. Must match cm_cuda::backward::BwdParams field for field
@@ -41,12 +48,12 @@ static_assert(BLOCK_M == BLOCK_N, "query and key tiles share one loader and one 
 struct CmBwdParams {
     const u16* q;     // [batch, num_heads, q_len, head_dim]
     const u16* k;     // [batch, num_kv_heads, kv_len, head_dim]
-    const u16* v;     // [batch, num_kv_heads, kv_len, head_dim]
-    const u16* o;     // forward output, [batch, num_heads, q_len, head_dim]
-    const u16* dout;  // [batch, num_heads, q_len, head_dim]
+    const u16* v;     // [batch, num_kv_heads, kv_len, head_dim_v]
+    const u16* o;     // forward output, [batch, num_heads, q_len, head_dim_v]
+    const u16* dout;  // [batch, num_heads, q_len, head_dim_v]
     u16* dq;          // [batch, num_heads, q_len, head_dim]
     u16* dk;          // [batch, num_kv_heads, kv_len, head_dim]
-    u16* dv;          // [batch, num_kv_heads, kv_len, head_dim]
+    u16* dv;          // [batch, num_kv_heads, kv_len, head_dim_v]
     const float* lse;  // forward lse (natural log), [batch, num_heads, q_len], seq stride 1
     // Workspace, rows padded to q_pad = num_m_blocks * BLOCK_M so that tile loads need no bounds
     // check: dq_accum [batch, num_heads, q_pad, head_dim] fp32 (null in deterministic mode),
@@ -119,21 +126,23 @@ __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 
 // Columns of a dQ tile each of bwd_dkdv's two consumer warpgroups computes.
 #define CM_DQ_COLS (HEAD_DIM / 2)
 
-// Float offset, inside one 64 x HEAD_DIM tile of the fast mode's dQ accumulator, of
-// bwd_dkdv's accumulator element [j][e] of lane `lane` of warp `warp` of consumer `c`: row
-// 16 warp + lane / 4 + 8 (e >> 1), column c * CM_DQ_COLS + 8 j + 2 (lane % 4) + (e & 1), at
-// offset + e. A warp's four elements of one j are one 16-byte vector and its 32 vectors are
-// contiguous, so the shared-memory stores are conflict-free; bwd_post reads it back.
-__device__ __forceinline__ u32 cm_dq_offset(u32 c, u32 warp, u32 j, u32 lane) {
-    return (((c * 4 + warp) * (CM_DQ_COLS / 8) + j) * 32 + lane) * 4;
+// Float offset, inside one 64 x HEAD_DIM tile of the fast mode's dQ accumulator, of the
+// m16n8 accumulator element pair block of lane `lane` of warp `warp` (a consumer warpgroup's
+// warp, rows 16 warp ..) at columns 8 chunk .. 8 chunk + 7: row 16 warp + lane / 4 + 8 (e >> 1),
+// column 8 chunk + 2 (lane % 4) + (e & 1) at offset + e. A warp's four elements of one chunk
+// are one 16-byte vector and its 32 vectors are contiguous, so the shared-memory stores and
+// the wide kernel's vector reductions are conflict-free and coalesced; bwd_post reads it back.
+__device__ __forceinline__ u32 cm_dq_offset(u32 chunk, u32 warp, u32 lane) {
+    return ((chunk * 4 + warp) * 32 + lane) * 4;
 }
 
-// Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into the swizzled tile at shared
+// Copies rows [row0, row0 + 64) of a [seq, COLS] matrix into the swizzled tile at shared
 // address `tile`, zero-filling rows at or past `len` (zeros, never garbage that 0 * NaN could
 // spread). Eight consecutive threads write the eight chunks of one atom row: distinct banks
 // after the swizzle, one coalesced global row.
+template <int COLS>
 __device__ __forceinline__ void cm_bwd_load_tile(u32 tile, const u16* base, i64 row_stride, u32 row0, u32 len) {
-    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+    constexpr int CHUNKS_PER_ROW = COLS / 8;
     constexpr int PER_THREAD = BLOCK_M * CHUNKS_PER_ROW / NUM_THREADS;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {

@@ -24,12 +24,15 @@
 // Without the accumulator (the deterministic mode) the consumers never synchronise with each
 // other and dQ is left to bwd_dq; the mode is a uniform branch.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM = CM_HEAD_DIM_V (64|128; the
+// wider shapes are bwd_dkdv_wide.cu's),
 // CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with), CM_SCORE (1:
 // recompute P with the score terms, add the distance table's gradient, apply the softcap's
 // derivative to dS).
 #include "bwd_common.cuh"
 #include "tma.cuh"
+
+static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_dkdv_wide.cu's");
 
 // Keys per CTA (two consumer warpgroups of 64) and threads (producer + two consumers).
 #define KEY_BLOCK 128
@@ -460,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 cm_fence_acc(acc_dq);
     #pragma unroll
                 for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c, warp, j, lane)),
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c * (CM_DQ_COLS / 8) + j, warp, lane)),
                                  "f"(acc_dq[j][0]), "f"(acc_dq[j][1]), "f"(acc_dq[j][2]), "f"(acc_dq[j][3])
                                  : "memory");
                 }

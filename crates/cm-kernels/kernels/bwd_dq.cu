@@ -8,7 +8,8 @@
 // 16 w .. 16 w + 15 (the forward's fragment layout). K and V are double buffered: the next
 // tile's loads run during the current tile's products. Query blocks with no tile write dQ = 0.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM (64|128),
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM and CM_HEAD_DIM_V
+// (cm_kernels::VARIANTS' shapes),
 // CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with), CM_SCORE (1:
 // recompute P with the score terms and apply the softcap's derivative to dS).
 #include "bwd_common.cuh"
@@ -16,9 +17,13 @@
 // Shared memory from a 1024-byte-aligned base: Q, dO, two stages of K and V, two stages of
 // the per-row key visibility of a partial tile (64 u64).
 #define OFF_DO TILE_BYTES
-#define OFF_K (2 * TILE_BYTES)
-#define OFF_V (4 * TILE_BYTES)
-#define OFF_BITS (6 * TILE_BYTES)
+#define OFF_K (TILE_BYTES + TILE_BYTES_V)
+#define OFF_V (3 * TILE_BYTES + TILE_BYTES_V)
+#define OFF_BITS (3 * TILE_BYTES + 3 * TILE_BYTES_V)
+// dQ's accumulator: one array of HEAD_DIM columns up to 128 (one wgmma of N = HEAD_DIM per
+// k-step), else one array per 64-column atom (there is no N = 192 shape to cover 192 at once).
+#define DQ_PARTS (HEAD_DIM > 128 ? HEAD_DIM / 64 : 1)
+#define DQ_PART_COLS (HEAD_DIM / DQ_PARTS)
 #define SMEM_BYTES (OFF_BITS + 2 * BLOCK_M * 8 + 1024)
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
 
@@ -81,8 +86,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
                BLOCK_N;
     };
     auto load_kv = [&](u32 key0, u32 st) {
-        cm_bwd_load_tile(base + OFF_K + st * TILE_BYTES, k, p.k_stride_row, key0, p.kv_len);
-        cm_bwd_load_tile(base + OFF_V + st * TILE_BYTES, v, p.v_stride_row, key0, p.kv_len);
+        cm_bwd_load_tile<HEAD_DIM>(base + OFF_K + st * TILE_BYTES, k, p.k_stride_row, key0, p.kv_len);
+        cm_bwd_load_tile<HEAD_DIM_V>(base + OFF_V + st * TILE_BYTES_V, v, p.v_stride_row, key0, p.kv_len);
     };
     // The key masks of partial tile `it`'s 64 rows into stage `st`: the even threads of every
     // warp take one row each.
@@ -102,15 +107,22 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         dl[h] = p.delta[bh * p.q_pad + row];
     }
 
-    float acc_dq[HEAD_DIM / 8][4];
+    float acc_dq[DQ_PARTS][DQ_PART_COLS / 8][4];
 #pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) acc_dq[j][0] = acc_dq[j][1] = acc_dq[j][2] = acc_dq[j][3] = 0.f;
+    for (int pp = 0; pp < DQ_PARTS; ++pp) {
+#pragma unroll
+        for (int j = 0; j < DQ_PART_COLS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[pp][j][e] = 0.f;
+        }
+    }
 
     if (num_tiles > 0) {
         const u32 key0 = key_of(0);
-        cm_bwd_load_tile(sQ, p.q + batch * p.q_stride_batch + head * p.q_stride_head, p.q_stride_row, row0, p.q_len);
-        cm_bwd_load_tile(sdO, p.dout + batch * p.do_stride_batch + head * p.do_stride_head, p.do_stride_row, row0,
-                         p.q_len);
+        cm_bwd_load_tile<HEAD_DIM>(sQ, p.q + batch * p.q_stride_batch + head * p.q_stride_head, p.q_stride_row, row0,
+                                   p.q_len);
+        cm_bwd_load_tile<HEAD_DIM_V>(sdO, p.dout + batch * p.do_stride_batch + head * p.do_stride_head,
+                                     p.do_stride_row, row0, p.q_len);
         load_kv(key0, 0);
         cm_cp_async_commit();
         row_bits(0, key0, 0);
@@ -119,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     for (u32 it = 0; it < num_tiles; ++it) {
         const u32 st = it & 1;
         const u32 sK = base + OFF_K + st * TILE_BYTES;
-        const u32 sV = base + OFF_V + st * TILE_BYTES;
+        const u32 sV = base + OFF_V + st * TILE_BYTES_V;
         const bool has_next = it + 1 < num_tiles;
         const u32 key_next = has_next ? key_of(it + 1) : 0;
         // Stage st ^ 1 was last read in iteration it - 1, before its closing barrier.
@@ -143,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
             cm_wgmma_n64_ss(s, cm_desc_k_major(sQ, BLOCK_M, ks), cm_desc_k_major(sK, BLOCK_N, ks), ks > 0);
         }
 #pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        for (int ks = 0; ks < HEAD_DIM_V / 16; ++ks) {
             cm_wgmma_n64_ss(dp, cm_desc_k_major(sdO, BLOCK_M, ks), cm_desc_k_major(sV, BLOCK_N, ks), ks > 0);
         }
         cm_wgmma_commit();
@@ -193,15 +205,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
         cm_wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) cm_wgmma_rs<1>(acc_dq, dsa[kk], cm_desc_mn_major(sK, BLOCK_N, kk), 1);
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+            for (int pp = 0; pp < DQ_PARTS; ++pp) {
+                cm_wgmma_rs<1>(acc_dq[pp], dsa[kk], cm_desc_mn_major(sK + pp * BLOCK_N * 128, BLOCK_N, kk), 1);
+            }
+        }
         cm_wgmma_commit();
         cm_wgmma_wait<0>();
-        cm_fence_acc(acc_dq);
+#pragma unroll
+        for (int pp = 0; pp < DQ_PARTS; ++pp) cm_fence_acc(acc_dq[pp]);
         cm_fence_frag(dsa);
         __syncthreads();  // every warp is done with stage st (K, V, key masks)
     }
     cm_cp_async_wait<0>();
 
-    cm_bwd_store_rows(p.dq + batch * p.dq_stride_batch + head * p.dq_stride_head, p.dq_stride_row, acc_dq,
-                      p.softmax_scale, row0, p.q_len, warp, g, t);
+#pragma unroll
+    for (int pp = 0; pp < DQ_PARTS; ++pp) {
+        cm_bwd_store_rows(p.dq + batch * p.dq_stride_batch + head * p.dq_stride_head + pp * DQ_PART_COLS,
+                          p.dq_stride_row, acc_dq[pp], p.softmax_scale, row0, p.q_len, warp, g, t);
+    }
 }

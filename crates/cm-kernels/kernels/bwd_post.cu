@@ -3,7 +3,8 @@
 // reductions (in its fragment order, cm_dq_offset), rounded to the element type. Rows no tile
 // reached were zeroed by bwd_pre, so rows with no visible key get dQ = 0.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128).
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM and
+// CM_HEAD_DIM_V (cm_kernels::VARIANTS' shapes).
 #include "bwd_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_post(const CmBwdParams p) {
@@ -20,10 +21,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_post(const CmBw
         const u32 r = i / CHUNKS_PER_ROW;
         const u32 col = (i % CHUNKS_PER_ROW) * 8;
         if (row0 + r >= p.q_len) continue;
-        // Row r's eight columns col .. col + 7 are element pair 2 h of lanes 4 (r % 8) .. + 3.
-        const u32 c = col / CM_DQ_COLS;
-        const u32 j = (col % CM_DQ_COLS) / 8;
-        const u32 at = cm_dq_offset(c, r / 16, j, (r % 8) * 4) + 2 * ((r / 8) % 2);
+        // Row r's eight columns col .. col + 7 are element pair 2 h of lanes 4 (r % 8) .. + 3
+        // (the warp of rows 16 (r / 16) .. of either consumer).
+        const u32 at = cm_dq_offset(col / 8, r / 16, (r % 8) * 4) + 2 * ((r / 8) % 2);
         float v[8];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {

@@ -7,7 +7,8 @@
 // delta = 0: every probability recomputed from them is exp2(s - inf) = 0, so such rows add
 // nothing to dK / dV and get dQ = 0, with no -inf - -inf = NaN anywhere.
 //
-// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64|128).
+// Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM and
+// CM_HEAD_DIM_V (cm_kernels::VARIANTS' shapes).
 #include "bwd_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwdParams p) {
@@ -16,7 +17,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwd
     const u32 batch = blockIdx.z;
     const u32 row0 = m_block * BLOCK_M;
     const u64 bh = (u64)batch * p.num_heads + head;
-    // Two threads per row, each over half of head_dim in 16-byte vectors.
+    // Two threads per row, each over half of head_dim_v in 16-byte vectors.
     const u32 r = threadIdx.x >> 1;
     const u32 half = threadIdx.x & 1;
     const u32 row = row0 + r;
@@ -25,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwd
         const u16* o = p.o + batch * p.o_stride_batch + head * p.o_stride_head + (i64)row * p.o_stride_row;
         const u16* d = p.dout + batch * p.do_stride_batch + head * p.do_stride_head + (i64)row * p.do_stride_row;
 #pragma unroll
-        for (int c = half * (HEAD_DIM / 2); c < (int)(half + 1) * (HEAD_DIM / 2); c += 8) {
+        for (int c = half * (HEAD_DIM_V / 2); c < (int)(half + 1) * (HEAD_DIM_V / 2); c += 8) {
             const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
             const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
             const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w};

@@ -183,10 +183,12 @@ impl KernelKind {
     }
 }
 
-/// The forward-only shapes `(head_dim, head_dim_v)` beyond 64 and 128: Gemma's head_dim 256
-/// and DeepSeek's MLA (192 for Q and K, 128 for V), built for [`KernelKind::FwdWs`] (with
-/// score terms at [`WIDE_SCORE_SHAPES`] only). Their backward is not built yet (its dK / dV tiles of 64 keys x 256 columns do
-/// not fit one consumer warpgroup's registers and need a head_dim split).
+/// The shapes `(head_dim, head_dim_v)` beyond 64 and 128: Gemma's head_dim 256 and
+/// DeepSeek's MLA (192 for Q and K, 128 for V). Built for [`KernelKind::FwdWs`] (with score
+/// terms at [`WIDE_SCORE_SHAPES`] only) and for the backward's four kernels without score
+/// terms; their `bwd_dkdv` is `kernels/bwd_dkdv_wide.cu` (64-key CTAs with the head dim split
+/// between the consumers: 64 keys x 256 columns of dK and dV do not fit one warpgroup's
+/// registers).
 pub const WIDE_SHAPES: [(u32, u32); 2] = [(256, 256), (192, 128)];
 
 /// The [`WIDE_SHAPES`] with a score-terms variant of `fwd_ws`: at head_dim 256 the terms'
@@ -215,11 +217,23 @@ impl Variant {
     /// Keys per pipeline stage of [`KernelKind::FwdWs`]: the descriptor's 128-key tile, or at
     /// head_dim above 192 half of it (two stages of 128 keys x 256 columns of K and V beside a
     /// 128 x 256 Q tile exceed the SM's 227 KB of shared memory; the 64-key halves of one tile
-    /// share its visibility bits). Other kernels: their tile's `block_n`.
+    /// share its visibility bits). Keys per CTA of [`KernelKind::BwdDkDv`]: its 128-key block,
+    /// or half of it at the wide shapes (one CTA per half). Other kernels: their tile's
+    /// `block_n`.
     pub const fn key_step(&self) -> u32 {
         match self.kernel {
             KernelKind::FwdWs if self.head_dim > 192 => 64,
+            KernelKind::BwdDkDv if self.head_dim > 128 => 64,
             kind => kind.tile().1,
+        }
+    }
+
+    /// The source file that defines this variant's entry point: the kernel's, but
+    /// `bwd_dkdv_wide.cu` for [`KernelKind::BwdDkDv`] at the [`WIDE_SHAPES`].
+    pub const fn source_file(&self) -> &'static str {
+        match self.kernel {
+            KernelKind::BwdDkDv if self.head_dim > 128 => "bwd_dkdv_wide.cu",
+            kind => kind.source_file(),
         }
     }
 
@@ -250,7 +264,14 @@ impl Variant {
     /// buffers exceed the 48 KB static limit.
     pub const fn dynamic_shared_bytes(&self) -> u32 {
         let tile = 64 * self.head_dim * 2;
+        let tile_v = 64 * self.head_dim_v * 2;
         match self.kernel {
+            // bwd_dkdv_wide.cu: K and V of 64 keys, two stages of Q and dO, P^T and dS^T (64 x
+            // 64 elements each), two stages of lse and delta (64 f32 each) and of the half's
+            // key visibility (64 u64), 64 bytes of mbarriers, and 1 KB of alignment.
+            KernelKind::BwdDkDv if self.head_dim > 128 => {
+                3 * tile + 3 * tile_v + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 64 + 1024
+            }
             // K and V (128 x head_dim each), two stages of Q and dO, two of dS^T (128 x 64
             // elements), the fp32 dQ tile (64 x head_dim), two stages of lse and delta (64 f32
             // each) and of the key visibility (128 u64), 64 bytes of mbarriers, and 1 KB to
@@ -266,7 +287,7 @@ impl Variant {
                     + 1024
             }
             // Q, dO, two stages of K and V; two stages of row visibility; alignment.
-            KernelKind::BwdDq => 6 * tile + 2 * 64 * 8 + 1024,
+            KernelKind::BwdDq => 3 * tile + 3 * tile_v + 2 * 64 * 8 + 1024,
             // Three stages of a 64-key K and V tile, rows padded by 16 bytes (decode.cu's PITCH).
             KernelKind::Decode => 3 * 2 * 64 * (self.head_dim + 8) * 2,
             // Q (128 x head_dim) and two stages of K (key_step x head_dim) and V (key_step x
@@ -287,9 +308,10 @@ impl Variant {
 
 /// Every variant the project ships; the build compiles all of them and the runtime finds a
 /// launch's kernel here by index: every kernel at both dtypes and head dims 64 and 128, the
-/// score variant of each kernel that has one, then `fwd_ws` at both dtypes and each of
-/// [`WIDE_SHAPES`], then with score terms at each of [`WIDE_SCORE_SHAPES`].
-pub const VARIANTS: [Variant; 54] = {
+/// score variant of each kernel that has one, then at both dtypes and each of
+/// [`WIDE_SHAPES`] `fwd_ws` and the backward's four kernels, then `fwd_ws` with score terms at
+/// each of [`WIDE_SCORE_SHAPES`].
+pub const VARIANTS: [Variant; 70] = {
     use DType::{Bf16, F16};
     use KernelKind::{
         BwdDkDv, BwdDq, BwdPost, BwdPre, Decode, DecodeMerge, FwdSimple, FwdWgmma, FwdWs,
@@ -309,17 +331,20 @@ pub const VARIANTS: [Variant; 54] = {
         (Decode, false),
         (DecodeMerge, false),
     ];
+    // The kernels built at the wide shapes.
+    const WIDE_KINDS: [KernelKind; 5] = [FwdWs, BwdPre, BwdDkDv, BwdDq, BwdPost];
     const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
     const SQUARE: usize = KINDS.len() * SHAPES.len();
-    const WIDE: usize = 2 * WIDE_SHAPES.len();
-    assert!(SQUARE + WIDE + 2 * WIDE_SCORE_SHAPES.len() == 54);
+    const WIDE: usize = 2 * WIDE_SHAPES.len() * WIDE_KINDS.len();
+    const N: usize = SQUARE + WIDE + 2 * WIDE_SCORE_SHAPES.len();
+    assert!(N == 70);
     let mut out = [Variant {
         kernel: FwdSimple,
         dtype: Bf16,
         head_dim: 64,
         head_dim_v: 64,
         score: false,
-    }; 54];
+    }; N];
     let mut n = 0;
     while n < SQUARE {
         let (kernel, score) = KINDS[n / SHAPES.len()];
@@ -333,16 +358,19 @@ pub const VARIANTS: [Variant; 54] = {
         };
         n += 1;
     }
-    while n < out.len() {
+    while n < N {
         let i = n - SQUARE;
         let score = i >= WIDE;
-        let (head_dim, head_dim_v) = if score {
-            WIDE_SCORE_SHAPES[(i - WIDE) / 2]
+        let (kernel, (head_dim, head_dim_v)) = if score {
+            (FwdWs, WIDE_SCORE_SHAPES[(i - WIDE) / 2])
         } else {
-            WIDE_SHAPES[i / 2]
+            (
+                WIDE_KINDS[i / 2 / WIDE_SHAPES.len()],
+                WIDE_SHAPES[i / 2 % WIDE_SHAPES.len()],
+            )
         };
         out[n] = Variant {
-            kernel: FwdWs,
+            kernel,
             dtype: if i % 2 == 0 { Bf16 } else { F16 },
             head_dim,
             head_dim_v,
@@ -413,6 +441,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("bwd_common.cuh", include_str!("../kernels/bwd_common.cuh")),
     ("bwd_pre.cu", include_str!("../kernels/bwd_pre.cu")),
     ("bwd_dkdv.cu", include_str!("../kernels/bwd_dkdv.cu")),
+    (
+        "bwd_dkdv_wide.cu",
+        include_str!("../kernels/bwd_dkdv_wide.cu"),
+    ),
     ("bwd_dq.cu", include_str!("../kernels/bwd_dq.cu")),
     ("bwd_post.cu", include_str!("../kernels/bwd_post.cu")),
     ("decode.cu", include_str!("../kernels/decode.cu")),
@@ -657,6 +689,8 @@ mod tests {
         for v in VARIANTS.iter().filter(|v| v.dynamic_shared_bytes() > 0) {
             let ctas = match v.kernel {
                 KernelKind::BwdDkDv | KernelKind::FwdWs => 1,
+                // Q, dO and two stages of K and V at 256 columns are 192 KB.
+                KernelKind::BwdDq if v.head_dim > 128 => 1,
                 _ => 2,
             };
             assert!(
@@ -677,7 +711,7 @@ mod tests {
                 Some(i)
             );
             assert!(!v.score || v.kernel.has_score_variant(), "{}", v.name());
-            assert!(source(v.kernel.source_file()).is_some());
+            assert!(source(v.source_file()).is_some(), "{}", v.name());
         }
         let keys: std::collections::HashSet<_> = VARIANTS
             .iter()
@@ -690,24 +724,40 @@ mod tests {
         );
     }
 
-    /// The wide shapes are fwd_ws's only; their key step keeps two stages of K and V beside
-    /// Q inside one SM's shared memory, and the kernel learns it through its defines.
+    /// The wide shapes are built for fwd_ws and the backward's kernels, the backward without
+    /// score terms; fwd_ws's key step keeps two stages of K and V beside Q inside one SM's
+    /// shared memory, bwd_dkdv runs a CTA per 64-key half, and the kernels learn both through
+    /// their defines.
     #[test]
-    fn wide_shapes_are_forward_only_and_fit() {
+    fn wide_shapes_are_built_forward_and_backward_and_fit() {
+        const WIDE_KINDS: [KernelKind; 5] = [
+            KernelKind::FwdWs,
+            KernelKind::BwdPre,
+            KernelKind::BwdDkDv,
+            KernelKind::BwdDq,
+            KernelKind::BwdPost,
+        ];
         let wide: Vec<&Variant> = VARIANTS
             .iter()
             .filter(|v| v.head_dim > 128 || v.head_dim_v != v.head_dim)
             .collect();
         assert_eq!(
             wide.len(),
-            2 * (WIDE_SHAPES.len() + WIDE_SCORE_SHAPES.len())
+            2 * (WIDE_KINDS.len() * WIDE_SHAPES.len() + WIDE_SCORE_SHAPES.len())
         );
         for v in &wide {
-            assert_eq!(v.kernel, KernelKind::FwdWs, "{}", v.name());
+            assert!(WIDE_KINDS.contains(&v.kernel), "{}", v.name());
+            assert!(!v.score || v.kernel == KernelKind::FwdWs, "{}", v.name());
             assert!(WIDE_SHAPES.contains(&(v.head_dim, v.head_dim_v)));
-            let step = if v.head_dim > 192 { 64 } else { 128 };
-            assert_eq!(v.key_step(), step, "{}", v.name());
-            assert!(v.defines().contains(&format!("-DCM_WS_KEY_STEP={step}")));
+            if v.kernel == KernelKind::FwdWs {
+                let step = if v.head_dim > 192 { 64 } else { 128 };
+                assert_eq!(v.key_step(), step, "{}", v.name());
+                assert!(v.defines().contains(&format!("-DCM_WS_KEY_STEP={step}")));
+            }
+            if v.kernel == KernelKind::BwdDkDv {
+                assert_eq!(v.key_step(), 64, "{}", v.name());
+                assert_eq!(v.source_file(), "bwd_dkdv_wide.cu");
+            }
             assert!(
                 v.dynamic_shared_bytes() + 1024 <= 227 * 1024,
                 "{}",
@@ -726,12 +776,22 @@ mod tests {
             built_head_dims(KernelKind::FwdWs, DType::F16, true),
             vec![(64, 64), (128, 128), (192, 128)]
         );
-        for score in [false, true] {
+        for kind in [KernelKind::BwdPre, KernelKind::BwdDkDv, KernelKind::BwdDq] {
             assert_eq!(
-                built_head_dims(KernelKind::BwdDkDv, DType::Bf16, score),
-                vec![(64, 64), (128, 128)]
+                built_head_dims(kind, DType::Bf16, false),
+                vec![(64, 64), (128, 128), (192, 128), (256, 256)]
             );
         }
+        assert_eq!(
+            built_head_dims(KernelKind::BwdDkDv, DType::F16, true),
+            vec![(64, 64), (128, 128)]
+        );
+        let square_dkdv = VARIANTS
+            .iter()
+            .find(|v| v.kernel == KernelKind::BwdDkDv && v.head_dim == 128)
+            .unwrap();
+        assert_eq!(square_dkdv.key_step(), 128);
+        assert_eq!(square_dkdv.source_file(), "bwd_dkdv.cu");
         let mla = VARIANTS
             .iter()
             .find(|v| v.head_dim_v == 128 && v.head_dim == 192);

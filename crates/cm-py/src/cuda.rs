@@ -32,15 +32,16 @@ pub fn cuda_kernel_tile() -> (u32, u32) {
     (t.block_m, t.block_n)
 }
 
-/// The `(head_dim, head_dim_v)` shapes the CUDA kernels are built for, ascending, in three
-/// lists: the forward without score terms, the forward with them, and the backward (both
-/// modes; every dtype has the same shapes).
-pub fn head_dims() -> [Vec<(u32, u32)>; 3] {
+/// The `(head_dim, head_dim_v)` shapes the CUDA kernels are built for, ascending, in four
+/// lists: the forward without score terms, the forward with them, the backward without and
+/// with them (both modes; every dtype has the same shapes).
+pub fn head_dims() -> [Vec<(u32, u32)>; 4] {
     use cm_kernels::{built_head_dims, DType, KernelKind};
     [
         built_head_dims(KernelKind::FwdWs, DType::Bf16, false),
         built_head_dims(KernelKind::FwdWs, DType::Bf16, true),
         built_head_dims(KernelKind::BwdDkDv, DType::Bf16, false),
+        built_head_dims(KernelKind::BwdDkDv, DType::Bf16, true),
     ]
 }
 

@@ -67,10 +67,11 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::reference_backward_scored, m)?)?;
     m.add_function(wrap_pyfunction!(serve::paged_reference, m)?)?;
     m.add("CUDA_PLAN_ARRAYS", cuda::plan_array_names())?;
-    let [forward, score, backward] = cuda::head_dims();
+    let [forward, score, backward, score_backward] = cuda::head_dims();
     m.add("CUDA_FORWARD_HEAD_DIMS", forward)?;
     m.add("CUDA_SCORE_HEAD_DIMS", score)?;
     m.add("CUDA_BACKWARD_HEAD_DIMS", backward)?;
+    m.add("CUDA_SCORE_BACKWARD_HEAD_DIMS", score_backward)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;

@@ -95,10 +95,13 @@ def _cpu_backward(grad_out, grad_lse, q, k, v, row_ptr, intervals, mask_index, s
 
 _CUDA_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The (head_dim, head_dim_v) shapes of the kernels' variant table (cm-kernels), from the
-# extension: the forward, the forward with score terms, the backward.
+# extension: the forward, the forward with score terms, the backward, the backward with
+# score terms.
 CUDA_FORWARD_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_FORWARD_HEAD_DIMS)
 CUDA_SCORE_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_SCORE_HEAD_DIMS)
 CUDA_BACKWARD_HEAD_DIMS = tuple(tuple(s) for s in _native.CUDA_BACKWARD_HEAD_DIMS)
+CUDA_SCORE_BACKWARD_HEAD_DIMS = tuple(
+    tuple(s) for s in _native.CUDA_SCORE_BACKWARD_HEAD_DIMS)
 
 
 def _shapes_text(shapes: tuple) -> str:
@@ -119,14 +122,15 @@ def _check_cuda_supported(q: Tensor, v: Tensor, shapes: tuple = CUDA_FORWARD_HEA
 
 def check_cuda_backward_supported(q: Tensor, k: Tensor, v: Tensor, scored: bool) -> None:
     """Refuses, before the forward runs, a CUDA call whose inputs need gradients at a shape
-    built forward only (``CUDA_BACKWARD_HEAD_DIMS``), so that training fails at the call, not
-    at ``backward()`` after the forward's work."""
+    built forward only (``CUDA_BACKWARD_HEAD_DIMS``; ``CUDA_SCORE_BACKWARD_HEAD_DIMS`` with
+    score terms), so that training fails at the call, not at ``backward()`` after the
+    forward's work."""
     if q.device.type != "cuda" or not torch.is_grad_enabled():
         return
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return
     _check_cuda_supported(
-        q, v, CUDA_BACKWARD_HEAD_DIMS,
+        q, v, CUDA_SCORE_BACKWARD_HEAD_DIMS if scored else CUDA_BACKWARD_HEAD_DIMS,
         "the backward of compilemask.attention on CUDA (inputs that require grad"
         + (", score terms" if scored else "") + ")")
 
@@ -352,7 +356,7 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                              sinks: Optional[Tensor], want_dist_grad: bool
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_cuda_supported(q, v, CUDA_BACKWARD_HEAD_DIMS,
+    _check_cuda_supported(q, v, CUDA_SCORE_BACKWARD_HEAD_DIMS,
                           "the backward of compilemask.attention with score terms on CUDA")
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
     dout = _kernel_ready(grad_out)

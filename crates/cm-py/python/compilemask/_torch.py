@@ -514,9 +514,10 @@ def attention(
 
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
     computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
-    capability 9.0; bfloat16 / float16, head_dim 64 or 128 with ``head_dim_v == head_dim``,
-    and forward only (no inputs that require grad) head_dim 256 and 192 with head_dim_v 128;
-    other cases raise ``NotImplementedError``) on the current CUDA stream, without host
+    capability 9.0; bfloat16 / float16, head_dim 64, 128 or 256 with ``head_dim_v ==
+    head_dim`` and 192 with head_dim_v 128, forward and backward; score terms at 64 and 128,
+    and at 192 / 128 forward only (no inputs that require grad); other cases raise
+    ``NotImplementedError``) on the current CUDA stream, without host
     synchronisation, so it can be captured in a CUDA graph. Inputs there need a contiguous
     last dim and 16-byte aligned addresses and strides (a ``.contiguous()`` tensor is fine).
     Wrong devices, dtypes, shapes, strides or a plan for other lengths raise ``ValueError``;
