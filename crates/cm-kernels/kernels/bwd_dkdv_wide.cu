@@ -170,7 +170,9 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
     if (total > 0) cm_mbar_wait(bar(BAR_KV), 0);
 
     u32 it = 0;
-    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+    // total is 0 for a half past kv_len although its block has tiles: the producer loads
+    // nothing then, so the tiles must not be waited for.
+    for (u32 hg = 0; total > 0 && hg < p.heads_per_kv_head; ++hg) {
         const WideHead hd = wide_head(p, batch, head0 + hg, n_block);
         for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
             const u32 s = it % STAGES;
