@@ -843,11 +843,13 @@ pub struct BackwardTiming {
     /// Median GPU time of a forward with lse followed by a fast-mode backward on one stream,
     /// each pair between two CUDA events, milliseconds.
     pub fwd_bwd_ms: f64,
-    /// `3.5 * 4 * heads * head_dim * visible_pairs / fwd_bwd_ms`, in TFLOP/s.
+    /// `3.5 * 2 * heads * (head_dim + head_dim_v) * visible_pairs / fwd_bwd_ms` (3.5 times
+    /// the forward's FLOPs), in TFLOP/s.
     pub fwd_bwd_tflops: f64,
     /// Median GPU time of the fast-mode backward alone, milliseconds.
     pub bwd_ms: f64,
-    /// `2.5 * 4 * heads * head_dim * visible_pairs / bwd_ms`, in TFLOP/s.
+    /// `2.5 * 2 * heads * (head_dim + head_dim_v) * visible_pairs / bwd_ms` (2.5 times the
+    /// forward's FLOPs), in TFLOP/s.
     pub bwd_tflops: f64,
     /// The deterministic backward alone (milliseconds, TFLOP/s), when asked for.
     pub deterministic_bwd: Option<(f64, f64)>,
@@ -992,7 +994,10 @@ fn check_backward(
         .sum();
 
     let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len(), opts.head_dim);
+    let dvw = opts.head_dim_v;
+    // (rows, width) of Q / dQ, K / dK, dO / the output, V / dV.
     let (ql, kl) = ((q_len as usize, d), (kv_len as usize, d));
+    let (ol, vl) = ((q_len as usize, dvw), (kv_len as usize, dvw));
     let group = opts.heads / opts.kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
     let x = &inputs.host;
@@ -1005,8 +1010,8 @@ fn check_backward(
     let reduced = Tensors {
         q: gather(&x[0], dt, ql, &heads, Some(&sel)),
         k: gather(&x[1], dt, kl, &kvh, None),
-        v: gather(&x[2], dt, kl, &kvh, None),
-        dout: gather(&g.host_dout, dt, ql, &heads, Some(&sel)),
+        v: gather(&x[2], dt, vl, &kvh, None),
+        dout: gather(&g.host_dout, dt, ol, &heads, Some(&sel)),
     };
     let shape = Shape {
         batch: 1,
@@ -1015,7 +1020,7 @@ fn check_backward(
         q_len: sel.len(),
         kv_len: kv_len as usize,
         head_dim: d,
-        head_dim_v: d,
+        head_dim_v: dvw,
     };
     let all: Vec<u32> = (0..sel.len() as u32).collect();
     let (exact, emulated) = grad::dq_rows(shape, &reduced, &sub, scale, dt, &all);
@@ -1035,10 +1040,10 @@ fn check_backward(
     let reduced = Tensors {
         q: gather(&x[0], dt, ql, &q_heads, None),
         k: gather(&x[1], dt, kl, &kv_sel, None),
-        v: gather(&x[2], dt, kl, &kv_sel, None),
-        dout: gather(&g.host_dout, dt, ql, &q_heads, None),
+        v: gather(&x[2], dt, vl, &kv_sel, None),
+        dout: gather(&g.host_dout, dt, ol, &q_heads, None),
     };
-    let fwd_out = gather(&out, dt, ql, &q_heads, None);
+    let fwd_out = gather(&out, dt, ol, &q_heads, None);
     let fwd_lse: Vec<f64> = q_heads
         .iter()
         .flat_map(|&h| &lse[h * q_len as usize..(h + 1) * q_len as usize])
@@ -1068,10 +1073,10 @@ fn check_backward(
         |r| unseen[r % nk],
     );
     let dv_check = grad::check_tensor(
-        &gather(&dv, dt, kl, &kv_sel, Some(&keys)),
+        &gather(&dv, dt, vl, &kv_sel, Some(&keys)),
         &exact.dv,
         &emulated.dv,
-        d,
+        dvw,
         |r| unseen[r % nk],
     );
     Ok(BackwardCheck {
