@@ -561,6 +561,44 @@ mod tests {
         }
     }
 
+    /// Each wide shape gets every shared workload and the 15 tile-edge masks, meets both
+    /// dtypes and all three layouts, and its edge masks both logit extremes.
+    #[test]
+    fn wide_cases_cover_both_shapes() {
+        let cases = common::wide_cases();
+        let shared = masks::shared_cases().len();
+        assert_eq!(cases.len(), 2 * (shared + 15));
+        for (part, (d, dv)) in cases.chunks(shared + 15).zip(cm_kernels::WIDE_SHAPES) {
+            let (d, dv) = (d as usize, dv as usize);
+            assert!(part.iter().all(|c| (c.head_dim, c.head_dim_v) == (d, dv)));
+            for dtype in [DType::Bf16, DType::F16] {
+                for mem in [Mem::Contiguous, Mem::Padded, Mem::SeqMajor] {
+                    assert!(
+                        part.iter()
+                            .any(|c| c.dtype == dtype && c.mem.name() == mem.name()),
+                        "d{d} v{dv} {} {}",
+                        dtype.name(),
+                        mem.name()
+                    );
+                }
+            }
+            let edges = &part[shared..];
+            assert!(part[..shared].iter().all(|c| c.logit_mean == 0.0));
+            // Alternating over 15 masks: 7 or 8 of each.
+            let low = edges.iter().filter(|c| c.logit_mean == -120.0).count();
+            assert!((7..=8).contains(&low), "{low}");
+            assert!(edges
+                .iter()
+                .all(|c| c.logit_mean == -120.0 || c.logit_mean == 60.0));
+            let tag = if d == dv {
+                format!(" d{d} ")
+            } else {
+                format!(" d{d}v{dv} ")
+            };
+            assert!(part.iter().all(|c| c.name.contains(&tag)), "{tag}");
+        }
+    }
+
     /// (visible pairs, intervals, sum over rows q and intervals [s, e) of (q + 1) *
     /// (s * 65537 + e) mod 2^64) of a mask.
     fn fingerprint(m: &RowIntervals) -> (u64, u64, u64) {
