@@ -11,15 +11,17 @@
 //! from the forward's own lse and output, so that a long sequence costs only the rows that see
 //! those keys).
 //!
-//! Shapes are [`Shape`]'s: Q, dO, dQ `[batch, heads, q_len, head_dim]`; K, V, dK, dV
-//! `[batch, kv_heads, kv_len, head_dim]`.
+//! Shapes are [`Shape`]'s: Q, dQ `[batch, heads, q_len, head_dim]`; dO and the forward's
+//! output `[batch, heads, q_len, head_dim_v]`; K, dK `[batch, kv_heads, kv_len, head_dim]`; V,
+//! dV `[batch, kv_heads, kv_len, head_dim_v]`.
 
 use crate::reference::{round_to, tolerance, Shape};
 use cm_cuda::DType;
 use cm_plan::rows::RowIntervals;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Row-major logical tensors whose values are exactly representable in the test's dtype.
+/// Row-major logical tensors whose values are exactly representable in the test's dtype,
+/// shaped as in [`Shape`] (`v` and `dout` at `head_dim_v`).
 pub struct Tensors {
     pub q: Vec<f64>,
     pub k: Vec<f64>,
@@ -46,8 +48,9 @@ struct RowGrad {
     dq_emu: Vec<f64>,
 }
 
-/// Per-(batch, head) partial dK / dV (the float64 ones, and the emulation's fp32 sums before the
-/// softmax scale and rounding).
+/// Per-(batch, head) dQ and partial dK / dV (the float64 ones, and the emulation's fp32 sums
+/// before the softmax scale and rounding): dQ `[q_len, head_dim]`, dK `[kv_len, head_dim]`,
+/// dV `[kv_len, head_dim_v]`.
 struct HeadGrads {
     dq64: Vec<f64>,
     dq_emu: Vec<f64>,
@@ -66,20 +69,22 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn q_row(&self, b: usize, h: usize, i: usize) -> usize {
-        ((b * self.shape.heads + h) * self.shape.q_len + i) * self.shape.head_dim
+    /// Index of row `i` of head `(b, h)` in a `[batch, heads, q_len, width]` tensor.
+    fn q_row(&self, b: usize, h: usize, i: usize, width: usize) -> usize {
+        ((b * self.shape.heads + h) * self.shape.q_len + i) * width
     }
 
-    fn kv_row(&self, b: usize, kvh: usize, j: usize) -> usize {
-        ((b * self.shape.kv_heads + kvh) * self.shape.kv_len + j) * self.shape.head_dim
+    /// Index of key `j` of kv head `(b, kvh)` in a `[batch, kv_heads, kv_len, width]` tensor.
+    fn kv_row(&self, b: usize, kvh: usize, j: usize, width: usize) -> usize {
+        ((b * self.shape.kv_heads + kvh) * self.shape.kv_len + j) * width
     }
 
     /// Row `i` of head `(b, h)`; when `acc` is given, its dK / dV contributions are added there.
     fn row(&self, b: usize, h: usize, i: usize, mut acc: Option<&mut HeadGrads>) -> RowGrad {
-        let d = self.shape.head_dim;
+        let (d, dvw) = (self.shape.head_dim, self.shape.head_dim_v);
         let kvh = h / (self.shape.heads / self.shape.kv_heads);
-        let qv = &self.x.q[self.q_row(b, h, i)..][..d];
-        let dov = &self.x.dout[self.q_row(b, h, i)..][..d];
+        let qv = &self.x.q[self.q_row(b, h, i, d)..][..d];
+        let dov = &self.x.dout[self.q_row(b, h, i, dvw)..][..dvw];
         let keys: Vec<usize> = self
             .mask
             .row(i as u32)
@@ -93,8 +98,8 @@ impl Ctx<'_> {
         if keys.is_empty() {
             return out;
         }
-        let kv = |j: usize| &self.x.k[self.kv_row(b, kvh, j)..][..d];
-        let vv = |j: usize| &self.x.v[self.kv_row(b, kvh, j)..][..d];
+        let kv = |j: usize| &self.x.k[self.kv_row(b, kvh, j, d)..][..d];
+        let vv = |j: usize| &self.x.v[self.kv_row(b, kvh, j, dvw)..][..dvw];
         let scale32 = self.scale as f32;
         let s64: Vec<f64> = keys
             .iter()
@@ -124,7 +129,7 @@ impl Ctx<'_> {
         let m32 = s32.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let l32: f32 = s32.iter().map(|s| (s - m32).exp()).sum();
         let lse32 = m32 + l32.ln();
-        let mut o32 = vec![0f32; d];
+        let mut o32 = vec![0f32; dvw];
         for (t, &j) in keys.iter().enumerate() {
             let pr = round_to(self.dtype, (s32[t] - m32).exp());
             for (o, x) in o32.iter_mut().zip(vv(j)) {
@@ -155,11 +160,14 @@ impl Ctx<'_> {
             }
             if let Some(acc) = acc.as_deref_mut() {
                 let at = j * d;
-                for c in 0..d {
-                    acc.dk64[at + c] += self.scale * ds64 * qv[c];
-                    acc.dv64[at + c] += p64[t] * dov[c];
-                    acc.dk32[at + c] += ds_r * qv[c] as f32;
-                    acc.dv32[at + c] += p_r * dov[c] as f32;
+                for (c, &qc) in qv.iter().enumerate() {
+                    acc.dk64[at + c] += self.scale * ds64 * qc;
+                    acc.dk32[at + c] += ds_r * qc as f32;
+                }
+                let at = j * dvw;
+                for (c, &g) in dov.iter().enumerate() {
+                    acc.dv64[at + c] += p64[t] * g;
+                    acc.dv32[at + c] += p_r * g as f32;
                 }
             }
         }
@@ -171,13 +179,14 @@ impl Ctx<'_> {
 
     fn head(&self, b: usize, h: usize) -> HeadGrads {
         let (d, sq, skv) = (self.shape.head_dim, self.shape.q_len, self.shape.kv_len);
+        let dvw = self.shape.head_dim_v;
         let mut acc = HeadGrads {
             dq64: vec![0.0; sq * d],
             dq_emu: vec![0.0; sq * d],
             dk64: vec![0.0; skv * d],
-            dv64: vec![0.0; skv * d],
+            dv64: vec![0.0; skv * dvw],
             dk32: vec![0.0; skv * d],
-            dv32: vec![0.0; skv * d],
+            dv32: vec![0.0; skv * dvw],
         };
         for i in 0..sq {
             let r = self.row(b, h, i, Some(&mut acc));
@@ -235,36 +244,45 @@ pub fn compute(
     let heads = parallel(shape.batch * shape.heads, |bh| {
         ctx.head(bh / shape.heads, bh % shape.heads)
     });
-    let (d, sq, skv) = (shape.head_dim, shape.q_len, shape.kv_len);
+    let (d, dvw, sq, skv) = (shape.head_dim, shape.head_dim_v, shape.q_len, shape.kv_len);
     let group = shape.heads / shape.kv_heads;
-    let kv_elems = shape.batch * shape.kv_heads * skv * d;
+    let (k_elems, v_elems) = (
+        shape.batch * shape.kv_heads * skv * d,
+        shape.batch * shape.kv_heads * skv * dvw,
+    );
     let mut exact = Grads {
         dq: Vec::with_capacity(shape.batch * shape.heads * sq * d),
-        dk: vec![0.0; kv_elems],
-        dv: vec![0.0; kv_elems],
+        dk: vec![0.0; k_elems],
+        dv: vec![0.0; v_elems],
     };
     let mut emulated = Grads {
         dq: Vec::with_capacity(exact.dq.capacity()),
-        dk: vec![0.0; kv_elems],
-        dv: vec![0.0; kv_elems],
+        dk: vec![0.0; k_elems],
+        dv: vec![0.0; v_elems],
     };
-    let (mut dk32, mut dv32) = (vec![0f32; kv_elems], vec![0f32; kv_elems]);
+    let (mut dk32, mut dv32) = (vec![0f32; k_elems], vec![0f32; v_elems]);
     for (bh, hg) in heads.iter().enumerate() {
         exact.dq.extend_from_slice(&hg.dq64);
         emulated.dq.extend_from_slice(&hg.dq_emu);
         let (b, h) = (bh / shape.heads, bh % shape.heads);
-        let at = (b * shape.kv_heads + h / group) * skv * d;
+        let kv_head = b * shape.kv_heads + h / group;
+        let at = kv_head * skv * d;
         for c in 0..skv * d {
             exact.dk[at + c] += hg.dk64[c];
-            exact.dv[at + c] += hg.dv64[c];
             dk32[at + c] += hg.dk32[c];
+        }
+        let at = kv_head * skv * dvw;
+        for c in 0..skv * dvw {
+            exact.dv[at + c] += hg.dv64[c];
             dv32[at + c] += hg.dv32[c];
         }
     }
     let scale32 = scale as f32;
-    for c in 0..kv_elems {
-        emulated.dk[c] = f64::from(round_to(dtype, dk32[c] * scale32));
-        emulated.dv[c] = f64::from(round_to(dtype, dv32[c]));
+    for (e, g) in emulated.dk.iter_mut().zip(&dk32) {
+        *e = f64::from(round_to(dtype, g * scale32));
+    }
+    for (e, g) in emulated.dv.iter_mut().zip(&dv32) {
+        *e = f64::from(round_to(dtype, *g));
     }
     Reference { exact, emulated }
 }
@@ -300,14 +318,15 @@ pub fn dq_rows(
 }
 
 /// The forward's results the backward starts from, logical row-major: the output
-/// `[batch, heads, q_len, head_dim]` (values of the dtype) and the natural-log lse
+/// `[batch, heads, q_len, head_dim_v]` (values of the dtype) and the natural-log lse
 /// `[batch, heads, q_len]` (`-inf` for a row with no visible key).
 pub struct ForwardResult<'a> {
     pub out: &'a [f64],
     pub lse: &'a [f64],
 }
 
-/// dK and dV of selected keys, `[batch, kv_heads, keys.len(), head_dim]` each.
+/// dK and dV of selected keys, `[batch, kv_heads, keys.len(), head_dim]` and
+/// `[batch, kv_heads, keys.len(), head_dim_v]`.
 pub struct KeyGrads {
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
@@ -328,13 +347,13 @@ pub fn dkdv_keys(
     keys: &[u32],
     fwd: &ForwardResult<'_>,
 ) -> (KeyGrads, KeyGrads) {
-    let (d, sq) = (shape.head_dim, shape.q_len);
+    let (d, dvw, sq) = (shape.head_dim, shape.head_dim_v, shape.q_len);
     let group = shape.heads / shape.kv_heads;
     // delta per (batch, head, row), float64 and as the kernel sums it (fp32 over dtype values).
     let rows_total = shape.batch * shape.heads * sq;
     let (mut delta64, mut delta32) = (vec![0f64; rows_total], vec![0f32; rows_total]);
     for r in 0..rows_total {
-        let (o, g) = (&fwd.out[r * d..][..d], &x.dout[r * d..][..d]);
+        let (o, g) = (&fwd.out[r * dvw..][..dvw], &x.dout[r * dvw..][..dvw]);
         delta64[r] = o.iter().zip(g).map(|(a, b)| a * b).sum();
         delta32[r] = o
             .iter()
@@ -348,14 +367,14 @@ pub fn dkdv_keys(
         let (bk, t) = (item / n, item % n);
         let (b, kvh) = (bk / shape.kv_heads, bk % shape.kv_heads);
         let j = keys[t] as usize;
-        let kv_at = ((b * shape.kv_heads + kvh) * shape.kv_len + j) * d;
-        let (kj, vj) = (&x.k[kv_at..][..d], &x.v[kv_at..][..d]);
-        let (mut dk64, mut dv64) = (vec![0f64; d], vec![0f64; d]);
-        let (mut dk32, mut dv32) = (vec![0f32; d], vec![0f32; d]);
+        let kv_at = (b * shape.kv_heads + kvh) * shape.kv_len + j;
+        let (kj, vj) = (&x.k[kv_at * d..][..d], &x.v[kv_at * dvw..][..dvw]);
+        let (mut dk64, mut dv64) = (vec![0f64; d], vec![0f64; dvw]);
+        let (mut dk32, mut dv32) = (vec![0f32; d], vec![0f32; dvw]);
         for h in kvh * group..(kvh + 1) * group {
             for &i in &seen_by[t] {
                 let r = (b * shape.heads + h) * sq + i;
-                let (qi, gi) = (&x.q[r * d..][..d], &x.dout[r * d..][..d]);
+                let (qi, gi) = (&x.q[r * d..][..d], &x.dout[r * dvw..][..dvw]);
                 let lse = fwd.lse[r];
                 let s64 = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
                 let dp64: f64 = gi.iter().zip(vj).map(|(a, b)| a * b).sum();
@@ -371,8 +390,10 @@ pub fn dkdv_keys(
                 let p_r = round_to(dtype, p32);
                 for c in 0..d {
                     dk64[c] += scale * ds64 * qi[c];
-                    dv64[c] += p64 * gi[c];
                     dk32[c] += ds_r * qi[c] as f32;
+                }
+                for c in 0..dvw {
+                    dv64[c] += p64 * gi[c];
                     dv32[c] += p_r * gi[c] as f32;
                 }
             }
@@ -390,11 +411,11 @@ pub fn dkdv_keys(
     });
     let mut exact = KeyGrads {
         dk: Vec::with_capacity(per.len() * d),
-        dv: Vec::with_capacity(per.len() * d),
+        dv: Vec::with_capacity(per.len() * dvw),
     };
     let mut emulated = KeyGrads {
         dk: Vec::with_capacity(per.len() * d),
-        dv: Vec::with_capacity(per.len() * d),
+        dv: Vec::with_capacity(per.len() * dvw),
     };
     for (dk64, dv64, dk_emu, dv_emu) in per {
         exact.dk.extend(dk64);
@@ -450,7 +471,8 @@ impl TensorCheck {
     }
 }
 
-/// Compares `got` (logical) with `exact` / `emulated`, row by row of `d` values;
+/// Compares `got` (logical) with `exact` / `emulated`, row by row of `d` values (the tensor's
+/// width: `head_dim` for dQ / dK, `head_dim_v` for dV);
 /// `zero_row(r)` says whether row `r` must be exactly 0.
 pub fn check_tensor(
     got: &[f64],
@@ -532,10 +554,16 @@ mod tests {
 
     /// With the float64 forward's lse and output, the sampled-key gradients are exactly the
     /// full reference's (GQA, empty rows, keys no row sees, q_len != kv_len), and the
-    /// emulation stays within a dtype's error of them.
+    /// emulation stays within a dtype's error of them; with V as wide as Q and K, and narrower
+    /// (as the MLA shape's).
     #[test]
     fn sampled_keys_match_the_full_reference() {
-        let (sq, skv, d) = (150usize, 170usize, 16usize);
+        sampled_keys_match_at(16, 16);
+        sampled_keys_match_at(24, 16);
+    }
+
+    fn sampled_keys_match_at(d: usize, dvw: usize) {
+        let (sq, skv) = (150usize, 170usize);
         let rows: Vec<Vec<(u32, u32)>> = (0..sq as u32)
             .map(|i| match i {
                 40..50 => vec![],
@@ -550,7 +578,7 @@ mod tests {
             q_len: sq,
             kv_len: skv,
             head_dim: d,
-            head_dim_v: d,
+            head_dim_v: dvw,
         };
         let dt = DType::Bf16;
         let vals = |n: usize, seed: u64| -> Vec<f64> {
@@ -560,11 +588,12 @@ mod tests {
                 .collect()
         };
         let (qn, kn) = (2 * 4 * sq * d, 2 * 2 * skv * d);
+        let (on, vn) = (2 * 4 * sq * dvw, 2 * 2 * skv * dvw);
         let x = Tensors {
             q: vals(qn, 1),
             k: vals(kn, 2),
-            v: vals(kn, 3),
-            dout: vals(qn, 4),
+            v: vals(vn, 3),
+            dout: vals(on, 4),
         };
         let scale = 0.3;
         let full = compute(shape, &x, &mask, scale, dt);
@@ -581,15 +610,26 @@ mod tests {
             lse: &fwd.lse,
         };
         let (exact, emulated) = dkdv_keys(shape, &x, &mask, scale, dt, &keys, &result);
+        assert_eq!(
+            (exact.dk.len(), exact.dv.len(), emulated.dv.len()),
+            (
+                4 * keys.len() * d,
+                4 * keys.len() * dvw,
+                4 * keys.len() * dvw
+            )
+        );
         for bk in 0..2 * 2 {
             for (t, &j) in keys.iter().enumerate() {
-                let want = (bk * skv + j as usize) * d;
-                let got = (bk * keys.len() + t) * d;
+                let (want, got) = (bk * skv + j as usize, bk * keys.len() + t);
                 for c in 0..d {
-                    assert!((exact.dk[got + c] - full.exact.dk[want + c]).abs() < 1e-12);
-                    assert!((exact.dv[got + c] - full.exact.dv[want + c]).abs() < 1e-12);
-                    assert!((emulated.dk[got + c] - full.exact.dk[want + c]).abs() < 0.05);
-                    assert!((emulated.dv[got + c] - full.exact.dv[want + c]).abs() < 0.05);
+                    let want = full.exact.dk[want * d + c];
+                    assert!((exact.dk[got * d + c] - want).abs() < 1e-12);
+                    assert!((emulated.dk[got * d + c] - want).abs() < 0.05);
+                }
+                for c in 0..dvw {
+                    let want = full.exact.dv[want * dvw + c];
+                    assert!((exact.dv[got * dvw + c] - want).abs() < 1e-12);
+                    assert!((emulated.dv[got * dvw + c] - want).abs() < 0.05);
                 }
             }
         }
@@ -598,7 +638,8 @@ mod tests {
         assert!(rows_seeing(&mask, 169).is_empty() && rows_seeing(&mask, 162).len() == sq - 10);
         let at = unseen * d;
         assert!(exact.dk[at..at + d].iter().all(|&g| g == 0.0));
-        assert!(emulated.dv[at..at + d].iter().all(|&g| g == 0.0));
+        let at_v = unseen * dvw;
+        assert!(emulated.dv[at_v..at_v + dvw].iter().all(|&g| g == 0.0));
         // The checker: the emulation against float64 passes by construction, a perturbed
         // gradient does not, and a nonzero unseen key is caught.
         let chk = check_tensor(&emulated.dk, &exact.dk, &emulated.dk, d, |r| {
@@ -612,5 +653,89 @@ mod tests {
         bad[at] = 0.0;
         bad[0] += 1.0;
         assert!(!check_tensor(&bad, &exact.dk, &emulated.dk, d, |_| false).pass());
+    }
+
+    /// At head_dim 24 / head_dim_v 16 (V, dO and dV narrower than Q and K, GQA, empty rows,
+    /// unseen keys) the float64 gradients of [`compute`] and [`dq_rows`] are cm-reference's
+    /// `attention_backward`, an independent implementation, and the emulation is within a
+    /// dtype's error of them.
+    #[test]
+    fn unequal_head_dims_match_cm_reference() {
+        let (sq, skv, d, dvw) = (40usize, 50usize, 24usize, 16usize);
+        let rows: Vec<Vec<(u32, u32)>> = (0..sq as u32)
+            .map(|i| match i {
+                10..13 => vec![],
+                _ => vec![(i.saturating_sub(9), i + 1), (45, 48)],
+            })
+            .collect();
+        let mask = RowIntervals::from_rows(skv as u32, &rows).unwrap();
+        let shape = Shape {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            q_len: sq,
+            kv_len: skv,
+            head_dim: d,
+            head_dim_v: dvw,
+        };
+        let dt = DType::F16;
+        let vals = |n: usize, seed: u64| -> Vec<f64> {
+            random_bits(dt, n, seed)
+                .iter()
+                .map(|&b| from_bits(dt, b))
+                .collect()
+        };
+        let x = Tensors {
+            q: vals(2 * 4 * sq * d, 5),
+            k: vals(2 * 2 * skv * d, 6),
+            v: vals(2 * 2 * skv * dvw, 7),
+            dout: vals(2 * 4 * sq * dvw, 8),
+        };
+        let scale = 0.2;
+        let full = compute(shape, &x, &mask, scale, dt);
+        let want = cm_reference::attention_backward::<f64>(
+            &cm_reference::AttentionShape {
+                batch: 2,
+                num_heads: 4,
+                num_kv_heads: 2,
+                q_len: sq,
+                kv_len: skv,
+                head_dim: d,
+                head_dim_v: dvw,
+            },
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.dout,
+            &cm_reference::Masks::shared(&mask),
+            scale,
+        )
+        .unwrap();
+        for (what, got, emu, want) in [
+            ("dq", &full.exact.dq, &full.emulated.dq, &want.dq),
+            ("dk", &full.exact.dk, &full.emulated.dk, &want.dk),
+            ("dv", &full.exact.dv, &full.emulated.dv, &want.dv),
+        ] {
+            assert_eq!(got.len(), want.len(), "{what}");
+            assert_eq!(emu.len(), want.len(), "{what}");
+            let max_ref = want.iter().fold(0f64, |m, g| m.max(g.abs()));
+            assert!(max_ref > 0.1, "{what}: {max_ref}");
+            for (i, ((g, e), w)) in got.iter().zip(emu.iter()).zip(want.iter()).enumerate() {
+                assert!((g - w).abs() < 1e-12, "{what}[{i}]: {g} vs {w}");
+                assert!((e - w).abs() < 0.05, "{what}[{i}] emulated: {e} vs {w}");
+            }
+        }
+        // Sampled rows (an empty one among them) give the same dQ rows.
+        let sel = [0u32, 11, 39];
+        let (dq64, dq_emu) = dq_rows(shape, &x, &mask, scale, dt, &sel);
+        for bh in 0..2 * 4 {
+            for (t, &i) in sel.iter().enumerate() {
+                let got = (bh * sel.len() + t) * d;
+                let at = (bh * sq + i as usize) * d;
+                assert_eq!(&dq64[got..got + d], &full.exact.dq[at..at + d]);
+                assert_eq!(&dq_emu[got..got + d], &full.emulated.dq[at..at + d]);
+            }
+        }
+        assert!(dq64[d..2 * d].iter().all(|&g| g == 0.0));
     }
 }

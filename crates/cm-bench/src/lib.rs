@@ -843,11 +843,13 @@ pub struct BackwardTiming {
     /// Median GPU time of a forward with lse followed by a fast-mode backward on one stream,
     /// each pair between two CUDA events, milliseconds.
     pub fwd_bwd_ms: f64,
-    /// `3.5 * 4 * heads * head_dim * visible_pairs / fwd_bwd_ms`, in TFLOP/s.
+    /// `3.5 * 2 * heads * (head_dim + head_dim_v) * visible_pairs / fwd_bwd_ms` (3.5 times
+    /// the forward's FLOPs), in TFLOP/s.
     pub fwd_bwd_tflops: f64,
     /// Median GPU time of the fast-mode backward alone, milliseconds.
     pub bwd_ms: f64,
-    /// `2.5 * 4 * heads * head_dim * visible_pairs / bwd_ms`, in TFLOP/s.
+    /// `2.5 * 2 * heads * (head_dim + head_dim_v) * visible_pairs / bwd_ms` (2.5 times the
+    /// forward's FLOPs), in TFLOP/s.
     pub bwd_tflops: f64,
     /// The deterministic backward alone (milliseconds, TFLOP/s), when asked for.
     pub deterministic_bwd: Option<(f64, f64)>,
@@ -981,32 +983,63 @@ fn check_backward(
         .bwd
         .as_ref()
         .ok_or_else(|| Error::invalid("backward buffers are not allocated"))?;
-    let (dq, dk, dv) = (down(&g.dq)?, down(&g.dk)?, down(&g.dv)?);
-    let out = down(&inputs.out)?;
-    let lse = stream
-        .clone_dtoh(&inputs.lse)
-        .map_err(drv("lse download"))?;
-    let nan = [&dq, &dk, &dv]
+    let got = Downloaded {
+        dq: down(&g.dq)?,
+        dk: down(&g.dk)?,
+        dv: down(&g.dv)?,
+        out: down(&inputs.out)?,
+        lse: stream
+            .clone_dtoh(&inputs.lse)
+            .map_err(drv("lse download"))?,
+    };
+    check_gradients(&opts, rows, &inputs.host, &g.host_dout, &got, deterministic)
+}
+
+/// What [`check_backward`] downloads: the gradients, the forward's output and lse (memory
+/// images of the contiguous `[1, heads | kv_heads, len, width]` tensors).
+struct Downloaded {
+    dq: Vec<u16>,
+    dk: Vec<u16>,
+    dv: Vec<u16>,
+    out: Vec<u16>,
+    lse: Vec<f32>,
+}
+
+/// The host half of [`check_backward`]: the NaN scan and the sampled dQ rows and dK / dV keys
+/// of `got` against the references computed from the inputs `host` (Q, K, V) and `dout`.
+fn check_gradients(
+    opts: &BenchOptions,
+    rows: &RowIntervals,
+    x: &[Vec<u16>; 3],
+    host_dout: &[u16],
+    got: &Downloaded,
+    deterministic: bool,
+) -> Result<BackwardCheck, Error> {
+    let dt = opts.dtype;
+    let (dq, dk, dv, out, lse) = (&got.dq, &got.dk, &got.dv, &got.out, &got.lse);
+    let nan = [dq, dk, dv]
         .iter()
         .map(|t| t.iter().filter(|&&b| from_bits(dt, b).is_nan()).count())
         .sum();
 
     let (q_len, kv_len, d) = (rows.q_len(), rows.kv_len(), opts.head_dim);
+    let dvw = opts.head_dim_v;
+    // (rows, width) of Q / dQ, K / dK, dO / the output, V / dV.
     let (ql, kl) = ((q_len as usize, d), (kv_len as usize, d));
+    let (ol, vl) = ((q_len as usize, dvw), (kv_len as usize, dvw));
     let group = opts.heads / opts.kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
-    let x = &inputs.host;
 
     // dQ of sampled rows: a reduced problem as in the forward check, plus those rows of dO.
-    let sel = sample_rows(&opts, q_len, 0);
+    let sel = sample_rows(opts, q_len, 0);
     let heads = sample_heads(opts.heads);
     let kvh: Vec<usize> = heads.iter().map(|h| h / group).collect();
     let sub = sub_mask(rows, &sel)?;
     let reduced = Tensors {
         q: gather(&x[0], dt, ql, &heads, Some(&sel)),
         k: gather(&x[1], dt, kl, &kvh, None),
-        v: gather(&x[2], dt, kl, &kvh, None),
-        dout: gather(&g.host_dout, dt, ql, &heads, Some(&sel)),
+        v: gather(&x[2], dt, vl, &kvh, None),
+        dout: gather(host_dout, dt, ol, &heads, Some(&sel)),
     };
     let shape = Shape {
         batch: 1,
@@ -1015,18 +1048,18 @@ fn check_backward(
         q_len: sel.len(),
         kv_len: kv_len as usize,
         head_dim: d,
-        head_dim_v: d,
+        head_dim_v: dvw,
     };
     let all: Vec<u32> = (0..sel.len() as u32).collect();
     let (exact, emulated) = grad::dq_rows(shape, &reduced, &sub, scale, dt, &all);
-    let got = gather(&dq, dt, ql, &heads, Some(&sel));
+    let got_dq = gather(dq, dt, ql, &heads, Some(&sel));
     let n = sel.len();
-    let dq_check = grad::check_tensor(&got, &exact, &emulated, d, |r| {
+    let dq_check = grad::check_tensor(&got_dq, &exact, &emulated, d, |r| {
         sub.row((r % n) as u32).is_empty()
     });
 
     // dK / dV of sampled keys on sampled KV heads, from every row of their query heads.
-    let keys = sample_rows(&opts, kv_len, 0x6b65_7973);
+    let keys = sample_rows(opts, kv_len, 0x6b65_7973);
     let kv_sel = sample_heads(opts.kv_heads);
     let q_heads: Vec<usize> = kv_sel
         .iter()
@@ -1035,10 +1068,10 @@ fn check_backward(
     let reduced = Tensors {
         q: gather(&x[0], dt, ql, &q_heads, None),
         k: gather(&x[1], dt, kl, &kv_sel, None),
-        v: gather(&x[2], dt, kl, &kv_sel, None),
-        dout: gather(&g.host_dout, dt, ql, &q_heads, None),
+        v: gather(&x[2], dt, vl, &kv_sel, None),
+        dout: gather(host_dout, dt, ol, &q_heads, None),
     };
-    let fwd_out = gather(&out, dt, ql, &q_heads, None);
+    let fwd_out = gather(out, dt, ol, &q_heads, None);
     let fwd_lse: Vec<f64> = q_heads
         .iter()
         .flat_map(|&h| &lse[h * q_len as usize..(h + 1) * q_len as usize])
@@ -1061,17 +1094,17 @@ fn check_backward(
         .collect();
     let nk = keys.len();
     let dk_check = grad::check_tensor(
-        &gather(&dk, dt, kl, &kv_sel, Some(&keys)),
+        &gather(dk, dt, kl, &kv_sel, Some(&keys)),
         &exact.dk,
         &emulated.dk,
         d,
         |r| unseen[r % nk],
     );
     let dv_check = grad::check_tensor(
-        &gather(&dv, dt, kl, &kv_sel, Some(&keys)),
+        &gather(dv, dt, vl, &kv_sel, Some(&keys)),
         &exact.dv,
         &emulated.dv,
-        d,
+        dvw,
         |r| unseen[r % nk],
     );
     Ok(BackwardCheck {
@@ -1106,6 +1139,88 @@ mod tests {
             "{mean} {var}"
         );
         assert!(xs.iter().all(|x| x.is_finite()));
+    }
+
+    /// The host half of the benchmark's backward check at the MLA widths (head_dim 24 here,
+    /// head_dim_v 16; GQA, empty rows, keys no row sees): the full float64 reference's
+    /// dtype-emulated gradients, as a kernel's output, pass; one wrong dV value of a sampled
+    /// key fails; a NaN is counted.
+    #[test]
+    fn backward_check_at_unequal_head_dims() {
+        let (sq, skv, h, hkv, d, dvw) = (90usize, 110usize, 4usize, 2usize, 24usize, 16usize);
+        let opts = BenchOptions {
+            heads: h,
+            kv_heads: hkv,
+            head_dim: d,
+            head_dim_v: dvw,
+            check_rows: 8,
+            ..BenchOptions::default()
+        };
+        let dt = opts.dtype;
+        let mask_rows: Vec<Vec<(u32, u32)>> = (0..sq as u32)
+            .map(|i| match i {
+                30..40 => vec![],
+                _ => vec![(i.saturating_sub(20), i + 1)],
+            })
+            .collect();
+        let rows = RowIntervals::from_rows(skv as u32, &mask_rows).unwrap();
+        let x = [
+            random_bits(dt, h * sq * d, 1),
+            random_bits(dt, hkv * skv * d, 2),
+            random_bits(dt, hkv * skv * dvw, 3),
+        ];
+        let dout = random_bits(dt, h * sq * dvw, 4);
+        let f = |b: &[u16]| b.iter().map(|&b| from_bits(dt, b)).collect::<Vec<f64>>();
+        let shape = Shape {
+            batch: 1,
+            heads: h,
+            kv_heads: hkv,
+            q_len: sq,
+            kv_len: skv,
+            head_dim: d,
+            head_dim_v: dvw,
+        };
+        let scale = 1.0 / (d as f64).sqrt();
+        let all: Vec<u32> = (0..sq as u32).collect();
+        let inputs = Inputs {
+            q: f(&x[0]),
+            k: f(&x[1]),
+            v: f(&x[2]),
+        };
+        let fwd = reference::compute(shape, &inputs, &rows, &all, scale, dt);
+        let tensors = Tensors {
+            q: inputs.q,
+            k: inputs.k,
+            v: inputs.v,
+            dout: f(&dout),
+        };
+        let full = grad::compute(shape, &tensors, &rows, scale, dt);
+        let bits = |v: &[f64]| v.iter().map(|&g| to_bits(dt, g as f32)).collect::<Vec<_>>();
+        let mut got = Downloaded {
+            dq: bits(&full.emulated.dq),
+            dk: bits(&full.emulated.dk),
+            dv: bits(&full.emulated.dv),
+            out: bits(&fwd.emulated),
+            lse: fwd.lse.iter().map(|&l| l as f32).collect(),
+        };
+        let c = check_gradients(&opts, &rows, &x, &dout, &got, true).unwrap();
+        assert!(c.pass(), "{}", c.grads.describe());
+        assert!(c.deterministic && c.heads == [0, 2, 3] && c.kv_heads == [0, 1]);
+        // An empty row (30 = q_len / 3), an unseen key (109) and key 1 are among the sampled.
+        assert!(c.rows.contains(&30) && c.keys.contains(&1) && c.keys.contains(&(skv as u32 - 1)));
+        for t in [c.grads.dq, c.grads.dk, c.grads.dv] {
+            assert!(t.max_ref > 0.1 && t.max_err > 0.0, "{t:?}");
+        }
+        // Key 1 of kv head 1, column 15: a sampled key, dV's last column at head_dim_v.
+        let at = (skv + 1) * dvw + dvw - 1;
+        let right = got.dv[at];
+        got.dv[at] = to_bits(dt, (from_bits(dt, right) + 1.0) as f32);
+        let c = check_gradients(&opts, &rows, &x, &dout, &got, false).unwrap();
+        assert!(c.grads.dq.pass() && c.grads.dk.pass() && !c.grads.dv.pass());
+        assert!(c.grads.dv.max_err > 0.9, "{}", c.grads.describe());
+        got.dv[at] = nan_bits(dt);
+        let c = check_gradients(&opts, &rows, &x, &dout, &got, false).unwrap();
+        assert_eq!((c.nan, c.grads.dv.nan), (1, 1));
     }
 
     #[test]

@@ -9,7 +9,8 @@ use cm_cuda::DType;
 use cm_plan::rows::RowIntervals;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Logical shape: Q `[batch, heads, q_len, head_dim]`, K and V `[batch, kv_heads, kv_len, head_dim]`.
+/// Logical shape: Q `[batch, heads, q_len, head_dim]`, K `[batch, kv_heads, kv_len, head_dim]`,
+/// V `[batch, kv_heads, kv_len, head_dim_v]`, the output `[batch, heads, q_len, head_dim_v]`.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
     pub batch: usize,

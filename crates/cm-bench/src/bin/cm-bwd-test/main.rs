@@ -3,7 +3,9 @@
 //! at small and odd sizes (W1 causal, W2 HSTU, W3 shared prefix, W4 CLEAR, W5 sliding window,
 //! W6 document causal, W7 / W8 on the bundled trace), striped and empty rows, q_len != kv_len,
 //! GQA / MQA, head_dim 64 and 128, bf16 and fp16, the FM-01 and GR-01 cases of
-//! docs/public-reports.md; checks that the deterministic mode repeats its bits, then checks and
+//! docs/public-reports.md, and the wide shapes (head_dim 256 / head_dim_v 256 and the MLA
+//! head_dim 192 / head_dim_v 128: V, the output, dO and dV at head_dim_v) on every workload
+//! and the tile-edge class (`common::wide_cases`); checks that the deterministic mode repeats its bits, then checks and
 //! times forward + backward on the eight workloads at 8K and 32K with
 //! `cm_bench::measure_backward` (as `compilemask bench --bwd` does). Built on the CPU
 //! machine, run on the GPU machine:
@@ -38,27 +40,28 @@ struct Dev {
 }
 
 impl Dev {
-    /// Random Q, K, V and dO for `c` (drawn in that order), uploaded, with room for the
-    /// gradients; returns the logical tensors too.
+    /// Random Q, K, V and dO for `c` (drawn in that order; dO shaped and laid out as the
+    /// output, `head_dim_v` wide), uploaded, with room for the gradients (dQ as Q, dK as K,
+    /// dV as V); returns the logical tensors too.
     fn random(gpu: &Gpu, rng: &mut Rng, c: &Case, plan: &DevicePlan) -> Res<(Tensors, Dev)> {
         let (x, fwd) = Buffers::random(gpu, rng, c)?;
         let sh = c.shape();
         let dout = random_values(
             rng,
             c.dtype,
-            sh.batch * sh.heads * sh.q_len * sh.head_dim,
+            sh.batch * sh.heads * sh.q_len * sh.head_dim_v,
             false,
         );
         let s = &gpu.stream;
-        // Room for either mode: the fast one needs more.
+        // Room for either mode: the fast one needs more (its dQ accumulator is head_dim wide).
         let ws = plan
             .backward_workspace_len(sh.batch, sh.heads, sh.head_dim, false)
             .ok_or("workspace size overflow")?;
         let dev = Dev {
-            dout: s.clone_htod(&to_mem(c.dtype, &dout, &fwd.q_layout, fwd.q_len_mem))?,
+            dout: s.clone_htod(&to_mem(c.dtype, &dout, &fwd.out_layout, fwd.out_len_mem))?,
             dq: s.alloc_zeros(fwd.q_len_mem.max(1))?,
             dk: s.alloc_zeros(fwd.kv_len_mem.max(1))?,
-            dv: s.alloc_zeros(fwd.kv_len_mem.max(1))?,
+            dv: s.alloc_zeros(fwd.v_len_mem.max(1))?,
             workspace: s.alloc_zeros(ws.max(1))?,
             fwd,
         };
@@ -84,14 +87,14 @@ impl Dev {
                 dtype: c.dtype,
                 q: (&f.q, f.q_layout),
                 k: (&f.k, f.kv_layout),
-                v: (&f.v, f.kv_layout),
-                out: (&f.out, f.q_layout),
-                dout: (&self.dout, f.q_layout),
+                v: (&f.v, f.v_layout),
+                out: (&f.out, f.out_layout),
+                dout: (&self.dout, f.out_layout),
                 lse: (lse, f.lse_layout()),
                 dlse: None,
                 dq: (&mut self.dq, f.q_layout),
                 dk: (&mut self.dk, f.kv_layout),
-                dv: (&mut self.dv, f.kv_layout),
+                dv: (&mut self.dv, f.v_layout),
                 workspace: &mut self.workspace,
                 softmax_scale: c.softmax_scale,
                 deterministic,
@@ -126,7 +129,7 @@ impl Dev {
 
 fn check_grads(c: &Case, got: &Grads, r: &grad::Reference) -> GradCheck {
     let sh = c.shape();
-    let d = sh.head_dim;
+    let (d, dvw) = (sh.head_dim, sh.head_dim_v);
     let mut seen = vec![false; sh.kv_len];
     for q in 0..c.mask.q_len() {
         for iv in c.mask.row(q) {
@@ -138,7 +141,7 @@ fn check_grads(c: &Case, got: &Grads, r: &grad::Reference) -> GradCheck {
     GradCheck {
         dq: check_tensor(&got.dq, &r.exact.dq, &r.emulated.dq, d, empty_row),
         dk: check_tensor(&got.dk, &r.exact.dk, &r.emulated.dk, d, unseen_key),
-        dv: check_tensor(&got.dv, &r.exact.dv, &r.emulated.dv, d, unseen_key),
+        dv: check_tensor(&got.dv, &r.exact.dv, &r.emulated.dv, dvw, unseen_key),
     }
 }
 
@@ -171,11 +174,11 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
     } else {
         None
     };
-    let (q_layout, kv_layout) = (dev.fwd.q_layout, dev.fwd.kv_layout);
+    let (q_layout, kv_layout, v_layout) = (dev.fwd.q_layout, dev.fwd.kv_layout, dev.fwd.v_layout);
     let logical = |mem: &[Vec<u16>; 3]| Grads {
         dq: from_mem(c.dtype, &mem[0], &q_layout),
         dk: from_mem(c.dtype, &mem[1], &kv_layout),
-        dv: from_mem(c.dtype, &mem[2], &kv_layout),
+        dv: from_mem(c.dtype, &mem[2], &v_layout),
     };
     let mut modes = Vec::new();
     let mut first_det: Option<[Vec<u16>; 3]> = None;
@@ -193,7 +196,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
         // Memory outside the gradients' views (padded layouts) must keep its NaN fill.
         let stray = stray_writes(c.dtype, &q_layout, &mem[0])
             + stray_writes(c.dtype, &kv_layout, &mem[1])
-            + stray_writes(c.dtype, &kv_layout, &mem[2]);
+            + stray_writes(c.dtype, &v_layout, &mem[2]);
         let ok = chk.pass() && stray == 0;
         pass &= ok;
         println!(
@@ -469,7 +472,7 @@ fn run(args: &common::Args, report: &mut Value) -> Res<bool> {
     let mut all_pass = true;
     if !args.has("--bench-only") {
         let mut results = Vec::new();
-        for c in cases() {
+        for c in cases().into_iter().chain(common::wide_cases()) {
             results.push(run_case(&gpu, &mut rng, &c).unwrap_or_else(|e| common::failed(&c, e)));
         }
         all_pass &= common::record(report, "cases", results);
@@ -504,23 +507,30 @@ mod tests {
     #[test]
     fn reference_agrees_with_cm_reference() {
         let mut rng = Rng(11);
-        for (mask, dtype, heads) in [
+        for (mask, dtype, heads, (d, dvw)) in [
             (masks::clear(37, 30, 5), DType::Bf16, (2, 4, 2)),
             (gr01(4), DType::F16, (1, 2, 1)),
             (fm01(), DType::Bf16, (1, 2, 2)),
             (masks::causal(300, 200), DType::Bf16, (1, 2, 1)),
-        ] {
-            let c = Case::new("", mask, heads, (dtype, 64), Mem::Contiguous);
+        ]
+        .into_iter()
+        .map(|(mask, dtype, heads)| (mask, dtype, heads, (64, 64)))
+        // The MLA shape's widths (V, dO, dV narrower than Q, K), with GQA and an empty row.
+        .chain([(fm01(), DType::F16, (1, 4, 2), (192, 128))])
+        {
+            let c = Case::new("", mask, heads, (dtype, d), Mem::Contiguous).with_head_dim_v(dvw);
             let sh = c.shape();
-            let qn = sh.batch * sh.heads * sh.q_len * 64;
-            let kn = sh.batch * sh.kv_heads * sh.kv_len * 64;
+            let (qn, kn) = (
+                sh.batch * sh.heads * sh.q_len,
+                sh.batch * sh.kv_heads * sh.kv_len,
+            );
             let x = Tensors {
-                q: random_values(&mut rng, dtype, qn, false),
-                k: random_values(&mut rng, dtype, kn, false),
-                v: random_values(&mut rng, dtype, kn, false),
-                dout: random_values(&mut rng, dtype, qn, false),
+                q: random_values(&mut rng, dtype, qn * d, false),
+                k: random_values(&mut rng, dtype, kn * d, false),
+                v: random_values(&mut rng, dtype, kn * dvw, false),
+                dout: random_values(&mut rng, dtype, qn * dvw, false),
             };
-            let r = grad::compute(sh, &x, &c.mask, 0.125, dtype);
+            let r = grad::compute(sh, &x, &c.mask, f64::from(c.softmax_scale), dtype);
             assert!(cross_check(&c, &x, &r).unwrap() < 1e-9);
             let chk = check_grads(&c, &r.emulated, &r);
             for t in [chk.dq, chk.dk, chk.dv] {
@@ -530,6 +540,62 @@ mod tests {
                     t.max_err
                 );
             }
+            // A nonzero value in FM-01's empty row 5 (dQ) or unseen key 5 (dV) is caught
+            // only when the rows are split at the right width.
+            if !(c.mask.row(5).is_empty() && grad::rows_seeing(&c.mask, 5).is_empty()) {
+                continue;
+            }
+            let mut bad = Grads {
+                dq: r.emulated.dq.clone(),
+                dk: r.emulated.dk.clone(),
+                dv: r.emulated.dv.clone(),
+            };
+            bad.dq[5 * d] = 1.0;
+            bad.dv[5 * dvw] = 1.0;
+            let chk = check_grads(&c, &bad, &r);
+            assert_eq!(
+                (chk.dq.zero_rows_wrong, chk.dv.zero_rows_wrong),
+                (1, 1),
+                "d{d} v{dvw}"
+            );
+        }
+    }
+
+    /// Each wide shape gets every shared workload and the 15 tile-edge masks, meets both
+    /// dtypes and all three layouts, and its edge masks both logit extremes.
+    #[test]
+    fn wide_cases_cover_both_shapes() {
+        let cases = common::wide_cases();
+        let shared = masks::shared_cases().len();
+        assert_eq!(cases.len(), 2 * (shared + 15));
+        for (part, (d, dv)) in cases.chunks(shared + 15).zip(cm_kernels::WIDE_SHAPES) {
+            let (d, dv) = (d as usize, dv as usize);
+            assert!(part.iter().all(|c| (c.head_dim, c.head_dim_v) == (d, dv)));
+            for dtype in [DType::Bf16, DType::F16] {
+                for mem in [Mem::Contiguous, Mem::Padded, Mem::SeqMajor] {
+                    assert!(
+                        part.iter()
+                            .any(|c| c.dtype == dtype && c.mem.name() == mem.name()),
+                        "d{d} v{dv} {} {}",
+                        dtype.name(),
+                        mem.name()
+                    );
+                }
+            }
+            let edges = &part[shared..];
+            assert!(part[..shared].iter().all(|c| c.logit_mean == 0.0));
+            // Alternating over 15 masks: 7 or 8 of each.
+            let low = edges.iter().filter(|c| c.logit_mean == -120.0).count();
+            assert!((7..=8).contains(&low), "{low}");
+            assert!(edges
+                .iter()
+                .all(|c| c.logit_mean == -120.0 || c.logit_mean == 60.0));
+            let tag = if d == dv {
+                format!(" d{d} ")
+            } else {
+                format!(" d{d}v{dv} ")
+            };
+            assert!(part.iter().all(|c| c.name.contains(&tag)), "{tag}");
         }
     }
 

@@ -432,47 +432,23 @@ fn cases() -> Vec<Case> {
     out
 }
 
-/// The forward-only shapes of `cm_kernels::WIDE_SHAPES` (fwd_ws only): every workload of
-/// `masks::shared_cases` and the tile-edge class (lengths 1, 63, 64, 65, 127 past a multiple
-/// of 128 with logits around -120 and +60), both dtypes and all three memory layouts in
-/// rotation, and a negative softmax scale (fwd_ws's unfolded softmax).
+/// The forward at the shapes of `cm_kernels::WIDE_SHAPES` (fwd_ws): [`common::wide_cases`],
+/// every fourth without lse, and a negative softmax scale per shape (fwd_ws's unfolded
+/// softmax).
 fn wide_cases() -> Vec<Case> {
-    let mems = [Mem::Contiguous, Mem::Padded, Mem::SeqMajor];
-    let dtypes = [DType::Bf16, DType::F16];
-    let mut out = Vec::new();
-    let mut n = 0;
+    let mut out = common::wide_cases();
+    for (n, c) in out.iter_mut().enumerate() {
+        c.lse = n % 4 != 3;
+    }
     for (d, dv) in cm_kernels::WIDE_SHAPES {
-        let (d, dv) = (d as usize, dv as usize);
-        let mut masks_here = masks::shared_cases();
-        let edges = masks_here.len();
-        for r in [1u32, 63, 64, 65, 127] {
-            masks_here.push(("full", masks::full(128 + r, 384 - r), (1, 4, 2)));
-            masks_here.push(("causal", masks::causal(256 + r, 128 + r), (1, 2, 2)));
-            masks_here.push((
-                "document_causal",
-                masks::document_causal(256 + r, &[100, 77, 150]),
-                (1, 4, 1),
-            ));
-        }
-        for (i, (name, mask, heads)) in masks_here.into_iter().enumerate() {
-            let mut c =
-                Case::new(name, mask, heads, (dtypes[n % 2], d), mems[n % 3]).with_head_dim_v(dv);
-            if i >= edges {
-                c.logit_mean = if n % 2 == 0 { -120.0 } else { 60.0 };
-                c.name += &format!(" logits{:+}", c.logit_mean);
-            }
-            c.lse = n % 4 != 3;
-            n += 1;
-            out.push(c);
-        }
         let mut c = Case::new(
             "document_causal_scale-0.3",
             masks::document_causal(1000, &[300, 1, 0, 450, 77, 2000, 64, 128]),
             (1, 4, 2),
-            (DType::Bf16, d),
+            (DType::Bf16, d as usize),
             Mem::Contiguous,
         )
-        .with_head_dim_v(dv);
+        .with_head_dim_v(dv as usize);
         c.softmax_scale = -0.3;
         out.push(c);
     }

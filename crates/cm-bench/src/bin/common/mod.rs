@@ -331,6 +331,44 @@ pub fn edge_cases() -> Vec<Case> {
     out
 }
 
+/// The wide shapes of `cm_kernels::WIDE_SHAPES` (head_dim 256 / head_dim_v 256, and the MLA
+/// 192 / 128), for `cm-gpu-test` and `cm-bwd-test`: every workload of
+/// [`masks::shared_cases`] and the tile-edge class (lengths 1, 63, 64, 65, 127 past a
+/// multiple of 128, q_len below and above kv_len, with logits around -120 and +60,
+/// alternating), both dtypes and all three memory layouts in rotation, MHA, GQA and MQA.
+pub fn wide_cases() -> Vec<Case> {
+    let mems = [Mem::Contiguous, Mem::Padded, Mem::SeqMajor];
+    let dtypes = [DType::Bf16, DType::F16];
+    let mut out = Vec::new();
+    for (d, dv) in cm_kernels::WIDE_SHAPES {
+        let (d, dv) = (d as usize, dv as usize);
+        let mut masks_here = masks::shared_cases();
+        let edges = masks_here.len();
+        for r in [1u32, 63, 64, 65, 127] {
+            masks_here.push(("full", masks::full(128 + r, 384 - r), (1, 4, 2)));
+            masks_here.push(("causal", masks::causal(256 + r, 128 + r), (1, 2, 2)));
+            masks_here.push((
+                "document_causal",
+                masks::document_causal(256 + r, &[100, 77, 150]),
+                (1, 4, 1),
+            ));
+        }
+        for (i, (name, mask, heads)) in masks_here.into_iter().enumerate() {
+            // One counter over both shapes, so that each mask meets both dtypes and the
+            // layouts rotate through the shapes.
+            let n = out.len();
+            let mut c =
+                Case::new(name, mask, heads, (dtypes[n % 2], d), mems[n % 3]).with_head_dim_v(dv);
+            if i >= edges {
+                c.logit_mean = if n % 2 == 0 { -120.0 } else { 60.0 };
+                c.name += &format!(" logits{:+}", c.logit_mean);
+            }
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Q, K, V, the output and the lse of one case on the device, in the case's layout; the
 /// output and lse start as NaN.
 pub struct Buffers {
