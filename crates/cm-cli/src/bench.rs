@@ -453,8 +453,8 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
             "\nvisible = visible pairs / (q_len * kv_len); ceiling = visible / computed pairs at the kernel tile x {MATMUL_PEAK_TFLOPS} TFLOP/s;"
         );
         if a.bwd {
-            outln!("fwd = forward with lse; bwd = fast-mode backward (dQ added by fp32 bulk reductions); fwd+bwd = the two back to back on one stream;");
-            outln!("TFLOP/s = 3.5 x 4 x H x head_dim x visible pairs / fwd+bwd; bwd TFLOP/s = 2.5 x the forward's FLOPs / bwd;");
+            outln!("fwd = forward with lse; bwd = fast-mode backward (dQ added by fp32 reductions); fwd+bwd = the two back to back on one stream;");
+            outln!("TFLOP/s = 3.5 x the forward's FLOPs (2 x H x (head_dim + head_dim_v) x visible pairs) / fwd+bwd; bwd TFLOP/s = 2.5 x the forward's FLOPs / bwd;");
             outln!("grad err/tol = the largest error / tolerance over the checked dQ rows and dK / dV keys of every checked mode (<= 1 passes).");
         } else {
             outln!("single = one call, host enqueue to host-visible completion; overhead = single - median; host = single - the GPU time");

@@ -606,9 +606,8 @@ mod tests {
                 score: f.score,
             }
         };
-        let check = |raw: &crate::BackwardRaw| {
-            crate::check_backward(&plan, raw).map_err(|e| e.to_string())
-        };
+        let check =
+            |raw: &crate::BackwardRaw| crate::check_backward(&plan, raw).map_err(|e| e.to_string());
         let backward = |d: usize, dv: usize, softcap: f32| check(&backward_raw(d, dv, softcap));
         for (d, dv) in cm_kernels::WIDE_SHAPES {
             let got = backward(d as usize, dv as usize, 0.0).unwrap_err();
