@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
+mod grid_box;
 mod keys;
 mod quant;
 mod quasi;
@@ -174,6 +175,11 @@ pub struct Solver<'a, 'p> {
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
+    /// For each chain of `&` met (by its address in the program), the grid whose key
+    /// coordinates it reads when it is solved as a strided box ([`grid_box`]), else `None`.
+    grid_chains: RefCell<HashMap<usize, Option<GridId>>>,
+    /// Pieces whose keys a chain of grid coordinates gave as a strided box ([`grid_box`]).
+    pub grid_boxes: Cell<u64>,
     /// The plan's `elementwise` pairs when several solvers count them together (rows
     /// solved in blocks on several threads), instead of `elementwise_pairs`.
     shared_pairs: Option<&'a AtomicU64>,
@@ -262,6 +268,8 @@ impl<'a, 'p> Solver<'a, 'p> {
             has_elementwise: bound.program.mask.uses_elementwise(),
             infallible: RefCell::default(),
             key_sweeps: RefCell::default(),
+            grid_chains: RefCell::default(),
+            grid_boxes: Cell::new(0),
             shared_pairs: None,
             hit_limit: Cell::new(false),
             quant_evals: Cell::new(0),
@@ -1431,6 +1439,17 @@ impl<'a, 'p> Solver<'a, 'p> {
             Region::Inter(a, b) | Region::Diff(a, b) => {
                 let is_inter = matches!(r, Region::Inter(..));
                 if is_inter {
+                    let grid = *self
+                        .grid_chains
+                        .borrow_mut()
+                        .entry(r as *const Region as usize)
+                        .or_insert_with(|| grid_box::chain_grid(r));
+                    if let Some(g) = grid {
+                        if let Some(v) = self.grid_box_chain(p, r, g)? {
+                            self.grid_boxes.set(self.grid_boxes.get() + 1);
+                            return Ok(v);
+                        }
+                    }
                     if let Some(v) = self.sparse_first_inter(p, a, b, hull)? {
                         return Ok(v);
                     }
