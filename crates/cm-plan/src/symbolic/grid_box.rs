@@ -325,14 +325,14 @@ impl Solver<'_, '_> {
         match (axis, form) {
             (None, CoordFn::Lin { b, .. }) => {
                 // A constant: every key of the grid or none, on each row.
-                let v = self.int(p, v)?;
+                let v = self.box_int(p, v)?;
                 if !self.cmp(p, op, Affine::constant(b), v)? {
                     axes[0].hi = Affine::constant(0);
                 }
                 Ok(true)
             }
             (Some(i), CoordFn::Lin { a, b }) if a != 0 => {
-                let v = self.int(p, v)?;
+                let v = self.box_int(p, v)?;
                 let rest = self.sub(p, Affine::constant(b), v, span)?;
                 let Some((lo, hi)) = self.coord_range(p, a, rest, op, span)? else {
                     return Ok(false);
@@ -363,7 +363,7 @@ impl Solver<'_, '_> {
                 let rep = match self.mod_form(p, v)? {
                     Some(f) if f.m == m && f.t == s && f.b == Affine::constant(b) => f.a,
                     _ => {
-                        let v = self.int(p, v)?;
+                        let v = self.box_int(p, v)?;
                         let u =
                             self.scale(p, self.sub(p, v, Affine::constant(b), span)?, s, span)?;
                         if !(self.le(p, Affine::constant(0), u)?
@@ -392,6 +392,31 @@ impl Solver<'_, '_> {
             }
             _ => Ok(false),
         }
+    }
+
+    /// The q-side value `v` over the piece, as [`Solver::int`], read from its last
+    /// evaluation when that covered the piece's rows: an affine value is affine on every
+    /// run of its rows, and it failed at none of them. A window's slow bounds (NATTEN's
+    /// rows of the window, the same along a grid row) are then evaluated once per grid row,
+    /// not twice per piece.
+    fn box_int(&self, p: &Piece, v: &Int) -> Eval<Affine> {
+        if self.var_mode.get().is_some() {
+            // Pieces range over a quantifier's variable, not rows.
+            return self.int(p, v);
+        }
+        let key = v as *const Int as usize;
+        let vars = self.vars.get();
+        if let Some(&(at, at_vars, aff)) = self.box_values.borrow().get(&key) {
+            let same = (at.b, at.h, at_vars) == (p.b, p.h, vars);
+            if same && at.q0 <= p.q0 && p.q0 + p.n <= at.q0 + at.n {
+                let first = aff.at(p.q0 - at.q0);
+                let step = if p.n == 1 { 0 } else { aff.step };
+                return Ok(Affine { first, step });
+            }
+        }
+        let aff = self.int(p, v)?;
+        self.box_values.borrow_mut().insert(key, (*p, vars, aff));
+        Ok(aff)
     }
 
     /// The coordinates with `a * c + rest  op  0` (`a != 0`) as bounds `[lo, hi)`, `None`
