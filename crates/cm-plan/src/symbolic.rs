@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
 
 mod exact;
+mod grid_box;
 mod keys;
 mod quant;
 mod quasi;
@@ -51,6 +52,10 @@ type InvariantKey = (usize, i64, i64);
 
 /// A row-invariant comparison's keys and the value of its `rest`, by its [`InvariantKey`].
 type Invariant = (InvariantKey, Vec<AffineInterval>, i64);
+
+/// A strided box's q-side value (see `Solver::box_int`): the piece and the enclosing
+/// quantifiers' values it was evaluated at, and its value there.
+type BoxValue = (Piece, [i64; MAX_QUANT_DEPTH], Affine);
 
 /// A canonical list of keys (see the module docs).
 type List = Vec<AffineInterval>;
@@ -174,6 +179,15 @@ pub struct Solver<'a, 'p> {
     /// Each key-side atom's keys sorted by their value, and the keys at or below the last
     /// threshold asked for, by (its address in the program, head).
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
+    /// For each chain of `&` met (by its address in the program), the grid whose key
+    /// coordinates it reads when it is solved as a strided box ([`grid_box`]), else `None`.
+    grid_chains: RefCell<HashMap<usize, Option<GridId>>>,
+    /// Evaluations of a chain of grid coordinates that gave its keys as a strided box
+    /// ([`grid_box`]).
+    pub grid_boxes: Cell<u64>,
+    /// The q-side values of strided boxes' atoms, by their address: the last piece each
+    /// was evaluated over and its value there (see `Solver::box_int`).
+    box_values: RefCell<HashMap<usize, BoxValue>>,
     /// The plan's `elementwise` pairs when several solvers count them together (rows
     /// solved in blocks on several threads), instead of `elementwise_pairs`.
     shared_pairs: Option<&'a AtomicU64>,
@@ -262,6 +276,9 @@ impl<'a, 'p> Solver<'a, 'p> {
             has_elementwise: bound.program.mask.uses_elementwise(),
             infallible: RefCell::default(),
             key_sweeps: RefCell::default(),
+            grid_chains: RefCell::default(),
+            grid_boxes: Cell::new(0),
+            box_values: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
             quant_evals: Cell::new(0),
@@ -582,9 +599,14 @@ impl<'a, 'p> Solver<'a, 'p> {
             IntKind::KvLen => Affine::constant(sh.kv_len),
             IntKind::Batch => Affine::constant(sh.batch),
             IntKind::NumHeads => Affine::constant(sh.num_heads),
-            IntKind::Param(_) | IntKind::SegCount(_) => {
-                Affine::constant(self.bound.eval_int(e, &self.env(p))?)
-            }
+            // An integer parameter read directly: the solver meets them at every node of
+            // long q-side values (NATTEN's window bounds), where building an environment for
+            // the interpreter costs more than the value.
+            IntKind::Param(id) => match &self.bound.params[*id] {
+                cm_ir::Value::Int(v) => Affine::constant(*v),
+                cm_ir::Value::Array(_) => Affine::constant(self.bound.eval_int(e, &self.env(p))?),
+            },
+            IntKind::SegCount(_) => Affine::constant(self.bound.eval_int(e, &self.env(p))?),
             IntKind::ArrIndex(arr, i) => {
                 let idx = self.int_plain(p, i)?;
                 // An array that reads q (`[q, 1]`) may differ on every row; one that reads
@@ -1431,6 +1453,17 @@ impl<'a, 'p> Solver<'a, 'p> {
             Region::Inter(a, b) | Region::Diff(a, b) => {
                 let is_inter = matches!(r, Region::Inter(..));
                 if is_inter {
+                    let grid = *self
+                        .grid_chains
+                        .borrow_mut()
+                        .entry(r as *const Region as usize)
+                        .or_insert_with(|| grid_box::chain_grid(r));
+                    if let Some(g) = grid {
+                        if let Some(v) = self.grid_box_chain(p, r, g)? {
+                            self.grid_boxes.set(self.grid_boxes.get() + 1);
+                            return Ok(v);
+                        }
+                    }
                     if let Some(v) = self.sparse_first_inter(p, a, b, hull)? {
                         return Ok(v);
                     }

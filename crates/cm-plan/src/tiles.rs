@@ -409,8 +409,10 @@ impl TileDescriptor {
     }
 
     /// Rows with strided runs are classified through two rows of plain intervals
-    /// ([`stride_proxies`]) row by row; the per-row data of partial tiles indexes the
-    /// rows' own runs.
+    /// ([`stride_proxies`]): the rows that touch the same tiles in the solver's runs (a
+    /// strided run's proxy is its hull or its keys, affine where the run is, as many on
+    /// every row of a run), the keys seen whole row by row; the per-row data of partial
+    /// tiles indexes the rows' own runs, row by row.
     fn build_impl(
         rows: &RowIntervals,
         runs: Option<&[u32]>,
@@ -423,18 +425,31 @@ impl TileDescriptor {
         );
         if rows.has_strides() {
             let (touch, inter) = stride_proxies(rows, tile, max_entries)?;
-            return Self::build_classified(rows, (&touch, Some(&inter)), None, tile, max_entries);
+            let touch = touch.as_ref().unwrap_or(rows);
+            debug_assert!(
+                runs.is_none_or(|r| runs_are_affine(touch, r)),
+                "a strided run's proxies are affine where the run is"
+            );
+            return Self::build_classified(
+                rows,
+                (touch, Some(&inter)),
+                (runs, None),
+                tile,
+                max_entries,
+            );
         }
-        Self::build_classified(rows, (rows, None), runs, tile, max_entries)
+        Self::build_classified(rows, (rows, None), (runs, runs), tile, max_entries)
     }
 
     /// The descriptor of `rows`, whose tiles are classified from `class`: `(touch, None)`
     /// for rows of plain intervals (`touch` is `rows`), or the proxies of strided rows,
     /// `touch` for the tiles a row touches and `inter` for the keys it sees whole.
+    /// `touch_runs` are runs of `touch` (see [`TileDescriptor::try_build_runs`]), `runs`
+    /// runs of `rows`, for the per-row data of partial tiles.
     fn build_classified(
         rows: &RowIntervals,
         (touch, inter): (&RowIntervals, Option<&RowIntervals>),
-        runs: Option<&[u32]>,
+        (touch_runs, runs): (Option<&[u32]>, Option<&[u32]>),
         tile: TileShape,
         max_entries: usize,
     ) -> Result<TileDescriptor, usize> {
@@ -482,7 +497,7 @@ impl TileDescriptor {
             let groups = Groups::Find(&mut monotone, &mut s.signs);
             block_segments(
                 touch,
-                runs,
+                touch_runs,
                 (r0, r1),
                 bn,
                 &mut run_at,
@@ -661,6 +676,9 @@ impl TileDescriptor {
 /// keys), and `inter`, the plain intervals alone: a strided key has no visible neighbour,
 /// so no tile of two or more in-range keys that holds one is full, and the keys of a
 /// one-key tile (`block_n == 1`, or the last tile when `kv_len % block_n == 1`) are kept.
+/// `touch` is `None` when no stride exceeds `block_n`: then the rows' own runs, read as
+/// intervals (`RowIntervals::row_runs`), are their hulls, and no copy of them is made (at
+/// NATTEN 2D's 917K runs, the copy's fresh pages cost more than classifying them).
 ///
 /// # Errors
 /// The unit intervals needed when they exceed `max_entries` (with `block_n == 1`, every
@@ -669,7 +687,7 @@ fn stride_proxies(
     rows: &RowIntervals,
     tile: TileShape,
     max_entries: usize,
-) -> Result<(RowIntervals, RowIntervals), usize> {
+) -> Result<(Option<RowIntervals>, RowIntervals), usize> {
     let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
     let (_, bn) = tile.clamped(q_len, kv_len);
     if bn == 1 {
@@ -677,20 +695,25 @@ fn stride_proxies(
             .expanded_within(max_entries)
             .map_err(|e| e.intervals as usize)?
             .into_owned();
-        return Ok((unit.clone(), unit));
+        return Ok((Some(unit.clone()), unit));
     }
     let last_key_alone = kv_len % bn == 1;
-    let n = rows.all_runs().len();
-    let mut touch = RowIntervals::with_capacity(q_len, kv_len, n);
-    let mut inter = RowIntervals::with_capacity(q_len, kv_len, n);
+    let hulls = rows.strides().iter().all(|&st| st <= bn);
+    let plain = rows.strides().iter().filter(|&&st| st == 1).count();
+    let mut touch =
+        (!hulls).then(|| RowIntervals::with_capacity(q_len, kv_len, rows.all_runs().len()));
+    let mut inter = RowIntervals::with_capacity(q_len, kv_len, plain);
     for q in 0..q_len {
         let strides = rows.row_strides(q).expect("strided rows");
         for (iv, &st) in rows.row_runs(q).iter().zip(strides) {
             if st == 1 {
-                touch.push_row_interval(iv.start, iv.end);
                 inter.push_row_interval(iv.start, iv.end);
-                continue;
+            } else if last_key_alone && iv.end == kv_len {
+                inter.push_row_interval(kv_len - 1, kv_len);
             }
+            let Some(touch) = touch.as_mut() else {
+                continue;
+            };
             if st <= bn {
                 touch.push_row_interval(iv.start, iv.end);
             } else {
@@ -701,11 +724,10 @@ fn stride_proxies(
                     return Err(touch.interval_count());
                 }
             }
-            if last_key_alone && iv.end == kv_len {
-                inter.push_row_interval(kv_len - 1, kv_len);
-            }
         }
-        touch.finish_row();
+        if let Some(touch) = touch.as_mut() {
+            touch.finish_row();
+        }
         inter.finish_row();
     }
     Ok((touch, inter))
