@@ -123,6 +123,49 @@ __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
 }
 
+// bwd_dkdv's and bwd_dkdv_wide's named barrier of their 256 consumer threads (0 is
+// __syncthreads).
+__device__ __forceinline__ void cm_consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// A key block's query tiles for one query head of its GQA group, from that (batch, head)'s
+// mask: partial tiles [p_begin, p_begin + num_partial) of the transposed partial list, then
+// full ones from f_begin (bwd_dkdv, bwd_dkdv_wide).
+struct CmDkdvHead {
+    u32 head;
+    u32 p_begin;
+    u32 num_partial;
+    u32 f_begin;
+    u32 num_tiles;
+};
+
+__device__ __forceinline__ CmDkdvHead cm_dkdv_head(const CmBwdParams& p, u32 batch, u32 head, u32 n_block) {
+    const u64 mask = cm_bwd_mask(p, batch, head);
+    const u32* q_offsets = p.bwd_q_offsets + mask * (p.bwd_num_n_blocks + 1);
+    const u32* full_q_offsets = p.bwd_full_q_offsets + mask * (p.bwd_num_n_blocks + 1);
+    CmDkdvHead hd;
+    hd.head = head;
+    hd.p_begin = q_offsets[n_block];
+    hd.num_partial = q_offsets[n_block + 1] - hd.p_begin;
+    hd.f_begin = full_q_offsets[n_block];
+    hd.num_tiles = hd.num_partial + (full_q_offsets[n_block + 1] - hd.f_begin);
+    return hd;
+}
+
+struct CmDkdvTile {
+    bool partial;
+    u32 index;  // position in the transposed partial (or full) list
+    u32 row0;
+};
+
+// Tile `ti` of head `hd`'s list.
+__device__ __forceinline__ CmDkdvTile cm_dkdv_tile(const CmBwdParams& p, const CmDkdvHead& hd, u32 ti) {
+    CmDkdvTile tl;
+    tl.partial = ti < hd.num_partial;
+    tl.index = tl.partial ? hd.p_begin + ti : hd.f_begin + ti - hd.num_partial;
+    tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
+    return tl;
+}
+
 // Columns of a dQ tile each of bwd_dkdv's two consumer warpgroups computes.
 #define CM_DQ_COLS (HEAD_DIM / 2)
 

@@ -70,47 +70,6 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define NAMED_DS 1
 #define NAMED_DQ 2
 
-__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-
-// The key block's query tiles for one query head of the group, from that (batch, head)'s
-// mask: partial tiles [p_begin, p_begin + num_partial) of the transposed partial list, then
-// full ones from f_begin.
-struct DkdvHead {
-    u32 head;
-    u32 p_begin;
-    u32 num_partial;
-    u32 f_begin;
-    u32 num_tiles;
-};
-
-__device__ __forceinline__ DkdvHead dkdv_head(const CmBwdParams& p, u32 batch, u32 head, u32 n_block) {
-    const u64 mask = cm_bwd_mask(p, batch, head);
-    const u32* q_offsets = p.bwd_q_offsets + mask * (p.bwd_num_n_blocks + 1);
-    const u32* full_q_offsets = p.bwd_full_q_offsets + mask * (p.bwd_num_n_blocks + 1);
-    DkdvHead hd;
-    hd.head = head;
-    hd.p_begin = q_offsets[n_block];
-    hd.num_partial = q_offsets[n_block + 1] - hd.p_begin;
-    hd.f_begin = full_q_offsets[n_block];
-    hd.num_tiles = hd.num_partial + (full_q_offsets[n_block + 1] - hd.f_begin);
-    return hd;
-}
-
-struct DkdvTile {
-    bool partial;
-    u32 index;  // position in the transposed partial (or full) list
-    u32 row0;
-};
-
-// Tile `ti` of head `hd`'s list.
-__device__ __forceinline__ DkdvTile dkdv_tile(const CmBwdParams& p, const DkdvHead& hd, u32 ti) {
-    DkdvTile tl;
-    tl.partial = ti < hd.num_partial;
-    tl.index = tl.partial ? hd.p_begin + ti : hd.f_begin + ti - hd.num_partial;
-    tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
-    return tl;
-}
-
 // P^T of one tile in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
 // consumer, query 8 j + 2 t + (e & 1). A masked pair gets exponent -inf whatever its score, so
 // P = 0 (and with it dS) exactly.
@@ -202,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const u32 key0 = n_block * KEY_BLOCK;
     // Tiles over the group's query heads, each head's from its own mask.
     u32 total = 0;
-    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
     const bool atomic_dq = p.dq_accum != nullptr;
 
     if (threadIdx.x == 0) {
@@ -230,10 +189,10 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             }
             u32 it = 0;
             for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-                const DkdvHead hd = dkdv_head(p, batch, head0 + hg, n_block);
+                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
                 for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
                     const u32 s = it % STAGES;
-                    const DkdvTile tl = dkdv_tile(p, hd, ti);
+                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
                     const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0;
                     cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
                     const u32 full = bar(BAR_FULL(s));
@@ -311,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 #endif
     u32 it = 0;
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-        const DkdvHead hd = dkdv_head(p, batch, head0 + hg, n_block);
+        const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
         for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
             const u32 s = it % STAGES;
             const bool partial = ti < hd.num_partial;
@@ -340,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // The tile's first query and the distance table's view of it, loaded while the
             // products run.
             const u32 key_base = key0 + c * 64 + warp * 16 + g;
-            const u32 tile_row0 = dkdv_tile(p, hd, ti).row0;
+            const u32 tile_row0 = cm_dkdv_tile(p, hd, ti).row0;
             const u32 query_base = tile_row0 + 2 * t;
             // The tile's distances (queries tile_row0 .., keys key0 + 64 c ..), as indices:
             // the same range in every thread of the consumer.
@@ -434,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 // The previous tile's reduction must have read the dQ tile before anyone rewrites
                 // it below; both halves of dS^T are in shared memory after the barrier.
                 if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-                consumers_sync(NAMED_DS);
+                cm_consumers_sync(NAMED_DS);
             }
             // Waiting here keeps the fragments and the dQ accumulator from being live at once
             // (no spill at head_dim 128).
@@ -468,9 +427,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                                  : "memory");
                 }
                 cm_fence_proxy_async();
-                consumers_sync(NAMED_DQ);
+                cm_consumers_sync(NAMED_DQ);
                 if (dq_issuer) {
-                    const DkdvTile tl = dkdv_tile(p, hd, ti);
+                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
                     float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0) * HEAD_DIM;
                     asm volatile(
                         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(sDQ),

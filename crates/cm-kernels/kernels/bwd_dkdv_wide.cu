@@ -69,38 +69,6 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define K_COLS0 (64 * ((HEAD_DIM / 64 + 1) / 2))
 #define V_COLS0 (64 * ((HEAD_DIM_V / 64 + 1) / 2))
 
-__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-
-struct WideHead {
-    u32 head;
-    u32 p_begin;
-    u32 num_partial;
-    u32 f_begin;
-    u32 num_tiles;
-};
-
-__device__ __forceinline__ WideHead wide_head(const CmBwdParams& p, u32 batch, u32 head, u32 n_block) {
-    const u64 mask = cm_bwd_mask(p, batch, head);
-    const u32* q_offsets = p.bwd_q_offsets + mask * (p.bwd_num_n_blocks + 1);
-    const u32* full_q_offsets = p.bwd_full_q_offsets + mask * (p.bwd_num_n_blocks + 1);
-    WideHead hd;
-    hd.head = head;
-    hd.p_begin = q_offsets[n_block];
-    hd.num_partial = q_offsets[n_block + 1] - hd.p_begin;
-    hd.f_begin = full_q_offsets[n_block];
-    hd.num_tiles = hd.num_partial + (full_q_offsets[n_block + 1] - hd.f_begin);
-    return hd;
-}
-
-// Position in the transposed partial (or full) list of tile `ti` of `hd`, and its first row.
-__device__ __forceinline__ u32 wide_tile_index(const WideHead& hd, u32 ti) {
-    return ti < hd.num_partial ? hd.p_begin + ti : hd.f_begin + ti - hd.num_partial;
-}
-__device__ __forceinline__ u32 wide_tile_row0(const CmBwdParams& p, const WideHead& hd, u32 ti) {
-    const u32 index = wide_tile_index(hd, ti);
-    return (ti < hd.num_partial ? p.bwd_q_indices[index] : p.bwd_full_q_indices[index]) * BLOCK_M;
-}
-
 __device__ __forceinline__ u32 wide_opaque(u32 x) {
     asm volatile("mov.b32 %0, %0;" : "+r"(x));
     return x;
@@ -173,7 +141,7 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
     // total is 0 for a half past kv_len although its block has tiles: the producer loads
     // nothing then, so the tiles must not be waited for.
     for (u32 hg = 0; total > 0 && hg < p.heads_per_kv_head; ++hg) {
-        const WideHead hd = wide_head(p, batch, head0 + hg, n_block);
+        const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
         for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
             const u32 s = it % STAGES;
             const bool partial = ti < hd.num_partial;
@@ -236,7 +204,7 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
                 }
             }
             // Both consumers finished the previous tile's products that read P^T and dS^T.
-            if (it > 0) consumers_sync(NAMED_REUSE);
+            if (it > 0) cm_consumers_sync(NAMED_REUSE);
             wide_store_half<C>(sP, sc, warp, g, t);
             cm_wgmma_wait<0>();
             cm_fence_acc(dp);
@@ -248,7 +216,7 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
             }
             wide_store_half<C>(sDS, dp, warp, g, t);
             cm_fence_proxy_async();
-            consumers_sync(NAMED_PDS);
+            cm_consumers_sync(NAMED_PDS);
 
             // dV += P^T dO and dK += dS^T Q over the tile's 64 queries (P^T, dS^T K-major; dO
             // and Q read MN-major from this consumer's first column atom).
@@ -268,7 +236,7 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
                 // dQ[:, this consumer's K columns] = dS K over the half's 64 keys, one column
                 // atom at a time (a 64 x 128 fp32 accumulator beside dK and dV spills): dS read
                 // MN-major from the dS^T tile, K read MN-major.
-                const u32 row0 = wide_tile_row0(p, hd, ti);
+                const u32 row0 = cm_dkdv_tile(p, hd, ti).row0;
                 float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + row0) * HEAD_DIM;
 #pragma unroll
                 for (int a = 0; a < KC / 64; ++a) {
@@ -345,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     // A half entirely past kv_len has no key to compute (and writes none).
     u32 total = 0;
     if (key0 < p.kv_len) {
-        for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += wide_head(p, batch, head0 + hg, n_block).num_tiles;
+        for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
     }
 
     if (threadIdx.x == 0) {
@@ -376,11 +344,12 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             }
             u32 it = 0;
             for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-                const WideHead hd = wide_head(p, batch, head0 + hg, n_block);
+                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
                 for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
                     const u32 s = it % STAGES;
-                    const bool partial = ti < hd.num_partial;
-                    const u32 row0 = wide_tile_row0(p, hd, ti);
+                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
+                    const bool partial = tl.partial;
+                    const u32 row0 = tl.row0;
                     const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + row0;
                     cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
                     const u32 full = bar(BAR_FULL(s));
@@ -402,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     if (partial) {
                         // The block's key-major bits: 2 u32 per key, this half's 64 keys.
                         cm_bulk_load(base + OFF_MASK + s * MASK_BYTES,
-                                     p.bwd_partial_key_mask + ((u64)wide_tile_index(hd, ti) * KEY_BLOCK + half * CTA_KEYS) * 2,
+                                     p.bwd_partial_key_mask + ((u64)tl.index * KEY_BLOCK + half * CTA_KEYS) * 2,
                                      MASK_BYTES, full);
                     }
                 }
