@@ -85,7 +85,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 128)]
     head_dim: u32,
     /// Columns of V and of the output per head (default: --head-dim); 128 with --head-dim
-    /// 192 is DeepSeek's MLA shape. Forward only where it differs.
+    /// 192 is DeepSeek's MLA shape (forward and backward; the built shapes are listed in an
+    /// error otherwise).
     #[arg(long)]
     head_dim_v: Option<u32>,
     /// Element type of Q, K, V and the output.

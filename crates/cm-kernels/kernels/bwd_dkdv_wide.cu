@@ -75,7 +75,7 @@ __device__ __forceinline__ u32 wide_opaque(u32 x) {
 }
 
 template <int J>
-__device__ __forceinline__ void cm_zero(float (&d)[J][4]) {
+__device__ __forceinline__ void wide_zero(float (&d)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
 #pragma unroll
@@ -133,8 +133,8 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
     // with them carried the consumer would not fit its 240 registers).
     float acc_dk[KC / 8][4];
     float acc_dv[VC / 8][4];
-    cm_zero(acc_dk);
-    cm_zero(acc_dv);
+    wide_zero(acc_dk);
+    wide_zero(acc_dv);
     if (total > 0) cm_mbar_wait(bar(BAR_KV), 0);
 
     u32 it = 0;
@@ -159,8 +159,8 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
             // S^T and dP^T: the 64 keys x this consumer's 32 queries.
             float sc[4][4];
             float dp[4][4];
-            cm_zero(sc);
-            cm_zero(dp);
+            wide_zero(sc);
+            wide_zero(dp);
             cm_wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
@@ -241,7 +241,7 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
 #pragma unroll
                 for (int a = 0; a < KC / 64; ++a) {
                     float acc_dq[8][4];
-                    cm_zero(acc_dq);
+                    wide_zero(acc_dq);
                     cm_wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < CTA_KEYS / 16; ++kk) {
