@@ -398,7 +398,7 @@ fn run(command: Command) -> Result<ExitCode> {
             if let Some(o) = &plan.order {
                 out["order"] = json!({
                     "patch": o.patch,
-                    "traversal": o.traversal,
+                    "traversal": if o.tree_preorder { json!("preorder") } else { json!(o.traversal) },
                     "raster_computed_pairs": plan.raster_computed_pairs,
                     "tile_density_before": plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64,
                     "tile_density_after": plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64,

@@ -60,7 +60,8 @@ pub struct MaskArgs {
     )]
     pub batch: i64,
     /// Token order to plan in: `raster` (the program's positions), `auto` (the best patch
-    /// order of the mask's grid, for 2D/3D local masks) or a file holding a permutation of
+    /// order of the mask's grid, for 2D/3D local masks; else a tree's depth-first preorder,
+    /// when it computes fewer pairs) or a file holding a permutation of
     /// [0, q_len) (`order[new] = original`, integers separated by commas or whitespace).
     #[arg(long, default_value = "raster")]
     pub order: OsString,

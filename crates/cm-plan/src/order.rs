@@ -11,6 +11,7 @@
 use crate::rows::RowIntervals;
 use crate::tiles::TileShape;
 use cm_ir::bind::GridVals;
+use cm_ir::tree::TreeTable;
 use serde::Serialize;
 
 /// How patches are visited.
@@ -35,6 +36,8 @@ pub struct TokenOrder {
     /// order on a grid is the patch `[1, 1, width]` visited row-major.
     pub patch: Option<[u32; 3]>,
     pub traversal: Option<Traversal>,
+    /// A tree's nodes in depth-first preorder ([`TokenOrder::tree_preorder`]).
+    pub tree_preorder: bool,
 }
 
 impl TokenOrder {
@@ -46,6 +49,7 @@ impl TokenOrder {
             order,
             patch: None,
             traversal: None,
+            tree_preorder: false,
         }
     }
 
@@ -78,6 +82,7 @@ impl TokenOrder {
             inverse,
             patch: None,
             traversal: None,
+            tree_preorder: false,
         })
     }
 
@@ -114,6 +119,65 @@ impl TokenOrder {
             inverse,
             patch: Some([pt, ph, pw]),
             traversal: Some(traversal),
+            tree_preorder: false,
+        }
+    }
+
+    /// A tree's nodes in depth-first preorder (roots, and each node's children, by ascending
+    /// node index); tokens outside the tree keep their positions. In preorder every subtree
+    /// is one run of positions, so a node's ancestors are at most one interval per depth
+    /// where the path jumps past earlier siblings' subtrees, and the rows of `k in t.path(q)`
+    /// are as dense as the tree allows (docs/language.md, "Token orders"). O(nodes).
+    ///
+    /// `tree.parents` is validated ([`cm_ir::tree::TreeTable::build`]: every parent a node of
+    /// the tree, no cycle); nodes at positions `>= len` are left out of the order's tree part.
+    pub fn tree_preorder(len: u32, tree: &TreeTable) -> TokenOrder {
+        let n = tree.len();
+        let at = tree.at.clamp(0, i64::from(len)) as u32;
+        // Children lists by counting sort (each list ascending, as the nodes are visited in
+        // ascending order); roots are the list of the virtual node n.
+        let mut start = vec![0u32; n + 2];
+        for &p in tree.parents.iter() {
+            let slot = if p < 0 { n } else { p as usize };
+            start[slot + 1] += 1;
+        }
+        for i in 0..=n {
+            start[i + 1] += start[i];
+        }
+        let mut fill = start.clone();
+        let mut children = vec![0u32; n];
+        for (i, &p) in tree.parents.iter().enumerate() {
+            let slot = if p < 0 { n } else { p as usize };
+            children[fill[slot] as usize] = i as u32;
+            fill[slot] += 1;
+        }
+        let mut order: Vec<u32> = (0..at).collect();
+        // Nodes to visit, children pushed in reverse so that the smallest is visited first.
+        let mut stack: Vec<u32> = children[start[n] as usize..start[n + 1] as usize]
+            .iter()
+            .rev()
+            .copied()
+            .collect();
+        while let Some(v) = stack.pop() {
+            let pos = at + v;
+            if pos < len {
+                order.push(pos);
+            }
+            let (c0, c1) = (start[v as usize] as usize, start[v as usize + 1] as usize);
+            stack.extend(children[c0..c1].iter().rev());
+        }
+        let end = (u64::from(at) + n as u64).min(u64::from(len)) as u32;
+        order.extend(end..len);
+        let mut inverse = vec![0u32; len as usize];
+        for (i, &o) in order.iter().enumerate() {
+            inverse[o as usize] = i as u32;
+        }
+        TokenOrder {
+            order,
+            inverse,
+            patch: None,
+            traversal: None,
+            tree_preorder: true,
         }
     }
 
@@ -254,20 +318,41 @@ pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
     let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
     let (bm, bn) = tile.clamped(q_len, kv_len);
     let mut total = 0u64;
+    // A block's rows' key-tile ranges, gathered, sorted and swept once: O(R log R) for R
+    // intervals in the block, where merging row by row costs O(rows x ranges) on rows
+    // whose keys scatter (a tree in its program's order touches hundreds of tiles a block).
     let mut ranges: Vec<(u32, u32)> = Vec::new();
-    let mut scratch = Vec::new();
     let div_n = crate::tiles::DivU32::new(bn);
     for m in 0..q_len.div_ceil(bm) {
         let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
         ranges.clear();
         for q in r0..r1 {
-            crate::tiles::merge_tile_ranges(&mut ranges, &mut scratch, rows.row(q), div_n);
+            ranges.extend(
+                rows.row(q)
+                    .iter()
+                    .map(|iv| (div_n.div(iv.start), div_n.div(iv.end - 1))),
+            );
         }
-        let cols: u64 = ranges
-            .iter()
-            .map(|&(a, b)| u64::from(((b + 1) * bn).min(kv_len) - a * bn))
-            .sum();
-        total += u64::from(r1 - r0) * cols;
+        ranges.sort_unstable();
+        let mut tiles = 0u64;
+        let mut cur: Option<(u32, u32)> = None;
+        let mut close = |(a, b): (u32, u32)| {
+            tiles += u64::from(((b + 1) * bn).min(kv_len) - a * bn);
+        };
+        for &(a, b) in &ranges {
+            match &mut cur {
+                Some(c) if a <= c.1 + 1 => c.1 = c.1.max(b),
+                _ => {
+                    if let Some(c) = cur.replace((a, b)) {
+                        close(c);
+                    }
+                }
+            }
+        }
+        if let Some(c) = cur {
+            close(c);
+        }
+        total += u64::from(r1 - r0) * tiles;
     }
     total
 }
@@ -285,6 +370,8 @@ pub fn computed_pairs_in_order(
     let num_n = n.div_ceil(bn) as usize;
     let mut stamp = vec![u32::MAX; num_n];
     let mut total = 0u64;
+    // Two divisions per run, over a million runs for a scattered tree: by multiply.
+    let div_n = crate::tiles::DivU32::new(bn);
     for m in 0..n.div_ceil(bm) {
         let (r0, r1) = (m * bm, ((m + 1) * bm).min(n));
         let mut cols = 0u64;
@@ -294,7 +381,7 @@ pub fn computed_pairs_in_order(
                 while k < iv.end {
                     let len = run[k as usize].min(iv.end - k);
                     let start = order.inverse[k as usize];
-                    for t in start / bn..=(start + len - 1) / bn {
+                    for t in div_n.div(start)..=div_n.div(start + len - 1) {
                         if stamp[t as usize] != m {
                             stamp[t as usize] = m;
                             cols += u64::from(((t + 1) * bn).min(n) - t * bn);

@@ -1,7 +1,10 @@
 //! The planning driver: a bound program becomes a [`Plan`], one [`MaskPlan`] (row
 //! intervals + tile descriptor) per distinct (batch, head) mask, shared where equal.
 
-use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
+use crate::order::{
+    choose_grid_order, computed_pairs, computed_pairs_in_order, contiguous_runs, permute_rows,
+    Candidate, TokenOrder,
+};
 use crate::packed::Packing;
 use crate::rows::{ExpandError, KeyInterval, RowIntervals};
 use crate::symbolic::{
@@ -100,7 +103,9 @@ pub struct Plan {
 pub enum OrderRequest {
     /// The program's own positions.
     Raster,
-    /// The best patch order of the program's first grid (see [`crate::order`]).
+    /// The best patch order of the program's first grid (see [`crate::order`]); without a
+    /// grid, the first tree's depth-first preorder when it computes fewer pairs than the
+    /// program's positions (else those positions: the plan has no order).
     Auto,
     /// An explicit permutation: `order[new] = original`.
     Explicit(Vec<u32>),
@@ -856,13 +861,27 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                         )?,
                     ),
                     OrderRequest::Auto => {
-                        let Some(grid) = bound.grids.first() else {
-                            return Err(PlanError::new(Code::NoGridForOrder, None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`)")
+                        if let Some(grid) = bound.grids.first() {
+                            let (o, candidates) = choose_grid_order(&rows, grid, tile);
+                            order_candidates = candidates;
+                            Some(o)
+                        } else if let Some(tree) = at.trees.first() {
+                            // Batch 0's tree when the parents read `b`: one order serves
+                            // every batch index (any order is exact; this one is densest
+                            // for batch 0). Raster stays when preorder computes no fewer
+                            // pairs (a tree already in depth-first order, say).
+                            let o = TokenOrder::tree_preorder(shape.q_len as u32, tree);
+                            // A tree already numbered in preorder keeps its positions
+                            // without the cost estimate.
+                            let moved = o.order.iter().enumerate().any(|(i, &p)| p != i as u32);
+                            (moved
+                                && computed_pairs_in_order(&rows, &o, &contiguous_runs(&o), tile)
+                                    < raster_computed_pairs)
+                                .then_some(o)
+                        } else {
+                            return Err(PlanError::new(Code::NoGridForOrder, None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`) or a tree (`tree NAME = PARENTS;`)")
                                 .with_hint("give an explicit order instead, or use raster"));
-                        };
-                        let (o, candidates) = choose_grid_order(&rows, grid, tile);
-                        order_candidates = candidates;
-                        Some(o)
+                        }
                     }
                 };
             }

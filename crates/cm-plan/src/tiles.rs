@@ -176,21 +176,6 @@ fn merge_ranges(
     std::mem::swap(acc, scratch);
 }
 
-/// Merges one row's intervals, as inclusive key-tile ranges, into the sorted, merged
-/// ranges `acc` (adjacent ranges join).
-pub(crate) fn merge_tile_ranges(
-    acc: &mut Vec<(u32, u32)>,
-    scratch: &mut Vec<(u32, u32)>,
-    row: &[KeyInterval],
-    bn: DivU32,
-) {
-    merge_ranges(
-        acc,
-        scratch,
-        row.iter().map(|iv| (bn.div(iv.start), bn.div(iv.end - 1))),
-    );
-}
-
 fn intersect_into(a: &[KeyInterval], b: &[KeyInterval], out: &mut Vec<KeyInterval>) {
     out.clear();
     let (mut i, mut j) = (0, 0);

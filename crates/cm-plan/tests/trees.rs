@@ -7,7 +7,8 @@
 #[allow(dead_code)]
 mod common;
 use cm_ir::{Shape, Value};
-use cm_plan::{plan, TileShape};
+use cm_plan::order::{computed_pairs_in_order, contiguous_runs, TokenOrder};
+use cm_plan::{plan, plan_in_order, OrderRequest, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
@@ -233,4 +234,134 @@ fn scattered_trees_equal_brute_force() {
         // Blocks of scattered rows: more touched tiles than a block merges row by row.
         assert!(most > 16, "at most {most} partial tiles in a block");
     }
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 200, 0x0d1e))]
+
+    /// `order = auto` on a tree plans in its depth-first preorder when that computes fewer
+    /// pairs: the order is a permutation that keeps tokens outside the tree in place and
+    /// makes every subtree one run of positions, every pair of the permuted plan is the
+    /// original pair of the moved tokens (against the pairwise semantics), its tiles match a
+    /// dense evaluation, and it never computes more pairs than the program's own positions.
+    #[test]
+    fn auto_order_of_a_tree_is_an_exact_preorder(
+        raw in proptest::collection::vec((proptest::bool::weighted(0.1), any::<u32>()), 1..50),
+        shuffle in proptest::collection::vec(0u32..1000, 0..50),
+        prompt in 0i64..10,
+        extra in -10i64..10,
+        (bm, bn) in (1u32..20, 1u32..20),
+    ) {
+        let parents = forest(&raw, &shuffle);
+        let n = parents.len() as i64;
+        let len = (prompt + n + extra).max(1);
+        let src = format!(
+            "param parents: [int] = {};\nparam prompt: int = {prompt};\n\
+             tree t = parents at prompt;\n\
+             mask = k < prompt & k <= q | k in t.path(q);",
+            list(&parents)
+        );
+        let tile = TileShape { block_m: bm, block_n: bn };
+        let program = compile(&src);
+        let bound = program.bind(shape(len, len), &params(&[])).unwrap();
+        let raster = plan(&bound, tile).unwrap();
+        let auto = plan_in_order(&bound, tile, &OrderRequest::Auto).unwrap();
+        let preorder = TokenOrder::tree_preorder(len as u32, &bound.trees[0]);
+        prop_assert!(auto.computed_pairs() <= raster.computed_pairs());
+        prop_assert_eq!(auto.raster_computed_pairs, raster.computed_pairs());
+        let Some(order) = &auto.order else {
+            // Raster kept: preorder would not have computed fewer pairs.
+            let cost = computed_pairs_in_order(
+                &raster.masks[0].rows, &preorder, &contiguous_runs(&preorder), tile);
+            prop_assert!(cost >= raster.computed_pairs());
+            return Ok(());
+        };
+        prop_assert!(order.tree_preorder);
+        prop_assert_eq!(&order.order, &preorder.order);
+        let l = len as usize;
+        let mut seen = vec![false; l];
+        for &o in &order.order {
+            prop_assert!(!std::mem::replace(&mut seen[o as usize], true), "order repeats {}", o);
+        }
+        let tree_end = (prompt + n).min(len);
+        for p in (0..prompt.min(len)).chain(tree_end..len) {
+            prop_assert_eq!(order.order[p as usize], p as u32, "token {} outside the tree moved", p);
+        }
+        // Each subtree is one run: a node's descendants (those whose path contains it)
+        // are exactly the positions right after it, as many as the subtree has nodes.
+        let table = &bound.trees[0];
+        for v in 0..n.min(len - prompt).max(0) as usize {
+            let new_v = order.inverse[prompt as usize + v] as usize;
+            let size = (0..n as usize)
+                .filter(|&u| prompt as usize + u < l && table.on_path(v, u))
+                .count();
+            for i in new_v..new_v + size {
+                let u = order.order[i] as usize - prompt as usize;
+                prop_assert!(table.on_path(v, u), "position {} is not in node {}'s subtree", i, v);
+            }
+        }
+        let rows = &auto.masks[0].rows;
+        rows.validate().unwrap();
+        let mut dense = vec![false; l * l];
+        for i in 0..l {
+            let mut want = vec![false; l];
+            for (s, e) in bound.brute_force_row(i64::from(order.order[i]), 0, 0).unwrap() {
+                for k in s..e {
+                    want[order.inverse[k as usize] as usize] = true;
+                }
+            }
+            for j in 0..l {
+                prop_assert_eq!(rows.is_visible(i as u32, j as u32), want[j], "pair ({}, {})", i, j);
+                dense[i * l + j] = want[j];
+            }
+        }
+        check_tiles(&auto.masks[0].tiles, &dense, len as u32, len as u32);
+    }
+}
+
+/// A 4-ary tree of 4096 nodes with shuffled labels: `auto` finds its preorder and cuts the
+/// computed pairs (the shuffled rows touch scattered key tiles; in preorder a path is a few
+/// runs).
+#[test]
+fn auto_order_packs_a_shuffled_tree() {
+    let n = 4096usize;
+    let heap: Vec<i64> = (0..n as i64)
+        .map(|i| if i == 0 { -1 } else { (i - 1) / 4 })
+        .collect();
+    // A fixed shuffle (Park-Miller keys) of the heap-numbered tree.
+    let mut x = 7u64;
+    let keys: Vec<u32> = (0..n)
+        .map(|_| {
+            x = x * 16807 % 2147483647;
+            (x % 1_000_000) as u32
+        })
+        .collect();
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by_key(|&i| (keys[i], i));
+    let mut perm = vec![0usize; n];
+    for (new, &old) in idx.iter().enumerate() {
+        perm[old] = new;
+    }
+    let mut parents = vec![-1i64; n];
+    for i in 0..n {
+        parents[perm[i]] = if heap[i] < 0 {
+            -1
+        } else {
+            perm[heap[i] as usize] as i64
+        };
+    }
+    let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
+    let values = params(&[("parents", Value::Array(parents.into()))]);
+    let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
+    let tile = TileShape::default();
+    let raster = plan(&bound, tile).unwrap();
+    let auto = plan_in_order(&bound, tile, &OrderRequest::Auto).unwrap();
+    assert!(auto.order.as_ref().is_some_and(|o| o.tree_preorder));
+    assert_eq!(auto.visible_pairs(), raster.visible_pairs());
+    assert!(
+        auto.computed_pairs() * 4 < raster.computed_pairs(),
+        "{} vs {}",
+        auto.computed_pairs(),
+        raster.computed_pairs()
+    );
 }

@@ -251,13 +251,15 @@ impl Plan {
         self.inner.order.as_ref().and_then(|o| o.patch).map(patch)
     }
 
+    /// How the chosen grid order visits its patches, `"preorder"` for a tree's depth-first
+    /// preorder, `None` for raster planning and explicit permutations.
     #[getter]
     fn order_traversal(&self) -> Option<&'static str> {
-        self.inner
-            .order
-            .as_ref()
-            .and_then(|o| o.traversal)
-            .map(traversal_name)
+        let o = self.inner.order.as_ref()?;
+        if o.tree_preorder {
+            return Some("preorder");
+        }
+        o.traversal.map(traversal_name)
     }
 
     /// With `order="auto"`: `(patch, traversal, computed_pairs)` of every candidate order,

@@ -84,7 +84,7 @@ codes! {
     DenseTooLarge = "CM0403", "a dense export above its size limit";
     TooLargeToPlan = "CM0404", "a mask too large to plan (too many segments or intervals)";
     OrderNeedsEqualLengths = "CM0405", "a token order asked for with `q_len != kv_len`";
-    NoGridForOrder = "CM0406", "`--order auto` on a mask without a grid";
+    NoGridForOrder = "CM0406", "`--order auto` on a mask without a grid or a tree";
     BadOrder = "CM0407", "an explicit token order that is not a permutation of `[0, q_len)`";
     NotExpressible = "CM0408", "a FlashMask export of a mask FlashMask cannot express (a column with more than two masked row ranges)";
     BadCuSeqlens = "CM0409", "bad `cu_seqlens_q` / `cu_seqlens_k` of a packed plan: lengths differ (each needs batch + 1 entries), not starting at 0, decreasing, a total above `2^26`, or no query or no key at all";
