@@ -95,6 +95,55 @@ def test_explicit_order_plans_the_permuted_mask():
     assert clear(order="raster").order is None
 
 
+def shuffled_tree(n: int, seed: int) -> list[int]:
+    """A 3-ary tree of ``n`` nodes (heap numbering) with its labels shuffled, so that parents
+    may come after their children: ``parents[i]`` is node i's parent, -1 for the root."""
+    perm = list(range(n))
+    random.Random(seed).shuffle(perm)
+    parents = [-1] * n
+    for i in range(1, n):
+        parents[perm[i]] = perm[(i - 1) // 3]
+    return parents
+
+
+TREE_PROMPT, TREE_NODES = 7, 300
+TREE_SRC = ("param parents: [int];\nparam prompt: int;\ntree t = parents at prompt;\n"
+            "mask = k < prompt & k <= q | k in t.path(q);")
+
+
+def tree_plan(**kw):
+    parents = shuffled_tree(TREE_NODES, 3)
+    return cm.compile(TREE_SRC).plan(TREE_PROMPT + TREE_NODES, block_size=16,
+                                     parents=parents, prompt=TREE_PROMPT, **kw)
+
+
+def test_auto_order_of_a_tree_is_its_preorder():
+    raster, auto = tree_plan(), tree_plan(order="auto")
+    n = TREE_PROMPT + TREE_NODES
+    order = order_list(auto)
+    assert sorted(order) == list(range(n))
+    assert order[:TREE_PROMPT] == list(range(TREE_PROMPT)), "the prompt keeps its place"
+    parents = shuffled_tree(TREE_NODES, 3)
+    # Preorder: every node comes right after its parent or after a subtree of an earlier
+    # sibling, so each node's parent precedes it, and the root comes first.
+    position = {o: i for i, o in enumerate(order)}
+    for node, p in enumerate(parents):
+        if p >= 0:
+            assert position[TREE_PROMPT + p] < position[TREE_PROMPT + node]
+        else:
+            assert position[TREE_PROMPT + node] == TREE_PROMPT
+    assert auto.visible_pairs == raster.visible_pairs
+    assert auto.computed_pairs == computed_pairs_in_order(raster, order, 16)
+    assert auto.computed_pairs < raster.computed_pairs
+    info = auto.order_info()
+    assert info["traversal"] == "preorder" and info["patch"] is None
+    assert info["raster_computed_pairs"] == raster.computed_pairs
+    inverse = {o: i for i, o in enumerate(order)}
+    for i in (0, TREE_PROMPT, TREE_PROMPT + 1, 150, n - 1):
+        keys = sorted(inverse[k] for s, e in raster.intervals(order[i]) for k in range(s, e))
+        assert [k for s, e in auto.intervals(i) for k in range(s, e)] == keys
+
+
 @pytest.mark.parametrize("kwargs,code", [
     ({"order": [0, 0, 1]}, "CM0407"),
     ({"order": [0, 1]}, "CM0407"),
@@ -146,16 +195,20 @@ def test_order_tensor_and_permute_helpers(torch):
         cm.permute(x, auto.to_tensors())  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("order", ["auto", "random"])
+@pytest.mark.parametrize("order", ["auto", "random", "tree"])
 def test_attention_in_order_equals_raster_attention(torch, order):
     raster = clear()
+    n = N
     if order == "random":
         perm = list(range(N))
         random.Random(1).shuffle(perm)
         plan = clear(order=perm)
+    elif order == "tree":
+        raster, plan = tree_plan(), tree_plan(order="auto")
+        n = raster.q_len
     else:
         plan = clear(order="auto")
-    q, k, v = _qkv(torch, 1, 2, N, 8)
+    q, k, v = _qkv(torch, 1, 2, n, 8)
     out, lse = cm.attention(q, k, v, raster, return_lse=True)
     pout, plse = cm.attention(cm.permute(q, plan), cm.permute(k, plan), cm.permute(v, plan),
                               plan, return_lse=True)
