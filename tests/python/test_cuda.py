@@ -35,6 +35,21 @@ def _err(a, ref):
     return (a.double() - ref.double()).abs().max().item() / max(1.0, ref.abs().max().item())
 
 
+def _weighted_grads(inputs, out, lse, ref_out, ref_lse, empty, seed=1):
+    """The gradients with respect to `inputs` (q, k, v) of `sum(out * w_out) + sum(lse *
+    w_lse)`, ours and the float64 dense reference's (`ref_out`, `ref_lse`), by autograd on
+    both sides: random float64 weights drawn from `seed`, so both of the backward's inputs
+    are exercised, with `w_lse` 0 at the rows that see no key (`empty`, lse -inf)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, generator=g, device="cuda",
+                        dtype=torch.float64).masked_fill(empty, 0)
+    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
+    return grads, torch.autograd.grad(ref_loss, inputs)
+
+
 def _check(plan, q, k, v, enable_gqa=False, deterministic=False):
     dtype = q.dtype
     tol_out, tol_grad = TOL[dtype]
@@ -50,14 +65,7 @@ def _check(plan, q, k, v, enable_gqa=False, deterministic=False):
     assert (out[empty] == 0).all()
     if (~empty).any():
         assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() <= 1e-2
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
-    w_lse = torch.randn(lse.shape, generator=g, device="cuda",
-                        dtype=torch.float64).masked_fill(empty, 0)
-    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
-    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
-    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    grads, ref_grads = _weighted_grads((q, k, v), out, lse, ref_out, ref_lse, empty)
     for name, a, b in zip("qkv", grads, ref_grads):
         assert a.dtype == dtype and not torch.isnan(a).any(), name
         assert _err(a, b) <= tol_grad, (name, _err(a, b))

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
 
-from test_cuda import EDGE_PLANS, TOL, _err  # noqa: E402
+from test_cuda import EDGE_PLANS, TOL, _err, _weighted_grads  # noqa: E402
 from test_scores_cuda import CASES, TERMS, _buckets, _reference  # noqa: E402
 from test_torch import WORKLOADS, dense_attention  # noqa: E402
 
@@ -103,23 +103,15 @@ def test_wide_head_per_head_masks_under_gqa():
 
 
 def _check_grads(plan, q, k, v, deterministic, tol=None, seed=1):
-    """The forward as `_check`, then the gradients of `sum(out * w_out) + sum(lse * w_lse)`
-    (random float64 weights, so both of the backward's inputs are exercised) against the
-    float64 dense attention's, by autograd on both sides."""
+    """The forward as `_check`, then the gradients of test_cuda's weighted loss
+    (`_weighted_grads`) against the float64 dense attention's."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out, lse = cm.attention(q, k, v, plan, return_lse=True, enable_gqa=q.shape[1] != k.shape[1],
                             deterministic=deterministic)
     mask = plan.to_dense(format="torch").cuda()
     ref_out, ref_lse, empty = dense_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]))
     assert _err(out, ref_out) <= TOL[q.dtype][0]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
-    w_lse = torch.randn(lse.shape, generator=g, device="cuda",
-                        dtype=torch.float64).masked_fill(empty, 0)
-    loss = (out.double() * w_out).sum() + (lse.double().masked_fill(empty, 0) * w_lse).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
-    ref_loss = (ref_out * w_out).sum() + (ref_lse.masked_fill(empty, 0) * w_lse).sum()
-    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    grads, ref_grads = _weighted_grads((q, k, v), out, lse, ref_out, ref_lse, empty, seed)
     for name, a, b, x in zip("qkv", grads, ref_grads, (q, k, v)):
         assert a.shape == x.shape and a.dtype == x.dtype, name
         assert torch.isfinite(a).all(), name

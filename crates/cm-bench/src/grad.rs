@@ -552,6 +552,41 @@ mod tests {
     use crate::reference::{self, Inputs};
     use crate::{from_bits, random_bits};
 
+    /// A batch-2 GQA problem (4 query heads, 2 KV heads) at `[q_len, kv_len, head_dim,
+    /// head_dim_v]`: query row `i` sees the key intervals `row(i)`; Q, K, V and dO are random
+    /// values of `dt` from seeds `seed` to `seed + 3`.
+    fn problem(
+        [sq, skv, d, dvw]: [usize; 4],
+        dt: DType,
+        seed: u64,
+        row: impl Fn(u32) -> Vec<(u32, u32)>,
+    ) -> (Shape, RowIntervals, Tensors) {
+        let rows: Vec<Vec<(u32, u32)>> = (0..sq as u32).map(row).collect();
+        let mask = RowIntervals::from_rows(skv as u32, &rows).unwrap();
+        let shape = Shape {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            q_len: sq,
+            kv_len: skv,
+            head_dim: d,
+            head_dim_v: dvw,
+        };
+        let vals = |n: usize, seed: u64| -> Vec<f64> {
+            random_bits(dt, n, seed)
+                .iter()
+                .map(|&b| from_bits(dt, b))
+                .collect()
+        };
+        let x = Tensors {
+            q: vals(2 * 4 * sq * d, seed),
+            k: vals(2 * 2 * skv * d, seed + 1),
+            v: vals(2 * 2 * skv * dvw, seed + 2),
+            dout: vals(2 * 4 * sq * dvw, seed + 3),
+        };
+        (shape, mask, x)
+    }
+
     /// With the float64 forward's lse and output, the sampled-key gradients are exactly the
     /// full reference's (GQA, empty rows, keys no row sees, q_len != kv_len), and the
     /// emulation stays within a dtype's error of them; with V as wide as Q and K, and narrower
@@ -564,37 +599,11 @@ mod tests {
 
     fn sampled_keys_match_at(d: usize, dvw: usize) {
         let (sq, skv) = (150usize, 170usize);
-        let rows: Vec<Vec<(u32, u32)>> = (0..sq as u32)
-            .map(|i| match i {
-                40..50 => vec![],
-                _ => vec![(i.saturating_sub(60), i + 1), (160, 165)],
-            })
-            .collect();
-        let mask = RowIntervals::from_rows(skv as u32, &rows).unwrap();
-        let shape = Shape {
-            batch: 2,
-            heads: 4,
-            kv_heads: 2,
-            q_len: sq,
-            kv_len: skv,
-            head_dim: d,
-            head_dim_v: dvw,
-        };
         let dt = DType::Bf16;
-        let vals = |n: usize, seed: u64| -> Vec<f64> {
-            random_bits(dt, n, seed)
-                .iter()
-                .map(|&b| from_bits(dt, b))
-                .collect()
-        };
-        let (qn, kn) = (2 * 4 * sq * d, 2 * 2 * skv * d);
-        let (on, vn) = (2 * 4 * sq * dvw, 2 * 2 * skv * dvw);
-        let x = Tensors {
-            q: vals(qn, 1),
-            k: vals(kn, 2),
-            v: vals(vn, 3),
-            dout: vals(on, 4),
-        };
+        let (shape, mask, x) = problem([sq, skv, d, dvw], dt, 1, |i| match i {
+            40..50 => vec![],
+            _ => vec![(i.saturating_sub(60), i + 1), (160, 165)],
+        });
         let scale = 0.3;
         let full = compute(shape, &x, &mask, scale, dt);
         let all: Vec<u32> = (0..sq as u32).collect();
@@ -662,35 +671,11 @@ mod tests {
     #[test]
     fn unequal_head_dims_match_cm_reference() {
         let (sq, skv, d, dvw) = (40usize, 50usize, 24usize, 16usize);
-        let rows: Vec<Vec<(u32, u32)>> = (0..sq as u32)
-            .map(|i| match i {
-                10..13 => vec![],
-                _ => vec![(i.saturating_sub(9), i + 1), (45, 48)],
-            })
-            .collect();
-        let mask = RowIntervals::from_rows(skv as u32, &rows).unwrap();
-        let shape = Shape {
-            batch: 2,
-            heads: 4,
-            kv_heads: 2,
-            q_len: sq,
-            kv_len: skv,
-            head_dim: d,
-            head_dim_v: dvw,
-        };
         let dt = DType::F16;
-        let vals = |n: usize, seed: u64| -> Vec<f64> {
-            random_bits(dt, n, seed)
-                .iter()
-                .map(|&b| from_bits(dt, b))
-                .collect()
-        };
-        let x = Tensors {
-            q: vals(2 * 4 * sq * d, 5),
-            k: vals(2 * 2 * skv * d, 6),
-            v: vals(2 * 2 * skv * dvw, 7),
-            dout: vals(2 * 4 * sq * dvw, 8),
-        };
+        let (shape, mask, x) = problem([sq, skv, d, dvw], dt, 5, |i| match i {
+            10..13 => vec![],
+            _ => vec![(i.saturating_sub(9), i + 1), (45, 48)],
+        });
         let scale = 0.2;
         let full = compute(shape, &x, &mask, scale, dt);
         let want = cm_reference::attention_backward::<f64>(

@@ -466,10 +466,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
             outln!("order check: that run equals the raster-order run on the same tensors un-permuted (whole output and lse).");
         }
     }
-    if let Some(path) = &a.output {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
-    }
+    write_output(a, &report)?;
     Ok(all_pass)
 }
 
@@ -548,11 +545,17 @@ fn run_decode(a: &BenchArgs, opts: BenchOptions) -> Result<bool> {
         outln!("TB/s = batch x kv_len x num_kv_heads x head_dim x 2 bytes x 2 (K and V) / median; copy = that over a 4 GiB device-to-device copy's read + write rate;");
         outln!("enqueue = host time of one step's checks and launches; err/tol = the sampled sequences' largest error / the accuracy rule's bound (<= 1 passes).");
     }
+    write_output(a, &report)?;
+    Ok(all_pass)
+}
+
+/// Writes `report` as pretty JSON to `--output`, when given.
+fn write_output(a: &BenchArgs, report: &Value) -> Result<()> {
     if let Some(path) = &a.output {
-        let text = serde_json::to_string_pretty(&report)?;
+        let text = serde_json::to_string_pretty(report)?;
         std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
     }
-    Ok(all_pass)
+    Ok(())
 }
 
 fn print_header() {
@@ -1140,10 +1143,7 @@ fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Res
     if a.json {
         outln!("{report}");
     }
-    if let Some(path) = &a.output {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
-    }
+    write_output(a, &report)?;
     Ok(all_pass)
 }
 

@@ -119,6 +119,62 @@ pub struct BackwardRaw {
     pub score: ScoreRaw,
 }
 
+impl BackwardRaw {
+    /// The backward of `forward`: its dtype, Q, K, V, output, lse, `softmax_scale` and score
+    /// terms, with what only the backward takes. `dout` is `[batch, num_heads, q_len,
+    /// head_dim_v]` (the output's shape), `dlse` as [`Backward::dlse`] (the lse's shape), `dq`,
+    /// `dk`, `dv` shaped as Q, K and V; `workspace` is the address of the first fp32 element
+    /// and the element count ([`PlanLayout::backward_workspace_len`] at least). Each address
+    /// is the element at index `[0, 0, 0, 0]` (`[0, 0, 0]` for `dlse`). Nothing else is
+    /// checked here: [`check_backward`] (or the launch) checks the result.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming lse when `forward.lse` is `None`: the backward
+    /// recomputes the probabilities from the forward's lse.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_forward(
+        forward: &ForwardRaw,
+        dout: (u64, TensorLayout),
+        dlse: Option<(u64, LseLayout)>,
+        dq: (u64, TensorLayout),
+        dk: (u64, TensorLayout),
+        dv: (u64, TensorLayout),
+        workspace: (u64, usize),
+        deterministic: bool,
+    ) -> Result<Self, Error> {
+        let (lse, lse_layout) = forward
+            .lse
+            .ok_or_else(|| Error::invalid("lse: the backward needs the forward's lse"))?;
+        Ok(BackwardRaw {
+            dtype: forward.dtype,
+            q: forward.q,
+            q_layout: forward.q_layout,
+            k: forward.k,
+            k_layout: forward.k_layout,
+            v: forward.v,
+            v_layout: forward.v_layout,
+            out: forward.out,
+            out_layout: forward.out_layout,
+            dout: dout.0,
+            dout_layout: dout.1,
+            lse,
+            lse_layout,
+            dlse,
+            dq: dq.0,
+            dq_layout: dq.1,
+            dk: dk.0,
+            dk_layout: dk.1,
+            dv: dv.0,
+            dv_layout: dv.1,
+            workspace: workspace.0,
+            workspace_len: workspace.1,
+            softmax_scale: forward.softmax_scale,
+            deterministic,
+            score: forward.score,
+        })
+    }
+}
+
 /// Kernel parameters; mirrors `CmBwdParams` in `kernels/bwd_common.cuh` field for field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

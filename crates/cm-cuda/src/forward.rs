@@ -426,6 +426,21 @@ mod tests {
         }
     }
 
+    /// The backward of `f` over gradients at fixed addresses (dO, dQ, dK and dV shaped as the
+    /// output, Q, K and V), no dlse, an empty workspace, the fast mode.
+    fn backward_of(f: &ForwardRaw) -> Result<crate::BackwardRaw, Error> {
+        crate::BackwardRaw::from_forward(
+            f,
+            (0x6000_0000, f.out_layout),
+            None,
+            (0x7000_0000, f.q_layout),
+            (0x8000_0000, f.k_layout),
+            (0x9000_0000, f.v_layout),
+            (0xa000_0000, 0),
+            false,
+        )
+    }
+
     fn err(plan: &PlanLayout, a: &ForwardRaw) -> String {
         match prepare(plan, a, KernelKind::FwdSimple, false) {
             Ok(_) => "accepted".to_string(),
@@ -578,33 +593,7 @@ mod tests {
         let backward_raw = |d: usize, dv: usize, softcap: f32| {
             let mut f = shaped(d, dv);
             f.score.softcap = softcap;
-            crate::BackwardRaw {
-                dtype: f.dtype,
-                q: f.q,
-                q_layout: f.q_layout,
-                k: f.k,
-                k_layout: f.k_layout,
-                v: f.v,
-                v_layout: f.v_layout,
-                out: f.out,
-                out_layout: f.out_layout,
-                dout: 0x6000_0000,
-                dout_layout: f.out_layout,
-                lse: 0x5000_0000,
-                lse_layout: LseLayout::contiguous([2, 4, 70]),
-                dlse: None,
-                dq: 0x7000_0000,
-                dq_layout: f.q_layout,
-                dk: 0x8000_0000,
-                dk_layout: f.k_layout,
-                dv: 0x9000_0000,
-                dv_layout: f.v_layout,
-                workspace: 0xa000_0000,
-                workspace_len: 0,
-                softmax_scale: f.softmax_scale,
-                deterministic: false,
-                score: f.score,
-            }
+            backward_of(&f).unwrap()
         };
         let check =
             |raw: &crate::BackwardRaw| crate::check_backward(&plan, raw).map_err(|e| e.to_string());
@@ -641,6 +630,53 @@ mod tests {
         assert!(check(&raw)
             .unwrap_err()
             .contains("dk: shape [2, 2, 90, 128] differs from k's shape [2, 2, 90, 192]"));
+    }
+
+    /// `BackwardRaw::from_forward` puts each of the forward's arguments and each gradient at
+    /// its own field (no two swapped), and refuses a forward without lse by name.
+    #[test]
+    fn backward_from_forward_keeps_every_argument_in_place() {
+        // Every layout differs from the others (V and the output narrower than Q and K).
+        let mut f = args(2, 4, 2, 70, 90, 64);
+        f.v_layout = TensorLayout::contiguous([2, 2, 90, 32]);
+        f.out_layout = TensorLayout::contiguous([2, 4, 70, 32]);
+        f.softmax_scale = 0.25;
+        f.score.softcap = 30.0;
+        let dlse = (0x5800_0000, LseLayout::contiguous([2, 4, 70]));
+        let b = crate::BackwardRaw::from_forward(
+            &f,
+            (0x6000_0000, f.out_layout),
+            Some(dlse),
+            (0x7000_0000, f.q_layout),
+            (0x8000_0000, f.k_layout),
+            (0x9000_0000, f.v_layout),
+            (0xa000_0000, 1234),
+            true,
+        )
+        .unwrap();
+        assert_eq!(b.dtype, f.dtype);
+        let tensors = [
+            (b.q, b.q_layout, f.q, f.q_layout),
+            (b.k, b.k_layout, f.k, f.k_layout),
+            (b.v, b.v_layout, f.v, f.v_layout),
+            (b.out, b.out_layout, f.out, f.out_layout),
+            (b.dout, b.dout_layout, 0x6000_0000, f.out_layout),
+            (b.dq, b.dq_layout, 0x7000_0000, f.q_layout),
+            (b.dk, b.dk_layout, 0x8000_0000, f.k_layout),
+            (b.dv, b.dv_layout, 0x9000_0000, f.v_layout),
+        ];
+        for (i, (addr, layout, want_addr, want_layout)) in tensors.into_iter().enumerate() {
+            assert_eq!((addr, layout), (want_addr, want_layout), "tensor {i}");
+        }
+        assert_eq!(Some((b.lse, b.lse_layout)), f.lse);
+        assert_eq!(b.dlse, Some(dlse));
+        assert_eq!((b.workspace, b.workspace_len), (0xa000_0000, 1234));
+        assert_eq!((b.softmax_scale, b.deterministic), (0.25, true));
+        assert_eq!(b.score.softcap, 30.0);
+
+        f.lse = None;
+        let got = backward_of(&f).unwrap_err();
+        assert!(got.to_string().contains("lse: the backward needs"), "{got}");
     }
 
     #[test]

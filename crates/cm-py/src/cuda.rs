@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cm_cuda::external::{self, ExternalTensor};
-use cm_cuda::{BackwardRaw, Error, ForwardRaw, LseLayout, PlanLayout, PlanView, Runtime};
+use cm_cuda::{BackwardRaw, Error, ForwardRaw, PlanLayout, PlanView, Runtime};
 use compilemask::TileShape;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -194,8 +194,7 @@ fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> 
 }
 
 /// q, k, v, out and lse as a forward's arguments, each checked to be on q's device with q's
-/// dtype (lse float32); returns the device, the arguments (lse included), lse alone, and q's
-/// dtype name.
+/// dtype (lse float32); returns the device, the arguments (lse included) and q's dtype name.
 #[allow(clippy::too_many_arguments)]
 fn forward_args(
     q: TensorArg<4>,
@@ -207,7 +206,7 @@ fn forward_args(
     score: ScoreArg,
     plan: &DescriptorArg,
     deterministic: bool,
-) -> Result<(usize, ForwardRaw, (u64, LseLayout), String), Error> {
+) -> Result<(usize, ForwardRaw, String), Error> {
     let (q, k, v, out, lse) = (
         to_external(q),
         to_external(k),
@@ -236,7 +235,7 @@ fn forward_args(
         softmax_scale,
         score: score_raw(score, device, q.shape[1], plan.0, plan.1, deterministic)?,
     };
-    Ok((device, raw, (lse.addr, lse.lse_layout()), q.dtype))
+    Ok((device, raw, q.dtype))
 }
 
 /// The runtime of `device` and a view of the plan's arrays in its context.
@@ -288,7 +287,7 @@ pub fn cuda_forward(
     score: ScoreArg,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, ForwardRaw, PlanLayout), Error> {
-        let (device, raw, _, _) = forward_args(q, k, v, out, lse, scale, score, &plan, false)?;
+        let (device, raw, _) = forward_args(q, k, v, out, lse, scale, score, &plan, false)?;
         let layout = plan_layout(device, plan)?;
         cm_cuda::check_forward(&layout, &raw)?;
         Ok((device, raw, layout))
@@ -337,7 +336,7 @@ pub fn cuda_backward(
     score: ScoreArg,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, BackwardRaw, PlanLayout), Error> {
-        let (device, f, (lse, lse_layout), q_dtype) =
+        let (device, f, q_dtype) =
             forward_args(q, k, v, out, lse, scale, score, &plan, deterministic)?;
         let (dout, dq, dk, dv) = (
             to_external(dout),
@@ -357,34 +356,16 @@ pub fn cuda_backward(
         };
         let ws = to_external(workspace);
         external::check_tensor("workspace", &ws.dtype, ws.device, "float32", device)?;
-        let (workspace, workspace_len) = ws.contiguous("workspace")?;
-        let raw = BackwardRaw {
-            dtype: f.dtype,
-            q: f.q,
-            q_layout: f.q_layout,
-            k: f.k,
-            k_layout: f.k_layout,
-            v: f.v,
-            v_layout: f.v_layout,
-            out: f.out,
-            out_layout: f.out_layout,
-            dout: dout.addr,
-            dout_layout: dout.layout(),
-            lse,
-            lse_layout,
+        let raw = BackwardRaw::from_forward(
+            &f,
+            (dout.addr, dout.layout()),
             dlse,
-            dq: dq.addr,
-            dq_layout: dq.layout(),
-            dk: dk.addr,
-            dk_layout: dk.layout(),
-            dv: dv.addr,
-            dv_layout: dv.layout(),
-            workspace,
-            workspace_len,
-            softmax_scale: scale,
+            (dq.addr, dq.layout()),
+            (dk.addr, dk.layout()),
+            (dv.addr, dv.layout()),
+            ws.contiguous("workspace")?,
             deterministic,
-            score: f.score,
-        };
+        )?;
         let layout = plan_layout(device, plan)?;
         cm_cuda::check_backward(&layout, &raw)?;
         Ok((device, raw, layout))

@@ -408,12 +408,12 @@ pub fn reference_forward_scored<'py>(
     tensors: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Forward<'py>> {
     let s = shape(dims);
-    let run = if double {
-        scored_t::<f64>(py, s, q, k, v, None, None, &plan.inner, scale, tensors)
+    let scored = if double {
+        scored_t::<f64>
     } else {
-        scored_t::<f32>(py, s, q, k, v, None, None, &plan.inner, scale, tensors)
+        scored_t::<f32>
     };
-    Ok(run?.0)
+    Ok(scored(py, s, q, k, v, None, None, &plan.inner, scale, tensors)?.0)
 }
 
 /// Backward of [`reference_forward_scored`]: the gradients of `sum(out * grad_out) +
@@ -437,33 +437,23 @@ pub fn reference_backward_scored<'py>(
     tensors: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<ScoredBackward<'py>> {
     let s = shape(dims);
-    let run = if double {
-        scored_t::<f64>(
-            py,
-            s,
-            q,
-            k,
-            v,
-            Some(dout),
-            dlse,
-            &plan.inner,
-            scale,
-            tensors,
-        )
+    let scored = if double {
+        scored_t::<f64>
     } else {
-        scored_t::<f32>(
-            py,
-            s,
-            q,
-            k,
-            v,
-            Some(dout),
-            dlse,
-            &plan.inner,
-            scale,
-            tensors,
-        )
+        scored_t::<f32>
     };
-    run?.1
-        .ok_or_else(|| value_error("the backward gave no gradients"))
+    scored(
+        py,
+        s,
+        q,
+        k,
+        v,
+        Some(dout),
+        dlse,
+        &plan.inner,
+        scale,
+        tensors,
+    )?
+    .1
+    .ok_or_else(|| value_error("the backward gave no gradients"))
 }

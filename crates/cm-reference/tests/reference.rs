@@ -5,10 +5,12 @@
 mod common;
 
 use cm_plan::RowIntervals;
-use cm_reference::{attention_backward, attention_forward, AttentionShape, Masks, ReferenceError};
+use cm_reference::{
+    attention_backward, attention_forward, AttentionShape, Gradients, Masks, ReferenceError,
+};
 use common::{
     assert_no_nan, causal_mask, dense, dense_visible, max_abs_diff, random_mask, to_f32, to_f64,
-    Rng,
+    Dense, Rng,
 };
 
 /// `(batch, num_heads, num_kv_heads, q_len, kv_len, head_dim, head_dim_v)`.
@@ -76,6 +78,34 @@ impl Case {
 
     fn per_pair(&self) -> Vec<&RowIntervals> {
         self.index.iter().map(|&i| &self.masks[i]).collect()
+    }
+
+    /// The crate's float64 gradients at the case's inputs and scale, over `sel`.
+    fn backward(&self, sel: &Masks) -> Gradients<f64> {
+        attention_backward(
+            &self.shape,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.dout,
+            sel,
+            self.scale,
+        )
+        .unwrap()
+    }
+
+    /// The dense float64 reference at the case's inputs, each (b, h) under its own mask, at
+    /// `scale`.
+    fn dense(&self, scale: f64) -> Dense {
+        dense(
+            &self.shape,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.dout,
+            &self.per_pair(),
+            scale,
+        )
     }
 
     /// Keys (flat `[batch, num_kv_heads, kv_len]`) that no query row of their group sees.
@@ -161,25 +191,8 @@ fn f64_matches_dense_reference() {
             let sel = Masks::indexed(&masks, &case.index);
             let fwd = attention_forward(&case.shape, &case.q, &case.k, &case.v, &sel, case.scale)
                 .unwrap();
-            let g = attention_backward(
-                &case.shape,
-                &case.q,
-                &case.k,
-                &case.v,
-                &case.dout,
-                &sel,
-                case.scale,
-            )
-            .unwrap();
-            let want = dense(
-                &case.shape,
-                &case.q,
-                &case.k,
-                &case.v,
-                &case.dout,
-                &case.per_pair(),
-                case.scale,
-            );
+            let g = case.backward(&sel);
+            let want = case.dense(case.scale);
             let tol = 1e-12;
             assert!(max_abs_diff(&fwd.out, &want.out) < tol, "out {c:?}");
             assert!(max_abs_diff(&fwd.lse, &want.lse) < tol, "lse {c:?}");
@@ -212,15 +225,7 @@ fn f32_within_spec_of_f64_dense_reference() {
             let sel = Masks::indexed(&masks, &case.index);
             let fwd = attention_forward(&case.shape, &q, &k, &v, &sel, scale).unwrap();
             let g = attention_backward(&case.shape, &q, &k, &v, &dout, &sel, scale).unwrap();
-            let want = dense(
-                &case.shape,
-                &case.q,
-                &case.k,
-                &case.v,
-                &case.dout,
-                &case.per_pair(),
-                f64::from(scale),
-            );
+            let want = case.dense(f64::from(scale));
             let (out, lse) = (to_f64(&fwd.out), to_f64(&fwd.lse));
             let (dq, dk, dv) = (to_f64(&g.dq), to_f64(&g.dk), to_f64(&g.dv));
             assert!(max_abs_diff(&out, &want.out) <= 1e-5, "out {c:?}");
@@ -242,25 +247,8 @@ fn gradients_match_finite_differences() {
     let masks = case.mask_refs();
     let sel = Masks::indexed(&masks, &case.index);
     let per_pair = case.per_pair();
-    let g = attention_backward(
-        &case.shape,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.dout,
-        &sel,
-        case.scale,
-    )
-    .unwrap();
-    let want = dense(
-        &case.shape,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.dout,
-        &per_pair,
-        case.scale,
-    );
+    let g = case.backward(&sel);
+    let want = case.dense(case.scale);
 
     let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
         let r = dense(&case.shape, q, k, v, &case.dout, &per_pair, case.scale);
