@@ -26,6 +26,7 @@ use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell, RefMut};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
@@ -55,7 +56,55 @@ type Invariant = (InvariantKey, Vec<AffineInterval>, i64);
 
 /// A strided box's q-side value (see `Solver::box_int`): the piece and the enclosing
 /// quantifiers' values it was evaluated at, and its value there.
-type BoxValue = (Piece, [i64; MAX_QUANT_DEPTH], Affine);
+type BoxValue<T> = (Piece, [i64; MAX_QUANT_DEPTH], T);
+
+/// A strided box's q-side value that reads `q` only through one grid's fastest coordinate
+/// (see `Solver::box_int`): its address, that coordinate on the piece's first row, the
+/// piece's rows, b, h and the enclosing quantifiers' values.
+type LineKey = (usize, i64, i64, i64, i64, [i64; MAX_QUANT_DEPTH]);
+
+/// A strided box's key-side function: its address, the grid, b and h.
+type CoordFnKey = (usize, GridId, i64, i64);
+
+/// Most values a solver keeps by [`LineKey`]; past that many the table starts afresh (a
+/// grid line's values are read again on the next line, not much later).
+const MAX_LINE_VALUES: usize = 1 << 16;
+
+/// A map whose keys are addresses and small integers, hashed by multiply-rotate (the
+/// strided boxes' tables are read several times per piece, where SipHash was a tenth of
+/// NATTEN's solve).
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<AddrHasher>>;
+
+/// The hasher of [`FastMap`]: not resistant to chosen keys, which addresses and rows are
+/// not.
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_i64(&mut self, x: i64) {
+        self.write_u64(x as u64);
+    }
+
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
 
 /// A canonical list of keys (see the module docs).
 type List = Vec<AffineInterval>;
@@ -181,13 +230,27 @@ pub struct Solver<'a, 'p> {
     key_sweeps: RefCell<HashMap<(usize, i64), KeySweep>>,
     /// For each chain of `&` met (by its address in the program), the grid whose key
     /// coordinates it reads when it is solved as a strided box ([`grid_box`]), else `None`.
-    grid_chains: RefCell<HashMap<usize, Option<GridId>>>,
+    grid_chains: RefCell<FastMap<usize, Option<GridId>>>,
     /// Evaluations of a chain of grid coordinates that gave its keys as a strided box
     /// ([`grid_box`]).
     pub grid_boxes: Cell<u64>,
     /// The q-side values of strided boxes' atoms, by their address: the last piece each
     /// was evaluated over and its value there (see `Solver::box_int`).
-    box_values: RefCell<HashMap<usize, BoxValue>>,
+    box_values: RefCell<FastMap<usize, BoxValue<Affine>>>,
+    /// As `box_values`, for the residue atoms' values read as `b + t * (a mod m)`
+    /// (`Solver::box_mod_form`).
+    box_mods: RefCell<FastMap<usize, BoxValue<Option<grid_box::ModForm>>>>,
+    /// For each strided box's q-side value met (by its address), the grid whose fastest
+    /// coordinate of `q` is the only way it reads `q`, else `None` (`line_grid`).
+    line_grids: RefCell<FastMap<usize, Option<GridId>>>,
+    /// Those values' evaluations over pieces inside one line of their grid, by [`LineKey`]:
+    /// the value, or the offset in the piece where it splits (`Solver::box_int`).
+    line_values: RefCell<FastMap<LineKey, Result<Affine, i64>>>,
+    /// As `line_values`, for `Solver::box_mod_form`.
+    line_mods: RefCell<FastMap<LineKey, Result<Option<grid_box::ModForm>, i64>>>,
+    /// Strided boxes' key-side functions read as one coordinate's, by (their address, the
+    /// grid, b, h): they read neither `q` nor a quantifier's variable.
+    coord_fns: RefCell<FastMap<CoordFnKey, Option<grid_box::Coord>>>,
     /// The plan's `elementwise` pairs when several solvers count them together (rows
     /// solved in blocks on several threads), instead of `elementwise_pairs`.
     shared_pairs: Option<&'a AtomicU64>,
@@ -279,6 +342,11 @@ impl<'a, 'p> Solver<'a, 'p> {
             grid_chains: RefCell::default(),
             grid_boxes: Cell::new(0),
             box_values: RefCell::default(),
+            box_mods: RefCell::default(),
+            line_grids: RefCell::default(),
+            line_values: RefCell::default(),
+            line_mods: RefCell::default(),
+            coord_fns: RefCell::default(),
             shared_pairs: None,
             hit_limit: Cell::new(false),
             quant_evals: Cell::new(0),

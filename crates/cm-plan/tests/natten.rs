@@ -116,7 +116,9 @@ proptest! {
 /// coefficient, clamps, `==`, residues by the query's coordinate, by a constant, shifted,
 /// by another axis, by another modulus); 10-12 are forms it leaves to the general
 /// evaluation (`!=`, a residue scaled by 2, a negative modulus), so both paths and their
-/// mixtures are checked.
+/// mixtures are checked. 13-14 are ranges whose q-side value reads `q` other than as the
+/// fastest coordinate (directly, or with the other axis), which the box must not read
+/// from another grid line's evaluation.
 fn axis_atom(kind: u8, a: &str, o: &str, c: i64, e: i64, m: i64) -> String {
     let coef = [-3, -2, 2, 3][(c.rem_euclid(4)) as usize];
     match kind {
@@ -132,6 +134,8 @@ fn axis_atom(kind: u8, a: &str, o: &str, c: i64, e: i64, m: i64) -> String {
         9 => format!(
             "G.{a}(k) in {m} * (G.{a}(q) / {m}) - {c} .. {m} * max(G.{a}(q) / {m}, 1) + {e}"
         ),
+        13 => format!("G.{a}(k) <= G.{a}(q) + q % {m} + {e}"),
+        14 => format!("G.{a}(k) >= G.{a}(q) / {m} + G.{o}(q) % {m} - {c}"),
         10 => format!("G.{a}(k) != {c}"),
         11 => format!("2 * (G.{a}(k) % {m}) == 2 * (G.{a}(q) % {m})"),
         _ => format!("G.{a}(k) % -{m} == G.{a}(q) % -{m}"),
@@ -180,7 +184,7 @@ impl Chain {
     fn boxed(&self) -> bool {
         let mut residues = [0; 3];
         for &(axis, kind, ..) in &self.atoms {
-            if kind >= 10 {
+            if (10..=12).contains(&kind) {
                 return false;
             }
             if (5..=8).contains(&kind) {
@@ -198,7 +202,7 @@ fn chain() -> impl Strategy<Value = Chain> {
             (1i64..4, 1i64..6, 1i64..6).prop_map(|(t, h, w)| vec![t, h, w]),
         ],
         0i64..3,
-        proptest::collection::vec((0usize..3, 0u8..13, 0i64..5, -1i64..6, 1i64..5), 1..6),
+        proptest::collection::vec((0usize..3, 0u8..15, 0i64..5, -1i64..6, 1i64..5), 1..6),
         proptest::option::of(-3i64..20),
         (0i64..4, -2i64..4),
     )

@@ -27,12 +27,13 @@
 //! evaluates the terms in the reference's order.
 
 use super::{Affine, AffineInterval, Eval, Flow, List, Piece, Solver};
-use cm_ir::ir::{GridId, Int, IntKind, IntOp, Region};
+use cm_ir::ir::{Bool, GridId, Int, IntKind, IntOp, Region};
 use cm_syntax::{CmpOp, Span};
+use std::cell::RefCell;
 
 /// A key-side function of one coordinate `c` of the key in the chain's grid.
 #[derive(Clone, Copy, Debug)]
-enum CoordFn {
+pub(super) enum CoordFn {
     /// `b + a * c` (`a == 0`: a constant).
     Lin { a: i64, b: i64 },
     /// `b + s * ((alpha * c + beta) mod m)`, `m >= 1`.
@@ -105,11 +106,11 @@ impl CoordFn {
 }
 
 /// A key-side function read as a [`CoordFn`]: the axis it reads (`None`: a constant).
-type Coord = (Option<usize>, CoordFn);
+pub(super) type Coord = (Option<usize>, CoordFn);
 
 /// A q-side value over a piece written as `b + t * (a mod m)` (`t != 0`, `m >= 1`).
 #[derive(Clone, Copy)]
-struct ModForm {
+pub(super) struct ModForm {
     b: Affine,
     t: i64,
     a: Affine,
@@ -136,6 +137,52 @@ struct Run {
     stride: i64,
     count: i64,
 }
+
+/// A q-side evaluation a strided box keeps between pieces ([`Solver::box_int`]).
+trait KeptValue: Copy {
+    /// The value over rows `[off, off + n)` of the piece it was evaluated over.
+    fn within(self, off: i64, n: i64) -> Self;
+
+    /// Whether it is read on parts of its piece (a form that was not found is evaluated
+    /// again: on fewer rows its bounds may fit).
+    fn covers(&self) -> bool;
+}
+
+impl KeptValue for Affine {
+    fn within(self, off: i64, n: i64) -> Affine {
+        let step = if n == 1 { 0 } else { self.step };
+        Affine {
+            first: self.at(off),
+            step,
+        }
+    }
+
+    fn covers(&self) -> bool {
+        true
+    }
+}
+
+impl KeptValue for Option<ModForm> {
+    /// Its bounds stay those of the whole piece, which hold on every part.
+    fn within(self, off: i64, n: i64) -> Option<ModForm> {
+        self.map(|f| ModForm {
+            b: f.b.within(off, n),
+            a: f.a.within(off, n),
+            ..f
+        })
+    }
+
+    fn covers(&self) -> bool {
+        self.is_some()
+    }
+}
+
+/// Where [`Solver::kept`] keeps a kind of value: by address, the last evaluation; by
+/// [`LineKey`](super::LineKey), evaluations inside grid lines.
+type KeptMaps<'s, T> = (
+    &'s RefCell<super::FastMap<usize, super::BoxValue<T>>>,
+    &'s RefCell<super::FastMap<super::LineKey, Result<T, i64>>>,
+);
 
 /// The grid whose key coordinates every key-side atom of the chain `r` reads, when `r` is a
 /// chain of `&` of q-side predicates, comparisons `alpha * k + rest op 0` and at least one
@@ -197,6 +244,61 @@ fn leaves<'r>(r: &'r Region, out: &mut Vec<&'r Region>) {
             leaves(b, out);
         }
         _ => out.push(r),
+    }
+}
+
+/// The grid `G` when the q-side value `e` reads the row `q` only as `G`'s fastest
+/// coordinate of `q` itself (`G.x(q)` of a 2D grid, `G.z(q)` of a 3D one), at least once,
+/// and no other grid's; `ndims` gives each grid's number of axes. Conservative: `q` inside
+/// a range or an array, or under any other position, is another way of reading it.
+fn line_grid(e: &Int, ndims: &impl Fn(GridId) -> usize) -> Option<GridId> {
+    let mut grid = None;
+    line_int(e, ndims, &mut grid).then_some(grid).flatten()
+}
+
+/// Whether `e` reads `q` only as the fastest coordinate of the grid `grid` (set at its
+/// first such read); see [`line_grid`].
+fn line_int(e: &Int, ndims: &impl Fn(GridId) -> usize, grid: &mut Option<GridId>) -> bool {
+    match &e.kind {
+        IntKind::GridCoord(g, axis, pos) if matches!(pos.kind, IntKind::Q) => {
+            if usize::from(*axis) + 1 != ndims(*g) || grid.is_some_and(|h| h != *g) {
+                return false;
+            }
+            *grid = Some(*g);
+            true
+        }
+        IntKind::Q | IntKind::K => false,
+        IntKind::Const(_)
+        | IntKind::B
+        | IntKind::H
+        | IntKind::QLen
+        | IntKind::KvLen
+        | IntKind::Batch
+        | IntKind::NumHeads
+        | IntKind::SegLen
+        | IntKind::Param(_)
+        | IntKind::SegCount(_)
+        | IntKind::Var(_) => true,
+        IntKind::ArrIndex(a, i) => !a.reads_q() && line_int(i, ndims, grid),
+        IntKind::ArrLen(a) | IntKind::ArrSum(a) => !a.reads_q(),
+        IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => line_int(a, ndims, grid),
+        IntKind::Bin(_, a, b) => line_int(a, ndims, grid) && line_int(b, ndims, grid),
+        IntKind::If(c, a, b) => {
+            line_bool(c, ndims, grid) && line_int(a, ndims, grid) && line_int(b, ndims, grid)
+        }
+        IntKind::RangeLo(r) | IntKind::RangeHi(r) => !r.mentions(&|l| matches!(l, IntKind::Q)),
+        IntKind::SegIndex(_, pos) | IntKind::GridCoord(_, _, pos) => line_int(pos, ndims, grid),
+    }
+}
+
+/// [`line_int`] for a q-side condition.
+fn line_bool(c: &Bool, ndims: &impl Fn(GridId) -> usize, grid: &mut Option<GridId>) -> bool {
+    match c {
+        Bool::Const(_) => true,
+        Bool::Cmp(_, a, b) => line_int(a, ndims, grid) && line_int(b, ndims, grid),
+        Bool::And(a, b) | Bool::Or(a, b) => line_bool(a, ndims, grid) && line_bool(b, ndims, grid),
+        Bool::Not(a) => line_bool(a, ndims, grid),
+        Bool::InGrid(_, pos) => line_int(pos, ndims, grid),
     }
 }
 
@@ -268,7 +370,7 @@ impl Solver<'_, '_> {
                         }
                         guarded = true;
                     }
-                    let Some((axis, form)) = self.coord_fn(p, f, g) else {
+                    let Some((axis, form)) = self.box_coord_fn(p, f, g) else {
                         return Ok(None);
                     };
                     if !self.box_atom(p, &mut axes, axis, form, *op, v, *s)? {
@@ -360,7 +462,7 @@ impl Solver<'_, '_> {
                 // for `u = s * (v - b)`, so `c == alpha * (u - beta)` modulo `m` when `u` is
                 // in `[0, m)`, no key otherwise. `u`'s class is read from `v`'s own `% m`
                 // where `v` is `b + s * (a mod m)`.
-                let rep = match self.mod_form(p, v)? {
+                let rep = match self.box_mod_form(p, v)? {
                     Some(f) if f.m == m && f.t == s && f.b == Affine::constant(b) => f.a,
                     _ => {
                         let v = self.box_int(p, v)?;
@@ -399,24 +501,104 @@ impl Solver<'_, '_> {
     /// run of its rows, and it failed at none of them. A window's slow bounds (NATTEN's
     /// rows of the window, the same along a grid row) are then evaluated once per grid row,
     /// not twice per piece.
+    ///
+    /// A value that reads `q` only as one grid's fastest coordinate (NATTEN's columns of
+    /// the window, `G.x(q)`) is, over a piece inside one line of that grid, a function of
+    /// that coordinate on the piece's first row and of the piece's length alone: its
+    /// evaluation there (the value, or the offset where it splits) is the same on every
+    /// line, so it is kept by that coordinate and length ([`LineKey`]) and read on the
+    /// next lines instead of evaluated again. Errors are not kept (evaluated again, with
+    /// their own rows).
     fn box_int(&self, p: &Piece, v: &Int) -> Eval<Affine> {
         if self.var_mode.get().is_some() {
             // Pieces range over a quantifier's variable, not rows.
             return self.int(p, v);
         }
+        self.kept(p, v, (&self.box_values, &self.line_values), || {
+            self.int(p, v)
+        })
+    }
+
+    /// [`Solver::mod_form`] of a strided box's q-side value, kept as [`Solver::box_int`]
+    /// keeps values (a form over a piece holds on every run of its rows).
+    fn box_mod_form(&self, p: &Piece, v: &Int) -> Eval<Option<ModForm>> {
+        if self.var_mode.get().is_some() {
+            return self.mod_form(p, v);
+        }
+        self.kept(p, v, (&self.box_mods, &self.line_mods), || {
+            self.mod_form(p, v)
+        })
+    }
+
+    /// `eval()`, the evaluation of `v` over the piece, read from `covering` (the last
+    /// evaluation of `v`, where it covered the piece's rows) or `lines` (by [`LineKey`])
+    /// where they hold it, else evaluated and kept in both (see [`Solver::box_int`]).
+    fn kept<T: KeptValue>(
+        &self,
+        p: &Piece,
+        v: &Int,
+        (covering, lines): KeptMaps<'_, T>,
+        eval: impl FnOnce() -> Eval<T>,
+    ) -> Eval<T> {
         let key = v as *const Int as usize;
         let vars = self.vars.get();
-        if let Some(&(at, at_vars, aff)) = self.box_values.borrow().get(&key) {
+        if let Some(&(at, at_vars, value)) = covering.borrow().get(&key) {
             let same = (at.b, at.h, at_vars) == (p.b, p.h, vars);
             if same && at.q0 <= p.q0 && p.q0 + p.n <= at.q0 + at.n {
-                let first = aff.at(p.q0 - at.q0);
-                let step = if p.n == 1 { 0 } else { aff.step };
-                return Ok(Affine { first, step });
+                return Ok(value.within(p.q0 - at.q0, p.n));
             }
         }
-        let aff = self.int(p, v)?;
-        self.box_values.borrow_mut().insert(key, (*p, vars, aff));
-        Ok(aff)
+        let line = self.line_key(p, v, key, vars);
+        if let Some(k) = &line {
+            if let Some(&kept) = lines.borrow().get(k) {
+                return kept.map_err(|at| Flow::Split(p.q0 + at));
+            }
+        }
+        let out = eval();
+        let kept = match &out {
+            Ok(value) => {
+                if value.covers() {
+                    covering.borrow_mut().insert(key, (*p, vars, *value));
+                }
+                Ok(*value)
+            }
+            Err(Flow::Split(at)) => Err(at - p.q0),
+            Err(Flow::Error(_)) => return out,
+        };
+        if let Some(k) = line {
+            let mut values = lines.borrow_mut();
+            if values.len() >= super::MAX_LINE_VALUES {
+                values.clear();
+            }
+            values.insert(k, kept);
+        }
+        out
+    }
+
+    /// The [`LineKey`] of the value `v` (at address `key`) over the piece, when it reads
+    /// `q` only as the fastest coordinate of one grid ([`line_grid`]) and the piece lies
+    /// inside one line of that grid (so that coordinate is affine with step 1 on it).
+    fn line_key(
+        &self,
+        p: &Piece,
+        v: &Int,
+        key: usize,
+        vars: [i64; super::MAX_QUANT_DEPTH],
+    ) -> Option<super::LineKey> {
+        let grids = &self.bound.grids;
+        let g = (*self
+            .line_grids
+            .borrow_mut()
+            .entry(key)
+            .or_insert_with(|| line_grid(v, &|g| grids[g].dims.len())))?;
+        let gv = &grids[g];
+        let width = *gv.dims.last()?;
+        let local = p.q0.checked_sub(gv.at)?;
+        if width <= 0 || local < 0 || local.checked_add(p.n)? > gv.size {
+            return None;
+        }
+        let x0 = local % width;
+        (x0 + p.n <= width).then_some((key, x0, p.n, p.b, p.h, vars))
     }
 
     /// The coordinates with `a * c + rest  op  0` (`a != 0`) as bounds `[lo, hi)`, `None`
@@ -530,6 +712,18 @@ impl Solver<'_, '_> {
             break;
         }
         Ok(Some(out))
+    }
+
+    /// [`Solver::coord_fn`], read once per (function, grid, b, h): a key-side function
+    /// reads neither `q` nor a quantifier's variable.
+    fn box_coord_fn(&self, p: &Piece, e: &Int, g: GridId) -> Option<Coord> {
+        let key = (e as *const Int as usize, g, p.b, p.h);
+        if let Some(&out) = self.coord_fns.borrow().get(&key) {
+            return out;
+        }
+        let out = self.coord_fn(p, e, g);
+        self.coord_fns.borrow_mut().insert(key, out);
+        out
     }
 
     /// The key-side function `e` of grid `g`'s coordinates as a [`CoordFn`] of one axis,
@@ -696,5 +890,70 @@ impl Solver<'_, '_> {
             range: (x.min(y), x.max(y)),
             ..f
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn int(kind: IntKind) -> Int {
+        Int::new(kind, Span::default())
+    }
+
+    fn coord(g: GridId, axis: u8, pos: Int) -> Int {
+        int(IntKind::GridCoord(g, axis, Box::new(pos)))
+    }
+
+    fn bin(op: IntOp, a: Int, b: Int) -> Int {
+        int(IntKind::Bin(op, Box::new(a), Box::new(b)))
+    }
+
+    /// Grid 0 is 2D (`x` is axis 1), grid 1 is 3D (`x` is axis 2).
+    fn line(e: &Int) -> Option<GridId> {
+        line_grid(e, &|g| [2, 3][g])
+    }
+
+    #[test]
+    fn line_values_read_q_only_as_one_grids_fastest_coordinate() {
+        let q = || int(IntKind::Q);
+        let c = |v| int(IntKind::Const(v));
+        let x = || coord(0, 1, q());
+        // NATTEN's window start along x: min(max(x / d, 3), x % d + 9) - 3.
+        let start = bin(
+            IntOp::Sub,
+            bin(
+                IntOp::Min,
+                bin(IntOp::Max, bin(IntOp::Div, x(), c(2)), c(3)),
+                bin(IntOp::Add, bin(IntOp::Mod, x(), c(2)), c(9)),
+            ),
+            c(3),
+        );
+        assert_eq!(line(&start), Some(0));
+        assert_eq!(line(&coord(1, 2, q())), Some(1));
+        let guarded = int(IntKind::If(
+            Box::new(Bool::Cmp(CmpOp::Lt, x(), c(4))),
+            Box::new(x()),
+            Box::new(c(0)),
+        ));
+        assert_eq!(line(&guarded), Some(0));
+        // Not a function of the fastest coordinate alone.
+        for e in [
+            c(5),
+            q(),
+            bin(IntOp::Add, x(), q()),
+            coord(0, 0, q()),
+            bin(IntOp::Add, x(), coord(0, 0, q())),
+            bin(IntOp::Add, x(), coord(1, 2, q())),
+            coord(0, 1, bin(IntOp::Add, q(), c(1))),
+            coord(1, 1, q()),
+            int(IntKind::If(
+                Box::new(Bool::InGrid(0, q())),
+                Box::new(x()),
+                Box::new(c(0)),
+            )),
+        ] {
+            assert_eq!(line(&e), None, "{e:?}");
+        }
     }
 }
