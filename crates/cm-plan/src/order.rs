@@ -110,13 +110,9 @@ impl TokenOrder {
             }
         }
         order.extend((at + size).min(len)..len);
-        let mut inverse = vec![0u32; len as usize];
-        for (i, &o) in order.iter().enumerate() {
-            inverse[o as usize] = i as u32;
-        }
         TokenOrder {
+            inverse: inverse_of(&order),
             order,
-            inverse,
             patch: Some([pt, ph, pw]),
             traversal: Some(traversal),
             tree_preorder: false,
@@ -168,13 +164,9 @@ impl TokenOrder {
         }
         let end = (u64::from(at) + n as u64).min(u64::from(len)) as u32;
         order.extend(end..len);
-        let mut inverse = vec![0u32; len as usize];
-        for (i, &o) in order.iter().enumerate() {
-            inverse[o as usize] = i as u32;
-        }
         TokenOrder {
+            inverse: inverse_of(&order),
             order,
-            inverse,
             patch: None,
             traversal: None,
             tree_preorder: true,
@@ -198,6 +190,15 @@ impl TokenOrder {
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
+}
+
+/// `inverse[order[i]] = i` of a permutation built here (every position once).
+fn inverse_of(order: &[u32]) -> Vec<u32> {
+    let mut inverse = vec![0u32; order.len()];
+    for (i, &o) in order.iter().enumerate() {
+        inverse[o as usize] = i as u32;
+    }
+    inverse
 }
 
 /// A grid's (frames, rows, columns); a 2D grid has one frame.

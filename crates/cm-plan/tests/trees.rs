@@ -13,10 +13,9 @@ use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
 
-/// A random forest of `n` nodes: each node's parent an earlier node (or none), then the
-/// nodes renumbered by `order` (a permutation; identity keeps parents before children).
+/// A random forest of `raw.len()` nodes: each node's parent an earlier node (or none), then
+/// the nodes renumbered by the `shuffle` keys ([`relabel`]; none keeps parents first).
 fn forest(raw: &[(bool, u32)], shuffle: &[u32]) -> Vec<i64> {
-    let n = raw.len();
     let parent: Vec<i64> = raw
         .iter()
         .enumerate()
@@ -28,7 +27,13 @@ fn forest(raw: &[(bool, u32)], shuffle: &[u32]) -> Vec<i64> {
             }
         })
         .collect();
-    // A permutation from the shuffle keys: node i becomes perm[i].
+    relabel(&parent, shuffle)
+}
+
+/// The forest `parent` with node i renumbered by its rank among the shuffle keys (ties and
+/// missing keys by index), so that parents may come after their children.
+fn relabel(parent: &[i64], shuffle: &[u32]) -> Vec<i64> {
+    let n = parent.len();
     let mut idx: Vec<usize> = (0..n).collect();
     idx.sort_by_key(|&i| (shuffle.get(i).copied().unwrap_or(0), i));
     let mut perm = vec![0usize; n];
@@ -336,20 +341,7 @@ fn auto_order_packs_a_shuffled_tree() {
             (x % 1_000_000) as u32
         })
         .collect();
-    let mut idx: Vec<usize> = (0..n).collect();
-    idx.sort_by_key(|&i| (keys[i], i));
-    let mut perm = vec![0usize; n];
-    for (new, &old) in idx.iter().enumerate() {
-        perm[old] = new;
-    }
-    let mut parents = vec![-1i64; n];
-    for i in 0..n {
-        parents[perm[i]] = if heap[i] < 0 {
-            -1
-        } else {
-            perm[heap[i] as usize] as i64
-        };
-    }
+    let parents = relabel(&heap, &keys);
     let program = compile("param parents: [int];\ntree t = parents;\nmask = k in t.path(q);");
     let values = params(&[("parents", Value::Array(parents.into()))]);
     let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
