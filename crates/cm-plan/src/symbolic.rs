@@ -26,7 +26,6 @@ use cm_syntax::Code;
 use cm_syntax::{CmpOp, Span};
 use std::cell::{Cell, RefCell, RefMut};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use cm_ir::MAX_ELEMENTWISE_PAIRS;
@@ -70,41 +69,10 @@ type CoordFnKey = (usize, GridId, i64, i64);
 /// grid line's values are read again on the next line, not much later).
 const MAX_LINE_VALUES: usize = 1 << 16;
 
-/// A map whose keys are addresses and small integers, hashed by multiply-rotate (the
-/// strided boxes' tables are read several times per piece, where SipHash was a tenth of
-/// NATTEN's solve).
-type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<AddrHasher>>;
-
-/// The hasher of [`FastMap`]: not resistant to chosen keys, which addresses and rows are
-/// not.
-#[derive(Default)]
-struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-
-    fn write_i64(&mut self, x: i64) {
-        self.write_u64(x as u64);
-    }
-
-    fn write_usize(&mut self, x: usize) {
-        self.write_u64(x as u64);
-    }
-}
+/// A map whose keys are addresses and small integers, hashed by `rustc-hash`'s FxHasher
+/// (the strided boxes' tables are read several times per piece, where SipHash was a tenth
+/// of NATTEN's solve; the keys are not chosen by an adversary).
+type FastMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 /// A canonical list of keys (see the module docs).
 type List = Vec<AffineInterval>;
