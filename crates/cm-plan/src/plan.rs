@@ -869,10 +869,9 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                             // Batch 0's tree when the parents read `b`: one order serves
                             // every batch index (any order is exact; this one is densest
                             // for batch 0). Raster stays when preorder computes no fewer
-                            // pairs (a tree already in depth-first order, say).
+                            // pairs; a tree already numbered in preorder is kept without
+                            // the cost estimate.
                             let o = TokenOrder::tree_preorder(shape.q_len as u32, tree);
-                            // A tree already numbered in preorder keeps its positions
-                            // without the cost estimate.
                             let moved = o.order.iter().enumerate().any(|(i, &p)| p != i as u32);
                             (moved
                                 && computed_pairs_in_order(&rows, &o, &contiguous_runs(&o), tile)
