@@ -13,7 +13,7 @@
 
 use crate::{Error, KernelKind};
 use cm_plan::rows::RowIntervals;
-use cm_plan::tiles::{TileCounts, TileDescriptor, TileShape};
+use cm_plan::tiles::{PartialRows, TileCounts, TileDescriptor, TileShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::ops::Deref;
 use std::sync::Arc;
@@ -192,6 +192,7 @@ fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
 /// [`PlanArray::WsPartialRowMask`]), from the rows' intervals starting at each row's
 /// `partial_row_first`.
 fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
+    let per_row = desc.partial_rows(rows);
     let block_m = desc.tile.block_m as usize;
     let block_n = desc.tile.block_n;
     let words = block_n.div_ceil(32) as usize;
@@ -204,7 +205,7 @@ fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
             for q in row0..row_end {
                 let r = q - row0;
                 let out = &mut masks[(p * block_m + r) * words..][..words];
-                for (lo, hi) in runs_in_tile(desc, rows, p, q, r, key0) {
+                for (lo, hi) in runs_in_tile((desc, &per_row), rows, p, q, r, key0) {
                     set_bits(out, lo, hi);
                 }
             }
@@ -218,7 +219,7 @@ fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
 /// the tile's `partial_row_first` entry for the row, so only the intervals reaching the tile
 /// are read.
 fn runs_in_tile<'a>(
-    desc: &'a TileDescriptor,
+    (desc, per_row): (&'a TileDescriptor, &'a PartialRows),
     rows: &'a RowIntervals,
     p: usize,
     q: usize,
@@ -226,7 +227,7 @@ fn runs_in_tile<'a>(
     key0: u32,
 ) -> impl Iterator<Item = (u32, u32)> + 'a {
     let key_end = key0 + desc.tile.block_n;
-    let first = desc.partial_row_first[p * desc.partial_row_stride as usize + r] as usize;
+    let first = per_row.partial_row_first[p * per_row.partial_row_stride as usize + r] as usize;
     rows.intervals()[first..rows.row_ptr()[q + 1] as usize]
         .iter()
         .take_while(move |iv| iv.start < key_end)
@@ -238,6 +239,7 @@ fn runs_in_tile<'a>(
 /// row's intervals are walked from its `partial_row_first` (found through `q_partial_ids`);
 /// the cost is the partial tiles' bits, not `q_len x kv_len`.
 fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
+    let per_row = desc.partial_rows(rows);
     let block_m = desc.tile.block_m as usize;
     let block_n = desc.tile.block_n;
     let words = block_m.div_ceil(32);
@@ -255,7 +257,7 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
             for q in row0..row_end {
                 let r = q - row0;
                 let (word, bit) = (r / 32, 1u32 << (r % 32));
-                for (lo, hi) in runs_in_tile(desc, rows, p, q, r, key0) {
+                for (lo, hi) in runs_in_tile((desc, &per_row), rows, p, q, r, key0) {
                     for key in out[lo as usize * words..hi as usize * words].chunks_exact_mut(words)
                     {
                         key[word] |= bit;
@@ -329,6 +331,7 @@ impl HostPlan {
     /// `Bwd*` arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
+        let per_row = desc.partial_rows(rows);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
         let ws = TileDescriptor::build(rows, ws_tile());
         let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
@@ -356,7 +359,7 @@ impl HostPlan {
             desc.kv_indices,
             desc.full_kv_offsets,
             desc.full_kv_indices,
-            desc.partial_row_first,
+            per_row.partial_row_first,
             rows.row_ptr().to_vec(),
             ws_order,
             ws.kv_offsets,

@@ -128,40 +128,78 @@ impl TreeTable {
             }
             walk.clear();
         }
-        // Paths in placing order, then laid out by node.
-        let mut start = vec![0u32; n];
-        let mut len = vec![0u32; n];
-        let mut buf: Vec<(u32, u32)> = Vec::new();
-        let mut path = Vec::new();
+        // Every path's length first, so that the paths are written once, in place, into
+        // one allocation of exactly their size (growing a buffer and copying it by node
+        // cost a 128K-node tree most of its binding, in fresh pages). Node u's path is its
+        // parent's with u inserted, one interval fewer for each of u - 1 and u + 1 on the
+        // parent's path (the unit interval of u merges with theirs); "on the path" is an
+        // ancestor test, O(1) from a preorder numbering and subtree sizes.
+        let mut size = vec![1u32; n];
+        for &u in order.iter().rev() {
+            if parents[u] >= 0 {
+                size[parents[u] as usize] += size[u];
+            }
+        }
+        // `enter[u]`: u's preorder position (siblings in placing order); its subtree holds
+        // positions `enter[u] .. enter[u] + size[u]`; `next[u]` is the next one unassigned.
+        let mut enter = vec![0u32; n];
+        let mut next = vec![0u32; n];
+        let mut next_root = 0u32;
         for &u in &order {
-            let at_u = buf.len();
-            let parent: &[(u32, u32)] = match parents[u] {
-                -1 => &[],
+            let slot = match parents[u] {
+                -1 => &mut next_root,
+                p => &mut next[p as usize],
+            };
+            enter[u] = *slot;
+            *slot += size[u];
+            next[u] = enter[u] + 1;
+        }
+        let on_path = |a: usize, u: usize| enter[a] <= enter[u] && enter[u] < enter[a] + size[a];
+        let mut len = vec![0u32; n];
+        for &u in &order {
+            len[u] = match parents[u] {
+                -1 => 1,
                 p => {
-                    let (s, l) = (start[p as usize] as usize, len[p as usize] as usize);
-                    &buf[s..s + l]
+                    let p = p as usize;
+                    let merged = (u > 0 && on_path(u - 1, p)) as u32
+                        + (u + 1 < n && on_path(u + 1, p)) as u32;
+                    len[p] + 1 - merged
                 }
             };
-            path.clear();
-            insert(&mut path, parent, u as u32);
-            buf.extend_from_slice(&path);
-            if buf.len() > MAX_TREE_INTERVALS {
-                return Err(PlanError::new(
-                    Code::TooLargeToPlan,
-                    Some(span),
-                    format!("the paths of tree `{name}` need more than {MAX_TREE_INTERVALS} intervals"),
-                )
-                .with_hint("a node's path costs one interval per jump in position between consecutive ancestors: number the nodes in depth-first order"));
-            }
-            start[u] = at_u as u32;
-            len[u] = (buf.len() - at_u) as u32;
+        }
+        let total: u64 = len.iter().map(|&l| u64::from(l)).sum();
+        if total > MAX_TREE_INTERVALS as u64 {
+            return Err(PlanError::new(
+                Code::TooLargeToPlan,
+                Some(span),
+                format!("the paths of tree `{name}` need more than {MAX_TREE_INTERVALS} intervals"),
+            )
+            .with_hint("a node's path costs one interval per jump in position between consecutive ancestors: number the nodes in depth-first order"));
         }
         let mut ptr = Vec::with_capacity(n + 1);
-        let mut paths = Vec::with_capacity(buf.len());
-        ptr.push(0);
-        for u in 0..n {
-            paths.extend_from_slice(&buf[start[u] as usize..(start[u] + len[u]) as usize]);
-            ptr.push(paths.len() as u32);
+        ptr.push(0u32);
+        for &l in &len {
+            ptr.push(ptr.last().copied().unwrap_or(0) + l);
+        }
+        let mut paths = vec![(0u32, 0u32); total as usize];
+        for &u in &order {
+            let at_u = ptr[u] as usize..ptr[u + 1] as usize;
+            match parents[u] {
+                -1 => paths[at_u.start] = (u as u32, u as u32 + 1),
+                p => {
+                    let p = p as usize;
+                    let at_p = ptr[p] as usize..ptr[p + 1] as usize;
+                    // The parent's path and u's are disjoint ranges of `paths`.
+                    let (parent, out) = if at_p.start < at_u.start {
+                        let (lo, hi) = paths.split_at_mut(at_u.start);
+                        (&lo[at_p], &mut hi[..at_u.len()])
+                    } else {
+                        let (lo, hi) = paths.split_at_mut(at_p.start);
+                        (&hi[..at_p.len()], &mut lo[at_u])
+                    };
+                    insert(out, parent, u as u32);
+                }
+            }
         }
         let mut t = TreeTable {
             at,
@@ -175,26 +213,29 @@ impl TreeTable {
     }
 }
 
-/// Appends to `out` the path `parent` with `node` added (sorted, merged where it touches).
-fn insert(out: &mut Vec<(u32, u32)>, parent: &[(u32, u32)], node: u32) {
+/// Writes into `out` the path `parent` with `node` added (sorted, merged where it touches);
+/// `out` is exactly as long as the result.
+fn insert(out: &mut [(u32, u32)], parent: &[(u32, u32)], node: u32) {
+    let mut w = 0usize;
+    let mut push = |iv: (u32, u32)| match w.checked_sub(1).map(|i| &mut out[i]) {
+        Some(last) if last.1 >= iv.0 => last.1 = last.1.max(iv.1),
+        _ => {
+            out[w] = iv;
+            w += 1;
+        }
+    };
     let mut placed = false;
     for &(lo, hi) in parent {
         if !placed && node < lo {
-            push_merged(out, (node, node + 1));
+            push((node, node + 1));
             placed = true;
         }
-        push_merged(out, (lo, hi));
+        push((lo, hi));
     }
     if !placed {
-        push_merged(out, (node, node + 1));
+        push((node, node + 1));
     }
-}
-
-fn push_merged(out: &mut Vec<(u32, u32)>, iv: (u32, u32)) {
-    match out.last_mut() {
-        Some(last) if last.1 >= iv.0 => last.1 = last.1.max(iv.1),
-        _ => out.push(iv),
-    }
+    debug_assert_eq!(w, out.len(), "the path's length was counted exactly");
 }
 
 /// `run[i]` of every node (see [`TreeTable::run`]), from the last node back, comparing the

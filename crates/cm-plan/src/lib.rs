@@ -21,4 +21,4 @@ pub use plan::{
     row_range_intervals, AffineRows, MaskPlan, OrderRequest, Plan,
 };
 pub use rows::{ExpandError, KeyInterval, RowIntervals, MAX_EXPANDED_INTERVALS};
-pub use tiles::{TileCounts, TileDescriptor, TileShape};
+pub use tiles::{PartialRows, TileCounts, TileDescriptor, TileShape};

@@ -9,7 +9,7 @@
 //! (a text prefix, say) and after it keep their places.
 
 use crate::rows::RowIntervals;
-use crate::tiles::TileShape;
+use crate::tiles::{TileShape, Touched};
 use cm_ir::bind::GridVals;
 use cm_ir::tree::TreeTable;
 use serde::Serialize;
@@ -278,7 +278,14 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
         rows.q_len() == n && rows.kv_len() == n,
         "callers check the order length"
     );
-    let run = contiguous_runs(order);
+    // Each key's new position and run side by side: the keys of scattered rows are read
+    // at random, one cache line per key instead of two.
+    let moved: Vec<(u32, u32)> = order
+        .inverse
+        .iter()
+        .zip(contiguous_runs(order))
+        .map(|(&i, r)| (i, r))
+        .collect();
     let mut out = RowIntervals::with_capacity(n, n, rows.intervals().len() * 2);
     let mut pieces: Vec<(u32, u32)> = Vec::new();
     for i in 0..n {
@@ -286,8 +293,8 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
         for iv in rows.row(order.order[i as usize]) {
             let mut k = iv.start;
             while k < iv.end {
-                let len = run[k as usize].min(iv.end - k);
-                let start = order.inverse[k as usize];
+                let (start, run) = moved[k as usize];
+                let len = run.min(iv.end - k);
                 pieces.push((start, start + len));
                 k += len;
             }
@@ -318,41 +325,29 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
 pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
     let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
     let (bm, bn) = tile.clamped(q_len, kv_len);
+    let num_n = kv_len.div_ceil(bn);
     let mut total = 0u64;
-    // A block's rows' key-tile ranges, gathered, sorted and swept once: O(R log R) for R
-    // intervals in the block, where merging row by row costs O(rows x ranges) on rows
-    // whose keys scatter (a tree in its program's order touches hundreds of tiles a block).
-    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    // A block's key tiles gathered as the tile builder does, so that rows whose keys
+    // scatter (a tree in its program's order touches hundreds of tiles a block) cost a sort
+    // or a bitmap per block, not a merge per row.
+    let mut touched = Touched::default();
     let div_n = crate::tiles::DivU32::new(bn);
     for m in 0..q_len.div_ceil(bm) {
         let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-        ranges.clear();
+        touched.list.clear();
         for q in r0..r1 {
-            ranges.extend(
+            touched.add(
                 rows.row(q)
                     .iter()
                     .map(|iv| (div_n.div(iv.start), div_n.div(iv.end - 1))),
             );
         }
-        ranges.sort_unstable();
-        let mut tiles = 0u64;
-        let mut cur: Option<(u32, u32)> = None;
-        let mut close = |(a, b): (u32, u32)| {
-            tiles += u64::from(((b + 1) * bn).min(kv_len) - a * bn);
-        };
-        for &(a, b) in &ranges {
-            match &mut cur {
-                Some(c) if a <= c.1 + 1 => c.1 = c.1.max(b),
-                _ => {
-                    if let Some(c) = cur.replace((a, b)) {
-                        close(c);
-                    }
-                }
-            }
-        }
-        if let Some(c) = cur {
-            close(c);
-        }
+        touched.settle(num_n);
+        let tiles: u64 = touched
+            .list
+            .iter()
+            .map(|&(a, b)| u64::from(((b + 1) * bn).min(kv_len) - a * bn))
+            .sum();
         total += u64::from(r1 - r0) * tiles;
     }
     total

@@ -1,10 +1,7 @@
 //! The planning driver: a bound program becomes a [`Plan`], one [`MaskPlan`] (row
 //! intervals + tile descriptor) per distinct (batch, head) mask, shared where equal.
 
-use crate::order::{
-    choose_grid_order, computed_pairs, computed_pairs_in_order, contiguous_runs, permute_rows,
-    Candidate, TokenOrder,
-};
+use crate::order::{choose_grid_order, computed_pairs, permute_rows, Candidate, TokenOrder};
 use crate::packed::Packing;
 use crate::rows::{ExpandError, KeyInterval, RowIntervals};
 use crate::symbolic::{
@@ -833,6 +830,8 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     let mut order_candidates = Vec::new();
     let mut raster_computed_pairs = 0u64;
     let mut runs: Vec<u32> = Vec::new();
+    // Batch 0, head 0's rows in the chosen order when choosing it permuted them.
+    let mut permuted: Option<RowIntervals> = None;
     for b in 0..bs {
         // Segmentations that read `b` laid out for this batch index; the count of pairs
         // evaluated one by one (and its limit) runs over the whole plan.
@@ -871,12 +870,18 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                             // for batch 0). Raster stays when preorder computes no fewer
                             // pairs; a tree already numbered in preorder is kept without
                             // the cost estimate.
+                            // The rows are permuted to be costed: kept when preorder wins.
                             let o = TokenOrder::tree_preorder(shape.q_len as u32, tree);
                             let moved = o.order.iter().enumerate().any(|(i, &p)| p != i as u32);
-                            (moved
-                                && computed_pairs_in_order(&rows, &o, &contiguous_runs(&o), tile)
-                                    < raster_computed_pairs)
-                                .then_some(o)
+                            if moved {
+                                let p = permute_rows(&rows, &o);
+                                (computed_pairs(&p, tile) < raster_computed_pairs).then(|| {
+                                    permuted = Some(p);
+                                    o
+                                })
+                            } else {
+                                None
+                            }
                         } else {
                             return Err(PlanError::new(Code::NoGridForOrder, None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`) or a tree (`tree NAME = PARENTS;`)")
                                 .with_hint("give an explicit order instead, or use raster"));
@@ -885,7 +890,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                 };
             }
             if let Some(o) = &order {
-                rows = permute_rows(&rows, o);
+                rows = permuted.take().unwrap_or_else(|| permute_rows(&rows, o));
             }
             let id = match seen.get(&rows) {
                 Some(&id) => id,

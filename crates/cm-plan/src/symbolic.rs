@@ -959,13 +959,14 @@ impl<'a, 'p> Solver<'a, 'p> {
 
     /// `[lo, hi)` clipped to `[0, kv_len)`, as a canonical list.
     fn interval(&self, p: &Piece, lo: Affine, hi: Affine) -> Eval<Vec<AffineInterval>> {
+        Ok(self.clipped(p, lo, hi)?.into_iter().collect())
+    }
+
+    /// `[lo, hi)` clipped to the keys, `None` where empty (see [`Solver::interval`]).
+    fn clipped(&self, p: &Piece, lo: Affine, hi: Affine) -> Eval<Option<AffineInterval>> {
         let s = self.max(p, lo, Affine::constant(0))?;
         let e = self.min(p, hi, Affine::constant(self.bound.shape.kv_len))?;
-        Ok(if self.lt(p, s, e)? {
-            vec![AffineInterval::unit(s, e)]
-        } else {
-            Vec::new()
-        })
+        Ok(self.lt(p, s, e)?.then(|| AffineInterval::unit(s, e)))
     }
 
     /// Appends an interval that starts after every interval already in `out`, merging it
@@ -2623,7 +2624,9 @@ impl<'a, 'p> Solver<'a, 'p> {
             };
             let start = self.affine(p, t.at.checked_add(i64::from(lo)), Some(ds), span)?;
             let end = self.affine(p, t.at.checked_add(i64::from(hi)), Some(de), span)?;
-            out.extend(self.interval(p, start, end)?);
+            // A row or two per piece on trees numbered out of depth-first order: no list
+            // per interval.
+            out.extend(self.clipped(p, start, end)?);
         }
         Ok(out)
     }

@@ -1,12 +1,14 @@
 //! The tile descriptor: exact full / partial classification of every non-empty
 //! `block_m x block_n` tile, in forward (per query block) and transposed (per key block) CSR
-//! lists, plus the per-row form a kernel uses on partial tiles.
+//! lists, and the per-row form a kernel uses on partial tiles, derived on demand
+//! ([`TileDescriptor::partial_rows`]).
 //!
 //! Invariants owned here: a tile is *full* exactly when every in-range pair in it is visible
 //! (edge tiles count only rows `< q_len` and keys `< kv_len`), *empty* exactly when none is,
 //! and *partial* otherwise; empty tiles are never stored; index lists are ascending; the
-//! transposed lists hold exactly the same tiles. Memory is O(rows x intervals + non-empty
-//! tiles x block_m), never O(num_m_blocks x num_n_blocks).
+//! transposed lists hold exactly the same tiles. A descriptor's memory is O(non-empty
+//! tiles) and its per-row form's O(partial tiles x block_m), never O(num_m_blocks x
+//! num_n_blocks).
 //!
 //! Two builders give the same descriptor: [`TileDescriptor::build`] classifies rows one by
 //! one; [`TileDescriptor::try_build_runs`], which the planner uses, classifies the solver's
@@ -59,15 +61,11 @@ pub struct TileCounts {
 /// `full_q_indices`, with `q_partial_ids[i]` the position of that tile in the forward
 /// partial list (so the backward pass finds the same per-row data).
 ///
-/// Per-row form of partial tiles: `partial_row_first` is `[num_partial,
-/// partial_row_stride]`. For the
-/// `p`-th partial tile `(m_block, n_block)` and local row `r` (query row
-/// `q = m_block * block_m + r < q_len`), it holds the absolute index into
-/// `RowIntervals::intervals()` of that row's first interval ending after the tile's first
-/// key `n_block * block_n`. A kernel applies the row by walking intervals from there while
-/// `i < row_ptr[q + 1]` and `intervals[i].start < (n_block + 1) * block_n`, so several
-/// intervals per row inside one tile need no special case. Rows `>= q_len` hold
-/// `row_ptr[q_len]`.
+/// The per-row form of partial tiles that the CUDA kernels read is not held here: it is
+/// `block_m` entries per partial tile, more than all the lists together on scattered masks
+/// (222 MB for a 131072-node tree numbered out of depth-first order, against 15 MB of
+/// lists), and only a kernel launch needs it, so the upload derives it
+/// ([`TileDescriptor::partial_rows`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TileDescriptor {
     pub tile: TileShape,
@@ -79,11 +77,6 @@ pub struct TileDescriptor {
     pub kv_indices: Vec<u32>,
     pub full_kv_offsets: Vec<u32>,
     pub full_kv_indices: Vec<u32>,
-    pub partial_row_first: Vec<u32>,
-    /// Entries per partial tile in `partial_row_first`: `block_m`, or `min(block_m,
-    /// q_len)` for blocks taller than [`MAX_KERNEL_BLOCK_M`] (so absurd tile shapes
-    /// cannot blow up memory, while every kernel tile keeps a fixed stride).
-    pub partial_row_stride: u32,
     pub q_offsets: Vec<u32>,
     pub q_indices: Vec<u32>,
     pub q_partial_ids: Vec<u32>,
@@ -96,6 +89,33 @@ pub struct TileDescriptor {
 /// The tallest query block a kernel uses; `partial_row_first` keeps a stride of exactly
 /// `block_m` up to this height.
 pub const MAX_KERNEL_BLOCK_M: u32 = 1024;
+
+/// The per-row form of a descriptor's partial tiles, the layout the CUDA kernels read.
+///
+/// `partial_row_first` is `[num_partial, partial_row_stride]`. For the `p`-th partial tile
+/// `(m_block, n_block)` of the forward lists and local row `r` (query row `q = m_block *
+/// block_m + r < q_len`), it holds the absolute index into `RowIntervals::intervals()` of
+/// that row's first interval ending after the tile's first key `n_block * block_n`. A kernel
+/// applies the row by walking intervals from there while `i < row_ptr[q + 1]` and
+/// `intervals[i].start < (n_block + 1) * block_n`, so several intervals per row inside one
+/// tile need no special case. Rows `>= q_len` hold `row_ptr[q_len]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartialRows {
+    pub partial_row_first: Vec<u32>,
+    /// Entries per partial tile: `block_m`, or `min(block_m, q_len)` for blocks taller than
+    /// [`MAX_KERNEL_BLOCK_M`] (so absurd tile shapes cannot blow up memory, while every
+    /// kernel tile keeps a fixed stride).
+    pub partial_row_stride: u32,
+}
+
+/// Entries per partial tile of [`PartialRows`] at `tile` (the block clamped to `q_len`).
+fn partial_row_stride(tile: TileShape, q_len: u32, kv_len: u32) -> u32 {
+    if tile.block_m <= MAX_KERNEL_BLOCK_M {
+        tile.block_m
+    } else {
+        tile.clamped(q_len, kv_len).0
+    }
+}
 
 fn ceil_div(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
@@ -248,20 +268,14 @@ struct Run<'r> {
     last: &'r [KeyInterval],
     /// How the rows' endpoints move.
     shape: RunShape,
-    /// While filling partial tiles: intervals of the first (`ja`) and last (`jb`) row
-    /// ending by the current tile's first key.
-    ja: usize,
-    jb: usize,
 }
 
 enum RunShape {
-    /// Every endpoint is affine in the row (one solver piece): the row where an end crosses
-    /// a key follows from its first and last values.
+    /// Every endpoint is affine in the row (one solver piece).
     Affine,
-    /// Monotone only (consecutive short pieces): the row where an end crosses a key is
-    /// searched for; `stretch` tells whether every start and end moves by at most a tile
-    /// (`block_n` keys) from one row to the next, which makes the rows one stretch (see
-    /// [`add_stretch`]).
+    /// Monotone only (consecutive short pieces); `stretch` tells whether every start and
+    /// end moves by at most a tile (`block_n` keys) from one row to the next, which makes
+    /// the rows one stretch (see [`add_stretch`]).
     Monotone { stretch: bool },
 }
 
@@ -271,8 +285,6 @@ impl<'r> Run<'r> {
             first: rows.row_runs(a),
             last: rows.row_runs(b - 1),
             shape,
-            ja: 0,
-            jb: 0,
         }
     }
 
@@ -296,11 +308,13 @@ impl<'r> Run<'r> {
 
 /// Key tiles any row of a block touches, as merged inclusive tile-index ranges.
 #[derive(Default)]
-struct Touched {
-    list: Vec<(u32, u32)>,
+pub(crate) struct Touched {
+    pub(crate) list: Vec<(u32, u32)>,
     scratch: Vec<(u32, u32)>,
     /// Ranges not yet merged into `list` (see [`Touched::add`]).
     pending: Vec<(u32, u32)>,
+    /// One bit per key tile, for settling many ranges (see [`Touched::settle`]).
+    bits: Vec<u64>,
 }
 
 /// The per-block scratch lists, reused across blocks.
@@ -312,12 +326,6 @@ struct Scratch {
     inter_scratch: Vec<KeyInterval>,
     seg_inter: Vec<KeyInterval>,
     full: Vec<(u32, u32)>,
-    /// While filling partial tiles, for rows classified one by one: the index into
-    /// `RowIntervals::intervals()` of the row's first interval ending after the current
-    /// tile's first key (by local row).
-    cursor: Vec<u32>,
-    /// The end of the interval at each row's `cursor`, `u32::MAX` past the row's last.
-    next_end: Vec<u32>,
     /// A stretch's extremes of each interval (see [`add_stretch`]).
     extremes: Vec<[u32; 4]>,
     /// Each endpoint's direction over a group of short runs (see [`monotone_rows`]).
@@ -325,8 +333,8 @@ struct Scratch {
 }
 
 impl TileDescriptor {
-    /// Classifies every tile of `rows` at `tile`. Cost O(rows x intervals + non-empty tiles x
-    /// block_m).
+    /// Classifies every tile of `rows` at `tile`. Cost O(rows x intervals + non-empty
+    /// tiles).
     ///
     /// # Panics
     /// If a block size is zero (the facade validates tile shapes first).
@@ -338,7 +346,8 @@ impl TileDescriptor {
     }
 
     /// As [`TileDescriptor::build`], but stops with the number of list entries reached
-    /// once the forward lists and per-row data would hold more than `max_entries`.
+    /// once the forward lists and the per-row form of partial tiles ([`PartialRows`], which
+    /// a launch derives) would hold more than `max_entries`.
     ///
     /// # Errors
     /// The entry count at which the limit was exceeded.
@@ -363,11 +372,8 @@ impl TileDescriptor {
     /// A block's rows are then classified run by run from each run's first and last rows
     /// (when its endpoints move by at most a tile per row; else row by row). Consecutive
     /// runs shorter than a few rows are taken together as one run when every endpoint is
-    /// monotone over them, else classified in stretches of similar rows and their per-row
-    /// data filled row by row. The per-row data of partial tiles is filled run by run from
-    /// the rows where an interval end crosses the tile's first key (computed for an affine
-    /// run, searched for in a monotone one). Cost O(runs x intervals + rows in short runs x
-    /// intervals + non-empty tiles x (runs + block_m)).
+    /// monotone over them, else classified in stretches of similar rows. Cost O(runs x
+    /// intervals + rows in short runs x intervals + non-empty tiles).
     ///
     /// # Errors
     /// As [`TileDescriptor::try_build`].
@@ -396,8 +402,7 @@ impl TileDescriptor {
     /// Rows with strided runs are classified through two rows of plain intervals
     /// ([`stride_proxies`]): the rows that touch the same tiles in the solver's runs (a
     /// strided run's proxy is its hull or its keys, affine where the run is, as many on
-    /// every row of a run), the keys seen whole row by row; the per-row data of partial
-    /// tiles indexes the rows' own runs, row by row.
+    /// every row of a run), the keys seen whole row by row.
     fn build_impl(
         rows: &RowIntervals,
         runs: Option<&[u32]>,
@@ -415,35 +420,26 @@ impl TileDescriptor {
                 runs.is_none_or(|r| runs_are_affine(touch, r)),
                 "a strided run's proxies are affine where the run is"
             );
-            return Self::build_classified(
-                rows,
-                (touch, Some(&inter)),
-                (runs, None),
-                tile,
-                max_entries,
-            );
+            return Self::build_classified((touch, Some(&inter)), runs, tile, max_entries);
         }
-        Self::build_classified(rows, (rows, None), (runs, runs), tile, max_entries)
+        Self::build_classified((rows, None), runs, tile, max_entries)
     }
 
-    /// The descriptor of `rows`, whose tiles are classified from `class`: `(touch, None)`
-    /// for rows of plain intervals (`touch` is `rows`), or the proxies of strided rows,
-    /// `touch` for the tiles a row touches and `inter` for the keys it sees whole.
-    /// `touch_runs` are runs of `touch` (see [`TileDescriptor::try_build_runs`]), `runs`
-    /// runs of `rows`, for the per-row data of partial tiles.
+    /// The descriptor of the rows whose tiles are classified from `(touch, inter)`:
+    /// `(rows, None)` for rows of plain intervals, or the proxies of strided rows, `touch`
+    /// for the tiles a row touches and `inter` for the keys it sees whole. `touch_runs` are
+    /// runs of `touch` (see [`TileDescriptor::try_build_runs`]).
     fn build_classified(
-        rows: &RowIntervals,
         (touch, inter): (&RowIntervals, Option<&RowIntervals>),
-        (touch_runs, runs): (Option<&[u32]>, Option<&[u32]>),
+        touch_runs: Option<&[u32]>,
         tile: TileShape,
         max_entries: usize,
     ) -> Result<TileDescriptor, usize> {
-        let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+        let (q_len, kv_len) = (touch.q_len(), touch.kv_len());
         let (bm, bn) = tile.clamped(q_len, kv_len);
         let div_n = DivU32::new(bn);
         let num_m = ceil_div(q_len, bm);
         let num_n = ceil_div(kv_len, bn);
-        let row_ptr = rows.row_ptr();
         let mut d = TileDescriptor {
             tile,
             q_len,
@@ -454,12 +450,6 @@ impl TileDescriptor {
             kv_indices: Vec::new(),
             full_kv_offsets: Vec::with_capacity(num_m as usize + 1),
             full_kv_indices: Vec::new(),
-            partial_row_first: Vec::new(),
-            partial_row_stride: if tile.block_m <= MAX_KERNEL_BLOCK_M {
-                tile.block_m
-            } else {
-                bm
-            },
             q_offsets: Vec::new(),
             q_indices: Vec::new(),
             q_partial_ids: Vec::new(),
@@ -470,23 +460,19 @@ impl TileDescriptor {
         d.kv_offsets.push(0);
         d.full_kv_offsets.push(0);
         let mut s = Scratch::default();
-        // The segments (runs cut at block edges) of the current block, and whether each
-        // group of short runs is monotone (found in the first pass, read in the second).
+        // The segments (runs cut at block edges) of the current block.
         let mut segments: Vec<Segment<'_>> = Vec::new();
-        let mut monotone: Vec<Option<bool>> = Vec::new();
         let mut run_at = 0usize;
-        let stride = d.partial_row_stride as usize;
-        // First pass: the tile lists, block by block.
+        let stride = partial_row_stride(tile, q_len, kv_len) as usize;
         for m in 0..num_m {
             let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            let groups = Groups::Find(&mut monotone, &mut s.signs);
             block_segments(
                 touch,
                 touch_runs,
                 (r0, r1),
                 bn,
                 &mut run_at,
-                groups,
+                &mut s.signs,
                 &mut segments,
             );
             // Key tiles any row of the block touches, as merged inclusive tile-index
@@ -496,12 +482,12 @@ impl TileDescriptor {
             for (i, seg) in segments.iter().enumerate() {
                 classify_segment(touch, seg, i == 0, (bn, div_n), &mut s);
             }
-            s.touched.settle();
+            s.touched.settle(num_n);
             if let Some(inter) = inter {
                 // Its keys are some of the rows' own, so the tiles it touches are touched.
                 s.inter.clear();
                 classify_rows(inter, (r0, r1), true, div_n, &mut s);
-                s.touched.settle();
+                s.touched.settle(num_n);
             }
             // Full tiles: those whose in-range keys every row sees, i.e. lie inside `inter`.
             s.full.clear();
@@ -544,46 +530,65 @@ impl TileDescriptor {
                 return Err(entries);
             }
         }
-        // Second pass: the per-row data of partial tiles, allocated once at its final size
-        // (growing it block by block costs more in fresh pages than filling it), tile by
-        // tile, segment by segment, in its final order.
-        d.partial_row_first = Vec::with_capacity(d.kv_indices.len() * stride);
-        run_at = 0;
-        let mut known = monotone.iter();
-        for m in 0..num_m {
-            let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
-            let groups = Groups::Known(&mut known);
-            block_segments(rows, runs, (r0, r1), bn, &mut run_at, groups, &mut segments);
-            let partial = &d.kv_indices
-                [d.kv_offsets[m as usize] as usize..d.kv_offsets[m as usize + 1] as usize];
-            let pad = stride - (r1 - r0) as usize;
-            s.cursor.clear();
-            s.cursor
-                .extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
-            let ivs = rows.all_runs();
-            s.next_end.clear();
-            s.next_end.extend(
-                (r0 as usize..r1 as usize).map(|q| next_end(ivs, row_ptr[q], row_ptr[q + 1])),
-            );
-            for &nb in partial {
-                for seg in &mut segments {
-                    let out = &mut d.partial_row_first;
-                    match &mut seg.kind {
-                        Kind::Run(run) => push_run_rows(rows, (seg.a, seg.b), run, nb * bn, out),
-                        Kind::Rows | Kind::Group => {
-                            let at = (seg.a - r0) as usize..(seg.b - r0) as usize;
-                            let (cursor, ends) = (&mut s.cursor[at.clone()], &mut s.next_end[at]);
-                            push_rows(rows, seg.a, (cursor, ends), nb * bn, out);
-                        }
-                    }
-                }
-                // Rows past q_len.
-                d.partial_row_first
-                    .extend(std::iter::repeat_n(row_ptr[q_len as usize], pad));
-            }
-        }
         d.build_transpose();
         Ok(d)
+    }
+
+    /// The per-row form of the partial tiles ([`PartialRows`]) of this descriptor of
+    /// `rows`. Each row of a block keeps a cursor on its intervals, advanced as the block's
+    /// partial tiles come in ascending order, and the end of the interval there: a row's
+    /// entry changes only where one of its intervals ends, so a tile costs a comparison per
+    /// row and a copy. Cost O(rows x intervals + partial tiles x block_m).
+    ///
+    /// # Panics
+    /// If `rows` has other lengths than the descriptor's (it is not the mask it was built
+    /// from).
+    pub fn partial_rows(&self, rows: &RowIntervals) -> PartialRows {
+        let (q_len, kv_len) = (self.q_len, self.kv_len);
+        assert_eq!(
+            (rows.q_len(), rows.kv_len()),
+            (q_len, kv_len),
+            "the rows of a descriptor have its lengths"
+        );
+        let (bm, bn) = self.tile.clamped(q_len, kv_len);
+        let stride = partial_row_stride(self.tile, q_len, kv_len);
+        let row_ptr = rows.row_ptr();
+        let ivs = rows.all_runs();
+        // Allocated once at its final size: growing it costs more in fresh pages than
+        // filling it.
+        let mut out = Vec::with_capacity(self.kv_indices.len() * stride as usize);
+        let (mut cursor, mut next) = (Vec::new(), Vec::new());
+        for m in 0..self.num_m_blocks {
+            let (r0, r1) = (m * bm, ((m + 1) * bm).min(q_len));
+            let partial = &self.kv_indices
+                [self.kv_offsets[m as usize] as usize..self.kv_offsets[m as usize + 1] as usize];
+            cursor.clear();
+            cursor.extend_from_slice(&row_ptr[r0 as usize..r1 as usize]);
+            next.clear();
+            next.extend(
+                (r0 as usize..r1 as usize).map(|q| next_end(ivs, row_ptr[q], row_ptr[q + 1])),
+            );
+            let ends = &row_ptr[r0 as usize + 1..=r1 as usize];
+            for &nb in partial {
+                let tile_start = nb * bn;
+                for ((i, e), &end) in cursor.iter_mut().zip(next.iter_mut()).zip(ends) {
+                    while *e <= tile_start {
+                        *i += 1;
+                        *e = next_end(ivs, *i, end);
+                    }
+                }
+                out.extend_from_slice(&cursor);
+                // Rows past q_len.
+                out.extend(std::iter::repeat_n(
+                    row_ptr[q_len as usize],
+                    (stride - (r1 - r0)) as usize,
+                ));
+            }
+        }
+        PartialRows {
+            partial_row_first: out,
+            partial_row_stride: stride,
+        }
     }
 
     fn build_transpose(&mut self) {
@@ -636,21 +641,25 @@ impl TileDescriptor {
             .collect()
     }
 
-    /// Bytes of every array a kernel reads, this descriptor's lists plus the row intervals.
+    /// Bytes of every array a kernel reads: this descriptor's lists, the row intervals and
+    /// the per-row form of partial tiles that a launch derives ([`Self::partial_rows`],
+    /// counted, not built).
     pub fn bytes(&self, rows: &RowIntervals) -> usize {
+        let stride = partial_row_stride(self.tile, self.q_len, self.kv_len) as usize;
         let lists = [
             &self.kv_offsets,
             &self.kv_indices,
             &self.full_kv_offsets,
             &self.full_kv_indices,
-            &self.partial_row_first,
             &self.q_offsets,
             &self.q_indices,
             &self.q_partial_ids,
             &self.full_q_offsets,
             &self.full_q_indices,
         ];
-        lists.iter().map(|v| v.len() * 4).sum::<usize>() + rows.bytes()
+        lists.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.kv_indices.len() * stride * 4
+            + rows.bytes()
     }
 }
 
@@ -745,15 +754,15 @@ fn runs_are_affine(rows: &RowIntervals, runs: &[u32]) -> bool {
 /// The segments of the block of rows `[r0, r1)`: without `runs`, one segment of rows
 /// classified one by one; else the runs cut at the block's edges (`run_at`: the run holding
 /// `r0`, advanced block by block), those shorter than [`MIN_RUN`] rows joined into
-/// segments, each one run where [`monotone_rows`] finds it monotone (`groups`), else rows
-/// classified in stretches and filled one by one.
+/// segments, each one run where [`monotone_rows`] finds it monotone (`signs` is its
+/// scratch), else rows classified in stretches.
 fn block_segments<'r>(
     rows: &'r RowIntervals,
     runs: Option<&[u32]>,
     (r0, r1): (u32, u32),
     bn: u32,
     run_at: &mut usize,
-    mut groups: Groups<'_, '_>,
+    signs: &mut Vec<[u32; 2]>,
     segments: &mut Vec<Segment<'r>>,
 ) {
     segments.clear();
@@ -797,14 +806,7 @@ fn block_segments<'r>(
         if !matches!(seg.kind, Kind::Group) {
             continue;
         }
-        let stretch = match &mut groups {
-            Groups::Find(found, signs) => {
-                let stretch = monotone_rows(rows, (seg.a, seg.b), bn, signs);
-                found.push(stretch);
-                stretch
-            }
-            Groups::Known(known) => *known.next().expect("the first pass met this group"),
-        };
+        let stretch = monotone_rows(rows, (seg.a, seg.b), bn, signs);
         if let Some(stretch) = stretch {
             seg.kind = Kind::Run(Run::new(
                 rows,
@@ -813,15 +815,6 @@ fn block_segments<'r>(
             ));
         }
     }
-}
-
-/// Whether each group of short runs, in the order the blocks meet them, is monotone, and
-/// then whether it is a stretch (see [`monotone_rows`]): found and recorded by the first
-/// pass over the blocks, read back by the second.
-enum Groups<'m, 'i> {
-    /// The records to append to, and scratch for [`monotone_rows`].
-    Find(&'m mut Vec<Option<bool>>, &'m mut Vec<[u32; 2]>),
-    Known(&'m mut std::slice::Iter<'i, Option<bool>>),
 }
 
 /// Whether rows `[a, b)` are one [`Run`]: every row holds the same number of intervals and
@@ -1023,7 +1016,7 @@ const SHORT_TOUCHED: usize = 16;
 
 impl Touched {
     /// Adds inclusive tile ranges, sorted by start.
-    fn add(&mut self, ranges: impl ExactSizeIterator<Item = (u32, u32)>) {
+    pub(crate) fn add(&mut self, ranges: impl ExactSizeIterator<Item = (u32, u32)>) {
         if self.pending.is_empty() && self.list.len() + ranges.len() <= SHORT_TOUCHED {
             merge_ranges(&mut self.list, &mut self.scratch, ranges);
         } else {
@@ -1031,14 +1024,59 @@ impl Touched {
         }
     }
 
-    /// Merges the pending ranges into `list`.
-    fn settle(&mut self) {
+    /// Merges the pending ranges into `list`, of key tiles `0..num_n`: by one sort, or,
+    /// with at least one range per 64 tiles (a block of scattered rows), by marking a bit
+    /// per tile and reading the runs of set bits back, O(ranges + num_n / 64) instead of a
+    /// sort's O(ranges x log ranges).
+    pub(crate) fn settle(&mut self, num_n: u32) {
         if self.pending.is_empty() {
             return;
         }
-        self.pending.sort_unstable();
-        merge_ranges(&mut self.list, &mut self.scratch, self.pending.drain(..));
+        let words = num_n.div_ceil(64) as usize;
+        if self.pending.len() + self.list.len() < words {
+            self.pending.sort_unstable();
+            merge_ranges(&mut self.list, &mut self.scratch, self.pending.drain(..));
+            return;
+        }
+        self.bits.clear();
+        self.bits.resize(words, 0);
+        for (a, b) in self.list.drain(..).chain(self.pending.drain(..)) {
+            set_bit_range(&mut self.bits, a, b);
+        }
+        // Runs start at a set bit whose lower neighbour is clear and end at one whose
+        // upper neighbour is clear; the k-th end closes the k-th start.
+        let mut closed = 0usize;
+        for (i, &x) in self.bits.iter().enumerate() {
+            let below = if i > 0 { self.bits[i - 1] >> 63 } else { 0 };
+            let above = self.bits.get(i + 1).map_or(0, |&y| y & 1);
+            let base = i as u32 * 64;
+            let mut starts = x & !((x << 1) | below);
+            let mut ends = x & !((x >> 1) | (above << 63));
+            while starts != 0 {
+                self.list.push((base + starts.trailing_zeros(), 0));
+                starts &= starts - 1;
+            }
+            while ends != 0 {
+                self.list[closed].1 = base + ends.trailing_zeros();
+                closed += 1;
+                ends &= ends - 1;
+            }
+        }
     }
+}
+
+/// Sets bits `a..=b` of a little-endian bit array of u64 words.
+fn set_bit_range(bits: &mut [u64], a: u32, b: u32) {
+    let (wa, wb) = ((a / 64) as usize, (b / 64) as usize);
+    let lo = u64::MAX << (a % 64);
+    let hi = u64::MAX >> (63 - b % 64);
+    if wa == wb {
+        bits[wa] |= lo & hi;
+        return;
+    }
+    bits[wa] |= lo;
+    bits[wa + 1..wb].fill(u64::MAX);
+    bits[wb] |= hi;
 }
 
 /// The end of interval `i` of a row whose intervals end at `end`, `u32::MAX` when `i` is
@@ -1050,137 +1088,6 @@ fn next_end(ivs: &[KeyInterval], i: u32, end: u32) -> u32 {
     } else {
         u32::MAX
     }
-}
-
-/// Appends, for rows `a..` classified one by one, the index of each row's first interval
-/// ending after `tile_start`, advancing each row's `cursor` (tiles come in ascending order)
-/// and keeping `next_end` the end of the interval there: a row's entry changes only where
-/// one of its intervals ends, so a tile costs a comparison per row and a copy.
-fn push_rows(
-    rows: &RowIntervals,
-    a: u32,
-    (cursor, next): (&mut [u32], &mut [u32]),
-    tile_start: u32,
-    out: &mut Vec<u32>,
-) {
-    let ends = &rows.row_ptr()[a as usize + 1..a as usize + 1 + cursor.len()];
-    let ivs = rows.all_runs();
-    for ((i, e), &end) in cursor.iter_mut().zip(next.iter_mut()).zip(ends) {
-        while *e <= tile_start {
-            *i += 1;
-            *e = next_end(ivs, *i, end);
-        }
-    }
-    out.extend_from_slice(cursor);
-}
-
-/// Appends one run's entries of the per-row data of a partial tile whose first key is
-/// `tile_start`: for each of the run's rows `[a, b)`, the index of its first interval ending
-/// after `tile_start`. Tiles come in ascending order; the run keeps its place.
-///
-/// On row `t` that interval's position `j(t)` counts the ends at or before `tile_start`.
-/// Each end is monotone in the row, so the rows where it is at or before `tile_start` are a
-/// prefix or a suffix of the run; and as the ends are sorted on every row, those row sets
-/// are nested
-/// (end `i + 1` at or before `tile_start` implies end `i` too). Nested prefixes and
-/// suffixes that are not empty or everything are all prefixes or all suffixes, so `j` is
-/// monotone over the run: it goes from `ja` on the first row to `jb` on the last, stepping
-/// by one at each row where one of the ends in between crosses `tile_start`, in order.
-fn push_run_rows(
-    rows: &RowIntervals,
-    (a, b): (u32, u32),
-    run: &mut Run<'_>,
-    tile_start: u32,
-    out: &mut Vec<u32>,
-) {
-    let k = run.first.len();
-    let row_ptr = &rows.row_ptr()[a as usize..b as usize];
-    let n = row_ptr.len();
-    while run.ja < k && run.first[run.ja].end <= tile_start {
-        run.ja += 1;
-    }
-    while run.jb < k && run.last[run.jb].end <= tile_start {
-        run.jb += 1;
-    }
-    let (ja, jb) = (run.ja, run.jb);
-    let mut t0 = 0usize;
-    let mut j = ja;
-    while j != jb {
-        let i = if ja > jb { j - 1 } else { j };
-        let t = if matches!(run.shape, RunShape::Affine) {
-            crossing(run.first[i].end, run.last[i].end, n, tile_start)
-        } else {
-            search_crossing(rows, row_ptr, i, tile_start, t0)
-        }
-        .max(t0);
-        push_from(out, &row_ptr[t0..t], j as u32);
-        t0 = t;
-        j = if ja > jb { j - 1 } else { j + 1 };
-    }
-    push_from(out, &row_ptr[t0..], jb as u32);
-}
-
-/// Appends `row_ptr[t] + j` for every `t`.
-#[inline]
-fn push_from(out: &mut Vec<u32>, row_ptr: &[u32], j: u32) {
-    out.extend(row_ptr.iter().map(|&r| r + j));
-}
-
-/// For the monotone end `i` of rows `row_ptr` (each row's first interval, `row_ptr[0]`'s
-/// end on one side of `tile_start` and the last row's on the other): the first row from
-/// `from` on the other side, by bisection.
-fn search_crossing(
-    rows: &RowIntervals,
-    row_ptr: &[u32],
-    i: usize,
-    tile_start: u32,
-    from: usize,
-) -> usize {
-    let ivs = rows.all_runs();
-    let before = |t: usize| ivs[row_ptr[t] as usize + i].end <= tile_start;
-    let side = before(0);
-    // Rows before `lo` are on the first side, `hi` and after on the other.
-    let (mut lo, mut hi) = (from.max(1), row_ptr.len() - 1);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if before(mid) == side {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    hi
-}
-
-/// For an end moving affinely from `first` (row 0) to `last` (row `n - 1`) across
-/// `tile_start` (`first <= tile_start < last`, or `last <= tile_start < first`): the first
-/// row on the other side, in `1..n`.
-fn crossing(first: u32, last: u32, n: usize, tile_start: u32) -> usize {
-    let steps = (n - 1) as u64;
-    // The slope's magnitude, (last - first) / steps; one key per row needs no division.
-    let slope = |rise: u32| {
-        if u64::from(rise) == steps {
-            1
-        } else {
-            (u64::from(rise) / steps).max(1)
-        }
-    };
-    let t = if first <= tile_start {
-        // Rising: the first row past tile_start.
-        let gap = u64::from(tile_start - first);
-        match slope(last - first) {
-            1 => gap + 1,
-            a => gap / a + 1,
-        }
-    } else {
-        // Falling: the first row at or below tile_start.
-        let gap = u64::from(first - tile_start);
-        match slope(first - last) {
-            1 => gap,
-            a => gap.div_ceil(a),
-        }
-    };
-    (t as usize).min(n)
 }
 
 /// Transposes a CSR (rows -> ascending column ids) into columns -> ascending (row, entry id).
@@ -1207,8 +1114,58 @@ fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, V
 
 #[cfg(test)]
 mod tests {
-    use super::{DivU32, TileDescriptor, TileShape};
+    use super::{DivU32, TileDescriptor, TileShape, Touched};
     use crate::rows::RowIntervals;
+
+    /// Settling touched ranges by sorting and by a bitmap (chosen by the ranges per tile)
+    /// gives the merged runs of the tiles marked, whatever the ranges: overlapping,
+    /// adjacent, across and at 64-tile word edges, some added before the pending list.
+    #[test]
+    fn settled_ranges_are_the_marked_tiles() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u32| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % u64::from(m)) as u32
+        };
+        for case in 0..400 {
+            let num_n = [1, 2, 63, 64, 65, 127, 128, 129, 200, 5000][case % 10];
+            let count = 1 + next(if case % 3 == 0 { 8 } else { 200 });
+            let mut ranges = Vec::new();
+            for _ in 0..count {
+                let a = next(num_n);
+                let b = (a + next(if case % 2 == 0 { 3 } else { 140 })).min(num_n - 1);
+                ranges.push((a, b));
+            }
+            let mut want = vec![false; num_n as usize];
+            for &(a, b) in &ranges {
+                want[a as usize..=b as usize].fill(true);
+            }
+            let mut t = Touched::default();
+            // The first few merged at once, the rest pending, as `add` does.
+            let early = ranges.len().min(next(3) as usize);
+            let mut sorted_early = ranges[..early].to_vec();
+            sorted_early.sort_unstable();
+            t.add(sorted_early.into_iter());
+            t.pending.extend_from_slice(&ranges[early..]);
+            t.settle(num_n);
+            let mut got = vec![false; num_n as usize];
+            for w in t.list.windows(2) {
+                assert!(
+                    w[0].1 + 1 < w[1].0,
+                    "runs apart and ascending: {:?}",
+                    t.list
+                );
+            }
+            for &(a, b) in &t.list {
+                assert!(a <= b && b < num_n, "{:?}", t.list);
+                got[a as usize..=b as usize].fill(true);
+            }
+            assert_eq!(got, want, "case {case}: {ranges:?} -> {:?}", t.list);
+            assert!(t.pending.is_empty());
+        }
+    }
 
     /// Rows of one-row runs (so the builder groups them), monotone or not, some of whose
     /// endpoints step by more than 2^31 keys from one row to the next: over `kv_len` from

@@ -158,6 +158,7 @@ pub fn check_partial_rows(
     dense: &[bool],
 ) -> Result<(), proptest::test_runner::TestCaseError> {
     let t = &m.tiles;
+    let per_row = t.partial_rows(&m.rows);
     let (bm, bn) = (t.tile.block_m, t.tile.block_n);
     let (q_len, kv_len) = (t.q_len, t.kv_len);
     let row_ptr = m.rows.row_ptr();
@@ -172,11 +173,11 @@ pub fn check_partial_rows(
         for &nb in &t.kv_indices[a..z] {
             let k0 = nb * bn;
             let k1 = (k0 + bn).min(kv_len);
-            let stride = t.partial_row_stride;
+            let stride = per_row.partial_row_stride;
             proptest::prop_assert!(stride == bm || stride == bm.min(q_len), "stride {}", stride);
             for r in 0..stride {
                 let q = mb * bm + r;
-                let first = t.partial_row_first[p * stride as usize + r as usize];
+                let first = per_row.partial_row_first[p * stride as usize + r as usize];
                 if q >= q_len {
                     proptest::prop_assert_eq!(first, row_ptr[q_len as usize], "padding row");
                     continue;
