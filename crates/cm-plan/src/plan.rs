@@ -830,8 +830,9 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     let mut order_candidates = Vec::new();
     let mut raster_computed_pairs = 0u64;
     let mut runs: Vec<u32> = Vec::new();
-    // Batch 0, head 0's rows in the chosen order when choosing it permuted them.
-    let mut permuted: Option<RowIntervals> = None;
+    // Batch 0, head 0's rows in the chosen order and their tiles, when choosing the order
+    // built them.
+    let mut permuted: Option<(RowIntervals, TileDescriptor)> = None;
     for b in 0..bs {
         // Segmentations that read `b` laid out for this batch index; the count of pairs
         // evaluated one by one (and its limit) runs over the whole plan.
@@ -870,17 +871,23 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                             // for batch 0). Raster stays when preorder computes no fewer
                             // pairs; a tree already numbered in preorder is kept without
                             // the cost estimate.
-                            // The rows are permuted to be costed: kept when preorder wins.
+                            // The rows are permuted and their tiles built to be costed:
+                            // both kept when preorder wins (a descriptor past the entry
+                            // limit keeps raster, which reports its own).
                             let o = TokenOrder::tree_preorder(shape.q_len as u32, tree);
                             let moved = o.order.iter().enumerate().any(|(i, &p)| p != i as u32);
-                            if moved {
-                                let p = permute_rows(&rows, &o);
-                                (computed_pairs(&p, tile) < raster_computed_pairs).then(|| {
-                                    permuted = Some(p);
-                                    o
-                                })
-                            } else {
-                                None
+                            let p = moved.then(|| permute_rows(&rows, &o));
+                            let tiles = p.as_ref().and_then(|p| {
+                                let runs = p.affine_runs();
+                                TileDescriptor::try_build_runs(p, &runs, tile, MAX_TILE_ENTRIES)
+                                    .ok()
+                            });
+                            match (p, tiles) {
+                                (Some(p), Some(t)) if t.computed_pairs < raster_computed_pairs => {
+                                    permuted = Some((p, t));
+                                    Some(o)
+                                }
+                                _ => None,
                             }
                         } else {
                             return Err(PlanError::new(Code::NoGridForOrder, None, "order `auto` needs a mask with a grid (`grid NAME = [h, w] at offset;`) or a tree (`tree NAME = PARENTS;`)")
@@ -889,20 +896,31 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     }
                 };
             }
+            let mut prebuilt = None;
             if let Some(o) = &order {
-                rows = permuted.take().unwrap_or_else(|| permute_rows(&rows, o));
+                rows = match permuted.take() {
+                    Some((p, t)) => {
+                        prebuilt = Some(t);
+                        p
+                    }
+                    None => permute_rows(&rows, o),
+                };
             }
             let id = match seen.get(&rows) {
                 Some(&id) => id,
                 None => {
                     let id = masks.len() as u32;
-                    // The solver's pieces are affine runs of the program's own rows; a
-                    // permuted order has none, and is classified row by row.
-                    let tiles = match order {
-                        None => {
+                    // The solver's pieces are affine runs of the program's own rows; rows
+                    // in another order are searched for runs.
+                    let tiles = match (prebuilt.take(), &order) {
+                        (Some(t), _) => Ok(t),
+                        (None, None) => {
                             TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES)
                         }
-                        Some(_) => TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES),
+                        (None, Some(_)) => {
+                            let runs = rows.affine_runs();
+                            TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES)
+                        }
                     }
                     .map_err(|_| too_many_tile_entries(tile))?;
                     if bs * hs > 1 {

@@ -290,6 +290,45 @@ impl RowIntervals {
         self.kv_len
     }
 
+    /// The first row of every maximal affine run, greedily from row 0: consecutive rows
+    /// with equally many runs, each endpoint moving by the same amount from row to row (the
+    /// form [`crate::TileDescriptor::try_build_runs`] takes, for rows that did not come from
+    /// the solver, such as rows in a token order). O(runs).
+    pub fn affine_runs(&self) -> Vec<u32> {
+        let step = |a: &KeyInterval, b: &KeyInterval| {
+            (
+                i64::from(b.start) - i64::from(a.start),
+                i64::from(b.end) - i64::from(a.end),
+            )
+        };
+        let mut runs = Vec::new();
+        let mut a = 0u32;
+        while a < self.q_len {
+            runs.push(a);
+            let first = self.row_runs(a);
+            let mut b = a + 1;
+            if b < self.q_len && self.row_runs(b).len() == first.len() {
+                let second = self.row_runs(b);
+                b += 1;
+                while b < self.q_len {
+                    let (prev, row) = (self.row_runs(b - 1), self.row_runs(b));
+                    let same = row.len() == first.len()
+                        && prev
+                            .iter()
+                            .zip(row)
+                            .zip(first.iter().zip(second))
+                            .all(|((p, r), (f, s))| step(p, r) == step(f, s));
+                    if !same {
+                        break;
+                    }
+                    b += 1;
+                }
+            }
+            a = b;
+        }
+        runs
+    }
+
     /// The visible intervals of row `q_idx` (0-based); empty for a row with no visible key.
     ///
     /// # Panics

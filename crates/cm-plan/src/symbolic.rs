@@ -2586,6 +2586,23 @@ impl<'a, 'p> Solver<'a, 'p> {
             return Ok(Vec::new());
         }
         let u = (pos.first - t.at) as usize;
+        if p.n == 1 {
+            // One row (a tree numbered out of depth-first order is mostly pieces of one row):
+            // its path's keys are constants, clipped to the keys as `clipped` would.
+            let kv_len = self.bound.shape.kv_len;
+            let mut out = Vec::with_capacity(t.path(u).len());
+            for &(lo, hi) in t.path(u) {
+                let key = |x: u32| t.at.checked_add(i64::from(x)).ok_or_else(|| overflow(span));
+                let (start, end) = (key(lo)?.max(0), key(hi)?.min(kv_len));
+                if start < end {
+                    out.push(AffineInterval::unit(
+                        Affine::constant(start),
+                        Affine::constant(end),
+                    ));
+                }
+            }
+            return Ok(out);
+        }
         // Nodes u, u + s, u + 2s, ... for a position of slope s: affine while the table says
         // so (s = 1), or the same node (s = 0); one row at a time otherwise.
         let step_rows = match pos.step {
