@@ -299,7 +299,8 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
                 k += len;
             }
         }
-        pieces.sort_unstable();
+        // Pieces never overlap (the keys are distinct), so their starts order them.
+        pieces.sort_unstable_by_key(|p| p.0);
         let mut cur: Option<(u32, u32)> = None;
         for &(s, e) in &pieces {
             match &mut cur {

@@ -1067,6 +1067,10 @@ impl Touched {
 
 /// Sets bits `a..=b` of a little-endian bit array of u64 words.
 fn set_bit_range(bits: &mut [u64], a: u32, b: u32) {
+    if a == b {
+        bits[(a / 64) as usize] |= 1 << (a % 64);
+        return;
+    }
     let (wa, wb) = ((a / 64) as usize, (b / 64) as usize);
     let lo = u64::MAX << (a % 64);
     let hi = u64::MAX >> (63 - b % 64);
