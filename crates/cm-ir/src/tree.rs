@@ -71,9 +71,15 @@ impl TreeTable {
         if n as i64 > MAX_LEN {
             return bad(format!("tree `{name}` has {n} nodes; at most {MAX_LEN}"));
         }
-        if at < 0 || at.checked_add(n as i64).is_none() {
+        if at < 0 {
             return bad(format!(
                 "tree `{name}` starts at {at}; expected a position >= 0"
+            ));
+        }
+        if at.checked_add(n as i64).is_none() {
+            return bad(format!(
+                "tree `{name}` of {n} nodes starts at {at}, so its last position overflows a 64-bit integer; expected at + {n} <= {}",
+                i64::MAX
             ));
         }
         if let Some((i, p)) = parents
@@ -350,6 +356,18 @@ mod tests {
                 "{parents:?}"
             );
         }
+        // A start so late that the last node's position overflows names that, not the sign.
+        let e =
+            TreeTable::build("t", vec![-1, 0].into(), i64::MAX - 1, Span::new(0, 0)).unwrap_err();
+        assert_eq!(
+            e.message,
+            format!(
+                "tree `t` of 2 nodes starts at {}, so its last position overflows a 64-bit \
+                 integer; expected at + 2 <= {}",
+                i64::MAX - 1,
+                i64::MAX
+            )
+        );
         // A long cycle shows its first links and its end: every `a -> b` is a parent link.
         let long: Vec<i64> = (1..=20).chain([0]).collect();
         let e = table(&long).unwrap_err();

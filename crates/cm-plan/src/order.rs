@@ -280,7 +280,7 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
     );
     // Each key's new position and run side by side: the keys of scattered rows are read
     // at random, one cache line per key instead of two.
-    let moved: Vec<(u32, u32)> = order
+    let moved: Vec<(u32, Run)> = order
         .inverse
         .iter()
         .zip(contiguous_runs(order))
@@ -294,8 +294,8 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
             let mut k = iv.start;
             while k < iv.end {
                 let (start, run) = moved[k as usize];
-                let len = run.min(iv.end - k);
-                pieces.push((start, start + len));
+                let len = run.len.min(iv.end - k);
+                pieces.push(run.image(start, len));
                 k += len;
             }
         }
@@ -359,7 +359,7 @@ pub fn computed_pairs(rows: &RowIntervals, tile: TileShape) -> u64 {
 pub fn computed_pairs_in_order(
     rows: &RowIntervals,
     order: &TokenOrder,
-    run: &[u32],
+    run: &[Run],
     tile: TileShape,
 ) -> u64 {
     let n = order.len();
@@ -376,9 +376,10 @@ pub fn computed_pairs_in_order(
             for iv in rows.row(order.order[i as usize]) {
                 let mut k = iv.start;
                 while k < iv.end {
-                    let len = run[k as usize].min(iv.end - k);
-                    let start = order.inverse[k as usize];
-                    for t in div_n.div(start)..=div_n.div(start + len - 1) {
+                    let r = run[k as usize];
+                    let len = r.len.min(iv.end - k);
+                    let (start, end) = r.image(order.inverse[k as usize], len);
+                    for t in div_n.div(start)..=div_n.div(end - 1) {
                         if stamp[t as usize] != m {
                             stamp[t as usize] = m;
                             cols += u64::from(((t + 1) * bn).min(n) - t * bn);
@@ -393,13 +394,48 @@ pub fn computed_pairs_in_order(
     total
 }
 
-/// `run[k]`: how many keys from `k` on land on consecutive new positions.
-pub fn contiguous_runs(order: &TokenOrder) -> Vec<u32> {
+/// A key's run in a token order: `len` keys from it on land on consecutive new positions,
+/// ascending or (`descending`) one below the other, as a reversed stretch of the order puts
+/// them; a run of one key is ascending.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub len: u32,
+    pub descending: bool,
+}
+
+impl Run {
+    /// The new positions of the run's first `len` keys (`len <= self.len`) when its first
+    /// key lands on `start`, as a half-open range.
+    pub fn image(self, start: u32, len: u32) -> (u32, u32) {
+        if self.descending {
+            (start + 1 - len, start + 1)
+        } else {
+            (start, start + len)
+        }
+    }
+}
+
+/// `run[k]`: the run of keys from `k` on (see [`Run`]). Both directions count, so that an
+/// order that reverses a stretch of keys (a tree numbered children first, put in preorder)
+/// moves a row's interval in O(1) pieces rather than one per key.
+pub fn contiguous_runs(order: &TokenOrder) -> Vec<Run> {
     let n = order.len() as usize;
-    let mut run = vec![1u32; n];
+    let mut run = vec![
+        Run {
+            len: 1,
+            descending: false
+        };
+        n
+    ];
     for k in (0..n.saturating_sub(1)).rev() {
-        if order.inverse[k + 1] == order.inverse[k] + 1 {
-            run[k] = run[k + 1] + 1;
+        let (a, b) = (order.inverse[k], order.inverse[k + 1]);
+        // A key's two neighbouring positions differ, so a run of two or more keys from
+        // `k + 1` already goes the way the step from `k` goes, if it is a step of one.
+        if b == a + 1 || a == b + 1 {
+            run[k] = Run {
+                len: run[k + 1].len + 1,
+                descending: a == b + 1,
+            };
         }
     }
     run

@@ -7,7 +7,7 @@ use crate::rows::{ExpandError, KeyInterval, RowIntervals};
 use crate::symbolic::{
     has_strided, Affine, AffineInterval, Flow, Piece, Solver, MAX_ELEMENTWISE_PAIRS,
 };
-use crate::tiles::{TileCounts, TileDescriptor, TileShape};
+use crate::tiles::{TileCounts, TileDescriptor, TileShape, MAX_KERNEL_BLOCK_M};
 use cm_ir::ir::Region;
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::{Code, Span};
@@ -42,10 +42,18 @@ pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
             tile.block_m, tile.block_n
         ),
     )
-    .with_hint(
+    .with_hint(if tile.block_m > MAX_KERNEL_BLOCK_M {
+        // Past the kernels' tallest block the per-row entries no longer shrink with more
+        // tiles: each partial tile holds a row entry per row of the (clamped) block.
+        format!(
+            "it holds one entry per non-empty tile plus one per row of each partial tile: use \
+             block_m <= {MAX_KERNEL_BLOCK_M}, a wider block_n, or shorter sequences"
+        )
+    } else {
         "it holds one entry per non-empty tile plus one per row of each partial tile: use \
-         larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)",
-    )
+         larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)"
+            .to_string()
+    })
 }
 
 /// `CM0412` for strided rows a consumer without strides cannot take expanded.

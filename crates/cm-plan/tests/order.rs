@@ -137,3 +137,80 @@ fn order_errors() {
     let e = plan_in_order(&bound, TileShape::default(), &OrderRequest::Auto).unwrap_err();
     assert_eq!(e.code, "CM0405");
 }
+
+/// Orders made of ascending and reversed stretches of keys (a tree numbered children first,
+/// put in preorder, reverses its chains): the permuted rows are exact, the cost estimate is
+/// the descriptor's, and a reversed interval moves as one piece, so a row costs its
+/// intervals, not its keys (a reversed 131072-token causal mask took minutes key by key).
+#[test]
+fn reversed_stretches_are_exact_and_move_whole() {
+    let program = compile("mask = k <= q | (q - 40 <= k & k < q - 20);");
+    for (n, stretches) in [
+        (1u32, vec![1u32]),
+        (2, vec![2]),
+        (97, vec![97]),
+        (97, vec![1, 5, 30, 2, 59]),
+        (200, vec![64, 64, 64, 8]),
+    ] {
+        let bound = program
+            .bind(shape(n.into(), n.into()), &params(&[]))
+            .unwrap();
+        let raster = cm_plan::plan(&bound, TileShape::default()).unwrap();
+        let rows = &raster.masks[0].rows;
+        // Stretches laid out last to first, every other one reversed.
+        let mut order = Vec::new();
+        let mut at = n;
+        for (i, &len) in stretches.iter().enumerate() {
+            let s: Vec<u32> = (at - len..at).collect();
+            at -= len;
+            if i % 2 == 0 {
+                order.extend(s.iter().rev());
+            } else {
+                order.extend(s);
+            }
+        }
+        let order = TokenOrder::from_permutation(order, n).unwrap();
+        let permuted = permute_rows(rows, &order);
+        permuted.validate().unwrap();
+        for i in 0..n {
+            for j in 0..n {
+                assert_eq!(
+                    permuted.is_visible(i, j),
+                    rows.is_visible(order.order[i as usize], order.order[j as usize]),
+                    "n {n}, {stretches:?}: pair ({i}, {j})"
+                );
+            }
+        }
+        for tile in [
+            TileShape::default(),
+            TileShape {
+                block_m: 7,
+                block_n: 3,
+            },
+        ] {
+            let run = contiguous_runs(&order);
+            assert_eq!(
+                computed_pairs_in_order(rows, &order, &run, tile),
+                TileDescriptor::build(&permuted, tile).computed_pairs
+            );
+        }
+    }
+    let n = 131072u32;
+    let causal = compile("mask = k <= q;");
+    let bound = causal
+        .bind(shape(n.into(), n.into()), &params(&[]))
+        .unwrap();
+    let raster = cm_plan::plan(&bound, TileShape::default()).unwrap();
+    let reversed = TokenOrder::from_permutation((0..n).rev().collect(), n).unwrap();
+    let run = contiguous_runs(&reversed);
+    assert_eq!(run[0].len, n, "one descending run");
+    assert!(run[0].descending);
+    let permuted = permute_rows(&raster.masks[0].rows, &reversed);
+    // Row i is original row n - 1 - i, keys 0 ..= n - 1 - i, now i ..= n - 1.
+    for i in [0, 1, n / 2, n - 1] {
+        assert_eq!(
+            permuted.row(i),
+            &[cm_plan::rows::KeyInterval { start: i, end: n }]
+        );
+    }
+}

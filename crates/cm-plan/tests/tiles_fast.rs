@@ -91,9 +91,17 @@ fn check(
     // and no more runs than the solver's pieces: being affine holds for every stretch of
     // an affine run, so the greedy maximal runs are the fewest.
     let found = rows.affine_runs();
-    prop_assert!(found.len() <= runs.len(), "{} runs for {} pieces", found.len(), runs.len());
+    prop_assert!(
+        found.len() <= runs.len(),
+        "{} runs for {} pieces",
+        found.len(),
+        runs.len()
+    );
     let from_found = TileDescriptor::try_build_runs(&rows, &found, tile, limit);
-    prop_assert!(from_found == slow, "descriptors differ with the runs found in the rows");
+    prop_assert!(
+        from_found == slow,
+        "descriptors differ with the runs found in the rows"
+    );
     Ok(())
 }
 

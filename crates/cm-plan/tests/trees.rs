@@ -184,6 +184,24 @@ fn large_tree_plans_in_pieces() {
     let values = params(&[("parents", Value::Array(chain.into()))]);
     let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
     assert_eq!(plan(&bound, TileShape::default()).unwrap().pieces, 1);
+    // The same chain numbered children first (node i's parent is i + 1): its preorder
+    // reverses every position, so costing it (and planning in it) moves each row's one
+    // interval whole (moved key by key, this took minutes). Its cost equals raster's, which
+    // `auto` keeps.
+    let reversed: Vec<i64> = (1..n as i64).chain([-1]).collect();
+    let values = params(&[("parents", Value::Array(reversed.into()))]);
+    let bound = program.bind(shape(n as i64, n as i64), &values).unwrap();
+    let auto = plan_in_order(&bound, TileShape::default(), &OrderRequest::Auto).unwrap();
+    assert!(auto.order.is_none(), "equal cost keeps raster");
+    let preorder = TokenOrder::tree_preorder(n as u32, &bound.trees[0]);
+    assert_eq!(preorder.order[0], n as u32 - 1, "the root first");
+    let request = OrderRequest::Explicit(preorder.order.clone());
+    let p = plan_in_order(&bound, TileShape::default(), &request).unwrap();
+    let rows = &p.masks[0].rows;
+    assert_eq!(rows.intervals().len(), n, "one interval a row");
+    for i in [0u32, 1, 77777, n as u32 - 1] {
+        assert_eq!(row_pairs(rows, i), vec![(0, i + 1)], "row {i}");
+    }
 }
 
 /// Trees numbered out of depth-first order (a random recursive tree: node i's parent
