@@ -53,6 +53,11 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Write the token order the plan is in to FILE: `order[new] = original`, one
+        /// position per line (the identity when the plan keeps the program's positions), to
+        /// put a model's tokens in that order or to give it back as `--order FILE`.
+        #[arg(long, value_name = "FILE")]
+        order_out: Option<std::path::PathBuf>,
     },
     /// Print the visible key intervals of rows A..B-1.
     Intervals {
@@ -167,6 +172,31 @@ enum ExportFormat {
     Cudnn,
     /// FlashMask column bounds, where expressible.
     Flashmask,
+}
+
+/// Writes a plan's token order (`order[new] = original`, one per line; the identity for
+/// none) to `path`.
+fn write_order(
+    path: &std::path::Path,
+    order: Option<&compilemask::TokenOrder>,
+    q_len: u32,
+) -> Result<()> {
+    let file = std::fs::File::create(path)
+        .map_err(|e| anyhow!("--order-out: cannot create `{}`: {e}", path.display()))?;
+    let mut w = BufWriter::new(file);
+    let identity;
+    let positions: &[u32] = match order {
+        Some(o) => &o.order,
+        None => {
+            identity = (0..q_len).collect::<Vec<u32>>();
+            &identity
+        }
+    };
+    positions
+        .iter()
+        .try_for_each(|p| writeln!(w, "{p}"))
+        .and_then(|()| w.flush())
+        .map_err(|e| anyhow!("--order-out: cannot write `{}`: {e}", path.display()))
 }
 
 fn parse_rows(s: &str) -> Result<(u32, u32), String> {
@@ -365,8 +395,15 @@ fn run(command: Command) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { mask, json } => {
+        Command::Plan {
+            mask,
+            json,
+            order_out,
+        } => {
             let (program, options, plan, ms) = mask.plan()?;
+            if let Some(path) = &order_out {
+                write_order(path, plan.order.as_ref(), plan.q_len)?;
+            }
             let t = plan.tile_counts();
             let out = json!({
                 "mask": program.name(),

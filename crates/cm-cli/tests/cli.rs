@@ -1815,3 +1815,51 @@ fn exports_decode_as_documented() {
         }
     }
 }
+
+/// `plan --order-out FILE` writes the order the plan is in: a tree's depth-first preorder
+/// under `--order auto` (computed here from the parents), which `--order FILE` plans to the
+/// same counts, and the identity when the plan keeps the program's positions.
+#[test]
+fn plan_order_out_writes_the_permutation() {
+    let dir = scratch("order_out");
+    // Node 0's children are 3 and 5, node 3's child is 1, node 5's are 2 and 4: parents
+    // numbered after some of their children.
+    let parents = [-1i64, 3, 5, 0, 5, 0];
+    let src = dir.join("tree.cmask");
+    std::fs::write(
+        &src,
+        format!(
+            "tree t = [{}];\nmask = k in t.path(q);\n",
+            parents.map(|p| p.to_string()).join(", ")
+        ),
+    )
+    .unwrap();
+    let out = dir.join("order.txt");
+    let read = |p: &std::path::Path| -> Vec<u32> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect()
+    };
+    let src_s = src.to_str().unwrap();
+    let out_s = out.to_str().unwrap();
+    // At 2x2 tiles preorder computes 24 pairs, the program's positions 28.
+    let base = ["plan", src_s, "--q-len", "6", "--tile", "2x2", "--json"];
+    let mut args = base.to_vec();
+    args.extend(["--order", "auto", "--order-out", out_s]);
+    let auto = json(&args);
+    assert_eq!(auto["order"]["traversal"], json!("preorder"), "{auto}");
+    assert_eq!(auto["computed_pairs"], json!(24));
+    assert_eq!(auto["order"]["raster_computed_pairs"], json!(28));
+    assert_eq!(read(&out), vec![0, 3, 1, 5, 2, 4]);
+    let mut args = base.to_vec();
+    args.extend(["--order", out_s]);
+    let again = json(&args);
+    assert_eq!(again["computed_pairs"], auto["computed_pairs"]);
+    assert_eq!(again["tiles"], auto["tiles"]);
+    let mut args = base.to_vec();
+    args.extend(["--order-out", out_s]);
+    json(&args);
+    assert_eq!(read(&out), (0..6).collect::<Vec<u32>>());
+}
