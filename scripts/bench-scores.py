@@ -98,6 +98,7 @@ def main() -> None:
     slopes = alibi_slopes(heads).to(dev)
     terms = {
         "softcap": dict(softcap=30.0),
+        "softcap_50": dict(softcap=50.0),
         "alibi": dict(slopes=slopes),
         "t5_table": dict(table=table),
         "sinks": dict(sinks=sinks),

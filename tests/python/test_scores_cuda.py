@@ -129,9 +129,29 @@ def test_score_terms_at_tile_edges_with_extreme_logits(case, terms, shift, deter
     _check_against_dense(case, terms, deterministic, torch.bfloat16, 64, 4, 2, shift)
 
 
-def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0):
-    """Forward and gradients of one plan with `terms` against the float64 dense attention;
-    `shift` is added to every table entry and sink."""
+# A softcap alone runs the forward against a fixed reference instead of each row's maximum
+# where the cap is small enough for P's type (score.cuh, cm_softcap_fixed_ref: bf16 c <= 56.8,
+# fp16 c <= 10.05), and the running maximum above: caps on both sides of each bound, logits
+# mild, saturating the tanh both ways (peaked rows), or all near -c (every probability
+# at the bottom of the reference's range), with and without sinks.
+SOFTCAP_CASES = [(torch.bfloat16, c) for c in (1.0, 30.0, 50.0, 56.5, 57.5)] + \
+                [(torch.float16, c) for c in (5.0, 10.0, 10.5, 30.0)]
+
+
+@pytest.mark.parametrize("logits", ["mild", "saturated", "all_low"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("case", EDGE_CASES[1:4:2], ids=["63x191", "193x193"])
+@pytest.mark.parametrize("dtype,cap", SOFTCAP_CASES, ids=[f"{str(t)[6:]}-{c}" for t, c in SOFTCAP_CASES])
+def test_softcap_alone_on_both_sides_of_the_fixed_reference(case, dtype, cap, with_sinks, logits):
+    terms = ("softcap", "sinks") if with_sinks else ("softcap",)
+    _check_against_dense(case, terms, False, dtype, 64, 4, 2, softcap=cap, logits=logits)
+
+
+def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0, softcap=5.0, logits="mild"):
+    """Forward and gradients of one plan with `terms` (a name of TERMS, or a tuple of them)
+    against the float64 dense attention; `shift` is added to every table entry and sink.
+    `logits`: "mild" (q and k of scale 1.5), "saturated" (q 40 times larger: scaled logits of
+    about +-90) or "all_low" (as saturated, with every q . k negative)."""
     from compilemask import _ops
 
     name, params, lq, lk = case
@@ -140,12 +160,16 @@ def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0
     mask = plan.to_dense(format="torch").cuda()
     g = torch.Generator(device="cuda").manual_seed(7)
     b = 2
-    q = (torch.randn((b, hq, lq, d), generator=g, device="cuda") * 1.5).to(dtype).requires_grad_()
-    k = (torch.randn((b, hk, lk, d), generator=g, device="cuda") * 1.5).to(dtype).requires_grad_()
+    q = torch.randn((b, hq, lq, d), generator=g, device="cuda") * (1.5 if logits == "mild" else 60.0)
+    k = torch.randn((b, hk, lk, d), generator=g, device="cuda") * 1.5
+    if logits == "all_low":
+        q, k = -q.abs(), k.abs()
+    q = q.to(dtype).requires_grad_()
+    k = k.to(dtype).requires_grad_()
     v = torch.randn((b, hk, lk, d), generator=g, device="cuda").to(dtype).requires_grad_()
     scale = 1.0 / math.sqrt(d)
-    use = {t: terms in (t, "all") for t in TERMS[:4]}
-    softcap = 5.0 if use["softcap"] else 0.0
+    use = {t: (t in terms) if isinstance(terms, tuple) else terms in (t, "all") for t in TERMS[:4]}
+    softcap = softcap if use["softcap"] else 0.0
     slopes = (torch.tensor([2.0 ** (-(i + 1)) for i in range(hq)], device="cuda")
               if use["linear"] else None)
     linear = [-1.0, 1.0, 0.0]

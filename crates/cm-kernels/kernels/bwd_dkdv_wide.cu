@@ -69,11 +69,6 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define K_COLS0 (64 * ((HEAD_DIM / 64 + 1) / 2))
 #define V_COLS0 (64 * ((HEAD_DIM_V / 64 + 1) / 2))
 
-__device__ __forceinline__ u32 wide_opaque(u32 x) {
-    asm volatile("mov.b32 %0, %0;" : "+r"(x));
-    return x;
-}
-
 template <int J>
 __device__ __forceinline__ void wide_zero(float (&d)[J][4]) {
 #pragma unroll
@@ -152,10 +147,10 @@ __device__ __forceinline__ void wide_consumer(const CmBwdParams& p, const unsign
             // The fixed tiles' addresses, opaque to the compiler in each tile: otherwise it
             // hoists the products' loop-invariant descriptors (2 x HEAD_DIM / 16 of K and V
             // alone, 64 registers at head_dim 256) out of the tile loop, and spills.
-            const u32 sKt = wide_opaque(sK);
-            const u32 sVt = wide_opaque(sV);
-            const u32 sPt = wide_opaque(sP);
-            const u32 sDSt = wide_opaque(sDS);
+            const u32 sKt = cm_opaque(sK);
+            const u32 sVt = cm_opaque(sV);
+            const u32 sPt = cm_opaque(sP);
+            const u32 sDSt = cm_opaque(sDS);
             // S^T and dP^T: the 64 keys x this consumer's 32 queries.
             float sc[4][4];
             float dp[4][4];

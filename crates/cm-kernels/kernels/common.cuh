@@ -177,6 +177,14 @@ __device__ __forceinline__ u32 cm_pack2(float lo, float hi) {
     return r;
 }
 
+// x, opaque to the compiler where it is read: a loop-invariant value (a shared-memory tile's
+// address) is then formed again where it is used instead of being hoisted out of the loop
+// into registers held across it, which kernels at their register limit would spill.
+__device__ __forceinline__ u32 cm_opaque(u32 x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
 // 2^x with ex2(-inf) = +0, which the NaN-free softmax relies on.
 __device__ __forceinline__ float cm_exp2(float x) {
     float r;

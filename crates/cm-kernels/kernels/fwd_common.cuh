@@ -208,6 +208,19 @@ __device__ __forceinline__ void cm_softmax_step_folded(float (&s)[NB][4], float 
     }
 }
 
+// Adds each row half's probabilities to its running sum (a fixed reference: no maximum, no
+// rescale).
+template <int NB>
+__device__ __forceinline__ void cm_add_row_sums(const float (&s)[NB][4], float (&row_sum)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NB; ++j) sum += s[j][h * 2] + s[j][h * 2 + 1];
+        row_sum[h] += sum;
+    }
+}
+
 template <int ND>
 __device__ __forceinline__ void cm_rescale(float (&acc_o)[ND][4], const float (&alpha)[2]) {
 #pragma unroll

@@ -285,6 +285,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
         }
         row_max[0] = row_max[1] = cm_neg_inf();
+#if CM_SCORE
+        {
+            float ref;
+            if (cm_softcap_fixed_ref(p.score, ref)) row_max[0] = row_max[1] = ref;
+        }
+#endif
         row_sum[0] = row_sum[1] = 0.f;
 
         // S = Q K^T of the item's step `it` (ring slot `slot`) into sc, issued (not waited
@@ -294,9 +300,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             const u32 s = slot % STAGES;
             const u32 sK = sK0 + s * K_BYTES;
             cm_mbar_wait(bar(BAR_K_FULL(s)), (slot / STAGES) & 1);
+            // Q's descriptors are formed here for every step: hoisted out of the item loop,
+            // they would be held across it, and the score variant spills.
+            const u32 sQt = cm_opaque(sQ_rows);
 #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                const u64 a = cm_wgmma_desc(sQ_rows + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024);
+                const u64 a = cm_wgmma_desc(sQt + (ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32, 16, 1024);
 #if KEY_STEP == 128
                 cm_wgmma_n128_ss(sc, a, cm_desc_k_major(sK, KEY_STEP, ks), ks > 0);
 #else
@@ -357,9 +366,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         // a positive scale (the usual case; a uniform branch) folds into the exponent.
         auto softmax = [&](u32 it) {
 #if CM_SCORE
-            // Terms that change the logits form each one explicitly (softcap, biases, in the
-            // log2 domain), then mask; the folded step then runs at scale 1, keeping its
-            // conditional rescaling. Sinks alone take the plain path (they act at the end).
+            // A softcap alone exponentiates against a fixed reference (cm_softcap_fixed_ref),
+            // which row_max holds from the item's start. Other terms that change the logits
+            // form each one explicitly (softcap, biases, in the log2 domain), then mask; the
+            // folded step then runs at scale 1, keeping its conditional rescaling. Sinks alone
+            // take the plain path (they act at the end).
+            float fixed_ref;
+            if (cm_softcap_fixed_ref(p.score, fixed_ref)) {
+                const float scale = p.scale_log2 / CM_LOG2E;
+                if (it / STEPS < w.num_partial || key0 + KEY_STEP > p.kv_len) {
+                    cm_mask_bits(sc, p, it / STEPS < w.num_partial, bits, key0, t);
+                    cm_softcap_probs<KEY_STEP / 8, true>(sc, scale, p.score, fixed_ref);
+                } else {
+                    cm_softcap_probs<KEY_STEP / 8, false>(sc, scale, p.score, fixed_ref);
+                }
+                cm_add_row_sums(sc, row_sum);
+                alpha[0] = alpha[1] = 1.f;
+                return;
+            }
             if (modifies) {
                 float no_dcap[KEY_STEP / 8][4];
                 cm_score_logits<KEY_STEP / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,

@@ -176,6 +176,55 @@ __device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], float (&dcap)
                                                        col_base);
 }
 
+// A softcap bounds every logit to [-c, c], [-c', c'] in the log2 domain (c' = c log2 e), so
+// when no other term shifts the logits (sinks act at normalisation only) the forward can
+// exponentiate against a fixed reference r instead of each row's running maximum: no row
+// maximum, no rescaling, and each probability depends on its own score alone, so the tanh and
+// exp2 of a tile pipeline through the special-function unit without waiting on a reduction.
+// r must keep every probability 2^(x - r), x in [-c', c'], where P's element type and the
+// fp32 sums hold it exactly enough: at most 2^CM_REF_HI (bf16: sums of 2^31 keys times values
+// up to 2^33 stay finite in fp32; fp16: below its largest finite 65504) and at least 2^CM_REF_LO
+// (bf16: normal fp32 products with values down to 2^-26; fp16: its smallest normal). That
+// holds when 2 c' <= CM_REF_HI - CM_REF_LO (bf16 c <= 56.8, Gemma-2's 50 and Grok-1's 30
+// included; fp16 c <= 10); larger caps keep the running maximum. Against the row's true
+// maximum the largest probability would be exactly 1; here it is rounded to P's type like
+// every other one, which the accuracy rule's 2x allows (the stale maximum of
+// cm_softmax_step_folded costs the same).
+#if CM_DTYPE_BF16
+#define CM_REF_HI 64.f
+#define CM_REF_LO (-100.f)
+#else
+#define CM_REF_HI 15.f
+#define CM_REF_LO (-14.f)
+#endif
+
+// Whether the logits are the softcap's alone and bounded tightly enough for a fixed
+// reference; ref then receives it (log2 domain): 0 when that fits, else the nearest bound.
+__device__ __forceinline__ bool cm_softcap_fixed_ref(const CmScoreParams& sp, float& ref) {
+    const float cap = sp.softcap * CM_LOG2E;
+    ref = fmaxf(cap - CM_REF_HI, fminf(0.f, -cap - CM_REF_LO));
+    return sp.softcap > 0.f && sp.slopes == nullptr && sp.dist_bias == nullptr && 2.f * cap <= CM_REF_HI - CM_REF_LO;
+}
+
+// Raw q . k scores to probabilities against the fixed reference (cm_softcap_fixed_ref), in
+// place: 2^(c' tanh(scale s / c) - ref), a multiply, a tanh, an FMA and an exp2 per score.
+// MASKED: scores the caller has masked to -inf become 0 (the tanh alone would make them
+// -1, the smallest probability, not none); tiles with nothing masked skip the test.
+template <int NB, bool MASKED>
+__device__ __forceinline__ void cm_softcap_probs(float (&s)[NB][4], float softmax_scale, const CmScoreParams& sp,
+                                                 float ref) {
+    const float cap_in = softmax_scale * sp.inv_softcap;
+    const float cap_out = sp.softcap * CM_LOG2E;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float pe = cm_exp2(fmaf(cm_tanh(s[j][e] * cap_in), cap_out, -ref));
+            s[j][e] = MASKED && s[j][e] == cm_neg_inf() ? 0.f : pe;
+        }
+    }
+}
+
 // The deterministic backward's table gradient is fixed point: int64 units of 2^-32 (each
 // distance's sum must stay below 2^31 in magnitude), so its atomic additions are integer
 // ones, whose sum does not depend on their order.
