@@ -130,94 +130,33 @@ __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], co
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
-    cm_bwd_dkdv(const __grid_constant__ CmBwdParams p, const __grid_constant__ CmTensorMap tm_q,
-                const __grid_constant__ CmTensorMap tm_do, const __grid_constant__ CmTensorMap tm_k,
-                const __grid_constant__ CmTensorMap tm_v) {
-    extern __shared__ unsigned char smem_raw[];
-    const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
-    unsigned char* smem = smem_raw + (base - cm_smem_addr(smem_raw));
+// One CTA's work item: a 128-key block of one (batch, kv head) pair, and its tiles over the
+// pair's query heads.
+struct CmDkdvBlock {
+    u32 batch;
+    u32 head0;  // the GQA group's first query head
+    u32 kv_head;
+    u32 n_block;
+    u32 key0;
+    u32 total;  // tiles over the group's query heads
+};
+
+// The consumers' walk over the key block's tiles (warpgroups 1 and 2). The two modes are
+// separate instantiations, so that no wgmma batch sits behind a run-time branch on the mode
+// while other products are in flight (ptxas would serialise them).
+template <bool ATOMIC_DQ>
+__device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkdvBlock& blk, u32 base,
+                                               unsigned char* smem, int warpgroup) {
     const u32 sK = base;
     const u32 sV = base + OFF_V;
     const u32 sDQ = base + OFF_DQ;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
-
-    // Blocks start in grid order: groups of (batch, kv head) pairs, rank by rank inside a
-    // group, so no pair's heaviest key block waits for every other pair's work.
-    const u32 group_blocks = p.bwd_head_group * p.bwd_num_n_blocks;
-    const u32 group = blockIdx.x / group_blocks;
-    const u32 first_pair = group * p.bwd_head_group;
-    const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
-    const u32 in_group = blockIdx.x - group * group_blocks;
-    const u32 rank = in_group / pairs;
-    const u32 pair = first_pair + (in_group - rank * pairs);
-    const u32 num_kv_heads = p.num_heads / p.heads_per_kv_head;
-    const u32 kv_head = pair % num_kv_heads;
-    const u32 batch = pair / num_kv_heads;
-    const u32 head0 = kv_head * p.heads_per_kv_head;
-    // Any mask's key-block order is a permutation of the blocks; the group's first head's
-    // orders the launch.
-    const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank];
-    const u32 key0 = n_block * KEY_BLOCK;
-    // Tiles over the group's query heads, each head's from its own mask.
-    u32 total = 0;
-    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
-    const bool atomic_dq = p.dq_accum != nullptr;
-
-    if (threadIdx.x == 0) {
-        cm_mbar_init(bar(BAR_KV), 1);
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            cm_mbar_init(bar(BAR_FULL(s)), 1);
-            cm_mbar_init(bar(BAR_EMPTY(s)), CONSUMER_WARPS);
-        }
-        cm_mbar_init_fence();
-    }
-    __syncthreads();
-
-    const int warpgroup = threadIdx.x / 128;
-    if (warpgroup == 0) {
-        cm_regs_dealloc<PRODUCER_REGS>();
-        if (threadIdx.x == 0 && total > 0) {
-            cm_tma_prefetch_map(&tm_q);
-            cm_tma_prefetch_map(&tm_do);
-            cm_mbar_arrive_expect_tx(bar(BAR_KV), 2 * KV_BYTES);
-#pragma unroll
-            for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
-                cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
-            }
-            u32 it = 0;
-            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
-                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
-                    const u32 s = it % STAGES;
-                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
-                    const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0;
-                    cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
-                    const u32 full = bar(BAR_FULL(s));
-                    cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
-                    const u32 sQ = base + OFF_Q + s * TILE_BYTES;
-                    const u32 sdO = base + OFF_DO + s * TILE_BYTES;
-    #pragma unroll
-                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                        cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, hd.head, batch);
-                        cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, hd.head, batch);
-                    }
-                    const u32 stats = base + OFF_STATS + s * STATS_BYTES;
-                    cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
-                    cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
-                    if (tl.partial) {
-                        cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
-                                  MASK_BYTES, full);
-                    }
-                }
-            }
-        }
-        return;
-    }
-
-    cm_regs_alloc<CONSUMER_REGS>();
+    const u32 batch = blk.batch, head0 = blk.head0, kv_head = blk.kv_head, n_block = blk.n_block, key0 = blk.key0,
+              total = blk.total;
+#if CM_SCORE
+    // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
+    __shared__ unsigned long long dist_buf[2][DIST_SPAN];
+#endif
     const u32 c = warpgroup - 1;  // this consumer's keys: 64 c .. 64 c + 63 of the block
     const int warp = (threadIdx.x >> 5) & 3;
     const int lane = threadIdx.x & 31;
@@ -260,11 +199,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 
 #if CM_SCORE
     CmDistGradAcc dist_acc = {0.f, -1};
-    // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
-    // Fixed point in the deterministic mode (no dQ accumulator), so that its table gradient
-    // repeats its bits too.
-    __shared__ unsigned long long dist_buf[2][DIST_SPAN];
-    const bool dist_fixed = !atomic_dq;
+    // The distance sums are fixed point in the deterministic mode (no dQ accumulator), so
+    // that its table gradient repeats its bits too.
+    const bool dist_fixed = !ATOMIC_DQ;
     for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0;
     asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
@@ -285,13 +222,13 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_wgmma_fence();
     #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                cm_wgmma_n64_ss(sc, cm_wgmma_desc(sKc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                cm_wgmma_n64_ss(sc, cm_wgmma_desc(cm_opaque(sKc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
                                 cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
             }
             cm_wgmma_commit();
     #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                cm_wgmma_n64_ss(dp, cm_wgmma_desc(sVc + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                cm_wgmma_n64_ss(dp, cm_wgmma_desc(cm_opaque(sVc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
                                 cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
             }
             cm_wgmma_commit();
@@ -365,9 +302,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
 #endif
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
-            // dS^T into this stage's shared tile for dQ (last read by tile it - 2's dQ products,
-            // which both consumers finished before tile it - 1's NAMED_DQ barrier).
-            if (atomic_dq) {
+            if constexpr (ATOMIC_DQ) {
+                // dS^T into this stage's shared tile for dQ. Its last reader, tile it - 2's dQ
+                // product, finished before either consumer passed tile it - 2's NAMED_DQ barrier.
     #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
     #pragma unroll
@@ -382,35 +319,16 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     }
                 }
                 cm_fence_proxy_async();
-            }
-
-            // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
-            cm_wgmma_fence();
-    #pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
-            cm_wgmma_commit();
-            if (atomic_dq) {
                 // The previous tile's reduction must have read the dQ tile before anyone rewrites
                 // it below; both halves of dS^T are in shared memory after the barrier.
                 if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
                 cm_consumers_sync(NAMED_DS);
-            }
-            // Waiting here keeps the fragments and the dQ accumulator from being live at once
-            // (no spill at head_dim 128).
-            cm_wgmma_wait<0>();
-            cm_fence_acc(acc_dv);
-            cm_fence_acc(acc_dk);
-            cm_fence_frag(pa);
-            cm_fence_frag(dsa);
-            // Q, dO, the statistics and the bits of stage s are no longer read.
-            __syncwarp();
-            if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
-
-            if (atomic_dq) {
                 // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
                 // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
                 // at this consumer's columns (a column atom at head_dim 128, half of one at 64).
-                const u32 sK_cols = sK + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
+                // Issued before dK's product (FlashAttention-3's order) so that dQ's trip through
+                // shared memory and its reduction overlap dK's product on the tensor pipe.
+                const u32 sK_cols = cm_opaque(sK) + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
                 cm_wgmma_fence();
     #pragma unroll
                 for (int kk = 0; kk < KEY_BLOCK / 16; ++kk) {
@@ -418,8 +336,28 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                                       cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
                 }
                 cm_wgmma_commit();
-                cm_wgmma_wait<0>();
+                // dK += dS^T Q: contraction over the tile's 64 queries, dS^T read from this
+                // consumer's rows of the shared tile (K-major) rather than from registers, so that
+                // dsa is dead before dQ's accumulator is read out. Q read MN-major.
+    #pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                    cm_wgmma_ss<0, 1>(acc_dk, cm_wgmma_desc(sDS + c * 64 * 128 + kk * 32, 16, 1024),
+                                      cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+                }
+                cm_wgmma_commit();
+            } else {
+                // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
+                cm_wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+                cm_wgmma_commit();
+            }
+
+            if constexpr (ATOMIC_DQ) {
+                // dV's and dQ's products are done (groups retire in order); dK's runs on.
+                cm_wgmma_wait<1>();
                 cm_fence_acc(acc_dq);
+                cm_fence_frag(pa);
     #pragma unroll
                 for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
                     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c * (CM_DQ_COLS / 8) + j, warp, lane)),
@@ -438,6 +376,14 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
             }
+            cm_wgmma_wait<0>();
+            cm_fence_acc(acc_dv);
+            cm_fence_acc(acc_dk);
+            cm_fence_frag(pa);
+            if constexpr (!ATOMIC_DQ) cm_fence_frag(dsa);
+            // Q, dO, the statistics and the bits of stage s are no longer read.
+            __syncwarp();
+            if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table.
@@ -452,4 +398,98 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                       p.softmax_scale, row0, p.kv_len, warp, g, t);
     cm_bwd_store_rows(p.dv + batch * p.dv_stride_batch + kv_head * p.dv_stride_head, p.dv_stride_row, acc_dv, 1.f,
                       row0, p.kv_len, warp, g, t);
+}
+
+extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
+    cm_bwd_dkdv(const __grid_constant__ CmBwdParams p, const __grid_constant__ CmTensorMap tm_q,
+                const __grid_constant__ CmTensorMap tm_do, const __grid_constant__ CmTensorMap tm_k,
+                const __grid_constant__ CmTensorMap tm_v) {
+    extern __shared__ unsigned char smem_raw[];
+    const u32 base = (cm_smem_addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - cm_smem_addr(smem_raw));
+    const u32 sK = base;
+    const u32 sV = base + OFF_V;
+    auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
+
+    // Blocks start in grid order: groups of (batch, kv head) pairs, rank by rank inside a
+    // group, so no pair's heaviest key block waits for every other pair's work.
+    const u32 group_blocks = p.bwd_head_group * p.bwd_num_n_blocks;
+    const u32 group = blockIdx.x / group_blocks;
+    const u32 first_pair = group * p.bwd_head_group;
+    const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
+    const u32 in_group = blockIdx.x - group * group_blocks;
+    const u32 rank = in_group / pairs;
+    const u32 pair = first_pair + (in_group - rank * pairs);
+    const u32 num_kv_heads = p.num_heads / p.heads_per_kv_head;
+    const u32 kv_head = pair % num_kv_heads;
+    const u32 batch = pair / num_kv_heads;
+    const u32 head0 = kv_head * p.heads_per_kv_head;
+    // Any mask's key-block order is a permutation of the blocks; the group's first head's
+    // orders the launch.
+    const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank];
+    const u32 key0 = n_block * KEY_BLOCK;
+    // Tiles over the group's query heads, each head's from its own mask.
+    u32 total = 0;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
+    const CmDkdvBlock blk = {batch, head0, kv_head, n_block, key0, total};
+
+    if (threadIdx.x == 0) {
+        cm_mbar_init(bar(BAR_KV), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            cm_mbar_init(bar(BAR_FULL(s)), 1);
+            cm_mbar_init(bar(BAR_EMPTY(s)), CONSUMER_WARPS);
+        }
+        cm_mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        cm_regs_dealloc<PRODUCER_REGS>();
+        if (threadIdx.x == 0 && total > 0) {
+            cm_tma_prefetch_map(&tm_q);
+            cm_tma_prefetch_map(&tm_do);
+            cm_mbar_arrive_expect_tx(bar(BAR_KV), 2 * KV_BYTES);
+#pragma unroll
+            for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
+                cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
+            }
+            u32 it = 0;
+            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
+                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
+                    const u32 s = it % STAGES;
+                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
+                    const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0;
+                    cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
+                    const u32 full = bar(BAR_FULL(s));
+                    cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
+                    const u32 sQ = base + OFF_Q + s * TILE_BYTES;
+                    const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+    #pragma unroll
+                    for (int a = 0; a < HEAD_DIM / 64; ++a) {
+                        cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, hd.head, batch);
+                        cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, hd.head, batch);
+                    }
+                    const u32 stats = base + OFF_STATS + s * STATS_BYTES;
+                    cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
+                    cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
+                    if (tl.partial) {
+                        cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
+                                  MASK_BYTES, full);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    cm_regs_alloc<CONSUMER_REGS>();
+    if (p.dq_accum != nullptr) {
+        dkdv_consumers<true>(p, blk, base, smem, warpgroup);
+    } else {
+        dkdv_consumers<false>(p, blk, base, smem, warpgroup);
+    }
 }
