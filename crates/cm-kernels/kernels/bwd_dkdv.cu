@@ -8,21 +8,26 @@
 //
 // Warpgroup 0 is the producer: one thread loads K and V once (TMA), then streams each query
 // tile's Q and dO (TMA), its lse_log2 and delta rows and, for a partial tile, its key-major
-// visibility bits (bulk copies) into a two-stage ring guarded by "full" and "empty" mbarriers.
-// Warpgroups 1 and 2 are consumers that own keys 0..63 and 64..127 of the block; per tile,
+// visibility bits (bulk copies) into a ring of STAGES stages guarded by "full" and "empty"
+// mbarriers. Warpgroups 1 and 2 are consumers that own keys 0..63 and 64..127 of the block;
+// per tile,
 //   S^T = K Q^T, dP^T = V dO^T            SS wgmma, keys x queries (M = this warpgroup's keys)
 //   P^T = exp2(S^T c log2e - lse_log2), dS^T = P^T (dP^T - delta)      in registers
-//   dV += P^T dO, dK += dS^T Q             RS wgmma, dO and Q read MN-major
+//   dV += P^T dO, dK += dS^T Q             dO and Q read MN-major
 // Warp w of a consumer holds keys 16 w .. 16 w + 15 of its 64 (the m16n8 accumulator layout).
-// With a dQ accumulator in the workspace (the fast mode) both consumers also write dS^T to a
-// double-buffered shared tile, meet on a named barrier, and each computes half of the tile's
-// dQ = dS K (split along head_dim; dS read MN-major from the dS^T tile, K read MN-major), stores
-// it to shared memory in the accumulator's fragment-ordered layout (conflict-free; bwd_post
-// reads it back into row order), and one thread adds the whole 64 x head_dim tile into the
-// fp32 accumulator with a single bulk asynchronous reduction (cp.reduce.async.bulk .add.f32),
-// which overlaps the next tile. The order of those additions between CTAs varies run to run.
-// Without the accumulator (the deterministic mode) the consumers never synchronise with each
-// other and dQ is left to bwd_dq; the mode is a uniform branch.
+// Without a dQ accumulator (the deterministic mode) dV's and dK's products read P^T and dS^T
+// from registers, the consumers never synchronise with each other and dQ is left to bwd_dq.
+// With one in the workspace (the fast mode), after FlashAttention-3's order: both consumers
+// write dS^T to a shared tile and meet on a named barrier; each issues half of the tile's
+// dQ = dS K (split along head_dim; dS read MN-major from the dS^T tile, K read MN-major), then
+// dK's product with dS^T read from its own rows of that tile (so no fragment is live beside
+// dQ's accumulator); while dK's product runs it stores dQ to shared memory in the
+// accumulator's fragment-ordered layout (conflict-free; bwd_post reads it back into row
+// order), and one thread adds the whole 64 x head_dim tile into the fp32 accumulator with a
+// single bulk asynchronous reduction (cp.reduce.async.bulk .add.f32), which overlaps the next
+// tile. dK's product retires behind the next tile's S^T, which then releases the stage, so the
+// tensor pipe never drains between tiles. The order of the dQ additions between CTAs varies
+// run to run. The two modes are separate instantiations of dkdv_consumers.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM = CM_HEAD_DIM_V (64|128; the
 // wider shapes are bwd_dkdv_wide.cu's),
@@ -37,7 +42,9 @@ static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_d
 // Keys per CTA (two consumer warpgroups of 64) and threads (producer + two consumers).
 #define KEY_BLOCK 128
 #define DKDV_THREADS 384
-#define STAGES 2
+// Stages of the Q / dO ring: a third at head_dim 64, whose tiles take half the time to use and
+// half the space to hold (+2% there, neutral at 128, where it costs a spill).
+#define STAGES (HEAD_DIM == 64 ? 3 : 2)
 // K or V of the key block: HEAD_DIM / 64 column atoms of [128 rows][128 bytes].
 #define KV_BYTES (KEY_BLOCK * HEAD_DIM * 2)
 // dS^T of one tile: [128 keys][64 queries], one column atom.
@@ -51,7 +58,7 @@ static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_d
 #define OFF_Q (2 * KV_BYTES)
 #define OFF_DO (OFF_Q + STAGES * TILE_BYTES)
 #define OFF_DS (OFF_DO + STAGES * TILE_BYTES)
-#define OFF_DQ (OFF_DS + STAGES * DS_BYTES)
+#define OFF_DQ (OFF_DS + DS_BYTES)
 #define OFF_STATS (OFF_DQ + DQ_BYTES)
 #define OFF_MASK (OFF_STATS + STAGES * STATS_BYTES)
 #define OFF_BARS (OFF_MASK + STAGES * MASK_BYTES)
@@ -213,7 +220,8 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             const bool partial = ti < hd.num_partial;
             const u32 sQ = base + OFF_Q + s * TILE_BYTES;
             const u32 sdO = base + OFF_DO + s * TILE_BYTES;
-            const u32 sDS = base + OFF_DS + s * DS_BYTES;
+            // Formed per tile (not hoisted with its descriptors out of the loop, which spills).
+            const u32 sDS = cm_opaque(base + OFF_DS);
             cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
 
             // S^T and dP^T: this consumer's 64 keys x the tile's 64 queries, contraction over
@@ -262,6 +270,13 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
             cm_wgmma_wait<1>();
             cm_fence_acc(sc);
+            if constexpr (ATOMIC_DQ) {
+                // The previous tile's dK product retired with S^T (groups retire in order): its
+                // stage's Q, dO, statistics and bits are no longer read.
+                cm_fence_acc(acc_dk);
+                __syncwarp();
+                if (it > 0 && lane == 0) cm_mbar_arrive(bar(BAR_EMPTY((it - 1) % STAGES)));
+            }
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
@@ -303,8 +318,9 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
             if constexpr (ATOMIC_DQ) {
-                // dS^T into this stage's shared tile for dQ. Its last reader, tile it - 2's dQ
-                // product, finished before either consumer passed tile it - 2's NAMED_DQ barrier.
+                // dS^T into the shared tile. Its readers of the previous tile are done: this
+                // consumer's dK product retired with this tile's S^T, and both consumers' dQ
+                // products before either passed the previous tile's NAMED_DQ barrier.
     #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
     #pragma unroll
@@ -376,19 +392,27 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
             }
-            cm_wgmma_wait<0>();
-            cm_fence_acc(acc_dv);
-            cm_fence_acc(acc_dk);
-            cm_fence_frag(pa);
-            if constexpr (!ATOMIC_DQ) cm_fence_frag(dsa);
-            // Q, dO, the statistics and the bits of stage s are no longer read.
-            __syncwarp();
-            if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
+            if constexpr (!ATOMIC_DQ) {
+                cm_wgmma_wait<0>();
+                cm_fence_acc(acc_dv);
+                cm_fence_acc(acc_dk);
+                cm_fence_frag(pa);
+                cm_fence_frag(dsa);
+                // Q, dO, the statistics and the bits of stage s are no longer read.
+                __syncwarp();
+                if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
+            }
+            // In the fast mode dK's product runs on behind the next tile's S^T and dP^T, which
+            // release this stage.
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table.
         if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head, dist_fixed);
 #endif
+    }
+    if constexpr (ATOMIC_DQ) {
+        cm_wgmma_wait<0>();
+        cm_fence_acc(acc_dk);
     }
     // The last reduction must finish reading shared memory before the CTA exits.
     if (dq_issuer) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

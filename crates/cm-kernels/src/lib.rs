@@ -272,17 +272,18 @@ impl Variant {
             KernelKind::BwdDkDv if self.head_dim > 128 => {
                 3 * tile + 3 * tile_v + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 64 + 1024
             }
-            // K and V (128 x head_dim each), two stages of Q and dO, two of dS^T (128 x 64
-            // elements), the fp32 dQ tile (64 x head_dim), two stages of lse and delta (64 f32
-            // each) and of the key visibility (128 u64), 64 bytes of mbarriers, and 1 KB to
+            // K and V (128 x head_dim each), `stages` stages (bwd_dkdv.cu's STAGES) of Q and dO,
+            // of lse and delta (64 f32 each) and of the key visibility (128 u64), one dS^T (128 x
+            // 64 elements), the fp32 dQ tile (64 x head_dim), 64 bytes of mbarriers, and 1 KB to
             // align the start to a swizzle atom.
             KernelKind::BwdDkDv => {
+                let stages = if self.head_dim == 64 { 3 } else { 2 };
                 2 * 2 * tile
-                    + 4 * tile
-                    + 2 * 128 * 64 * 2
+                    + stages * 2 * tile
+                    + 128 * 64 * 2
                     + 64 * self.head_dim * 4
-                    + 2 * 2 * 64 * 4
-                    + 2 * 128 * 8
+                    + stages * 2 * 64 * 4
+                    + stages * 128 * 8
                     + 64
                     + 1024
             }
