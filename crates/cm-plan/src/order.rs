@@ -283,8 +283,8 @@ pub fn permute_rows(rows: &RowIntervals, order: &TokenOrder) -> RowIntervals {
     let moved: Vec<(u32, Run)> = order
         .inverse
         .iter()
+        .copied()
         .zip(contiguous_runs(order))
-        .map(|(&i, r)| (i, r))
         .collect();
     let mut out = RowIntervals::with_capacity(n, n, rows.intervals().len() * 2);
     let mut pieces: Vec<(u32, u32)> = Vec::new();

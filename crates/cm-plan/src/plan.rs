@@ -31,6 +31,14 @@ pub(crate) fn too_many_intervals() -> PlanError {
 /// so tiny tiles on long sequences fail clearly instead of exhausting memory.
 pub const MAX_TILE_ENTRIES: usize = 1 << 26;
 
+/// The descriptor of rows in a token order other than the program's: the solver's pieces no
+/// longer describe them, so their affine runs are searched first. `Err` as
+/// [`TileDescriptor::try_build_runs`]'s.
+fn tiles_in_order(rows: &RowIntervals, tile: TileShape) -> Result<TileDescriptor, usize> {
+    let runs = rows.affine_runs();
+    TileDescriptor::try_build_runs(rows, &runs, tile, MAX_TILE_ENTRIES)
+}
+
 /// CM0404 for a mask whose descriptor at `tile` would exceed [`MAX_TILE_ENTRIES`] (the
 /// builder stops counting there, so no total is known).
 pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
@@ -876,20 +884,15 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                         } else if let Some(tree) = at.trees.first() {
                             // Batch 0's tree when the parents read `b`: one order serves
                             // every batch index (any order is exact; this one is densest
-                            // for batch 0). Raster stays when preorder computes no fewer
-                            // pairs; a tree already numbered in preorder is kept without
-                            // the cost estimate.
-                            // The rows are permuted and their tiles built to be costed:
-                            // both kept when preorder wins (a descriptor past the entry
-                            // limit keeps raster, which reports its own).
+                            // for batch 0). The rows are permuted and their tiles built to
+                            // be costed, and both kept when preorder computes fewer pairs;
+                            // otherwise raster stays (also when the permuted descriptor
+                            // passes the entry limit: raster reports its own). A tree
+                            // already numbered in preorder is kept without the estimate.
                             let o = TokenOrder::tree_preorder(shape.q_len as u32, tree);
                             let moved = o.order.iter().enumerate().any(|(i, &p)| p != i as u32);
                             let p = moved.then(|| permute_rows(&rows, &o));
-                            let tiles = p.as_ref().and_then(|p| {
-                                let runs = p.affine_runs();
-                                TileDescriptor::try_build_runs(p, &runs, tile, MAX_TILE_ENTRIES)
-                                    .ok()
-                            });
+                            let tiles = p.as_ref().and_then(|p| tiles_in_order(p, tile).ok());
                             match (p, tiles) {
                                 (Some(p), Some(t)) if t.computed_pairs < raster_computed_pairs => {
                                     permuted = Some((p, t));
@@ -925,10 +928,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                         (None, None) => {
                             TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES)
                         }
-                        (None, Some(_)) => {
-                            let runs = rows.affine_runs();
-                            TileDescriptor::try_build_runs(&rows, &runs, tile, MAX_TILE_ENTRIES)
-                        }
+                        (None, Some(_)) => tiles_in_order(&rows, tile),
                     }
                     .map_err(|_| too_many_tile_entries(tile))?;
                     if bs * hs > 1 {
