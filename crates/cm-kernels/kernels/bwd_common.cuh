@@ -11,6 +11,7 @@
 // P is recomputed from the forward's lse: P_ij = exp2(c log2(e) s_ij - log2(e) lse_i).
 #pragma once
 #include "common.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 #if CM_SCORE
 #include "score.cuh"
@@ -126,6 +127,24 @@ __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 
 // bwd_dkdv's and bwd_dkdv_wide's named barrier of their 256 consumer threads (0 is
 // __syncthreads).
 __device__ __forceinline__ void cm_consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// The mbarriers of bwd_dkdv's and bwd_dkdv_wide's ring, 8 bytes apart from the first: K and
+// V, loaded once (one producer arrival plus the bytes), then per stage of Q and dO a "full"
+// (likewise) and an "empty" barrier (one arrival per consumer warp). The kernels' STAGES
+// defines the layout.
+#define BAR_KV 0
+#define BAR_FULL(s) (1 + (s))
+#define BAR_EMPTY(s) (1 + STAGES + (s))
+
+// Initialises that ring at shared address `bar0` (one thread, before the CTA's first barrier).
+__device__ __forceinline__ void cm_dkdv_ring_init(u32 bar0, int stages, u32 consumer_warps) {
+    cm_mbar_init(bar0 + 8 * BAR_KV, 1);
+    for (int s = 0; s < stages; ++s) {
+        cm_mbar_init(bar0 + 8 * (1 + s), 1);
+        cm_mbar_init(bar0 + 8 * (1 + stages + s), consumer_warps);
+    }
+    cm_mbar_init_fence();
+}
 
 // A key block's query tiles for one query head of its GQA group, from that (batch, head)'s
 // mask: partial tiles [p_begin, p_begin + num_partial) of the transposed partial list, then

@@ -70,9 +70,6 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define CONSUMER_REGS 240
 #define CONSUMER_WARPS 8
 
-#define BAR_KV 0
-#define BAR_FULL(s) (1 + (s))
-#define BAR_EMPTY(s) (1 + STAGES + (s))
 // Named barriers of the 256 consumer threads (0 is __syncthreads).
 #define NAMED_DS 1
 #define NAMED_DQ 2
@@ -457,15 +454,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
     const CmDkdvBlock blk = {batch, head0, kv_head, n_block, key0, total};
 
-    if (threadIdx.x == 0) {
-        cm_mbar_init(bar(BAR_KV), 1);
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            cm_mbar_init(bar(BAR_FULL(s)), 1);
-            cm_mbar_init(bar(BAR_EMPTY(s)), CONSUMER_WARPS);
-        }
-        cm_mbar_init_fence();
-    }
+    if (threadIdx.x == 0) cm_dkdv_ring_init(bar(0), STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / 128;
