@@ -146,6 +146,33 @@ __device__ __forceinline__ void cm_dkdv_ring_init(u32 bar0, int stages, u32 cons
     cm_mbar_init_fence();
 }
 
+// The work item of CTA `blockIdx.x` of bwd_dkdv's (and bwd_dkdv_wide's) one-dimensional grid:
+// CTAs start in grid order, in groups of bwd_head_group (batch, kv head) pairs, rank by rank
+// inside a group, so no pair's heaviest key block waits for every other pair's work.
+// `ranks` per pair: the key blocks, or their halves (bwd_dkdv_wide, both halves adjacent).
+struct CmDkdvPair {
+    u32 batch;
+    u32 kv_head;
+    u32 head0;  // the GQA group's first query head
+    u32 rank;   // in [0, ranks)
+};
+
+__device__ __forceinline__ CmDkdvPair cm_dkdv_pair(const CmBwdParams& p, u32 ranks) {
+    const u32 group_blocks = p.bwd_head_group * ranks;
+    const u32 group = blockIdx.x / group_blocks;
+    const u32 first_pair = group * p.bwd_head_group;
+    const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
+    const u32 in_group = blockIdx.x - group * group_blocks;
+    CmDkdvPair it;
+    it.rank = in_group / pairs;
+    const u32 pair = first_pair + (in_group - it.rank * pairs);
+    const u32 num_kv_heads = p.num_heads / p.heads_per_kv_head;
+    it.kv_head = pair % num_kv_heads;
+    it.batch = pair / num_kv_heads;
+    it.head0 = it.kv_head * p.heads_per_kv_head;
+    return it;
+}
+
 // A key block's query tiles for one query head of its GQA group, from that (batch, head)'s
 // mask: partial tiles [p_begin, p_begin + num_partial) of the transposed partial list, then
 // full ones from f_begin (bwd_dkdv, bwd_dkdv_wide).

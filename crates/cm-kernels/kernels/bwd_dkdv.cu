@@ -432,19 +432,8 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const u32 sV = base + OFF_V;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
-    // Blocks start in grid order: groups of (batch, kv head) pairs, rank by rank inside a
-    // group, so no pair's heaviest key block waits for every other pair's work.
-    const u32 group_blocks = p.bwd_head_group * p.bwd_num_n_blocks;
-    const u32 group = blockIdx.x / group_blocks;
-    const u32 first_pair = group * p.bwd_head_group;
-    const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
-    const u32 in_group = blockIdx.x - group * group_blocks;
-    const u32 rank = in_group / pairs;
-    const u32 pair = first_pair + (in_group - rank * pairs);
-    const u32 num_kv_heads = p.num_heads / p.heads_per_kv_head;
-    const u32 kv_head = pair % num_kv_heads;
-    const u32 batch = pair / num_kv_heads;
-    const u32 head0 = kv_head * p.heads_per_kv_head;
+    const CmDkdvPair item = cm_dkdv_pair(p, p.bwd_num_n_blocks);
+    const u32 batch = item.batch, kv_head = item.kv_head, head0 = item.head0, rank = item.rank;
     // Any mask's key-block order is a permutation of the blocks; the group's first head's
     // orders the launch.
     const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank];

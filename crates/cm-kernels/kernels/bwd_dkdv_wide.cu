@@ -285,20 +285,9 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const unsigned char* smem = smem_raw + (base - cm_smem_addr(smem_raw));
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
-    // As bwd_dkdv: groups of (batch, kv head) pairs, rank by rank inside a group, where a
-    // rank is now one half of a key block (both halves of a block adjacent).
-    const u32 halves = 2 * p.bwd_num_n_blocks;
-    const u32 group_blocks = p.bwd_head_group * halves;
-    const u32 group = blockIdx.x / group_blocks;
-    const u32 first_pair = group * p.bwd_head_group;
-    const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
-    const u32 in_group = blockIdx.x - group * group_blocks;
-    const u32 rank = in_group / pairs;
-    const u32 pair = first_pair + (in_group - rank * pairs);
-    const u32 num_kv_heads = p.num_heads / p.heads_per_kv_head;
-    const u32 kv_head = pair % num_kv_heads;
-    const u32 batch = pair / num_kv_heads;
-    const u32 head0 = kv_head * p.heads_per_kv_head;
+    // A rank is one half of a key block here.
+    const CmDkdvPair item = cm_dkdv_pair(p, 2 * p.bwd_num_n_blocks);
+    const u32 batch = item.batch, kv_head = item.kv_head, head0 = item.head0, rank = item.rank;
     const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank / 2];
     const u32 half = rank % 2;
     const u32 key0 = n_block * KEY_BLOCK + half * CTA_KEYS;
