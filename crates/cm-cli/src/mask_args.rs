@@ -70,7 +70,7 @@ pub struct MaskArgs {
     pub num_heads: i64,
     /// Treat warnings (the program's and the plan's: no visible pair, rows that see
     /// nothing, `h` / `b` read with one head / batch, unread parameters, large
-    /// `elementwise`) as errors: print them and exit 1.
+    /// `elementwise`, a tree past the lengths) as errors: print them and exit 1.
     #[arg(long)]
     pub deny_warnings: bool,
 }

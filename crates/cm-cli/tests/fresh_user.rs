@@ -732,3 +732,47 @@ fn silent_mistakes_warn() {
     let o = run_stdin(&["check", "-", "--deny-warnings"], src);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
 }
+
+/// examples/masks/tree.cmask declares 8 nodes: planned at q_len 4 the last 4 nodes have no
+/// row and are no key, which plans (out-of-range positions contribute nothing) but warns
+/// with the numbers; at 8 (the tree exactly) and 12 (rows past the tree) it does not.
+#[test]
+fn a_tree_past_the_lengths_warns() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/masks/tree.cmask");
+    let example = example.to_str().unwrap();
+    let o = run(&["plan", example, "--q-len", "4", "--json"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // Rows 0..4 see their ancestors among nodes 0..4 (parents -1, 0, 1, 1): 1 + 2 + 3 + 3.
+    assert_eq!(
+        (v["q_len"].as_u64(), v["visible_pairs"].as_u64()),
+        (Some(4), Some(9))
+    );
+    assert_eq!(err.matches("[CM0266] Warning").count(), 1, "{err}");
+    assert!(
+        err.contains(
+            "tree `t` has 8 nodes at offset 0 (positions 0 ..= 7), but q_len = 4 and kv_len = 4: \
+             4 nodes lie past q_len (no query row) and 4 past kv_len (no key)"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("tree.cmask:4:1"),
+        "the span is the tree's line: {err}"
+    );
+    assert!(
+        err.contains(
+            "give q_len >= 8 and kv_len >= 8, or a shorter parents list (4 nodes fit at offset 0)"
+        ),
+        "{err}"
+    );
+    let o = run(&["plan", example, "--q-len", "4", "--deny-warnings"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    for q_len in ["8", "12"] {
+        let o = run(&["plan", example, "--q-len", q_len, "--json"]);
+        let err = stderr(&o);
+        assert!(o.status.success(), "{err}");
+        assert!(!err.contains("CM0266"), "q_len {q_len}: {err}");
+    }
+}
