@@ -391,6 +391,90 @@ fn integer_lists_reject_empty_and_bad_entries() {
     }
 }
 
+/// Integer-list files written by Windows editors start with a UTF-8 byte-order mark (and
+/// end lines with CRLF): the mark is skipped in every @FILE / FILE list, while one later in
+/// the text is an error that shows it escaped.
+#[test]
+fn integer_list_files_may_start_with_a_byte_order_mark() {
+    let dir = scratch("bom");
+    let bom = "\u{feff}";
+    let visible = |args: &[&str]| json(args)["visible_pairs"].as_u64();
+    // Documents of 2 and 3 tokens, causal in each: 1 + 2 and 1 + 2 + 3 pairs.
+    let f = write(&dir, "lengths.txt", format!("{bom}2\r\n3\r\n"));
+    let set = format!("lengths=@{f}");
+    let doc = [
+        "plan",
+        "--builtin",
+        "document_causal",
+        "--q-len",
+        "5",
+        "--json",
+    ];
+    assert_eq!(visible(&[&doc[..], &["--set", &set]].concat()), Some(9));
+    // Samples of 2 and 3 rows, causal: the same 9 pairs.
+    let f = write(&dir, "cu.txt", format!("{bom}0,2,5"));
+    let cu = format!("@{f}");
+    let causal = ["plan", "--builtin", "causal", "--json"];
+    assert_eq!(
+        visible(&[&causal[..], &["--cu-seqlens-q", &cu]].concat()),
+        Some(9)
+    );
+    // A token order keeps the pairs: causal over 4 tokens has 10 in any order.
+    let f = write(&dir, "order.txt", format!("{bom}3\n2\n1\n0\n"));
+    assert_eq!(
+        visible(&[&causal[..], &["--q-len", "4", "--order", &f]].concat()),
+        Some(10)
+    );
+    let f = write(&dir, "late.txt", format!("2\n{bom}3\n"));
+    let set = format!("lengths=@{f}");
+    fails(
+        &[&doc[..], &["--set", &set]].concat(),
+        &["CM0308", "entry 1, `\\u{feff}3`, is not an integer"],
+    );
+}
+
+/// `_` groups digits in list entries as in the language's integer literals: `1_0` is 10
+/// (inline and in files), `_10` is an error saying where `_` may go.
+#[test]
+fn integer_list_entries_take_underscores_as_literals_do() {
+    let dir = scratch("underscores");
+    let visible = |args: &[&str]| json(args)["visible_pairs"].as_u64();
+    // Documents of 10 and 2 tokens: 55 + 3 pairs.
+    let doc = [
+        "plan",
+        "--builtin",
+        "document_causal",
+        "--q-len",
+        "12",
+        "--json",
+    ];
+    assert_eq!(
+        visible(&[&doc[..], &["--set", "lengths=1_0,2"]].concat()),
+        Some(58)
+    );
+    let f = write(&dir, "lengths.txt", "1_0\n2\n");
+    let set = format!("lengths=@{f}");
+    assert_eq!(visible(&[&doc[..], &["--set", &set]].concat()), Some(58));
+    fails(
+        &[&doc[..], &["--set", "lengths=_10,2"]].concat(),
+        &[
+            "CM0308",
+            "entry 0, `_10`, is not an integer: `_` may only follow a digit",
+        ],
+    );
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--json",
+            "--cu-seqlens-q",
+            "0,_5",
+        ],
+        &["--cu-seqlens-q", "entry 1, `_5`"],
+    );
+}
+
 /// A diagnostic on a line of megabytes shows a window of it, not the whole line per
 /// diagnostic; the note still gives the true position.
 #[test]
