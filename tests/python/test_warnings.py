@@ -18,6 +18,12 @@ import compilemask as cm
         ("mask = k <= q + b;", {"q_len": 8}, "CM0263", "batch index `b`"),
         ("param u: int = 1;\nmask = k <= q;", {"q_len": 8, "u": 2}, "CM0264", "`u` was set"),
         ("mask = elementwise(k <= q);", {"q_len": 1001}, "CM0265", "1002001"),
+        (
+            "param p: [int] = [-1, 0, 1, 1, 0, 4, 4, 6];\ntree t = p;\nmask = k in t.path(q);",
+            {"q_len": 4},
+            "CM0266",
+            "4 nodes lie past q_len",
+        ),
     ],
 )
 def test_each_warning(source, kwargs, code, text):

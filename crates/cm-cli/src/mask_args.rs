@@ -70,7 +70,7 @@ pub struct MaskArgs {
     pub num_heads: i64,
     /// Treat warnings (the program's and the plan's: no visible pair, rows that see
     /// nothing, `h` / `b` read with one head / batch, unread parameters, large
-    /// `elementwise`) as errors: print them and exit 1.
+    /// `elementwise`, a tree past the lengths) as errors: print them and exit 1.
     #[arg(long)]
     pub deny_warnings: bool,
 }
@@ -156,16 +156,23 @@ pub fn read_capped(path: &Path, what: &str) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// [`read_capped`] as UTF-8 text.
+/// [`read_capped`] as UTF-8 text, without a leading byte-order mark: the text of an
+/// integer-list file (`--set NAME=@FILE`, `--cu-seqlens-q/-k @FILE`, `--order FILE`).
 pub fn read_capped_text(path: &Path, what: &str) -> Result<String> {
     let bytes = read_capped(path, what)?;
-    String::from_utf8(bytes).map_err(|e| {
+    let mut text = String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
         anyhow!(
             "{what} `{}` is not valid UTF-8 (first bad byte at offset {at})",
             path.display()
         )
-    })
+    })?;
+    // Windows editors often start UTF-8 files with a BOM: it marks the encoding and is no
+    // part of the first integer.
+    if text.starts_with('\u{feff}') {
+        text.drain(..'\u{feff}'.len_utf8());
+    }
+    Ok(text)
 }
 
 /// Reads a program file (`-`: standard input), turning invalid UTF-8 into a clear error.

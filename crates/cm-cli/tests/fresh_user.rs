@@ -391,6 +391,90 @@ fn integer_lists_reject_empty_and_bad_entries() {
     }
 }
 
+/// Integer-list files written by Windows editors start with a UTF-8 byte-order mark (and
+/// end lines with CRLF): the mark is skipped in every @FILE / FILE list, while one later in
+/// the text is an error that shows it escaped.
+#[test]
+fn integer_list_files_may_start_with_a_byte_order_mark() {
+    let dir = scratch("bom");
+    let bom = "\u{feff}";
+    let visible = |args: &[&str]| json(args)["visible_pairs"].as_u64();
+    // Documents of 2 and 3 tokens, causal in each: 1 + 2 and 1 + 2 + 3 pairs.
+    let f = write(&dir, "lengths.txt", format!("{bom}2\r\n3\r\n"));
+    let set = format!("lengths=@{f}");
+    let doc = [
+        "plan",
+        "--builtin",
+        "document_causal",
+        "--q-len",
+        "5",
+        "--json",
+    ];
+    assert_eq!(visible(&[&doc[..], &["--set", &set]].concat()), Some(9));
+    // Samples of 2 and 3 rows, causal: the same 9 pairs.
+    let f = write(&dir, "cu.txt", format!("{bom}0,2,5"));
+    let cu = format!("@{f}");
+    let causal = ["plan", "--builtin", "causal", "--json"];
+    assert_eq!(
+        visible(&[&causal[..], &["--cu-seqlens-q", &cu]].concat()),
+        Some(9)
+    );
+    // A token order keeps the pairs: causal over 4 tokens has 10 in any order.
+    let f = write(&dir, "order.txt", format!("{bom}3\n2\n1\n0\n"));
+    assert_eq!(
+        visible(&[&causal[..], &["--q-len", "4", "--order", &f]].concat()),
+        Some(10)
+    );
+    let f = write(&dir, "late.txt", format!("2\n{bom}3\n"));
+    let set = format!("lengths=@{f}");
+    fails(
+        &[&doc[..], &["--set", &set]].concat(),
+        &["CM0308", "entry 1, `\\u{feff}3`, is not an integer"],
+    );
+}
+
+/// `_` groups digits in list entries as in the language's integer literals: `1_0` is 10
+/// (inline and in files), `_10` is an error saying where `_` may go.
+#[test]
+fn integer_list_entries_take_underscores_as_literals_do() {
+    let dir = scratch("underscores");
+    let visible = |args: &[&str]| json(args)["visible_pairs"].as_u64();
+    // Documents of 10 and 2 tokens: 55 + 3 pairs.
+    let doc = [
+        "plan",
+        "--builtin",
+        "document_causal",
+        "--q-len",
+        "12",
+        "--json",
+    ];
+    assert_eq!(
+        visible(&[&doc[..], &["--set", "lengths=1_0,2"]].concat()),
+        Some(58)
+    );
+    let f = write(&dir, "lengths.txt", "1_0\n2\n");
+    let set = format!("lengths=@{f}");
+    assert_eq!(visible(&[&doc[..], &["--set", &set]].concat()), Some(58));
+    fails(
+        &[&doc[..], &["--set", "lengths=_10,2"]].concat(),
+        &[
+            "CM0308",
+            "entry 0, `_10`, is not an integer: `_` may only follow a digit",
+        ],
+    );
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "causal",
+            "--json",
+            "--cu-seqlens-q",
+            "0,_5",
+        ],
+        &["--cu-seqlens-q", "entry 1, `_5`"],
+    );
+}
+
 /// A diagnostic on a line of megabytes shows a window of it, not the whole line per
 /// diagnostic; the note still gives the true position.
 #[test]
@@ -731,4 +815,48 @@ fn silent_mistakes_warn() {
     assert!(o.status.success() && stderr(&o).contains("CM0250"), "{o:?}");
     let o = run_stdin(&["check", "-", "--deny-warnings"], src);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
+}
+
+/// examples/masks/tree.cmask declares 8 nodes: planned at q_len 4 the last 4 nodes have no
+/// row and are no key, which plans (out-of-range positions contribute nothing) but warns
+/// with the numbers; at 8 (the tree exactly) and 12 (rows past the tree) it does not.
+#[test]
+fn a_tree_past_the_lengths_warns() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/masks/tree.cmask");
+    let example = example.to_str().unwrap();
+    let o = run(&["plan", example, "--q-len", "4", "--json"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // Rows 0..4 see their ancestors among nodes 0..4 (parents -1, 0, 1, 1): 1 + 2 + 3 + 3.
+    assert_eq!(
+        (v["q_len"].as_u64(), v["visible_pairs"].as_u64()),
+        (Some(4), Some(9))
+    );
+    assert_eq!(err.matches("[CM0266] Warning").count(), 1, "{err}");
+    assert!(
+        err.contains(
+            "tree `t` has 8 nodes at offset 0 (positions 0 ..= 7), but q_len = 4 and kv_len = 4: \
+             4 nodes lie past q_len (no query row) and 4 past kv_len (no key)"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("tree.cmask:4:1"),
+        "the span is the tree's line: {err}"
+    );
+    assert!(
+        err.contains(
+            "give q_len >= 8 and kv_len >= 8, or a shorter parents list (4 nodes fit at offset 0)"
+        ),
+        "{err}"
+    );
+    let o = run(&["plan", example, "--q-len", "4", "--deny-warnings"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    for q_len in ["8", "12"] {
+        let o = run(&["plan", example, "--q-len", q_len, "--json"]);
+        let err = stderr(&o);
+        assert!(o.status.success(), "{err}");
+        assert!(!err.contains("CM0266"), "q_len {q_len}: {err}");
+    }
 }

@@ -18,7 +18,7 @@ pub use order::{TokenOrder, Traversal};
 pub use packed::{plan_packed, Packing};
 pub use plan::{
     elementwise_pairs_up_front, expand_error, first_piece, plan, plan_in_order,
-    row_range_intervals, AffineRows, MaskPlan, OrderRequest, Plan,
+    row_range_intervals, AffineRows, MaskPlan, OrderRequest, Plan, TreeOverhang,
 };
 pub use rows::{ExpandError, KeyInterval, RowIntervals, MAX_EXPANDED_INTERVALS};
 pub use tiles::{PartialRows, TileCounts, TileDescriptor, TileShape};

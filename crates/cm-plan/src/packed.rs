@@ -16,7 +16,8 @@
 //! bound, so the mask's `require`s are not checked for them.
 
 use crate::plan::{
-    row_intervals, too_many_tile_entries, MaskPlan, Plan, MAX_INTERVALS, MAX_TILE_ENTRIES,
+    row_intervals, too_many_tile_entries, MaskPlan, Plan, TreeOverhangs, MAX_INTERVALS,
+    MAX_TILE_ENTRIES,
 };
 use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::Solver;
@@ -244,6 +245,7 @@ pub fn plan_packed(
     let mut masks: Vec<MaskPlan> = Vec::new();
     let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
     let mut local = Vec::with_capacity(hs as usize);
+    let mut overhangs = TreeOverhangs::default();
     // One head's packed rows at a time, deduplicated as soon as they are complete.
     for h in 0..hs {
         let mut rows = RowIntervals::with_capacity(total_q, total_k, total_q as usize);
@@ -276,6 +278,10 @@ pub fn plan_packed(
             let at = bounds[&(lq, lk)]
                 .at_batch(i64::from(b))
                 .map_err(|e| in_sample(e, b, lq, lk))?;
+            if h == 0 {
+                // Every sample has lengths of its own, so every tree is looked at in each.
+                overhangs.see(&at, b, false);
+            }
             let solver = Solver::new(&at);
             let fresh;
             let sample = if program.uses_b {
@@ -350,6 +356,7 @@ pub fn plan_packed(
         raster_computed_pairs,
         packing: Some(packing.clone()),
         score,
+        tree_overhangs: overhangs.finish(),
     })
 }
 

@@ -109,6 +109,109 @@ pub struct Plan {
     /// table, sink; see `cm_ir::score`), in the plan's positions; `None` when the program
     /// has no `score` or `sink` statement (never terms that are all absent).
     pub score: Option<ScoreTerms>,
+    /// The program's trees that reach past `q_len` or `kv_len`, in declaration order (for
+    /// the plan-time warning `CM0266`).
+    pub tree_overhangs: Vec<TreeOverhang>,
+}
+
+/// A tree some of whose nodes lie past the lengths it was laid out for: a node past `q_len`
+/// has no query row, one past `kv_len` is no key. The language lets such positions
+/// contribute nothing, which is rarely what was meant. A tree laid out per batch index
+/// (its parents or offset read `b`), or per packed sample (each at its own lengths), is
+/// shown at the one whose tree has the most nodes outside.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeOverhang {
+    /// The tree's index among the program's trees, in declaration order.
+    pub tree: usize,
+    /// The batch index (packed sample) shown.
+    pub b: u32,
+    /// Its nodes, at positions `at .. at + nodes`.
+    pub nodes: u64,
+    pub at: i64,
+    /// The lengths it was laid out for (for a packed sample, the sample's own).
+    pub q_len: u32,
+    pub kv_len: u32,
+    /// How many of the `checked` batch indices (packed samples) it was laid out for have
+    /// nodes outside; `checked` is 1 for a tree that is the same at every batch index.
+    pub batches: u32,
+    pub checked: u32,
+}
+
+/// Nodes of a tree of `nodes` nodes from position `at` that lie at positions `>= len`.
+fn nodes_past(at: i64, nodes: u64, len: u32) -> u64 {
+    // `TreeTable::build` refuses a tree whose end overflows, so the sum fits.
+    let end = at + nodes as i64;
+    (end - at.max(i64::from(len))).max(0) as u64
+}
+
+impl TreeOverhang {
+    /// Nodes at positions `>= q_len`: they have no query row.
+    pub fn past_q_len(&self) -> u64 {
+        nodes_past(self.at, self.nodes, self.q_len)
+    }
+
+    /// Nodes at positions `>= kv_len`: they are no key.
+    pub fn past_kv_len(&self) -> u64 {
+        nodes_past(self.at, self.nodes, self.kv_len)
+    }
+
+    /// Nodes past either length.
+    pub fn outside(&self) -> u64 {
+        nodes_past(self.at, self.nodes, self.q_len.min(self.kv_len))
+    }
+}
+
+/// The [`TreeOverhang`]s of a plan, gathered over the batch indices (packed samples) its
+/// trees are laid out for.
+#[derive(Default)]
+pub(crate) struct TreeOverhangs {
+    /// Per tree: the overhang with the most nodes outside so far, and how many batch
+    /// indices were checked.
+    trees: Vec<(Option<TreeOverhang>, u32)>,
+}
+
+impl TreeOverhangs {
+    /// Looks at the trees of `bound`, laid out for batch index (packed sample) `b`;
+    /// `only_per_batch` skips the trees that read no `b`, which another index showed.
+    pub(crate) fn see(&mut self, bound: &Bound<'_>, b: u32, only_per_batch: bool) {
+        let decls = &bound.program.trees;
+        self.trees.resize(bound.trees.len(), (None, 0));
+        for (i, (table, decl)) in bound.trees.iter().zip(decls).enumerate() {
+            if only_per_batch && !decl.per_batch {
+                continue;
+            }
+            let (best, checked) = &mut self.trees[i];
+            *checked += 1;
+            let seen = TreeOverhang {
+                tree: i,
+                b,
+                nodes: table.len() as u64,
+                at: table.at,
+                q_len: bound.shape.q_len as u32,
+                kv_len: bound.shape.kv_len as u32,
+                batches: 0,
+                checked: 0,
+            };
+            if seen.outside() == 0 {
+                continue;
+            }
+            let batches = best.as_ref().map_or(0, |o| o.batches) + 1;
+            // Ties keep the earliest batch index.
+            let shown = match best.take() {
+                Some(o) if o.outside() >= seen.outside() => o,
+                _ => seen,
+            };
+            *best = Some(TreeOverhang { batches, ..shown });
+        }
+    }
+
+    /// The overhangs, one per tree that has one, in declaration order.
+    pub(crate) fn finish(self) -> Vec<TreeOverhang> {
+        self.trees
+            .into_iter()
+            .filter_map(|(o, checked)| o.map(|o| TreeOverhang { checked, ..o }))
+            .collect()
+    }
 }
 
 /// Which token order to plan in.
@@ -849,10 +952,12 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     // Batch 0, head 0's rows in the chosen order and their tiles, when choosing the order
     // built them.
     let mut permuted: Option<(RowIntervals, TileDescriptor)> = None;
+    let mut overhangs = TreeOverhangs::default();
     for b in 0..bs {
         // Segmentations that read `b` laid out for this batch index; the count of pairs
         // evaluated one by one (and its limit) runs over the whole plan.
         let at = bound.at_batch(b)?;
+        overhangs.see(&at, b as u32, b > 0);
         let solver = Solver::new(&at);
         solver.elementwise_pairs.set(elementwise_pairs);
         for h in 0..hs {
@@ -968,5 +1073,6 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         raster_computed_pairs,
         packing: None,
         score: bound.score.clone(),
+        tree_overhangs: overhangs.finish(),
     })
 }

@@ -117,7 +117,7 @@ impl Plan {
 impl Plan {
     /// `(Diagnostic, rendered)` of every plan-time warning (no visible pair, rows that see
     /// nothing, `h` / `b` read with one head / batch, unread parameters, large
-    /// `elementwise`).
+    /// `elementwise`, a tree past the lengths).
     #[getter]
     fn warnings(&self) -> Vec<(crate::errors::Diagnostic, String)> {
         self.warnings.clone()

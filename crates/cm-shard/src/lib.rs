@@ -146,6 +146,7 @@ impl Sharding {
             order_candidates: Vec::new(),
             packing: None,
             score: None,
+            tree_overhangs: Vec::new(),
         }
     }
 

@@ -64,6 +64,7 @@ codes! {
     OneBatch = "CM0263", "warning (plan time): the mask reads `b` but was planned with one batch (or one packed sample)";
     UnreadParameter = "CM0264", "warning (plan time): a parameter was given a value that nothing in the program reads";
     ElementwisePairs = "CM0265", "warning (plan time): `elementwise` evaluated more than 1,000,000 pairs one by one";
+    TreePastLengths = "CM0266", "warning (plan time): a tree has nodes past `q_len` (no query row) or `kv_len` (no key)";
     DivisionByZero = "CM0301", "division or modulo by zero";
     Overflow = "CM0302", "integer overflow";
     OutsideSegmentation = "CM0303", "a position outside a segmentation";

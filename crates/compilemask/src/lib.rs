@@ -31,7 +31,8 @@ pub use cm_ir::score::{alibi_slopes, t5_bucket, LinearBias, ScoreTerms, TableBia
 pub use cm_ir::{PlanError, Shape, Value};
 pub use cm_plan::{
     expand_error, ExpandError, KeyInterval, MaskPlan, OrderRequest, Packing, Plan, RowIntervals,
-    TileCounts, TileDescriptor, TileShape, TokenOrder, Traversal, MAX_EXPANDED_INTERVALS,
+    TileCounts, TileDescriptor, TileShape, TokenOrder, Traversal, TreeOverhang,
+    MAX_EXPANDED_INTERVALS,
 };
 pub use cm_reference::{
     attention_backward, attention_backward_scored, attention_forward, attention_forward_scored,

@@ -4,8 +4,11 @@
 //! words.
 //!
 //! A list is integers separated by commas and / or whitespace, optionally inside `[` `]`
-//! (`0,5,12`, `[0, 5, 12]`, `0 5 12`, one per line). `_` may separate digits (`1_000`).
-//! An empty entry (`0,,5`, a comma at either end) is an error, never silently dropped.
+//! (`0,5,12`, `[0, 5, 12]`, `0 5 12`, one per line). An integer is an optional sign and
+//! digits in which `_` may follow any digit (`1_000`, `1_0` is 10), exactly as the
+//! language's integer literals, so a list reads like an array literal of the language
+//! (`compilemask list --json` reads parameter defaults with it). An empty entry (`0,,5`,
+//! a comma at either end) is an error, never silently dropped.
 
 use crate::{Code, PlanError, Value};
 
@@ -28,15 +31,22 @@ pub enum ListError {
 pub enum IntFault {
     #[error("is not an integer")]
     NotAnInteger,
+    #[error("is not an integer: `_` may only follow a digit, as in 1_000")]
+    MisplacedUnderscore,
     #[error("is outside the 64-bit integer range")]
     OutOfRange,
 }
 
-/// One integer: optional sign, digits, `_` between digits allowed.
+/// One integer: an optional sign, then a digit, then digits and `_` (as the language's
+/// literals: `1_000`, `1__0` and `10_` are integers, `_10` is not).
 ///
 /// # Errors
 /// [`IntFault`] saying why `token` is not a 64-bit integer.
 pub fn parse_int(token: &str) -> Result<i64, IntFault> {
+    let unsigned = token.strip_prefix(['+', '-']).unwrap_or(token);
+    if unsigned.contains('_') && !unsigned.starts_with(|c: char| c.is_ascii_digit()) {
+        return Err(IntFault::MisplacedUnderscore);
+    }
     token
         .replace('_', "")
         .parse::<i64>()
@@ -46,6 +56,23 @@ pub fn parse_int(token: &str) -> Result<i64, IntFault> {
             }
             _ => IntFault::NotAnInteger,
         })
+}
+
+/// `token` with the characters that print as nothing or as blank space (a byte-order mark,
+/// a zero-width space, controls) escaped as `\u{feff}`, so an error shows what is wrong.
+fn visible(token: &str) -> String {
+    token
+        .chars()
+        .map(|c| {
+            let escaped = c.escape_debug().to_string();
+            // escape_debug also escapes quotes and backslashes, which print as they are.
+            if escaped.len() > 1 && !matches!(c, '"' | '\'' | '\\') {
+                escaped
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// The text inside optional brackets, trimmed, and whether there were brackets.
@@ -77,7 +104,7 @@ pub fn parse_int_list(text: &str) -> Result<Vec<i64>, ListError> {
         for token in piece.split_whitespace() {
             let v = parse_int(token).map_err(|fault| ListError::BadEntry {
                 position: out.len(),
-                entry: token.to_string(),
+                entry: visible(token),
                 fault,
             })?;
             out.push(v);
@@ -106,7 +133,7 @@ pub fn parse_value(text: &str) -> Result<Value, PlanError> {
             (Some(one), None) => {
                 return parse_int(one)
                     .map(Value::Int)
-                    .map_err(|fault| bad(format!("`{one}` {fault}")));
+                    .map_err(|fault| bad(format!("`{}` {fault}", visible(one))));
             }
             (None, _) => {
                 return Err(bad(format!(
@@ -171,6 +198,76 @@ mod tests {
         assert!(list("1,,2")
             .unwrap_err()
             .starts_with("empty entry at position 1 "));
+    }
+
+    /// The integer the language's lexer reads `text` as, when it reads it as one integer
+    /// literal and nothing else.
+    fn literal(text: &str) -> Option<i64> {
+        use cm_syntax::lexer::{lex, Tok};
+        let (toks, diags) = lex(text);
+        match (&toks[..], diags.is_empty()) {
+            ([one, eof], true) if eof.tok == Tok::Eof => match one.tok {
+                Tok::Int(v) => Some(v),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// `_` in a list entry follows the language's literals, which the lexer defines: the
+    /// reader accepts exactly the tokens it reads as one integer, with the same value.
+    #[test]
+    fn underscores_read_as_in_literals() {
+        for text in [
+            "1_0",
+            "1_000_000",
+            "4_096",
+            "1__0",
+            "10_",
+            "0_7",
+            "_10",
+            "_",
+            "__1",
+            "1_x",
+            "_1_",
+        ] {
+            assert_eq!(parse_int(text).ok(), literal(text), "{text:?}");
+        }
+        assert_eq!(list("1_0,2_048"), Ok(vec![10, 2048]));
+        assert_eq!(list("-1_0 +2_0"), Ok(vec![-10, 20]), "after a sign, too");
+        assert_eq!(
+            list("5 _10").unwrap_err(),
+            "entry 1, `_10`, is not an integer: `_` may only follow a digit, as in 1_000"
+        );
+        assert_eq!(parse_int("-_10"), Err(IntFault::MisplacedUnderscore));
+        assert_eq!(parse_int("1_-0"), Err(IntFault::NotAnInteger));
+        assert_eq!(
+            parse_value("_5").unwrap_err().message,
+            "`_5` is not an integer: `_` may only follow a digit, as in 1_000"
+        );
+    }
+
+    /// A character that prints as nothing is shown escaped, so the entry in the message
+    /// differs visibly from one that is fine.
+    #[test]
+    fn invisible_characters_in_a_bad_entry_are_escaped() {
+        assert_eq!(
+            list("1,\u{feff}2").unwrap_err(),
+            "entry 1, `\\u{feff}2`, is not an integer"
+        );
+        assert_eq!(
+            list("3\u{200b}").unwrap_err(),
+            "entry 0, `3\\u{200b}`, is not an integer"
+        );
+        assert_eq!(
+            parse_value("\u{feff}7").unwrap_err().message,
+            "`\\u{feff}7` is not an integer"
+        );
+        // Printable characters, quotes and backslashes included, are shown as they are.
+        assert_eq!(
+            list("é'\\\"").unwrap_err(),
+            "entry 0, `é'\\\"`, is not an integer"
+        );
     }
 
     #[test]

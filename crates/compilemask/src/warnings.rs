@@ -6,6 +6,7 @@
 use cm_syntax::{Code, Diagnostic, Span};
 
 use crate::{Plan, PlanOptions, Program};
+use cm_plan::TreeOverhang;
 
 /// Pairs evaluated by `elementwise` above which [`Code::ElementwisePairs`] is raised.
 pub const ELEMENTWISE_WARN_PAIRS: u64 = 1_000_000;
@@ -119,6 +120,97 @@ impl Program {
                 .with_hint("intersect it with a solvable region first (`q - 512 < k <= q & elementwise(...)`), or write the rule in solvable forms"),
             );
         }
+        for o in &plan.tree_overhangs {
+            out.push(tree_past_lengths(
+                &ir.trees[o.tree],
+                o,
+                plan.packing.is_some(),
+            ));
+        }
         out
+    }
+}
+
+/// [`Code::TreePastLengths`] for `tree`, laid out as `o` says (`packed`: its batch indices
+/// are packed samples, each at its own lengths).
+fn tree_past_lengths(tree: &cm_ir::ir::TreeDecl, o: &TreeOverhang, packed: bool) -> Diagnostic {
+    let (past_q, past_kv) = (o.past_q_len(), o.past_kv_len());
+    let need = o.at + o.nodes as i64;
+    let (unit, units, lengths) = if packed {
+        ("packed sample", "samples", "the sample's q_len")
+    } else {
+        ("batch index", "batch indices", "q_len")
+    };
+    let whose = if o.checked > 1 || packed {
+        format!(" at {unit} {}", o.b)
+    } else {
+        String::new()
+    };
+    let past: Vec<String> = [
+        (past_q, "past q_len (no query row)"),
+        (past_kv, "past kv_len (no key)"),
+    ]
+    .into_iter()
+    .filter(|&(n, _)| n > 0)
+    .enumerate()
+    .map(|(i, (n, what))| {
+        if i == 0 {
+            format!("{} {what}", nodes_lie(n))
+        } else {
+            format!("{n} {what}")
+        }
+    })
+    .collect();
+    let mut message = format!(
+        "tree `{}`{whose} has {} nodes at offset {} (positions {} ..= {}), but {lengths} = {} and kv_len = {}: {}",
+        tree.name,
+        o.nodes,
+        o.at,
+        o.at,
+        need - 1,
+        o.q_len,
+        o.kv_len,
+        past.join(" and ")
+    );
+    match (o.checked, o.batches) {
+        (1, _) => {}
+        (checked, 1) => message.push_str(&format!("; the other {} {units} fit", checked - 1)),
+        (checked, batches) => message.push_str(&format!(
+            "; {batches} of {checked} {units} have nodes outside, this one the most"
+        )),
+    }
+    let longer: Vec<String> = [(past_q, "q_len"), (past_kv, "kv_len")]
+        .into_iter()
+        .filter(|&(n, _)| n > 0)
+        .map(|(_, len)| format!("{len} >= {need}"))
+        .collect();
+    let fit = (i64::from(o.q_len.min(o.kv_len)) - o.at).max(0);
+    let shorter = if fit > 0 {
+        format!(
+            "a shorter parents list ({fit} nodes fit at offset {})",
+            o.at
+        )
+    } else {
+        format!("a smaller offset (no node fits at offset {})", o.at)
+    };
+    let give = if packed { "give samples of" } else { "give" };
+    Diagnostic::warning(Code::TreePastLengths, tree.span, message)
+        .with_label(format!(
+            "{} of its {} nodes past the lengths",
+            o.outside(),
+            o.nodes
+        ))
+        .with_hint(format!(
+            "to keep every node, {give} {}, or {shorter}",
+            longer.join(" and ")
+        ))
+}
+
+/// `1 node lies` or `N nodes lie`.
+fn nodes_lie(n: u64) -> String {
+    if n == 1 {
+        "1 node lies".to_string()
+    } else {
+        format!("{n} nodes lie")
     }
 }

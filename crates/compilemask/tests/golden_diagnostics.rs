@@ -436,6 +436,15 @@ fn cm0265_large_elementwise() {
     warning_golden("CM0265", "mask = elementwise(k <= q);\n", &opts(1001));
 }
 
+#[test]
+fn cm0266_tree_past_the_lengths() {
+    warning_golden(
+        "CM0266",
+        "param parents: [int] = [-1, 0, 1, 1, 0, 4, 4, 6];\ntree t = parents;\nmask = k in t.path(q);\n",
+        &opts(4),
+    );
+}
+
 // ---- CM03xx: plan-time values ---------------------------------------------------------
 
 #[test]

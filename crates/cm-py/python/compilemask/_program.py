@@ -87,7 +87,8 @@ class CompileMaskWarning(UserWarning):
     """A plan that is valid but very likely not what was meant: no visible pair (CM0260),
     rows that see no key (CM0261), a mask that reads ``h`` / ``b`` planned with one head /
     batch (CM0262 / CM0263), a parameter set but never read (CM0264), ``elementwise``
-    evaluating more than a million pairs (CM0265). The message is the rendered warning;
+    evaluating more than a million pairs (CM0265), a tree with nodes past ``q_len`` or
+    ``kv_len`` (CM0266). The message is the rendered warning;
     ``.diagnostic`` holds its parts (code, span, hint). Make them errors with
     ``warnings.simplefilter("error", compilemask.CompileMaskWarning)``."""
 
