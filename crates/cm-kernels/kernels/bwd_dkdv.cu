@@ -137,9 +137,7 @@ __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], co
 // One CTA's work item: a 128-key block of one (batch, kv head) pair, and its tiles over the
 // pair's query heads.
 struct CmDkdvBlock {
-    u32 batch;
-    u32 head0;  // the GQA group's first query head
-    u32 kv_head;
+    CmDkdvPair pair;
     u32 n_block;
     u32 key0;
     u32 total;  // tiles over the group's query heads
@@ -155,8 +153,8 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     const u32 sV = base + OFF_V;
     const u32 sDQ = base + OFF_DQ;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
-    const u32 batch = blk.batch, head0 = blk.head0, kv_head = blk.kv_head, n_block = blk.n_block, key0 = blk.key0,
-              total = blk.total;
+    const u32 batch = blk.pair.batch, head0 = blk.pair.head0, kv_head = blk.pair.kv_head, n_block = blk.n_block,
+              key0 = blk.key0, total = blk.total;
 #if CM_SCORE
     // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
     __shared__ unsigned long long dist_buf[2][DIST_SPAN];
@@ -358,15 +356,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                                       cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
                 }
                 cm_wgmma_commit();
-            } else {
-                // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
-                cm_wgmma_fence();
-    #pragma unroll
-                for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
-                cm_wgmma_commit();
-            }
 
-            if constexpr (ATOMIC_DQ) {
                 // dV's and dQ's products are done (groups retire in order); dK's runs on.
                 cm_wgmma_wait<1>();
                 cm_fence_acc(acc_dq);
@@ -388,8 +378,14 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                         : "memory");
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
-            }
-            if constexpr (!ATOMIC_DQ) {
+                // dK's product runs on behind the next tile's S^T and dP^T, which release this
+                // stage.
+            } else {
+                // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
+                cm_wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+                cm_wgmma_commit();
                 cm_wgmma_wait<0>();
                 cm_fence_acc(acc_dv);
                 cm_fence_acc(acc_dk);
@@ -399,8 +395,6 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 __syncwarp();
                 if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
             }
-            // In the fast mode dK's product runs on behind the next tile's S^T and dP^T, which
-            // release this stage.
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table.
@@ -411,7 +405,9 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
         cm_wgmma_wait<0>();
         cm_fence_acc(acc_dk);
     }
-    // The last reduction must finish reading shared memory before the CTA exits.
+    // The last reduction must finish reading shared memory before the CTA exits. (With dK's
+    // product in flight across the loop's back edge, this branch is also what keeps ptxas from
+    // serialising every product, C7515: BENCHMARKS.md, "a reducer warp for dQ".)
     if (dq_issuer) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 
     const u32 row0 = key0 + c * 64;
@@ -441,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     // Tiles over the group's query heads, each head's from its own mask.
     u32 total = 0;
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) total += cm_dkdv_head(p, batch, head0 + hg, n_block).num_tiles;
-    const CmDkdvBlock blk = {batch, head0, kv_head, n_block, key0, total};
+    const CmDkdvBlock blk = {item, n_block, key0, total};
 
     if (threadIdx.x == 0) cm_dkdv_ring_init(bar(0), STAGES, CONSUMER_WARPS);
     __syncthreads();
