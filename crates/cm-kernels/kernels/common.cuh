@@ -126,12 +126,6 @@ __device__ __forceinline__ u32 cm_smem_addr(const void* p) {
     return r;
 }
 
-// A compile-time bool as a type, to instantiate a generic lambda once per value.
-template <bool B>
-struct CmBool {
-    static constexpr bool value = B;
-};
-
 // 16-byte async copy global -> shared; src_bytes = 0 zero-fills, which is how rows past the
 // end of a sequence become zeros (never garbage that could turn into NaN through 0 * NaN).
 __device__ __forceinline__ void cm_cp_async16(u32 dst, const void* src, u32 src_bytes) {
