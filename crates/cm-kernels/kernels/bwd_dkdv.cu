@@ -113,7 +113,7 @@ __device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const f
 // Distances of one consumer's tile (64 queries x 64 keys): 127, padded.
 #define DIST_SPAN 128
 
-__device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const float (&dcap)[BLOCK_M / 8][4],
+__device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], const CmDcap<BLOCK_M / 8>& dcap,
                                                  const CmScoreParams& sp, const CmDistTile& dist,
                                                  CmDistGradAcc& acc, u32 head, u32 q_len, u32 kv_len,
                                                  unsigned long long* buf, int buf_lo, u32 c, bool fixed) {
@@ -130,7 +130,7 @@ __device__ __forceinline__ void score_term_grads(float (&dp)[BLOCK_M / 8][4], co
     }
     // Only the scores before the cap carry its derivative; without a table it came in
     // through P (cap_in_p).
-    if (sp.softcap > 0.f && sp.dist_bias_grad != nullptr) cm_mul_fragment(dp, dcap);
+    if (sp.softcap > 0.f && sp.dist_bias_grad != nullptr) cm_mul_dcap(dp, dcap);
 }
 #endif
 
@@ -275,7 +275,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
-            float dcap[BLOCK_M / 8][4];
+            CmDcap<BLOCK_M / 8> dcap;
             cm_score_logits<BLOCK_M / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, hd.head, p.q_len,
                                                      p.kv_len, key_base, query_base);
             const float logit_scale = 1.f;
@@ -297,7 +297,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             // With a softcap and no table to differentiate, dS takes the cap's derivative
             // through P, which dV no longer needs (it has pa): dcap ends here, not after dP.
             const bool cap_in_p = p.score.softcap > 0.f && p.score.dist_bias_grad == nullptr;
-            if (cap_in_p) cm_mul_fragment(sc, dcap);
+            if (cap_in_p) cm_mul_dcap(sc, dcap);
 #endif
             cm_wgmma_fence();
     #pragma unroll

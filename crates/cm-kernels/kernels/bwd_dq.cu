@@ -176,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         const u32 key0 = key_of(it);
 #if CM_SCORE
         // The logits with their score terms, already in the log2 domain.
-        float dcap[BLOCK_N / 8][4];
+        CmDcap<BLOCK_N / 8> dcap;
         cm_score_logits<BLOCK_N / 8, false, true>(s, dcap, p.score, dist, p.softmax_scale, head, p.q_len, p.kv_len,
                                                   row0 + warp * 16 + g, key0 + 2 * t);
         const float logit_scale = 1.f;
@@ -197,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
 
 #if CM_SCORE
         // Only the scores before the cap carry its derivative.
-        if (p.score.softcap > 0.f) cm_mul_fragment(dp, dcap);
+        if (p.score.softcap > 0.f) cm_mul_dcap(dp, dcap);
 #endif
         // dQ += dS K: contraction over the tile's 64 keys, K read transposed.
         u32 dsa[BLOCK_N / 16][4];

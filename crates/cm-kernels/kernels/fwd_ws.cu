@@ -385,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 return;
             }
             if (modifies) {
-                float no_dcap[KEY_STEP / 8][4];
+                CmDcap<KEY_STEP / 8> no_dcap;
                 cm_score_logits<KEY_STEP / 8, false, false>(sc, no_dcap, p.score, dist, p.scale_log2 / CM_LOG2E,
                                                            w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                            key0 + 2 * t);

@@ -18,14 +18,34 @@ __device__ __forceinline__ float cm_tanh(float x) {
     return r;
 }
 
-// a *= b element by element: the softcap's derivative into dS (or into P, which becomes dS's
-// factor) in the backward kernels.
+// The softcap's derivative 1 - tanh^2 of a fragment, in [0, 1], as f16 pairs: element [j][e]
+// is half e & 1 of word [j][e >> 1]. The backward multiplies it into dS, which its products
+// round to bf16 / fp16 anyway, and half the registers keep bwd_dkdv's score variant from
+// spilling (32 more live floats across the score terms and dS spilled 1.2 KB a thread).
 template <int NB>
-__device__ __forceinline__ void cm_mul_fragment(float (&a)[NB][4], const float (&b)[NB][4]) {
+using CmDcap = u32[NB][2];
+
+__device__ __forceinline__ u32 cm_pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// a *= dcap element by element: the softcap's derivative into dS (or into P, which becomes
+// dS's factor) in the backward kernels.
+template <int NB>
+__device__ __forceinline__ void cm_mul_dcap(float (&a)[NB][4], const CmDcap<NB>& dcap) {
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[j][e] *= b[j][e];
+        for (int h = 0; h < 2; ++h) {
+            float lo, hi;
+            asm("{ .reg .f16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+                : "=f"(lo), "=f"(hi)
+                : "r"(dcap[j][h]));
+            a[j][2 * h] *= lo;
+            a[j][2 * h + 1] *= hi;
+        }
     }
 }
 
@@ -91,7 +111,7 @@ __device__ __forceinline__ float cm_dist_value(const CmDistTile& d, int j, int e
 // The tile's logits for one combination of terms (compile-time, so every test below folds):
 // LIN a linear bias, DIST 0 none / 1 one constant for the tile / 2 a gather per element.
 template <int NB, bool KEY_ROWS, bool DCAP, bool CAP, bool LIN, int DIST>
-__device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[NB][4], const CmScoreParams& sp,
+__device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], CmDcap<NB>& dcap, const CmScoreParams& sp,
                                               const CmDistTile& d, float softmax_scale, u32 head, u32 q_len,
                                               u32 kv_len, u32 row_base, u32 col_base) {
     const float scale_log2 = softmax_scale * CM_LOG2E;
@@ -119,6 +139,7 @@ __device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[N
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
             float th[2] = {0.f, 0.f};
+            float dc[2] = {1.f, 1.f};
             if (CAP) {
                 th[0] = cm_tanh(s[j][e] * cap_in);
                 th[1] = cm_tanh(s[j][e + 1] * cap_in);
@@ -129,13 +150,13 @@ __device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[N
                 if (LIN) bias = fmaf(col_coef, (float)(8 * j + c), bias);
                 if (DIST == 2) bias += cm_dist_value<KEY_ROWS>(d, j, e + c, len);
                 if (CAP) {
-                    if (DCAP) dcap[j][e + c] = fmaf(-th[c], th[c], 1.f);
+                    dc[c] = fmaf(-th[c], th[c], 1.f);
                     s[j][e + c] = fmaf(cap_out, th[c], bias);
                 } else {
-                    if (DCAP) dcap[j][e + c] = 1.f;
                     s[j][e + c] = fmaf(s[j][e + c], scale_log2, bias);
                 }
             }
+            if (DCAP) dcap[j][e >> 1] = cm_pack_f16x2(dc[0], dc[1]);
         }
     }
 }
@@ -147,7 +168,7 @@ __device__ __forceinline__ void cm_score_tile(float (&s)[NB][4], float (&dcap)[N
 // their values here do not matter. The terms present are uniform over the launch; each
 // combination runs its own unrolled loop.
 template <int NB, bool KEY_ROWS, bool DCAP>
-__device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], float (&dcap)[NB][4], const CmScoreParams& sp,
+__device__ __forceinline__ void cm_score_logits(float (&s)[NB][4], CmDcap<NB>& dcap, const CmScoreParams& sp,
                                                 const CmDistTile& d, float softmax_scale, u32 head, u32 q_len,
                                                 u32 kv_len, u32 row_base, u32 col_base) {
     const bool cap = sp.softcap > 0.f;
