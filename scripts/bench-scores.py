@@ -107,7 +107,7 @@ def main() -> None:
     for wname, program in (("W1", cm.builtin("causal")), ("W6", cm.builtin("document_causal"))):
         plan = program.plan(n)
         pt = plan.to_tensors(dev)
-        dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
+        dims = pt.plan_dims()
         flops = 4 * d * heads * plan.visible_pairs
         scale = 1.0 / math.sqrt(d)
 

@@ -21,11 +21,13 @@ def _tensor(shape, dtype="bfloat16", device=0, addr=0x1000_0000):
     return (addr, tuple(shape), tuple(strides), dtype, device)
 
 
-def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None):
+def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None, ws_order=None):
     arrays = plan._native.kernel_arrays()[:count]
+    if ws_order is None:
+        ws_order = _native.cuda_ws_order([len(a) // 4 for a in plan._native.kernel_arrays()])
     return (plan.q_len if q_len is None else q_len, plan.kv_len, 1, (1, 1),
             [(0x100_0000 * (i + 1), (max(len(a) // 4, 4),), (1,), dtype, device)
-             for i, a in enumerate(arrays)])
+             for i, a in enumerate(arrays)], ws_order)
 
 
 def _forward_args(**change):
@@ -119,8 +121,11 @@ def test_the_descriptor_is_checked_against_the_plan():
     for desc, message in [
         (_descriptor(plan, dtype="int64"), "plan array intervals: dtype int64, expected int32"),
         (_descriptor(plan, device=1), "plan array intervals is on cuda:1"),
-        (_descriptor(plan, count=5), "the plan has 5 kernel arrays, expected 21"),
+        (_descriptor(plan, count=5),
+         f"the plan has 5 kernel arrays, expected {len(_native.CUDA_PLAN_ARRAYS)}"),
         (_descriptor(plan, q_len=200), "the descriptor was built for other lengths"),
+        (_descriptor(plan, ws_order=[0, 0]), r"tile set order \[0, 0\] is not a permutation"),
+        (_descriptor(plan, ws_order=[1]), r"tile set order \[1\] is not a permutation"),
     ]:
         args["plan"] = desc
         with pytest.raises(ValueError, match=message):
@@ -145,3 +150,20 @@ def test_the_backward_checks_its_own_tensors():
             _native.cuda_backward(0, a["plan"], a["q"], a["k"], a["v"], a["out"], a["q"],
                                   a["lse"], bad.get("dlse"), dq, grads[1], grads[2],
                                   bad.get("ws", ws), 0.125, False, NO_SCORE)
+
+
+def test_the_forward_tile_order_follows_the_plans_tiles():
+    """The default forward has a 128-row and a 192-row tile set (``ws128x128_*``,
+    ``ws192x128_*``); a causal plan ranks the 192-row one first, a 256-key sliding window the
+    128-row one (a 192-row block spans 64 more diagonal keys per tile); a wrong count of
+    lengths is refused."""
+    names = _native.CUDA_PLAN_ARRAYS
+    assert "ws128x128_kv_indices" in names and "ws192x128_kv_indices" in names
+
+    def order(plan):
+        return _native.cuda_ws_order([len(a) // 4 for a in plan._native.kernel_arrays()])
+
+    assert order(cm.builtin("causal").plan(8192)) == [1, 0]
+    assert order(cm.builtin("sliding_window", window=256).plan(8192)) == [0, 1]
+    with pytest.raises(ValueError, match="3 array lengths"):
+        _native.cuda_ws_order([1, 2, 3])

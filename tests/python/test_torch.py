@@ -311,7 +311,7 @@ def test_opcheck():
     plan = cm.builtin("hstu", lengths=[5, 4]).plan(9)
     pt = plan.to_tensors()
     q, k, v = _inputs(1, 2, 1, 9, 9, 4, 3, torch.float64)
-    plan_dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
+    plan_dims = pt.plan_dims()
     args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), [], plan_dims, 0.5,
             False)
     torch.library.opcheck(_ops.attention_forward, args)

@@ -515,11 +515,19 @@ fn measure_plan(
     plan: &DevicePlan,
     plan_upload_ms: f64,
 ) -> Result<Measurement, Error> {
-    // The forward kernel's own tiles: its work and its density ceiling.
-    let kernel = rt.forward_kernel();
-    let counts = plan.kernel_tile_counts(kernel);
-    let computed_pairs = plan.kernel_computed_pairs(kernel);
-    let tile = plan.kernel_tile(kernel);
+    // The forward kernel's own tiles (the variant the launch picks): its work and its
+    // density ceiling.
+    let variant = cm_cuda::forward_variant(
+        plan,
+        rt.forward_kernel(),
+        inputs.opts.dtype,
+        (inputs.opts.head_dim as u32, inputs.opts.head_dim_v as u32),
+        false,
+    )
+    .ok_or_else(|| Error::invalid("no forward kernel is built at the benchmark's head dims"))?;
+    let counts = plan.variant_tile_counts(variant);
+    let computed_pairs = plan.variant_computed_pairs(variant);
+    let tile = plan.variant_tile(variant);
     let density = plan.visible_pairs() as f64 / computed_pairs.max(1) as f64;
     let check = check(rt, stream, inputs, rows, plan)?;
     let timing = if check.pass() {

@@ -353,6 +353,23 @@ fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
     Ok((opts, kernel))
 }
 
+/// The tile the order search scores candidates at: that of `kernel`'s first variant at the
+/// benchmark's dtype and head dims (at head_dim 64 `fwd_ws` also has a 192-row variant, which
+/// the launch may pick per plan; orders are searched at the 128-row tile).
+fn kernel_tile(kernel: KernelKind, opts: &BenchOptions) -> Result<(u32, u32)> {
+    let dims = (opts.head_dim as u32, opts.head_dim_v as u32);
+    let v =
+        cm_kernels::find_variant(kernel, opts.dtype, dims.0, dims.1, false).ok_or_else(|| {
+            anyhow!(
+                "{} is not built at head_dim = {} with head_dim_v = {}",
+                kernel.name(),
+                dims.0,
+                dims.1
+            )
+        })?;
+    Ok(cm_kernels::VARIANTS[v].tile())
+}
+
 /// Runs the benchmark; `Ok(false)` when a correctness check failed.
 pub fn run(a: &BenchArgs) -> Result<bool> {
     let (opts, kernel) = options(a)?;
@@ -362,7 +379,7 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
     if a.order_check {
         return run_order_check(a, opts, kernel);
     }
-    let jobs = plan_jobs(a, kernel.tile())?;
+    let jobs = plan_jobs(a, kernel_tile(kernel, &opts)?)?;
     let mut rt = Runtime::new_on_device(0)?;
     rt.set_forward_kernel(kernel)?;
     // The legacy default stream: with one stream, cudarc adds no event bookkeeping to the
@@ -1068,7 +1085,7 @@ fn plan_order_case(c: &'static OrderCase, tile: (u32, u32)) -> Result<PlannedCas
 }
 
 fn run_order_check(a: &BenchArgs, opts: BenchOptions, kernel: KernelKind) -> Result<bool> {
-    let tile = kernel.tile();
+    let tile = kernel_tile(kernel, &opts)?;
     // Plan every case before touching the GPU.
     let planned = ORDER_CASES
         .iter()

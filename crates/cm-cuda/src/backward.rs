@@ -428,8 +428,9 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         })
     };
     // bwd_dkdv's keys per CTA: its 128-key block, or one half of it at the wide shapes.
-    let dkdv_keys = cm_kernels::VARIANTS[variant(KernelKind::BwdDkDv)?].key_step();
-    let ctas_per_block = cm_kernels::BWD_TILE.1 / dkdv_keys;
+    let dkdv = &cm_kernels::VARIANTS[variant(KernelKind::BwdDkDv)?];
+    let dkdv_keys = dkdv.key_step();
+    let ctas_per_block = dkdv.block_n / dkdv_keys;
     let (b32, h32, h_kv32) = (b as u32, h as u32, h_kv as u32);
     let per_query_block = (plan.num_m_blocks, h32, b32);
     let mut steps = Vec::with_capacity(3);
@@ -529,7 +530,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         bwd_pairs: b32.saturating_mul(h_kv32),
         score: a.score.params(plan.q_len, plan.kv_len, true),
     };
-    let query_rows = cm_kernels::BWD_TILE.0;
+    let query_rows = dkdv.block_m;
     let tensor_maps = [
         TensorMap::encode("q", a.dtype, a.q, &a.q_layout, query_rows)?,
         TensorMap::encode("dout", a.dtype, a.dout, &a.dout_layout, query_rows)?,
@@ -704,7 +705,7 @@ impl Runtime {
             let variant = &cm_kernels::VARIANTS[step.variant];
             let config = LaunchConfig {
                 grid_dim: step.grid,
-                block_dim: (variant.kernel.threads(), 1, 1),
+                block_dim: (variant.threads(), 1, 1),
                 shared_mem_bytes: variant.dynamic_shared_bytes(),
             };
             let mut builder = stream.launch_builder(self.function(step.variant));

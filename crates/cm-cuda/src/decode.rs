@@ -442,7 +442,7 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
     };
     let config = LaunchConfig {
         grid_dim: (grid_x, num_kv_heads as u32, a.num_splits),
-        block_dim: (kernel.kernel.threads(), 1, 1),
+        block_dim: (kernel.threads(), 1, 1),
         shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };
     let merge = if a.num_splits > 1 {
@@ -453,7 +453,7 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
                 ))
             })?;
         let items = total_q as u64 * num_heads as u64;
-        let warps = (cm_kernels::VARIANTS[v].kernel.threads() / 32) as u64;
+        let warps = (cm_kernels::VARIANTS[v].threads() / 32) as u64;
         let blocks = u32::try_from(items.div_ceil(warps)).map_err(|_| {
             Error::invalid(format!(
                 "total_q x num_heads = {items} exceeds the merge's grid"
@@ -463,7 +463,7 @@ pub(crate) fn prepare_decode(a: &DecodeRaw) -> Result<Option<DecodeLaunch>, Erro
             v,
             LaunchConfig {
                 grid_dim: (blocks, 1, 1),
-                block_dim: (cm_kernels::VARIANTS[v].kernel.threads(), 1, 1),
+                block_dim: (cm_kernels::VARIANTS[v].threads(), 1, 1),
                 shared_mem_bytes: 0,
             },
         ))

@@ -1,7 +1,7 @@
 //! Forward attention: argument checking and the launch.
 
 use crate::layout::VECTOR_BYTES;
-use crate::plan::{PlanArray, PlanLayout};
+use crate::plan::{ws_set, PlanArray, PlanLayout, WsArray};
 use crate::score::{Score, ScoreParams, ScoreRaw};
 use crate::tma::TensorMap;
 use crate::{DType, Error, LseLayout, TensorLayout};
@@ -153,6 +153,28 @@ pub fn check_forward(plan: &PlanLayout, a: &ForwardRaw) -> Result<(), Error> {
     prepare(plan, a, KernelKind::FwdWs, false).map(|_| ())
 }
 
+/// The variant of `kernel_kind` a forward over `plan` runs at `dtype` and `(head_dim,
+/// head_dim_v)`, with or without score terms, as an index into [`cm_kernels::VARIANTS`]:
+/// where several tiles are built (`fwd_ws` at head_dim 64), the one the plan ranks first
+/// ([`crate::plan::ws_order`]). `None` when the shape is not built.
+pub fn forward_variant(
+    plan: &PlanLayout,
+    kernel_kind: KernelKind,
+    dtype: DType,
+    (head_dim, head_dim_v): (u32, u32),
+    scored: bool,
+) -> Option<usize> {
+    let order = plan.ws_order();
+    let rank = |i: &usize| {
+        let v = &cm_kernels::VARIANTS[*i];
+        match ws_set(v.tile()) {
+            Some(set) if v.kernel == KernelKind::FwdWs => order.iter().position(|&s| s == set),
+            _ => None,
+        }
+    };
+    cm_kernels::find_variants(kernel_kind, dtype, head_dim, head_dim_v, scored).min_by_key(rank)
+}
+
 /// Every host-side check of a forward launch; no device work and no synchronisation. With
 /// `encode_maps`, also `fwd_ws`'s TMA descriptors (the one step that calls the driver).
 pub(crate) fn prepare(
@@ -175,7 +197,7 @@ pub(crate) fn prepare(
         )));
     }
     a.score.check(plan.q_len, plan.kv_len)?;
-    let variant = cm_kernels::find_variant(kernel_kind, a.dtype, head_dim, head_dim_v, scored)
+    let variant = forward_variant(plan, kernel_kind, a.dtype, (head_dim, head_dim_v), scored)
         .ok_or_else(|| {
             let built = cm_kernels::built_head_dims(kernel_kind, a.dtype, scored);
             Error::invalid(format!(
@@ -240,7 +262,7 @@ pub(crate) fn prepare(
             a.softmax_scale
         )));
     }
-    // Every plan carries the lists at WS_TILE for FwdWs; the other kernels read the plan's own.
+    // Every plan carries FwdWs's lists at each of its tiles; the other kernels read the plan's own.
     let (tile_m, tile_n) = cm_kernels::TILE;
     if (plan.tile.block_m, plan.tile.block_n) != (tile_m, tile_n) {
         return Err(Error::invalid(format!(
@@ -276,16 +298,18 @@ pub(crate) fn prepare(
     // fwd_ws through per-row visibility bits, the others through `partial_row_first` into
     // the intervals.
     let (lists, row_limits, num_m_blocks) = if ws {
+        let set = ws_set(kernel.tile()).expect("FWD_WS_TILES holds every fwd_ws tile");
+        let ws = |a: WsArray| PlanArray::Ws(a, set);
         (
             [
-                PlanArray::WsMBlockOrder,
-                PlanArray::WsKvOffsets,
-                PlanArray::WsKvIndices,
-                PlanArray::WsFullKvOffsets,
-                PlanArray::WsFullKvIndices,
+                ws(WsArray::MBlockOrder),
+                ws(WsArray::KvOffsets),
+                ws(WsArray::KvIndices),
+                ws(WsArray::FullKvOffsets),
+                ws(WsArray::FullKvIndices),
             ],
-            (0, plan.addr(PlanArray::WsPartialRowMask)),
-            plan.ws_num_m_blocks,
+            (0, plan.addr(ws(WsArray::PartialRowMask))),
+            plan.ws_num_m_blocks[set],
         )
     } else {
         (
@@ -336,7 +360,7 @@ pub(crate) fn prepare(
         score: a.score.params(plan.q_len, plan.kv_len, false),
     };
     let tensor_maps = if ws && encode_maps {
-        let (rows, keys) = (kernel_kind.tile().0, kernel.key_step());
+        let (rows, keys) = (kernel.tile().0, kernel.key_step());
         Some([
             TensorMap::encode("q", a.dtype, a.q, &a.q_layout, rows)?,
             TensorMap::encode("k", a.dtype, a.k, &a.k_layout, keys)?,
@@ -358,7 +382,7 @@ pub(crate) fn prepare(
     };
     let config = LaunchConfig {
         grid_dim,
-        block_dim: (kernel.kernel.threads(), 1, 1),
+        block_dim: (kernel.threads(), 1, 1),
         shared_mem_bytes: kernel.dynamic_shared_bytes(),
     };
     let elem = a.dtype.size_bytes() as u64;
@@ -439,6 +463,49 @@ mod tests {
             (0xa000_0000, 0),
             false,
         )
+    }
+
+    /// The layout of one mask's descriptor (`rows[q]` its intervals) at made-up addresses.
+    fn layout_of(rows: &RowIntervals) -> PlanLayout {
+        let (block_m, block_n) = cm_kernels::TILE;
+        let tile = TileShape { block_m, block_n };
+        let host = HostPlan::build(rows, tile);
+        let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
+        for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
+            *slot = (0x100_0000 * (i as u64 + 1), a.len());
+        }
+        PlanLayout::new(rows.q_len(), rows.kv_len(), tile, 1, [1, 1], arrays).unwrap()
+    }
+
+    /// At head_dim 64 `fwd_ws` has a 128-row and a 192-row variant: a causal plan (the
+    /// deeper tile wastes about 1% more pairs) runs the 192-row one, a narrow sliding window
+    /// (a 192-row block spans 64 more keys of diagonal per tile) the 128-row one; with score
+    /// terms or at head_dim 128 there is one variant, and unbuilt shapes have none.
+    #[test]
+    fn fwd_ws_picks_its_tile_by_the_plans_listed_tiles() {
+        let n = 8192u32;
+        let causal: Vec<Vec<(u32, u32)>> = (0..n).map(|q| vec![(0, q + 1)]).collect();
+        let window: Vec<Vec<(u32, u32)>> = (0..n)
+            .map(|q| vec![(q.saturating_sub(255), q + 1)])
+            .collect();
+        let causal = layout_of(&RowIntervals::from_rows(n, &causal).unwrap());
+        let window = layout_of(&RowIntervals::from_rows(n, &window).unwrap());
+        let pick = |plan: &PlanLayout, d: u32, scored: bool| {
+            forward_variant(plan, KernelKind::FwdWs, DType::Bf16, (d, d), scored)
+                .map(|i| cm_kernels::VARIANTS[i].tile())
+        };
+        assert_eq!(pick(&causal, 64, false), Some((192, 128)));
+        assert_eq!(pick(&window, 64, false), Some((128, 128)));
+        assert_eq!(pick(&causal, 64, true), Some((128, 128)));
+        assert_eq!(pick(&causal, 128, false), Some((128, 128)));
+        assert_eq!(pick(&causal, 96, false), None);
+        // The launch reads the chosen set's lists: 8192 rows are 43 blocks of 192.
+        let a = args(1, 2, 2, n as usize, n as usize, 64);
+        let launch = prepare(&causal, &a, KernelKind::FwdWs, false)
+            .unwrap()
+            .unwrap();
+        assert_eq!(launch.params.num_m_blocks, 43);
+        assert_eq!(launch.config.block_dim.0, 512);
     }
 
     fn err(plan: &PlanLayout, a: &ForwardRaw) -> String {

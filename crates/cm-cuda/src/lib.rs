@@ -64,12 +64,15 @@ pub mod score;
 mod tma;
 
 pub use backward::{backward_workspace_len, check_backward, Backward, BackwardRaw};
-pub use cm_kernels::{DType, KernelKind, BWD_TILE, TILE, WS_TILE};
+pub use cm_kernels::{DType, KernelKind, BWD_TILE, FWD_WS_TILES, TILE};
 pub use decode::{check_decode, decode_splits, decode_workspace_len, Decode, DecodeRaw};
 pub use error::Error;
-pub use forward::{check_forward, Forward, ForwardRaw};
+pub use forward::{check_forward, forward_variant, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
-pub use plan::{DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, PLAN_ARRAY_COUNT};
+pub use plan::{
+    ws_order, DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, WsArray, PLAN_ARRAY_COUNT,
+    WS_SETS,
+};
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

@@ -18,8 +18,12 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::ops::Deref;
 use std::sync::Arc;
 
+/// Sets of forward lists for [`crate::KernelKind::FwdWs`], one per tile its variants declare
+/// ([`cm_kernels::FWD_WS_TILES`]).
+pub const WS_SETS: usize = cm_kernels::FWD_WS_TILES.len();
+
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 21;
+pub const PLAN_ARRAY_COUNT: usize = 15 + 6 * WS_SETS;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -28,11 +32,12 @@ pub const PLAN_ARRAY_COUNT: usize = 21;
 /// intervals (`row_ptr [q_len + 1]`, `intervals [2 * num_intervals]` as `[start, end)` pairs)
 /// and the order in which query blocks are scheduled (`[num_m_blocks]`, most tiles first, so the
 /// longest CTAs start first), read by the reference forwards and the backward's `bwd_dq`. All
-/// of these are at the plan's tile ([`cm_kernels::TILE`]); the `Ws*` arrays repeat the forward lists and their
-/// query-block order at [`cm_kernels::WS_TILE`] for [`crate::KernelKind::FwdWs`], whose partial
-/// tiles read each row's visibility as bits (`ws_partial_row_mask [num_partial, block_m,
-/// block_n / 32]`: bit `c % 32` of word `c / 32` set when key `n_block * block_n + c` is
-/// visible from the row; rows past `q_len` have no bits). The `Bwd*` arrays are the backward
+/// of these are at the plan's tile ([`cm_kernels::TILE`]). [`PlanArray::Ws`] repeats the
+/// forward lists and their query-block order at each tile of [`crate::KernelKind::FwdWs`]'s
+/// variants ([`cm_kernels::FWD_WS_TILES`], one set each), whose partial tiles read each row's
+/// visibility as bits (`partial_row_mask [num_partial, block_m, block_n / 32]`: bit `c % 32`
+/// of word `c / 32` set when key `n_block * block_n + c` is visible from the row; rows past
+/// `q_len` have no bits). The `Bwd*` arrays are the backward
 /// lists at [`cm_kernels::BWD_TILE`] for the warp-specialised dK/dV kernel: the key-block order
 /// (`bwd_n_block_order [num_n_blocks]`, most tiles first), the transposed lists
 /// (`bwd_q_offsets [num_n_blocks + 1]`, `bwd_q_indices [num_partial]`, `bwd_full_q_*`
@@ -59,12 +64,8 @@ pub enum PlanArray {
     FullKvIndices,
     PartialRowFirst,
     RowPtr,
-    WsMBlockOrder,
-    WsKvOffsets,
-    WsKvIndices,
-    WsFullKvOffsets,
-    WsFullKvIndices,
-    WsPartialRowMask,
+    /// One of the forward lists at [`cm_kernels::FWD_WS_TILES`]`[set]`.
+    Ws(WsArray, usize),
     BwdNBlockOrder,
     BwdQOffsets,
     BwdQIndices,
@@ -74,34 +75,95 @@ pub enum PlanArray {
     MaskIndex,
 }
 
-impl PlanArray {
-    /// Every array, in the order of [`HostPlan::arrays`] and [`PlanView::borrowed`].
-    pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = [
-        PlanArray::Intervals,
-        PlanArray::MBlockOrder,
-        PlanArray::KvOffsets,
-        PlanArray::KvIndices,
-        PlanArray::FullKvOffsets,
-        PlanArray::FullKvIndices,
-        PlanArray::PartialRowFirst,
-        PlanArray::RowPtr,
-        PlanArray::WsMBlockOrder,
-        PlanArray::WsKvOffsets,
-        PlanArray::WsKvIndices,
-        PlanArray::WsFullKvOffsets,
-        PlanArray::WsFullKvIndices,
-        PlanArray::WsPartialRowMask,
-        PlanArray::BwdNBlockOrder,
-        PlanArray::BwdQOffsets,
-        PlanArray::BwdQIndices,
-        PlanArray::BwdFullQOffsets,
-        PlanArray::BwdFullQIndices,
-        PlanArray::BwdPartialKeyMask,
-        PlanArray::MaskIndex,
+/// The arrays of one [`PlanArray::Ws`] set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WsArray {
+    MBlockOrder,
+    KvOffsets,
+    KvIndices,
+    FullKvOffsets,
+    FullKvIndices,
+    PartialRowMask,
+}
+
+impl WsArray {
+    const ALL: [WsArray; 6] = [
+        WsArray::MBlockOrder,
+        WsArray::KvOffsets,
+        WsArray::KvIndices,
+        WsArray::FullKvOffsets,
+        WsArray::FullKvIndices,
+        WsArray::PartialRowMask,
     ];
 
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
+            WsArray::MBlockOrder => "m_block_order",
+            WsArray::KvOffsets => "kv_offsets",
+            WsArray::KvIndices => "kv_indices",
+            WsArray::FullKvOffsets => "full_kv_offsets",
+            WsArray::FullKvIndices => "full_kv_indices",
+            WsArray::PartialRowMask => "partial_row_mask",
+        }
+    }
+}
+
+impl PlanArray {
+    /// Every array, in the order of [`HostPlan::arrays`] and [`PlanLayout::new`].
+    pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = {
+        const HEAD: [PlanArray; 8] = [
+            PlanArray::Intervals,
+            PlanArray::MBlockOrder,
+            PlanArray::KvOffsets,
+            PlanArray::KvIndices,
+            PlanArray::FullKvOffsets,
+            PlanArray::FullKvIndices,
+            PlanArray::PartialRowFirst,
+            PlanArray::RowPtr,
+        ];
+        const TAIL: [PlanArray; 7] = [
+            PlanArray::BwdNBlockOrder,
+            PlanArray::BwdQOffsets,
+            PlanArray::BwdQIndices,
+            PlanArray::BwdFullQOffsets,
+            PlanArray::BwdFullQIndices,
+            PlanArray::BwdPartialKeyMask,
+            PlanArray::MaskIndex,
+        ];
+        let mut all = [PlanArray::MaskIndex; PLAN_ARRAY_COUNT];
+        let mut i = 0;
+        while i < HEAD.len() {
+            all[i] = HEAD[i];
+            i += 1;
+        }
+        let mut j = 0;
+        while j < 6 * WS_SETS {
+            all[i + j] = PlanArray::Ws(WsArray::ALL[j % 6], j / 6);
+            j += 1;
+        }
+        let mut k = 0;
+        while k < TAIL.len() {
+            all[i + j + k] = TAIL[k];
+            k += 1;
+        }
+        all
+    };
+
+    /// Position in [`PlanArray::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            PlanArray::Ws(a, set) => 8 + 6 * set + a as usize,
+            other => PlanArray::ALL
+                .iter()
+                .position(|&x| x == other)
+                .expect("every array is in ALL"),
+        }
+    }
+
+    /// The array's name: `kv_offsets`, or `ws192x128_kv_offsets` for a [`PlanArray::Ws`] set
+    /// (named by its tile).
+    pub fn name(self) -> String {
+        let plain = match self {
             PlanArray::Intervals => "intervals",
             PlanArray::MBlockOrder => "m_block_order",
             PlanArray::KvOffsets => "kv_offsets",
@@ -110,12 +172,10 @@ impl PlanArray {
             PlanArray::FullKvIndices => "full_kv_indices",
             PlanArray::PartialRowFirst => "partial_row_first",
             PlanArray::RowPtr => "row_ptr",
-            PlanArray::WsMBlockOrder => "ws_m_block_order",
-            PlanArray::WsKvOffsets => "ws_kv_offsets",
-            PlanArray::WsKvIndices => "ws_kv_indices",
-            PlanArray::WsFullKvOffsets => "ws_full_kv_offsets",
-            PlanArray::WsFullKvIndices => "ws_full_kv_indices",
-            PlanArray::WsPartialRowMask => "ws_partial_row_mask",
+            PlanArray::Ws(a, set) => {
+                let (m, n) = cm_kernels::FWD_WS_TILES[set];
+                return format!("ws{m}x{n}_{}", a.name());
+            }
             PlanArray::BwdNBlockOrder => "bwd_n_block_order",
             PlanArray::BwdQOffsets => "bwd_q_offsets",
             PlanArray::BwdQIndices => "bwd_q_indices",
@@ -123,23 +183,49 @@ impl PlanArray {
             PlanArray::BwdFullQIndices => "bwd_full_q_indices",
             PlanArray::BwdPartialKeyMask => "bwd_partial_key_mask",
             PlanArray::MaskIndex => "mask_index",
-        }
+        };
+        plain.to_string()
     }
 
     /// One mask's length of the array when the lengths alone fix it (`None` when the mask does,
     /// and for `mask_index`, whose length the plan's batch and heads fix), given
-    /// `num_m_blocks` query blocks at the plan's tile, `ws_m` query blocks at the `Ws*` tile
-    /// and `bwd_n` key blocks at the `Bwd*` tile.
-    fn fixed_len(self, q_len: u32, num_m_blocks: u32, ws_m: u32, bwd_n: u32) -> Option<usize> {
-        let (m, ws_m, bwd_n) = (num_m_blocks as usize, ws_m as usize, bwd_n as usize);
+    /// `num_m_blocks` query blocks at the plan's tile, `ws_m[set]` query blocks at each
+    /// [`PlanArray::Ws`] set's tile and `bwd_n` key blocks at the `Bwd*` tile.
+    fn fixed_len(
+        self,
+        q_len: u32,
+        num_m_blocks: u32,
+        ws_m: &[u32; WS_SETS],
+        bwd_n: u32,
+    ) -> Option<usize> {
+        let (m, bwd_n) = (num_m_blocks as usize, bwd_n as usize);
         match self {
             PlanArray::MBlockOrder => Some(m),
             PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
-            PlanArray::WsMBlockOrder => Some(ws_m),
-            PlanArray::WsKvOffsets | PlanArray::WsFullKvOffsets => Some(ws_m + 1),
+            PlanArray::Ws(WsArray::MBlockOrder, set) => Some(ws_m[set] as usize),
+            PlanArray::Ws(WsArray::KvOffsets | WsArray::FullKvOffsets, set) => {
+                Some(ws_m[set] as usize + 1)
+            }
             PlanArray::RowPtr => Some(q_len as usize + 1),
             PlanArray::BwdNBlockOrder => Some(bwd_n),
             PlanArray::BwdQOffsets | PlanArray::BwdFullQOffsets => Some(bwd_n + 1),
+            _ => None,
+        }
+    }
+
+    /// The array that an offsets array points into (`None` for the others): the base a
+    /// plan of several masks adds to each mask's offsets.
+    fn indexes(self) -> Option<PlanArray> {
+        match self {
+            PlanArray::RowPtr | PlanArray::PartialRowFirst => Some(PlanArray::Intervals),
+            PlanArray::KvOffsets => Some(PlanArray::KvIndices),
+            PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
+            PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
+            PlanArray::Ws(WsArray::FullKvOffsets, set) => {
+                Some(PlanArray::Ws(WsArray::FullKvIndices, set))
+            }
+            PlanArray::BwdQOffsets => Some(PlanArray::BwdQIndices),
+            PlanArray::BwdFullQOffsets => Some(PlanArray::BwdFullQIndices),
             _ => None,
         }
     }
@@ -150,7 +236,7 @@ impl PlanArray {
             // Read as 8-byte (start, end) pairs.
             PlanArray::Intervals => 8,
             // A row's 128 bits are one 16-byte load.
-            PlanArray::WsPartialRowMask => 16,
+            PlanArray::Ws(WsArray::PartialRowMask, _) => 16,
             // Each tile's 1 KB is one bulk async copy.
             PlanArray::BwdPartialKeyMask => 16,
             _ => 4,
@@ -164,16 +250,58 @@ fn block_counts(q_len: u32, kv_len: u32, tile: TileShape) -> (u32, u32) {
     (q_len.div_ceil(bm), kv_len.div_ceil(bn))
 }
 
-/// The tile shape of the `Ws*` arrays.
-pub(crate) fn ws_tile() -> TileShape {
-    let (block_m, block_n) = cm_kernels::WS_TILE;
+/// The tile shape of [`PlanArray::Ws`] set `set`.
+pub(crate) fn ws_tile(set: usize) -> TileShape {
+    let (block_m, block_n) = cm_kernels::FWD_WS_TILES[set];
     TileShape { block_m, block_n }
+}
+
+/// The [`PlanArray::Ws`] set at `tile`, if `fwd_ws` has variants there.
+pub(crate) fn ws_set(tile: (u32, u32)) -> Option<usize> {
+    cm_kernels::FWD_WS_TILES.iter().position(|&t| t == tile)
 }
 
 /// The tile shape of the `Bwd*` arrays.
 pub(crate) fn bwd_tile() -> TileShape {
     let (block_m, block_n) = cm_kernels::BWD_TILE;
     TileShape { block_m, block_n }
+}
+
+/// Query blocks at each [`PlanArray::Ws`] set's tile.
+fn ws_m_blocks(q_len: u32, kv_len: u32) -> [u32; WS_SETS] {
+    std::array::from_fn(|set| block_counts(q_len, kv_len, ws_tile(set)).0)
+}
+
+/// Throughput per computed pair of `fwd_ws` at a tile relative to its 128-row tile: the
+/// 192-row tile (three consumer warpgroups, head_dim 64) ran 1.07-1.17x as many computed
+/// pairs per second on the H200 over W1-W8 (the least on masks of many partial tiles;
+/// BENCHMARKS.md, "Forward at head_dim 64: 192-row tiles"); at 1.12 each workload there
+/// runs the faster of its two tiles, or one within 2% of it (W2 at 8K).
+fn relative_rate(tile: (u32, u32)) -> f64 {
+    if tile.0 >= 192 {
+        1.12
+    } else {
+        1.0
+    }
+}
+
+/// The [`PlanArray::Ws`] sets best first for a plan whose arrays have lengths `lens` (in
+/// [`PlanArray::ALL`] order, as [`HostPlan::arrays`] made them, before any padding): by the
+/// pairs their listed tiles (full and partial, over every mask) cover, divided by the tile's
+/// [`relative_rate`], so that masks whose rows a deeper tile covers with more waste (narrow
+/// windows) keep the 128-row tile. Ties keep [`cm_kernels::FWD_WS_TILES`]' order.
+pub fn ws_order(lens: &[usize; PLAN_ARRAY_COUNT]) -> [usize; WS_SETS] {
+    let cost = |set: usize| {
+        let tiles: usize = [WsArray::KvIndices, WsArray::FullKvIndices]
+            .iter()
+            .map(|&a| lens[PlanArray::Ws(a, set).index()])
+            .sum();
+        let (m, n) = cm_kernels::FWD_WS_TILES[set];
+        tiles as f64 * f64::from(m * n) / relative_rate((m, n))
+    };
+    let mut order: [usize; WS_SETS] = std::array::from_fn(|set| set);
+    order.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
+    order
 }
 
 /// Block indices `0..count` with the most work first (ties: the later block first, which for
@@ -189,7 +317,7 @@ fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
 }
 
 /// The visibility bits of every row of every partial tile of `desc` (see
-/// [`PlanArray::WsPartialRowMask`]), from the rows' intervals starting at each row's
+/// [`PlanArray::Ws`]), from the rows' intervals starting at each row's
 /// `partial_row_first`.
 fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let per_row = desc.partial_rows(rows);
@@ -305,19 +433,19 @@ struct PlanStats {
     visible_pairs: u64,
     computed_pairs: u64,
     counts: TileCounts,
-    ws_computed_pairs: u64,
-    ws_counts: TileCounts,
+    ws_computed_pairs: [u64; WS_SETS],
+    ws_counts: [TileCounts; WS_SETS],
 }
 
 impl PlanStats {
     fn add(&mut self, o: &PlanStats) {
         self.visible_pairs += o.visible_pairs;
         self.computed_pairs += o.computed_pairs;
-        self.ws_computed_pairs += o.ws_computed_pairs;
-        for (a, b) in [
-            (&mut self.counts, &o.counts),
-            (&mut self.ws_counts, &o.ws_counts),
-        ] {
+        for (a, b) in self.ws_computed_pairs.iter_mut().zip(&o.ws_computed_pairs) {
+            *a += b;
+        }
+        let ws = self.ws_counts.iter_mut().zip(&o.ws_counts);
+        for (a, b) in std::iter::once((&mut self.counts, &o.counts)).chain(ws) {
             a.full += b.full;
             a.partial += b.partial;
             a.empty += b.empty;
@@ -326,16 +454,15 @@ impl PlanStats {
 }
 
 impl HostPlan {
-    /// Builds the descriptor of `rows` at `tile` (the kernels' tile shape, see
-    /// [`crate::KernelKind::tile`]), with the `Ws*` arrays at [`cm_kernels::WS_TILE`] and the
-    /// `Bwd*` arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
+    /// Builds the descriptor of `rows` at `tile` (the plan's own tile, [`cm_kernels::TILE`]),
+    /// with a [`PlanArray::Ws`] set at each of [`cm_kernels::FWD_WS_TILES`] and the `Bwd*`
+    /// arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
         let per_row = desc.partial_rows(rows);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
-        let ws = TileDescriptor::build(rows, ws_tile());
-        let ws_order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
-        let ws_masks = partial_row_masks(&ws, rows);
+        let ws: [TileDescriptor; WS_SETS] =
+            std::array::from_fn(|set| TileDescriptor::build(rows, ws_tile(set)));
         let bwd = TileDescriptor::build(rows, bwd_tile());
         let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
         let bwd_masks = partial_key_masks(&bwd, rows);
@@ -348,33 +475,44 @@ impl HostPlan {
             visible_pairs: rows.visible_pairs(),
             computed_pairs: desc.computed_pairs,
             counts: desc.counts(),
-            ws_computed_pairs: ws.computed_pairs,
-            ws_counts: ws.counts(),
+            ws_computed_pairs: std::array::from_fn(|set| ws[set].computed_pairs),
+            ws_counts: std::array::from_fn(|set| ws[set].counts()),
         };
-        // In `PlanArray::ALL` order.
-        let arrays = [
-            flat_intervals,
-            order,
-            desc.kv_offsets,
-            desc.kv_indices,
-            desc.full_kv_offsets,
-            desc.full_kv_indices,
-            per_row.partial_row_first,
-            rows.row_ptr().to_vec(),
-            ws_order,
-            ws.kv_offsets,
-            ws.kv_indices,
-            ws.full_kv_offsets,
-            ws.full_kv_indices,
-            ws_masks,
-            bwd_order,
-            bwd.q_offsets,
-            bwd.q_indices,
-            bwd.full_q_offsets,
-            bwd.full_q_indices,
-            bwd_masks,
-            vec![0],
-        ];
+        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
+        let mut put = |a: PlanArray, v: Vec<u32>| arrays[a.index()] = v;
+        for (set, ws) in ws.into_iter().enumerate() {
+            let order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
+            put(PlanArray::Ws(WsArray::MBlockOrder, set), order);
+            put(
+                PlanArray::Ws(WsArray::PartialRowMask, set),
+                partial_row_masks(&ws, rows),
+            );
+            put(PlanArray::Ws(WsArray::KvOffsets, set), ws.kv_offsets);
+            put(PlanArray::Ws(WsArray::KvIndices, set), ws.kv_indices);
+            put(
+                PlanArray::Ws(WsArray::FullKvOffsets, set),
+                ws.full_kv_offsets,
+            );
+            put(
+                PlanArray::Ws(WsArray::FullKvIndices, set),
+                ws.full_kv_indices,
+            );
+        }
+        put(PlanArray::Intervals, flat_intervals);
+        put(PlanArray::MBlockOrder, order);
+        put(PlanArray::KvOffsets, desc.kv_offsets);
+        put(PlanArray::KvIndices, desc.kv_indices);
+        put(PlanArray::FullKvOffsets, desc.full_kv_offsets);
+        put(PlanArray::FullKvIndices, desc.full_kv_indices);
+        put(PlanArray::PartialRowFirst, per_row.partial_row_first);
+        put(PlanArray::RowPtr, rows.row_ptr().to_vec());
+        put(PlanArray::BwdNBlockOrder, bwd_order);
+        put(PlanArray::BwdQOffsets, bwd.q_offsets);
+        put(PlanArray::BwdQIndices, bwd.q_indices);
+        put(PlanArray::BwdFullQOffsets, bwd.full_q_offsets);
+        put(PlanArray::BwdFullQIndices, bwd.full_q_indices);
+        put(PlanArray::BwdPartialKeyMask, bwd_masks);
+        put(PlanArray::MaskIndex, vec![0]);
         HostPlan {
             q_len: rows.q_len(),
             kv_len: rows.kv_len(),
@@ -435,13 +573,13 @@ impl HostPlan {
         let num_masks = u32::try_from(masks.len())
             .map_err(|_| Error::invalid(format!("{} masks exceed 2^32", masks.len())))?;
         let parts: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
-        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = Default::default();
+        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
         for part in &parts {
             // Bases of the concatenated arrays that this mask's offsets point into: intervals
             // (counted in intervals, as row_ptr and partial_row_first count them) and each
             // list of tile indices.
             let base = |a: PlanArray| -> Result<u32, Error> {
-                let len = arrays[a as usize].len();
+                let len = arrays[a.index()].len();
                 let len = if a == PlanArray::Intervals {
                     len / 2
                 } else {
@@ -454,29 +592,19 @@ impl HostPlan {
                     ))
                 })
             };
-            let rebase = [
-                (PlanArray::RowPtr, base(PlanArray::Intervals)?),
-                (PlanArray::PartialRowFirst, base(PlanArray::Intervals)?),
-                (PlanArray::KvOffsets, base(PlanArray::KvIndices)?),
-                (PlanArray::FullKvOffsets, base(PlanArray::FullKvIndices)?),
-                (PlanArray::WsKvOffsets, base(PlanArray::WsKvIndices)?),
-                (
-                    PlanArray::WsFullKvOffsets,
-                    base(PlanArray::WsFullKvIndices)?,
-                ),
-                (PlanArray::BwdQOffsets, base(PlanArray::BwdQIndices)?),
-                (
-                    PlanArray::BwdFullQOffsets,
-                    base(PlanArray::BwdFullQIndices)?,
-                ),
-            ];
+            let mut shifts = [0u32; PLAN_ARRAY_COUNT];
+            for a in PlanArray::ALL {
+                if let Some(target) = a.indexes() {
+                    shifts[a.index()] = base(target)?;
+                }
+            }
             for a in PlanArray::ALL {
                 if a == PlanArray::MaskIndex {
                     continue;
                 }
-                let shift = rebase.iter().find(|(r, _)| *r == a).map_or(0, |&(_, b)| b);
-                let src = &part.arrays[a as usize];
-                let dst = &mut arrays[a as usize];
+                let shift = shifts[a.index()];
+                let src = &part.arrays[a.index()];
+                let dst = &mut arrays[a.index()];
                 for &v in src {
                     dst.push(v.checked_add(shift).ok_or_else(|| {
                         Error::invalid(format!(
@@ -487,7 +615,7 @@ impl HostPlan {
                 }
             }
         }
-        arrays[PlanArray::MaskIndex as usize] = mask_index.to_vec();
+        arrays[PlanArray::MaskIndex.index()] = mask_index.to_vec();
         let mut stats = PlanStats::default();
         for &m in mask_index {
             stats.add(&parts[m as usize].stats);
@@ -534,8 +662,11 @@ pub struct PlanLayout {
     pub(crate) kv_len: u32,
     pub(crate) tile: TileShape,
     pub(crate) num_m_blocks: u32,
-    /// Query blocks at [`cm_kernels::WS_TILE`].
-    pub(crate) ws_num_m_blocks: u32,
+    /// Query blocks at each [`PlanArray::Ws`] set's tile.
+    pub(crate) ws_num_m_blocks: [u32; WS_SETS],
+    /// The [`PlanArray::Ws`] sets best first for this plan ([`ws_order`]): a forward of
+    /// [`crate::KernelKind::FwdWs`] runs the first set's tile that is built for its head dims.
+    pub(crate) ws_order: [usize; WS_SETS],
     /// Key blocks at [`cm_kernels::BWD_TILE`].
     pub(crate) bwd_num_n_blocks: u32,
     /// Distinct masks in the arrays.
@@ -603,7 +734,7 @@ impl PlanLayout {
             )));
         }
         let (num_m_blocks, _) = block_counts(q_len, kv_len, tile);
-        let (ws_num_m_blocks, _) = block_counts(q_len, kv_len, ws_tile());
+        let ws_num_m_blocks = ws_m_blocks(q_len, kv_len);
         let (_, bwd_num_n_blocks) = block_counts(q_len, kv_len, bwd_tile());
         for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
             if addr == 0 || addr % a.align() != 0 {
@@ -616,7 +747,7 @@ impl PlanLayout {
             let need = if *a == PlanArray::MaskIndex {
                 Some(mask_dims[0] as usize * mask_dims[1] as usize)
             } else {
-                a.fixed_len(q_len, num_m_blocks, ws_num_m_blocks, bwd_num_n_blocks)
+                a.fixed_len(q_len, num_m_blocks, &ws_num_m_blocks, bwd_num_n_blocks)
                     .map(|n| n * num_masks as usize)
             };
             if let Some(need) = need {
@@ -630,6 +761,7 @@ impl PlanLayout {
                 }
             }
         }
+        let lens = arrays.map(|(_, len)| len);
         Ok(PlanLayout {
             addrs: arrays.map(|(addr, _)| addr),
             q_len,
@@ -637,10 +769,37 @@ impl PlanLayout {
             tile,
             num_m_blocks,
             ws_num_m_blocks,
+            ws_order: ws_order(&lens),
             bwd_num_n_blocks,
             num_masks,
             mask_dims,
         })
+    }
+
+    /// This layout with the [`PlanArray::Ws`] sets in `order` (best first), for arrays whose
+    /// lengths were padded after [`ws_order`] read them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `order` is not a permutation of the sets.
+    pub fn with_ws_order(mut self, order: &[usize]) -> Result<PlanLayout, Error> {
+        let mut seen = [false; WS_SETS];
+        for &set in order {
+            if set < WS_SETS && !seen[set] {
+                seen[set] = true;
+            }
+        }
+        if order.len() != WS_SETS || !seen.iter().all(|&s| s) {
+            return Err(Error::invalid(format!(
+                "the forward's tile set order {order:?} is not a permutation of 0..{WS_SETS}"
+            )));
+        }
+        self.ws_order.copy_from_slice(order);
+        Ok(self)
+    }
+
+    /// The [`PlanArray::Ws`] sets best first.
+    pub(crate) fn ws_order(&self) -> [usize; WS_SETS] {
+        self.ws_order
     }
 
     /// Strides of `mask_index` for a launch over `batch x num_heads`: its own row-major
@@ -662,7 +821,7 @@ impl PlanLayout {
 
     /// Device address of one array.
     pub(crate) fn addr(&self, a: PlanArray) -> u64 {
-        self.addrs[a as usize]
+        self.addrs[a.index()]
     }
 
     pub fn q_len(&self) -> u32 {
@@ -721,8 +880,9 @@ impl DevicePlan {
         };
         let tile = host.tile;
         let (num_m_blocks, _) = block_counts(host.q_len, host.kv_len, tile);
-        let (ws_num_m_blocks, _) = block_counts(host.q_len, host.kv_len, ws_tile());
+        let ws_num_m_blocks = ws_m_blocks(host.q_len, host.kv_len);
         let (_, bwd_num_n_blocks) = block_counts(host.q_len, host.kv_len, bwd_tile());
+        let lens = std::array::from_fn(|i| host.arrays[i].len());
         Ok(DevicePlan {
             view: PlanView {
                 ctx: stream.context().clone(),
@@ -733,6 +893,7 @@ impl DevicePlan {
                     tile,
                     num_m_blocks,
                     ws_num_m_blocks,
+                    ws_order: ws_order(&lens),
                     bwd_num_n_blocks,
                     num_masks: host.num_masks,
                     mask_dims: host.mask_dims,
@@ -761,34 +922,38 @@ impl DevicePlan {
         self.stats.counts
     }
 
-    /// The tile shape forward kernel `kernel` runs this plan at: [`cm_kernels::WS_TILE`] for
-    /// [`KernelKind::FwdWs`], [`PlanLayout::tile`] for the others (the backward's dK/dV kernel
-    /// runs at [`cm_kernels::BWD_TILE`], whose counts the plan does not keep).
-    pub fn kernel_tile(&self, kernel: KernelKind) -> TileShape {
-        if kernel == KernelKind::FwdWs {
-            ws_tile()
-        } else {
-            self.tile
+    /// The tile shape `variant` (an index into [`cm_kernels::VARIANTS`] of a forward kernel)
+    /// runs this plan at: its [`PlanArray::Ws`] set's for [`crate::KernelKind::FwdWs`],
+    /// [`PlanLayout::tile`] for the reference forwards.
+    pub fn variant_tile(&self, variant: usize) -> TileShape {
+        match ws_set(cm_kernels::VARIANTS[variant].tile()) {
+            Some(set) if cm_kernels::VARIANTS[variant].kernel == KernelKind::FwdWs => ws_tile(set),
+            _ => self.tile,
         }
     }
 
-    /// [`DevicePlan::computed_pairs`] at [`DevicePlan::kernel_tile`]: the work `kernel` does
-    /// per head.
-    pub fn kernel_computed_pairs(&self, kernel: KernelKind) -> u64 {
-        if kernel == KernelKind::FwdWs {
-            self.stats.ws_computed_pairs
-        } else {
-            self.stats.computed_pairs
+    /// [`DevicePlan::computed_pairs`] at [`DevicePlan::variant_tile`]: the work `variant`
+    /// does per head.
+    pub fn variant_computed_pairs(&self, variant: usize) -> u64 {
+        match self.ws_stats_set(variant) {
+            Some(set) => self.stats.ws_computed_pairs[set],
+            None => self.stats.computed_pairs,
         }
     }
 
-    /// [`DevicePlan::tile_counts`] at [`DevicePlan::kernel_tile`].
-    pub fn kernel_tile_counts(&self, kernel: KernelKind) -> TileCounts {
-        if kernel == KernelKind::FwdWs {
-            self.stats.ws_counts
-        } else {
-            self.stats.counts
+    /// [`DevicePlan::tile_counts`] at [`DevicePlan::variant_tile`].
+    pub fn variant_tile_counts(&self, variant: usize) -> TileCounts {
+        match self.ws_stats_set(variant) {
+            Some(set) => self.stats.ws_counts[set],
+            None => self.stats.counts,
         }
+    }
+
+    fn ws_stats_set(&self, variant: usize) -> Option<usize> {
+        let v = &cm_kernels::VARIANTS[variant];
+        (v.kernel == KernelKind::FwdWs)
+            .then(|| ws_set(v.tile()))
+            .flatten()
     }
 
     /// Bytes of device memory the plan holds.
@@ -801,18 +966,25 @@ impl DevicePlan {
 mod tests {
     use super::*;
 
-    /// Every bit of `ws_partial_row_mask` against membership in the row's intervals, on rows
-    /// with several runs per tile, ragged lengths (q_len and kv_len not multiples of 128) and
-    /// empty rows; and each partial tile's bits neither all set nor all clear over its
-    /// in-range pairs (those would be full or empty tiles).
+    /// Every bit of each [`PlanArray::Ws`] set's `partial_row_mask` against membership in the
+    /// row's intervals, on rows with several runs per tile, ragged lengths (q_len and kv_len
+    /// not multiples of 128 or 192) and empty rows; and each partial tile's bits neither all
+    /// set nor all clear over its in-range pairs (those would be full or empty tiles).
     #[test]
     fn partial_row_masks_match_the_intervals() {
-        let (q_len, kv_len) = (333u32, 301u32);
+        let (q_len, kv_len) = (433u32, 301u32);
         let rows = random_rows(q_len, kv_len, 0x2545_f491_4f6c_dd1d);
         let rows = RowIntervals::from_rows(kv_len, &rows).unwrap();
-        let desc = TileDescriptor::build(&rows, ws_tile());
-        let masks = partial_row_masks(&desc, &rows);
-        let (bm, bn) = (128usize, 128u32);
+        for set in 0..WS_SETS {
+            check_partial_row_masks(&rows, ws_tile(set));
+        }
+    }
+
+    fn check_partial_row_masks(rows: &RowIntervals, tile: TileShape) {
+        let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
+        let desc = TileDescriptor::build(rows, tile);
+        let masks = partial_row_masks(&desc, rows);
+        let (bm, bn) = (tile.block_m as usize, tile.block_n);
         assert!(!desc.kv_indices.is_empty());
         assert_eq!(masks.len(), desc.kv_indices.len() * bm * 4);
         for m in 0..desc.num_m_blocks as usize {
@@ -879,7 +1051,7 @@ mod tests {
                 block_n: 64,
             },
         );
-        let array = |a: PlanArray| host.arrays()[a as usize].as_slice();
+        let array = |a: PlanArray| host.arrays()[a.index()].as_slice();
         let desc = TileDescriptor::build(rows, bwd_tile());
         let (q_offsets, q_indices) = (array(PlanArray::BwdQOffsets), array(PlanArray::BwdQIndices));
         let full_offsets = array(PlanArray::BwdFullQOffsets);
@@ -988,7 +1160,7 @@ mod tests {
         let rows = RowIntervals::from_rows(kv_len, &partial).unwrap();
         assert_eq!(check_bwd_arrays(&rows), (1, 0));
         let host = HostPlan::build(&rows, TileShape::default());
-        let masks = &host.arrays()[PlanArray::BwdPartialKeyMask as usize];
+        let masks = &host.arrays()[PlanArray::BwdPartialKeyMask.index()];
         // Key 0 is seen by row 0 only; key 65 by all 10 rows; keys past 70 by none.
         assert_eq!(masks[..2], [1, 0]);
         assert_eq!(masks[65 * 2..66 * 2], [(1 << 10) - 1, 0]);
@@ -1027,18 +1199,20 @@ mod tests {
         let index = [2u32, 0, 0, 1, 2, 1];
         let multi = HostPlan::build_masks(&refs, &index, [2, 3], tile).unwrap();
         assert_eq!((multi.num_masks(), multi.mask_dims()), (3, [2, 3]));
-        assert_eq!(multi.arrays()[PlanArray::MaskIndex as usize], index);
+        assert_eq!(multi.arrays()[PlanArray::MaskIndex.index()], index);
         let singles: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
         let (m, _) = block_counts(q_len, kv_len, tile);
-        let (ws_m, _) = block_counts(q_len, kv_len, ws_tile());
+        let ws_m = ws_m_blocks(q_len, kv_len);
         let (_, bwd_n) = block_counts(q_len, kv_len, bwd_tile());
         // Which concatenated array each offset array points into.
         let points_into = |a: PlanArray| match a {
             PlanArray::RowPtr | PlanArray::PartialRowFirst => Some(PlanArray::Intervals),
             PlanArray::KvOffsets => Some(PlanArray::KvIndices),
             PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
-            PlanArray::WsKvOffsets => Some(PlanArray::WsKvIndices),
-            PlanArray::WsFullKvOffsets => Some(PlanArray::WsFullKvIndices),
+            PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
+            PlanArray::Ws(WsArray::FullKvOffsets, set) => {
+                Some(PlanArray::Ws(WsArray::FullKvIndices, set))
+            }
             PlanArray::BwdQOffsets => Some(PlanArray::BwdQIndices),
             PlanArray::BwdFullQOffsets => Some(PlanArray::BwdFullQIndices),
             _ => None,
@@ -1049,23 +1223,23 @@ mod tests {
             }
             let mut at = 0;
             for (i, single) in singles.iter().enumerate() {
-                let own = &single.arrays()[a as usize];
-                if let Some(n) = a.fixed_len(q_len, m, ws_m, bwd_n) {
+                let own = &single.arrays()[a.index()];
+                if let Some(n) = a.fixed_len(q_len, m, &ws_m, bwd_n) {
                     assert_eq!(own.len(), n, "{} of mask {i}", a.name());
                 }
                 let shift: u32 = points_into(a).map_or(0, |target| {
                     let per = if target == PlanArray::Intervals { 2 } else { 1 };
                     singles[..i]
                         .iter()
-                        .map(|s| (s.arrays()[target as usize].len() / per) as u32)
+                        .map(|s| (s.arrays()[target.index()].len() / per) as u32)
                         .sum()
                 });
-                let got = &multi.arrays()[a as usize][at..at + own.len()];
+                let got = &multi.arrays()[a.index()][at..at + own.len()];
                 let want: Vec<u32> = own.iter().map(|v| v + shift).collect();
                 assert_eq!(got, want, "{} of mask {i}", a.name());
                 at += own.len();
             }
-            assert_eq!(at, multi.arrays()[a as usize].len(), "{}", a.name());
+            assert_eq!(at, multi.arrays()[a.index()].len(), "{}", a.name());
         }
         let err = |r: Result<HostPlan, Error>| r.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err(HostPlan::build_masks(&refs, &[3], [1, 1], tile)).contains("names mask 3"));
@@ -1092,27 +1266,40 @@ mod tests {
         let host = HostPlan::build(&rows, tile);
         let (m, n) = block_counts(150, 150, tile);
         assert_eq!((m, n), (3, 3));
-        let (ws_m, _) = block_counts(150, 150, ws_tile());
-        assert_eq!(ws_m, 2);
+        let ws_m = ws_m_blocks(150, 150);
+        // 150 rows are two 128-row blocks, or one 192-row block (clamped to 150 rows).
+        assert_eq!(ws_m, [2, 1]);
         let (_, bwd_n) = block_counts(150, 150, bwd_tile());
         assert_eq!(bwd_n, 2);
         for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
-            if let Some(len) = a.fixed_len(150, m, ws_m, bwd_n) {
+            if let Some(len) = a.fixed_len(150, m, &ws_m, bwd_n) {
                 assert_eq!(array.len(), len, "{}", a.name());
             }
         }
-        assert_eq!(host.arrays()[PlanArray::Intervals as usize].len(), 2 * 150);
-        assert_eq!(host.arrays()[PlanArray::RowPtr as usize], rows.row_ptr());
+        let array = |a: PlanArray| host.arrays()[a.index()].as_slice();
+        assert_eq!(array(PlanArray::Intervals).len(), 2 * 150);
+        assert_eq!(array(PlanArray::RowPtr), rows.row_ptr());
         // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full.
-        assert_eq!(host.arrays()[PlanArray::KvIndices as usize].len(), 3);
-        assert_eq!(host.arrays()[PlanArray::FullKvIndices as usize].len(), 3);
+        assert_eq!(array(PlanArray::KvIndices).len(), 3);
+        assert_eq!(array(PlanArray::FullKvIndices).len(), 3);
         // At 128x128: the two diagonal tiles partial, the one below them full; the longer
         // second query block is scheduled first.
-        assert_eq!(host.arrays()[PlanArray::WsKvIndices as usize], [0, 1]);
-        assert_eq!(host.arrays()[PlanArray::WsFullKvIndices as usize], [0]);
-        assert_eq!(host.arrays()[PlanArray::WsMBlockOrder as usize], [1, 0]);
+        let ws = |a: WsArray, set: usize| array(PlanArray::Ws(a, set));
+        assert_eq!(ws(WsArray::KvIndices, 0), [0, 1]);
+        assert_eq!(ws(WsArray::FullKvIndices, 0), [0]);
+        assert_eq!(ws(WsArray::MBlockOrder, 0), [1, 0]);
+        // At 192x128 one block holds every row: both key tiles partial (row 0 sees key 0
+        // only, and only rows 128.. reach keys 128..150), none full.
+        assert_eq!(ws(WsArray::KvIndices, 1), [0, 1]);
+        assert!(ws(WsArray::FullKvIndices, 1).is_empty());
+        assert_eq!(ws(WsArray::MBlockOrder, 1), [0]);
+        assert_eq!(ws(WsArray::KvOffsets, 1), [0, 2]);
+        assert_eq!(
+            PlanArray::Ws(WsArray::KvOffsets, 1).name(),
+            "ws192x128_kv_offsets"
+        );
         // Row 100 of block 0 sees keys 0..=100 of tile 0: words 0-2 full, 5 bits of word 3.
-        let masks = &host.arrays()[PlanArray::WsPartialRowMask as usize];
+        let masks = ws(WsArray::PartialRowMask, 0);
         assert_eq!(masks.len(), 2 * 128 * 4);
         assert_eq!(
             masks[100 * 4..101 * 4],
@@ -1130,7 +1317,6 @@ mod tests {
         // At 64x128, key block 0 (keys 0..128): query blocks 0 and 1 partial (row r sees
         // keys 0..=r), block 2 (rows 128..150) full; key block 1 (keys 128..150): block 2
         // partial. Key block 0, with 3 tiles, is scheduled first.
-        let array = |a: PlanArray| host.arrays()[a as usize].as_slice();
         assert_eq!(array(PlanArray::BwdQOffsets), [0, 2, 3]);
         assert_eq!(array(PlanArray::BwdQIndices), [0, 1, 2]);
         assert_eq!(array(PlanArray::BwdFullQOffsets), [0, 1, 1]);

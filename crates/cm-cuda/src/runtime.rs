@@ -157,7 +157,7 @@ impl Runtime {
     }
 
     /// Builds the tile descriptor of `rows` at the kernels' tile shapes ([`cm_kernels::TILE`],
-    /// the forward lists at [`cm_kernels::WS_TILE`] and the transposed lists at
+    /// the forward lists at each of [`cm_kernels::FWD_WS_TILES`] and the transposed lists at
     /// [`crate::BWD_TILE`]) and uploads it with the row intervals. Waits for the copy (once per plan, never per launch).
     ///
     /// # Errors
@@ -313,7 +313,7 @@ impl Runtime {
         let variant = &VARIANTS[v];
         self.functions[v]
             .occupancy_max_active_blocks_per_multiprocessor(
-                variant.kernel.threads(),
+                variant.threads(),
                 variant.dynamic_shared_bytes() as usize,
                 None,
             )

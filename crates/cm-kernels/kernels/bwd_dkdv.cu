@@ -42,9 +42,12 @@ static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_d
 // Keys per CTA (two consumer warpgroups of 64) and threads (producer + two consumers).
 #define KEY_BLOCK 128
 #define DKDV_THREADS 384
-// Stages of the Q / dO ring: a third at head_dim 64, whose tiles take half the time to use and
-// half the space to hold (+2% there, neutral at 128, where it costs a spill).
-#define STAGES (HEAD_DIM == 64 ? 3 : 2)
+// Stages of the Q / dO ring, as the variant declares: a third at head_dim 64, whose tiles take
+// half the time to use and half the space to hold (+2% there, neutral at 128, where it costs a
+// spill).
+#define STAGES CM_STAGES
+CM_CHECK_SHAPE(BLOCK_M, KEY_BLOCK, STAGES, DKDV_THREADS);
+static_assert(STAGES == 2 || STAGES == 3, "two or three stages");
 // K or V of the key block: HEAD_DIM / 64 column atoms of [128 rows][128 bytes].
 #define KV_BYTES (KEY_BLOCK * HEAD_DIM * 2)
 // dS^T of one tile: [128 keys][64 queries], one column atom.

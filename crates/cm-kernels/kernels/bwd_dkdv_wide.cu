@@ -35,6 +35,7 @@ static_assert(HEAD_DIM > 128, "head dims up to 128 are bwd_dkdv.cu's");
 #define CTA_KEYS 64
 #define DKDV_THREADS 384
 #define STAGES 2
+CM_CHECK_SHAPE(BLOCK_M, KEY_BLOCK, STAGES, DKDV_THREADS);
 #define K_BYTES (CTA_KEYS * HEAD_DIM * 2)
 #define V_BYTES (CTA_KEYS * HEAD_DIM_V * 2)
 // P^T or dS^T of one tile: [64 keys][64 queries], one column atom.

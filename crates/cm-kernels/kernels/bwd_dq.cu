@@ -26,6 +26,8 @@
 #define DQ_PART_COLS (HEAD_DIM / DQ_PARTS)
 #define SMEM_BYTES (OFF_BITS + 2 * BLOCK_M * 8 + 1024)
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
+// K and V double buffered.
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, 2, NUM_THREADS);
 
 // dS = P (dP - delta) in place of dP, P = exp2(S c log2e - lse_log2) recomputed. Element
 // [j][e] is query 16 warp + g + 8 (e >> 1), key 8 j + 2 t + (e & 1); with MASKED, bit b of

@@ -11,6 +11,8 @@
 // CM_HEAD_DIM_V (cm_kernels::VARIANTS' shapes).
 #include "bwd_common.cuh"
 
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, 1, NUM_THREADS);
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwdParams p) {
     const u32 m_block = blockIdx.x;
     const u32 head = blockIdx.y;

@@ -8,6 +8,19 @@
 #define CM_SCORE 0
 #endif
 
+// The shape every variant declares (cm_kernels::Variant): the tile of the descriptor lists it
+// reads (CM_BLOCK_M query rows x CM_BLOCK_N keys), the depth of its load ring (CM_STAGES; 1
+// without one) and its threads per CTA (CM_THREADS). A kernel either takes them or checks them
+// against what it is written for (CM_CHECK_SHAPE), so a table entry and a source cannot
+// disagree silently.
+#if !defined(CM_BLOCK_M) || !defined(CM_BLOCK_N) || !defined(CM_STAGES) || !defined(CM_THREADS)
+#error "CM_BLOCK_M, CM_BLOCK_N, CM_STAGES and CM_THREADS must be defined (cm_kernels::Variant::defines)"
+#endif
+#define CM_CHECK_SHAPE(block_m, block_n, stages, threads)                                                 \
+    static_assert(CM_BLOCK_M == (block_m) && CM_BLOCK_N == (block_n) && CM_STAGES == (stages) &&            \
+                      CM_THREADS == (threads),                                                              \
+                  "the variant's declared shape (cm_kernels::Variant) is not the one this kernel is written for")
+
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;

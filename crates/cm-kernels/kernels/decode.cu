@@ -40,6 +40,7 @@
 #define STAGE_ELEMS (2 * BLOCK_N * PITCH)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, STAGES, NUM_THREADS);
 // cm_decode_merge has no dynamic shared memory (and no define).
 #ifdef CM_DYNAMIC_SMEM_BYTES
 static_assert(CM_DYNAMIC_SMEM_BYTES == STAGES * STAGE_ELEMS * 2, "cm_kernels::Variant::dynamic_shared_bytes");

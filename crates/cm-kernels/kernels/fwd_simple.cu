@@ -23,6 +23,7 @@
 #define PITCH (HEAD_DIM + 8)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, 1, NUM_THREADS);
 static_assert(BLOCK_M == BLOCK_N, "Q is staged through the K buffer");
 
 // Copies rows [row0, row0 + 64) of a [seq, HEAD_DIM] matrix into shared memory, zero-filling

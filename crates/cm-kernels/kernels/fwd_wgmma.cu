@@ -23,6 +23,7 @@
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, 1, NUM_THREADS);
 static_assert(BLOCK_M == BLOCK_N, "Q, K and V tiles share one shape");
 static_assert(3 * TILE_BYTES <= 48 * 1024, "static shared memory limit");
 

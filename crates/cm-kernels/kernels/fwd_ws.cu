@@ -48,10 +48,12 @@
 #error "CM_HEAD_DIM, CM_HEAD_DIM_V and CM_WS_KEY_STEP must be defined"
 #endif
 
-#define BLOCK_M 128
+#define BLOCK_M CM_BLOCK_M
 #define BLOCK_N 128
-#define NUM_THREADS 384
-#define STAGES 2
+// One consumer warpgroup per 64 query rows, behind the producer warpgroup.
+#define NUM_CONSUMERS (BLOCK_M / 64)
+#define NUM_THREADS (128 * (1 + NUM_CONSUMERS))
+#define STAGES CM_STAGES
 #define HEAD_DIM CM_HEAD_DIM
 #define HEAD_DIM_V CM_HEAD_DIM_V
 #define KEY_STEP CM_WS_KEY_STEP
@@ -68,13 +70,21 @@
 #define BITS_OFFSET (BAR_OFFSET + 256)
 #define BITS_BYTES (BLOCK_M * 16)
 #define SMEM_BYTES (BITS_OFFSET + STAGES * BITS_BYTES + 1024)
-// Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536.
+// Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536 with two consumers,
+// 128 x 32 + 384 x 160 with three (FlashAttention-3's split for its 192-row head_dim 64 tile).
+#if NUM_CONSUMERS == 2
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
+#else
+#define PRODUCER_REGS 32
+#define CONSUMER_REGS 160
+#endif
 
 static_assert((HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && HEAD_DIM_V == HEAD_DIM ||
                   HEAD_DIM == 192 && HEAD_DIM_V == 128,
               "(head_dim, head_dim_v) must be (64, 64), (128, 128), (256, 256) or (192, 128)");
+static_assert(BLOCK_M == 128 || BLOCK_M == 192 && HEAD_DIM == 64, "block_m: 128, or 192 at head_dim 64");
+CM_CHECK_SHAPE(BLOCK_M, BLOCK_N, STAGES, NUM_THREADS);
 static_assert(KEY_STEP == 128 || KEY_STEP == 64 && HEAD_DIM == 256, "keys per stage: 128, or 64 at head_dim 256");
 // At head_dim 256 the score terms' registers beside the 64 x 256 output spill (also with a
 // 240-register consumer budget); cm_kernels::WIDE_SCORE_SHAPES leaves that variant out.
@@ -96,7 +106,7 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must m
 static_assert(ITEM_SLOTS_OFFSET % 16 == 0 && ITEM_SLOTS_OFFSET + 64 <= 256, "barrier area");
 
 // Consumer warps that arrive on an "empty" barrier once their warpgroup's wgmma has read a slot.
-#define CONSUMER_WARPS 8
+#define CONSUMER_WARPS (4 * NUM_CONSUMERS)
 
 // One work item: a query block of one (head, batch) and its key tiles, partial first, from
 // that (batch, head)'s mask. The producer decodes it once and hands it to the consumers whole

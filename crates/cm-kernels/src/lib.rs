@@ -44,8 +44,9 @@ pub enum KernelKind {
     /// `kernels/fwd_wgmma.cu`: Hopper forward on wgmma from swizzled shared memory, one
     /// warpgroup per 64-row query block.
     FwdWgmma,
-    /// `kernels/fwd_ws.cu`: the warp-specialised Hopper forward (TMA producer warpgroup, two
-    /// wgmma consumer warpgroups, 128x128 tiles); the default.
+    /// `kernels/fwd_ws.cu`: the warp-specialised Hopper forward (TMA producer warpgroup, a
+    /// wgmma consumer warpgroup per 64 query rows: 128x128 tiles, and 192x128 at head_dim
+    /// 64, [`FWD_WS_TILES`]); the default.
     FwdWs,
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
     /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
@@ -123,41 +124,14 @@ impl KernelKind {
     pub const fn must_not_spill(self) -> bool {
         self.is_forward() || matches!(self, KernelKind::Decode | KernelKind::DecodeMerge)
     }
-
-    /// The tile shape (`block_m` query rows x `block_n` keys) the kernel's descriptor must be
-    /// built at.
-    pub const fn tile(self) -> (u32, u32) {
-        match self {
-            KernelKind::FwdWs => WS_TILE,
-            KernelKind::BwdDkDv => BWD_TILE,
-            _ => TILE,
-        }
-    }
-
-    /// Threads per CTA.
-    pub const fn threads(self) -> u32 {
-        match self {
-            KernelKind::FwdWs | KernelKind::BwdDkDv => 384,
-            _ => 128,
-        }
-    }
 }
 
-/// The tile shape of every kernel but [`KernelKind::FwdWs`] and [`KernelKind::BwdDkDv`]
-/// (`block_m`, `block_n`): the descriptor the reference forwards and `bwd_dq` read, and the
-/// 64-row blocks of `bwd_pre` / `bwd_post` and of the backward workspace.
-pub const TILE: (u32, u32) = (64, 64);
-
-/// The tile shape of [`KernelKind::FwdWs`]: two consumer warpgroups of 64 query rows each and
-/// 128-key tiles, FlashAttention-3's shape for head_dim 128.
-pub const WS_TILE: (u32, u32) = (128, 128);
-
-/// The tile shape of [`KernelKind::BwdDkDv`]: 64-row query tiles against 128-key blocks
-/// (two consumer warpgroups of 64 keys), FlashAttention-3's backward shape for head_dim 128.
-pub const BWD_TILE: (u32, u32) = (64, 128);
-
 /// One compiled instantiation: a kernel at a dtype and head dimensions, with or without the
-/// score terms (softcap, biases, sinks: `CmScoreParams` in `kernels/common.cuh`).
+/// score terms (softcap, biases, sinks: `CmScoreParams` in `kernels/common.cuh`), at the tile
+/// and pipeline depth it declares. The build passes the declared shape to the source
+/// (`CM_BLOCK_M`, `CM_BLOCK_N`, `CM_STAGES`, `CM_THREADS`), which uses it or refuses to
+/// compile with another; the runtime builds the descriptor lists each variant reads at its
+/// tile ([`kernel_tiles`]) and sizes shared memory and the launch from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Variant {
     pub kernel: KernelKind,
@@ -169,6 +143,33 @@ pub struct Variant {
     /// Compiled with `CM_SCORE=1`: the kernel forms every logit with the launch's score
     /// terms. Only [`KernelKind::has_score_variant`] kernels have one.
     pub score: bool,
+    /// Query rows of a tile of the descriptor lists the kernel reads.
+    pub block_m: u32,
+    /// Keys of such a tile.
+    pub block_n: u32,
+    /// Depth of the kernel's shared-memory load ring (stages of K and V in the forwards, of Q
+    /// and dO in `bwd_dkdv`); 1 for kernels without a ring.
+    pub stages: u32,
+}
+
+/// The shape a kernel is built at for a head dim, with or without score terms, as
+/// `(block_m, block_n, stages)`: FlashAttention-3's shapes where our kernels follow it. The
+/// `deep` forward is the 192-row `fwd_ws` (three consumer warpgroups), built beside the
+/// 128-row one at head_dim 64 without score terms (with them its consumers, at 160 registers
+/// each, spill); [`VARIANTS`] holds both and the launch picks by the plan's tiles.
+const fn declared_shape(kernel: KernelKind, head_dim: u32, deep: bool) -> (u32, u32, u32) {
+    match kernel {
+        KernelKind::FwdWs if deep => (192, 128, 2),
+        KernelKind::FwdWs => (128, 128, 2),
+        // 64-row query tiles against 128-key blocks (two consumer warpgroups of 64 keys);
+        // a third ring stage at head_dim 64.
+        KernelKind::BwdDkDv => (64, 128, if head_dim == 64 { 3 } else { 2 }),
+        KernelKind::BwdDq => (64, 64, 2),
+        KernelKind::Decode | KernelKind::DecodeMerge => (64, 64, 3),
+        KernelKind::FwdSimple | KernelKind::FwdWgmma | KernelKind::BwdPre | KernelKind::BwdPost => {
+            (64, 64, 1)
+        }
+    }
 }
 
 impl KernelKind {
@@ -197,21 +198,44 @@ pub const WIDE_SHAPES: [(u32, u32); 2] = [(256, 256), (192, 128)];
 pub const WIDE_SCORE_SHAPES: [(u32, u32); 1] = [(192, 128)];
 
 impl Variant {
-    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`, `fwd_ws_score_bf16_d64` or
-    /// `fwd_ws_bf16_d192v128` (head_dim_v named only where it differs).
+    /// A stable, file-name-safe name, e.g. `fwd_simple_bf16_d128`, `fwd_ws_score_bf16_d64`,
+    /// `fwd_ws_bf16_d192v128` (head_dim_v named only where it differs) or `fwd_ws_bf16_d64_m192`
+    /// (`block_m` named where the kernel's first variant in [`VARIANTS`] has another).
     pub fn name(&self) -> String {
         let v = if self.head_dim_v == self.head_dim {
             String::new()
         } else {
             format!("v{}", self.head_dim_v)
         };
+        let first = VARIANTS.iter().find(|o| o.kernel == self.kernel);
+        let m = match first {
+            Some(o) if o.block_m != self.block_m => format!("_m{}", self.block_m),
+            _ => String::new(),
+        };
         format!(
-            "{}{}_{}_d{}{v}",
+            "{}{}_{}_d{}{v}{m}",
             self.kernel.name(),
             if self.score { "_score" } else { "" },
             self.dtype.name(),
             self.head_dim
         )
+    }
+
+    /// The tile shape (`block_m` query rows x `block_n` keys) of this variant's descriptor
+    /// lists.
+    pub const fn tile(&self) -> (u32, u32) {
+        (self.block_m, self.block_n)
+    }
+
+    /// Threads per CTA: for [`KernelKind::FwdWs`] a producer warpgroup and one consumer
+    /// warpgroup per 64 query rows; for [`KernelKind::BwdDkDv`] a producer and two consumers
+    /// (64 keys each); one warpgroup for the others.
+    pub const fn threads(&self) -> u32 {
+        match self.kernel {
+            KernelKind::FwdWs => 128 * (1 + self.block_m / 64),
+            KernelKind::BwdDkDv => 384,
+            _ => 128,
+        }
     }
 
     /// Keys per pipeline stage of [`KernelKind::FwdWs`]: the descriptor's 128-key tile, or at
@@ -224,7 +248,7 @@ impl Variant {
         match self.kernel {
             KernelKind::FwdWs if self.head_dim > 192 => 64,
             KernelKind::BwdDkDv if self.head_dim > 128 => 64,
-            kind => kind.tile().1,
+            _ => self.block_n,
         }
     }
 
@@ -245,6 +269,10 @@ impl Variant {
             format!("-DCM_HEAD_DIM={}", self.head_dim),
             format!("-DCM_HEAD_DIM_V={}", self.head_dim_v),
             format!("-DCM_SCORE={}", u8::from(self.score)),
+            format!("-DCM_BLOCK_M={}", self.block_m),
+            format!("-DCM_BLOCK_N={}", self.block_n),
+            format!("-DCM_STAGES={}", self.stages),
+            format!("-DCM_THREADS={}", self.threads()),
         ];
         if self.kernel == KernelKind::FwdWs {
             defines.push(format!("-DCM_WS_KEY_STEP={}", self.key_step()));
@@ -272,12 +300,12 @@ impl Variant {
             KernelKind::BwdDkDv if self.head_dim > 128 => {
                 3 * tile + 3 * tile_v + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 64 + 1024
             }
-            // K and V (128 x head_dim each), `stages` stages (bwd_dkdv.cu's STAGES) of Q and dO,
-            // of lse and delta (64 f32 each) and of the key visibility (128 u64), one dS^T (128 x
-            // 64 elements), the fp32 dQ tile (64 x head_dim), 64 bytes of mbarriers, and 1 KB to
-            // align the start to a swizzle atom.
+            // K and V (128 x head_dim each), `stages` stages of Q and dO, of lse and delta (64
+            // f32 each) and of the key visibility (128 u64), one dS^T (128 x 64 elements), the
+            // fp32 dQ tile (64 x head_dim), 64 bytes of mbarriers, and 1 KB to align the start
+            // to a swizzle atom.
             KernelKind::BwdDkDv => {
-                let stages = if self.head_dim == 64 { 3 } else { 2 };
+                let stages = self.stages;
                 2 * 2 * tile
                     + stages * 2 * tile
                     + 128 * 64 * 2
@@ -291,15 +319,15 @@ impl Variant {
             KernelKind::BwdDq => 3 * tile + 3 * tile_v + 2 * 64 * 8 + 1024,
             // Three stages of a 64-key K and V tile, rows padded by 16 bytes (decode.cu's PITCH).
             KernelKind::Decode => 3 * 2 * 64 * (self.head_dim + 8) * 2,
-            // Q (128 x head_dim) and two stages of K (key_step x head_dim) and V (key_step x
-            // head_dim_v), unpadded: 128B-swizzled; 256 bytes of mbarriers and work-item
-            // slots, two stages of a partial tile's row bits (128 rows x 16 bytes), and 1 KB
-            // to align the start to a swizzle atom.
+            // Q (block_m x head_dim) and `stages` stages of K (key_step x head_dim) and V
+            // (key_step x head_dim_v), unpadded: 128B-swizzled; 256 bytes of mbarriers and
+            // work-item slots, `stages` stages of a partial tile's row bits (block_m rows x 16
+            // bytes), and 1 KB to align the start to a swizzle atom.
             KernelKind::FwdWs => {
-                128 * self.head_dim * 2
-                    + 2 * self.key_step() * (self.head_dim + self.head_dim_v) * 2
+                self.block_m * self.head_dim * 2
+                    + self.stages * self.key_step() * (self.head_dim + self.head_dim_v) * 2
                     + 256
-                    + 2 * 128 * 16
+                    + self.stages * self.block_m * 16
                     + 1024
             }
             _ => 0,
@@ -311,8 +339,9 @@ impl Variant {
 /// launch's kernel here by index: every kernel at both dtypes and head dims 64 and 128, the
 /// score variant of each kernel that has one, then at both dtypes and each of
 /// [`WIDE_SHAPES`] `fwd_ws` and the backward's four kernels, then `fwd_ws` with score terms at
-/// each of [`WIDE_SCORE_SHAPES`].
-pub const VARIANTS: [Variant; 70] = {
+/// each of [`WIDE_SCORE_SHAPES`], then the deep (192-row) `fwd_ws` at head_dim 64. Each at the
+/// shape `declared_shape` gives it.
+pub const VARIANTS: [Variant; 72] = {
     use DType::{Bf16, F16};
     use KernelKind::{
         BwdDkDv, BwdDq, BwdPost, BwdPre, Decode, DecodeMerge, FwdSimple, FwdWgmma, FwdWs,
@@ -337,32 +366,40 @@ pub const VARIANTS: [Variant; 70] = {
     const SHAPES: [(DType, u32); 4] = [(Bf16, 64), (Bf16, 128), (F16, 64), (F16, 128)];
     const SQUARE: usize = KINDS.len() * SHAPES.len();
     const WIDE: usize = 2 * WIDE_SHAPES.len() * WIDE_KINDS.len();
-    const N: usize = SQUARE + WIDE + 2 * WIDE_SCORE_SHAPES.len();
-    assert!(N == 70);
-    let mut out = [Variant {
-        kernel: FwdSimple,
-        dtype: Bf16,
-        head_dim: 64,
-        head_dim_v: 64,
-        score: false,
-    }; N];
+    const WIDE_SCORE: usize = 2 * WIDE_SCORE_SHAPES.len();
+    const N: usize = SQUARE + WIDE + WIDE_SCORE + 2;
+    assert!(N == 72);
+    const fn variant(
+        kernel: KernelKind,
+        dtype: DType,
+        dims: (u32, u32),
+        score: bool,
+        deep: bool,
+    ) -> Variant {
+        let (block_m, block_n, stages) = declared_shape(kernel, dims.0, deep);
+        Variant {
+            kernel,
+            dtype,
+            head_dim: dims.0,
+            head_dim_v: dims.1,
+            score,
+            block_m,
+            block_n,
+            stages,
+        }
+    }
+    let mut out = [variant(FwdSimple, Bf16, (64, 64), false, false); N];
     let mut n = 0;
     while n < SQUARE {
         let (kernel, score) = KINDS[n / SHAPES.len()];
         let (dtype, head_dim) = SHAPES[n % SHAPES.len()];
-        out[n] = Variant {
-            kernel,
-            dtype,
-            head_dim,
-            head_dim_v: head_dim,
-            score,
-        };
+        out[n] = variant(kernel, dtype, (head_dim, head_dim), score, false);
         n += 1;
     }
-    while n < N {
+    while n < SQUARE + WIDE + WIDE_SCORE {
         let i = n - SQUARE;
         let score = i >= WIDE;
-        let (kernel, (head_dim, head_dim_v)) = if score {
+        let (kernel, dims) = if score {
             (FwdWs, WIDE_SCORE_SHAPES[(i - WIDE) / 2])
         } else {
             (
@@ -370,19 +407,76 @@ pub const VARIANTS: [Variant; 70] = {
                 WIDE_SHAPES[i / 2 % WIDE_SHAPES.len()],
             )
         };
-        out[n] = Variant {
-            kernel,
-            dtype: if i % 2 == 0 { Bf16 } else { F16 },
-            head_dim,
-            head_dim_v,
-            score,
-        };
+        let dtype = if i % 2 == 0 { Bf16 } else { F16 };
+        out[n] = variant(kernel, dtype, dims, score, false);
         n += 1;
     }
+    out[n] = variant(FwdWs, Bf16, (64, 64), false, true);
+    out[n + 1] = variant(FwdWs, F16, (64, 64), false, true);
     out
 };
 
-/// Index into [`VARIANTS`] of the variant matching the arguments, if one is built.
+/// The distinct tiles `(block_m, block_n)` of `kind`'s variants, in [`VARIANTS`] order; the
+/// build fails when they are not exactly `M`.
+pub const fn kernel_tiles<const M: usize>(kind: KernelKind) -> [(u32, u32); M] {
+    let mut out = [(0u32, 0u32); M];
+    let mut count = 0;
+    let mut i = 0;
+    while i < VARIANTS.len() {
+        let v = &VARIANTS[i];
+        if v.kernel as u8 == kind as u8 {
+            let mut seen = false;
+            let mut j = 0;
+            while j < count {
+                seen |= out[j].0 == v.block_m && out[j].1 == v.block_n;
+                j += 1;
+            }
+            if !seen {
+                assert!(count < M, "a kernel has more tiles than declared");
+                out[count] = (v.block_m, v.block_n);
+                count += 1;
+            }
+        }
+        i += 1;
+    }
+    assert!(count == M, "a kernel has fewer tiles than declared");
+    out
+}
+
+/// The tile of the plan's own lists: what the reference forwards ([`KernelKind::FwdSimple`],
+/// [`KernelKind::FwdWgmma`]) and `bwd_dq` read, and the 64-row blocks of `bwd_pre` /
+/// `bwd_post` and of the backward workspace (the build checks that they all declare it).
+pub const TILE: (u32, u32) = kernel_tiles::<1>(KernelKind::FwdSimple)[0];
+
+/// The tiles of [`KernelKind::FwdWs`]'s variants, each with its own forward lists in the
+/// device plan: 128 x 128 (two consumer warpgroups of 64 rows, FlashAttention-3's shape at
+/// head_dim 128) and 192 x 128 (three, its shape at head_dim 64).
+pub const FWD_WS_TILES: [(u32, u32); 2] = kernel_tiles::<2>(KernelKind::FwdWs);
+
+/// The tile of [`KernelKind::BwdDkDv`]'s variants: 64-row query tiles against 128-key blocks
+/// (two consumer warpgroups of 64 keys), FlashAttention-3's backward shape for head_dim 128.
+pub const BWD_TILE: (u32, u32) = kernel_tiles::<1>(KernelKind::BwdDkDv)[0];
+
+const _: () = {
+    let kinds = [
+        KernelKind::FwdWgmma,
+        KernelKind::BwdPre,
+        KernelKind::BwdDq,
+        KernelKind::BwdPost,
+    ];
+    let mut i = 0;
+    while i < kinds.len() {
+        let t = kernel_tiles::<1>(kinds[i])[0];
+        assert!(
+            t.0 == TILE.0 && t.1 == TILE.1,
+            "the plan's own lists serve one tile"
+        );
+        i += 1;
+    }
+};
+
+/// Index into [`VARIANTS`] of the first variant matching the arguments, if one is built (for
+/// [`KernelKind::FwdWs`] at head_dim 64 there are two tiles: [`find_variants`]).
 pub fn find_variant(
     kernel: KernelKind,
     dtype: DType,
@@ -390,12 +484,24 @@ pub fn find_variant(
     head_dim_v: u32,
     score: bool,
 ) -> Option<usize> {
-    VARIANTS.iter().position(|v| {
-        v.kernel == kernel
+    find_variants(kernel, dtype, head_dim, head_dim_v, score).next()
+}
+
+/// Indices into [`VARIANTS`] of every variant matching the arguments (one per tile shape).
+pub fn find_variants(
+    kernel: KernelKind,
+    dtype: DType,
+    head_dim: u32,
+    head_dim_v: u32,
+    score: bool,
+) -> impl Iterator<Item = usize> {
+    VARIANTS.iter().enumerate().filter_map(move |(i, v)| {
+        (v.kernel == kernel
             && v.dtype == dtype
             && v.head_dim == head_dim
             && v.head_dim_v == head_dim_v
-            && v.score == score
+            && v.score == score)
+            .then_some(i)
     })
 }
 
@@ -707,9 +813,18 @@ mod tests {
     #[test]
     fn variants_are_distinct_and_sources_resolve() {
         for (i, v) in VARIANTS.iter().enumerate() {
-            assert_eq!(
-                find_variant(v.kernel, v.dtype, v.head_dim, v.head_dim_v, v.score),
-                Some(i)
+            let same: Vec<usize> =
+                find_variants(v.kernel, v.dtype, v.head_dim, v.head_dim_v, v.score).collect();
+            assert!(same.contains(&i), "{}", v.name());
+            // Variants of the same kernel, dtype, dims and terms differ in their tile.
+            let tiles: std::collections::HashSet<_> =
+                same.iter().map(|&j| VARIANTS[j].tile()).collect();
+            assert_eq!(tiles.len(), same.len(), "{}", v.name());
+            assert!(
+                v.defines().contains(&format!("-DCM_BLOCK_M={}", v.block_m))
+                    && v.defines().contains(&format!("-DCM_STAGES={}", v.stages)),
+                "{}",
+                v.name()
             );
             assert!(!v.score || v.kernel.has_score_variant(), "{}", v.name());
             assert!(source(v.source_file()).is_some(), "{}", v.name());
@@ -719,6 +834,15 @@ mod tests {
             .map(|v| cache_key(v, "nvrtc 13.0"))
             .collect();
         assert_eq!(keys.len(), VARIANTS.len());
+        let names: std::collections::HashSet<_> = VARIANTS.iter().map(Variant::name).collect();
+        assert_eq!(names.len(), VARIANTS.len());
+        assert_eq!(FWD_WS_TILES, [(128, 128), (192, 128)]);
+        let deep: Vec<String> = VARIANTS
+            .iter()
+            .filter(|v| v.tile() == FWD_WS_TILES[1])
+            .map(Variant::name)
+            .collect();
+        assert_eq!(deep, ["fwd_ws_bf16_d64_m192", "fwd_ws_fp16_d64_m192"]);
         assert_ne!(
             cache_key(&VARIANTS[0], "nvrtc 13.0"),
             cache_key(&VARIANTS[0], "nvrtc 13.1")

@@ -17,9 +17,9 @@ use compilemask::TileShape;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-/// The tile shape of the plan's descriptor (`cm_cuda::TILE`; the `ws_*` arrays of the default
-/// forward kernel are at `cm_cuda::WS_TILE`, the `bwd_*` arrays of the warp-specialised
-/// backward at `cm_cuda::BWD_TILE`), at which `Plan.kernel_arrays` builds it.
+/// The tile shape of the plan's descriptor (`cm_cuda::TILE`; the `ws*` arrays of the default
+/// forward kernel are at each of `cm_cuda::FWD_WS_TILES`, the `bwd_*` arrays of the
+/// warp-specialised backward at `cm_cuda::BWD_TILE`), at which `Plan.kernel_arrays` builds it.
 pub fn kernel_tile() -> TileShape {
     let (block_m, block_n) = cm_cuda::TILE;
     TileShape { block_m, block_n }
@@ -47,7 +47,7 @@ pub fn head_dims() -> [Vec<(u32, u32)>; 4] {
 
 /// Names of the descriptor arrays, in the order `Plan.kernel_arrays` returns them and the
 /// launches take their addresses.
-pub fn plan_array_names() -> Vec<&'static str> {
+pub fn plan_array_names() -> Vec<String> {
     cm_cuda::PlanArray::ALL.iter().map(|a| a.name()).collect()
 }
 
@@ -108,8 +108,10 @@ pub fn cuda_workspace_len(
 /// CUDA ordinal (-1 for any other device).
 type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// A plan's kernel descriptor as the Python side passes it: `(q_len, kv_len, num_masks,
-/// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT])`, each array a 1-D tensor.
-type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>);
+/// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT], ws_order)`, each array a 1-D tensor
+/// (padded), `ws_order` the forward's tile sets best first as [`cuda_ws_order`] gave them for
+/// the unpadded arrays.
+type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>);
 
 /// A launch's score terms as the Python side passes them: `(softcap, slopes, (q_coef,
 /// k_coef, offset), dist_bias, dist_per_head, dist_run_end, sinks, dist_bias_grad)`, each
@@ -190,7 +192,23 @@ fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
 /// (`cm_cuda::external::descriptor_layout`).
 fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> {
     let arrays: Vec<ExternalTensor<1>> = plan.4.into_iter().map(to_external).collect();
-    external::descriptor_layout(device, plan.0, plan.1, plan.2, plan.3, &arrays)
+    external::descriptor_layout(device, plan.0, plan.1, plan.2, plan.3, &arrays)?
+        .with_ws_order(&plan.5)
+}
+
+/// The forward's tile sets (the `ws*` arrays of `CUDA_PLAN_ARRAYS`, one set per tile of the
+/// default forward kernel) best first for a plan whose `Plan.kernel_arrays` have `lens` u32
+/// elements each (before padding): `cm_cuda::ws_order`.
+#[pyfunction]
+pub fn cuda_ws_order(lens: Vec<usize>) -> PyResult<Vec<usize>> {
+    let lens: [usize; cm_cuda::PLAN_ARRAY_COUNT] = lens.try_into().map_err(|l: Vec<usize>| {
+        PyValueError::new_err(format!(
+            "cuda_ws_order: {} array lengths, expected {}",
+            l.len(),
+            cm_cuda::PLAN_ARRAY_COUNT
+        ))
+    })?;
+    Ok(cm_cuda::ws_order(&lens).to_vec())
 }
 
 /// q, k, v, out and lse as a forward's arguments, each checked to be on q's device with q's

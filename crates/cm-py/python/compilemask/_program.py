@@ -58,6 +58,15 @@ class PlanTensors(NamedTuple):
     kernel: tuple[torch.Tensor, ...] = ()
     # The plan's score terms on the plan tensors' device (None without a score or sink).
     score: ScoreTensors | None = None
+    # On CUDA, the forward's tile sets of ``kernel`` (``ws*`` arrays) best first for this
+    # plan: the launch runs the first one built for its head dims (``_native.cuda_ws_order``).
+    kernel_ws_order: tuple[int, ...] = ()
+
+    def plan_dims(self) -> list[int]:
+        """``[num_masks, batch, num_heads, *kernel_ws_order]``: how the CUDA kernels find each
+        (batch, head)'s mask in ``kernel`` (a side of 1 applies to every batch or head) and
+        which forward tile they run."""
+        return [self.row_ptr.shape[0], self.batch, self.num_heads, *self.kernel_ws_order]
 
 
 class ScoreTensors(NamedTuple):

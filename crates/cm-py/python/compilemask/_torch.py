@@ -61,17 +61,19 @@ def _pow2(n: int) -> int:
 
 def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
     """The CUDA kernels' descriptor of the whole plan (every distinct mask and the mask
-    index), one int32 ``[capacity]`` tensor per array on ``dev``."""
-    out = []
+    index), one int32 ``[capacity]`` tensor per array on ``dev``, and the forward's tile
+    sets best first for this plan (from the arrays' used lengths, before padding)."""
+    out, lens = [], []
     for raw in plan._native.kernel_arrays():
         n = len(raw) // 4
         # At least 4: keeps every array's loads aligned (8-byte interval pairs, 16-byte rows
-        # of `ws_partial_row_mask` and tiles of `bwd_partial_key_mask`).
+        # of the `ws*_partial_row_mask` arrays and tiles of `bwd_partial_key_mask`).
         host = torch.zeros(_pow2(max(n, 4)), dtype=torch.int32)
         if n:
             host[:n] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         out.append(host.to(dev))
-    return tuple(out)
+        lens.append(n)
+    return tuple(out), tuple(_native.cuda_ws_order(lens))
 
 
 def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
@@ -91,10 +93,10 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
-    kernel = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ()
+    kernel, ws_order = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ((), ())
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
                       plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
-                      _score_tensors(torch, plan, dev))
+                      _score_tensors(torch, plan, dev), ws_order)
     plan._cache[key] = out
     return out
 
@@ -631,8 +633,8 @@ def attention(
 
         _ops.check_cuda_backward_supported(query, key, value, pt.score is not None)
     mask_index = pt.mask_index.expand(b, hq)
-    # The CUDA kernels find each (batch, head)'s mask in the descriptor through these sizes.
-    plan_dims = [pt.row_ptr.shape[0], pt.batch, pt.num_heads]
+    # How the CUDA kernels find each (batch, head)'s mask in the descriptor, and their tile.
+    plan_dims = pt.plan_dims()
     if pt.score is not None:
         out, lse = _scored_attention(torch, query, key, value, plan, pt, score_tensors, scale,
                                      plan_dims, deterministic)
