@@ -128,6 +128,17 @@ __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 
 // __syncthreads).
 __device__ __forceinline__ void cm_consumers_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
+// Named barrier ID of THREADS threads (a multiple of 32): sync waits for all of them, arrive
+// counts this thread's warp without waiting (a one-way hand-off from arrivers to syncers).
+template <int ID, int THREADS>
+__device__ __forceinline__ void cm_named_sync() {
+    asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
+}
+template <int ID, int THREADS>
+__device__ __forceinline__ void cm_named_arrive() {
+    asm volatile("bar.arrive %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
 // The mbarriers of bwd_dkdv's and bwd_dkdv_wide's ring, 8 bytes apart from the first: K and
 // V, loaded once (one producer arrival plus the bytes), then per stage of Q and dO a "full"
 // (likewise) and an "empty" barrier (one arrival per consumer warp). The kernels' STAGES

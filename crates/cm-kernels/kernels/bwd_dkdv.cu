@@ -23,11 +23,14 @@
 // dK's product with dS^T read from its own rows of that tile (so no fragment is live beside
 // dQ's accumulator); while dK's product runs it stores dQ to shared memory in the
 // accumulator's fragment-ordered layout (conflict-free; bwd_post reads it back into row
-// order), and one thread adds the whole 64 x head_dim tile into the fp32 accumulator with a
+// order) and hands the tile to the reducer warp (warp 1 of the producer warpgroup) on a named
+// barrier. The reducer adds the whole 64 x head_dim tile into the fp32 accumulator with a
 // single bulk asynchronous reduction (cp.reduce.async.bulk .add.f32), which overlaps the next
-// tile. dK's product retires behind the next tile's S^T, which then releases the stage, so the
-// tensor pipe never drains between tiles. The order of the dQ additions between CTAs varies
-// run to run. The two modes are separate instantiations of dkdv_consumers.
+// tile, and hands the tile back once the reduction has read it: the consumers never wait for
+// each other's dQ, only (a tile later) for that read. In both modes each consumer waits for
+// its dK product at the end of the tile, which releases the stage. The order of the dQ
+// additions between CTAs varies run to run. The two modes are separate instantiations of
+// dkdv_consumers.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM = CM_HEAD_DIM_V (64|128; the
 // wider shapes are bwd_dkdv_wide.cu's),
@@ -73,9 +76,14 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define CONSUMER_REGS 240
 #define CONSUMER_WARPS 8
 
-// Named barriers of the 256 consumer threads (0 is __syncthreads).
+// Named barrier of the 256 consumer threads (0 is __syncthreads, 3 + c each consumer's own in
+// score_term_grads).
 #define NAMED_DS 1
-#define NAMED_DQ 2
+// The fast mode's dQ tile from the consumers (256 threads arrive) to the reducer warp (32
+// threads sync), and back once the reduction has read it (the reducer arrives, consumers sync).
+#define NAMED_DQ_FULL 2
+#define NAMED_DQ_EMPTY 5
+#define DQ_HANDOFF_THREADS 288
 
 // P^T of one tile in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
 // consumer, query 8 j + 2 t + (e & 1). A masked pair gets exponent -inf whatever its score, so
@@ -167,8 +175,6 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    // The thread that issues the dQ reductions (it alone can wait for them).
-    const bool dq_issuer = threadIdx.x == 128;
     const u32 sKc = sK + c * 64 * 128;
     const u32 sVc = sV + c * 64 * 128;
     // The block overhangs kv_len (its last keys are TMA's zero fill), and whether each of
@@ -268,13 +274,6 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
             cm_wgmma_wait<1>();
             cm_fence_acc(sc);
-            if constexpr (ATOMIC_DQ) {
-                // The previous tile's dK product retired with S^T (groups retire in order): its
-                // stage's Q, dO, statistics and bits are no longer read.
-                cm_fence_acc(acc_dk);
-                __syncwarp();
-                if (it > 0 && lane == 0) cm_mbar_arrive(bar(BAR_EMPTY((it - 1) % STAGES)));
-            }
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
@@ -317,8 +316,10 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
             if constexpr (ATOMIC_DQ) {
                 // dS^T into the shared tile. Its readers of the previous tile are done: this
-                // consumer's dK product retired with this tile's S^T, and both consumers' dQ
-                // products before either passed the previous tile's NAMED_DQ barrier.
+                // consumer's dK product retired at the end of that tile, and both consumers' dQ
+                // products before they handed the previous tile's dQ to the reducer, which has
+                // read it (so the dQ tile is free as well).
+                cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
     #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
     #pragma unroll
@@ -333,9 +334,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                     }
                 }
                 cm_fence_proxy_async();
-                // The previous tile's reduction must have read the dQ tile before anyone rewrites
-                // it below; both halves of dS^T are in shared memory after the barrier.
-                if (dq_issuer) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                // Both halves of dS^T are in shared memory after the barrier.
                 cm_consumers_sync(NAMED_DS);
                 // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
                 // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
@@ -371,47 +370,31 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                                  : "memory");
                 }
                 cm_fence_proxy_async();
-                cm_consumers_sync(NAMED_DQ);
-                if (dq_issuer) {
-                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
-                    float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0) * HEAD_DIM;
-                    asm volatile(
-                        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(sDQ),
-                        "n"(DQ_BYTES)
-                        : "memory");
-                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-                }
-                // dK's product runs on behind the next tile's S^T and dP^T, which release this
-                // stage.
+                cm_named_arrive<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
             } else {
                 // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
                 cm_wgmma_fence();
     #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
                 cm_wgmma_commit();
-                cm_wgmma_wait<0>();
-                cm_fence_acc(acc_dv);
-                cm_fence_acc(acc_dk);
-                cm_fence_frag(pa);
-                cm_fence_frag(dsa);
-                // Q, dO, the statistics and the bits of stage s are no longer read.
-                __syncwarp();
-                if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
             }
+            // dK's product is waited for here in the fast mode too: kept in flight behind the
+            // next tile's S^T, ptxas serialises every product (C7515; BENCHMARKS.md, "a reducer
+            // warp for dQ").
+            cm_wgmma_wait<0>();
+            cm_fence_acc(acc_dv);
+            cm_fence_acc(acc_dk);
+            cm_fence_frag(pa);
+            if constexpr (!ATOMIC_DQ) cm_fence_frag(dsa);
+            // Q, dO, the statistics and the bits of stage s are no longer read.
+            __syncwarp();
+            if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table.
         if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head, dist_fixed);
 #endif
     }
-    if constexpr (ATOMIC_DQ) {
-        cm_wgmma_wait<0>();
-        cm_fence_acc(acc_dk);
-    }
-    // The last reduction must finish reading shared memory before the CTA exits. (With dK's
-    // product in flight across the loop's back edge, this branch is also what keeps ptxas from
-    // serialising every product, C7515: BENCHMARKS.md, "a reducer warp for dQ".)
-    if (dq_issuer) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 
     const u32 row0 = key0 + c * 64;
     cm_bwd_store_rows(p.dk + batch * p.dk_stride_batch + kv_head * p.dk_stride_head, p.dk_stride_row, acc_dk,
@@ -483,6 +466,37 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     }
                 }
             }
+        } else if (threadIdx.x / 32 == 1 && total > 0 && p.dq_accum != nullptr) {
+            // The reducer warp of the fast mode: adds each tile's dQ, once both consumers have
+            // stored it, into the fp32 accumulator with one bulk asynchronous reduction, and
+            // gives the tile back once the reduction has read it. It walks the same tiles as
+            // the consumers, so every barrier phase is matched.
+            const u32 sDQ = base + OFF_DQ;
+            // The first tile finds the dQ tile free.
+            cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+            u32 it = 0;
+            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
+                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
+                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
+                    cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
+                    if ((threadIdx.x & 31) == 0) {
+                        float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0) * HEAD_DIM;
+                        asm volatile(
+                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+                            "r"(sDQ), "n"(DQ_BYTES)
+                            : "memory");
+                        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                    }
+                    __syncwarp();
+                    // The last tile's dQ tile is not written again (the consumers sync EMPTY
+                    // once per tile).
+                    if (it + 1 < total) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+                }
+            }
+            // The last reduction must finish before the CTA exits.
+            if ((threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         }
         return;
     }
