@@ -119,8 +119,8 @@ def test_every_tensor_is_checked(change, message):
 def test_the_descriptor_is_checked_against_the_plan():
     plan, args = _forward_args()
     for desc, message in [
-        (_descriptor(plan, dtype="int64"), "plan array intervals: dtype int64, expected int32"),
-        (_descriptor(plan, device=1), "plan array intervals is on cuda:1"),
+        (_descriptor(plan, dtype="int64"), "plan array m_block_order: dtype int64, expected int32"),
+        (_descriptor(plan, device=1), "plan array m_block_order is on cuda:1"),
         (_descriptor(plan, count=5),
          f"the plan has 5 kernel arrays, expected {len(_native.CUDA_PLAN_ARRAYS)}"),
         (_descriptor(plan, q_len=200), "the descriptor was built for other lengths"),

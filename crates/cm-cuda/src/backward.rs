@@ -207,9 +207,7 @@ struct BwdParams {
     kv_indices: u64,
     full_kv_offsets: u64,
     full_kv_indices: u64,
-    partial_row_first: u64,
-    row_ptr: u64,
-    intervals: u64,
+    partial_row_mask: u64,
     bwd_n_block_order: u64,
     bwd_q_offsets: u64,
     bwd_q_indices: u64,
@@ -235,7 +233,7 @@ struct BwdParams {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 568,
+    std::mem::size_of::<BwdParams>() == 552,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -505,9 +503,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         kv_indices: plan.addr(PlanArray::KvIndices),
         full_kv_offsets: plan.addr(PlanArray::FullKvOffsets),
         full_kv_indices: plan.addr(PlanArray::FullKvIndices),
-        partial_row_first: plan.addr(PlanArray::PartialRowFirst),
-        row_ptr: plan.addr(PlanArray::RowPtr),
-        intervals: plan.addr(PlanArray::Intervals),
+        partial_row_mask: plan.addr(PlanArray::PartialRowMask),
         bwd_n_block_order: plan.addr(PlanArray::BwdNBlockOrder),
         bwd_q_offsets: plan.addr(PlanArray::BwdQOffsets),
         bwd_q_indices: plan.addr(PlanArray::BwdQIndices),

@@ -210,13 +210,17 @@ mod tests {
         };
         assert!(layout(&arrays("int32", 0, false), 70).is_ok());
         let err = |a: &[ExternalTensor<1>], q_len: u32| layout(a, q_len).unwrap_err();
-        assert!(err(&arrays("int64", 0, false), 70).contains("plan array intervals: dtype int64"));
-        assert!(err(&arrays("int32", 1, false), 70).contains("plan array intervals is on cuda:1"));
-        assert!(err(&arrays("int32", 0, true), 70).contains("plan array m_block_order holds 0"));
+        assert!(
+            err(&arrays("int64", 0, false), 70).contains("plan array m_block_order: dtype int64")
+        );
+        assert!(
+            err(&arrays("int32", 1, false), 70).contains("plan array m_block_order is on cuda:1")
+        );
+        assert!(err(&arrays("int32", 0, true), 70).contains("plan array kv_offsets holds 0"));
         assert!(err(&arrays("int32", 0, false), 7000).contains("built for other lengths"));
         assert!(err(&arrays("int32", 0, false)[..3], 70).contains("3 kernel arrays"));
         let mut strided = arrays("int32", 0, false);
         strided[2].strides = [2];
-        assert!(err(&strided, 70).contains("plan array kv_offsets: stride 2"));
+        assert!(err(&strided, 70).contains("plan array kv_indices: stride 2"));
     }
 }

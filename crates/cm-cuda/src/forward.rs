@@ -67,10 +67,7 @@ pub(crate) struct FwdParams {
     kv_indices: u64,
     full_kv_offsets: u64,
     full_kv_indices: u64,
-    partial_row_first: u64,
     partial_row_mask: u64,
-    row_ptr: u64,
-    intervals: u64,
     /// Set by the runtime at launch (its per-stream work counter), for FwdWs.
     pub(crate) scheduler: u64,
     mask_index: u64,
@@ -90,7 +87,7 @@ pub(crate) struct FwdParams {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 352,
+    std::mem::size_of::<FwdParams>() == 328,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -294,10 +291,9 @@ pub(crate) fn prepare(
 
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
     let ws = kernel_kind == KernelKind::FwdWs;
-    // The forward lists at the kernel's tile, and how its partial tiles read their rows:
-    // fwd_ws through per-row visibility bits, the others through `partial_row_first` into
-    // the intervals.
-    let (lists, row_limits, num_m_blocks) = if ws {
+    // The forward lists at the kernel's tile and its partial tiles' row bits: fwd_ws's set,
+    // or the plan's own tile.
+    let (lists, num_m_blocks) = if ws {
         let set = ws_set(kernel.tile()).expect("FWD_WS_TILES holds every fwd_ws tile");
         let ws = |a: WsArray| PlanArray::Ws(a, set);
         (
@@ -307,8 +303,8 @@ pub(crate) fn prepare(
                 ws(WsArray::KvIndices),
                 ws(WsArray::FullKvOffsets),
                 ws(WsArray::FullKvIndices),
+                ws(WsArray::PartialRowMask),
             ],
-            (0, plan.addr(ws(WsArray::PartialRowMask))),
             plan.ws_num_m_blocks[set],
         )
     } else {
@@ -319,8 +315,8 @@ pub(crate) fn prepare(
                 PlanArray::KvIndices,
                 PlanArray::FullKvOffsets,
                 PlanArray::FullKvIndices,
+                PlanArray::PartialRowMask,
             ],
-            (plan.addr(PlanArray::PartialRowFirst), 0),
             plan.num_m_blocks,
         )
     };
@@ -340,10 +336,7 @@ pub(crate) fn prepare(
         kv_indices: plan.addr(lists[2]),
         full_kv_offsets: plan.addr(lists[3]),
         full_kv_indices: plan.addr(lists[4]),
-        partial_row_first: row_limits.0,
-        partial_row_mask: row_limits.1,
-        row_ptr: plan.addr(PlanArray::RowPtr),
-        intervals: plan.addr(PlanArray::Intervals),
+        partial_row_mask: plan.addr(lists[5]),
         scheduler: 0,
         mask_index: plan.addr(PlanArray::MaskIndex),
         q_len: plan.q_len,

@@ -23,21 +23,20 @@ use std::sync::Arc;
 pub const WS_SETS: usize = cm_kernels::FWD_WS_TILES.len();
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 15 + 6 * WS_SETS;
+pub const PLAN_ARRAY_COUNT: usize = 13 + 6 * WS_SETS;
 
 /// One array of a plan's device descriptor, all u32.
 ///
 /// The forward lists at the kernel's tile shape (`kv_offsets [num_m_blocks + 1]`, `kv_indices
-/// [num_partial]`, `full_kv_*` likewise), `partial_row_first [num_partial, block_m]`, the row
-/// intervals (`row_ptr [q_len + 1]`, `intervals [2 * num_intervals]` as `[start, end)` pairs)
-/// and the order in which query blocks are scheduled (`[num_m_blocks]`, most tiles first, so the
-/// longest CTAs start first), read by the reference forwards and the backward's `bwd_dq`. All
-/// of these are at the plan's tile ([`cm_kernels::TILE`]). [`PlanArray::Ws`] repeats the
-/// forward lists and their query-block order at each tile of [`crate::KernelKind::FwdWs`]'s
-/// variants ([`cm_kernels::FWD_WS_TILES`], one set each), whose partial tiles read each row's
-/// visibility as bits (`partial_row_mask [num_partial, block_m, block_n / 32]`: bit `c % 32`
-/// of word `c / 32` set when key `n_block * block_n + c` is visible from the row; rows past
-/// `q_len` have no bits). The `Bwd*` arrays are the backward
+/// [num_partial]`, `full_kv_*` likewise), the order in which query blocks are scheduled
+/// (`[num_m_blocks]`, most tiles first, so the longest CTAs start first) and each partial
+/// tile's visibility as bits per row (`partial_row_mask [num_partial, block_m, block_n / 32]`:
+/// bit `c % 32` of word `c / 32` set when key `n_block * block_n + c` is visible from the row;
+/// rows past `q_len` have no bits), read by the reference forwards and the backward's `bwd_dq`
+/// at the plan's tile ([`cm_kernels::TILE`]). [`PlanArray::Ws`] repeats all of them at each
+/// tile of [`crate::KernelKind::FwdWs`]'s variants ([`cm_kernels::FWD_WS_TILES`], one set
+/// each). Every kernel reads a partial tile's visibility as bits (one encoding, oriented along
+/// its inner loop): by row here, by key in the transposed lists. The `Bwd*` arrays are the backward
 /// lists at [`cm_kernels::BWD_TILE`] for the warp-specialised dK/dV kernel: the key-block order
 /// (`bwd_n_block_order [num_n_blocks]`, most tiles first), the transposed lists
 /// (`bwd_q_offsets [num_n_blocks + 1]`, `bwd_q_indices [num_partial]`, `bwd_full_q_*`
@@ -48,22 +47,20 @@ pub const PLAN_ARRAY_COUNT: usize = 15 + 6 * WS_SETS;
 /// `q_len` and keys past `kv_len` have no bits).
 ///
 /// A plan of several masks holds each mask's arrays one after the other, in mask order. The
-/// arrays whose length the lengths fix ([`PlanArray::fixed_len`]: block orders, offsets,
-/// `row_ptr`) repeat at that stride; the others are concatenated, and every offset or index
-/// into them (`*_offsets`, `row_ptr`, `partial_row_first`) counts from the start of the
-/// concatenation, so a kernel needs only its mask's base of the fixed-stride arrays.
+/// arrays whose length the lengths fix ([`PlanArray::fixed_len`]: block orders and offsets)
+/// repeat at that stride; the others (tile lists and bits) are concatenated, and every offset
+/// into them (`*_offsets`) counts from the start of the concatenation, so a kernel needs only
+/// its mask's base of the fixed-stride arrays.
 /// `mask_index [mask_batch, mask_heads]` holds the mask of each (batch, head); a side of 1
 /// applies to every batch (head) of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
-    Intervals,
     MBlockOrder,
     KvOffsets,
     KvIndices,
     FullKvOffsets,
     FullKvIndices,
-    PartialRowFirst,
-    RowPtr,
+    PartialRowMask,
     /// One of the forward lists at [`cm_kernels::FWD_WS_TILES`]`[set]`.
     Ws(WsArray, usize),
     BwdNBlockOrder,
@@ -111,15 +108,13 @@ impl WsArray {
 impl PlanArray {
     /// Every array, in the order of [`HostPlan::arrays`] and [`PlanLayout::new`].
     pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = {
-        const HEAD: [PlanArray; 8] = [
-            PlanArray::Intervals,
+        const HEAD: [PlanArray; 6] = [
             PlanArray::MBlockOrder,
             PlanArray::KvOffsets,
             PlanArray::KvIndices,
             PlanArray::FullKvOffsets,
             PlanArray::FullKvIndices,
-            PlanArray::PartialRowFirst,
-            PlanArray::RowPtr,
+            PlanArray::PartialRowMask,
         ];
         const TAIL: [PlanArray; 7] = [
             PlanArray::BwdNBlockOrder,
@@ -152,7 +147,7 @@ impl PlanArray {
     /// Position in [`PlanArray::ALL`].
     pub fn index(self) -> usize {
         match self {
-            PlanArray::Ws(a, set) => 8 + 6 * set + a as usize,
+            PlanArray::Ws(a, set) => 6 + 6 * set + a as usize,
             other => PlanArray::ALL
                 .iter()
                 .position(|&x| x == other)
@@ -164,14 +159,12 @@ impl PlanArray {
     /// (named by its tile).
     pub fn name(self) -> String {
         let plain = match self {
-            PlanArray::Intervals => "intervals",
             PlanArray::MBlockOrder => "m_block_order",
             PlanArray::KvOffsets => "kv_offsets",
             PlanArray::KvIndices => "kv_indices",
             PlanArray::FullKvOffsets => "full_kv_offsets",
             PlanArray::FullKvIndices => "full_kv_indices",
-            PlanArray::PartialRowFirst => "partial_row_first",
-            PlanArray::RowPtr => "row_ptr",
+            PlanArray::PartialRowMask => "partial_row_mask",
             PlanArray::Ws(a, set) => {
                 let (m, n) = cm_kernels::FWD_WS_TILES[set];
                 return format!("ws{m}x{n}_{}", a.name());
@@ -191,13 +184,7 @@ impl PlanArray {
     /// and for `mask_index`, whose length the plan's batch and heads fix), given
     /// `num_m_blocks` query blocks at the plan's tile, `ws_m[set]` query blocks at each
     /// [`PlanArray::Ws`] set's tile and `bwd_n` key blocks at the `Bwd*` tile.
-    fn fixed_len(
-        self,
-        q_len: u32,
-        num_m_blocks: u32,
-        ws_m: &[u32; WS_SETS],
-        bwd_n: u32,
-    ) -> Option<usize> {
+    fn fixed_len(self, num_m_blocks: u32, ws_m: &[u32; WS_SETS], bwd_n: u32) -> Option<usize> {
         let (m, bwd_n) = (num_m_blocks as usize, bwd_n as usize);
         match self {
             PlanArray::MBlockOrder => Some(m),
@@ -206,7 +193,6 @@ impl PlanArray {
             PlanArray::Ws(WsArray::KvOffsets | WsArray::FullKvOffsets, set) => {
                 Some(ws_m[set] as usize + 1)
             }
-            PlanArray::RowPtr => Some(q_len as usize + 1),
             PlanArray::BwdNBlockOrder => Some(bwd_n),
             PlanArray::BwdQOffsets | PlanArray::BwdFullQOffsets => Some(bwd_n + 1),
             _ => None,
@@ -217,7 +203,6 @@ impl PlanArray {
     /// plan of several masks adds to each mask's offsets.
     fn indexes(self) -> Option<PlanArray> {
         match self {
-            PlanArray::RowPtr | PlanArray::PartialRowFirst => Some(PlanArray::Intervals),
             PlanArray::KvOffsets => Some(PlanArray::KvIndices),
             PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
             PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
@@ -233,10 +218,8 @@ impl PlanArray {
     /// Byte alignment the kernels' loads of this array need.
     fn align(self) -> u64 {
         match self {
-            // Read as 8-byte (start, end) pairs.
-            PlanArray::Intervals => 8,
             // A row's 128 bits are one 16-byte load.
-            PlanArray::Ws(WsArray::PartialRowMask, _) => 16,
+            PlanArray::Ws(WsArray::PartialRowMask, _) | PlanArray::PartialRowMask => 16,
             // Each tile's 1 KB is one bulk async copy.
             PlanArray::BwdPartialKeyMask => 16,
             _ => 4,
@@ -317,7 +300,7 @@ fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
 }
 
 /// The visibility bits of every row of every partial tile of `desc` (see
-/// [`PlanArray::Ws`]), from the rows' intervals starting at each row's
+/// [`PlanArray::PartialRowMask`]), from the rows' intervals starting at each row's
 /// `partial_row_first`.
 fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let per_row = desc.partial_rows(rows);
@@ -459,18 +442,13 @@ impl HostPlan {
     /// arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
         let desc = TileDescriptor::build(rows, tile);
-        let per_row = desc.partial_rows(rows);
+        let row_masks = partial_row_masks(&desc, rows);
         let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
         let ws: [TileDescriptor; WS_SETS] =
             std::array::from_fn(|set| TileDescriptor::build(rows, ws_tile(set)));
         let bwd = TileDescriptor::build(rows, bwd_tile());
         let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
         let bwd_masks = partial_key_masks(&bwd, rows);
-        let flat_intervals: Vec<u32> = rows
-            .intervals()
-            .iter()
-            .flat_map(|iv| [iv.start, iv.end])
-            .collect();
         let stats = PlanStats {
             visible_pairs: rows.visible_pairs(),
             computed_pairs: desc.computed_pairs,
@@ -498,14 +476,12 @@ impl HostPlan {
                 ws.full_kv_indices,
             );
         }
-        put(PlanArray::Intervals, flat_intervals);
         put(PlanArray::MBlockOrder, order);
         put(PlanArray::KvOffsets, desc.kv_offsets);
         put(PlanArray::KvIndices, desc.kv_indices);
         put(PlanArray::FullKvOffsets, desc.full_kv_offsets);
         put(PlanArray::FullKvIndices, desc.full_kv_indices);
-        put(PlanArray::PartialRowFirst, per_row.partial_row_first);
-        put(PlanArray::RowPtr, rows.row_ptr().to_vec());
+        put(PlanArray::PartialRowMask, row_masks);
         put(PlanArray::BwdNBlockOrder, bwd_order);
         put(PlanArray::BwdQOffsets, bwd.q_offsets);
         put(PlanArray::BwdQIndices, bwd.q_indices);
@@ -575,17 +551,10 @@ impl HostPlan {
         let parts: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
         let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
         for part in &parts {
-            // Bases of the concatenated arrays that this mask's offsets point into: intervals
-            // (counted in intervals, as row_ptr and partial_row_first count them) and each
-            // list of tile indices.
+            // Bases of the concatenated lists of tile indices that this mask's offsets point
+            // into.
             let base = |a: PlanArray| -> Result<u32, Error> {
-                let len = arrays[a.index()].len();
-                let len = if a == PlanArray::Intervals {
-                    len / 2
-                } else {
-                    len
-                };
-                u32::try_from(len).map_err(|_| {
+                u32::try_from(arrays[a.index()].len()).map_err(|_| {
                     Error::invalid(format!(
                         "the plan's {} array outgrows the kernels' 32-bit indices",
                         a.name()
@@ -747,7 +716,7 @@ impl PlanLayout {
             let need = if *a == PlanArray::MaskIndex {
                 Some(mask_dims[0] as usize * mask_dims[1] as usize)
             } else {
-                a.fixed_len(q_len, num_m_blocks, &ws_num_m_blocks, bwd_num_n_blocks)
+                a.fixed_len(num_m_blocks, &ws_num_m_blocks, bwd_num_n_blocks)
                     .map(|n| n * num_masks as usize)
             };
             if let Some(need) = need {
@@ -1206,7 +1175,6 @@ mod tests {
         let (_, bwd_n) = block_counts(q_len, kv_len, bwd_tile());
         // Which concatenated array each offset array points into.
         let points_into = |a: PlanArray| match a {
-            PlanArray::RowPtr | PlanArray::PartialRowFirst => Some(PlanArray::Intervals),
             PlanArray::KvOffsets => Some(PlanArray::KvIndices),
             PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
             PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
@@ -1224,14 +1192,13 @@ mod tests {
             let mut at = 0;
             for (i, single) in singles.iter().enumerate() {
                 let own = &single.arrays()[a.index()];
-                if let Some(n) = a.fixed_len(q_len, m, &ws_m, bwd_n) {
+                if let Some(n) = a.fixed_len(m, &ws_m, bwd_n) {
                     assert_eq!(own.len(), n, "{} of mask {i}", a.name());
                 }
                 let shift: u32 = points_into(a).map_or(0, |target| {
-                    let per = if target == PlanArray::Intervals { 2 } else { 1 };
                     singles[..i]
                         .iter()
-                        .map(|s| (s.arrays()[target.index()].len() / per) as u32)
+                        .map(|s| s.arrays()[target.index()].len() as u32)
                         .sum()
                 });
                 let got = &multi.arrays()[a.index()][at..at + own.len()];
@@ -1272,16 +1239,22 @@ mod tests {
         let (_, bwd_n) = block_counts(150, 150, bwd_tile());
         assert_eq!(bwd_n, 2);
         for (a, array) in PlanArray::ALL.iter().zip(host.arrays()) {
-            if let Some(len) = a.fixed_len(150, m, &ws_m, bwd_n) {
+            if let Some(len) = a.fixed_len(m, &ws_m, bwd_n) {
                 assert_eq!(array.len(), len, "{}", a.name());
             }
         }
         let array = |a: PlanArray| host.arrays()[a.index()].as_slice();
-        assert_eq!(array(PlanArray::Intervals).len(), 2 * 150);
-        assert_eq!(array(PlanArray::RowPtr), rows.row_ptr());
-        // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full.
+        // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full; each
+        // partial tile's rows as 2 words, row 10 of the first seeing keys 0..=10 and row 21
+        // of the last (row 149, the last row) keys 128..=149; rows from 150 on have no bits.
         assert_eq!(array(PlanArray::KvIndices).len(), 3);
         assert_eq!(array(PlanArray::FullKvIndices).len(), 3);
+        let bits = array(PlanArray::PartialRowMask);
+        assert_eq!(bits.len(), 3 * 64 * 2);
+        assert_eq!(bits[10 * 2..11 * 2], [(1 << 11) - 1, 0]);
+        let last = 2 * 64 * 2;
+        assert_eq!(bits[last + 21 * 2..last + 22 * 2], [(1 << 22) - 1, 0]);
+        assert!(bits[last + 22 * 2..].iter().all(|&w| w == 0));
         // At 128x128: the two diagonal tiles partial, the one below them full; the longer
         // second query block is scheduled first.
         let ws = |a: WsArray, set: usize| array(PlanArray::Ws(a, set));

@@ -82,9 +82,9 @@ struct CmBwdParams {
     const u32* kv_indices;         // [num_partial]
     const u32* full_kv_offsets;    // [num_m_blocks + 1]
     const u32* full_kv_indices;    // [num_full]
-    const u32* partial_row_first;  // [num_partial, BLOCK_M]
-    const u32* row_ptr;            // [q_len + 1]
-    const CmKeyInterval* intervals;  // [num_intervals]
+    // Each partial tile's visibility, row by row (as the forward's): bit c % 32 of word c / 32
+    // of a row set when key n_block * BLOCK_N + c is visible from it; rows past q_len have none.
+    const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32]
     // The transposed lists at 64-row query tiles x 128-key blocks (cm_cuda::BWD_TILE) that
     // bwd_dkdv walks, and the key-major visibility of each of their partial tiles: [num_partial,
     // 128 keys, 2 u32] (bit b of word w: query row q_index * 64 + 32 w + b sees the key).
@@ -95,8 +95,8 @@ struct CmBwdParams {
     const u32* bwd_full_q_indices;     // [num_full]
     const u32* bwd_partial_key_mask;   // [num_partial, 128, 2]
     // The mask of (batch, query head) at batch * mask_stride_batch + head * mask_stride_head;
-    // each mask's fixed-stride arrays (block orders, offsets, row_ptr) follow the previous
-    // mask's, the tile lists, bits and intervals are concatenated (cm_cuda::PlanArray).
+    // each mask's fixed-stride arrays (block orders, offsets) follow the previous mask's, the
+    // tile lists and bits are concatenated (cm_cuda::PlanArray).
     const u32* mask_index;
     u32 q_len;
     u32 kv_len;
@@ -118,7 +118,7 @@ struct CmBwdParams {
     CmScoreParams score;    // read by the CM_SCORE variants of bwd_dkdv and bwd_dq
 };
 
-static_assert(sizeof(CmBwdParams) == 568, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 552, "must match cm_cuda::backward::BwdParams");
 
 __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
@@ -269,24 +269,11 @@ __device__ __forceinline__ void cm_bwd_load_row_stats(float* s_lse, float* s_del
 }
 
 // 64-bit visibility of the tile's keys key0 .. key0 + 63 from local row r of the `partial_id`-th
-// partial tile (bit b: key key0 + b visible), from the same per-row intervals the forward
-// uses (`row_ptr`: the mask's). Rows past q_len see nothing.
-__device__ __forceinline__ u64 cm_bwd_row_bits(const CmBwdParams& p, const u32* row_ptr, u32 partial_id, u32 r,
-                                               u32 row0, u32 key0) {
-    const u32 qrow = row0 + r;
-    if (qrow >= p.q_len) return 0;
-    u64 bits = 0;
-    const u32 end = row_ptr[qrow + 1];
-    for (u32 i = p.partial_row_first[(u64)partial_id * BLOCK_M + r]; i < end; ++i) {
-        const CmKeyInterval iv = p.intervals[i];
-        if (iv.start >= key0 + BLOCK_N) break;
-        const u32 lo = max(iv.start, key0) - key0;
-        const u32 hi = min(iv.end, key0 + BLOCK_N) - key0;
-        const u64 below_hi = hi >= 64 ? ~0ull : (1ull << hi) - 1;
-        const u64 below_lo = (1ull << lo) - 1;  // lo < 64: the interval ends after key0
-        bits |= below_hi & ~below_lo;
-    }
-    return bits;
+// partial tile (bit b: key key0 + b visible): the row's two words of p.partial_row_mask.
+__device__ __forceinline__ u64 cm_bwd_row_bits(const CmBwdParams& p, u32 partial_id, u32 r) {
+    static_assert(BLOCK_N == 64, "one u64 per row");
+    const u32* row = p.partial_row_mask + ((u64)partial_id * BLOCK_M + r) * 2;
+    return (u64)row[0] | (u64)row[1] << 32;
 }
 
 // One 16-bit element to fp32.

@@ -1,6 +1,6 @@
 // Backward dQ of the deterministic mode, one CTA of one warpgroup (4 warps) per (64-row query
 // block, head, batch): walks the query block's key tiles from the forward lists (partial tiles
-// with the per-row limits, then full tiles with no mask code), recomputes S = Q K^T and
+// with their rows' visibility bits, then full tiles with no mask code), recomputes S = Q K^T and
 // dP = dO V^T, P = exp2(S c log2e - lse_log2), dS = P (dP - delta), and accumulates
 // dQ = c dS K in registers in a fixed order, so its bits do not change run to run. All
 // products are Hopper wgmma on 128B-swizzled shared memory: S and dP with K-major operands
@@ -65,7 +65,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
     const u64 mask = cm_bwd_mask(p, batch, head);
     const u32* kv_offsets = p.kv_offsets + mask * (p.num_m_blocks + 1);
     const u32* full_kv_offsets = p.full_kv_offsets + mask * (p.num_m_blocks + 1);
-    const u32* row_ptr = p.row_ptr + mask * (p.q_len + 1);
     const u32 m_block = p.m_block_order[mask * p.num_m_blocks + blockIdx.x];
     const u32 kv_head = head / p.heads_per_kv_head;
     const int warp = threadIdx.x >> 5;
@@ -91,12 +90,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
         cm_bwd_load_tile<HEAD_DIM>(base + OFF_K + st * TILE_BYTES, k, p.k_stride_row, key0, p.kv_len);
         cm_bwd_load_tile<HEAD_DIM_V>(base + OFF_V + st * TILE_BYTES_V, v, p.v_stride_row, key0, p.kv_len);
     };
-    // The key masks of partial tile `it`'s 64 rows into stage `st`: the even threads of every
-    // warp take one row each.
-    auto row_bits = [&](u32 it, u32 key0, u32 st) {
+    // The key masks of partial tile `it`'s 64 rows into stage `st` (one u64 per row from the
+    // plan's row bits): the even threads of every warp take one row each.
+    auto row_bits = [&](u32 it, u32 st) {
         if (it < num_partial && (threadIdx.x & 1) == 0) {
             const u32 r = threadIdx.x >> 1;
-            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, row_ptr, p_begin + it, r, row0, key0);
+            sBits[st * BLOCK_M + r] = cm_bwd_row_bits(p, p_begin + it, r);
         }
     };
 
@@ -127,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
                                      p.do_stride_row, row0, p.q_len);
         load_kv(key0, 0);
         cm_cp_async_commit();
-        row_bits(0, key0, 0);
+        row_bits(0, 0);
     }
 
     for (u32 it = 0; it < num_tiles; ++it) {
@@ -161,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cm_bwd_dq(const CmB
             cm_wgmma_n64_ss(dp, cm_desc_k_major(sdO, BLOCK_M, ks), cm_desc_k_major(sV, BLOCK_N, ks), ks > 0);
         }
         cm_wgmma_commit();
-        if (has_next) row_bits(it + 1, key_next, st ^ 1);
+        if (has_next) row_bits(it + 1, st ^ 1);
 #if CM_SCORE
         // The distance table's view of the tile, loaded while the products run.
         const CmDistTile dist = cm_dist_tile<BLOCK_N / 8, false>(p.score, head, p.q_len, p.kv_len,

@@ -76,10 +76,9 @@ struct CmFwdParams {
     const u32* kv_indices;     // [num_partial]
     const u32* full_kv_offsets;  // [num_m_blocks + 1]
     const u32* full_kv_indices;  // [num_full]
-    const u32* partial_row_first;  // [num_partial, BLOCK_M]; null for fwd_ws
-    const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32] visibility bits; fwd_ws only
-    const u32* row_ptr;            // [q_len + 1]
-    const CmKeyInterval* intervals;  // [num_intervals]
+    // Each partial tile's visibility, row by row: bit c % 32 of word c / 32 of a row set when
+    // key n_block * BLOCK_N + c is visible from it; rows past q_len have no bits.
+    const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32]
     u32* scheduler;  // fwd_ws: [next work item, finished CTAs], zero between launches
     const u32* mask_index;  // the mask of (batch, head) at batch * mask_stride_batch + head * mask_stride_head
     u32 q_len;
@@ -101,7 +100,7 @@ struct CmFwdParams {
 };
 
 static_assert(sizeof(CmScoreParams) == 64, "must match cm_cuda::ScoreParams");
-static_assert(sizeof(CmFwdParams) == 352, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 328, "must match cm_cuda::forward::FwdParams");
 
 // The plan's mask of (batch, head), an index into its per-mask arrays (cm_cuda::PlanArray).
 // The host checked every entry when it built the plan; the clamp keeps a corrupted index
@@ -113,12 +112,11 @@ __device__ __forceinline__ u32 cm_mask_of(const u32* mask_index, u32 stride_batc
 }
 
 // One mask's forward lists: the fixed-stride arrays at that mask's base (the partial and full
-// tile lists and the intervals are concatenated, and the offsets here point into them).
+// tile lists and the row bits are concatenated, and the offsets here point into them).
 struct CmFwdLists {
     const u32* m_block_order;    // [num_m_blocks]
     const u32* kv_offsets;       // [num_m_blocks + 1]
     const u32* full_kv_offsets;  // [num_m_blocks + 1]
-    const u32* row_ptr;          // [q_len + 1]
 };
 
 __device__ __forceinline__ CmFwdLists cm_fwd_lists(const CmFwdParams& p, u32 batch, u32 head) {
@@ -127,7 +125,6 @@ __device__ __forceinline__ CmFwdLists cm_fwd_lists(const CmFwdParams& p, u32 bat
     l.m_block_order = p.m_block_order + mask * p.num_m_blocks;
     l.kv_offsets = p.kv_offsets + mask * (p.num_m_blocks + 1);
     l.full_kv_offsets = p.full_kv_offsets + mask * (p.num_m_blocks + 1);
-    l.row_ptr = p.row_ptr + mask * (p.q_len + 1);
     return l;
 }
 

@@ -8,67 +8,9 @@
 #include "score.cuh"
 #endif
 
-// Scales scores into the exp2 domain, then masks: a partial tile applies each row's intervals
-// from the descriptor (`row_ptr`: the mask's), a full tile that overhangs kv_len masks the zero-filled keys past it.
-// Scaling first keeps a masked score at -inf whatever the sign of the scale.
-template <int NB>
-__device__ __forceinline__ void cm_scale_and_mask(float (&s)[NB][4], const CmFwdParams& p, const u32* row_ptr,
-                                                  bool partial, u32 partial_index, u32 block_m, u32 row0,
-                                                  u32 key0, int warp, int g, int t) {
-    constexpr u32 BN = NB * 8;
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
-    }
-    if (partial) {
-        const u32* first = p.partial_row_first + (u64)partial_index * block_m;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 r = warp * 16 + g + h * 8;
-            const u32 qrow = row0 + r;
-            // Bit (j * 2 + e) set: key key0 + j * 8 + t * 2 + e is visible from this row.
-            u32 visible = 0;
-            if (qrow < p.q_len) {
-                const u32 end = row_ptr[qrow + 1];
-                for (u32 i = first[r]; i < end; ++i) {
-                    const CmKeyInterval iv = p.intervals[i];
-                    if (iv.start >= key0 + BN) break;
-                    const int lo = (int)max(iv.start, key0) - (int)key0;
-                    const int hi = (int)min(iv.end, key0 + BN) - (int)key0;
-#pragma unroll
-                    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = j * 8 + t * 2 + e;
-                            if (col >= lo && col < hi) visible |= 1u << (j * 2 + e);
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NB; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (!((visible >> (j * 2 + e)) & 1u)) s[j][h * 2 + e] = cm_neg_inf();
-                }
-            }
-        }
-    } else if (key0 + BN > p.kv_len) {
-        // In-range pairs of a full tile are all visible; the zero-filled keys past kv_len not.
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (key0 + j * 8 + t * 2 + (e & 1) >= p.kv_len) s[j][e] = cm_neg_inf();
-            }
-        }
-    }
-}
-
 // Masks the raw scores of NB * 8 keys (a 128-key tile, NB = 16, or a 64-key half of one, NB =
-// 8): a partial tile's rows come as visibility bits (NB / 4 words per row, as cm_cuda's
-// ws_partial_row_mask holds them, the half's own words for a half): element [j][e] of row half
+// 8): a partial tile's rows come as visibility bits (NB / 4 words per row, as the plan's
+// partial_row_mask arrays hold them, the half's own words for a half): element [j][e] of row half
 // h is key 8 j + 2 t + (e & 1), bit (8 j + 2 t + e) % 32 of word j / 4; a full tile that
 // overhangs kv_len masks the zero-filled keys past it. Masked scores become -inf.
 template <int NB>
@@ -99,9 +41,8 @@ __device__ __forceinline__ void cm_mask_bits(float (&s)[NB][4], const CmFwdParam
     }
 }
 
-// As cm_scale_and_mask for tiles whose partial rows come as visibility bits: scales into the
-// exp2 domain, then cm_mask_bits (scaling first keeps a masked score at -inf whatever the sign
-// of the scale).
+// Scales scores into the exp2 domain, then cm_mask_bits (scaling first keeps a masked score at
+// -inf whatever the sign of the scale).
 template <int NB>
 __device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[NB][4], const CmFwdParams& p, bool partial,
                                                        const u32 (&bits)[2][NB / 4], u32 key0, int t) {
@@ -111,6 +52,20 @@ __device__ __forceinline__ void cm_scale_and_mask_bits(float (&s)[NB][4], const 
         for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
     }
     cm_mask_bits(s, p, partial, bits, key0, t);
+}
+
+// The visibility bits of this thread's rows (warp * 16 + g and + 8 of the block) in the
+// `partial_index`-th partial tile of p.partial_row_mask, for kernels that read them straight
+// from global memory (one warpgroup, BLOCK_M rows); rows past q_len have none.
+template <int NB>
+__device__ __forceinline__ void cm_load_row_bits(u32 (&bits)[2][NB / 4], const CmFwdParams& p, u32 partial_index,
+                                                 u32 block_m, int warp, int g) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32* row = p.partial_row_mask + ((u64)partial_index * block_m + warp * 16 + g + h * 8) * (NB / 4);
+#pragma unroll
+        for (int k = 0; k < NB / 4; ++k) bits[h][k] = row[k];
+    }
 }
 
 // Online softmax over one tile, score side: turns s into unnormalised probabilities against

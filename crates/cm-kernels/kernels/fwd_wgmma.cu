@@ -123,7 +123,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_fwd_wgmma(const CmF
         }
         cm_cp_async_commit();
 
-        cm_scale_and_mask(s, p, lists.row_ptr, it < num_partial, p_begin + it, BLOCK_M, row0, key0, warp, g, t);
+        u32 bits[2][BLOCK_N / 32] = {};
+        if (it < num_partial) cm_load_row_bits<BLOCK_N / 8>(bits, p, p_begin + it, BLOCK_M, warp, g);
+        cm_scale_and_mask_bits(s, p, it < num_partial, bits, key0, t);
         cm_online_softmax(s, row_max, row_sum, acc_o);
 
         cm_cp_async_wait<1>();  // V(it) landed (only K(it + 1) may be in flight)

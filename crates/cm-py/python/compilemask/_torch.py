@@ -66,8 +66,8 @@ def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
     out, lens = [], []
     for raw in plan._native.kernel_arrays():
         n = len(raw) // 4
-        # At least 4: keeps every array's loads aligned (8-byte interval pairs, 16-byte rows
-        # of the `ws*_partial_row_mask` arrays and tiles of `bwd_partial_key_mask`).
+        # At least 4: keeps every array's loads aligned (16-byte rows of the
+        # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`).
         host = torch.zeros(_pow2(max(n, 4)), dtype=torch.int32)
         if n:
             host[:n] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
