@@ -31,7 +31,7 @@
 
 use crate::forward::{check_addr, check_forward, ForwardRaw};
 use crate::layout::{check_buffer_len, VECTOR_BYTES};
-use crate::plan::{PlanArray, PlanLayout, PlanView};
+use crate::plan::{ForwardArray, PlanArray, PlanLayout, PlanView};
 use crate::score::{Score, ScoreParams, ScoreRaw};
 use crate::tma::TensorMap;
 use crate::{DType, DevicePlan, Error, LseLayout, Runtime, TensorLayout};
@@ -498,12 +498,12 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         dv_strides: s3(&a.dv_layout),
         lse_strides: [a.lse_layout.strides[0], a.lse_layout.strides[1]],
         dlse_strides: a.dlse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
-        m_block_order: plan.addr(PlanArray::MBlockOrder),
-        kv_offsets: plan.addr(PlanArray::KvOffsets),
-        kv_indices: plan.addr(PlanArray::KvIndices),
-        full_kv_offsets: plan.addr(PlanArray::FullKvOffsets),
-        full_kv_indices: plan.addr(PlanArray::FullKvIndices),
-        partial_row_mask: plan.addr(PlanArray::PartialRowMask),
+        m_block_order: plan.addr(PlanArray::Forward(ForwardArray::MBlockOrder)),
+        kv_offsets: plan.addr(PlanArray::Forward(ForwardArray::KvOffsets)),
+        kv_indices: plan.addr(PlanArray::Forward(ForwardArray::KvIndices)),
+        full_kv_offsets: plan.addr(PlanArray::Forward(ForwardArray::FullKvOffsets)),
+        full_kv_indices: plan.addr(PlanArray::Forward(ForwardArray::FullKvIndices)),
+        partial_row_mask: plan.addr(PlanArray::Forward(ForwardArray::PartialRowMask)),
         bwd_n_block_order: plan.addr(PlanArray::BwdNBlockOrder),
         bwd_q_offsets: plan.addr(PlanArray::BwdQOffsets),
         bwd_q_indices: plan.addr(PlanArray::BwdQIndices),

@@ -1,7 +1,7 @@
 //! Forward attention: argument checking and the launch.
 
 use crate::layout::VECTOR_BYTES;
-use crate::plan::{ws_set, PlanArray, PlanLayout, WsArray};
+use crate::plan::{ws_set, ForwardArray, PlanArray, PlanLayout};
 use crate::score::{Score, ScoreParams, ScoreRaw};
 use crate::tma::TensorMap;
 use crate::{DType, Error, LseLayout, TensorLayout};
@@ -295,30 +295,12 @@ pub(crate) fn prepare(
     // or the plan's own tile.
     let (lists, num_m_blocks) = if ws {
         let set = ws_set(kernel.tile()).expect("FWD_WS_TILES holds every fwd_ws tile");
-        let ws = |a: WsArray| PlanArray::Ws(a, set);
         (
-            [
-                ws(WsArray::MBlockOrder),
-                ws(WsArray::KvOffsets),
-                ws(WsArray::KvIndices),
-                ws(WsArray::FullKvOffsets),
-                ws(WsArray::FullKvIndices),
-                ws(WsArray::PartialRowMask),
-            ],
+            ForwardArray::ALL.map(|a| PlanArray::Ws(a, set)),
             plan.ws_num_m_blocks[set],
         )
     } else {
-        (
-            [
-                PlanArray::MBlockOrder,
-                PlanArray::KvOffsets,
-                PlanArray::KvIndices,
-                PlanArray::FullKvOffsets,
-                PlanArray::FullKvIndices,
-                PlanArray::PartialRowMask,
-            ],
-            plan.num_m_blocks,
-        )
+        (ForwardArray::ALL.map(PlanArray::Forward), plan.num_m_blocks)
     };
     let params = FwdParams {
         q: a.q,

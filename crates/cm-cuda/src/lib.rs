@@ -71,8 +71,8 @@ pub use forward::{check_forward, forward_variant, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
 pub use plan::{
-    ws_order, DevicePlan, HostPlan, PlanArray, PlanLayout, PlanView, WsArray, PLAN_ARRAY_COUNT,
-    WS_SETS,
+    ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanView,
+    PLAN_ARRAY_COUNT, WS_SETS,
 };
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

@@ -55,14 +55,10 @@ pub const PLAN_ARRAY_COUNT: usize = 13 + 6 * WS_SETS;
 /// applies to every batch (head) of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanArray {
-    MBlockOrder,
-    KvOffsets,
-    KvIndices,
-    FullKvOffsets,
-    FullKvIndices,
-    PartialRowMask,
+    /// One of the forward lists at the plan's tile ([`cm_kernels::TILE`]).
+    Forward(ForwardArray),
     /// One of the forward lists at [`cm_kernels::FWD_WS_TILES`]`[set]`.
-    Ws(WsArray, usize),
+    Ws(ForwardArray, usize),
     BwdNBlockOrder,
     BwdQOffsets,
     BwdQIndices,
@@ -72,9 +68,10 @@ pub enum PlanArray {
     MaskIndex,
 }
 
-/// The arrays of one [`PlanArray::Ws`] set.
+/// The forward lists of one tile: [`PlanArray::Forward`] at the plan's, [`PlanArray::Ws`] at
+/// each of `fwd_ws`'s.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WsArray {
+pub enum ForwardArray {
     MBlockOrder,
     KvOffsets,
     KvIndices,
@@ -83,24 +80,25 @@ pub enum WsArray {
     PartialRowMask,
 }
 
-impl WsArray {
-    const ALL: [WsArray; 6] = [
-        WsArray::MBlockOrder,
-        WsArray::KvOffsets,
-        WsArray::KvIndices,
-        WsArray::FullKvOffsets,
-        WsArray::FullKvIndices,
-        WsArray::PartialRowMask,
+impl ForwardArray {
+    /// In the order a forward launch reads them.
+    pub(crate) const ALL: [ForwardArray; 6] = [
+        ForwardArray::MBlockOrder,
+        ForwardArray::KvOffsets,
+        ForwardArray::KvIndices,
+        ForwardArray::FullKvOffsets,
+        ForwardArray::FullKvIndices,
+        ForwardArray::PartialRowMask,
     ];
 
     fn name(self) -> &'static str {
         match self {
-            WsArray::MBlockOrder => "m_block_order",
-            WsArray::KvOffsets => "kv_offsets",
-            WsArray::KvIndices => "kv_indices",
-            WsArray::FullKvOffsets => "full_kv_offsets",
-            WsArray::FullKvIndices => "full_kv_indices",
-            WsArray::PartialRowMask => "partial_row_mask",
+            ForwardArray::MBlockOrder => "m_block_order",
+            ForwardArray::KvOffsets => "kv_offsets",
+            ForwardArray::KvIndices => "kv_indices",
+            ForwardArray::FullKvOffsets => "full_kv_offsets",
+            ForwardArray::FullKvIndices => "full_kv_indices",
+            ForwardArray::PartialRowMask => "partial_row_mask",
         }
     }
 }
@@ -108,14 +106,6 @@ impl WsArray {
 impl PlanArray {
     /// Every array, in the order of [`HostPlan::arrays`] and [`PlanLayout::new`].
     pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = {
-        const HEAD: [PlanArray; 6] = [
-            PlanArray::MBlockOrder,
-            PlanArray::KvOffsets,
-            PlanArray::KvIndices,
-            PlanArray::FullKvOffsets,
-            PlanArray::FullKvIndices,
-            PlanArray::PartialRowMask,
-        ];
         const TAIL: [PlanArray; 7] = [
             PlanArray::BwdNBlockOrder,
             PlanArray::BwdQOffsets,
@@ -127,13 +117,13 @@ impl PlanArray {
         ];
         let mut all = [PlanArray::MaskIndex; PLAN_ARRAY_COUNT];
         let mut i = 0;
-        while i < HEAD.len() {
-            all[i] = HEAD[i];
+        while i < 6 {
+            all[i] = PlanArray::Forward(ForwardArray::ALL[i]);
             i += 1;
         }
         let mut j = 0;
         while j < 6 * WS_SETS {
-            all[i + j] = PlanArray::Ws(WsArray::ALL[j % 6], j / 6);
+            all[i + j] = PlanArray::Ws(ForwardArray::ALL[j % 6], j / 6);
             j += 1;
         }
         let mut k = 0;
@@ -147,6 +137,7 @@ impl PlanArray {
     /// Position in [`PlanArray::ALL`].
     pub fn index(self) -> usize {
         match self {
+            PlanArray::Forward(a) => a as usize,
             PlanArray::Ws(a, set) => 6 + 6 * set + a as usize,
             other => PlanArray::ALL
                 .iter()
@@ -159,12 +150,7 @@ impl PlanArray {
     /// (named by its tile).
     pub fn name(self) -> String {
         let plain = match self {
-            PlanArray::MBlockOrder => "m_block_order",
-            PlanArray::KvOffsets => "kv_offsets",
-            PlanArray::KvIndices => "kv_indices",
-            PlanArray::FullKvOffsets => "full_kv_offsets",
-            PlanArray::FullKvIndices => "full_kv_indices",
-            PlanArray::PartialRowMask => "partial_row_mask",
+            PlanArray::Forward(a) => a.name(),
             PlanArray::Ws(a, set) => {
                 let (m, n) = cm_kernels::FWD_WS_TILES[set];
                 return format!("ws{m}x{n}_{}", a.name());
@@ -187,10 +173,11 @@ impl PlanArray {
     fn fixed_len(self, num_m_blocks: u32, ws_m: &[u32; WS_SETS], bwd_n: u32) -> Option<usize> {
         let (m, bwd_n) = (num_m_blocks as usize, bwd_n as usize);
         match self {
-            PlanArray::MBlockOrder => Some(m),
-            PlanArray::KvOffsets | PlanArray::FullKvOffsets => Some(m + 1),
-            PlanArray::Ws(WsArray::MBlockOrder, set) => Some(ws_m[set] as usize),
-            PlanArray::Ws(WsArray::KvOffsets | WsArray::FullKvOffsets, set) => {
+            PlanArray::Forward(ForwardArray::MBlockOrder) => Some(m),
+            PlanArray::Forward(ForwardArray::KvOffsets)
+            | PlanArray::Forward(ForwardArray::FullKvOffsets) => Some(m + 1),
+            PlanArray::Ws(ForwardArray::MBlockOrder, set) => Some(ws_m[set] as usize),
+            PlanArray::Ws(ForwardArray::KvOffsets | ForwardArray::FullKvOffsets, set) => {
                 Some(ws_m[set] as usize + 1)
             }
             PlanArray::BwdNBlockOrder => Some(bwd_n),
@@ -203,11 +190,17 @@ impl PlanArray {
     /// plan of several masks adds to each mask's offsets.
     fn indexes(self) -> Option<PlanArray> {
         match self {
-            PlanArray::KvOffsets => Some(PlanArray::KvIndices),
-            PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
-            PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
-            PlanArray::Ws(WsArray::FullKvOffsets, set) => {
-                Some(PlanArray::Ws(WsArray::FullKvIndices, set))
+            PlanArray::Forward(ForwardArray::KvOffsets) => {
+                Some(PlanArray::Forward(ForwardArray::KvIndices))
+            }
+            PlanArray::Forward(ForwardArray::FullKvOffsets) => {
+                Some(PlanArray::Forward(ForwardArray::FullKvIndices))
+            }
+            PlanArray::Ws(ForwardArray::KvOffsets, set) => {
+                Some(PlanArray::Ws(ForwardArray::KvIndices, set))
+            }
+            PlanArray::Ws(ForwardArray::FullKvOffsets, set) => {
+                Some(PlanArray::Ws(ForwardArray::FullKvIndices, set))
             }
             PlanArray::BwdQOffsets => Some(PlanArray::BwdQIndices),
             PlanArray::BwdFullQOffsets => Some(PlanArray::BwdFullQIndices),
@@ -219,7 +212,8 @@ impl PlanArray {
     fn align(self) -> u64 {
         match self {
             // A row's 128 bits are one 16-byte load.
-            PlanArray::Ws(WsArray::PartialRowMask, _) | PlanArray::PartialRowMask => 16,
+            PlanArray::Ws(ForwardArray::PartialRowMask, _)
+            | PlanArray::Forward(ForwardArray::PartialRowMask) => 16,
             // Each tile's 1 KB is one bulk async copy.
             PlanArray::BwdPartialKeyMask => 16,
             _ => 4,
@@ -275,7 +269,7 @@ fn relative_rate(tile: (u32, u32)) -> f64 {
 /// windows) keep the 128-row tile. Ties keep [`cm_kernels::FWD_WS_TILES`]' order.
 pub fn ws_order(lens: &[usize; PLAN_ARRAY_COUNT]) -> [usize; WS_SETS] {
     let cost = |set: usize| {
-        let tiles: usize = [WsArray::KvIndices, WsArray::FullKvIndices]
+        let tiles: usize = [ForwardArray::KvIndices, ForwardArray::FullKvIndices]
             .iter()
             .map(|&a| lens[PlanArray::Ws(a, set).index()])
             .sum();
@@ -300,7 +294,7 @@ fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
 }
 
 /// The visibility bits of every row of every partial tile of `desc` (see
-/// [`PlanArray::PartialRowMask`]), from the rows' intervals starting at each row's
+/// [`PlanArray::Forward(ForwardArray::PartialRowMask)`]), from the rows' intervals starting at each row's
 /// `partial_row_first`.
 fn partial_row_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let per_row = desc.partial_rows(rows);
@@ -460,28 +454,34 @@ impl HostPlan {
         let mut put = |a: PlanArray, v: Vec<u32>| arrays[a.index()] = v;
         for (set, ws) in ws.into_iter().enumerate() {
             let order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
-            put(PlanArray::Ws(WsArray::MBlockOrder, set), order);
+            put(PlanArray::Ws(ForwardArray::MBlockOrder, set), order);
             put(
-                PlanArray::Ws(WsArray::PartialRowMask, set),
+                PlanArray::Ws(ForwardArray::PartialRowMask, set),
                 partial_row_masks(&ws, rows),
             );
-            put(PlanArray::Ws(WsArray::KvOffsets, set), ws.kv_offsets);
-            put(PlanArray::Ws(WsArray::KvIndices, set), ws.kv_indices);
+            put(PlanArray::Ws(ForwardArray::KvOffsets, set), ws.kv_offsets);
+            put(PlanArray::Ws(ForwardArray::KvIndices, set), ws.kv_indices);
             put(
-                PlanArray::Ws(WsArray::FullKvOffsets, set),
+                PlanArray::Ws(ForwardArray::FullKvOffsets, set),
                 ws.full_kv_offsets,
             );
             put(
-                PlanArray::Ws(WsArray::FullKvIndices, set),
+                PlanArray::Ws(ForwardArray::FullKvIndices, set),
                 ws.full_kv_indices,
             );
         }
-        put(PlanArray::MBlockOrder, order);
-        put(PlanArray::KvOffsets, desc.kv_offsets);
-        put(PlanArray::KvIndices, desc.kv_indices);
-        put(PlanArray::FullKvOffsets, desc.full_kv_offsets);
-        put(PlanArray::FullKvIndices, desc.full_kv_indices);
-        put(PlanArray::PartialRowMask, row_masks);
+        put(PlanArray::Forward(ForwardArray::MBlockOrder), order);
+        put(PlanArray::Forward(ForwardArray::KvOffsets), desc.kv_offsets);
+        put(PlanArray::Forward(ForwardArray::KvIndices), desc.kv_indices);
+        put(
+            PlanArray::Forward(ForwardArray::FullKvOffsets),
+            desc.full_kv_offsets,
+        );
+        put(
+            PlanArray::Forward(ForwardArray::FullKvIndices),
+            desc.full_kv_indices,
+        );
+        put(PlanArray::Forward(ForwardArray::PartialRowMask), row_masks);
         put(PlanArray::BwdNBlockOrder, bwd_order);
         put(PlanArray::BwdQOffsets, bwd.q_offsets);
         put(PlanArray::BwdQIndices, bwd.q_indices);
@@ -1173,18 +1173,6 @@ mod tests {
         let (m, _) = block_counts(q_len, kv_len, tile);
         let ws_m = ws_m_blocks(q_len, kv_len);
         let (_, bwd_n) = block_counts(q_len, kv_len, bwd_tile());
-        // Which concatenated array each offset array points into.
-        let points_into = |a: PlanArray| match a {
-            PlanArray::KvOffsets => Some(PlanArray::KvIndices),
-            PlanArray::FullKvOffsets => Some(PlanArray::FullKvIndices),
-            PlanArray::Ws(WsArray::KvOffsets, set) => Some(PlanArray::Ws(WsArray::KvIndices, set)),
-            PlanArray::Ws(WsArray::FullKvOffsets, set) => {
-                Some(PlanArray::Ws(WsArray::FullKvIndices, set))
-            }
-            PlanArray::BwdQOffsets => Some(PlanArray::BwdQIndices),
-            PlanArray::BwdFullQOffsets => Some(PlanArray::BwdFullQIndices),
-            _ => None,
-        };
         for a in PlanArray::ALL {
             if a == PlanArray::MaskIndex {
                 continue;
@@ -1195,7 +1183,7 @@ mod tests {
                 if let Some(n) = a.fixed_len(m, &ws_m, bwd_n) {
                     assert_eq!(own.len(), n, "{} of mask {i}", a.name());
                 }
-                let shift: u32 = points_into(a).map_or(0, |target| {
+                let shift: u32 = a.indexes().map_or(0, |target| {
                     singles[..i]
                         .iter()
                         .map(|s| s.arrays()[target.index()].len() as u32)
@@ -1247,9 +1235,12 @@ mod tests {
         // Causal at 64x64 over 150 rows: 3 diagonal tiles partial, 3 below them full; each
         // partial tile's rows as 2 words, row 10 of the first seeing keys 0..=10 and row 21
         // of the last (row 149, the last row) keys 128..=149; rows from 150 on have no bits.
-        assert_eq!(array(PlanArray::KvIndices).len(), 3);
-        assert_eq!(array(PlanArray::FullKvIndices).len(), 3);
-        let bits = array(PlanArray::PartialRowMask);
+        assert_eq!(array(PlanArray::Forward(ForwardArray::KvIndices)).len(), 3);
+        assert_eq!(
+            array(PlanArray::Forward(ForwardArray::FullKvIndices)).len(),
+            3
+        );
+        let bits = array(PlanArray::Forward(ForwardArray::PartialRowMask));
         assert_eq!(bits.len(), 3 * 64 * 2);
         assert_eq!(bits[10 * 2..11 * 2], [(1 << 11) - 1, 0]);
         let last = 2 * 64 * 2;
@@ -1257,22 +1248,22 @@ mod tests {
         assert!(bits[last + 22 * 2..].iter().all(|&w| w == 0));
         // At 128x128: the two diagonal tiles partial, the one below them full; the longer
         // second query block is scheduled first.
-        let ws = |a: WsArray, set: usize| array(PlanArray::Ws(a, set));
-        assert_eq!(ws(WsArray::KvIndices, 0), [0, 1]);
-        assert_eq!(ws(WsArray::FullKvIndices, 0), [0]);
-        assert_eq!(ws(WsArray::MBlockOrder, 0), [1, 0]);
+        let ws = |a: ForwardArray, set: usize| array(PlanArray::Ws(a, set));
+        assert_eq!(ws(ForwardArray::KvIndices, 0), [0, 1]);
+        assert_eq!(ws(ForwardArray::FullKvIndices, 0), [0]);
+        assert_eq!(ws(ForwardArray::MBlockOrder, 0), [1, 0]);
         // At 192x128 one block holds every row: both key tiles partial (row 0 sees key 0
         // only, and only rows 128.. reach keys 128..150), none full.
-        assert_eq!(ws(WsArray::KvIndices, 1), [0, 1]);
-        assert!(ws(WsArray::FullKvIndices, 1).is_empty());
-        assert_eq!(ws(WsArray::MBlockOrder, 1), [0]);
-        assert_eq!(ws(WsArray::KvOffsets, 1), [0, 2]);
+        assert_eq!(ws(ForwardArray::KvIndices, 1), [0, 1]);
+        assert!(ws(ForwardArray::FullKvIndices, 1).is_empty());
+        assert_eq!(ws(ForwardArray::MBlockOrder, 1), [0]);
+        assert_eq!(ws(ForwardArray::KvOffsets, 1), [0, 2]);
         assert_eq!(
-            PlanArray::Ws(WsArray::KvOffsets, 1).name(),
+            PlanArray::Ws(ForwardArray::KvOffsets, 1).name(),
             "ws192x128_kv_offsets"
         );
         // Row 100 of block 0 sees keys 0..=100 of tile 0: words 0-2 full, 5 bits of word 3.
-        let masks = ws(WsArray::PartialRowMask, 0);
+        let masks = ws(ForwardArray::PartialRowMask, 0);
         assert_eq!(masks.len(), 2 * 128 * 4);
         assert_eq!(
             masks[100 * 4..101 * 4],
