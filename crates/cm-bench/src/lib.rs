@@ -523,6 +523,7 @@ fn measure_plan(
         inputs.opts.dtype,
         (inputs.opts.head_dim as u32, inputs.opts.head_dim_v as u32),
         false,
+        rt.forward_tile(),
     )
     .ok_or_else(|| Error::invalid("no forward kernel is built at the benchmark's head dims"))?;
     let counts = plan.variant_tile_counts(variant);

@@ -102,6 +102,10 @@ pub struct BenchArgs {
     /// Forward kernel.
     #[arg(long, value_enum, default_value = "ws")]
     kernel: KernelArg,
+    /// The forward's tile `MxN` where the kernel has several at these head dims (`ws` at
+    /// head_dim 64: 128x128 or 192x128); default: the one each plan ranks first.
+    #[arg(long, value_name = "MxN")]
+    fwd_tile: Option<String>,
     /// Token orders to run each workload in, comma-separated: `raster` (the program's
     /// positions) and / or `auto` (the patch order the compiler chooses for the kernel's tile
     /// shape; needs masks with a grid, e.g. clear or neighborhood_3d). Every `auto` run also
@@ -175,7 +179,8 @@ impl OrderArg {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum KernelArg {
-    /// `fwd_ws`, the warp-specialised Hopper kernel (TMA, 128x128 tiles).
+    /// `fwd_ws`, the warp-specialised Hopper kernel (TMA, 128x128 tiles; 192x128 at head_dim
+    /// 64).
     Ws,
     /// `fwd_wgmma`, the single-warpgroup Hopper kernel (64x64 tiles).
     Wgmma,
@@ -370,6 +375,34 @@ fn kernel_tile(kernel: KernelKind, opts: &BenchOptions) -> Result<(u32, u32)> {
     Ok(cm_kernels::VARIANTS[v].tile())
 }
 
+/// `--fwd-tile` as `(block_m, block_n)`, checked to be one of `kernel`'s tiles at the
+/// benchmark's dtype and head dims.
+fn fwd_tile(a: &BenchArgs, kernel: KernelKind, opts: &BenchOptions) -> Result<Option<(u32, u32)>> {
+    let Some(text) = &a.fwd_tile else {
+        return Ok(None);
+    };
+    let dims = (opts.head_dim as u32, opts.head_dim_v as u32);
+    let built: Vec<(u32, u32)> =
+        cm_kernels::find_variants(kernel, opts.dtype, dims.0, dims.1, false)
+            .map(|i| cm_kernels::VARIANTS[i].tile())
+            .collect();
+    let names: Vec<String> = built.iter().map(|(m, n)| format!("{m}x{n}")).collect();
+    let tile = text
+        .split_once('x')
+        .and_then(|(m, n)| Some((m.parse::<u32>().ok()?, n.parse::<u32>().ok()?)));
+    match tile {
+        Some(t) if built.contains(&t) => Ok(Some(t)),
+        _ => bail!(
+            "--fwd-tile {text:?}: expected one of {} ({} at head_dim {} with head_dim_v {}, {})",
+            names.join(", "),
+            kernel.name(),
+            dims.0,
+            dims.1,
+            opts.dtype
+        ),
+    }
+}
+
 /// Runs the benchmark; `Ok(false)` when a correctness check failed.
 pub fn run(a: &BenchArgs) -> Result<bool> {
     let (opts, kernel) = options(a)?;
@@ -380,8 +413,10 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
         return run_order_check(a, opts, kernel);
     }
     let jobs = plan_jobs(a, kernel_tile(kernel, &opts)?)?;
+    let tile = fwd_tile(a, kernel, &opts)?;
     let mut rt = Runtime::new_on_device(0)?;
     rt.set_forward_kernel(kernel)?;
+    rt.set_forward_tile(tile)?;
     // The legacy default stream: with one stream, cudarc adds no event bookkeeping to the
     // launch path.
     let stream = rt.context().default_stream();

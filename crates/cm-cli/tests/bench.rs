@@ -51,6 +51,21 @@ fn bad_arguments_are_refused_before_the_gpu() {
         &["--head-dim 96 --head-dim-v 96 is not built"],
     );
     refused(&["--bwd", "--runs", "0"], &["--runs must be at least 1"]);
+    refused(
+        &["--fwd-tile", "192x128"],
+        &[
+            "--fwd-tile \"192x128\": expected one of 128x128",
+            "head_dim 128",
+        ],
+    );
+    refused(
+        &["--head-dim", "64", "--fwd-tile", "192"],
+        &["--fwd-tile \"192\": expected one of 128x128, 192x128"],
+    );
+    refused(
+        &["--head-dim", "64", "--fwd-tile=-1x128"],
+        &["expected one of 128x128, 192x128"],
+    );
 }
 
 /// Without an H100 / H200 (CI), the run stops with a message that says what is missing; on a

@@ -147,20 +147,26 @@ pub(crate) fn check_addr(name: &str, addr: u64, align: u64) -> Result<(), Error>
 /// [`crate::Runtime::forward`] lists them.
 pub fn check_forward(plan: &PlanLayout, a: &ForwardRaw) -> Result<(), Error> {
     // The runtime's default kernel, the one built at every shape.
-    prepare(plan, a, KernelKind::FwdWs, false).map(|_| ())
+    prepare(plan, a, (KernelKind::FwdWs, None), false).map(|_| ())
 }
 
 /// The variant of `kernel_kind` a forward over `plan` runs at `dtype` and `(head_dim,
 /// head_dim_v)`, with or without score terms, as an index into [`cm_kernels::VARIANTS`]:
-/// where several tiles are built (`fwd_ws` at head_dim 64), the one the plan ranks first
-/// ([`crate::plan::ws_order`]). `None` when the shape is not built.
+/// where several tiles are built (`fwd_ws` at head_dim 64), `tile` when given (the runtime's
+/// [`crate::Runtime::set_forward_tile`], for tests and benchmarks), else the one the plan
+/// ranks first ([`crate::plan::ws_order`]). `None` when the shape (or that tile) is not built.
 pub fn forward_variant(
     plan: &PlanLayout,
     kernel_kind: KernelKind,
     dtype: DType,
     (head_dim, head_dim_v): (u32, u32),
     scored: bool,
+    tile: Option<(u32, u32)>,
 ) -> Option<usize> {
+    let mut built = cm_kernels::find_variants(kernel_kind, dtype, head_dim, head_dim_v, scored);
+    if let Some(tile) = tile {
+        return built.find(|&i| cm_kernels::VARIANTS[i].tile() == tile);
+    }
     let order = plan.ws_order();
     let rank = |i: &usize| {
         let v = &cm_kernels::VARIANTS[*i];
@@ -169,7 +175,7 @@ pub fn forward_variant(
             _ => None,
         }
     };
-    cm_kernels::find_variants(kernel_kind, dtype, head_dim, head_dim_v, scored).min_by_key(rank)
+    built.min_by_key(rank)
 }
 
 /// Every host-side check of a forward launch; no device work and no synchronisation. With
@@ -177,7 +183,7 @@ pub fn forward_variant(
 pub(crate) fn prepare(
     plan: &PlanLayout,
     a: &ForwardRaw,
-    kernel_kind: KernelKind,
+    (kernel_kind, tile): (KernelKind, Option<(u32, u32)>),
     encode_maps: bool,
 ) -> Result<Option<Launch>, Error> {
     let [b, h, sq, d] = a.q_layout.shape;
@@ -194,8 +200,16 @@ pub(crate) fn prepare(
         )));
     }
     a.score.check(plan.q_len, plan.kv_len)?;
-    let variant = forward_variant(plan, kernel_kind, a.dtype, (head_dim, head_dim_v), scored)
+    let dims = (head_dim, head_dim_v);
+    let variant = forward_variant(plan, kernel_kind, a.dtype, dims, scored, tile)
         .ok_or_else(|| {
+            if let (Some((m, n)), Some(_)) = (tile, forward_variant(plan, kernel_kind, a.dtype, dims, scored, None)) {
+                return Error::invalid(format!(
+                    "{} has no {m}x{n} tile at head_dim = {d} with head_dim_v = {dv}{} (Runtime::set_forward_tile)",
+                    kernel_kind.name(),
+                    if scored { " with score terms" } else { "" },
+                ));
+            }
             let built = cm_kernels::built_head_dims(kernel_kind, a.dtype, scored);
             Error::invalid(format!(
                 "q / v: head_dim = {d} with head_dim_v = {dv} is not supported by {}{} at {}; \
@@ -466,7 +480,7 @@ mod tests {
         let causal = layout_of(&RowIntervals::from_rows(n, &causal).unwrap());
         let window = layout_of(&RowIntervals::from_rows(n, &window).unwrap());
         let pick = |plan: &PlanLayout, d: u32, scored: bool| {
-            forward_variant(plan, KernelKind::FwdWs, DType::Bf16, (d, d), scored)
+            forward_variant(plan, KernelKind::FwdWs, DType::Bf16, (d, d), scored, None)
                 .map(|i| cm_kernels::VARIANTS[i].tile())
         };
         assert_eq!(pick(&causal, 64, false), Some((192, 128)));
@@ -474,9 +488,33 @@ mod tests {
         assert_eq!(pick(&causal, 64, true), Some((128, 128)));
         assert_eq!(pick(&causal, 128, false), Some((128, 128)));
         assert_eq!(pick(&causal, 96, false), None);
+        // A pinned tile wins over the plan's ranking, where that tile is built.
+        let pinned = |plan: &PlanLayout, d: u32, tile: (u32, u32)| {
+            forward_variant(
+                plan,
+                KernelKind::FwdWs,
+                DType::Bf16,
+                (d, d),
+                false,
+                Some(tile),
+            )
+            .map(|i| cm_kernels::VARIANTS[i].tile())
+        };
+        assert_eq!(pinned(&causal, 64, (128, 128)), Some((128, 128)));
+        assert_eq!(pinned(&window, 64, (192, 128)), Some((192, 128)));
+        assert_eq!(pinned(&causal, 128, (192, 128)), None);
+        let a128 = args(1, 2, 2, n as usize, n as usize, 128);
+        let e = prepare(&causal, &a128, (KernelKind::FwdWs, Some((192, 128))), false)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("fwd_ws has no 192x128 tile at head_dim = 128"),
+            "{e}"
+        );
         // The launch reads the chosen set's lists: 8192 rows are 43 blocks of 192.
         let a = args(1, 2, 2, n as usize, n as usize, 64);
-        let launch = prepare(&causal, &a, KernelKind::FwdWs, false)
+        let launch = prepare(&causal, &a, (KernelKind::FwdWs, None), false)
             .unwrap()
             .unwrap();
         assert_eq!(launch.params.num_m_blocks, 43);
@@ -484,7 +522,7 @@ mod tests {
     }
 
     fn err(plan: &PlanLayout, a: &ForwardRaw) -> String {
-        match prepare(plan, a, KernelKind::FwdSimple, false) {
+        match prepare(plan, a, (KernelKind::FwdSimple, None), false) {
             Ok(_) => "accepted".to_string(),
             Err(e) => e.to_string(),
         }
@@ -598,7 +636,7 @@ mod tests {
     #[test]
     fn wide_head_dims_are_fwd_ws_shapes() {
         let plan = layout(70, 90, 1, [1, 1]);
-        let ws = |a: &ForwardRaw| match prepare(&plan, a, KernelKind::FwdWs, false) {
+        let ws = |a: &ForwardRaw| match prepare(&plan, a, (KernelKind::FwdWs, None), false) {
             Ok(_) => "accepted".to_string(),
             Err(e) => e.to_string(),
         };

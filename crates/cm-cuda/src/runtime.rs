@@ -22,6 +22,7 @@ pub struct Runtime {
     /// One function per entry of `cm_kernels::VARIANTS`.
     functions: Vec<CudaFunction>,
     forward_kernel: KernelKind,
+    forward_tile: Option<(u32, u32)>,
     /// Streaming multiprocessors of the device: the grid of the persistent kernels.
     num_sms: u32,
     /// L2 cache bytes of the device (fwd_ws's head groups).
@@ -123,6 +124,7 @@ impl Runtime {
             ctx,
             functions,
             forward_kernel: KernelKind::FwdWs,
+            forward_tile: None,
             num_sms: num_sms.max(1) as u32,
             l2_bytes: l2_bytes.max(0) as u64,
             _schedulers: schedulers,
@@ -153,6 +155,34 @@ impl Runtime {
             )));
         }
         self.forward_kernel = kernel;
+        Ok(())
+    }
+
+    /// The tile forward launches use where their kernel has several at the launch's head dims
+    /// (`fwd_ws` at head_dim 64: 128x128 and 192x128); `None` (the default): the one each plan
+    /// ranks first ([`crate::ws_order`]).
+    pub fn forward_tile(&self) -> Option<(u32, u32)> {
+        self.forward_tile
+    }
+
+    /// Pins the forward's tile (tests and benchmarks run both of `fwd_ws`'s at head_dim 64);
+    /// a launch whose kernel has no variant at that tile for its head dims is refused.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a tile no forward kernel is built at.
+    pub fn set_forward_tile(&mut self, tile: Option<(u32, u32)>) -> Result<(), Error> {
+        if let Some((m, n)) = tile {
+            if !cm_kernels::VARIANTS
+                .iter()
+                .any(|v| v.kernel.is_forward() && v.tile() == (m, n))
+            {
+                return Err(Error::invalid(format!(
+                    "no forward kernel is built at tile {m}x{n}; fwd_ws's tiles: {:?}",
+                    cm_kernels::FWD_WS_TILES
+                )));
+            }
+        }
+        self.forward_tile = tile;
         Ok(())
     }
 
@@ -250,7 +280,7 @@ impl Runtime {
             lse,
             softmax_scale: args.softmax_scale,
         };
-        match prepare(plan, &raw, self.forward_kernel, true)? {
+        match prepare(plan, &raw, (self.forward_kernel, self.forward_tile), true)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }
@@ -279,7 +309,7 @@ impl Runtime {
         self.check_stream(stream)?;
         self.check_plan(plan)?;
         self.bind_context()?;
-        match prepare(plan, args, self.forward_kernel, true)? {
+        match prepare(plan, args, (self.forward_kernel, self.forward_tile), true)? {
             Some(launch) => self.launch(stream, launch),
             None => Ok(()),
         }

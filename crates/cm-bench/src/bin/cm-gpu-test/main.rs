@@ -138,6 +138,43 @@ const KERNELS: [KernelKind; 3] = [
     KernelKind::FwdSimple,
 ];
 
+/// Every forward kernel built at `c`'s dtype and head dims, at each of its tiles (`fwd_ws` at
+/// head_dim 64 has two, whichever a plan would rank first), selected on the runtime in turn;
+/// `f` gets the kernel's label (`fwd_ws`, or `fwd_ws 192x128` for a pinned tile). The
+/// runtime's default (fwd_ws, the plan's tile) is restored after.
+fn each_forward(
+    gpu: &mut Gpu,
+    c: &Case,
+    mut f: impl FnMut(&mut Gpu, String) -> Res<()>,
+) -> Res<()> {
+    let dims = (c.head_dim as u32, c.head_dim_v as u32);
+    for kernel in KERNELS {
+        let tiles: Vec<(u32, u32)> =
+            cm_kernels::find_variants(kernel, c.dtype, dims.0, dims.1, false)
+                .map(|i| cm_kernels::VARIANTS[i].tile())
+                .collect();
+        let pinned: Vec<Option<(u32, u32)>> = if tiles.len() > 1 {
+            tiles.into_iter().map(Some).collect()
+        } else if tiles.is_empty() {
+            Vec::new()
+        } else {
+            vec![None]
+        };
+        for tile in pinned {
+            gpu.rt.set_forward_kernel(kernel)?;
+            gpu.rt.set_forward_tile(tile)?;
+            let label = match tile {
+                Some((m, n)) => format!("{} {m}x{n}", kernel.name()),
+                None => kernel.name().to_string(),
+            };
+            f(gpu, label)?;
+        }
+    }
+    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
+    gpu.rt.set_forward_tile(None)?;
+    Ok(())
+}
+
 /// Fills the output (and lse) with NaN so that an element the kernel leaves unwritten shows.
 fn poison(gpu: &Gpu, bufs: &mut Buffers, dtype: DType) -> Res<()> {
     gpu.stream
@@ -168,13 +205,9 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
         None
     };
     let mut results = Vec::new();
-    // The reference forwards are built at head_dim 64 and 128 only.
-    let square = c.head_dim == c.head_dim_v && c.head_dim <= 128;
-    for kernel in KERNELS
-        .into_iter()
-        .filter(|&k| square || k == KernelKind::FwdWs)
-    {
-        gpu.rt.set_forward_kernel(kernel)?;
+    // The reference forwards are built at head_dim 64 and 128 only (each_forward skips them
+    // elsewhere).
+    each_forward(gpu, c, |gpu, kernel| {
         poison(gpu, &mut bufs, c.dtype)?;
         bufs.forward(gpu, &plan, c)?;
         gpu.stream.synchronize()?;
@@ -198,7 +231,7 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
         println!(
             "{} {:<10} {:<44} max_err {:.2e} (dtype-emulated {:.2e}, tol {:.2e}) lse_err {:.1e} empty {} nan {} stray {}{}",
             if pass { "PASS" } else { "FAIL" },
-            kernel.name(),
+            kernel,
             c.name,
             chk.max_err,
             chk.emulated_err,
@@ -210,12 +243,12 @@ fn run_case(gpu: &mut Gpu, rng: &mut Rng, c: &Case) -> Res<Vec<Value>> {
             cross.map_or(String::new(), |d| format!(" cm-reference diff {d:.1e}"))
         );
         let mut v = c.json(chk.json());
-        v["kernel"] = json!(kernel.name());
+        v["kernel"] = json!(kernel);
         v["cm_reference_diff"] = json!(cross);
         v["pass"] = json!(pass);
         results.push(v);
-    }
-    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
+        Ok(())
+    })?;
     Ok(results)
 }
 
@@ -263,8 +296,7 @@ fn per_head_masks(gpu: &mut Gpu, rng: &mut Rng) -> Res<Vec<Value>> {
             let m = index[b * heads + h] as usize;
             (&plan_masks[m], &exps[m])
         };
-        for kernel in KERNELS {
-            gpu.rt.set_forward_kernel(kernel)?;
+        each_forward(gpu, &c, |gpu, kernel| {
             poison(gpu, &mut bufs, c.dtype)?;
             bufs.forward(gpu, &plan, &c)?;
             gpu.stream.synchronize()?;
@@ -286,7 +318,7 @@ fn per_head_masks(gpu: &mut Gpu, rng: &mut Rng) -> Res<Vec<Value>> {
             println!(
                 "{} {:<10} {:<44} max_err {:.2e} (tol {:.2e}) lse_err {:.1e} empty {} nan {}",
                 if chk.pass() { "PASS" } else { "FAIL" },
-                kernel.name(),
+                kernel,
                 c.name,
                 chk.max_err,
                 chk.tolerance(),
@@ -295,12 +327,12 @@ fn per_head_masks(gpu: &mut Gpu, rng: &mut Rng) -> Res<Vec<Value>> {
                 chk.nan,
             );
             let mut v = c.json(chk.json());
-            v["kernel"] = json!(kernel.name());
+            v["kernel"] = json!(kernel);
             v["masks"] = json!(plan_masks.len());
             results.push(v);
-        }
+            Ok(())
+        })?;
     }
-    gpu.rt.set_forward_kernel(KernelKind::FwdWs)?;
     Ok(results)
 }
 
