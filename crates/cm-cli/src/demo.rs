@@ -22,11 +22,12 @@ const WORKLOADS: &[(&str, &str, i64)] = &[
 const SLICE_ROWS: u32 = 48;
 const HEAD_DIM: usize = 64;
 
-/// `println!` for `run`: a closed standard output ends the demo quietly.
+/// `println!` for `run`: a closed standard output ends the demo quietly, another write error
+/// fails it (`finish_output`).
 macro_rules! say {
     ($($arg:tt)*) => {
-        if writeln!(std::io::stdout(), $($arg)*).is_err() {
-            return Ok(());
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            return crate::finish_output(Err(e), "to standard output");
         }
     };
 }

@@ -312,7 +312,7 @@ fn write_intervals(
 }
 
 /// A closed pipe (`| head`) ends the output quietly; other write errors are errors.
-fn finish_output(r: std::io::Result<()>, what: &str) -> Result<()> {
+pub(crate) fn finish_output(r: std::io::Result<()>, what: &str) -> Result<()> {
     match r {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
             Err(anyhow!("cannot write {what}: {e}"))
@@ -322,10 +322,11 @@ fn finish_output(r: std::io::Result<()>, what: &str) -> Result<()> {
 }
 
 /// `println!` for `run`: a closed standard output (`compilemask plan ... | head -2`) ends the
-/// command quietly instead of panicking.
+/// command quietly instead of panicking; another write error (a full disk) fails it.
 macro_rules! out {
     ($($arg:tt)*) => {
-        if writeln!(std::io::stdout(), $($arg)*).is_err() {
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            finish_output(Err(e), "to standard output")?;
             return Ok(ExitCode::SUCCESS);
         }
     };

@@ -860,3 +860,57 @@ fn a_tree_past_the_lengths_warns() {
         assert!(!err.contains("CM0266"), "q_len {q_len}: {err}");
     }
 }
+
+/// A full device on standard output (Linux's `/dev/full`) fails every command that prints,
+/// naming the error, instead of exiting 0 with the output lost; a closed pipe (`| head`)
+/// still ends quietly.
+#[test]
+fn a_failed_write_to_standard_output_is_an_error() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return;
+    };
+    for args in [
+        &["plan", "--builtin", "causal", "--q-len", "100", "--json"][..],
+        &["plan", "--builtin", "causal", "--q-len", "100"],
+        &["list"],
+        &["list", "--json"],
+        &["check", "--builtin", "causal"],
+        &[
+            "shard",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "4096",
+            "--ranks",
+            "2",
+        ],
+        &[
+            "intervals",
+            "--builtin",
+            "causal",
+            "--q-len",
+            "10",
+            "--rows",
+            "0:3",
+        ],
+    ] {
+        let o = Command::new(BIN)
+            .args(args)
+            .stdout(full.try_clone().unwrap())
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("No space left on device"), "{args:?}: {err}");
+    }
+    let mut child = Command::new(BIN)
+        .args(["list"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success() && o.stderr.is_empty(), "{o:?}");
+}

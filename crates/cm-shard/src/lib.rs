@@ -54,6 +54,12 @@ pub enum ShardError {
     #[error("the mask's strided runs expand to more intervals than a plan holds: {0}")]
     Expand(String),
     #[error(
+        "ranks = {ranks} x {len} tokens: the (rank, source) parts would hold {entries} row \
+         pointers (each part plans all of its rank's rows), more than {MAX_PART_ROWS}; use \
+         fewer ranks or a shorter sequence"
+    )]
+    TooLarge { ranks: u32, len: u32, entries: u64 },
+    #[error(
         "the plan has batch = {batch} and {masks} distinct masks: context parallelism shards \
          one sequence (batch 1, e.g. a packed plan) whose heads share one mask"
     )]
@@ -183,13 +189,17 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
     shard(&plan.masks[0].rows, ranks, chunk)
 }
 
+/// Most row pointers the parts of one sharding hold together (`ranks x len`: every
+/// (rank, source) part plans all of its rank's rows): 2^28, 1 GiB of u32.
+pub const MAX_PART_ROWS: u64 = 1 << 28;
+
 /// Deals `rows` (one square mask, `q_len == kv_len`) to `ranks` ranks in chunks of `chunk`
 /// tokens, balancing visible pairs; see the module docs. Cost: O(intervals x ranks x log
 /// chunks) plus the deal's O(chunks^2) at worst.
 ///
 /// # Errors
 /// [`ShardError`] for zero ranks or chunk, a mask that is not square, fewer chunks than ranks,
-/// or strided runs too many to expand.
+/// more than [`MAX_PART_ROWS`] row pointers in the parts, or strided runs too many to expand.
 pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
     if ranks == 0 {
         return Err(ShardError::NoRanks);
@@ -202,6 +212,14 @@ pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, Sh
         return Err(ShardError::NotSquare { q_len, kv_len });
     }
     let len = q_len;
+    let entries = u64::from(ranks) * u64::from(len);
+    if entries > MAX_PART_ROWS {
+        return Err(ShardError::TooLarge {
+            ranks,
+            len,
+            entries,
+        });
+    }
     let num_chunks = len.div_ceil(chunk);
     if num_chunks < ranks {
         return Err(ShardError::TooFewChunks {

@@ -234,6 +234,16 @@ fn bad_arguments_are_named() {
         "100 tokens in chunks of 64 make 2 chunks, fewer than ranks = 8: use a smaller chunk \
          (at most 12) or fewer ranks"
     );
+    // Every (rank, source) part plans all of its rank's rows: ranks x tokens row pointers.
+    let long = RowIntervals::from_rows(1 << 20, &vec![vec![(0, 1)]; 1 << 20]).unwrap();
+    assert_eq!(
+        shard(&long, 512, 16).unwrap_err(),
+        ShardError::TooLarge {
+            ranks: 512,
+            len: 1 << 20,
+            entries: 1 << 29
+        }
+    );
     let wide = RowIntervals::from_rows(120, &vec![vec![(0, 1)]; 100]).unwrap();
     assert!(shard(&wide, 2, 8)
         .unwrap_err()
