@@ -54,15 +54,20 @@ def test_errors_name_the_value():
     causal = cm.builtin("causal").plan(100)
     with pytest.raises(ValueError, match="fewer than ranks = 8"):
         ContextParallel(causal, ranks=8, chunk=64)
-    with pytest.raises(ValueError, match=r"ranks must be a positive int \(at most 4294967295\), got 0"):
+    with pytest.raises(ValueError, match=r"ranks must be in \[1, 4294967295\], got 0"):
         ContextParallel(causal, ranks=0)
-    with pytest.raises(ValueError, match=r"chunk must be a positive int \(at most 4294967295\), got 0"):
+    with pytest.raises(ValueError, match=r"chunk must be in \[1, 4294967295\], got 0"):
         ContextParallel(causal, ranks=2, chunk=0)
     # Past 32 bits: the same error, not the native conversion's OverflowError.
-    with pytest.raises(ValueError, match=f"ranks must be a positive int .*, got {2**70}"):
+    with pytest.raises(ValueError, match=f"ranks must be in .*, got {2**70}"):
         ContextParallel(causal, ranks=2**70)
-    with pytest.raises(ValueError, match=f"chunk must be a positive int .*, got {2**32}"):
+    with pytest.raises(ValueError, match=f"chunk must be in .*, got {2**32}"):
         ContextParallel(causal, ranks=1, chunk=2**32)
+    # Wrong types are TypeErrors, bools included.
+    with pytest.raises(TypeError, match="ranks must be an int, got float 1.5"):
+        ContextParallel(causal, ranks=1.5)
+    with pytest.raises(TypeError, match="chunk must be an int, got bool True"):
+        ContextParallel(causal, ranks=2, chunk=True)
     with pytest.raises(ValueError, match="q_len = 100 and kv_len = 120 differ"):
         ContextParallel(cm.builtin("causal").plan(100, 120), ranks=2)
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
@@ -75,6 +80,8 @@ def test_errors_name_the_value():
     cp = ContextParallel(causal, ranks=2, chunk=10)
     with pytest.raises(IndexError, match="rank = 2 is out of range"):
         cp.fetched(2)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        cp.shard([0] * 100, 0)
 
 
 torch = pytest.importorskip("torch", reason="torch is not installed")

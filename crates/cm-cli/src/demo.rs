@@ -95,7 +95,8 @@ pub fn run(out_dir: &std::path::Path) -> Result<()> {
     say!("attn_err = max |CPU reference attention (f32) - dense float64 softmax| on {SLICE_ROWS} rows, head_dim {HEAD_DIM}.");
     say!("Pictures: {}/<mask>.png: visible pairs dark green in full tiles and dark amber in partial tiles,", out_dir.display());
     say!("hidden pairs of partial tiles light amber, empty tiles light grey; dashed lines and the lanes on the right");
-    say!("mark the mask's segments, parts and grids.");
+    say!("mark the mask's segments, parts and grids. {}/<mask>.html: the same, explorable (zoom, pan, each row's", out_dir.display());
+    say!("intervals under the pointer), in one self-contained page.");
     Ok(())
 }
 

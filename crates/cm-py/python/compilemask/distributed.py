@@ -43,6 +43,15 @@ __all__ = ["ContextParallel", "attention", "simulate"]
 _U32_MAX = 2**32 - 1
 
 
+def _check_count(name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is an int (bools are not), ``ValueError`` unless it is
+    in ``[1, 2^32)``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= _U32_MAX:
+        raise ValueError(f"{name} must be in [1, {_U32_MAX}], got {value}")
+
+
 class ContextParallel:
     """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens (default:
     512, or ``len // ranks`` when that gives fewer chunks than ranks) by visible pairs.
@@ -59,12 +68,10 @@ class ContextParallel:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
         # The native sharding counts ranks and chunk tokens in 32 bits.
-        if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= _U32_MAX:
-            raise ValueError(f"ranks must be a positive int (at most {_U32_MAX}), got {ranks!r}")
+        _check_count("ranks", ranks)
         if chunk is None:
             chunk = 512 if plan.q_len >= 512 * ranks else max(1, plan.q_len // ranks)
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= _U32_MAX:
-            raise ValueError(f"chunk must be a positive int (at most {_U32_MAX}), got {chunk!r}")
+        _check_count("chunk", chunk)
         self._native = plan._native.shard(ranks, chunk)
         self.plan = plan
         self._plans: dict = {}
@@ -165,6 +172,8 @@ class ContextParallel:
         ``x`` holds the whole sequence along ``dim``: ``plan.q_len`` positions (``ValueError``
         otherwise); ``IndexError`` for a rank outside ``[0, ranks)``."""
         self._check_rank(rank)
+        if not hasattr(x, "shape") or not hasattr(x, "index_select"):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.shape[dim] != self.plan.q_len:
             raise ValueError(
                 f"shard takes the whole sequence along dim {dim}: {self.plan.q_len} positions "
