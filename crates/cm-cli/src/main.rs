@@ -8,7 +8,7 @@ mod shard;
 mod show;
 
 use anyhow::{anyhow, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use mask_args::MaskArgs;
 use serde_json::json;
 use std::io::{BufWriter, Write};
@@ -339,7 +339,10 @@ pub(crate) fn write_stderr(text: &str) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // A negative number is a value (`--ranks -1`), so its error names the flag and what it
+    // takes instead of clap's "unexpected argument".
+    let command = Cli::command().mut_subcommands(|c| c.allow_negative_numbers(true));
+    let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {

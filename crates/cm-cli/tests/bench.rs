@@ -19,6 +19,9 @@ fn refused(args: &[&str], needles: &[&str]) {
 fn bad_arguments_are_refused_before_the_gpu() {
     refused(&["--sizes", "0"], &["--sizes: 0 is out of range"]);
     refused(&["--sizes", "8k"], &["invalid value '8k'"]);
+    // A negative number is the flag's value, so the error names the flag.
+    refused(&["--sizes", "-5"], &["invalid value '-5' for '--sizes"]);
+    refused(&["--heads", "-2"], &["invalid value '-2' for '--heads"]);
     refused(
         &["--heads", "6", "--kv-heads", "4"],
         &["must divide --heads"],
