@@ -16,7 +16,9 @@ that can express them): tree decode (batch 16, a random 64-node draft tree per s
 (one 8K prompt and 16 responses of 512 tokens: each response's rows see the prompt and their
 own response causally; ours reads the prompt's pages through every response's block table,
 Flex one packed sequence of prompt and responses), as TFLOP/s of visible pairs
-(4 x head_dim x num_heads x pairs).
+(4 x head_dim x num_heads x pairs). Ours runs each through both of `compilemask.paged_attention`'s
+kernels on a planned `Step` (`kernel="decode"` and `kernel="prefill"`, the paged forward),
+after checking that they agree; `over_flex` takes the faster.
 
 Each decode row is reported as median milliseconds per call of `--runs` samples of `--calls`
 back-to-back calls (device time: the host's work per call, reported as `host_us` for ours,
@@ -41,6 +43,7 @@ import torch
 import torch._dynamo
 from torch.nn.attention.flex_attention import flex_attention
 
+import compilemask as cm
 from compilemask import _ops
 
 # Back-to-back calls per timed sample (--calls).
@@ -79,6 +82,22 @@ def _tree_parents(n: int, gen: torch.Generator) -> list:
     return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
 
 
+def both_kernels(row: dict, q, kc, vc, table, step, scale, runs, flops):
+    """Times `step` through both kernels of `compilemask.paged_attention` into `row`
+    (`decode_ms`, `prefill_ms`, their TFLOP/s, and `ms` / `tflops` / `kernel` of the faster)
+    after checking that they agree; returns the faster as a callable."""
+    calls = {k: (lambda k=k: cm.paged_attention(q, kc, vc, table, step, scale=scale, kernel=k))
+             for k in ("decode", "prefill")}
+    row["max_abs_diff_decode_vs_prefill"] = (
+        calls["decode"]().float() - calls["prefill"]().float()).abs().max().item()
+    for k, fn in calls.items():
+        ms = median_ms(fn, runs, calls=CALLS)
+        row[f"{k}_ms"], row[f"{k}_tflops"] = ms, flops / ms / 1e9
+    best = min(calls, key=lambda k: row[f"{k}_ms"])
+    row.update(kernel=best, ms=row[f"{best}_ms"], tflops=row[f"{best}_tflops"])
+    return calls[best]
+
+
 def mask_targets(runs: int, flex) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
     dev = "cuda"
@@ -92,9 +111,10 @@ def mask_targets(runs: int, flex) -> dict:
     b, n, prefix, ps = 16, 64, 32768, 64
     kv = prefix + n
     anc = torch.zeros((b, n, n), dtype=torch.bool)
-    rows = []
+    rows, parents = [], []
     for s in range(b):
         par = _tree_parents(n, gen)
+        parents.append(par)
         for i in range(n):
             j = i
             while j >= 0:
@@ -120,10 +140,11 @@ def mask_targets(runs: int, flex) -> dict:
         row_ptr=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), **i32),
         intervals=torch.tensor(flat, **i32), max_q_len=n)
     q = torch.randn((b * n, h, d), device=dev, dtype=torch.bfloat16)
-    ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
-    ms = median_ms(ours, runs, calls=CALLS)
+    step = cm.builtin("tree_decode").plan_step([n] * b, [kv] * b,
+                                               params=[{"parents": p} for p in parents])
     flops = 4 * d * h * pairs
-    tree = {"batch": b, "nodes": n, "prefix": prefix, "ms": ms, "tflops": flops / ms / 1e9}
+    tree = {"batch": b, "nodes": n, "prefix": prefix, "step_rows_match": step.intervals == flat}
+    ours = both_kernels(tree, q, kc, vc, table, step, scale, runs, flops)
     try:
         # Flex on the same keys, contiguous: [b, h_kv, kv, d].
         pos = torch.arange(kv, device=dev)
@@ -140,7 +161,8 @@ def mask_targets(runs: int, flex) -> dict:
         fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
         err = (ours().float() - fl().transpose(1, 2).reshape(b * n, h, d).float()).abs().max().item()
         fms = median_ms(fl, runs, calls=CALLS)
-        tree.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
+        tree.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / tree["ms"],
+                    max_abs_diff_vs_flex=err)
         del k4, v4, pos
     except Exception as e:  # noqa: BLE001
         tree["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -165,9 +187,10 @@ def mask_targets(runs: int, flex) -> dict:
     q = torch.randn((r * r_len, h, d), device=dev, dtype=torch.bfloat16)
     pairs = r * sum(p_len + i + 1 for i in range(r_len))
     flops = 4 * d * h * pairs
-    ours = lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)  # noqa: E731
-    ms = median_ms(ours, runs, calls=CALLS)
-    shared = {"prompt": p_len, "responses": r, "response_len": r_len, "ms": ms, "tflops": flops / ms / 1e9}
+    step = cm.builtin("causal").plan_step([r_len] * r, [kv] * r)
+    shared = {"prompt": p_len, "responses": r, "response_len": r_len,
+              "step_rows_match": step.intervals == tensors.intervals.tolist()}
+    ours = both_kernels(shared, q, kc, vc, table, step, scale, runs, flops)
     try:
         total = p_len + r * r_len
         k_p = kc[:p_pages].reshape(p_len, h_kv, d)
@@ -187,7 +210,8 @@ def mask_targets(runs: int, flex) -> dict:
         fl = lambda: flex(q4, k4, v4, block_mask=bm, scale=scale, enable_gqa=True)  # noqa: E731
         err = (ours().float() - fl()[0].transpose(0, 1).float()).abs().max().item()
         fms = median_ms(fl, runs, calls=CALLS)
-        shared.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / ms, max_abs_diff_vs_flex=err)
+        shared.update(flex_ms=fms, flex_tflops=flops / fms / 1e9, over_flex=fms / shared["ms"],
+                      max_abs_diff_vs_flex=err)
     except Exception as e:  # noqa: BLE001
         shared["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print("shared_prompt", json.dumps(shared), flush=True)

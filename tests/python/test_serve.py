@@ -283,6 +283,8 @@ def test_paged_attention_bad_inputs(torch):
         cm.paged_attention(q, kc, vc, table[:, :2].contiguous(), step)
     with pytest.raises(TypeError, match="step must be a compilemask.Step"):
         cm.paged_attention(q, kc, vc, table, [0, 1])
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'decode' or 'prefill', got 'fast'"):
+        cm.paged_attention(q, kc, vc, table, step, kernel="fast")
 
 
 @pytest.mark.parametrize("name,params", SERVING + [("tree_decode", None)])
@@ -305,13 +307,86 @@ def test_cuda_matches_the_float64_reference(torch, name, params):
         bf = torch.bfloat16
         q, kc, vc = (x.to(bf).double() for x in (q, kc, vc))
         want, want_lse = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(d))
-        out, lse = cm.paged_attention(q.to(bf).to(dev), kc.to(bf).to(dev), vc.to(bf).to(dev),
-                                      table.to(dev), step, return_lse=True)
-        assert out.dtype == bf and out.device.type == "cuda"
-        assert (out.double().cpu() - want).abs().max().item() <= 2e-2
-        finite = want_lse.isfinite()
-        assert torch.equal(lse.cpu().isfinite(), finite)
-        assert (lse.double().cpu()[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+        for kernel in ("auto", "decode", "prefill"):
+            out, lse = cm.paged_attention(q.to(bf).to(dev), kc.to(bf).to(dev),
+                                          vc.to(bf).to(dev), table.to(dev), step,
+                                          return_lse=True, kernel=kernel)
+            assert out.dtype == bf and out.device.type == "cuda"
+            assert (out.double().cpu() - want).abs().max().item() <= 2e-2, kernel
+            finite = want_lse.isfinite()
+            assert torch.equal(lse.cpu().isfinite(), finite), kernel
+            assert (lse.double().cpu()[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+
+
+PREFILL = [
+    # name, params, page_size, (hq, hk), head_dim, dtype
+    ("causal", {}, 16, (8, 2), 128, "bfloat16"),
+    ("causal", {}, 8, (4, 4), 64, "float16"),
+    ("sliding_window", {"window": 100}, 128, (8, 1), 128, "float16"),
+    ("dilated_window", {"window": 300, "dilation": 3}, 256, (4, 2), 64, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("name,params,page_size,heads,d,dtype", PREFILL)
+def test_cuda_prefill_chunks_match_the_float64_reference(torch, name, params, page_size, heads,
+                                                         d, dtype):
+    """Prefill chunks (hundreds of new rows per sequence, lengths ending inside a 128-key
+    block, query tiles holding two sequences' rows, a shared prompt's pages, NaN in every
+    slot no sequence owns) through the paged forward, chosen by "auto", against the float64
+    reference; the decode kernel on the same step agrees."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev, dt = "cuda", getattr(torch, dtype)
+    q_len, kv_len = [300, 513, 128, 65], [1000, 513, 2049, 193]
+    step = cm.builtin(name, **params).plan_step(q_len, kv_len)
+    hq, hk = heads
+    shared = [None, None, (0, 3), None]
+    kc, vc, table = make_cache(torch, kv_len, page_size, hk, d, d, shared, page_size + d)
+    q = torch.randn(step.total_q, hq, d, dtype=torch.float64)
+    q, kc, vc = (x.to(dt).double() for x in (q, kc, vc))
+    want, want_lse = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(d))
+    args = (q.to(dt).to(dev), kc.to(dt).to(dev), vc.to(dt).to(dev), table.to(dev), step)
+    tol = 2e-2 if dtype == "bfloat16" else 4e-3
+    outs = {}
+    for kernel in ("auto", "decode"):
+        out, lse = cm.paged_attention(*args, return_lse=True, kernel=kernel)
+        assert out.shape == (step.total_q, hq, d) and lse.shape == (step.total_q, hq)
+        assert lse.is_contiguous()
+        assert (out.double().cpu() - want).abs().max().item() <= tol, kernel
+        assert (lse.double().cpu() - want_lse).abs().max().item() <= 1e-3, kernel
+        outs[kernel] = out
+    assert (outs["auto"].float() - outs["decode"].float()).abs().max().item() <= 2 * tol
+
+
+def test_cuda_prefill_compiles_and_refuses_what_it_lacks(torch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = "cuda"
+    step = cm.builtin("causal").plan_step([200, 90], [700, 90])
+    kc, vc, table = make_cache(torch, [700, 90], 16, 2, 64, 64, [None, None], 11)
+    q = torch.randn(step.total_q, 4, 64, dtype=torch.float64)
+    want, _ = dense_reference(torch, q.half().double(), kc.half().double(), vc.half().double(),
+                              table, step, 0.125)
+    q, kc, vc, table = q.half().to(dev), kc.half().to(dev), vc.half().to(dev), table.to(dev)
+
+    def run(q):
+        return cm.paged_attention(q, kc, vc, table, step, scale=0.125, kernel="prefill") * 2
+
+    got = torch.compile(run, fullgraph=False)(q)
+    assert (got.double().cpu() / 2 - want).abs().max().item() <= 8e-3
+    with pytest.raises(ValueError, match="needs a compilemask.Step"):
+        cm.paged_attention(q, kc, vc, table, step.to_tensors(dev), kernel="prefill")
+    with pytest.raises(ValueError, match="needs 44 pages of 16, but block_table rows hold "
+                                         "max_pages_per_seq = 40"):
+        cm.paged_attention(q, kc, vc, table[:, :40].contiguous(), step, kernel="prefill")
+    odd = cm.builtin("causal").plan_step([100], [100])
+    kc12 = torch.zeros(20, 12, 2, 64, dtype=torch.float16, device=dev)
+    t12 = torch.arange(10, dtype=torch.int32, device=dev)[None]
+    with pytest.raises(ValueError, match="page_size = 12 is not a power of two"):
+        cm.paged_attention(q[:100], kc12, kc12, t12, odd, kernel="prefill")
+    # "auto" takes the decode kernel where the paged forward cannot run.
+    out = cm.paged_attention(q[:100], kc12, kc12, t12, odd)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_cuda_refuses_what_the_kernel_lacks(torch):

@@ -57,11 +57,11 @@ pub(crate) struct FwdParams {
     v: u64,
     o: u64,
     lse: u64,
-    q_strides: [i64; 3],
+    pub(crate) q_strides: [i64; 3],
     k_strides: [i64; 3],
     v_strides: [i64; 3],
-    o_strides: [i64; 3],
-    lse_strides: [i64; 2],
+    pub(crate) o_strides: [i64; 3],
+    pub(crate) lse_strides: [i64; 2],
     m_block_order: u64,
     kv_offsets: u64,
     kv_indices: u64,
@@ -71,23 +71,31 @@ pub(crate) struct FwdParams {
     /// Set by the runtime at launch (its per-stream work counter), for FwdWs.
     pub(crate) scheduler: u64,
     mask_index: u64,
-    q_len: u32,
-    kv_len: u32,
-    heads_per_kv_head: u32,
+    /// The paged forward's cache addressing ([`crate::prefill`]); 0 for the others.
+    pub(crate) block_table: u64,
+    pub(crate) key_blocks: u64,
+    pub(crate) block_table_stride: i64,
+    pub(crate) q_len: u32,
+    pub(crate) kv_len: u32,
+    pub(crate) heads_per_kv_head: u32,
     scale_log2: f32,
     num_m_blocks: u32,
-    num_heads: u32,
-    batch: u32,
+    pub(crate) num_heads: u32,
+    pub(crate) batch: u32,
     num_masks: u32,
     mask_strides: [u32; 2],
     /// Set by the runtime at launch from its L2 size, for FwdWs ([`head_group`]).
     pub(crate) ws_head_group: u32,
+    pub(crate) page_shift: u32,
+    pub(crate) page_rows: u32,
+    pub(crate) table_rows: u32,
+    pub(crate) table_cols: u32,
     pad: u32,
     score: ScoreParams,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<FwdParams>() == 328,
+    std::mem::size_of::<FwdParams>() == 368,
     "must match sizeof(CmFwdParams)"
 );
 
@@ -304,7 +312,7 @@ pub(crate) fn prepare(
     }
 
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
-    let ws = kernel_kind == KernelKind::FwdWs;
+    let ws = matches!(kernel_kind, KernelKind::FwdWs | KernelKind::FwdWsPaged);
     // The forward lists at the kernel's tile and its partial tiles' row bits: fwd_ws's set,
     // or the plan's own tile.
     let (lists, num_m_blocks) = if ws {
@@ -335,6 +343,9 @@ pub(crate) fn prepare(
         partial_row_mask: plan.addr(lists[5]),
         scheduler: 0,
         mask_index: plan.addr(PlanArray::MaskIndex),
+        block_table: 0,
+        key_blocks: 0,
+        block_table_stride: 0,
         q_len: plan.q_len,
         kv_len: plan.kv_len,
         heads_per_kv_head: (h / h_kv) as u32,
@@ -345,6 +356,10 @@ pub(crate) fn prepare(
         num_masks: plan.num_masks,
         mask_strides,
         ws_head_group: 1,
+        page_shift: 0,
+        page_rows: 0,
+        table_rows: 0,
+        table_cols: 0,
         pad: 0,
         score: a.score.params(plan.q_len, plan.kv_len, false),
     };

@@ -59,6 +59,7 @@ mod forward;
 mod kernels;
 mod layout;
 mod plan;
+pub mod prefill;
 mod runtime;
 pub mod score;
 mod tma;
@@ -74,5 +75,6 @@ pub use plan::{
     ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanView,
     PLAN_ARRAY_COUNT, WS_SETS,
 };
+pub use prefill::{check_prefill, Prefill, PrefillRaw, PREFILL_KEY_BLOCK};
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

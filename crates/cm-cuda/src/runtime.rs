@@ -3,6 +3,7 @@
 use crate::decode::{prepare_decode, row_major, Decode, DecodeRaw};
 use crate::forward::{prepare, Launch};
 use crate::layout::check_buffer_len;
+use crate::prefill::{prepare_prefill, Prefill, PrefillRaw};
 use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
@@ -472,6 +473,111 @@ impl Runtime {
             unsafe { builder.launch(config) }.map_err(|e| Error::driver("cuLaunchKernel", e))?;
         }
         Ok(())
+    }
+
+    /// Serving's prefill-chunk path ([`crate::prefill`]): a step's rows, laid out by
+    /// `cm_serve::StepPlan::prefill` and uploaded as `plan`, through the warp-specialised
+    /// forward with K and V read from the paged cache; one persistent launch on `stream`,
+    /// no host synchronisation.
+    ///
+    /// # Errors
+    /// As [`Runtime::prefill_raw`], and a buffer shorter than its shape spans.
+    #[allow(unsafe_code)]
+    pub fn prefill(
+        &self,
+        stream: &Arc<CudaStream>,
+        plan: &DevicePlan,
+        args: Prefill<'_>,
+    ) -> Result<(), Error> {
+        self.check_plan(plan)?;
+        let [total_q, h, _] = args.q_shape;
+        let span = |shape: &[usize]| shape.iter().product::<usize>();
+        check_buffer_len("q", args.q.len(), span(&args.q_shape))?;
+        check_buffer_len("k_cache", args.k_cache.len(), span(&args.cache_shape))?;
+        check_buffer_len("v_cache", args.v_cache.len(), span(&args.cache_shape))?;
+        check_buffer_len("out", args.out.len(), span(&args.q_shape))?;
+        if let Some(lse) = &args.lse {
+            check_buffer_len("lse", lse.len(), total_q * h)?;
+        }
+        check_buffer_len(
+            "block_table",
+            args.block_table.len(),
+            span(&args.block_table_shape),
+        )?;
+        let blocks = (plan.kv_len / crate::prefill::PREFILL_KEY_BLOCK) as usize;
+        if args.key_blocks.len() != 4 * blocks {
+            return Err(Error::invalid(format!(
+                "key_blocks: {} elements, expected 4 x {blocks} for the plan's kv_len = {}",
+                args.key_blocks.len(),
+                plan.kv_len
+            )));
+        }
+        let (q, _gq) = args.q.device_ptr(stream);
+        let (k, _gk) = args.k_cache.device_ptr(stream);
+        let (v, _gv) = args.v_cache.device_ptr(stream);
+        let (bt, _gb) = args.block_table.device_ptr(stream);
+        let (kb, _gkb) = args.key_blocks.device_ptr(stream);
+        let (_, _gp) = plan.buffer.device_ptr(stream);
+        let (out, _go) = args.out.device_ptr_mut(stream);
+        let (lse, _gs) = match args.lse {
+            Some(buf) => {
+                let (p, g) = buf.device_ptr_mut(stream);
+                (Some((p, total_q as i64)), Some(g))
+            }
+            None => (None, None),
+        };
+        let raw = PrefillRaw {
+            dtype: args.dtype,
+            q,
+            q_shape: args.q_shape,
+            q_strides: row_major(args.q_shape),
+            k_cache: k,
+            v_cache: v,
+            cache_shape: args.cache_shape,
+            k_strides: row_major(args.cache_shape),
+            v_strides: row_major(args.cache_shape),
+            out,
+            out_strides: row_major(args.q_shape),
+            lse,
+            block_table: bt,
+            block_table_shape: args.block_table_shape,
+            block_table_stride: args.block_table_shape[1] as i64,
+            key_blocks: kb,
+            softmax_scale: args.softmax_scale,
+        };
+        // SAFETY: every address comes from a live CudaSlice whose length was checked against
+        // the span its shape reaches (key_blocks against the plan's key blocks; the kernel
+        // clamps what it reads from them and from the block table), the plan is this
+        // runtime's upload, and the guards above record the use on `stream` until the launch
+        // is enqueued; `out` and `lse` are distinct `&mut` buffers, so they alias nothing.
+        unsafe { self.prefill_raw(stream, plan, &raw) }
+    }
+
+    /// [`Runtime::prefill`] over device addresses owned by the caller, enqueued on `stream`.
+    ///
+    /// # Safety
+    /// Each address must point to device memory of this runtime's context holding its shape
+    /// (`key_blocks`: `4 x plan.kv_len / PREFILL_KEY_BLOCK` int32), live until the launch
+    /// has finished on `stream`; `out` and `lse` must not overlap each other or the inputs;
+    /// `plan` must outlive the launch.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first check of [`crate::check_prefill`] that
+    /// fails; [`Error::Driver`] if the launch is refused.
+    #[allow(unsafe_code)]
+    pub unsafe fn prefill_raw(
+        &self,
+        stream: &CudaStream,
+        plan: &PlanView,
+        args: &PrefillRaw,
+    ) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.check_plan(plan)?;
+        self.bind_context()?;
+        match prepare_prefill(plan, args, true)? {
+            Some(launch) => self.launch(stream, launch),
+            None => Ok(()),
+        }
     }
 
     /// The device address of `stream`'s work counter.

@@ -81,6 +81,12 @@ struct CmFwdParams {
     const u32* partial_row_mask;   // [num_partial, BLOCK_M, BLOCK_N / 32]
     u32* scheduler;  // fwd_ws: [next work item, finished CTAs], zero between launches
     const u32* mask_index;  // the mask of (batch, head) at batch * mask_stride_batch + head * mask_stride_head
+    // fwd_ws built with CM_PAGED (a serving step's rows, cm_serve::Prefill): K and V come from
+    // a paged cache, key block n of the virtual key space from sequence key_blocks[n].x,
+    // logical keys key_blocks[n].y .. + key_blocks[n].z, through block_table; null otherwise.
+    const int* block_table;   // [num_seqs, block_table_stride] page numbers
+    const int4* key_blocks;   // [kv_len / BLOCK_N]: (seq, first_key, valid_keys, 0)
+    i64 block_table_stride;
     u32 q_len;
     u32 kv_len;
     u32 heads_per_kv_head;  // GQA group size: query head h reads kv head h / heads_per_kv_head
@@ -95,12 +101,16 @@ struct CmFwdParams {
     // fwd_ws: (batch, head) pairs whose items are interleaved (heaviest query blocks of all
     // of them first), as many as the L2 holds the K and V of; 1: one pair after the other.
     u32 ws_head_group;
+    u32 page_shift;  // CM_PAGED: log2(page_size)
+    u32 page_rows;   // CM_PAGED: rows per TMA box of the cache, min(page_size, BLOCK_N)
+    u32 table_rows;  // CM_PAGED: the block table's [num_seqs, max_pages_per_seq], >= 1 each:
+    u32 table_cols;  // every entry it reads is clamped inside
     u32 pad_;
     CmScoreParams score;
 };
 
 static_assert(sizeof(CmScoreParams) == 64, "must match cm_cuda::ScoreParams");
-static_assert(sizeof(CmFwdParams) == 328, "must match cm_cuda::forward::FwdParams");
+static_assert(sizeof(CmFwdParams) == 368, "must match cm_cuda::forward::FwdParams");
 
 // The plan's mask of (batch, head), an index into its per-mask arrays (cm_cuda::PlanArray).
 // The host checked every entry when it built the plan; the clamp keeps a corrupted index

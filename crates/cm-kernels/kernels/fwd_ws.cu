@@ -35,17 +35,30 @@
 // stages of 128 keys x 256 columns of K and V beside the 128 x 256 Q tile exceed shared
 // memory (a 64 x 256 fp32 output per consumer then leaves room for 64-key scores only).
 //
+// Paged K and V (CM_PAGED = 1, serving's prefill-chunk path): the key space is cm_serve's
+// virtual one, every sequence of a step padded to whole 128-key blocks, and key block n is
+// loaded from the paged cache (tm_k and tm_v describe [num_pages, num_kv_heads, page_size,
+// head_dim]) in boxes of p.page_rows rows, one per page or one per 128 keys of a longer page,
+// each box's page read from the block table. A sequence's last block loads only the boxes
+// holding its keys; its V rows past them, read from a page's unused slots or left from an
+// earlier tile, may hold any bits (NaN included), and 0 x NaN would reach the output through
+// P V, so each consumer zeroes them before its P V product. Their K rows need no care: those
+// keys are never visible, so the block is partial and its bits select -inf over any score.
+//
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16 (1 = bf16, 0 = fp16), CM_HEAD_DIM (64, 128,
 // 192 or 256: Q and K columns), CM_HEAD_DIM_V (V and output columns: CM_HEAD_DIM, or 128 at
 // 192), CM_WS_KEY_STEP (keys per stage: 128, or 64 at head_dim 256), CM_DYNAMIC_SMEM_BYTES
 // (the launch's dynamic shared memory, checked against the layout), CM_SCORE (1: apply the
-// score terms of CmScoreParams, score.cuh).
+// score terms of CmScoreParams, score.cuh), CM_PAGED (1: K and V from a paged cache).
 #include "fwd_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 #if !defined(CM_HEAD_DIM) || !defined(CM_HEAD_DIM_V) || !defined(CM_WS_KEY_STEP)
 #error "CM_HEAD_DIM, CM_HEAD_DIM_V and CM_WS_KEY_STEP must be defined"
+#endif
+#ifndef CM_PAGED
+#define CM_PAGED 0
 #endif
 
 #define BLOCK_M CM_BLOCK_M
@@ -70,10 +83,11 @@
 #define BITS_OFFSET (BAR_OFFSET + 256)
 #define BITS_BYTES (BLOCK_M * 16)
 #define SMEM_BYTES (BITS_OFFSET + STAGES * BITS_BYTES + 1024)
-// Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536 with two consumers,
+// Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536 with two consumers
+// (48, the whole file, for the paged producer's block-table walk, which spills at 40),
 // 128 x 32 + 384 x 160 with three (FlashAttention-3's split for its 192-row head_dim 64 tile).
 #if NUM_CONSUMERS == 2
-#define PRODUCER_REGS 40
+#define PRODUCER_REGS (CM_PAGED ? 48 : 40)
 #define CONSUMER_REGS 232
 #else
 #define PRODUCER_REGS 32
@@ -90,6 +104,8 @@ static_assert(KEY_STEP == 128 || KEY_STEP == 64 && HEAD_DIM == 256, "keys per st
 // 240-register consumer budget); cm_kernels::WIDE_SCORE_SHAPES leaves that variant out.
 static_assert(!CM_SCORE || HEAD_DIM != 256, "no score variant at head_dim 256");
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must match cm_kernels");
+static_assert(!CM_PAGED || (KEY_STEP == 128 && !CM_SCORE && NUM_CONSUMERS == 2),
+              "the paged forward: 128x128 tiles of one key step, no score terms");
 
 // Barriers, 8 bytes each, after the tiles.
 #define BAR_Q 0
@@ -143,6 +159,56 @@ __device__ __forceinline__ WsItem ws_item(const CmFwdParams& p, u32 item) {
 __device__ __forceinline__ u32 ws_n_block(const CmFwdParams& p, const WsItem& w, u32 it) {
     return it < w.num_partial ? p.kv_indices[w.p_begin + it] : p.full_kv_indices[w.f_begin + it - w.num_partial];
 }
+
+#if CM_PAGED
+// Issues the TMA loads of key block `blk` (cm_serve's (seq, first_key, valid_keys)) of a paged
+// cache into the `atoms` column atoms at `dst` (each KEY_STEP x 64 columns), completing on
+// `bar`: the boxes of p.page_rows rows that hold the block's valid keys, each from the page
+// the block table names. The block's entry and the table are device data the host does not
+// re-read, so the sequence, the table column and the valid keys are clamped into range; a
+// page number outside the cache reads as zeros (TMA's bounds). Returns the bytes it loads.
+__device__ __forceinline__ u32 cm_valid_keys(int4 blk) { return (u32)max(0, min(blk.z, BLOCK_N)); }
+
+__device__ __forceinline__ u32 cm_load_paged_block(const CmFwdParams& p, const CmTensorMap* map, u32 dst, u32 bar,
+                                                   int4 blk, u32 kv_head, int atoms, bool issue) {
+    const u32 boxes = (cm_valid_keys(blk) + p.page_rows - 1) / p.page_rows;
+    if (issue) {
+        const int* table = p.block_table + (i64)min((u32)blk.x, p.table_rows - 1) * p.block_table_stride;
+        const u32 page_mask = (1u << p.page_shift) - 1;
+        for (u32 c = 0; c < boxes; ++c) {
+            const u32 pos = (u32)blk.y + c * p.page_rows;
+            const int page = __ldg(table + min(pos >> p.page_shift, p.table_cols - 1));
+            for (int a = 0; a < atoms; ++a) {
+                cm_tma_load4(dst + a * KEY_STEP * 128 + c * p.page_rows * 128, map, bar, a * 64, (int)(pos & page_mask),
+                             (int)kv_head, page);
+            }
+        }
+    }
+    return boxes * p.page_rows * 128 * atoms;
+}
+
+// Zeroes rows valid .. KEY_STEP of a V stage (every column atom) from the 128 threads of one
+// consumer warpgroup, then makes the stores visible to the warpgroup's wgmma (async proxy)
+// before any of its warps issues one. A 128B-swizzled row stays within its own 128 bytes, so
+// whole rows are zeroed without the swizzle.
+__device__ __forceinline__ void cm_zero_v_rows(u32 sV, u32 valid, int warpgroup) {
+    const u32 tid = threadIdx.x % 128;
+    const u32 chunks = (KEY_STEP - valid) * 8;
+#pragma unroll
+    for (int a = 0; a < HEAD_DIM_V / 64; ++a) {
+        const u32 atom = sV + a * KEY_STEP * 128 + valid * 128;
+        for (u32 i = tid; i < chunks; i += 128) {
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(atom + i * 16), "r"(0u) : "memory");
+        }
+    }
+    cm_fence_proxy_async();
+    if (warpgroup == 1) {
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+    } else {
+        asm volatile("bar.sync 2, 128;" ::: "memory");
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     cm_fwd_ws(const __grid_constant__ CmFwdParams p, const __grid_constant__ CmTensorMap tm_q,
@@ -220,24 +286,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                     // all 128 keys' of them with each of its steps.
                     const bool partial = tile < w.num_partial;
                     cm_mbar_wait(bar(BAR_K_EMPTY(s)), phase ^ 1);
+#if CM_PAGED
+                    const int4 blk = p.key_blocks[key0 / BLOCK_N];
+                    const u32 k_bytes = cm_load_paged_block(p, &tm_k, sK, 0, blk, kv_head, HEAD_DIM / 64, false);
+                    cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), k_bytes + (partial ? BITS_BYTES : 0));
+                    cm_load_paged_block(p, &tm_k, sK, bar(BAR_K_FULL(s)), blk, kv_head, HEAD_DIM / 64, true);
+#else
                     cm_mbar_arrive_expect_tx(bar(BAR_K_FULL(s)), K_BYTES + (partial ? BITS_BYTES : 0));
 #pragma unroll
                     for (int a = 0; a < HEAD_DIM / 64; ++a) {
                         cm_tma_load4(sK + a * KEY_STEP * 128, &tm_k, bar(BAR_K_FULL(s)), a * 64, key0, kv_head,
                                      w.batch);
                     }
+#endif
                     if (partial) {
                         cm_bulk_load(base + BITS_OFFSET + s * BITS_BYTES,
                                      p.partial_row_mask + (u64)(w.p_begin + tile) * BLOCK_M * 4, BITS_BYTES,
                                      bar(BAR_K_FULL(s)));
                     }
                     cm_mbar_wait(bar(BAR_V_EMPTY(s)), phase ^ 1);
+#if CM_PAGED
+                    cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), k_bytes / HEAD_DIM * HEAD_DIM_V);
+                    cm_load_paged_block(p, &tm_v, sV, bar(BAR_V_FULL(s)), blk, kv_head, HEAD_DIM_V / 64, true);
+#else
                     cm_mbar_arrive_expect_tx(bar(BAR_V_FULL(s)), V_BYTES);
 #pragma unroll
                     for (int a = 0; a < HEAD_DIM_V / 64; ++a) {
                         cm_tma_load4(sV + a * KEY_STEP * 128, &tm_v, bar(BAR_V_FULL(s)), a * 64, key0, kv_head,
                                      w.batch);
                     }
+#endif
                 }
             }
             // Every CTA has taken its last number once all have counted themselves here, so
@@ -325,10 +403,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             cm_wgmma_commit();
         };
         // O += P V of ring slot `slot`, issued (not waited for).
+#if CM_PAGED
+        // Valid keys of the key block whose scores were issued last, and of the one whose
+        // P V is issued next.
+        u32 s_valid = KEY_STEP, pv_valid = KEY_STEP;
+#endif
         auto issue_pv = [&](u32 slot) {
             const u32 s = slot % STAGES;
             const u32 sV = sV0 + s * V_BYTES;
             cm_mbar_wait(bar(BAR_V_FULL(s)), (slot / STAGES) & 1);
+#if CM_PAGED
+            if (pv_valid < KEY_STEP) cm_zero_v_rows(sV, pv_valid, warpgroup);
+#endif
 #pragma unroll
             for (int kk = 0; kk < KEY_STEP / 16; ++kk) {
                 cm_wgmma_rs<1>(acc_o, pa[kk], cm_desc_mn_major(sV, KEY_STEP, kk), 1);
@@ -344,6 +430,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #endif
         auto load_bits = [&](u32 it) {
             key0 = ws_n_block(p, w, it / STEPS) * BLOCK_N + (it % STEPS) * KEY_STEP;
+#if CM_PAGED
+            s_valid = cm_valid_keys(p.key_blocks[key0 / BLOCK_N]);
+#endif
 #if CM_SCORE
             dist = cm_dist_tile<KEY_STEP / 8, false>(p.score, w.head, p.q_len, p.kv_len, w.row0 + warp * 16 + g,
                                                     key0 + 2 * t);
@@ -435,6 +524,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             if (n == 1) release(BAR_Q_EMPTY);
             softmax(0);
             pack_p();
+#if CM_PAGED
+            pv_valid = s_valid;
+#endif
         }
         for (u32 it = 1; it < n; ++it) {
             load_bits(it);
@@ -454,6 +546,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
             release(BAR_V_EMPTY((tile_no + it - 1) % STAGES));
             cm_rescale_if_needed(acc_o, alpha);
             pack_p();
+#if CM_PAGED
+            pv_valid = s_valid;
+#endif
         }
         if (n > 0) {
             cm_fence_acc(acc_o);

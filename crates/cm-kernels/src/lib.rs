@@ -48,6 +48,10 @@ pub enum KernelKind {
     /// wgmma consumer warpgroup per 64 query rows: 128x128 tiles, and 192x128 at head_dim
     /// 64, [`FWD_WS_TILES`]); the default.
     FwdWs,
+    /// `kernels/fwd_ws.cu` built with `CM_PAGED=1`: the same forward reading K and V from a
+    /// paged KV cache through a block table (serving's prefill-chunk path, over
+    /// `cm_serve::Prefill`'s virtual key blocks), 128x128 tiles, no score terms.
+    FwdWsPaged,
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
     /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
     BwdPre,
@@ -73,6 +77,7 @@ impl KernelKind {
             KernelKind::FwdSimple => "fwd_simple",
             KernelKind::FwdWgmma => "fwd_wgmma",
             KernelKind::FwdWs => "fwd_ws",
+            KernelKind::FwdWsPaged => "fwd_ws_paged",
             KernelKind::BwdPre => "bwd_pre",
             KernelKind::BwdDkDv => "bwd_dkdv",
             KernelKind::BwdDq => "bwd_dq",
@@ -87,7 +92,7 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "fwd_simple.cu",
             KernelKind::FwdWgmma => "fwd_wgmma.cu",
-            KernelKind::FwdWs => "fwd_ws.cu",
+            KernelKind::FwdWs | KernelKind::FwdWsPaged => "fwd_ws.cu",
             KernelKind::BwdPre => "bwd_pre.cu",
             KernelKind::BwdDkDv => "bwd_dkdv.cu",
             KernelKind::BwdDq => "bwd_dq.cu",
@@ -101,7 +106,7 @@ impl KernelKind {
         match self {
             KernelKind::FwdSimple => "cm_fwd_simple",
             KernelKind::FwdWgmma => "cm_fwd_wgmma",
-            KernelKind::FwdWs => "cm_fwd_ws",
+            KernelKind::FwdWs | KernelKind::FwdWsPaged => "cm_fwd_ws",
             KernelKind::BwdPre => "cm_bwd_pre",
             KernelKind::BwdDkDv => "cm_bwd_dkdv",
             KernelKind::BwdDq => "cm_bwd_dq",
@@ -122,7 +127,11 @@ impl KernelKind {
     /// Kernels that must compile with no register spills: every forward kernel (the
     /// training forward and serving's decode), whose speed a spill would cost most.
     pub const fn must_not_spill(self) -> bool {
-        self.is_forward() || matches!(self, KernelKind::Decode | KernelKind::DecodeMerge)
+        self.is_forward()
+            || matches!(
+                self,
+                KernelKind::FwdWsPaged | KernelKind::Decode | KernelKind::DecodeMerge
+            )
     }
 }
 
@@ -160,7 +169,7 @@ pub struct Variant {
 const fn declared_shape(kernel: KernelKind, head_dim: u32, deep: bool) -> (u32, u32, u32) {
     match kernel {
         KernelKind::FwdWs if deep => (192, 128, 2),
-        KernelKind::FwdWs => (128, 128, 2),
+        KernelKind::FwdWs | KernelKind::FwdWsPaged => (128, 128, 2),
         // 64-row query tiles against 128-key blocks (two consumer warpgroups of 64 keys);
         // a third ring stage at head_dim 64.
         KernelKind::BwdDkDv => (64, 128, if head_dim == 64 { 3 } else { 2 }),
@@ -232,7 +241,7 @@ impl Variant {
     /// (64 keys each); one warpgroup for the others.
     pub const fn threads(&self) -> u32 {
         match self.kernel {
-            KernelKind::FwdWs => 128 * (1 + self.block_m / 64),
+            KernelKind::FwdWs | KernelKind::FwdWsPaged => 128 * (1 + self.block_m / 64),
             KernelKind::BwdDkDv => 384,
             _ => 128,
         }
@@ -274,8 +283,11 @@ impl Variant {
             format!("-DCM_STAGES={}", self.stages),
             format!("-DCM_THREADS={}", self.threads()),
         ];
-        if self.kernel == KernelKind::FwdWs {
+        if matches!(self.kernel, KernelKind::FwdWs | KernelKind::FwdWsPaged) {
             defines.push(format!("-DCM_WS_KEY_STEP={}", self.key_step()));
+        }
+        if self.kernel == KernelKind::FwdWsPaged {
+            defines.push("-DCM_PAGED=1".into());
         }
         if self.dynamic_shared_bytes() > 0 {
             // The kernel checks its layout against this with a static_assert.
@@ -323,7 +335,7 @@ impl Variant {
             // (key_step x head_dim_v), unpadded: 128B-swizzled; 256 bytes of mbarriers and
             // work-item slots, `stages` stages of a partial tile's row bits (block_m rows x 16
             // bytes), and 1 KB to align the start to a swizzle atom.
-            KernelKind::FwdWs => {
+            KernelKind::FwdWs | KernelKind::FwdWsPaged => {
                 self.block_m * self.head_dim * 2
                     + self.stages * self.key_step() * (self.head_dim + self.head_dim_v) * 2
                     + 256
@@ -339,12 +351,14 @@ impl Variant {
 /// launch's kernel here by index: every kernel at both dtypes and head dims 64 and 128, the
 /// score variant of each kernel that has one, then at both dtypes and each of
 /// [`WIDE_SHAPES`] `fwd_ws` and the backward's four kernels, then `fwd_ws` with score terms at
-/// each of [`WIDE_SCORE_SHAPES`], then the deep (192-row) `fwd_ws` at head_dim 64. Each at the
-/// shape `declared_shape` gives it.
-pub const VARIANTS: [Variant; 72] = {
+/// each of [`WIDE_SCORE_SHAPES`], then the deep (192-row) `fwd_ws` at head_dim 64, then the
+/// paged `fwd_ws` at both dtypes and head dims 64 and 128. Each at the shape `declared_shape`
+/// gives it.
+pub const VARIANTS: [Variant; 76] = {
     use DType::{Bf16, F16};
     use KernelKind::{
         BwdDkDv, BwdDq, BwdPost, BwdPre, Decode, DecodeMerge, FwdSimple, FwdWgmma, FwdWs,
+        FwdWsPaged,
     };
     // Every kernel plain, then the score variant of each kernel that has one.
     const KINDS: [(KernelKind, bool); 12] = [
@@ -367,8 +381,8 @@ pub const VARIANTS: [Variant; 72] = {
     const SQUARE: usize = KINDS.len() * SHAPES.len();
     const WIDE: usize = 2 * WIDE_SHAPES.len() * WIDE_KINDS.len();
     const WIDE_SCORE: usize = 2 * WIDE_SCORE_SHAPES.len();
-    const N: usize = SQUARE + WIDE + WIDE_SCORE + 2;
-    assert!(N == 72);
+    const N: usize = SQUARE + WIDE + WIDE_SCORE + 2 + SHAPES.len();
+    assert!(N == 76);
     const fn variant(
         kernel: KernelKind,
         dtype: DType,
@@ -413,6 +427,13 @@ pub const VARIANTS: [Variant; 72] = {
     }
     out[n] = variant(FwdWs, Bf16, (64, 64), false, true);
     out[n + 1] = variant(FwdWs, F16, (64, 64), false, true);
+    n += 2;
+    let mut i = 0;
+    while i < SHAPES.len() {
+        let (dtype, head_dim) = SHAPES[i];
+        out[n + i] = variant(FwdWsPaged, dtype, (head_dim, head_dim), false, false);
+        i += 1;
+    }
     out
 };
 
@@ -795,7 +816,7 @@ mod tests {
     fn dynamic_shared_memory_fits_the_intended_ctas_per_sm() {
         for v in VARIANTS.iter().filter(|v| v.dynamic_shared_bytes() > 0) {
             let ctas = match v.kernel {
-                KernelKind::BwdDkDv | KernelKind::FwdWs => 1,
+                KernelKind::BwdDkDv | KernelKind::FwdWs | KernelKind::FwdWsPaged => 1,
                 // Q, dO and two stages of K and V at 256 columns are 192 KB.
                 KernelKind::BwdDq if v.head_dim > 128 => 1,
                 _ => 2,

@@ -607,3 +607,125 @@ pub fn cuda_paged_attention(
     })
     .map_err(api_err("compilemask.paged_attention"))
 }
+
+/// Serving's prefill-chunk path over a paged KV cache on `stream` (GIL released; one launch of
+/// the paged forward, `cm_cuda::prefill`): `plan` the descriptor of `Step.prefill_arrays`
+/// (the step's rows over its virtual key blocks), `q` and `out` `[total_q, num_heads,
+/// head_dim]`, `k_cache` / `v_cache` `[num_pages, page_size, num_kv_heads, head_dim]` of q's
+/// dtype, `lse` float32 `[num_heads, total_q]` (row stride 1) or None, `block_table` int32
+/// `[num_seqs, max_pages_per_seq]` (page stride 1), `key_blocks` the contiguous int32
+/// `[num_key_blocks * 4]` of the same call. Every tensor is checked (device, dtype,
+/// contiguity where required, lengths against the plan) before the launch's own checks.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_paged_prefill(
+    py: Python<'_>,
+    stream: usize,
+    plan: DescriptorArg,
+    q: TensorArg<3>,
+    k_cache: TensorArg<4>,
+    v_cache: TensorArg<4>,
+    out: TensorArg<3>,
+    lse: Option<TensorArg<2>>,
+    block_table: TensorArg<2>,
+    key_blocks: TensorArg<1>,
+    scale: f32,
+) -> PyResult<()> {
+    let checked = || -> Result<(usize, cm_cuda::PrefillRaw, PlanLayout), Error> {
+        let (q, k, v, out, bt, kb) = (
+            to_external(q),
+            to_external(k_cache),
+            to_external(v_cache),
+            to_external(out),
+            to_external(block_table),
+            to_external(key_blocks),
+        );
+        let (device, dtype) = external::launch_device_and_dtype(&[
+            ("q", &q.dtype, q.device, true),
+            ("k_cache", &k.dtype, k.device, true),
+            ("v_cache", &v.dtype, v.device, true),
+            ("out", &out.dtype, out.device, true),
+        ])?;
+        if k.shape != v.shape {
+            return Err(Error::invalid(format!(
+                "v_cache: shape {:?} differs from k_cache's shape {:?}",
+                v.shape, k.shape
+            )));
+        }
+        if out.shape != q.shape {
+            return Err(Error::invalid(format!(
+                "out: shape {:?} differs from q's shape {:?}",
+                out.shape, q.shape
+            )));
+        }
+        external::check_tensor("block_table", &bt.dtype, bt.device, "int32", device)?;
+        if bt.shape[1] > 1 && bt.strides[1] != 1 {
+            return Err(Error::invalid(format!(
+                "block_table: page stride {}, expected 1",
+                bt.strides[1]
+            )));
+        }
+        external::check_tensor("key_blocks", &kb.dtype, kb.device, "int32", device)?;
+        let (kb_addr, kb_len) = kb.contiguous("key_blocks")?;
+        let layout = plan_layout(device, plan)?;
+        let blocks = (layout.kv_len() / cm_cuda::PREFILL_KEY_BLOCK) as usize;
+        if kb_len < 4 * blocks {
+            return Err(Error::invalid(format!(
+                "key_blocks: {kb_len} elements, expected at least 4 x {blocks} for the plan's {} virtual keys",
+                layout.kv_len()
+            )));
+        }
+        let [total_q, num_heads, _] = q.shape;
+        let lse = match lse {
+            Some(t) => {
+                let t = to_external(t);
+                external::check_tensor("lse", &t.dtype, t.device, "float32", device)?;
+                if t.shape != [num_heads, total_q] || (total_q > 1 && t.strides[1] != 1) {
+                    return Err(Error::invalid(format!(
+                        "lse: shape {:?} strides {:?}, expected [num_heads, total_q] = [{num_heads}, {total_q}] with row stride 1",
+                        t.shape, t.strides
+                    )));
+                }
+                Some((t.addr, t.strides[0]))
+            }
+            None => None,
+        };
+        let raw = cm_cuda::PrefillRaw {
+            dtype,
+            q: q.addr,
+            q_shape: q.shape,
+            q_strides: q.strides,
+            k_cache: k.addr,
+            v_cache: v.addr,
+            cache_shape: k.shape,
+            k_strides: k.strides,
+            v_strides: v.strides,
+            out: out.addr,
+            out_strides: out.strides,
+            lse,
+            block_table: bt.addr,
+            block_table_shape: bt.shape,
+            block_table_stride: bt.strides[0],
+            key_blocks: kb_addr,
+            softmax_scale: scale,
+        };
+        cm_cuda::check_prefill(&layout, &raw)?;
+        Ok((device, raw, layout))
+    };
+    let (device, raw, layout) = checked().map_err(api_err("compilemask.paged_attention"))?;
+    py.detach(|| {
+        let (rt, view) = plan_view(device, layout)?;
+        let stream = torch_stream(&rt, stream);
+        // SAFETY: every address is the data pointer of a torch tensor checked above to be on
+        // `device` with its dtype, passed with its own shape and strides (key_blocks with its
+        // length checked against the plan's key blocks; the kernel clamps what it reads from
+        // them and from the block table), all kept allocated by torch until stream-ordered
+        // work after this launch; `out` and `lse` are outputs the caller made fresh. The plan
+        // view's contract is in `plan_view` (the arrays of `Step.prefill_arrays`).
+        #[allow(unsafe_code)]
+        unsafe {
+            rt.prefill_raw(&stream, &view, &raw)
+        }
+    })
+    .map_err(api_err("compilemask.paged_attention"))
+}

@@ -77,6 +77,7 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_paged_prefill, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_decode_splits, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_decode_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_backward, m)?)?;

@@ -92,6 +92,38 @@ impl Step {
         )
     }
 
+    /// The step laid out for the paged forward (`cm_serve::StepPlan::prefill` at
+    /// `cm_cuda::PREFILL_KEY_BLOCK` keys per block): the kernels' descriptor of its rows over
+    /// the virtual keys (`cm_cuda::HostPlan::build_masks`, one mask for every head; one uint32
+    /// bytes object per array, in the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes,
+    /// `[num_key_blocks, 4]`) and the virtual `kv_len` (GIL released). `ValueError` when the
+    /// layout is too large.
+    fn prefill_arrays<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Bound<'py, PyBytes>, u32)> {
+        let plan = self.inner.plan();
+        let built = py.detach(|| -> Result<_, String> {
+            let prefill = plan
+                .prefill(cm_cuda::PREFILL_KEY_BLOCK)
+                .map_err(|e| e.to_string())?;
+            let host = cm_cuda::HostPlan::build_masks(
+                &[&prefill.rows],
+                &[0],
+                [1, 1],
+                crate::cuda::kernel_tile(),
+            )
+            .map_err(|e| e.to_string())?;
+            Ok((host, prefill))
+        });
+        let (host, prefill) = built.map_err(PyValueError::new_err)?;
+        Ok((
+            host.arrays().iter().map(|a| py_bytes(py, a)).collect(),
+            py_bytes(py, &prefill.key_blocks),
+            prefill.rows.kv_len(),
+        ))
+    }
+
     /// Row `r`'s intervals; `IndexError` outside `[0, total_q)`.
     fn row(&self, r: usize) -> PyResult<Vec<(u32, u32)>> {
         let p = self.inner.plan();

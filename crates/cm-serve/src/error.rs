@@ -77,6 +77,19 @@ pub enum StepError {
         max: i64,
     },
 
+    /// A prefill layout ([`crate::StepPlan::prefill`]) spanning more virtual keys than the
+    /// forward kernels index.
+    #[error(
+        "the step's sequences, each padded to whole key blocks, span {keys} keys; at most {max} \
+         fit the forward kernels' key indices"
+    )]
+    PrefillTooLarge {
+        /// The virtual keys the layout needs.
+        keys: u64,
+        /// The limit ([`crate::MAX_PREFILL_KEYS`]).
+        max: u64,
+    },
+
     /// More intervals than [`crate::MAX_STEP_INTERVALS`].
     #[error("the step's rows hold more than {max} intervals")]
     TooManyIntervals {

@@ -25,9 +25,11 @@
 mod error;
 mod paged;
 mod planner;
+mod prefill;
 mod step;
 
 pub use error::{PagedError, StepError};
 pub use paged::{paged_attention, PagedShape};
 pub use planner::{Step, StepPlanner, MIN_CAPACITY};
+pub use prefill::{Prefill, MAX_PREFILL_KEYS};
 pub use step::{StepPlan, MAX_STEP_INTERVALS};

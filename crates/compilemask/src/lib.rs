@@ -39,7 +39,7 @@ pub use cm_reference::{
     AttentionShape, Float, ForwardOutput, Gradients, Masks, ReferenceError, Score, ScoreGradients,
 };
 pub use cm_serve::{
-    paged_attention, PagedError, PagedShape, Step, StepError, StepPlan, StepPlanner,
+    paged_attention, PagedError, PagedShape, Prefill, Step, StepError, StepPlan, StepPlanner,
     MAX_STEP_INTERVALS,
 };
 pub use cm_shard::{shard, shard_plan, Part, ShardError, Sharding};

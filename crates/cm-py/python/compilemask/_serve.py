@@ -42,6 +42,30 @@ class StepTensors(NamedTuple):
     max_q_len: int
 
 
+class PrefillTensors(NamedTuple):
+    """A step laid out for the paged forward (``cm_cuda::prefill``), on one CUDA device:
+    ``kernel``, the int32 descriptor arrays of its rows over the virtual key space (every
+    sequence's keys padded to whole 128-key blocks); ``key_blocks`` int32 ``[num_key_blocks,
+    4]`` (each block's sequence, first logical key and valid keys); ``kv_len`` the virtual
+    keys; ``ws_order`` the forward's tile sets best first. Made by
+    :meth:`Step.prefill_tensors`."""
+
+    kernel: tuple
+    key_blocks: torch.Tensor
+    kv_len: int
+    ws_order: tuple
+
+    def plan_dims(self) -> list[int]:
+        return [self.kv_len, *self.ws_order]
+
+
+# The "auto" kernel choice of paged_attention: the paged forward once a step brings at least
+# this many new rows per sequence on average (its 128-row query tiles are then mostly one
+# sequence's rows, and the decode kernel's per-element visibility and mma.sync products are
+# the slower path); decode steps, trees and short chunks stay on the decode kernel.
+PREFILL_MIN_ROWS_PER_SEQ = 64
+
+
 def _ints(raw: bytes) -> list[int]:
     a = array.array("i")
     a.frombytes(raw)
@@ -214,6 +238,24 @@ class Step:
         self._tensors[key] = out
         return out
 
+    def prefill_tensors(self, device: Any) -> PrefillTensors:
+        """The step laid out for the paged forward on CUDA ``device``, cached until the next
+        :meth:`append` (``ValueError`` when the layout is too large)."""
+        from ._torch import _cache_key, _int32, _kernel_tensors, require_torch
+
+        torch = require_torch("Step.prefill_tensors")
+        key = "prefill " + _cache_key(torch, device)
+        cached = self._tensors.get(key)
+        if cached is not None:
+            return cached
+        dev = torch.device(device)
+        arrays, blocks, kv_len = self._native.prefill_arrays()
+        kernel, ws_order = _kernel_tensors(torch, arrays, dev)
+        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
+                             kv_len, ws_order)
+        self._tensors[key] = out
+        return out
+
     def __repr__(self) -> str:
         return (f"Step({self._program.name!r}, num_seqs={self.num_seqs}, "
                 f"total_q={self.total_q}, num_intervals={self.num_intervals})")
@@ -228,6 +270,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    kernel: str = "auto",
 ) -> Any:
     """Attention of a serving step's rows over a paged KV cache (vLLM / FlashInfer layout).
 
@@ -248,9 +291,24 @@ def paged_attention(
     CPU tensors run the CPU reference (float32 / float64; float16 and bfloat16 computed in
     float32): each sequence's pages gathered, then the exact per-row softmax; block-table
     entries outside ``[0, num_pages)`` that a sequence reads raise ``ValueError``. CUDA
-    tensors run the decode kernel (``compilemask._ops.paged_attention_cuda``). Not
-    differentiable (serving is inference). Wrong shapes, dtypes or devices raise
-    ``ValueError``.
+    tensors run one of two kernels (``compilemask._ops.paged_attention_cuda``), chosen by
+    ``kernel``:
+
+    - ``"decode"``: the decode kernel (the query heads of a kv head packed into each tile,
+      split-KV): any step, any page size, and :class:`StepTensors` rewritten in place for a
+      captured CUDA graph;
+    - ``"prefill"``: the paged forward (the training forward's warp-specialised kernel with K
+      and V read through the block table, 128 x 128 tiles over every sequence's keys padded to
+      whole 128-key blocks): a :class:`Step` (its rows are laid out on the host), page sizes
+      that are powers of two from 8, head_dim 64 or 128; the fast path for prefill chunks
+      and shared-prompt scoring, where each sequence brings many rows;
+    - ``"auto"`` (default): ``"prefill"`` when it can run and the step averages at least
+      ``PREFILL_MIN_ROWS_PER_SEQ`` (64) new rows per sequence, else ``"decode"``.
+
+    A block-table entry outside ``[0, num_pages)`` reads as zeros on CUDA, never outside the
+    cache; the prefill path also refuses (``ValueError``) a sequence with more keys than
+    its block-table row holds pages for. Not differentiable (serving is inference). Wrong
+    shapes, dtypes or devices raise ``ValueError``.
     """
     from ._torch import _DTYPES, require_torch
 
@@ -293,6 +351,8 @@ def paged_attention(
                          "at least 1")
     if hq % hk != 0:
         raise ValueError(f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}")
+    if kernel not in ("auto", "decode", "prefill"):
+        raise ValueError(f"kernel must be 'auto', 'decode' or 'prefill', got {kernel!r}")
     if isinstance(step, Step):
         tensors = step.to_tensors(q.device)
     elif isinstance(step, StepTensors):
@@ -313,13 +373,46 @@ def paged_attention(
     if q.device.type == "cuda":
         from . import _ops
 
+        prefill = None
+        if _runs_prefill(kernel, step, q, k_cache, block_table):
+            prefill = step.prefill_tensors(q.device)
         return _ops.paged_attention_cuda(q, k_cache, v_cache, block_table, tensors, scale,
-                                         bool(return_lse))
+                                         bool(return_lse), prefill)
     if q.device.type != "cpu":
         raise ValueError(f"compilemask.paged_attention runs on CPU and CUDA tensors, got "
                          f"{q.device}")
     out, lse = _paged_cpu(torch, q, k_cache, v_cache, block_table, tensors, scale)
     return (out, lse) if return_lse else out
+
+
+def _runs_prefill(kernel: str, step: Any, q: Any, k_cache: Any, block_table: Any) -> bool:
+    """Whether a CUDA call runs the paged forward (``kernel`` as :func:`paged_attention`
+    documents it); ``ValueError`` naming what stops ``kernel="prefill"``."""
+    if kernel == "decode":
+        return False
+    page_size = k_cache.shape[1]
+    why = None
+    if not isinstance(step, Step):
+        why = ("it needs a compilemask.Step (its rows are laid out on the host), not "
+               "StepTensors")
+    elif page_size < 8 or page_size & (page_size - 1):
+        why = f"page_size = {page_size} is not a power of two of at least 8"
+    elif q.shape[-1] not in (64, 128):
+        why = f"head_dim = {q.shape[-1]} is not 64 or 128"
+    if why is not None:
+        if kernel == "prefill":
+            raise ValueError(f"compilemask.paged_attention(kernel='prefill'): {why}; use "
+                             "kernel='decode'")
+        return False
+    if kernel == "auto" and step.total_q < PREFILL_MIN_ROWS_PER_SEQ * step.num_seqs:
+        return False
+    capacity = block_table.shape[1] * page_size
+    for s, kv in enumerate(step.kv_len):
+        if kv > capacity:
+            raise ValueError(
+                f"kv_len[{s}] = {kv} needs {-(-kv // page_size)} pages of {page_size}, but "
+                f"block_table rows hold max_pages_per_seq = {block_table.shape[1]}")
+    return True
 
 
 def _paged_cpu(torch: Any, q: Any, k_cache: Any, v_cache: Any, block_table: Any,

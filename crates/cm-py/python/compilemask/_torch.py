@@ -59,12 +59,13 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _kernel_tensors(torch: Any, plan: Plan, dev: Any) -> tuple:
-    """The CUDA kernels' descriptor of the whole plan (every distinct mask and the mask
-    index), one int32 ``[capacity]`` tensor per array on ``dev``, and the forward's tile
-    sets best first for this plan (from the arrays' used lengths, before padding)."""
+def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
+    """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
+    distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``,
+    and the forward's tile sets best first for this plan (from the arrays' used lengths,
+    before padding)."""
     out, lens = [], []
-    for raw in plan._native.kernel_arrays():
+    for raw in arrays:
         n = len(raw) // 4
         # At least 4: keeps every array's loads aligned (16-byte rows of the
         # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`).
@@ -93,7 +94,8 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
-    kernel, ws_order = _kernel_tensors(torch, plan, dev) if dev.type == "cuda" else ((), ())
+    kernel, ws_order = (_kernel_tensors(torch, plan._native.kernel_arrays(), dev)
+                        if dev.type == "cuda" else ((), ()))
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
                       plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
                       _score_tensors(torch, plan, dev), ws_order)

@@ -1,6 +1,8 @@
-//! `cm-decode-test`: checks the serving kernel (`kernels/decode.cu`: a step's new rows against
-//! a paged KV cache) against the float64 CPU reference on contiguous copies of the same
-//! caches, then times decode against the GPU's measured copy bandwidth. Built on the CPU
+//! `cm-decode-test`: checks the serving kernels (`kernels/decode.cu`: a step's new rows against
+//! a paged KV cache; and the prefill-chunk path, `fwd_ws` built with `CM_PAGED` over the step's
+//! virtual key blocks, on every case whose page size it takes: powers of two from 8) against
+//! the float64 CPU reference on contiguous copies of the same caches, then times decode
+//! against the GPU's measured copy bandwidth. Built on the CPU
 //! machine, run on the GPU machine:
 //!
 //! ```text
@@ -19,7 +21,7 @@ mod common;
 
 use cm_bench::reference::{self, Inputs, Shape};
 use cm_bench::{from_bits, nan_bits, to_bits};
-use cm_cuda::{decode_splits, decode_workspace_len, DType, Decode};
+use cm_cuda::{decode_splits, decode_workspace_len, DType, Decode, Prefill, PREFILL_KEY_BLOCK};
 use cm_plan::rows::RowIntervals;
 use common::{Expect, Gpu, Res, Rng};
 use cudarc::driver::CudaSlice;
@@ -327,7 +329,93 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
     let out_host = s.clone_dtoh(&out)?;
     let lse_host = s.clone_dtoh(&lse)?;
     s.synchronize()?;
+    let decode_ck = check(c, &step, &q, &logical, scale, &out_host, |r, hh| {
+        lse_host[r * h + hh]
+    });
+    let pass = decode_ck.pass();
+    print_check("decode", c, &decode_ck, &format!("splits {splits}"));
+    let mut result = json!({
+        "case": c.name, "splits": splits, "max_abs_err": decode_ck.max_err,
+        "tolerance": reference::tolerance(decode_ck.emulated_err), "lse_max_abs_err": decode_ck.lse_err,
+        "nan": decode_ck.nan, "empty_rows_wrong": decode_ck.empty_rows_wrong, "pass": pass,
+    });
+    if ps.is_power_of_two() && ps >= cm_cuda::prefill::MIN_PREFILL_PAGE_SIZE {
+        let plan = cm_serve::StepPlan::from_parts(
+            step.cu_q.clone(),
+            step.kv_len.clone(),
+            step.row_ptr.clone(),
+            step.intervals.clone(),
+        )?
+        .prefill(PREFILL_KEY_BLOCK)?;
+        let dev_plan = gpu.rt.upload_plan(&plan.rows, s)?;
+        let key_blocks = s.clone_htod(&plan.key_blocks)?;
+        let mut out = s.clone_htod(&vec![nan_bits(c.dtype); total_q * h * d])?;
+        let mut lse = s.clone_htod(&vec![f32::NAN; total_q * h])?;
+        gpu.rt.prefill(
+            s,
+            &dev_plan,
+            Prefill {
+                dtype: c.dtype,
+                q: &q_dev,
+                q_shape: [total_q, h, d],
+                k_cache: &k_dev,
+                v_cache: &v_dev,
+                cache_shape: [step.num_pages, ps, h_kv, d],
+                out: &mut out,
+                lse: Some(&mut lse),
+                block_table: &block_table,
+                block_table_shape: [c.seqs.len(), step.max_pages],
+                key_blocks: &key_blocks,
+                softmax_scale: scale as f32,
+            },
+        )?;
+        let out_host = s.clone_dtoh(&out)?;
+        let lse_host = s.clone_dtoh(&lse)?;
+        s.synchronize()?;
+        let ck = check(c, &step, &q, &logical, scale, &out_host, |r, hh| {
+            lse_host[hh * total_q + r]
+        });
+        print_check(
+            "prefill",
+            c,
+            &ck,
+            &format!("{} key blocks", plan.num_key_blocks()),
+        );
+        result["prefill"] = json!({
+            "max_abs_err": ck.max_err, "tolerance": reference::tolerance(ck.emulated_err),
+            "lse_max_abs_err": ck.lse_err, "nan": ck.nan, "empty_rows_wrong": ck.empty_rows_wrong,
+            "pass": ck.pass(),
+        });
+        result["pass"] = json!(pass && ck.pass());
+    }
+    Ok(result)
+}
 
+fn print_check(path: &str, c: &Case, ck: &Check, extra: &str) {
+    println!(
+        "{} {path} {}: err {:.2e} (tol {:.2e}) lse err {:.1e} nan {} empty wrong {} {extra}",
+        if ck.pass() { "PASS" } else { "FAIL" },
+        c.name,
+        ck.max_err,
+        reference::tolerance(ck.emulated_err),
+        ck.lse_err,
+        ck.nan,
+        ck.empty_rows_wrong
+    );
+}
+
+/// One launch's outputs (`out` `[total_q, heads, d]`, lse of (row, head) from `lse_at`)
+/// against the float64 reference of each sequence on its logical (contiguous) keys.
+fn check(
+    c: &Case,
+    step: &Step,
+    q: &[f64],
+    logical: &[(Vec<f64>, Vec<f64>)],
+    scale: f64,
+    out_host: &[u16],
+    lse_at: impl Fn(usize, usize) -> f32,
+) -> Check {
+    let (h, h_kv, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
     let mut ck = Check::default();
     for (si, &(q_len, kv)) in c.seqs.iter().enumerate() {
         let r0 = step.cu_q[si] as usize;
@@ -360,7 +448,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             let empty = step.rows[si].row(i as u32).is_empty();
             for hh in 0..h {
                 let item = hh * q_len + i;
-                let got_lse = f64::from(lse_host[(r0 + i) * h + hh]);
+                let got_lse = f64::from(lse_at(r0 + i, hh));
                 for e in 0..d {
                     let got = from_bits(c.dtype, out_host[((r0 + i) * h + hh) * d + e]);
                     if got.is_nan() {
@@ -386,22 +474,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             }
         }
     }
-    let pass = ck.pass();
-    println!(
-        "{} decode {}: err {:.2e} (tol {:.2e}) lse err {:.1e} nan {} empty wrong {} splits {splits}",
-        if pass { "PASS" } else { "FAIL" },
-        c.name,
-        ck.max_err,
-        reference::tolerance(ck.emulated_err),
-        ck.lse_err,
-        ck.nan,
-        ck.empty_rows_wrong
-    );
-    Ok(json!({
-        "case": c.name, "splits": splits, "max_abs_err": ck.max_err,
-        "tolerance": reference::tolerance(ck.emulated_err), "lse_max_abs_err": ck.lse_err,
-        "nan": ck.nan, "empty_rows_wrong": ck.empty_rows_wrong, "pass": pass,
-    }))
+    ck
 }
 
 fn cases() -> Vec<Case> {
@@ -498,6 +571,54 @@ fn cases() -> Vec<Case> {
         Mask::Causal,
         vec![(1, 32768), (4, 32768)],
     ));
+    // Prefill chunks (hundreds of new rows per sequence: the paged forward's shapes), every
+    // box size of the paged loads (pages of 8 to 256 slots), odd lengths ending inside a key
+    // block, query blocks holding rows of two sequences, extreme logits.
+    let chunks = vec![(300, 1000), (513, 513), (128, 2049), (65, 193)];
+    for &(dtype, d, ps, hq, hkv) in &[
+        (DType::Bf16, 128, 16, 8, 2),
+        (DType::F16, 64, 128, 4, 4),
+        (DType::Bf16, 64, 8, 8, 1),
+        (DType::F16, 128, 256, 4, 2),
+    ] {
+        let mut c = base("", Mask::Causal, chunks.clone());
+        c.name = format!(
+            "prefill chunks {} d{d} page {ps} heads {hq}/{hkv}",
+            dtype.name()
+        );
+        (
+            c.dtype,
+            c.head_dim,
+            c.page_size,
+            c.num_heads,
+            c.num_kv_heads,
+        ) = (dtype, d, ps, hq, hkv);
+        out.push(c);
+    }
+    for (mask, label) in [
+        (Mask::Window(100), "window 100"),
+        (Mask::Random, "random rows"),
+    ] {
+        let mut c = base("", mask, vec![(200, 700), (1, 1), (77, 129), (129, 4097)]);
+        c.name = format!("prefill {label}");
+        (c.num_heads, c.num_kv_heads, c.page_size) = (8, 2, 32);
+        out.push(c);
+    }
+    let mut c = base(
+        "prefill shared prompt 4 x 256 rows",
+        Mask::Causal,
+        vec![(256, 1280); 4],
+    );
+    (c.num_heads, c.num_kv_heads, c.page_size) = (4, 1, 64);
+    c.share_prompt = true;
+    out.push(c);
+    for &(qs, ks, label) in &[(3.0, -3.0, "about -100"), (2.0, 2.0, "about +45")] {
+        let mut c = base("", Mask::Causal, vec![(200, 700), (129, 129), (64, 1025)]);
+        c.name = format!("prefill logits {label}");
+        c.shifts = (qs, ks);
+        (c.num_heads, c.num_kv_heads) = (4, 2);
+        out.push(c);
+    }
     out
 }
 
