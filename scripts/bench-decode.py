@@ -222,7 +222,8 @@ def mask_targets(runs: int, flex) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--kv", default="8192,32768,131072")
+    ap.add_argument("--kv", default="8192,32768,131072",
+                    help="decode kv_len values, comma-separated (empty: only the mask targets)")
     ap.add_argument("--json")
     ap.add_argument("--calls", type=int, default=10,
                     help="back-to-back calls per timed sample (1: single calls, host time included)")
@@ -254,7 +255,7 @@ def main() -> None:
     results = {"copy_tb_per_s": copy_tbs, "batch": batch, "num_heads": h, "num_kv_heads": h_kv,
                "head_dim": d, "dtype": "bfloat16", "rows": []}
     g = torch.Generator(device=dev).manual_seed(0)
-    for kv in [int(x) for x in a.kv.split(",")]:
+    for kv in [int(x) for x in a.kv.split(",") if x]:
         q = torch.randn((batch, h, d), generator=g, device=dev, dtype=torch.bfloat16)
         bytes_kv = batch * kv * h_kv * d * 2 * 2
         # Flex on contiguous caches.

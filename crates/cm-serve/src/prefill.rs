@@ -77,9 +77,9 @@ impl StepPlan {
             }
         }
         let mut intervals = Vec::with_capacity(self.num_intervals());
-        for s in 0..self.num_seqs() {
-            let shift = key_offset[s] as u32;
-            for r in self.cu_q()[s] as usize..self.cu_q()[s + 1] as usize {
+        for (rows, &shift) in self.cu_q().windows(2).zip(&key_offset) {
+            let shift = shift as u32;
+            for r in rows[0] as usize..rows[1] as usize {
                 intervals.extend(self.row(r).map(|(start, end)| KeyInterval {
                     start: start + shift,
                     end: end + shift,
