@@ -104,7 +104,7 @@ pub struct BenchArgs {
     kernel: KernelArg,
     /// The forward's tile `MxN` where the kernel has several at these head dims (`ws` at
     /// head_dim 64: 128x128 or 192x128); default: the one each plan ranks first.
-    #[arg(long, value_name = "MxN")]
+    #[arg(long, value_name = "MxN", allow_hyphen_values = true)]
     fwd_tile: Option<String>,
     /// Token orders to run each workload in, comma-separated: `raster` (the program's
     /// positions) and / or `auto` (the patch order the compiler chooses for the kernel's tile

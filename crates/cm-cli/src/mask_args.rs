@@ -48,7 +48,8 @@ pub struct MaskArgs {
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub set: Vec<OsString>,
     /// Tile shape BLOCK_MxBLOCK_N.
-    #[arg(long, default_value = "128x128", value_parser = parse_tile)]
+    // A leading '-' is the value's (`-1x5`), so the error names the tile shape.
+    #[arg(long, default_value = "128x128", value_parser = parse_tile, allow_hyphen_values = true)]
     pub tile: TileShape,
     /// Batch size, for masks that read the batch index `b` (with --cu-seqlens-q, the
     /// samples are the batch).

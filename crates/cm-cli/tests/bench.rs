@@ -22,6 +22,7 @@ fn bad_arguments_are_refused_before_the_gpu() {
     // A negative number is the flag's value, so the error names the flag.
     refused(&["--sizes", "-5"], &["invalid value '-5' for '--sizes"]);
     refused(&["--heads", "-2"], &["invalid value '-2' for '--heads"]);
+    refused(&["--fwd-tile", "-3x4"], &["--fwd-tile \"-3x4\""]);
     refused(
         &["--heads", "6", "--kv-heads", "4"],
         &["must divide --heads"],

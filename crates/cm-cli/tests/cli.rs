@@ -758,6 +758,28 @@ fn plan_text_output() {
 }
 
 #[test]
+fn bad_tile_shapes_name_the_value() {
+    // A leading '-' is the value's, not a flag.
+    for bad in ["-1x5", "0x5", "64x", "x"] {
+        fails(
+            &[
+                "plan",
+                "--builtin",
+                "causal",
+                "--q-len",
+                "10",
+                "--tile",
+                bad,
+            ],
+            &[
+                &format!("invalid value '{bad}' for '--tile"),
+                "is not a tile shape",
+            ],
+        );
+    }
+}
+
+#[test]
 fn intervals_json_format() {
     let v = json(&[
         "intervals",
