@@ -129,6 +129,47 @@ def test_bad_steps_raise():
 # --------------------------------------------------------------------------- torch
 
 
+def test_kernel_choice_for_paged_attention():
+    """`kernel="auto"` takes the paged forward exactly where it runs and the step averages
+    PREFILL_MIN_ROWS_PER_SEQ new rows per sequence; `kernel="prefill"` names what stops it.
+    Only shapes are read, so this runs without torch."""
+    from types import SimpleNamespace
+
+    from compilemask import _serve
+
+    def shapes(total_q, d=128, page_size=16, pages=64, seqs=2):
+        q = SimpleNamespace(shape=(total_q, 8, d))
+        k = SimpleNamespace(shape=(200, page_size, 2, d))
+        table = SimpleNamespace(shape=(seqs, pages))
+        return q, k, table
+
+    min_rows = _serve.PREFILL_MIN_ROWS_PER_SEQ
+    assert min_rows == 64
+    causal = cm.builtin("causal")
+    big = causal.plan_step([min_rows, min_rows], [900, 700])
+    small = causal.plan_step([min_rows, min_rows - 1], [900, 700])
+    run = _serve._runs_prefill
+    assert run("auto", big, *shapes(big.total_q))
+    assert not run("auto", small, *shapes(small.total_q))
+    assert run("prefill", small, *shapes(small.total_q))
+    assert not run("decode", big, *shapes(big.total_q))
+    # What the paged forward cannot run: "auto" falls back, "prefill" says why.
+    for why, args in [
+        ("page_size = 12 is not a power of two of at least 8", shapes(big.total_q, page_size=12)),
+        ("page_size = 4 is not a power of two", shapes(big.total_q, page_size=4)),
+        ("head_dim = 96 is not 64 or 128", shapes(big.total_q, d=96)),
+    ]:
+        assert not run("auto", big, *args)
+        with pytest.raises(ValueError, match=why):
+            run("prefill", big, *args)
+    with pytest.raises(ValueError, match="needs a compilemask.Step"):
+        run("prefill", SimpleNamespace(total_q=128, num_seqs=2), *shapes(128))
+    # Block-table rows too short for a sequence's keys: refused, not clamped.
+    with pytest.raises(ValueError, match=r"kv_len\[0\] = 900 needs 57 pages of 16, but "
+                                         r"block_table rows hold max_pages_per_seq = 50"):
+        run("auto", big, *shapes(big.total_q, pages=50))
+
+
 def make_cache(torch, kv_len, page_size, num_kv_heads, head_dim, head_dim_v, shared, seed):
     """A paged cache over random contiguous K / V per sequence (kept for the reference):
     shuffled pages, sequence s with shared[s] = (t, n) sharing its first n pages with t, NaN
