@@ -83,11 +83,12 @@
 #define BITS_OFFSET (BAR_OFFSET + 256)
 #define BITS_BYTES (BLOCK_M * 16)
 #define SMEM_BYTES (BITS_OFFSET + STAGES * BITS_BYTES + 1024)
-// Producer and consumer register budgets: 128 x 40 + 256 x 232 <= 65536 with two consumers
-// (48, the whole file, for the paged producer's block-table walk, which spills at 40),
-// 128 x 32 + 384 x 160 with three (FlashAttention-3's split for its 192-row head_dim 64 tile).
+// Producer and consumer register budgets: 128 x 40 + 256 x 232 = 384 x 168 with two
+// consumers, 128 x 32 + 384 x 160 = 512 x 128 with three (FlashAttention-3's split for its
+// 192-row head_dim 64 tile). setmaxnreg moves registers inside the CTA's pool, the launch's
+// threads x registers per thread (168 or 128): a split that asks for more waits forever.
 #if NUM_CONSUMERS == 2
-#define PRODUCER_REGS (CM_PAGED ? 48 : 40)
+#define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
 #else
 #define PRODUCER_REGS 32
@@ -104,6 +105,9 @@ static_assert(KEY_STEP == 128 || KEY_STEP == 64 && HEAD_DIM == 256, "keys per st
 // 240-register consumer budget); cm_kernels::WIDE_SCORE_SHAPES leaves that variant out.
 static_assert(!CM_SCORE || HEAD_DIM != 256, "no score variant at head_dim 256");
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "dynamic shared memory must match cm_kernels");
+// The pool: one CTA per SM, each thread at most the file's share rounded down to 8 registers.
+static_assert(128 * PRODUCER_REGS + 128 * NUM_CONSUMERS * CONSUMER_REGS <= NUM_THREADS * ((65536 / NUM_THREADS) & ~7),
+              "the register split must fit the CTA's pool");
 static_assert(!CM_PAGED || (KEY_STEP == 128 && !CM_SCORE && NUM_CONSUMERS == 2),
               "the paged forward: 128x128 tiles of one key step, no score terms");
 
@@ -171,7 +175,9 @@ __device__ __forceinline__ u32 cm_valid_keys(int4 blk) { return (u32)max(0, min(
 
 __device__ __forceinline__ u32 cm_load_paged_block(const CmFwdParams& p, const CmTensorMap* map, u32 dst, u32 bar,
                                                    int4 blk, u32 kv_head, int atoms, bool issue) {
-    const u32 boxes = (cm_valid_keys(blk) + p.page_rows - 1) / p.page_rows;
+    // page_rows is a power of two (min(page_size, 128)): a shift, not a division, which the
+    // producer's 40 registers cannot hold beside its loop.
+    const u32 boxes = (cm_valid_keys(blk) + p.page_rows - 1) >> (31 - __clz(p.page_rows));
     if (issue) {
         const int* table = p.block_table + (i64)min((u32)blk.x, p.table_rows - 1) * p.block_table_stride;
         const u32 page_mask = (1u << p.page_shift) - 1;

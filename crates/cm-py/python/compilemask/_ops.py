@@ -560,7 +560,7 @@ def paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     with torch.cuda.device(q.device):
         _native.cuda_paged_prefill(
             _stream(q.device), plan, _raw(q), _raw(k_cache), _raw(v_cache), _raw(out),
-            _raw(lse), _raw(block_table), _raw(key_blocks), scale)
+            _raw(lse), _raw(block_table), _raw(key_blocks.reshape(-1)), scale)
     return out, lse.t().contiguous()
 
 
