@@ -249,22 +249,35 @@ mod tests {
     use cm_plan::rows::RowIntervals;
     use cm_plan::tiles::TileShape;
 
-    /// A prefill layout's plan at made-up (aligned) addresses: `total_q` causal rows over
-    /// `blocks` virtual key blocks (the checks never read device memory).
-    fn layout(total_q: u32, blocks: u32) -> PlanLayout {
+    /// A plan of `masks` (each `total_q` rows over `blocks` virtual key blocks, row `q` seeing
+    /// keys `0 .. q + 1 + m` of mask `m`, one per head) at made-up (aligned) addresses (the
+    /// checks never read device memory).
+    fn plan_of(total_q: u32, blocks: u32, masks: u32) -> PlanLayout {
         let (block_m, block_n) = cm_kernels::TILE;
         let tile = TileShape { block_m, block_n };
         let kv_len = blocks * PREFILL_KEY_BLOCK;
-        let rows: Vec<Vec<(u32, u32)>> = (0..total_q)
-            .map(|q| vec![(0, (q + 1).min(kv_len))])
+        let rows: Vec<RowIntervals> = (0..masks)
+            .map(|m| {
+                let rows: Vec<Vec<(u32, u32)>> = (0..total_q)
+                    .map(|q| vec![(0, (q + 1 + m).min(kv_len))])
+                    .collect();
+                RowIntervals::from_rows(kv_len, &rows).unwrap()
+            })
             .collect();
-        let rows = RowIntervals::from_rows(kv_len, &rows).unwrap();
-        let host = HostPlan::build_masks(&[&rows], &[0], [1, 1], tile).unwrap();
+        let refs: Vec<&RowIntervals> = rows.iter().collect();
+        let index: Vec<u32> = (0..masks).collect();
+        let dims = [1, masks as usize];
+        let host = HostPlan::build_masks(&refs, &index, dims, tile).unwrap();
         let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
         for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
             *slot = (0x100_0000 * (i as u64 + 1), a.len());
         }
-        PlanLayout::new(total_q, kv_len, tile, 1, [1, 1], arrays).unwrap()
+        PlanLayout::new(total_q, kv_len, tile, masks, [1, masks], arrays).unwrap()
+    }
+
+    /// A prefill layout's one-mask plan.
+    fn layout(total_q: u32, blocks: u32) -> PlanLayout {
+        plan_of(total_q, blocks, 1)
     }
 
     fn args(total_q: usize, h: usize, h_kv: usize, d: usize, page_size: usize) -> PrefillRaw {
@@ -447,18 +460,7 @@ mod tests {
             let e = err(&plan, &a);
             assert!(e.contains(want), "{what}: {e}");
         }
-        let two_masks = {
-            let (block_m, block_n) = cm_kernels::TILE;
-            let rows = RowIntervals::from_rows(640, &vec![vec![(0, 1)]; 300]).unwrap();
-            let other = RowIntervals::from_rows(640, &vec![vec![(0, 2)]; 300]).unwrap();
-            let tile = TileShape { block_m, block_n };
-            let host = HostPlan::build_masks(&[&rows, &other], &[0, 1], [1, 2], tile).unwrap();
-            let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
-            for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
-                *slot = (0x100_0000 * (i as u64 + 1), a.len());
-            }
-            PlanLayout::new(300, 640, tile, 2, [1, 2], arrays).unwrap()
-        };
+        let two_masks = plan_of(300, 5, 2);
         assert!(err(&two_masks, &ok).contains("not a prefill layout"));
         assert!(err(&layout(300, 1), &args(300, 8, 2, 128, 16)).contains("accepted"));
     }

@@ -360,18 +360,18 @@ impl Runtime {
     pub fn decode(&self, stream: &Arc<CudaStream>, args: Decode<'_>) -> Result<(), Error> {
         let [total_q, h, d] = args.q_shape;
         let [num_seqs, _] = args.block_table_shape;
-        let span = |shape: &[usize]| shape.iter().product::<usize>();
-        check_buffer_len("q", args.q.len(), span(&args.q_shape))?;
-        check_buffer_len("k_cache", args.k_cache.len(), span(&args.cache_shape))?;
-        check_buffer_len("v_cache", args.v_cache.len(), span(&args.cache_shape))?;
-        check_buffer_len("out", args.out.len(), span(&args.q_shape))?;
-        if let Some(lse) = &args.lse {
-            check_buffer_len("lse", lse.len(), total_q * h)?;
-        }
-        check_buffer_len(
-            "block_table",
-            args.block_table.len(),
-            span(&args.block_table_shape),
+        check_paged_buffers(
+            [
+                args.q.len(),
+                args.k_cache.len(),
+                args.v_cache.len(),
+                args.out.len(),
+                args.block_table.len(),
+            ],
+            args.lse.as_ref().map(|l| l.len()),
+            args.q_shape,
+            args.cache_shape,
+            args.block_table_shape,
         )?;
         check_buffer_len("cu_q", args.cu_q.len(), num_seqs + 1)?;
         check_buffer_len("kv_len", args.kv_len.len(), num_seqs)?;
@@ -490,19 +490,19 @@ impl Runtime {
         args: Prefill<'_>,
     ) -> Result<(), Error> {
         self.check_plan(plan)?;
-        let [total_q, h, _] = args.q_shape;
-        let span = |shape: &[usize]| shape.iter().product::<usize>();
-        check_buffer_len("q", args.q.len(), span(&args.q_shape))?;
-        check_buffer_len("k_cache", args.k_cache.len(), span(&args.cache_shape))?;
-        check_buffer_len("v_cache", args.v_cache.len(), span(&args.cache_shape))?;
-        check_buffer_len("out", args.out.len(), span(&args.q_shape))?;
-        if let Some(lse) = &args.lse {
-            check_buffer_len("lse", lse.len(), total_q * h)?;
-        }
-        check_buffer_len(
-            "block_table",
-            args.block_table.len(),
-            span(&args.block_table_shape),
+        let total_q = args.q_shape[0];
+        check_paged_buffers(
+            [
+                args.q.len(),
+                args.k_cache.len(),
+                args.v_cache.len(),
+                args.out.len(),
+                args.block_table.len(),
+            ],
+            args.lse.as_ref().map(|l| l.len()),
+            args.q_shape,
+            args.cache_shape,
+            args.block_table_shape,
         )?;
         let blocks = (plan.kv_len / crate::prefill::PREFILL_KEY_BLOCK) as usize;
         if args.key_blocks.len() != 4 * blocks {
@@ -662,6 +662,35 @@ impl Runtime {
             ));
         }
         Ok(())
+    }
+}
+
+/// The lengths of a serving launch's buffers (`[q, k_cache, v_cache, out, block_table]`, and
+/// lse's) against the spans their shapes reach: `q` and `out` `[total_q, num_heads,
+/// head_dim]`, the caches `cache_shape`, lse `total_q x num_heads`.
+fn check_paged_buffers(
+    lens: [usize; 5],
+    lse: Option<usize>,
+    q_shape: [usize; 3],
+    cache_shape: [usize; 4],
+    block_table_shape: [usize; 2],
+) -> Result<(), Error> {
+    let span = |shape: &[usize]| shape.iter().product::<usize>();
+    let q = span(&q_shape);
+    let names = ["q", "k_cache", "v_cache", "out", "block_table"];
+    let spans = [
+        q,
+        span(&cache_shape),
+        span(&cache_shape),
+        q,
+        span(&block_table_shape),
+    ];
+    for ((name, len), want) in names.into_iter().zip(lens).zip(spans) {
+        check_buffer_len(name, len, want)?;
+    }
+    match lse {
+        Some(len) => check_buffer_len("lse", len, q_shape[0] * q_shape[1]),
+        None => Ok(()),
     }
 }
 

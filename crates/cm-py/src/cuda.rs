@@ -452,6 +452,69 @@ pub fn cuda_decode_workspace_len(
     cm_cuda::decode_workspace_len(num_splits, total_q, num_heads, head_dim)
 }
 
+/// A serving launch's query, cache, output and block table, checked against each other:
+/// one device and dtype for q, the caches and out; equal cache shapes; out shaped as q; the
+/// block table int32 on that device with page stride 1.
+struct PagedTensors {
+    device: usize,
+    dtype: cm_cuda::DType,
+    q: ExternalTensor<3>,
+    k: ExternalTensor<4>,
+    v: ExternalTensor<4>,
+    out: ExternalTensor<3>,
+    bt: ExternalTensor<2>,
+}
+
+fn paged_tensors(
+    q: TensorArg<3>,
+    k_cache: TensorArg<4>,
+    v_cache: TensorArg<4>,
+    out: TensorArg<3>,
+    block_table: TensorArg<2>,
+) -> Result<PagedTensors, Error> {
+    let (q, k, v, out, bt) = (
+        to_external(q),
+        to_external(k_cache),
+        to_external(v_cache),
+        to_external(out),
+        to_external(block_table),
+    );
+    let (device, dtype) = external::launch_device_and_dtype(&[
+        ("q", &q.dtype, q.device, true),
+        ("k_cache", &k.dtype, k.device, true),
+        ("v_cache", &v.dtype, v.device, true),
+        ("out", &out.dtype, out.device, true),
+    ])?;
+    if k.shape != v.shape {
+        return Err(Error::invalid(format!(
+            "v_cache: shape {:?} differs from k_cache's shape {:?}",
+            v.shape, k.shape
+        )));
+    }
+    if out.shape != q.shape {
+        return Err(Error::invalid(format!(
+            "out: shape {:?} differs from q's shape {:?}",
+            out.shape, q.shape
+        )));
+    }
+    external::check_tensor("block_table", &bt.dtype, bt.device, "int32", device)?;
+    if bt.shape[1] > 1 && bt.strides[1] != 1 {
+        return Err(Error::invalid(format!(
+            "block_table: page stride {}, expected 1",
+            bt.strides[1]
+        )));
+    }
+    Ok(PagedTensors {
+        device,
+        dtype,
+        q,
+        k,
+        v,
+        out,
+        bt,
+    })
+}
+
 /// Serving attention of one step over a paged KV cache on `stream` (GIL released; one launch,
 /// two when split): `q` and `out` `[total_q, num_heads, head_dim]`, `k_cache` / `v_cache`
 /// `[num_pages, page_size, num_kv_heads, head_dim]` of q's dtype, `lse` float32 `[total_q,
@@ -478,38 +541,15 @@ pub fn cuda_paged_attention(
     scale: f32,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, cm_cuda::DecodeRaw), Error> {
-        let (q, k, v, out, bt) = (
-            to_external(q),
-            to_external(k_cache),
-            to_external(v_cache),
-            to_external(out),
-            to_external(block_table),
-        );
-        let (device, dtype) = external::launch_device_and_dtype(&[
-            ("q", &q.dtype, q.device, true),
-            ("k_cache", &k.dtype, k.device, true),
-            ("v_cache", &v.dtype, v.device, true),
-            ("out", &out.dtype, out.device, true),
-        ])?;
-        if k.shape != v.shape {
-            return Err(Error::invalid(format!(
-                "v_cache: shape {:?} differs from k_cache's shape {:?}",
-                v.shape, k.shape
-            )));
-        }
-        if out.shape != q.shape {
-            return Err(Error::invalid(format!(
-                "out: shape {:?} differs from q's shape {:?}",
-                out.shape, q.shape
-            )));
-        }
-        external::check_tensor("block_table", &bt.dtype, bt.device, "int32", device)?;
-        if bt.shape[1] > 1 && bt.strides[1] != 1 {
-            return Err(Error::invalid(format!(
-                "block_table: page stride {}, expected 1",
-                bt.strides[1]
-            )));
-        }
+        let PagedTensors {
+            device,
+            dtype,
+            q,
+            k,
+            v,
+            out,
+            bt,
+        } = paged_tensors(q, k_cache, v_cache, out, block_table)?;
         let mut addrs = [0u64; 4];
         let mut lens = [0usize; 4];
         for (i, (name, t)) in ["cu_q", "kv_len", "row_ptr", "intervals"]
@@ -632,39 +672,16 @@ pub fn cuda_paged_prefill(
     scale: f32,
 ) -> PyResult<()> {
     let checked = || -> Result<(usize, cm_cuda::PrefillRaw, PlanLayout), Error> {
-        let (q, k, v, out, bt, kb) = (
-            to_external(q),
-            to_external(k_cache),
-            to_external(v_cache),
-            to_external(out),
-            to_external(block_table),
-            to_external(key_blocks),
-        );
-        let (device, dtype) = external::launch_device_and_dtype(&[
-            ("q", &q.dtype, q.device, true),
-            ("k_cache", &k.dtype, k.device, true),
-            ("v_cache", &v.dtype, v.device, true),
-            ("out", &out.dtype, out.device, true),
-        ])?;
-        if k.shape != v.shape {
-            return Err(Error::invalid(format!(
-                "v_cache: shape {:?} differs from k_cache's shape {:?}",
-                v.shape, k.shape
-            )));
-        }
-        if out.shape != q.shape {
-            return Err(Error::invalid(format!(
-                "out: shape {:?} differs from q's shape {:?}",
-                out.shape, q.shape
-            )));
-        }
-        external::check_tensor("block_table", &bt.dtype, bt.device, "int32", device)?;
-        if bt.shape[1] > 1 && bt.strides[1] != 1 {
-            return Err(Error::invalid(format!(
-                "block_table: page stride {}, expected 1",
-                bt.strides[1]
-            )));
-        }
+        let PagedTensors {
+            device,
+            dtype,
+            q,
+            k,
+            v,
+            out,
+            bt,
+        } = paged_tensors(q, k_cache, v_cache, out, block_table)?;
+        let kb = to_external(key_blocks);
         external::check_tensor("key_blocks", &kb.dtype, kb.device, "int32", device)?;
         let (kb_addr, kb_len) = kb.contiguous("key_blocks")?;
         let layout = plan_layout(device, plan)?;
