@@ -131,17 +131,12 @@ def test_bad_steps_raise():
 
 def test_kernel_choice_for_paged_attention():
     """`kernel="auto"` takes the paged forward exactly where it runs and the step averages
-    PREFILL_MIN_ROWS_PER_SEQ new rows per sequence; `kernel="prefill"` names what stops it.
-    Only shapes are read, so this runs without torch."""
+    PREFILL_MIN_ROWS_PER_SEQ new rows per sequence; `kernel="prefill"` names what stops it;
+    a Step whose sequence outgrows its block-table row is refused whatever the kernel. Only
+    shapes are read, so this runs without torch."""
     from types import SimpleNamespace
 
     from compilemask import _serve
-
-    def shapes(total_q, d=128, page_size=16, pages=64, seqs=2):
-        q = SimpleNamespace(shape=(total_q, 8, d))
-        k = SimpleNamespace(shape=(200, page_size, 2, d))
-        table = SimpleNamespace(shape=(seqs, pages))
-        return q, k, table
 
     min_rows = _serve.PREFILL_MIN_ROWS_PER_SEQ
     assert min_rows == 64
@@ -149,25 +144,26 @@ def test_kernel_choice_for_paged_attention():
     big = causal.plan_step([min_rows, min_rows], [900, 700])
     small = causal.plan_step([min_rows, min_rows - 1], [900, 700])
     run = _serve._runs_prefill
-    assert run("auto", big, *shapes(big.total_q))
-    assert not run("auto", small, *shapes(small.total_q))
-    assert run("prefill", small, *shapes(small.total_q))
-    assert not run("decode", big, *shapes(big.total_q))
+    assert run("auto", big, 16)
+    assert not run("auto", small, 16)
+    assert run("prefill", small, 16)
+    assert not run("decode", big, 16)
     # What the paged forward cannot run: "auto" falls back, "prefill" says why.
-    for why, args in [
-        ("page_size = 12 is not a power of two of at least 8", shapes(big.total_q, page_size=12)),
-        ("page_size = 4 is not a power of two", shapes(big.total_q, page_size=4)),
-        ("head_dim = 96 is not 64 or 128", shapes(big.total_q, d=96)),
+    for why, page_size in [
+        ("page_size = 12 is not a power of two of at least 8", 12),
+        ("page_size = 4 is not a power of two", 4),
     ]:
-        assert not run("auto", big, *args)
-        with pytest.raises(ValueError, match=why):
-            run("prefill", big, *args)
+        assert not run("auto", big, page_size)
+        assert run("decode", big, page_size) is False
+        with pytest.raises(ValueError, match=why + ".*kernel='decode' takes it"):
+            run("prefill", big, page_size)
     with pytest.raises(ValueError, match="needs a compilemask.Step"):
-        run("prefill", SimpleNamespace(total_q=128, num_seqs=2), *shapes(128))
+        run("prefill", SimpleNamespace(total_q=128, num_seqs=2), 16)
     # Block-table rows too short for a sequence's keys: refused, not clamped.
+    _serve._check_pages(big, 16, 57)
     with pytest.raises(ValueError, match=r"kv_len\[0\] = 900 needs 57 pages of 16, but "
                                          r"block_table rows hold max_pages_per_seq = 50"):
-        run("auto", big, *shapes(big.total_q, pages=50))
+        _serve._check_pages(big, 16, 50)
 
 
 def make_cache(torch, kv_len, page_size, num_kv_heads, head_dim, head_dim_v, shared, seed):
@@ -420,6 +416,8 @@ def test_cuda_prefill_compiles_and_refuses_what_it_lacks(torch):
     with pytest.raises(ValueError, match="needs 44 pages of 16, but block_table rows hold "
                                          "max_pages_per_seq = 40"):
         cm.paged_attention(q, kc, vc, table[:, :40].contiguous(), step, kernel="prefill")
+    with pytest.raises(ValueError, match="needs 44 pages of 16"):
+        cm.paged_attention(q, kc, vc, table[:, :40].contiguous(), step, kernel="decode")
     odd = cm.builtin("causal").plan_step([100], [100])
     kc12 = torch.zeros(20, 12, 2, 64, dtype=torch.float16, device=dev)
     t12 = torch.arange(10, dtype=torch.int32, device=dev)[None]
@@ -439,3 +437,12 @@ def test_cuda_refuses_what_the_kernel_lacks(torch):
     with pytest.raises(NotImplementedError, match="head_dim 64 or 128"):
         cm.paged_attention(torch.zeros(1, 1, 8, device=dev, dtype=torch.float16),
                            kc.half().to(dev), vc.half().to(dev), table.to(dev), step)
+    # Neither kernel runs these, whichever is asked for: the same error, before any layout.
+    for kernel in ("auto", "prefill", "decode"):
+        with pytest.raises(NotImplementedError, match="head_dim 64 or 128"):
+            cm.paged_attention(torch.zeros(1, 1, 8, device=dev, dtype=torch.float16),
+                               kc.half().to(dev), vc.half().to(dev), table.to(dev), step,
+                               kernel=kernel)
+        with pytest.raises(NotImplementedError, match="got float32"):
+            cm.paged_attention(torch.zeros(1, 1, 8, device=dev), kc.float().to(dev),
+                               vc.float().to(dev), table.to(dev), step, kernel=kernel)

@@ -4,7 +4,7 @@
 //! and the plan, so that the one entry that takes their addresses validates everything in
 //! Rust and an error names the tensor, what it is and what was expected.
 
-use crate::plan::PlanLayout;
+use crate::plan::{PlanLayout, PlanLists};
 use crate::{DType, Error, LseLayout, TensorLayout, PLAN_ARRAY_COUNT};
 use cm_plan::tiles::TileShape;
 
@@ -114,8 +114,8 @@ pub fn launch_device_and_dtype(
 /// The layout of a plan's descriptor arrays held as int32 tensors on `device` (in
 /// [`crate::PlanArray::ALL`] order, made by [`crate::HostPlan::build_masks`] at
 /// [`cm_kernels::TILE`] for `num_masks` masks of `q_len x kv_len` with `mask_index
-/// [mask_dims[0], mask_dims[1]]`): each array checked for device, dtype and contiguity, then
-/// [`PlanLayout::new`].
+/// [mask_dims[0], mask_dims[1]]` and `lists`): each array `lists` holds checked for device,
+/// dtype and contiguity, then [`PlanLayout::new`] (the others are not read).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] naming the array and what is wrong with it, or the lengths it
@@ -127,6 +127,7 @@ pub fn descriptor_layout(
     num_masks: u32,
     mask_dims: [u32; 2],
     arrays: &[ExternalTensor<1>],
+    lists: PlanLists,
 ) -> Result<PlanLayout, Error> {
     if arrays.len() != PLAN_ARRAY_COUNT {
         return Err(Error::invalid(format!(
@@ -136,6 +137,9 @@ pub fn descriptor_layout(
     }
     let mut slots = [(0u64, 0usize); PLAN_ARRAY_COUNT];
     for ((slot, a), kind) in slots.iter_mut().zip(arrays).zip(crate::PlanArray::ALL) {
+        if !lists.holds(kind) {
+            continue;
+        }
         let name = format!("plan array {}", kind.name());
         check_tensor(&name, &a.dtype, a.device, "int32", device)?;
         *slot = a.contiguous(&name)?;
@@ -148,6 +152,7 @@ pub fn descriptor_layout(
         num_masks,
         mask_dims,
         slots,
+        lists,
     )
 }
 
@@ -190,8 +195,14 @@ mod tests {
     fn descriptor_arrays_are_checked_before_a_view_is_made() {
         let (block_m, block_n) = cm_kernels::TILE;
         let rows = RowIntervals::from_rows(100, &vec![vec![(0, 50)]; 70]).unwrap();
-        let host =
-            HostPlan::build_masks(&[&rows], &[0], [1, 1], TileShape { block_m, block_n }).unwrap();
+        let host = HostPlan::build_masks(
+            &[&rows],
+            &[0],
+            [1, 1],
+            TileShape { block_m, block_n },
+            PlanLists::All,
+        )
+        .unwrap();
         let arrays = |dtype: &str, device: i64, short: bool| -> Vec<ExternalTensor<1>> {
             host.arrays()
                 .iter()
@@ -206,7 +217,8 @@ mod tests {
                 .collect()
         };
         let layout = |a: &[ExternalTensor<1>], q_len: u32| {
-            descriptor_layout(0, q_len, 100, 1, [1, 1], a).map_err(|e| e.to_string())
+            descriptor_layout(0, q_len, 100, 1, [1, 1], a, PlanLists::All)
+                .map_err(|e| e.to_string())
         };
         assert!(layout(&arrays("int32", 0, false), 70).is_ok());
         let err = |a: &[ExternalTensor<1>], q_len: u32| layout(a, q_len).unwrap_err();
@@ -222,5 +234,16 @@ mod tests {
         let mut strided = arrays("int32", 0, false);
         strided[2].strides = [2];
         assert!(err(&strided, 70).contains("plan array kv_indices: stride 2"));
+        // A layout of the paged forward's lists reads none of the others, whatever they hold.
+        let lists = crate::prefill_lists();
+        let mut others = arrays("int64", 1, true);
+        for (t, a) in others.iter_mut().zip(crate::PlanArray::ALL) {
+            if lists.holds(a) {
+                t.dtype = "int32".into();
+                t.device = 0;
+            }
+        }
+        let paged = descriptor_layout(0, 70, 100, 1, [1, 1], &others, lists).unwrap();
+        assert_eq!(paged.lists(), lists);
     }
 }

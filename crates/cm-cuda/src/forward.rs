@@ -335,14 +335,14 @@ pub(crate) fn prepare(
         v_strides: s3(&a.v_layout),
         o_strides: s3(&a.out_layout),
         lse_strides: a.lse.map_or([0, 0], |(_, l)| [l.strides[0], l.strides[1]]),
-        m_block_order: plan.addr(lists[0]),
-        kv_offsets: plan.addr(lists[1]),
-        kv_indices: plan.addr(lists[2]),
-        full_kv_offsets: plan.addr(lists[3]),
-        full_kv_indices: plan.addr(lists[4]),
-        partial_row_mask: plan.addr(lists[5]),
+        m_block_order: plan.addr(lists[0])?,
+        kv_offsets: plan.addr(lists[1])?,
+        kv_indices: plan.addr(lists[2])?,
+        full_kv_offsets: plan.addr(lists[3])?,
+        full_kv_indices: plan.addr(lists[4])?,
+        partial_row_mask: plan.addr(lists[5])?,
         scheduler: 0,
-        mask_index: plan.addr(PlanArray::MaskIndex),
+        mask_index: plan.addr(PlanArray::MaskIndex)?,
         block_table: 0,
         key_blocks: 0,
         block_table_stride: 0,
@@ -406,7 +406,7 @@ pub(crate) fn prepare(
 mod tests {
 
     use super::*;
-    use crate::plan::{HostPlan, PlanLayout};
+    use crate::plan::{HostPlan, PlanLayout, PlanLists};
     use crate::PLAN_ARRAY_COUNT;
     use cm_plan::rows::RowIntervals;
     use cm_plan::tiles::TileShape;
@@ -428,13 +428,22 @@ mod tests {
         let index: Vec<u32> = (0..mask_dims[0] * mask_dims[1])
             .map(|i| (i % masks) as u32)
             .collect();
-        let host = HostPlan::build_masks(&refs, &index, mask_dims, tile).unwrap();
+        let host = HostPlan::build_masks(&refs, &index, mask_dims, tile, PlanLists::All).unwrap();
         let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
         for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
             *slot = (0x100_0000 * (i as u64 + 1), a.len());
         }
         let dims = mask_dims.map(|d| d as u32);
-        PlanLayout::new(q_len, kv_len, tile, masks as u32, dims, arrays).unwrap()
+        PlanLayout::new(
+            q_len,
+            kv_len,
+            tile,
+            masks as u32,
+            dims,
+            arrays,
+            PlanLists::All,
+        )
+        .unwrap()
     }
 
     fn args(b: usize, h: usize, h_kv: usize, sq: usize, skv: usize, d: usize) -> ForwardRaw {
@@ -478,7 +487,16 @@ mod tests {
         for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
             *slot = (0x100_0000 * (i as u64 + 1), a.len());
         }
-        PlanLayout::new(rows.q_len(), rows.kv_len(), tile, 1, [1, 1], arrays).unwrap()
+        PlanLayout::new(
+            rows.q_len(),
+            rows.kv_len(),
+            tile,
+            1,
+            [1, 1],
+            arrays,
+            PlanLists::All,
+        )
+        .unwrap()
     }
 
     /// At head_dim 64 `fwd_ws` has a 128-row and a 192-row variant: a causal plan (the

@@ -72,9 +72,9 @@ pub use forward::{check_forward, forward_variant, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
 pub use plan::{
-    ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanView,
+    ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanLists, PlanView,
     PLAN_ARRAY_COUNT, WS_SETS,
 };
-pub use prefill::{check_prefill, Prefill, PrefillRaw, PREFILL_KEY_BLOCK};
+pub use prefill::{check_prefill, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK};
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

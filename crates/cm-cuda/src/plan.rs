@@ -391,6 +391,64 @@ fn set_bits(words: &mut [u32], lo: u32, hi: u32) {
     }
 }
 
+/// The forward lists of `desc` in [`ForwardArray::ALL`] order: the query blocks heaviest
+/// first, the tile lists, and the partial tiles' row bits.
+fn forward_lists(desc: TileDescriptor, rows: &RowIntervals) -> [Vec<u32>; 6] {
+    let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
+    let row_masks = partial_row_masks(&desc, rows);
+    [
+        order,
+        desc.kv_offsets,
+        desc.kv_indices,
+        desc.full_kv_offsets,
+        desc.full_kv_indices,
+        row_masks,
+    ]
+}
+
+/// Which arrays a descriptor holds: every list, what any launch may read, or one
+/// [`PlanArray::Ws`] set and `mask_index` alone, all that a forward of that set's tile reads.
+/// The paged forward's layout ([`crate::prefill::prefill_lists`]) is rebuilt every serving
+/// step, and the other sets would multiply its host time and memory several times over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanLists {
+    All,
+    Ws(usize),
+}
+
+impl PlanLists {
+    /// Whether a descriptor of these lists holds array `a`.
+    pub fn holds(self, a: PlanArray) -> bool {
+        match (self, a) {
+            (PlanLists::All, _) | (_, PlanArray::MaskIndex) => true,
+            (PlanLists::Ws(set), PlanArray::Ws(_, s)) => s == set,
+            (PlanLists::Ws(_), _) => false,
+        }
+    }
+
+    /// The [`PlanArray::Ws`] sets best first for a descriptor of these lists whose arrays have
+    /// `lens` elements ([`ws_order`] over every set; a single set first).
+    fn ws_order(self, lens: &[usize; PLAN_ARRAY_COUNT]) -> [usize; WS_SETS] {
+        match self {
+            PlanLists::All => ws_order(lens),
+            PlanLists::Ws(set) => {
+                let mut order: [usize; WS_SETS] = std::array::from_fn(|s| s);
+                order[..=set].rotate_right(1);
+                order
+            }
+        }
+    }
+
+    fn check(self) -> Result<(), Error> {
+        match self {
+            PlanLists::Ws(set) if set >= WS_SETS => Err(Error::invalid(format!(
+                "plan lists Ws({set}): there are {WS_SETS} forward tile sets"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
 pub struct HostPlan {
     q_len: u32,
@@ -400,6 +458,7 @@ pub struct HostPlan {
     num_masks: u32,
     mask_dims: [u32; 2],
     stats: PlanStats,
+    lists: PlanLists,
 }
 
 /// Work counts of a plan, summed over its `mask_index` entries (one per (batch, head) it was
@@ -435,60 +494,45 @@ impl HostPlan {
     /// with a [`PlanArray::Ws`] set at each of [`cm_kernels::FWD_WS_TILES`] and the `Bwd*`
     /// arrays at [`cm_kernels::BWD_TILE`]: a plan of one mask for every (batch, head).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> HostPlan {
-        let desc = TileDescriptor::build(rows, tile);
-        let row_masks = partial_row_masks(&desc, rows);
-        let order = heaviest_first(desc.num_m_blocks, [&desc.kv_offsets, &desc.full_kv_offsets]);
-        let ws: [TileDescriptor; WS_SETS] =
-            std::array::from_fn(|set| TileDescriptor::build(rows, ws_tile(set)));
-        let bwd = TileDescriptor::build(rows, bwd_tile());
-        let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
-        let bwd_masks = partial_key_masks(&bwd, rows);
-        let stats = PlanStats {
-            visible_pairs: rows.visible_pairs(),
-            computed_pairs: desc.computed_pairs,
-            counts: desc.counts(),
-            ws_computed_pairs: std::array::from_fn(|set| ws[set].computed_pairs),
-            ws_counts: std::array::from_fn(|set| ws[set].counts()),
-        };
+        HostPlan::build_lists(rows, tile, PlanLists::All)
+    }
+
+    /// [`HostPlan::build`] restricted to the arrays `lists` holds; the others stay empty.
+    fn build_lists(rows: &RowIntervals, tile: TileShape, lists: PlanLists) -> HostPlan {
         let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
-        let mut put = |a: PlanArray, v: Vec<u32>| arrays[a.index()] = v;
-        for (set, ws) in ws.into_iter().enumerate() {
-            let order = heaviest_first(ws.num_m_blocks, [&ws.kv_offsets, &ws.full_kv_offsets]);
-            put(PlanArray::Ws(ForwardArray::MBlockOrder, set), order);
-            put(
-                PlanArray::Ws(ForwardArray::PartialRowMask, set),
-                partial_row_masks(&ws, rows),
-            );
-            put(PlanArray::Ws(ForwardArray::KvOffsets, set), ws.kv_offsets);
-            put(PlanArray::Ws(ForwardArray::KvIndices, set), ws.kv_indices);
-            put(
-                PlanArray::Ws(ForwardArray::FullKvOffsets, set),
-                ws.full_kv_offsets,
-            );
-            put(
-                PlanArray::Ws(ForwardArray::FullKvIndices, set),
-                ws.full_kv_indices,
-            );
+        let mut stats = PlanStats {
+            visible_pairs: rows.visible_pairs(),
+            ..PlanStats::default()
+        };
+        for set in
+            (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
+        {
+            let ws = TileDescriptor::build(rows, ws_tile(set));
+            stats.ws_computed_pairs[set] = ws.computed_pairs;
+            stats.ws_counts[set] = ws.counts();
+            for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(ws, rows)) {
+                arrays[PlanArray::Ws(a, set).index()] = v;
+            }
         }
-        put(PlanArray::Forward(ForwardArray::MBlockOrder), order);
-        put(PlanArray::Forward(ForwardArray::KvOffsets), desc.kv_offsets);
-        put(PlanArray::Forward(ForwardArray::KvIndices), desc.kv_indices);
-        put(
-            PlanArray::Forward(ForwardArray::FullKvOffsets),
-            desc.full_kv_offsets,
-        );
-        put(
-            PlanArray::Forward(ForwardArray::FullKvIndices),
-            desc.full_kv_indices,
-        );
-        put(PlanArray::Forward(ForwardArray::PartialRowMask), row_masks);
-        put(PlanArray::BwdNBlockOrder, bwd_order);
-        put(PlanArray::BwdQOffsets, bwd.q_offsets);
-        put(PlanArray::BwdQIndices, bwd.q_indices);
-        put(PlanArray::BwdFullQOffsets, bwd.full_q_offsets);
-        put(PlanArray::BwdFullQIndices, bwd.full_q_indices);
-        put(PlanArray::BwdPartialKeyMask, bwd_masks);
-        put(PlanArray::MaskIndex, vec![0]);
+        if lists == PlanLists::All {
+            let desc = TileDescriptor::build(rows, tile);
+            stats.computed_pairs = desc.computed_pairs;
+            stats.counts = desc.counts();
+            for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(desc, rows)) {
+                arrays[PlanArray::Forward(a).index()] = v;
+            }
+            let bwd = TileDescriptor::build(rows, bwd_tile());
+            let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
+            let bwd_masks = partial_key_masks(&bwd, rows);
+            let mut put = |a: PlanArray, v: Vec<u32>| arrays[a.index()] = v;
+            put(PlanArray::BwdNBlockOrder, bwd_order);
+            put(PlanArray::BwdQOffsets, bwd.q_offsets);
+            put(PlanArray::BwdQIndices, bwd.q_indices);
+            put(PlanArray::BwdFullQOffsets, bwd.full_q_offsets);
+            put(PlanArray::BwdFullQIndices, bwd.full_q_indices);
+            put(PlanArray::BwdPartialKeyMask, bwd_masks);
+        }
+        arrays[PlanArray::MaskIndex.index()] = vec![0];
         HostPlan {
             q_len: rows.q_len(),
             kv_len: rows.kv_len(),
@@ -497,24 +541,29 @@ impl HostPlan {
             num_masks: 1,
             mask_dims: [1, 1],
             stats,
+            lists,
         }
     }
 
     /// The descriptor of a plan of several masks: `masks` (each `q_len x kv_len`, planned at
     /// the same lengths) one after the other (see [`PlanArray`]), and `mask_index`, row-major
     /// `[mask_dims[0], mask_dims[1]]` = `[batch, num_heads]` (a side of 1 applies to every
-    /// batch or head of a launch), naming the mask of each (batch, head).
+    /// batch or head of a launch), naming the mask of each (batch, head). Only the arrays
+    /// `lists` holds are built ([`PlanLists::All`] for a plan that any launch may read); the
+    /// others stay empty.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when there is no mask, the masks' lengths differ,
     /// `mask_index` does not hold `mask_dims[0] * mask_dims[1]` entries, an entry names no
-    /// mask, or the concatenation outgrows the kernels' u32 indices.
+    /// mask, `lists` names no set, or the concatenation outgrows the kernels' u32 indices.
     pub fn build_masks(
         masks: &[&RowIntervals],
         mask_index: &[u32],
         mask_dims: [usize; 2],
         tile: TileShape,
+        lists: PlanLists,
     ) -> Result<HostPlan, Error> {
+        lists.check()?;
         let first = masks
             .first()
             .ok_or_else(|| Error::invalid("a plan needs at least one mask"))?;
@@ -548,7 +597,10 @@ impl HostPlan {
         let dims = mask_dims.map(|d| u32::try_from(d).unwrap_or(u32::MAX));
         let num_masks = u32::try_from(masks.len())
             .map_err(|_| Error::invalid(format!("{} masks exceed 2^32", masks.len())))?;
-        let parts: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
+        let parts: Vec<HostPlan> = masks
+            .iter()
+            .map(|m| HostPlan::build_lists(m, tile, lists))
+            .collect();
         let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
         for part in &parts {
             // Bases of the concatenated lists of tile indices that this mask's offsets point
@@ -597,6 +649,7 @@ impl HostPlan {
             num_masks,
             mask_dims: dims,
             stats,
+            lists,
         })
     }
 
@@ -617,6 +670,11 @@ impl HostPlan {
     /// `[mask_batch, mask_heads]` of `mask_index`.
     pub fn mask_dims(&self) -> [u32; 2] {
         self.mask_dims
+    }
+
+    /// The arrays this descriptor holds.
+    pub fn lists(&self) -> PlanLists {
+        self.lists
     }
 }
 
@@ -642,6 +700,8 @@ pub struct PlanLayout {
     pub(crate) num_masks: u32,
     /// `[mask_batch, mask_heads]` of `mask_index` (a side of 1 applies to every batch or head).
     pub(crate) mask_dims: [u32; 2],
+    /// The arrays the descriptor holds; [`PlanLayout::addr`] refuses the others.
+    pub(crate) lists: PlanLists,
 }
 
 /// A [`PlanLayout`] in device memory of one CUDA context: what [`crate::Runtime::forward_raw`]
@@ -678,11 +738,13 @@ impl PlanLayout {
     /// The layout of descriptor arrays at the given addresses: `arrays[i]` is the address and
     /// length (in u32 elements, padding included) of [`PlanArray::ALL`]`[i]`, as
     /// [`HostPlan::build_masks`] made them for `num_masks` masks of `q_len x kv_len` at `tile`
-    /// with `mask_index [mask_dims[0], mask_dims[1]]`.
+    /// with `mask_index [mask_dims[0], mask_dims[1]]` and `lists`. The entries of arrays that
+    /// `lists` does not hold are ignored (launches that read them are refused).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when an array is misaligned or shorter than the lengths, the
-    /// number of masks and `mask_dims` fix, or `num_masks` or a side of `mask_dims` is 0.
+    /// [`Error::InvalidArgument`] when a held array is misaligned or shorter than the lengths,
+    /// the number of masks and `mask_dims` fix, `num_masks` or a side of `mask_dims` is 0, or
+    /// `lists` names no set.
     pub fn new(
         q_len: u32,
         kv_len: u32,
@@ -690,7 +752,9 @@ impl PlanLayout {
         num_masks: u32,
         mask_dims: [u32; 2],
         arrays: [(u64, usize); PLAN_ARRAY_COUNT],
+        lists: PlanLists,
     ) -> Result<PlanLayout, Error> {
+        lists.check()?;
         if tile.block_m == 0 || tile.block_n == 0 {
             return Err(Error::invalid(format!(
                 "plan tile {}x{} has a zero side",
@@ -705,7 +769,13 @@ impl PlanLayout {
         let (num_m_blocks, _) = block_counts(q_len, kv_len, tile);
         let ws_num_m_blocks = ws_m_blocks(q_len, kv_len);
         let (_, bwd_num_n_blocks) = block_counts(q_len, kv_len, bwd_tile());
-        for (a, &(addr, len)) in PlanArray::ALL.iter().zip(&arrays) {
+        let mut arrays = arrays;
+        for (a, slot) in PlanArray::ALL.iter().zip(&mut arrays) {
+            if !lists.holds(*a) {
+                *slot = (0, 0);
+                continue;
+            }
+            let (addr, len) = *slot;
             if addr == 0 || addr % a.align() != 0 {
                 return Err(Error::invalid(format!(
                     "plan array {}: address {addr:#x} is null or not {}-byte aligned",
@@ -738,10 +808,11 @@ impl PlanLayout {
             tile,
             num_m_blocks,
             ws_num_m_blocks,
-            ws_order: ws_order(&lens),
+            ws_order: lists.ws_order(&lens),
             bwd_num_n_blocks,
             num_masks,
             mask_dims,
+            lists,
         })
     }
 
@@ -760,6 +831,16 @@ impl PlanLayout {
         if order.len() != WS_SETS || !seen.iter().all(|&s| s) {
             return Err(Error::invalid(format!(
                 "the forward's tile set order {order:?} is not a permutation of 0..{WS_SETS}"
+            )));
+        }
+        if !self
+            .lists
+            .holds(PlanArray::Ws(ForwardArray::KvIndices, order[0]))
+        {
+            return Err(Error::invalid(format!(
+                "the forward's tile set order {order:?} puts set {} first, but the plan holds \
+                 only {:?}",
+                order[0], self.lists
             )));
         }
         self.ws_order.copy_from_slice(order);
@@ -789,8 +870,24 @@ impl PlanLayout {
     }
 
     /// Device address of one array.
-    pub(crate) fn addr(&self, a: PlanArray) -> u64 {
-        self.addrs[a.index()]
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the descriptor does not hold `a` (its [`PlanLists`]).
+    pub(crate) fn addr(&self, a: PlanArray) -> Result<u64, Error> {
+        if !self.lists.holds(a) {
+            return Err(Error::invalid(format!(
+                "the plan holds only its {:?} lists, and this launch reads plan array {}: \
+                 build the plan with PlanLists::All (Runtime::upload_plan) for this kernel",
+                self.lists,
+                a.name()
+            )));
+        }
+        Ok(self.addrs[a.index()])
+    }
+
+    /// The arrays the descriptor holds.
+    pub fn lists(&self) -> PlanLists {
+        self.lists
     }
 
     pub fn q_len(&self) -> u32 {
@@ -862,10 +959,11 @@ impl DevicePlan {
                     tile,
                     num_m_blocks,
                     ws_num_m_blocks,
-                    ws_order: ws_order(&lens),
+                    ws_order: host.lists.ws_order(&lens),
                     bwd_num_n_blocks,
                     num_masks: host.num_masks,
                     mask_dims: host.mask_dims,
+                    lists: host.lists,
                 },
             },
             buffer,
@@ -1166,7 +1264,7 @@ mod tests {
             .collect();
         let refs: Vec<&RowIntervals> = masks.iter().collect();
         let index = [2u32, 0, 0, 1, 2, 1];
-        let multi = HostPlan::build_masks(&refs, &index, [2, 3], tile).unwrap();
+        let multi = HostPlan::build_masks(&refs, &index, [2, 3], tile, PlanLists::All).unwrap();
         assert_eq!((multi.num_masks(), multi.mask_dims()), (3, [2, 3]));
         assert_eq!(multi.arrays()[PlanArray::MaskIndex.index()], index);
         let singles: Vec<HostPlan> = masks.iter().map(|m| HostPlan::build(m, tile)).collect();
@@ -1197,15 +1295,37 @@ mod tests {
             assert_eq!(at, multi.arrays()[a.index()].len(), "{}", a.name());
         }
         let err = |r: Result<HostPlan, Error>| r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err(HostPlan::build_masks(&refs, &[3], [1, 1], tile)).contains("names mask 3"));
-        assert!(err(HostPlan::build_masks(&refs, &[0, 1], [1, 3], tile)).contains("2 entries"));
-        assert!(err(HostPlan::build_masks(&[], &[0], [1, 1], tile)).contains("at least one mask"));
+        assert!(err(HostPlan::build_masks(
+            &refs,
+            &[3],
+            [1, 1],
+            tile,
+            PlanLists::All
+        ))
+        .contains("names mask 3"));
+        assert!(err(HostPlan::build_masks(
+            &refs,
+            &[0, 1],
+            [1, 3],
+            tile,
+            PlanLists::All
+        ))
+        .contains("2 entries"));
+        assert!(err(HostPlan::build_masks(
+            &[],
+            &[0],
+            [1, 1],
+            tile,
+            PlanLists::All
+        ))
+        .contains("at least one mask"));
         let short = RowIntervals::from_rows(kv_len, &random_rows(10, kv_len, 1)).unwrap();
         assert!(err(HostPlan::build_masks(
             &[&masks[0], &short],
             &[0, 1],
             [1, 2],
-            tile
+            tile,
+            PlanLists::All
         ))
         .contains("share q_len and kv_len"));
     }
@@ -1304,5 +1424,54 @@ mod tests {
         assert_eq!(key(2, 0), [(1 << 22) - 1, 0]);
         assert_eq!(key(2, 21), [1 << 21, 0]);
         assert!(masks[(2 * 128 + 22) * 2..].iter().all(|&w| w == 0));
+    }
+
+    /// A descriptor of one forward set holds exactly that set's arrays (equal to a full
+    /// build's) and `mask_index`; its layout checks only those, puts that set first, and
+    /// refuses every other array by name.
+    #[test]
+    fn a_plan_of_one_forward_set_holds_that_set_alone() {
+        let (q_len, kv_len) = (300u32, 433u32);
+        let rows = RowIntervals::from_rows(kv_len, &random_rows(q_len, kv_len, 11)).unwrap();
+        let tile = TileShape {
+            block_m: 64,
+            block_n: 64,
+        };
+        let full = HostPlan::build(&rows, tile);
+        for set in 0..WS_SETS {
+            let lists = PlanLists::Ws(set);
+            let part = HostPlan::build_masks(&[&rows], &[0], [1, 1], tile, lists).unwrap();
+            assert_eq!(part.lists(), lists);
+            for a in PlanArray::ALL {
+                let got = &part.arrays()[a.index()];
+                if lists.holds(a) {
+                    assert_eq!(got, &full.arrays()[a.index()], "{}", a.name());
+                } else {
+                    assert!(got.is_empty(), "{} is built", a.name());
+                }
+            }
+            let mut slots = [(0u64, 0usize); PLAN_ARRAY_COUNT];
+            for (i, (slot, a)) in slots.iter_mut().zip(part.arrays()).enumerate() {
+                *slot = (0x100_0000 * (i as u64 + 1), a.len());
+            }
+            let layout = PlanLayout::new(q_len, kv_len, tile, 1, [1, 1], slots, lists).unwrap();
+            assert_eq!(layout.ws_order()[0], set);
+            let kv = PlanArray::Ws(ForwardArray::KvIndices, set);
+            assert_eq!(layout.addr(kv).unwrap(), slots[kv.index()].0);
+            let err = layout.addr(PlanArray::BwdQIndices).unwrap_err().to_string();
+            assert!(err.contains("bwd_q_indices"), "{err}");
+            let other = (set + 1) % WS_SETS;
+            let order: Vec<usize> = (0..WS_SETS).map(|i| (other + i) % WS_SETS).collect();
+            assert!(layout.with_ws_order(&order).is_err());
+            // The same arrays read as a full plan: the missing lists are too short.
+            assert!(
+                PlanLayout::new(q_len, kv_len, tile, 1, [1, 1], slots, PlanLists::All)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("holds 0 elements")
+            );
+        }
+        let bad = PlanLists::Ws(WS_SETS);
+        assert!(HostPlan::build_masks(&[&rows], &[0], [1, 1], tile, bad).is_err());
     }
 }

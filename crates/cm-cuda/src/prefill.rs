@@ -14,7 +14,7 @@
 
 use crate::forward::{check_addr, prepare, ForwardRaw, Launch};
 use crate::layout::{check_no_overlap, check_strides, VECTOR_BYTES};
-use crate::plan::PlanLayout;
+use crate::plan::{ws_set, PlanLayout, PlanLists};
 use crate::score::ScoreRaw;
 use crate::tma::TensorMap;
 use crate::{DType, Error, KernelKind, LseLayout, TensorLayout};
@@ -27,6 +27,16 @@ const _: () = assert!(
     cm_kernels::kernel_tiles::<1>(KernelKind::FwdWsPaged)[0].1 == PREFILL_KEY_BLOCK,
     "the virtual key blocks are the paged forward's key tiles"
 );
+
+/// The descriptor arrays the paged forward reads: the forward lists at its tile, the
+/// 128 x 128 [`crate::PlanArray::Ws`] set, and `mask_index`. A prefill plan built with these
+/// alone ([`crate::HostPlan::build_masks`], [`crate::Runtime::upload_prefill_plan`]) costs a
+/// fraction of a full plan's host time and memory, which matters for a layout rebuilt every
+/// serving step; a plan holding every list serves too.
+pub fn prefill_lists() -> PlanLists {
+    let tile = cm_kernels::kernel_tiles::<1>(KernelKind::FwdWsPaged)[0];
+    PlanLists::Ws(ws_set(tile).expect("the paged forward's tile is one of fwd_ws's"))
+}
 
 /// Smallest page the paged forward reads: a TMA box of fewer rows would not fill a 1 KB
 /// swizzle atom (8 rows of 128 bytes).
@@ -267,12 +277,21 @@ mod tests {
         let refs: Vec<&RowIntervals> = rows.iter().collect();
         let index: Vec<u32> = (0..masks).collect();
         let dims = [1, masks as usize];
-        let host = HostPlan::build_masks(&refs, &index, dims, tile).unwrap();
+        let host = HostPlan::build_masks(&refs, &index, dims, tile, prefill_lists()).unwrap();
         let mut arrays = [(0u64, 0usize); PLAN_ARRAY_COUNT];
         for (i, (slot, a)) in arrays.iter_mut().zip(host.arrays()).enumerate() {
             *slot = (0x100_0000 * (i as u64 + 1), a.len());
         }
-        PlanLayout::new(total_q, kv_len, tile, masks, [1, masks], arrays).unwrap()
+        PlanLayout::new(
+            total_q,
+            kv_len,
+            tile,
+            masks,
+            [1, masks],
+            arrays,
+            prefill_lists(),
+        )
+        .unwrap()
     }
 
     /// A prefill layout's one-mask plan.

@@ -3,8 +3,8 @@
 use crate::decode::{prepare_decode, row_major, Decode, DecodeRaw};
 use crate::forward::{prepare, Launch};
 use crate::layout::check_buffer_len;
-use crate::prefill::{prepare_prefill, Prefill, PrefillRaw};
-use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanView};
+use crate::prefill::{prefill_lists, prepare_prefill, Prefill, PrefillRaw};
+use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanLists, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
@@ -217,7 +217,24 @@ impl Runtime {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
-        let host = HostPlan::build_masks(masks, mask_index, mask_dims, kernel_tile())?;
+        let host =
+            HostPlan::build_masks(masks, mask_index, mask_dims, kernel_tile(), PlanLists::All)?;
+        DevicePlan::upload(&host, stream)
+    }
+
+    /// [`Runtime::upload_plan`] for [`Runtime::prefill`]: a prefill layout's rows over its
+    /// virtual keys (`cm_serve::Prefill::rows`), with only the lists the paged forward reads
+    /// ([`crate::prefill::prefill_lists`]), so other launches refuse the plan.
+    ///
+    /// # Errors
+    /// As [`Runtime::upload_plan`].
+    pub fn upload_prefill_plan(
+        &self,
+        rows: &RowIntervals,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DevicePlan, Error> {
+        self.check_stream(stream)?;
+        let host = HostPlan::build_masks(&[rows], &[0], [1, 1], kernel_tile(), prefill_lists())?;
         DevicePlan::upload(&host, stream)
     }
 

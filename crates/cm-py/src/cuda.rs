@@ -112,6 +112,10 @@ type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// (padded), `ws_order` the forward's tile sets best first as [`cuda_ws_order`] gave them for
 /// the unpadded arrays.
 type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>);
+/// A prefill layout's kernel descriptor as the Python side passes it: `(total_q, kv_len,
+/// [array; PLAN_ARRAY_COUNT])`, the arrays of `Step.prefill_arrays` as 1-D tensors (padded;
+/// only those of `cm_cuda::prefill_lists` are read).
+type PrefillDescriptorArg = (u32, u32, Vec<TensorArg<1>>);
 
 /// A launch's score terms as the Python side passes them: `(softcap, slopes, (q_coef,
 /// k_coef, offset), dist_bias, dist_per_head, dist_run_end, sinks, dist_bias_grad)`, each
@@ -192,8 +196,16 @@ fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
 /// (`cm_cuda::external::descriptor_layout`).
 fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> {
     let arrays: Vec<ExternalTensor<1>> = plan.4.into_iter().map(to_external).collect();
-    external::descriptor_layout(device, plan.0, plan.1, plan.2, plan.3, &arrays)?
-        .with_ws_order(&plan.5)
+    external::descriptor_layout(
+        device,
+        plan.0,
+        plan.1,
+        plan.2,
+        plan.3,
+        &arrays,
+        cm_cuda::PlanLists::All,
+    )?
+    .with_ws_order(&plan.5)
 }
 
 /// The forward's tile sets (the `ws*` arrays of `CUDA_PLAN_ARRAYS`, one set per tile of the
@@ -661,7 +673,7 @@ pub fn cuda_paged_attention(
 pub fn cuda_paged_prefill(
     py: Python<'_>,
     stream: usize,
-    plan: DescriptorArg,
+    plan: PrefillDescriptorArg,
     q: TensorArg<3>,
     k_cache: TensorArg<4>,
     v_cache: TensorArg<4>,
@@ -684,7 +696,17 @@ pub fn cuda_paged_prefill(
         let kb = to_external(key_blocks);
         external::check_tensor("key_blocks", &kb.dtype, kb.device, "int32", device)?;
         let (kb_addr, kb_len) = kb.contiguous("key_blocks")?;
-        let layout = plan_layout(device, plan)?;
+        let (total_q, kv_len, arrays) = plan;
+        let arrays: Vec<ExternalTensor<1>> = arrays.into_iter().map(to_external).collect();
+        let layout = external::descriptor_layout(
+            device,
+            total_q,
+            kv_len,
+            1,
+            [1, 1],
+            &arrays,
+            cm_cuda::prefill_lists(),
+        )?;
         let blocks = (layout.kv_len() / cm_cuda::PREFILL_KEY_BLOCK) as usize;
         if kb_len < 4 * blocks {
             return Err(Error::invalid(format!(

@@ -378,6 +378,7 @@ impl Plan {
                 &p.mask_index,
                 [p.batch as usize, p.num_heads as usize],
                 crate::cuda::kernel_tile(),
+                cm_cuda::PlanLists::All,
             )
         });
         let host = host.map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;

@@ -94,10 +94,11 @@ impl Step {
 
     /// The step laid out for the paged forward (`cm_serve::StepPlan::prefill` at
     /// `cm_cuda::PREFILL_KEY_BLOCK` keys per block): the kernels' descriptor of its rows over
-    /// the virtual keys (`cm_cuda::HostPlan::build_masks`, one mask for every head; one uint32
-    /// bytes object per array, in the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes,
-    /// `[num_key_blocks, 4]`) and the virtual `kv_len` (GIL released). `ValueError` when the
-    /// layout is too large.
+    /// the virtual keys (`cm_cuda::HostPlan::build_masks`, one mask for every head, with only
+    /// the lists `cm_cuda::prefill_lists` names, the others empty; one uint32 bytes object per
+    /// array, in the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes, `[num_key_blocks,
+    /// 4]`) and the virtual `kv_len` (GIL released). `ValueError` when the layout is too
+    /// large.
     fn prefill_arrays<'py>(
         &self,
         py: Python<'py>,
@@ -112,6 +113,7 @@ impl Step {
                 &[0],
                 [1, 1],
                 crate::cuda::kernel_tile(),
+                cm_cuda::prefill_lists(),
             )
             .map_err(|e| e.to_string())?;
             Ok((host, prefill))

@@ -90,6 +90,21 @@ pub enum StepError {
         max: u64,
     },
 
+    /// A prefill layout of more key blocks than [`crate::MAX_PREFILL_KEY_BLOCKS`] (small
+    /// `key_block`s over long caches).
+    #[error(
+        "the step's sequences span {blocks} key blocks of {key_block} keys; at most {max} \
+         (a larger key_block makes fewer)"
+    )]
+    PrefillTooManyBlocks {
+        /// The key blocks the layout needs.
+        blocks: u64,
+        /// Keys per block, as asked.
+        key_block: u32,
+        /// The limit.
+        max: u64,
+    },
+
     /// More intervals than [`crate::MAX_STEP_INTERVALS`].
     #[error("the step's rows hold more than {max} intervals")]
     TooManyIntervals {

@@ -18,6 +18,11 @@ use cm_plan::rows::{KeyInterval, RowIntervals};
 /// arithmetic (`cm_cuda`'s sequence-length limit).
 pub const MAX_PREFILL_KEYS: u64 = i32::MAX as u64 - 256;
 
+/// Most key blocks a prefill layout may hold: as many as [`MAX_PREFILL_KEYS`] fill at the
+/// paged forward's 128-key blocks. Bounds `key_blocks` (16 bytes a block, 256 MiB at most)
+/// whatever `key_block` is asked for.
+pub const MAX_PREFILL_KEY_BLOCKS: u64 = 1 << 24;
+
 /// A step laid out for a tiled forward over a paged KV cache (module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prefill {
@@ -45,8 +50,9 @@ impl StepPlan {
     /// (module docs). Costs O(rows + intervals + key blocks).
     ///
     /// # Errors
-    /// [`StepError::PrefillTooLarge`] when the virtual keys exceed [`MAX_PREFILL_KEYS`];
-    /// [`StepError::BadArray`] for `key_block == 0`.
+    /// [`StepError::PrefillTooLarge`] when the virtual keys exceed [`MAX_PREFILL_KEYS`],
+    /// [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
+    /// [`MAX_PREFILL_KEY_BLOCKS`]; [`StepError::BadArray`] for `key_block == 0`.
     pub fn prefill(&self, key_block: u32) -> Result<Prefill, StepError> {
         if key_block == 0 {
             return Err(StepError::BadArray {
@@ -67,7 +73,15 @@ impl StepPlan {
                 max: MAX_PREFILL_KEYS,
             });
         }
-        let mut key_blocks = Vec::with_capacity(4 * (keys / kb) as usize);
+        let blocks = keys / kb;
+        if blocks > MAX_PREFILL_KEY_BLOCKS {
+            return Err(StepError::PrefillTooManyBlocks {
+                blocks,
+                key_block,
+                max: MAX_PREFILL_KEY_BLOCKS,
+            });
+        }
+        let mut key_blocks = Vec::with_capacity(4 * blocks as usize);
         for (s, &kv) in self.kv_len().iter().enumerate() {
             let mut first = 0u64;
             while first < kv as u64 {
@@ -204,6 +218,29 @@ mod tests {
                 assert_eq!(got, want, "row {r}");
             }
         }
+    }
+
+    /// Layouts past either limit are refused before anything of their size is allocated:
+    /// 31 sequences of 2^26 keys fit the key limit but not, at one key a block, the block
+    /// limit; 33 of them exceed the key limit at any block size.
+    #[test]
+    fn layouts_past_the_limits_are_refused_by_name() {
+        let big = |n: usize| {
+            let rows = vec![vec![(0, 1)]; n];
+            step(&vec![1; n], &vec![1 << 26; n], &rows)
+        };
+        let err = big(31).prefill(1).unwrap_err();
+        assert!(
+            matches!(err, StepError::PrefillTooManyBlocks { blocks, key_block: 1, .. }
+                if blocks == 31 << 26),
+            "{err}"
+        );
+        assert!(err.to_string().contains("key blocks of 1 keys"), "{err}");
+        let err = big(33).prefill(128).unwrap_err();
+        assert!(
+            matches!(err, StepError::PrefillTooLarge { keys, .. } if keys == 33 << 26),
+            "{err}"
+        );
     }
 
     #[test]

@@ -233,6 +233,7 @@ class Step:
     @property
     def caches_pieces(self) -> bool: ...
     def arrays(self) -> tuple[bytes, bytes, bytes, bytes]: ...
+    def prefill_arrays(self) -> tuple[list[bytes], bytes, int]: ...
     def row(self, r: int) -> list[tuple[int, int]]: ...
     def append(self, new_tokens: list[int]) -> None: ...
     def replan(
@@ -304,6 +305,18 @@ def cuda_paged_attention(
     max_q_len: int,
     num_splits: int,
     workspace: _Tensor | None,
+    scale: float,
+) -> None: ...
+def cuda_paged_prefill(
+    stream: int,
+    plan: tuple[int, int, list[_Tensor]],
+    q: _Tensor,
+    k_cache: _Tensor,
+    v_cache: _Tensor,
+    out: _Tensor,
+    lse: _Tensor | None,
+    block_table: _Tensor,
+    key_blocks: _Tensor,
     scale: float,
 ) -> None: ...
 def cuda_decode_splits(

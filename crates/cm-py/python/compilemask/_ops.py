@@ -548,15 +548,15 @@ def paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of a step through the paged forward (``cm_cuda::prefill``): ``kernel`` is the descriptor of
     the step's rows over its virtual key blocks and ``key_blocks`` their ``(seq, first_key,
-    valid_keys, 0)`` entries (:meth:`compilemask.Step` builds both), ``plan_dims`` ``[kv_len,
-    *ws_order]`` (the virtual keys and the forward's tile sets best first)."""
+    valid_keys, 0)`` entries (:meth:`compilemask.Step` builds both), ``plan_dims`` ``[kv_len]``
+    (the virtual keys)."""
     q, k_cache, v_cache = _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache)
     total_q, num_heads, _ = q.shape
-    kv_len, *ws_order = plan_dims
+    (kv_len,) = plan_dims
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # The kernel writes lse row-contiguous per head; the op returns it [total_q, num_heads].
     lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
-    plan = (total_q, kv_len, 1, (1, 1), [_raw(t) for t in kernel], ws_order)
+    plan = (total_q, kv_len, [_raw(t) for t in kernel])
     with torch.cuda.device(q.device):
         _native.cuda_paged_prefill(
             _stream(q.device), plan, _raw(q), _raw(k_cache), _raw(v_cache), _raw(out),
@@ -571,6 +571,16 @@ def _(q, k_cache, v_cache, block_table, key_blocks, kernel, plan_dims, scale):
             q.new_empty((total_q, num_heads), dtype=torch.float32))
 
 
+def check_paged_cuda(q: Tensor, v_cache: Tensor) -> None:
+    """``NotImplementedError`` unless both paged kernels run q's dtype and head dims."""
+    if q.dtype not in _CUDA_DTYPES or q.shape[-1] not in (64, 128) or v_cache.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(
+            f"compilemask.paged_attention on CUDA supports bfloat16 and float16 with head_dim 64 "
+            f"or 128 and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
+            f"head_dim {q.shape[-1]} and head_dim_v {v_cache.shape[-1]}. Use CPU tensors (the "
+            "reference) for other cases.")
+
+
 def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                          tensors: Any, scale: float, return_lse: bool, prefill: Any = None):
     """:func:`compilemask.paged_attention` on CUDA tensors: ``tensors`` holds the step's int32
@@ -578,12 +588,7 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     ``max_q_len`` (the most new rows of any sequence, a capacity); with ``prefill`` (a
     ``compilemask._serve.PrefillTensors``) the step runs through the paged forward instead
     of the decode kernel."""
-    if q.dtype not in _CUDA_DTYPES or q.shape[-1] not in (64, 128) or v_cache.shape[-1] != q.shape[-1]:
-        raise NotImplementedError(
-            f"compilemask.paged_attention on CUDA supports bfloat16 and float16 with head_dim 64 "
-            f"or 128 and head_dim_v == head_dim; got {str(q.dtype).removeprefix('torch.')} with "
-            f"head_dim {q.shape[-1]} and head_dim_v {v_cache.shape[-1]}. Use CPU tensors (the "
-            "reference) for other cases.")
+    check_paged_cuda(q, v_cache)
     if prefill is not None:
         out, lse = paged_prefill_op(q, k_cache, v_cache, block_table, prefill.key_blocks,
                                     list(prefill.kernel), prefill.plan_dims(), float(scale))

@@ -47,16 +47,15 @@ class PrefillTensors(NamedTuple):
     ``kernel``, the int32 descriptor arrays of its rows over the virtual key space (every
     sequence's keys padded to whole 128-key blocks); ``key_blocks`` int32 ``[num_key_blocks,
     4]`` (each block's sequence, first logical key and valid keys); ``kv_len`` the virtual
-    keys; ``ws_order`` the forward's tile sets best first. Made by
-    :meth:`Step.prefill_tensors`."""
+    keys. Only the arrays of the paged forward's tile are built (``cm_cuda::prefill_lists``;
+    the others are placeholders it never reads). Made by :meth:`Step.prefill_tensors`."""
 
     kernel: tuple
     key_blocks: torch.Tensor
     kv_len: int
-    ws_order: tuple
 
     def plan_dims(self) -> list[int]:
-        return [self.kv_len, *self.ws_order]
+        return [self.kv_len]
 
 
 # The "auto" kernel choice of paged_attention: the paged forward once a step brings at least
@@ -250,9 +249,8 @@ class Step:
             return cached
         dev = torch.device(device)
         arrays, blocks, kv_len = self._native.prefill_arrays()
-        kernel, ws_order = _kernel_tensors(torch, arrays, dev)
-        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
-                             kv_len, ws_order)
+        kernel, _ = _kernel_tensors(torch, arrays, dev)
+        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev), kv_len)
         self._tensors[key] = out
         return out
 
@@ -306,9 +304,16 @@ def paged_attention(
       ``PREFILL_MIN_ROWS_PER_SEQ`` (64) new rows per sequence, else ``"decode"``.
 
     A block-table entry outside ``[0, num_pages)`` reads as zeros on CUDA, never outside the
-    cache; the prefill path also refuses (``ValueError``) a sequence with more keys than
-    its block-table row holds pages for. Not differentiable (serving is inference). Wrong
-    shapes, dtypes or devices raise ``ValueError``.
+    cache. A :class:`Step` with a sequence of more keys than its block-table row holds pages
+    for raises ``ValueError`` on either device; with :class:`StepTensors` (no host copy of the
+    lengths, as under CUDA graphs) the CUDA kernels leave the keys past the row out. Not
+    differentiable (serving is inference). Wrong shapes, dtypes or devices raise
+    ``ValueError``; CUDA dtypes and head dims the kernels lack raise ``NotImplementedError``.
+
+    The prefill path lays out the step's rows on the host each time a step changes
+    (:meth:`Step.prefill_tensors`, cached until :meth:`Step.append`): a descriptor of every
+    128 x 128 tile that a sequence's rows see, with per-row bits where a tile mixes rows of
+    two sequences, so its host time and memory grow with the keys the step reads.
     """
     from ._torch import _DTYPES, require_torch
 
@@ -373,8 +378,11 @@ def paged_attention(
     if q.device.type == "cuda":
         from . import _ops
 
+        _ops.check_paged_cuda(q, v_cache)
+        if isinstance(step, Step):
+            _check_pages(step, page_size, block_table.shape[1])
         prefill = None
-        if _runs_prefill(kernel, step, q, k_cache, block_table):
+        if _runs_prefill(kernel, step, page_size):
             prefill = step.prefill_tensors(q.device)
         return _ops.paged_attention_cuda(q, k_cache, v_cache, block_table, tensors, scale,
                                          bool(return_lse), prefill)
@@ -385,34 +393,35 @@ def paged_attention(
     return (out, lse) if return_lse else out
 
 
-def _runs_prefill(kernel: str, step: Any, q: Any, k_cache: Any, block_table: Any) -> bool:
-    """Whether a CUDA call runs the paged forward (``kernel`` as :func:`paged_attention`
-    documents it); ``ValueError`` naming what stops ``kernel="prefill"``."""
+def _check_pages(step: Step, page_size: int, max_pages: int) -> None:
+    """``ValueError`` when a sequence of ``step`` has more keys than a block-table row of
+    ``max_pages`` pages holds (the CUDA kernels would leave the keys past it out)."""
+    capacity = max_pages * page_size
+    for s, kv in enumerate(step.kv_len):
+        if kv > capacity:
+            raise ValueError(
+                f"kv_len[{s}] = {kv} needs {-(-kv // page_size)} pages of {page_size}, but "
+                f"block_table rows hold max_pages_per_seq = {max_pages}")
+
+
+def _runs_prefill(kernel: str, step: Any, page_size: int) -> bool:
+    """Whether a CUDA call that both kernels support (dtype, head dims) runs the paged forward
+    (``kernel`` as :func:`paged_attention` documents it); ``ValueError`` naming what stops
+    ``kernel="prefill"``, which the decode kernel does not need."""
     if kernel == "decode":
         return False
-    page_size = k_cache.shape[1]
     why = None
     if not isinstance(step, Step):
         why = ("it needs a compilemask.Step (its rows are laid out on the host), not "
                "StepTensors")
     elif page_size < 8 or page_size & (page_size - 1):
         why = f"page_size = {page_size} is not a power of two of at least 8"
-    elif q.shape[-1] not in (64, 128):
-        why = f"head_dim = {q.shape[-1]} is not 64 or 128"
     if why is not None:
         if kernel == "prefill":
-            raise ValueError(f"compilemask.paged_attention(kernel='prefill'): {why}; use "
-                             "kernel='decode'")
+            raise ValueError(f"compilemask.paged_attention(kernel='prefill'): {why}; "
+                             "kernel='decode' takes it")
         return False
-    if kernel == "auto" and step.total_q < PREFILL_MIN_ROWS_PER_SEQ * step.num_seqs:
-        return False
-    capacity = block_table.shape[1] * page_size
-    for s, kv in enumerate(step.kv_len):
-        if kv > capacity:
-            raise ValueError(
-                f"kv_len[{s}] = {kv} needs {-(-kv // page_size)} pages of {page_size}, but "
-                f"block_table rows hold max_pages_per_seq = {block_table.shape[1]}")
-    return True
+    return kernel == "prefill" or step.total_q >= PREFILL_MIN_ROWS_PER_SEQ * step.num_seqs
 
 
 def _paged_cpu(torch: Any, q: Any, k_cache: Any, v_cache: Any, block_table: Any,

@@ -347,7 +347,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             step.intervals.clone(),
         )?
         .prefill(PREFILL_KEY_BLOCK)?;
-        let dev_plan = gpu.rt.upload_plan(&plan.rows, s)?;
+        let dev_plan = gpu.rt.upload_prefill_plan(&plan.rows, s)?;
         let key_blocks = s.clone_htod(&plan.key_blocks)?;
         let mut out = s.clone_htod(&vec![nan_bits(c.dtype); total_q * h * d])?;
         let mut lse = s.clone_htod(&vec![f32::NAN; total_q * h])?;
