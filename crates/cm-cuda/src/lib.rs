@@ -75,6 +75,8 @@ pub use plan::{
     ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanLists, PlanView,
     PLAN_ARRAY_COUNT, WS_SETS,
 };
-pub use prefill::{check_prefill, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK};
+pub use prefill::{
+    check_prefill, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK, PREFILL_ROW_BLOCK,
+};
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

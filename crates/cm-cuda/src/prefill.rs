@@ -2,12 +2,14 @@
 //! ([`crate::KernelKind::FwdWsPaged`]) with K and V read from a paged KV cache
 //! ([`crate::Runtime::prefill_raw`]).
 //!
-//! The step is laid out by `cm_serve::StepPlan::prefill` at [`PREFILL_KEY_BLOCK`] keys per
-//! block: its rows packed as the step packs them (`total_q` rows), every sequence's keys
-//! padded to whole blocks of a virtual key space, and for each virtual block `n` the int32
-//! entry `key_blocks[n] = (seq, first_key, valid_keys, 0)`. Its rows are an ordinary one-mask
-//! plan over `total_q x num_key_blocks * PREFILL_KEY_BLOCK` ([`crate::HostPlan::build_masks`]
-//! with `mask_index = [1, 1]`), uploaded like any other. The kernel loads key block `n` in
+//! The step is laid out by `cm_serve::StepPlan::prefill` at [`PREFILL_KEY_BLOCK`] keys and
+//! [`PREFILL_ROW_BLOCK`] rows per block: every sequence's keys padded to whole blocks of a
+//! virtual key space, with for each virtual block `n` the int32 entry `key_blocks[n] = (seq,
+//! first_key, valid_keys, 0)`, and every sequence's rows padded to whole query tiles
+//! (`q_rows` virtual rows; the caller places each step row at its virtual row, and drops the
+//! padding rows' outputs). Its rows are an ordinary one-mask plan over `q_rows x
+//! num_key_blocks * PREFILL_KEY_BLOCK` ([`crate::HostPlan::build_masks`] with `mask_index =
+//! [1, 1]` and [`prefill_lists`]), uploaded like any other. The kernel loads key block `n` in
 //! boxes of `min(page_size, PREFILL_KEY_BLOCK)` rows: logical key `p` of sequence `s` is slot
 //! `p % page_size` of page `block_table[s, p / page_size]` (vLLM's / FlashInfer's layout, as in
 //! [`crate::decode`]).
@@ -23,10 +25,17 @@ use cudarc::driver::CudaSlice;
 /// Keys per block of the paged forward's virtual key space: its tile's `block_n`.
 pub const PREFILL_KEY_BLOCK: u32 = 128;
 
-const _: () = assert!(
-    cm_kernels::kernel_tiles::<1>(KernelKind::FwdWsPaged)[0].1 == PREFILL_KEY_BLOCK,
-    "the virtual key blocks are the paged forward's key tiles"
-);
+/// Rows per block of the paged forward's virtual rows: its tile's `block_m`, so that no query
+/// tile holds rows of two sequences.
+pub const PREFILL_ROW_BLOCK: u32 = 128;
+
+const _: () = {
+    let tile = cm_kernels::kernel_tiles::<1>(KernelKind::FwdWsPaged)[0];
+    assert!(
+        tile.0 == PREFILL_ROW_BLOCK && tile.1 == PREFILL_KEY_BLOCK,
+        "the virtual row and key blocks are the paged forward's tiles"
+    );
+};
 
 /// The descriptor arrays the paged forward reads: the forward lists at its tile, the
 /// 128 x 128 [`crate::PlanArray::Ws`] set, and `mask_index`. A prefill plan built with these
@@ -48,7 +57,7 @@ pub const MIN_PREFILL_PAGE_SIZE: usize = 8;
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillRaw {
     pub dtype: DType,
-    /// `[total_q, num_heads, head_dim]`, last stride 1.
+    /// `[q_rows, num_heads, head_dim]` (the layout's virtual rows), last stride 1.
     pub q: u64,
     pub q_shape: [usize; 3],
     pub q_strides: [i64; 3],
@@ -59,10 +68,10 @@ pub struct PrefillRaw {
     pub cache_shape: [usize; 4],
     pub k_strides: [i64; 4],
     pub v_strides: [i64; 4],
-    /// `[total_q, num_heads, head_dim]` like `q`.
+    /// `[q_rows, num_heads, head_dim]` like `q`.
     pub out: u64,
     pub out_strides: [i64; 3],
-    /// Natural-log lse `[num_heads, total_q]` (row stride 1) with its head stride; `-inf` for
+    /// Natural-log lse `[num_heads, q_rows]` (row stride 1) with its head stride; `-inf` for
     /// a row with no visible key (whose output is 0).
     pub lse: Option<(u64, i64)>,
     /// `[num_seqs, max_pages_per_seq]` int32 page numbers, and its row stride.
@@ -80,16 +89,16 @@ pub struct PrefillRaw {
 /// tensor contiguous (row-major in the shapes of [`PrefillRaw`]).
 pub struct Prefill<'a> {
     pub dtype: DType,
-    /// `[total_q, num_heads, head_dim]`.
+    /// `[q_rows, num_heads, head_dim]`.
     pub q: &'a CudaSlice<u16>,
     pub q_shape: [usize; 3],
     /// `[num_pages, page_size, num_kv_heads, head_dim]` each.
     pub k_cache: &'a CudaSlice<u16>,
     pub v_cache: &'a CudaSlice<u16>,
     pub cache_shape: [usize; 4],
-    /// `[total_q, num_heads, head_dim]`.
+    /// `[q_rows, num_heads, head_dim]`.
     pub out: &'a mut CudaSlice<u16>,
-    /// `[num_heads, total_q]`, natural log.
+    /// `[num_heads, q_rows]`, natural log.
     pub lse: Option<&'a mut CudaSlice<f32>>,
     /// `[num_seqs, max_pages_per_seq]`.
     pub block_table: &'a CudaSlice<i32>,
@@ -115,7 +124,7 @@ pub(crate) fn prepare_prefill(
     a: &PrefillRaw,
     encode_maps: bool,
 ) -> Result<Option<Launch>, Error> {
-    let [total_q, num_heads, head_dim] = a.q_shape;
+    let [q_rows, num_heads, head_dim] = a.q_shape;
     let [num_pages, page_size, num_kv_heads, kd] = a.cache_shape;
     let [num_seqs, max_pages] = a.block_table_shape;
     if kd != head_dim {
@@ -173,16 +182,16 @@ pub(crate) fn prepare_prefill(
     }
     check_addr("block_table", a.block_table, 4)?;
     check_addr("key_blocks", a.key_blocks, 16)?;
-    // The forward's own checks, with q, out and lse as a batch-1 [1, num_heads, total_q, d]
+    // The forward's own checks, with q, out and lse as a batch-1 [1, num_heads, q_rows, d]
     // view and K / V as the virtual key space the plan spans (their layout stands for the
     // cache's only in the checks: the cache is read through its own TMA descriptors below).
-    let as4 = |s: [i64; 3]| [s[0] * total_q as i64, s[1], s[0], s[2]];
+    let as4 = |s: [i64; 3]| [s[0] * q_rows as i64, s[1], s[0], s[2]];
     let q_layout = TensorLayout {
-        shape: [1, num_heads, total_q, head_dim],
+        shape: [1, num_heads, q_rows, head_dim],
         strides: as4(a.q_strides),
     };
     let out_layout = TensorLayout {
-        shape: [1, num_heads, total_q, head_dim],
+        shape: [1, num_heads, q_rows, head_dim],
         strides: as4(a.out_strides),
     };
     let virtual_kv = TensorLayout::contiguous([1, num_kv_heads, plan.kv_len as usize, head_dim]);
@@ -200,7 +209,7 @@ pub(crate) fn prepare_prefill(
             (
                 addr,
                 LseLayout {
-                    shape: [1, num_heads, total_q],
+                    shape: [1, num_heads, q_rows],
                     strides: [head_stride * num_heads as i64, head_stride, 1],
                 },
             )
@@ -213,7 +222,7 @@ pub(crate) fn prepare_prefill(
     };
     check_no_overlap(
         "out",
-        &["total_q", "num_heads", "head_dim"],
+        &["q_rows", "num_heads", "head_dim"],
         &a.q_shape,
         &a.out_strides,
     )?;

@@ -14,6 +14,16 @@ use crate::convert::{self, py_bytes, read_three, read_vec, NeBytes};
 use crate::errors::plan_error;
 use crate::reference::{bytearray, Forward};
 
+/// `Step.prefill_arrays`' result: `(descriptor arrays, key_blocks, kv_len, row_index,
+/// q_rows)`.
+type PrefillArrays<'py> = (
+    Vec<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+    u32,
+    Bound<'py, PyBytes>,
+    u32,
+);
+
 /// A step's error as Python sees it: a `PlanError` rendered against the program for a
 /// sequence's plan-time error, a `ValueError` naming the value otherwise.
 pub fn step_error(py: Python<'_>, program: &compilemask::Program, e: &StepError) -> PyErr {
@@ -93,20 +103,19 @@ impl Step {
     }
 
     /// The step laid out for the paged forward (`cm_serve::StepPlan::prefill` at
-    /// `cm_cuda::PREFILL_KEY_BLOCK` keys per block): the kernels' descriptor of its rows over
-    /// the virtual keys (`cm_cuda::HostPlan::build_masks`, one mask for every head, with only
-    /// the lists `cm_cuda::prefill_lists` names, the others empty; one uint32 bytes object per
-    /// array, in the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes, `[num_key_blocks,
-    /// 4]`) and the virtual `kv_len` (GIL released). `ValueError` when the layout is too
+    /// `cm_cuda::PREFILL_KEY_BLOCK` keys and `cm_cuda::PREFILL_ROW_BLOCK` rows per block): the
+    /// kernels' descriptor of its virtual rows over the virtual keys
+    /// (`cm_cuda::HostPlan::build_masks`, one mask for every head, with only the lists
+    /// `cm_cuda::prefill_lists` names, the others empty; one uint32 bytes object per array, in
+    /// the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes, `[num_key_blocks, 4]`),
+    /// the virtual `kv_len`, `row_index` (int32 bytes, `[total_q]`: each step row's virtual
+    /// row) and the virtual rows `q_rows` (GIL released). `ValueError` when the layout is too
     /// large.
-    fn prefill_arrays<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Bound<'py, PyBytes>, u32)> {
+    fn prefill_arrays<'py>(&self, py: Python<'py>) -> PyResult<PrefillArrays<'py>> {
         let plan = self.inner.plan();
         let built = py.detach(|| -> Result<_, String> {
             let prefill = plan
-                .prefill(cm_cuda::PREFILL_KEY_BLOCK)
+                .prefill(cm_cuda::PREFILL_KEY_BLOCK, cm_cuda::PREFILL_ROW_BLOCK)
                 .map_err(|e| e.to_string())?;
             let host = cm_cuda::HostPlan::build_masks(
                 &[&prefill.rows],
@@ -123,6 +132,8 @@ impl Step {
             host.arrays().iter().map(|a| py_bytes(py, a)).collect(),
             py_bytes(py, &prefill.key_blocks),
             prefill.rows.kv_len(),
+            py_bytes(py, &prefill.row_index),
+            prefill.q_rows(),
         ))
     }
 

@@ -77,15 +77,17 @@ pub enum StepError {
         max: i64,
     },
 
-    /// A prefill layout ([`crate::StepPlan::prefill`]) spanning more virtual keys than the
-    /// forward kernels index.
+    /// A prefill layout ([`crate::StepPlan::prefill`]) spanning more virtual keys or rows
+    /// than the forward kernels index.
     #[error(
-        "the step's sequences, each padded to whole key blocks, span {keys} keys; at most {max} \
-         fit the forward kernels' key indices"
+        "the step's sequences, each padded to whole blocks, span {count} {what}; at most {max} \
+         fit the forward kernels' indices"
     )]
     PrefillTooLarge {
-        /// The virtual keys the layout needs.
-        keys: u64,
+        /// `"keys"` or `"rows"`.
+        what: &'static str,
+        /// The virtual keys or rows the layout needs.
+        count: u64,
         /// The limit ([`crate::MAX_PREFILL_KEYS`]).
         max: u64,
     },

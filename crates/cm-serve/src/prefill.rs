@@ -1,4 +1,4 @@
-//! A step's rows as one packed mask for a tiled forward kernel ([`StepPlan::prefill`]): the
+//! A step's rows as one mask for a tiled forward kernel ([`StepPlan::prefill`]): the
 //! prefill-chunk path, where each sequence brings hundreds or thousands of new rows and the
 //! decode kernel's per-element visibility would be compute-bound.
 //!
@@ -6,16 +6,23 @@
 //! cache, so every block must belong to one sequence. The layout gives each sequence its own
 //! run of whole key blocks in a *virtual* key space: sequence `s`'s logical key `p` is
 //! virtual key `key_offset[s] + p`, with `key_offset[s]` the key blocks of the sequences
-//! before it, `sum(ceil(kv_len[s'] / key_block)) * key_block` for `s' < s`. Query rows stay
-//! packed as the step packs them (`cu_q`): a query block may hold rows of two sequences, and
-//! each row sees only its own sequence's keys.
+//! before it, `sum(ceil(kv_len[s'] / key_block)) * key_block` for `s' < s`.
+//!
+//! Rows get the same treatment at `row_block` rows a block (the kernel's query tile): row `i`
+//! of sequence `s` is virtual row `row_offset[s] + i`, each sequence's rows padded to whole
+//! row blocks, so no query tile holds rows of two sequences. A tile mixing sequences would
+//! see every key block of both, each partial (the other sequence's rows see none of it), and
+//! need row bits for all of them: over long caches, hundreds of MiB and of milliseconds a
+//! step. A padding row sees what its sequence's last row sees, so each tile is full, partial
+//! or empty exactly as for the real rows alone; the kernel computes padding rows like any
+//! other and the caller drops them (`row_index` maps each step row to its virtual row).
 
 use crate::error::StepError;
 use crate::StepPlan;
 use cm_plan::rows::{KeyInterval, RowIntervals};
 
-/// Most virtual keys a prefill layout may span: the forward kernels' 32-bit signed key
-/// arithmetic (`cm_cuda`'s sequence-length limit).
+/// Most virtual keys, and most virtual rows, a prefill layout may span: the forward
+/// kernels' 32-bit signed index arithmetic (`cm_cuda`'s sequence-length limit).
 pub const MAX_PREFILL_KEYS: u64 = i32::MAX as u64 - 256;
 
 /// Most key blocks a prefill layout may hold: as many as [`MAX_PREFILL_KEYS`] fill at the
@@ -26,9 +33,12 @@ pub const MAX_PREFILL_KEY_BLOCKS: u64 = 1 << 24;
 /// A step laid out for a tiled forward over a paged KV cache (module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prefill {
-    /// The step's rows over the virtual keys: `total_q x num_key_blocks * key_block`, row
-    /// `r` of sequence `s` holding its intervals shifted by `key_offset[s]`.
+    /// The virtual rows over the virtual keys: `q_rows x num_key_blocks * key_block`, virtual
+    /// row `row_offset[s] + i` holding row `i` of sequence `s`'s intervals shifted by
+    /// `key_offset[s]`, and each padding row its sequence's last row's.
     pub rows: RowIntervals,
+    /// `[total_q]`: the virtual row of each of the step's rows (0-based, increasing).
+    pub row_index: Vec<i32>,
     /// `[num_key_blocks, 4]` int32, row-major: for virtual key block `n`, `(seq, first_key,
     /// valid_keys, 0)`: the block's sequence, the logical position of its first key in that
     /// sequence, and how many of its `key_block` keys the sequence has (`key_block` but in its
@@ -36,6 +46,8 @@ pub struct Prefill {
     pub key_blocks: Vec<i32>,
     /// Keys per block, as asked.
     pub key_block: u32,
+    /// Rows per block, as asked.
+    pub row_block: u32,
 }
 
 impl Prefill {
@@ -43,35 +55,47 @@ impl Prefill {
     pub fn num_key_blocks(&self) -> usize {
         self.key_blocks.len() / 4
     }
+
+    /// Virtual rows: the step's rows with each sequence's padded to whole row blocks.
+    pub fn q_rows(&self) -> u32 {
+        self.rows.q_len()
+    }
 }
 
 impl StepPlan {
-    /// The step laid out for a tiled forward kernel whose key tiles hold `key_block` keys
-    /// (module docs). Costs O(rows + intervals + key blocks).
+    /// The step laid out for a tiled forward kernel whose tiles hold `row_block` rows and
+    /// `key_block` keys (module docs; `row_block = 1` keeps the step's packed rows). Costs
+    /// O(virtual rows x intervals + key blocks).
     ///
     /// # Errors
-    /// [`StepError::PrefillTooLarge`] when the virtual keys exceed [`MAX_PREFILL_KEYS`],
-    /// [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
-    /// [`MAX_PREFILL_KEY_BLOCKS`]; [`StepError::BadArray`] for `key_block == 0`.
-    pub fn prefill(&self, key_block: u32) -> Result<Prefill, StepError> {
-        if key_block == 0 {
-            return Err(StepError::BadArray {
-                array: "key_block",
-                message: "key_block = 0; a key block holds at least 1 key".into(),
-            });
+    /// [`StepError::PrefillTooLarge`] when the virtual keys or rows exceed
+    /// [`MAX_PREFILL_KEYS`], [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
+    /// [`MAX_PREFILL_KEY_BLOCKS`], [`StepError::TooManyIntervals`] when the padded rows hold
+    /// more than [`crate::MAX_STEP_INTERVALS`] intervals; [`StepError::BadArray`] for a zero
+    /// block.
+    pub fn prefill(&self, key_block: u32, row_block: u32) -> Result<Prefill, StepError> {
+        for (name, block) in [("key_block", key_block), ("row_block", row_block)] {
+            if block == 0 {
+                return Err(StepError::BadArray {
+                    array: name,
+                    message: format!("{name} = 0; a block holds at least 1"),
+                });
+            }
         }
-        let kb = u64::from(key_block);
-        let mut key_offset = Vec::with_capacity(self.num_seqs());
-        let mut keys = 0u64;
-        for &kv in self.kv_len() {
-            key_offset.push(keys);
-            keys += (kv as u64).div_ceil(kb) * kb;
-        }
-        if keys > MAX_PREFILL_KEYS {
-            return Err(StepError::PrefillTooLarge {
-                keys,
-                max: MAX_PREFILL_KEYS,
-            });
+        let (kb, rb) = (u64::from(key_block), u64::from(row_block));
+        let key_offset = padded_offsets(self.kv_len().iter().map(|&kv| kv as u64), kb);
+        let keys = *key_offset.last().expect("offsets start at 0");
+        let q_len = self.cu_q().windows(2).map(|w| (w[1] - w[0]) as u64);
+        let row_offset = padded_offsets(q_len, rb);
+        let q_rows = *row_offset.last().expect("offsets start at 0");
+        for (what, n) in [("keys", keys), ("rows", q_rows)] {
+            if n > MAX_PREFILL_KEYS {
+                return Err(StepError::PrefillTooLarge {
+                    what,
+                    count: n,
+                    max: MAX_PREFILL_KEYS,
+                });
+            }
         }
         let blocks = keys / kb;
         if blocks > MAX_PREFILL_KEY_BLOCKS {
@@ -79,6 +103,21 @@ impl StepPlan {
                 blocks,
                 key_block,
                 max: MAX_PREFILL_KEY_BLOCKS,
+            });
+        }
+        // Each sequence's rows, then its padding rows, each a copy of its last row.
+        let seq_rows = |s: usize| {
+            let (first, end) = (self.cu_q()[s] as usize, self.cu_q()[s + 1] as usize);
+            let pad = (row_offset[s + 1] - row_offset[s]) as usize - (end - first);
+            (first..end).chain(std::iter::repeat_n(end.saturating_sub(1), pad))
+        };
+        let num_intervals: usize = (0..self.num_seqs())
+            .flat_map(seq_rows)
+            .map(|r| (self.row_ptr()[r + 1] - self.row_ptr()[r]) as usize)
+            .sum();
+        if num_intervals > crate::MAX_STEP_INTERVALS {
+            return Err(StepError::TooManyIntervals {
+                max: crate::MAX_STEP_INTERVALS,
             });
         }
         let mut key_blocks = Vec::with_capacity(4 * blocks as usize);
@@ -90,27 +129,43 @@ impl StepPlan {
                 first += kb;
             }
         }
-        let mut intervals = Vec::with_capacity(self.num_intervals());
-        for (rows, &shift) in self.cu_q().windows(2).zip(&key_offset) {
-            let shift = shift as u32;
-            for r in rows[0] as usize..rows[1] as usize {
+        let mut row_ptr = Vec::with_capacity(q_rows as usize + 1);
+        row_ptr.push(0u32);
+        let mut intervals = Vec::with_capacity(num_intervals);
+        let mut row_index = Vec::with_capacity(self.total_q());
+        for s in 0..self.num_seqs() {
+            let shift = key_offset[s] as u32;
+            row_index.extend((0..self.q_len(s)).map(|i| (row_offset[s] + i as u64) as i32));
+            for r in seq_rows(s) {
                 intervals.extend(self.row(r).map(|(start, end)| KeyInterval {
                     start: start + shift,
                     end: end + shift,
                 }));
+                row_ptr.push(intervals.len() as u32);
             }
         }
-        let row_ptr = self.row_ptr().iter().map(|&o| o as u32).collect();
         // A validated step's rows stay sorted and disjoint under a shift, inside their
         // sequence's blocks.
         let rows = RowIntervals::from_csr(keys as u32, row_ptr, intervals)
             .expect("a validated step's rows, shifted, are valid intervals");
         Ok(Prefill {
             rows,
+            row_index,
             key_blocks,
             key_block,
+            row_block,
         })
     }
+}
+
+/// `[n + 1]` offsets of items of the given sizes, each rounded up to whole blocks.
+fn padded_offsets(sizes: impl Iterator<Item = u64>, block: u64) -> Vec<u64> {
+    let mut offsets = vec![0];
+    for size in sizes {
+        let last = *offsets.last().expect("offsets start at 0");
+        offsets.push(last + size.div_ceil(block) * block);
+    }
+    offsets
 }
 
 #[cfg(test)]
@@ -142,9 +197,10 @@ mod tests {
             &[5, 9, 4],
             &[vec![(0, 4)], vec![(0, 1), (3, 5)], vec![(2, 9)], vec![]],
         );
-        let p = plan.prefill(4).unwrap();
+        let p = plan.prefill(4, 1).unwrap();
         // Blocks: 5 keys -> 2 blocks, 9 -> 3, 4 -> 1: offsets 0, 8, 20; 24 virtual keys.
         assert_eq!(p.rows.q_len(), 4);
+        assert_eq!(p.row_index, [0, 1, 2, 3]);
         assert_eq!(p.rows.kv_len(), 24);
         assert_eq!(p.num_key_blocks(), 6);
         let brute = |r: u32| {
@@ -160,6 +216,18 @@ mod tests {
             p.key_blocks,
             [0, 0, 4, 0, 0, 4, 1, 0, 1, 0, 4, 0, 1, 4, 4, 0, 1, 8, 1, 0, 2, 0, 4, 0]
         );
+        // Rows in blocks of 2: sequence 1's row moves to virtual row 2 and sequence 2's to 4;
+        // rows 3 and 5 pad them, each a copy of its sequence's last row.
+        let padded = plan.prefill(4, 2).unwrap();
+        assert_eq!(padded.row_index, [0, 1, 2, 4]);
+        assert_eq!(padded.q_rows(), 6);
+        for (virt, real) in [(0, 0), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3)] {
+            assert_eq!(
+                padded.rows.row(virt),
+                p.rows.row(real),
+                "virtual row {virt}"
+            );
+        }
     }
 
     #[test]
@@ -194,14 +262,46 @@ mod tests {
             }
             let plan = step(&q_len, &kv_len, &rows);
             let kb = [16, 64, 128][next(3) as usize];
-            let p = plan.prefill(kb).unwrap();
+            let rb = [1, 3, 8, 128][next(4) as usize];
+            let p = plan.prefill(kb, rb).unwrap();
             assert_eq!(p.rows.kv_len() as usize, p.num_key_blocks() * kb as usize);
+            assert_eq!(p.q_rows() % rb, 0);
+            // Every virtual row block holds rows of one sequence, padding rows repeating
+            // that sequence's last row.
+            let mut seq_of_virtual = vec![None; p.q_rows() as usize];
+            for (r, &v) in p.row_index.iter().enumerate() {
+                seq_of_virtual[v as usize] = Some((plan.seq_of_row(r).unwrap(), r));
+            }
+            let mut last = None;
+            for (v, seq) in seq_of_virtual.iter().enumerate() {
+                match seq {
+                    Some(own) => last = Some(*own),
+                    None => {
+                        let (_, r) = last.expect("a block starts with a real row");
+                        assert_eq!(p.rows.row(v as u32), p.rows.row(p.row_index[r] as u32));
+                    }
+                }
+                if v as u32 % rb == 0 {
+                    assert!(
+                        seq.is_some(),
+                        "virtual row block at {v} starts with padding"
+                    );
+                } else {
+                    let prev = seq_of_virtual[v - 1].map(|(s, _)| s);
+                    let this = seq.map(|(s, _)| s);
+                    assert!(
+                        this.is_none() || prev == this,
+                        "row block at {v} mixes sequences"
+                    );
+                }
+            }
             for r in 0..plan.total_q() {
                 let s = plan.seq_of_row(r).unwrap();
                 let want: Vec<u32> = plan.row(r).flat_map(|(a, b)| a..b).collect();
+                let vr = p.row_index[r] as u32;
                 let mut got = vec![];
                 for v in 0..p.rows.kv_len() {
-                    if p.rows.is_visible(r as u32, v) {
+                    if p.rows.is_visible(vr, v) {
                         let e = &p.key_blocks[4 * (v / kb) as usize..][..4];
                         assert_eq!(
                             e[0] as usize, s,
@@ -229,27 +329,43 @@ mod tests {
             let rows = vec![vec![(0, 1)]; n];
             step(&vec![1; n], &vec![1 << 26; n], &rows)
         };
-        let err = big(31).prefill(1).unwrap_err();
+        let err = big(31).prefill(1, 1).unwrap_err();
         assert!(
             matches!(err, StepError::PrefillTooManyBlocks { blocks, key_block: 1, .. }
                 if blocks == 31 << 26),
             "{err}"
         );
         assert!(err.to_string().contains("key blocks of 1 keys"), "{err}");
-        let err = big(33).prefill(128).unwrap_err();
+        let err = big(33).prefill(128, 1).unwrap_err();
         assert!(
-            matches!(err, StepError::PrefillTooLarge { keys, .. } if keys == 33 << 26),
+            matches!(err, StepError::PrefillTooLarge { what: "keys", count, .. }
+                if count == 33 << 26),
             "{err}"
         );
+        // Rows: 2^17 one-row sequences padded to 2^14 rows each.
+        let n = 1 << 17;
+        let many = step(&vec![1; n], &vec![1; n], &vec![vec![(0, 1)]; n]);
+        let err = many.prefill(128, 1 << 14).unwrap_err();
+        assert!(
+            matches!(err, StepError::PrefillTooLarge { what: "rows", count, .. }
+                if count == 1 << 31),
+            "{err}"
+        );
+        assert!(err.to_string().contains("span 2147483648 rows"), "{err}");
+        // Intervals: one row of 2^14 intervals repeated over a 2^14-row block.
+        let row: Vec<(i32, i32)> = (0..1 << 14).map(|i| (2 * i, 2 * i + 1)).collect();
+        let wide = step(&[1], &[1 << 15], &[row]);
+        assert!(matches!(
+            wide.prefill(128, 1 << 14).unwrap_err(),
+            StepError::TooManyIntervals { .. }
+        ));
     }
 
     #[test]
-    fn a_zero_key_block_is_refused() {
+    fn a_zero_block_is_refused() {
         let plan = step(&[1], &[3], &[vec![(0, 3)]]);
-        assert!(plan
-            .prefill(0)
-            .unwrap_err()
-            .to_string()
-            .contains("key_block = 0"));
+        let err = |kb, rb| plan.prefill(kb, rb).unwrap_err().to_string();
+        assert!(err(0, 128).contains("key_block = 0"));
+        assert!(err(128, 0).contains("row_block = 0"));
     }
 }

@@ -543,29 +543,37 @@ def _(q, k_cache, v_cache, block_table, cu_q, kv_len, row_ptr, intervals, max_q_
 
 @torch.library.custom_op("compilemask::paged_prefill", mutates_args=())
 def paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                     key_blocks: Tensor, kernel: list[Tensor], plan_dims: list[int],
-                     scale: float) -> tuple[Tensor, Tensor]:
+                     key_blocks: Tensor, row_index: Tensor, kernel: list[Tensor],
+                     plan_dims: list[int], scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of a step through the paged forward (``cm_cuda::prefill``): ``kernel`` is the descriptor of
-    the step's rows over its virtual key blocks and ``key_blocks`` their ``(seq, first_key,
-    valid_keys, 0)`` entries (:meth:`compilemask.Step` builds both), ``plan_dims`` ``[kv_len]``
-    (the virtual keys)."""
+    the step's virtual rows over its virtual key blocks, ``key_blocks`` the blocks' ``(seq,
+    first_key, valid_keys, 0)`` entries and ``row_index`` (int64 ``[total_q]``) each step
+    row's virtual row (:meth:`compilemask.Step` builds them), ``plan_dims`` ``[kv_len,
+    q_rows]`` (the virtual keys and rows)."""
     q, k_cache, v_cache = _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache)
-    total_q, num_heads, _ = q.shape
-    (kv_len,) = plan_dims
+    total_q, num_heads, head_dim = q.shape
+    kv_len, q_rows = plan_dims
+    # Padding rows (each sequence's rows end on a query tile) see what their sequence's last
+    # row sees; zeros keep their scores finite, and their outputs are dropped below.
+    padded = q_rows != total_q
+    if padded:
+        q = q.new_zeros((q_rows, num_heads, head_dim)).index_copy_(0, row_index, q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # The kernel writes lse row-contiguous per head; the op returns it [total_q, num_heads].
-    lse = torch.empty((num_heads, total_q), dtype=torch.float32, device=q.device)
-    plan = (total_q, kv_len, [_raw(t) for t in kernel])
+    lse = torch.empty((num_heads, q_rows), dtype=torch.float32, device=q.device)
+    plan = (q_rows, kv_len, [_raw(t) for t in kernel])
     with torch.cuda.device(q.device):
         _native.cuda_paged_prefill(
             _stream(q.device), plan, _raw(q), _raw(k_cache), _raw(v_cache), _raw(out),
             _raw(lse), _raw(block_table), _raw(key_blocks.reshape(-1)), scale)
+    if padded:
+        out, lse = out.index_select(0, row_index), lse.index_select(1, row_index)
     return out, lse.t().contiguous()
 
 
 @paged_prefill_op.register_fake
-def _(q, k_cache, v_cache, block_table, key_blocks, kernel, plan_dims, scale):
+def _(q, k_cache, v_cache, block_table, key_blocks, row_index, kernel, plan_dims, scale):
     total_q, num_heads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((total_q, num_heads), dtype=torch.float32))
@@ -591,7 +599,8 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     check_paged_cuda(q, v_cache)
     if prefill is not None:
         out, lse = paged_prefill_op(q, k_cache, v_cache, block_table, prefill.key_blocks,
-                                    list(prefill.kernel), prefill.plan_dims(), float(scale))
+                                    prefill.row_index, list(prefill.kernel),
+                                    prefill.plan_dims(), float(scale))
     else:
         out, lse = paged_attention_op(
             q, k_cache, v_cache, block_table,

@@ -44,18 +44,22 @@ class StepTensors(NamedTuple):
 
 class PrefillTensors(NamedTuple):
     """A step laid out for the paged forward (``cm_cuda::prefill``), on one CUDA device:
-    ``kernel``, the int32 descriptor arrays of its rows over the virtual key space (every
-    sequence's keys padded to whole 128-key blocks); ``key_blocks`` int32 ``[num_key_blocks,
-    4]`` (each block's sequence, first logical key and valid keys); ``kv_len`` the virtual
-    keys. Only the arrays of the paged forward's tile are built (``cm_cuda::prefill_lists``;
-    the others are placeholders it never reads). Made by :meth:`Step.prefill_tensors`."""
+    ``kernel``, the int32 descriptor arrays of its virtual rows (every sequence's rows padded
+    to whole 128-row query tiles) over the virtual key space (every sequence's keys padded to
+    whole 128-key blocks); ``key_blocks`` int32 ``[num_key_blocks, 4]`` (each block's
+    sequence, first logical key and valid keys); ``row_index`` int64 ``[total_q]`` (each step
+    row's virtual row); ``kv_len`` the virtual keys and ``q_rows`` the virtual rows. Only the
+    arrays of the paged forward's tile are built (``cm_cuda::prefill_lists``; the others are
+    placeholders it never reads). Made by :meth:`Step.prefill_tensors`."""
 
     kernel: tuple
     key_blocks: torch.Tensor
+    row_index: torch.Tensor
     kv_len: int
+    q_rows: int
 
     def plan_dims(self) -> list[int]:
-        return [self.kv_len]
+        return [self.kv_len, self.q_rows]
 
 
 # The "auto" kernel choice of paged_attention: the paged forward once a step brings at least
@@ -248,9 +252,11 @@ class Step:
         if cached is not None:
             return cached
         dev = torch.device(device)
-        arrays, blocks, kv_len = self._native.prefill_arrays()
+        arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays()
         kernel, _ = _kernel_tensors(torch, arrays, dev)
-        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev), kv_len)
+        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
+                             _int32(torch, row_index, (self.total_q,), dev).long(), kv_len,
+                             q_rows)
         self._tensors[key] = out
         return out
 

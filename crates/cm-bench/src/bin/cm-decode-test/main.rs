@@ -21,7 +21,10 @@ mod common;
 
 use cm_bench::reference::{self, Inputs, Shape};
 use cm_bench::{from_bits, nan_bits, to_bits};
-use cm_cuda::{decode_splits, decode_workspace_len, DType, Decode, Prefill, PREFILL_KEY_BLOCK};
+use cm_cuda::{
+    decode_splits, decode_workspace_len, DType, Decode, Prefill, PREFILL_KEY_BLOCK,
+    PREFILL_ROW_BLOCK,
+};
 use cm_plan::rows::RowIntervals;
 use common::{Expect, Gpu, Res, Rng};
 use cudarc::driver::CudaSlice;
@@ -346,18 +349,28 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             step.row_ptr.clone(),
             step.intervals.clone(),
         )?
-        .prefill(PREFILL_KEY_BLOCK)?;
+        .prefill(PREFILL_KEY_BLOCK, PREFILL_ROW_BLOCK)?;
         let dev_plan = gpu.rt.upload_prefill_plan(&plan.rows, s)?;
         let key_blocks = s.clone_htod(&plan.key_blocks)?;
-        let mut out = s.clone_htod(&vec![nan_bits(c.dtype); total_q * h * d])?;
-        let mut lse = s.clone_htod(&vec![f32::NAN; total_q * h])?;
+        // q at the layout's virtual rows; the padding rows are zeros, as the Python op makes
+        // them, and their outputs are dropped.
+        let q_rows = plan.q_rows() as usize;
+        let mut q_virtual = vec![to_bits(c.dtype, 0.0); q_rows * h * d];
+        for (r, &v) in plan.row_index.iter().enumerate() {
+            for (i, &x) in q[r * h * d..][..h * d].iter().enumerate() {
+                q_virtual[v as usize * h * d + i] = to_bits(c.dtype, x as f32);
+            }
+        }
+        let q_virtual = s.clone_htod(&q_virtual)?;
+        let mut out = s.clone_htod(&vec![nan_bits(c.dtype); q_rows * h * d])?;
+        let mut lse = s.clone_htod(&vec![f32::NAN; q_rows * h])?;
         gpu.rt.prefill(
             s,
             &dev_plan,
             Prefill {
                 dtype: c.dtype,
-                q: &q_dev,
-                q_shape: [total_q, h, d],
+                q: &q_virtual,
+                q_shape: [q_rows, h, d],
                 k_cache: &k_dev,
                 v_cache: &v_dev,
                 cache_shape: [step.num_pages, ps, h_kv, d],
@@ -369,17 +382,23 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
                 softmax_scale: scale as f32,
             },
         )?;
-        let out_host = s.clone_dtoh(&out)?;
+        let out_virtual = s.clone_dtoh(&out)?;
         let lse_host = s.clone_dtoh(&lse)?;
         s.synchronize()?;
+        let out_host: Vec<u16> = plan
+            .row_index
+            .iter()
+            .flat_map(|&v| &out_virtual[v as usize * h * d..][..h * d])
+            .copied()
+            .collect();
         let ck = check(c, &step, &q, &logical, scale, &out_host, |r, hh| {
-            lse_host[hh * total_q + r]
+            lse_host[hh * q_rows + plan.row_index[r] as usize]
         });
         print_check(
             "prefill",
             c,
             &ck,
-            &format!("{} key blocks", plan.num_key_blocks()),
+            &format!("{} key blocks, {q_rows} rows", plan.num_key_blocks()),
         );
         result["prefill"] = json!({
             "max_abs_err": ck.max_err, "tolerance": reference::tolerance(ck.emulated_err),
