@@ -295,6 +295,51 @@ def test_step_tensors(torch):
     assert step.to_tensors() is not t and step.to_tensors().kv_len.tolist() == [13, 4]
 
 
+@pytest.mark.parametrize("q_len,kv_len,heads", [
+    ([3, 130, 1], [40, 300, 9], (8, 2)),
+    ([128, 128], [128, 256], (4, 4)),
+    ([64] * 3, [700] * 3, (6, 1)),
+])
+def test_prefill_virtual_rows_round_trip(torch, q_len, kv_len, heads):
+    """The paged forward's rows: query head kv_head * group + j of step row r sits at virtual
+    row row_index[r * group + j] of kv head kv_head, padding rows are zero, every sequence
+    starts a 128-row tile, and the kernel's outputs come back to each (row, head) whole."""
+    from compilemask import _ops
+
+    num_heads, num_kv_heads = heads
+    group = num_heads // num_kv_heads
+    step = cm.builtin("causal").plan_step(q_len, kv_len)
+    pt = step.prefill_tensors("cpu", group)
+    assert pt.row_group == group and pt.row_index.shape == (step.total_q * group,)
+    starts = [0]
+    for n in q_len:
+        starts.append(starts[-1] + -(-n * group // 128) * 128)
+    assert pt.q_rows == starts[-1]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(step.total_q, num_heads, 16, generator=g)
+    qv = _ops.to_virtual_rows(q, pt.row_index, pt.q_rows, group)
+    assert qv.shape == (pt.q_rows, num_kv_heads, 16) and qv.is_contiguous()
+    seen = torch.zeros(pt.q_rows, dtype=torch.bool)
+    for s, n in enumerate(q_len):
+        for i in range(n):
+            r = sum(q_len[:s]) + i
+            for h in range(num_heads):
+                v = pt.row_index[r * group + h % group].item()
+                assert v == starts[s] + i * group + h % group
+                assert torch.equal(qv[v, h // group], q[r, h])
+                seen[v] = True
+    assert not qv[~seen].any()
+    out_v = torch.randn(pt.q_rows, num_kv_heads, 16, generator=g)
+    lse_v = torch.randn(num_kv_heads, pt.q_rows, generator=g)
+    out, lse = _ops.from_virtual_rows(out_v, lse_v, pt.row_index, group)
+    assert out.shape == q.shape and lse.shape == (step.total_q, num_heads)
+    for r in range(step.total_q):
+        for h in range(num_heads):
+            v = pt.row_index[r * group + h % group].item()
+            assert torch.equal(out[r, h], out_v[v, h // group])
+            assert lse[r, h].item() == lse_v[h // group, v].item()
+
+
 def test_paged_attention_bad_inputs(torch):
     step = cm.builtin("causal").plan_step([1, 2], [20, 5])
     kc, vc, table = make_cache(torch, [20, 5], 8, 2, 4, 4, [None, None], 3)

@@ -103,19 +103,25 @@ impl Step {
     }
 
     /// The step laid out for the paged forward (`cm_serve::StepPlan::prefill` at
-    /// `cm_cuda::PREFILL_KEY_BLOCK` keys and `cm_cuda::PREFILL_ROW_BLOCK` rows per block): the
-    /// kernels' descriptor of its virtual rows over the virtual keys
+    /// `cm_cuda::PREFILL_KEY_BLOCK` keys and `cm_cuda::PREFILL_ROW_BLOCK` rows per block, each
+    /// row `row_group` times: the query heads of a kv head packed as rows): the kernels'
+    /// descriptor of its virtual rows over the virtual keys
     /// (`cm_cuda::HostPlan::build_masks`, one mask for every head, with only the lists
     /// `cm_cuda::prefill_lists` names, the others empty; one uint32 bytes object per array, in
     /// the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes, `[num_key_blocks, 4]`),
-    /// the virtual `kv_len`, `row_index` (int32 bytes, `[total_q]`: each step row's virtual
-    /// row) and the virtual rows `q_rows` (GIL released). `ValueError` when the layout is too
-    /// large.
-    fn prefill_arrays<'py>(&self, py: Python<'py>) -> PyResult<PrefillArrays<'py>> {
+    /// the virtual `kv_len`, `row_index` (int32 bytes, `[total_q * row_group]`: the virtual
+    /// row of copy `j` of step row `r` at `r * row_group + j`) and the virtual rows `q_rows`
+    /// (GIL released). `ValueError` when the layout is too large or `row_group` is 0.
+    #[pyo3(signature = (row_group = 1))]
+    fn prefill_arrays<'py>(&self, py: Python<'py>, row_group: u32) -> PyResult<PrefillArrays<'py>> {
         let plan = self.inner.plan();
         let built = py.detach(|| -> Result<_, String> {
             let prefill = plan
-                .prefill(cm_cuda::PREFILL_KEY_BLOCK, cm_cuda::PREFILL_ROW_BLOCK)
+                .prefill(compilemask::PrefillShape {
+                    key_block: cm_cuda::PREFILL_KEY_BLOCK,
+                    row_block: cm_cuda::PREFILL_ROW_BLOCK,
+                    row_group,
+                })
                 .map_err(|e| e.to_string())?;
             let host = cm_cuda::HostPlan::build_masks(
                 &[&prefill.rows],

@@ -8,9 +8,11 @@
 //! virtual key `key_offset[s] + p`, with `key_offset[s]` the key blocks of the sequences
 //! before it, `sum(ceil(kv_len[s'] / key_block)) * key_block` for `s' < s`.
 //!
-//! Rows get the same treatment at `row_block` rows a block (the kernel's query tile): row `i`
-//! of sequence `s` is virtual row `row_offset[s] + i`, each sequence's rows padded to whole
-//! row blocks, so no query tile holds rows of two sequences. A tile mixing sequences would
+//! Rows get the same treatment at `row_block` rows a block (the kernel's query tile), after
+//! each row is repeated `row_group` times (GQA packing: the query heads of one kv head become
+//! consecutive rows of one head, so a sequence of few rows still fills a tile): copy `j` of
+//! row `i` of sequence `s` is virtual row `row_offset[s] + i * row_group + j`, each
+//! sequence's rows padded to whole row blocks, so no query tile holds rows of two sequences. A tile mixing sequences would
 //! see every key block of both, each partial (the other sequence's rows see none of it), and
 //! need row bits for all of them: over long caches, hundreds of MiB and of milliseconds a
 //! step. A padding row sees what its sequence's last row sees, so each tile is full, partial
@@ -30,24 +32,36 @@ pub const MAX_PREFILL_KEYS: u64 = i32::MAX as u64 - 256;
 /// whatever `key_block` is asked for.
 pub const MAX_PREFILL_KEY_BLOCKS: u64 = 1 << 24;
 
+/// How a prefill layout is tiled (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillShape {
+    /// Keys per block of the virtual key space: the kernel's key tile.
+    pub key_block: u32,
+    /// Rows per block of the virtual rows: the kernel's query tile (1 keeps the step's rows
+    /// packed).
+    pub row_block: u32,
+    /// Consecutive virtual rows per step row: `num_heads / num_kv_heads` packs the query
+    /// heads of a kv head as rows (GQA packing); 1 for none.
+    pub row_group: u32,
+}
+
 /// A step laid out for a tiled forward over a paged KV cache (module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prefill {
     /// The virtual rows over the virtual keys: `q_rows x num_key_blocks * key_block`, virtual
-    /// row `row_offset[s] + i` holding row `i` of sequence `s`'s intervals shifted by
-    /// `key_offset[s]`, and each padding row its sequence's last row's.
+    /// row `row_offset[s] + i * row_group + j` holding row `i` of sequence `s`'s intervals
+    /// shifted by `key_offset[s]`, and each padding row its sequence's last row's.
     pub rows: RowIntervals,
-    /// `[total_q]`: the virtual row of each of the step's rows (0-based, increasing).
+    /// `[total_q * row_group]`: the virtual row of copy `j` of step row `r` at `r * row_group
+    /// + j` (0-based, increasing).
     pub row_index: Vec<i32>,
     /// `[num_key_blocks, 4]` int32, row-major: for virtual key block `n`, `(seq, first_key,
     /// valid_keys, 0)`: the block's sequence, the logical position of its first key in that
     /// sequence, and how many of its `key_block` keys the sequence has (`key_block` but in its
     /// last block; keys past them are never visible, and their cache rows are not read).
     pub key_blocks: Vec<i32>,
-    /// Keys per block, as asked.
-    pub key_block: u32,
-    /// Rows per block, as asked.
-    pub row_block: u32,
+    /// The tiling, as asked.
+    pub shape: PrefillShape,
 }
 
 impl Prefill {
@@ -56,36 +70,52 @@ impl Prefill {
         self.key_blocks.len() / 4
     }
 
-    /// Virtual rows: the step's rows with each sequence's padded to whole row blocks.
+    /// Virtual rows: the step's rows, each `row_group` times, with each sequence's padded to
+    /// whole row blocks.
     pub fn q_rows(&self) -> u32 {
         self.rows.q_len()
     }
 }
 
 impl StepPlan {
-    /// The step laid out for a tiled forward kernel whose tiles hold `row_block` rows and
-    /// `key_block` keys (module docs; `row_block = 1` keeps the step's packed rows). Costs
-    /// O(virtual rows x intervals + key blocks).
+    /// The step laid out for a tiled forward kernel of the tiles `shape` gives (module docs).
+    /// Costs O(virtual rows x intervals + key blocks).
     ///
     /// # Errors
     /// [`StepError::PrefillTooLarge`] when the virtual keys or rows exceed
     /// [`MAX_PREFILL_KEYS`], [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
     /// [`MAX_PREFILL_KEY_BLOCKS`], [`StepError::TooManyIntervals`] when the padded rows hold
     /// more than [`crate::MAX_STEP_INTERVALS`] intervals; [`StepError::BadArray`] for a zero
-    /// block.
-    pub fn prefill(&self, key_block: u32, row_block: u32) -> Result<Prefill, StepError> {
-        for (name, block) in [("key_block", key_block), ("row_block", row_block)] {
-            if block == 0 {
+    /// block or group.
+    pub fn prefill(&self, shape: PrefillShape) -> Result<Prefill, StepError> {
+        let PrefillShape {
+            key_block,
+            row_block,
+            row_group,
+        } = shape;
+        for (name, n) in [
+            ("key_block", key_block),
+            ("row_block", row_block),
+            ("row_group", row_group),
+        ] {
+            if n == 0 {
                 return Err(StepError::BadArray {
                     array: name,
-                    message: format!("{name} = 0; a block holds at least 1"),
+                    message: format!("{name} = 0; expected at least 1"),
                 });
             }
         }
-        let (kb, rb) = (u64::from(key_block), u64::from(row_block));
+        let (kb, rb, group) = (
+            u64::from(key_block),
+            u64::from(row_block),
+            row_group as usize,
+        );
         let key_offset = padded_offsets(self.kv_len().iter().map(|&kv| kv as u64), kb);
         let keys = *key_offset.last().expect("offsets start at 0");
-        let q_len = self.cu_q().windows(2).map(|w| (w[1] - w[0]) as u64);
+        let q_len = self
+            .cu_q()
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as u64 * group as u64);
         let row_offset = padded_offsets(q_len, rb);
         let q_rows = *row_offset.last().expect("offsets start at 0");
         for (what, n) in [("keys", keys), ("rows", q_rows)] {
@@ -105,11 +135,14 @@ impl StepPlan {
                 max: MAX_PREFILL_KEY_BLOCKS,
             });
         }
-        // Each sequence's rows, then its padding rows, each a copy of its last row.
+        // Each sequence's rows, each `group` times, then its padding rows, each a copy of its
+        // last row.
         let seq_rows = |s: usize| {
             let (first, end) = (self.cu_q()[s] as usize, self.cu_q()[s + 1] as usize);
-            let pad = (row_offset[s + 1] - row_offset[s]) as usize - (end - first);
-            (first..end).chain(std::iter::repeat_n(end.saturating_sub(1), pad))
+            let pad = (row_offset[s + 1] - row_offset[s]) as usize - (end - first) * group;
+            (first..end)
+                .flat_map(move |r| std::iter::repeat_n(r, group))
+                .chain(std::iter::repeat_n(end.saturating_sub(1), pad))
         };
         let num_intervals: usize = (0..self.num_seqs())
             .flat_map(seq_rows)
@@ -132,10 +165,11 @@ impl StepPlan {
         let mut row_ptr = Vec::with_capacity(q_rows as usize + 1);
         row_ptr.push(0u32);
         let mut intervals = Vec::with_capacity(num_intervals);
-        let mut row_index = Vec::with_capacity(self.total_q());
+        let mut row_index = Vec::with_capacity(self.total_q() * group);
         for s in 0..self.num_seqs() {
             let shift = key_offset[s] as u32;
-            row_index.extend((0..self.q_len(s)).map(|i| (row_offset[s] + i as u64) as i32));
+            let copies = self.q_len(s) * group;
+            row_index.extend((0..copies).map(|i| (row_offset[s] + i as u64) as i32));
             for r in seq_rows(s) {
                 intervals.extend(self.row(r).map(|(start, end)| KeyInterval {
                     start: start + shift,
@@ -152,8 +186,7 @@ impl StepPlan {
             rows,
             row_index,
             key_blocks,
-            key_block,
-            row_block,
+            shape,
         })
     }
 }
@@ -171,6 +204,14 @@ fn padded_offsets(sizes: impl Iterator<Item = u64>, block: u64) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shape(key_block: u32, row_block: u32, row_group: u32) -> PrefillShape {
+        PrefillShape {
+            key_block,
+            row_block,
+            row_group,
+        }
+    }
 
     fn step(q_len: &[i32], kv_len: &[i32], rows: &[Vec<(i32, i32)>]) -> StepPlan {
         let mut cu = vec![0];
@@ -197,7 +238,7 @@ mod tests {
             &[5, 9, 4],
             &[vec![(0, 4)], vec![(0, 1), (3, 5)], vec![(2, 9)], vec![]],
         );
-        let p = plan.prefill(4, 1).unwrap();
+        let p = plan.prefill(shape(4, 1, 1)).unwrap();
         // Blocks: 5 keys -> 2 blocks, 9 -> 3, 4 -> 1: offsets 0, 8, 20; 24 virtual keys.
         assert_eq!(p.rows.q_len(), 4);
         assert_eq!(p.row_index, [0, 1, 2, 3]);
@@ -218,12 +259,26 @@ mod tests {
         );
         // Rows in blocks of 2: sequence 1's row moves to virtual row 2 and sequence 2's to 4;
         // rows 3 and 5 pad them, each a copy of its sequence's last row.
-        let padded = plan.prefill(4, 2).unwrap();
+        let padded = plan.prefill(shape(4, 2, 1)).unwrap();
         assert_eq!(padded.row_index, [0, 1, 2, 4]);
         assert_eq!(padded.q_rows(), 6);
         for (virt, real) in [(0, 0), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3)] {
             assert_eq!(
                 padded.rows.row(virt),
+                p.rows.row(real),
+                "virtual row {virt}"
+            );
+        }
+        // Two copies of each row in blocks of 4: sequence 0's 4 copies fill a block, the
+        // others' 2 copies are padded by 2 more.
+        let grouped = plan.prefill(shape(4, 4, 2)).unwrap();
+        assert_eq!(grouped.row_index, [0, 1, 2, 3, 4, 5, 8, 9]);
+        assert_eq!(grouped.q_rows(), 12);
+        let real = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3];
+        for (virt, &real) in real.iter().enumerate() {
+            let virt = virt as u32;
+            assert_eq!(
+                grouped.rows.row(virt),
                 p.rows.row(real),
                 "virtual row {virt}"
             );
@@ -263,22 +318,25 @@ mod tests {
             let plan = step(&q_len, &kv_len, &rows);
             let kb = [16, 64, 128][next(3) as usize];
             let rb = [1, 3, 8, 128][next(4) as usize];
-            let p = plan.prefill(kb, rb).unwrap();
+            let g = [1, 2, 4][next(3) as usize];
+            let p = plan.prefill(shape(kb, rb, g)).unwrap();
             assert_eq!(p.rows.kv_len() as usize, p.num_key_blocks() * kb as usize);
             assert_eq!(p.q_rows() % rb, 0);
+            assert_eq!(p.row_index.len(), plan.total_q() * g as usize);
             // Every virtual row block holds rows of one sequence, padding rows repeating
             // that sequence's last row.
             let mut seq_of_virtual = vec![None; p.q_rows() as usize];
-            for (r, &v) in p.row_index.iter().enumerate() {
-                seq_of_virtual[v as usize] = Some((plan.seq_of_row(r).unwrap(), r));
+            for (i, &v) in p.row_index.iter().enumerate() {
+                let r = i / g as usize;
+                seq_of_virtual[v as usize] = Some((plan.seq_of_row(r).unwrap(), i));
             }
             let mut last = None;
             for (v, seq) in seq_of_virtual.iter().enumerate() {
                 match seq {
                     Some(own) => last = Some(*own),
                     None => {
-                        let (_, r) = last.expect("a block starts with a real row");
-                        assert_eq!(p.rows.row(v as u32), p.rows.row(p.row_index[r] as u32));
+                        let (_, i) = last.expect("a block starts with a real row");
+                        assert_eq!(p.rows.row(v as u32), p.rows.row(p.row_index[i] as u32));
                     }
                 }
                 if v as u32 % rb == 0 {
@@ -295,10 +353,11 @@ mod tests {
                     );
                 }
             }
-            for r in 0..plan.total_q() {
+            for i in 0..plan.total_q() * g as usize {
+                let r = i / g as usize;
                 let s = plan.seq_of_row(r).unwrap();
                 let want: Vec<u32> = plan.row(r).flat_map(|(a, b)| a..b).collect();
-                let vr = p.row_index[r] as u32;
+                let vr = p.row_index[i] as u32;
                 let mut got = vec![];
                 for v in 0..p.rows.kv_len() {
                     if p.rows.is_visible(vr, v) {
@@ -329,14 +388,14 @@ mod tests {
             let rows = vec![vec![(0, 1)]; n];
             step(&vec![1; n], &vec![1 << 26; n], &rows)
         };
-        let err = big(31).prefill(1, 1).unwrap_err();
+        let err = big(31).prefill(shape(1, 1, 1)).unwrap_err();
         assert!(
             matches!(err, StepError::PrefillTooManyBlocks { blocks, key_block: 1, .. }
                 if blocks == 31 << 26),
             "{err}"
         );
         assert!(err.to_string().contains("key blocks of 1 keys"), "{err}");
-        let err = big(33).prefill(128, 1).unwrap_err();
+        let err = big(33).prefill(shape(128, 1, 1)).unwrap_err();
         assert!(
             matches!(err, StepError::PrefillTooLarge { what: "keys", count, .. }
                 if count == 33 << 26),
@@ -345,7 +404,7 @@ mod tests {
         // Rows: 2^17 one-row sequences padded to 2^14 rows each.
         let n = 1 << 17;
         let many = step(&vec![1; n], &vec![1; n], &vec![vec![(0, 1)]; n]);
-        let err = many.prefill(128, 1 << 14).unwrap_err();
+        let err = many.prefill(shape(128, 1 << 14, 1)).unwrap_err();
         assert!(
             matches!(err, StepError::PrefillTooLarge { what: "rows", count, .. }
                 if count == 1 << 31),
@@ -356,7 +415,7 @@ mod tests {
         let row: Vec<(i32, i32)> = (0..1 << 14).map(|i| (2 * i, 2 * i + 1)).collect();
         let wide = step(&[1], &[1 << 15], &[row]);
         assert!(matches!(
-            wide.prefill(128, 1 << 14).unwrap_err(),
+            wide.prefill(shape(128, 1 << 14, 1)).unwrap_err(),
             StepError::TooManyIntervals { .. }
         ));
     }
@@ -364,8 +423,9 @@ mod tests {
     #[test]
     fn a_zero_block_is_refused() {
         let plan = step(&[1], &[3], &[vec![(0, 3)]]);
-        let err = |kb, rb| plan.prefill(kb, rb).unwrap_err().to_string();
-        assert!(err(0, 128).contains("key_block = 0"));
-        assert!(err(128, 0).contains("row_block = 0"));
+        let err = |kb, rb, g| plan.prefill(shape(kb, rb, g)).unwrap_err().to_string();
+        assert!(err(0, 128, 1).contains("key_block = 0"));
+        assert!(err(128, 0, 1).contains("row_block = 0"));
+        assert!(err(128, 128, 0).contains("row_group = 0"));
     }
 }

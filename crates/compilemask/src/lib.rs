@@ -39,8 +39,8 @@ pub use cm_reference::{
     AttentionShape, Float, ForwardOutput, Gradients, Masks, ReferenceError, Score, ScoreGradients,
 };
 pub use cm_serve::{
-    paged_attention, PagedError, PagedShape, Prefill, Step, StepError, StepPlan, StepPlanner,
-    MAX_STEP_INTERVALS,
+    paged_attention, PagedError, PagedShape, Prefill, PrefillShape, Step, StepError, StepPlan,
+    StepPlanner, MAX_STEP_INTERVALS,
 };
 pub use cm_shard::{shard, shard_plan, Part, ShardError, Sharding};
 pub use cm_stdlib::{Builtin, BUILTINS};

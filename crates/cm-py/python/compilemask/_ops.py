@@ -548,28 +548,53 @@ def paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of a step through the paged forward (``cm_cuda::prefill``): ``kernel`` is the descriptor of
     the step's virtual rows over its virtual key blocks, ``key_blocks`` the blocks' ``(seq,
-    first_key, valid_keys, 0)`` entries and ``row_index`` (int64 ``[total_q]``) each step
-    row's virtual row (:meth:`compilemask.Step` builds them), ``plan_dims`` ``[kv_len,
-    q_rows]`` (the virtual keys and rows)."""
+    first_key, valid_keys, 0)`` entries and ``row_index`` (int64 ``[total_q * row_group]``)
+    the virtual row of each (step row, query head of its kv head) (:meth:`compilemask.Step`
+    builds them), ``plan_dims`` ``[kv_len, q_rows, row_group]`` (the virtual keys and rows,
+    and the query heads packed per kv head: ``num_heads // num_kv_heads``, or 1)."""
     q, k_cache, v_cache = _kernel_ready(q), _kernel_ready(k_cache), _kernel_ready(v_cache)
-    total_q, num_heads, head_dim = q.shape
-    kv_len, q_rows = plan_dims
-    # Padding rows (each sequence's rows end on a query tile) see what their sequence's last
-    # row sees; zeros keep their scores finite, and their outputs are dropped below.
-    padded = q_rows != total_q
-    if padded:
-        q = q.new_zeros((q_rows, num_heads, head_dim)).index_copy_(0, row_index, q)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    # The kernel writes lse row-contiguous per head; the op returns it [total_q, num_heads].
-    lse = torch.empty((num_heads, q_rows), dtype=torch.float32, device=q.device)
+    kv_len, q_rows, row_group = plan_dims
+    q_virtual = to_virtual_rows(q, row_index, q_rows, row_group)
+    out = torch.empty_like(q_virtual)
+    lse = torch.empty((q_virtual.shape[1], q_rows), dtype=torch.float32, device=q.device)
     plan = (q_rows, kv_len, [_raw(t) for t in kernel])
     with torch.cuda.device(q.device):
         _native.cuda_paged_prefill(
-            _stream(q.device), plan, _raw(q), _raw(k_cache), _raw(v_cache), _raw(out),
+            _stream(q.device), plan, _raw(q_virtual), _raw(k_cache), _raw(v_cache), _raw(out),
             _raw(lse), _raw(block_table), _raw(key_blocks.reshape(-1)), scale)
-    if padded:
+    return from_virtual_rows(out, lse, row_index, row_group)
+
+
+def to_virtual_rows(q: Tensor, row_index: Tensor, q_rows: int, row_group: int) -> Tensor:
+    """``q`` ``[total_q, num_heads, head_dim]`` as the prefill layout's contiguous ``[q_rows,
+    num_heads // row_group, head_dim]``: query head ``kv_head * row_group + j`` of step row
+    ``r`` at virtual row ``row_index[r * row_group + j]`` of kv head ``kv_head`` (GQA
+    packing), zeros in the padding rows (which see what their sequence's last row sees: zeros
+    keep their scores finite, and their outputs are dropped)."""
+    total_q, num_heads, head_dim = q.shape
+    heads = num_heads // row_group
+    packed = (q.reshape(total_q, heads, row_group, head_dim).transpose(1, 2)
+              .reshape(total_q * row_group, heads, head_dim))
+    if q_rows == total_q * row_group:
+        # No padding: row_index is the identity.
+        return packed.contiguous()
+    return q.new_zeros((q_rows, heads, head_dim)).index_copy_(0, row_index, packed)
+
+
+def from_virtual_rows(out: Tensor, lse: Tensor, row_index: Tensor,
+                      row_group: int) -> tuple[Tensor, Tensor]:
+    """The prefill kernel's ``out`` ``[q_rows, num_kv_heads, head_dim]`` and ``lse``
+    ``[num_kv_heads, q_rows]`` back in the step's rows and heads (``to_virtual_rows``
+    inverted, padding rows dropped): ``out`` ``[total_q, num_heads, head_dim]`` and ``lse``
+    ``[total_q, num_heads]``, both contiguous."""
+    heads, head_dim = out.shape[1], out.shape[2]
+    total_q = row_index.shape[0] // row_group
+    if out.shape[0] != row_index.shape[0]:
         out, lse = out.index_select(0, row_index), lse.index_select(1, row_index)
-    return out, lse.t().contiguous()
+    out = (out.reshape(total_q, row_group, heads, head_dim).transpose(1, 2)
+           .reshape(total_q, heads * row_group, head_dim))
+    lse = lse.reshape(heads, total_q, row_group).permute(1, 0, 2).reshape(total_q, -1)
+    return out.contiguous(), lse.contiguous()
 
 
 @paged_prefill_op.register_fake

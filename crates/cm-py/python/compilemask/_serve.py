@@ -44,22 +44,25 @@ class StepTensors(NamedTuple):
 
 class PrefillTensors(NamedTuple):
     """A step laid out for the paged forward (``cm_cuda::prefill``), on one CUDA device:
-    ``kernel``, the int32 descriptor arrays of its virtual rows (every sequence's rows padded
+    ``kernel``, the int32 descriptor arrays of its virtual rows (each step row ``row_group``
+    times, the query heads of one kv head packed as rows, then every sequence's rows padded
     to whole 128-row query tiles) over the virtual key space (every sequence's keys padded to
     whole 128-key blocks); ``key_blocks`` int32 ``[num_key_blocks, 4]`` (each block's
-    sequence, first logical key and valid keys); ``row_index`` int64 ``[total_q]`` (each step
-    row's virtual row); ``kv_len`` the virtual keys and ``q_rows`` the virtual rows. Only the
-    arrays of the paged forward's tile are built (``cm_cuda::prefill_lists``; the others are
-    placeholders it never reads). Made by :meth:`Step.prefill_tensors`."""
+    sequence, first logical key and valid keys); ``row_index`` int64 ``[total_q *
+    row_group]`` (the virtual row of copy ``j`` of step row ``r`` at ``r * row_group + j``);
+    ``kv_len`` the virtual keys and ``q_rows`` the virtual rows. Only the arrays of the paged
+    forward's tile are built (``cm_cuda::prefill_lists``; the others are placeholders it never
+    reads). Made by :meth:`Step.prefill_tensors`."""
 
     kernel: tuple
     key_blocks: torch.Tensor
     row_index: torch.Tensor
     kv_len: int
     q_rows: int
+    row_group: int
 
     def plan_dims(self) -> list[int]:
-        return [self.kv_len, self.q_rows]
+        return [self.kv_len, self.q_rows, self.row_group]
 
 
 # The "auto" kernel choice of paged_attention: the paged forward once a step brings at least
@@ -241,22 +244,23 @@ class Step:
         self._tensors[key] = out
         return out
 
-    def prefill_tensors(self, device: Any) -> PrefillTensors:
-        """The step laid out for the paged forward on CUDA ``device``, cached until the next
-        :meth:`append` (``ValueError`` when the layout is too large)."""
+    def prefill_tensors(self, device: Any, row_group: int = 1) -> PrefillTensors:
+        """The step laid out for the paged forward on CUDA ``device``, each row ``row_group``
+        times (``num_heads // num_kv_heads`` packs the query heads of a kv head as rows),
+        cached until the next :meth:`append` (``ValueError`` when the layout is too large)."""
         from ._torch import _cache_key, _int32, _kernel_tensors, require_torch
 
         torch = require_torch("Step.prefill_tensors")
-        key = "prefill " + _cache_key(torch, device)
+        key = f"prefill {row_group} " + _cache_key(torch, device)
         cached = self._tensors.get(key)
         if cached is not None:
             return cached
         dev = torch.device(device)
-        arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays()
+        arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
         kernel, _ = _kernel_tensors(torch, arrays, dev)
         out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
-                             _int32(torch, row_index, (self.total_q,), dev).long(), kv_len,
-                             q_rows)
+                             _int32(torch, row_index, (len(row_index) // 4,), dev).long(),
+                             kv_len, q_rows, row_group)
         self._tensors[key] = out
         return out
 
@@ -389,7 +393,7 @@ def paged_attention(
             _check_pages(step, page_size, block_table.shape[1])
         prefill = None
         if _runs_prefill(kernel, step, page_size):
-            prefill = step.prefill_tensors(q.device)
+            prefill = step.prefill_tensors(q.device, hq // hk)
         return _ops.paged_attention_cuda(q, k_cache, v_cache, block_table, tensors, scale,
                                          bool(return_lse), prefill)
     if q.device.type != "cpu":

@@ -26,6 +26,7 @@ use cm_cuda::{
     PREFILL_ROW_BLOCK,
 };
 use cm_plan::rows::RowIntervals;
+use cm_serve::PrefillShape;
 use common::{Expect, Gpu, Res, Rng};
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
@@ -349,28 +350,40 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
             step.row_ptr.clone(),
             step.intervals.clone(),
         )?
-        .prefill(PREFILL_KEY_BLOCK, PREFILL_ROW_BLOCK)?;
+        .prefill(PrefillShape {
+            key_block: PREFILL_KEY_BLOCK,
+            row_block: PREFILL_ROW_BLOCK,
+            row_group: group as u32,
+        })?;
         let dev_plan = gpu.rt.upload_prefill_plan(&plan.rows, s)?;
         let key_blocks = s.clone_htod(&plan.key_blocks)?;
-        // q at the layout's virtual rows; the padding rows are zeros, as the Python op makes
-        // them, and their outputs are dropped.
+        // q at the layout's virtual rows, the query heads of each kv head packed as rows
+        // (query head kvh * group + j of row r at virtual row row_index[r * group + j] of kv
+        // head kvh); the padding rows are zeros, as the Python op makes them, and their
+        // outputs are dropped.
         let q_rows = plan.q_rows() as usize;
-        let mut q_virtual = vec![to_bits(c.dtype, 0.0); q_rows * h * d];
-        for (r, &v) in plan.row_index.iter().enumerate() {
-            for (i, &x) in q[r * h * d..][..h * d].iter().enumerate() {
-                q_virtual[v as usize * h * d + i] = to_bits(c.dtype, x as f32);
+        let at = |r: usize, hh: usize| {
+            let v = plan.row_index[r * group + hh % group] as usize;
+            (v * h_kv + hh / group) * d
+        };
+        let mut q_virtual = vec![to_bits(c.dtype, 0.0); q_rows * h_kv * d];
+        for r in 0..total_q {
+            for hh in 0..h {
+                for e in 0..d {
+                    q_virtual[at(r, hh) + e] = to_bits(c.dtype, q[(r * h + hh) * d + e] as f32);
+                }
             }
         }
         let q_virtual = s.clone_htod(&q_virtual)?;
-        let mut out = s.clone_htod(&vec![nan_bits(c.dtype); q_rows * h * d])?;
-        let mut lse = s.clone_htod(&vec![f32::NAN; q_rows * h])?;
+        let mut out = s.clone_htod(&vec![nan_bits(c.dtype); q_rows * h_kv * d])?;
+        let mut lse = s.clone_htod(&vec![f32::NAN; q_rows * h_kv])?;
         gpu.rt.prefill(
             s,
             &dev_plan,
             Prefill {
                 dtype: c.dtype,
                 q: &q_virtual,
-                q_shape: [q_rows, h, d],
+                q_shape: [q_rows, h_kv, d],
                 k_cache: &k_dev,
                 v_cache: &v_dev,
                 cache_shape: [step.num_pages, ps, h_kv, d],
@@ -385,14 +398,14 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Res<Value> {
         let out_virtual = s.clone_dtoh(&out)?;
         let lse_host = s.clone_dtoh(&lse)?;
         s.synchronize()?;
-        let out_host: Vec<u16> = plan
-            .row_index
-            .iter()
-            .flat_map(|&v| &out_virtual[v as usize * h * d..][..h * d])
-            .copied()
-            .collect();
+        let mut out_host = vec![0u16; total_q * h * d];
+        for r in 0..total_q {
+            for hh in 0..h {
+                out_host[(r * h + hh) * d..][..d].copy_from_slice(&out_virtual[at(r, hh)..][..d]);
+            }
+        }
         let ck = check(c, &step, &q, &logical, scale, &out_host, |r, hh| {
-            lse_host[hh * q_rows + plan.row_index[r] as usize]
+            lse_host[(hh / group) * q_rows + plan.row_index[r * group + hh % group] as usize]
         });
         print_check(
             "prefill",
