@@ -17,10 +17,20 @@ fn refused(args: &[&str], needles: &[&str]) {
 
 #[test]
 fn bad_arguments_are_refused_before_the_gpu() {
-    refused(&["--sizes", "0"], &["--sizes: 0 is out of range"]);
+    // Sizes out of range, negative or not numbers: one message naming the flag and the range.
+    refused(
+        &["--sizes", "0"],
+        &["invalid value '0' for '--sizes", "not in 1..=1048576"],
+    );
+    refused(
+        &["--sizes", "8192,2000000"],
+        &["invalid value '2000000' for '--sizes", "not in 1..=1048576"],
+    );
     refused(&["--sizes", "8k"], &["invalid value '8k'"]);
-    // A negative number is the flag's value, so the error names the flag.
-    refused(&["--sizes", "-5"], &["invalid value '-5' for '--sizes"]);
+    refused(
+        &["--sizes", "-5"],
+        &["invalid value '-5' for '--sizes", "not in 1..=1048576"],
+    );
     refused(&["--heads", "-2"], &["invalid value '-2' for '--heads"]);
     refused(&["--fwd-tile", "-3x4"], &["--fwd-tile \"-3x4\""]);
     refused(
