@@ -139,7 +139,7 @@ class Step:
     def __init__(self, native: _native.Step, program: Program):
         self._native = native
         self._program = program
-        self._tensors: dict[str, StepTensors] = {}
+        self._tensors: dict[str, StepTensors | PrefillTensors] = {}
 
     @property
     def program(self) -> Program:
