@@ -112,8 +112,8 @@ type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// (padded), `ws_order` the forward's tile sets best first as [`cuda_ws_order`] gave them for
 /// the unpadded arrays.
 type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>);
-/// A prefill layout's kernel descriptor as the Python side passes it: `(total_q, kv_len,
-/// [array; PLAN_ARRAY_COUNT])`, the arrays of `Step.prefill_arrays` as 1-D tensors (padded;
+/// A prefill layout's kernel descriptor as the Python side passes it: `(q_rows, kv_len,
+/// [array; PLAN_ARRAY_COUNT])` (the layout's virtual rows and keys), the arrays of `Step.prefill_arrays` as 1-D tensors (padded;
 /// only those of `cm_cuda::prefill_lists` are read).
 type PrefillDescriptorArg = (u32, u32, Vec<TensorArg<1>>);
 
@@ -696,11 +696,11 @@ pub fn cuda_paged_prefill(
         let kb = to_external(key_blocks);
         external::check_tensor("key_blocks", &kb.dtype, kb.device, "int32", device)?;
         let (kb_addr, kb_len) = kb.contiguous("key_blocks")?;
-        let (total_q, kv_len, arrays) = plan;
+        let (q_rows, kv_len, arrays) = plan;
         let arrays: Vec<ExternalTensor<1>> = arrays.into_iter().map(to_external).collect();
         let layout = external::descriptor_layout(
             device,
-            total_q,
+            q_rows,
             kv_len,
             1,
             [1, 1],
@@ -714,14 +714,14 @@ pub fn cuda_paged_prefill(
                 layout.kv_len()
             )));
         }
-        let [total_q, num_heads, _] = q.shape;
+        let [rows, num_heads, _] = q.shape;
         let lse = match lse {
             Some(t) => {
                 let t = to_external(t);
                 external::check_tensor("lse", &t.dtype, t.device, "float32", device)?;
-                if t.shape != [num_heads, total_q] || (total_q > 1 && t.strides[1] != 1) {
+                if t.shape != [num_heads, rows] || (rows > 1 && t.strides[1] != 1) {
                     return Err(Error::invalid(format!(
-                        "lse: shape {:?} strides {:?}, expected [num_heads, total_q] = [{num_heads}, {total_q}] with row stride 1",
+                        "lse: shape {:?} strides {:?}, expected [num_heads, q_rows] = [{num_heads}, {rows}] with row stride 1",
                         t.shape, t.strides
                     )));
                 }

@@ -311,7 +311,8 @@ def paged_attention(
       that are powers of two from 8, head_dim 64 or 128; the fast path for prefill chunks
       and shared-prompt scoring, where each sequence brings many rows;
     - ``"auto"`` (default): ``"prefill"`` when it can run and the step averages at least
-      ``PREFILL_MIN_ROWS_PER_SEQ`` (64) new rows per sequence, else ``"decode"``.
+      ``PREFILL_MIN_ROWS_PER_SEQ`` (64) new rows per sequence, else ``"decode"`` (also when
+      the step's prefill layout would outgrow the paged forward's limits).
 
     A block-table entry outside ``[0, num_pages)`` reads as zeros on CUDA, never outside the
     cache. A :class:`Step` with a sequence of more keys than its block-table row holds pages
@@ -321,9 +322,10 @@ def paged_attention(
     ``ValueError``; CUDA dtypes and head dims the kernels lack raise ``NotImplementedError``.
 
     The prefill path lays out the step's rows on the host each time a step changes
-    (:meth:`Step.prefill_tensors`, cached until :meth:`Step.append`): a descriptor of every
-    128 x 128 tile that a sequence's rows see, with per-row bits where a tile mixes rows of
-    two sequences, so its host time and memory grow with the keys the step reads.
+    (:meth:`Step.prefill_tensors`, cached until :meth:`Step.append`): each sequence's rows,
+    the query heads of a kv head packed as rows and padded to whole 128-row tiles, over its
+    keys padded to whole 128-key blocks; a descriptor of every tile a sequence's rows see,
+    with per-row bits where the mask cuts a tile.
     """
     from ._torch import _DTYPES, require_torch
 
@@ -393,7 +395,14 @@ def paged_attention(
             _check_pages(step, page_size, block_table.shape[1])
         prefill = None
         if _runs_prefill(kernel, step, page_size):
-            prefill = step.prefill_tensors(q.device, hq // hk)
+            try:
+                prefill = step.prefill_tensors(q.device, hq // hk)
+            except ValueError:
+                # The layout outgrows the paged forward's limits (its rows are the step's
+                # times num_heads // num_kv_heads, padded): "auto" leaves the step to the
+                # decode kernel, which reads the step as it is.
+                if kernel == "prefill":
+                    raise
         return _ops.paged_attention_cuda(q, k_cache, v_cache, block_table, tensors, scale,
                                          bool(return_lse), prefill)
     if q.device.type != "cpu":
