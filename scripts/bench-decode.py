@@ -15,7 +15,8 @@ that can express them): tree decode (batch 16, a random 64-node draft tree per s
 32K cached prefix: node i sees the prefix, its ancestors and itself) and shared-prompt scoring
 (one 8K prompt and 16 responses of 512 tokens: each response's rows see the prompt and their
 own response causally; ours reads the prompt's pages through every response's block table,
-Flex one packed sequence of prompt and responses), as TFLOP/s of visible pairs
+Flex one packed sequence of prompt and responses; FlashAttention-4, which expresses it too, on
+the same paged cache with bottom-right causal), as TFLOP/s of visible pairs
 (4 x head_dim x num_heads x pairs). Ours runs each through both of `compilemask.paged_attention`'s
 kernels on a planned `Step` (`kernel="decode"` and `kernel="prefill"`, the paged forward),
 after checking that they agree; `over_flex` takes the faster.
@@ -98,7 +99,7 @@ def both_kernels(row: dict, q, kc, vc, table, step, scale, runs, flops):
     return calls[best]
 
 
-def mask_targets(runs: int, flex) -> dict:
+def mask_targets(runs: int, flex, fa4) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
     dev = "cuda"
     h, h_kv, d = 32, 8, 128
@@ -214,6 +215,23 @@ def mask_targets(runs: int, flex) -> dict:
                       max_abs_diff_vs_flex=err)
     except Exception as e:  # noqa: BLE001
         shared["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if fa4 is not None:
+        # FA4 on the same paged cache: each response a sequence of the prompt's pages and its
+        # own, bottom-right causal (FlashAttention's causal for seqlen_q < seqlen_k).
+        try:
+            seqused = torch.full((r,), kv, **i32)
+
+            def fa():
+                o = fa4(q, kc, vc, cu_seqlens_q=cu, cu_seqlens_k=None, seqused_k=seqused,
+                        max_seqlen_q=r_len, page_table=table, softmax_scale=scale, causal=True,
+                        pack_gqa=True)
+                return o[0] if isinstance(o, tuple) else o
+
+            shared["max_abs_diff_vs_fa4"] = (ours().float() - fa().float()).abs().max().item()
+            fa_ms = median_ms(fa, runs, calls=CALLS)
+            shared.update(fa4_ms=fa_ms, fa4_tflops=flops / fa_ms / 1e9, over_fa4=fa_ms / shared["ms"])
+        except Exception as e:  # noqa: BLE001
+            shared["fa4_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print("shared_prompt", json.dumps(shared), flush=True)
     out["shared_prompt"] = shared
     return out
@@ -325,7 +343,7 @@ def main() -> None:
         results["rows"].append(row)
         del k4, v4
         torch.cuda.empty_cache()
-    results["masks"] = mask_targets(a.runs, flex)
+    results["masks"] = mask_targets(a.runs, flex, fa4)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
