@@ -350,6 +350,10 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
     let words = block_m.div_ceil(32);
     let tile_words = block_n as usize * words;
     let mut masks = vec![0u32; desc.q_indices.len() * tile_words];
+    // 64-row tiles (the backward's) take each 64-key part of the rows' bits as a 64 x 64 bit
+    // matrix, transposed whole, rather than a bit per visible (row, key).
+    let by_matrix = block_m == 64 && block_n % 64 == 0;
+    let mut matrices = vec![[0u64; 64]; if by_matrix { block_n as usize / 64 } else { 0 }];
     // With a block clamped to a shorter length there is one block, index 0, so
     // `index * block` (at the unclamped tile) still gives its first row or key.
     for n in 0..desc.num_n_blocks as usize {
@@ -363,15 +367,65 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
                 let r = q - row0;
                 let (word, bit) = (r / 32, 1u32 << (r % 32));
                 for (lo, hi) in runs_in_tile((desc, &per_row), rows, p, q, r, key0) {
+                    if by_matrix {
+                        set_row_bits(&mut matrices, r, lo, hi);
+                        continue;
+                    }
                     for key in out[lo as usize * words..hi as usize * words].chunks_exact_mut(words)
                     {
                         key[word] |= bit;
                     }
                 }
             }
+            for (part, matrix) in matrices.iter_mut().enumerate() {
+                transpose64(matrix);
+                for (c, &rows_bits) in matrix.iter().enumerate() {
+                    let key = &mut out[(part * 64 + c) * 2..][..2];
+                    key[0] = rows_bits as u32;
+                    key[1] = (rows_bits >> 32) as u32;
+                }
+                *matrix = [0; 64];
+            }
         }
     }
     masks
+}
+
+/// Sets keys `[lo, hi)` of row `r` in 64-key bit matrices (`matrices[part][r]`, bit `c` for
+/// key `64 part + c`).
+fn set_row_bits(matrices: &mut [[u64; 64]], r: usize, lo: u32, hi: u32) {
+    for (part, matrix) in matrices.iter_mut().enumerate() {
+        let base = part as u32 * 64;
+        let (a, b) = (lo.max(base), hi.min(base + 64));
+        if a < b {
+            let n = b - a;
+            let run = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << (a - base)
+            };
+            matrix[r] |= run;
+        }
+    }
+}
+
+/// Transposes a 64 x 64 bit matrix in place: bit `c` of row `r` becomes bit `r` of row `c`.
+/// Swaps the off-diagonal blocks of halving size (32, 16, ..., 1), after Hacker's Delight's
+/// `transpose32` (section 7-3), for least-significant-bit-first rows.
+fn transpose64(a: &mut [u64; 64]) {
+    let mut j = 32usize;
+    let mut m: u64 = 0x0000_0000_ffff_ffff;
+    while j != 0 {
+        let mut k = 0usize;
+        while k < 64 {
+            let t = ((a[k] >> j) ^ a[k + j]) & m;
+            a[k] ^= t << j;
+            a[k + j] ^= t;
+            k = (k + j + 1) & !j;
+        }
+        j >>= 1;
+        m ^= m << j;
+    }
 }
 
 /// Sets bits `[lo, hi)` of a little-endian bit array of u32 words.
@@ -507,7 +561,7 @@ impl HostPlan {
         for set in
             (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
         {
-            let ws = TileDescriptor::build(rows, ws_tile(set));
+            let ws = TileDescriptor::build_forward(rows, ws_tile(set));
             stats.ws_computed_pairs[set] = ws.computed_pairs;
             stats.ws_counts[set] = ws.counts();
             for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(ws, rows)) {
@@ -515,7 +569,7 @@ impl HostPlan {
             }
         }
         if lists == PlanLists::All {
-            let desc = TileDescriptor::build(rows, tile);
+            let desc = TileDescriptor::build_forward(rows, tile);
             stats.computed_pairs = desc.computed_pairs;
             stats.counts = desc.counts();
             for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(desc, rows)) {
@@ -597,12 +651,12 @@ impl HostPlan {
         let dims = mask_dims.map(|d| u32::try_from(d).unwrap_or(u32::MAX));
         let num_masks = u32::try_from(masks.len())
             .map_err(|_| Error::invalid(format!("{} masks exceed 2^32", masks.len())))?;
-        let parts: Vec<HostPlan> = masks
+        let mut parts: Vec<HostPlan> = masks
             .iter()
             .map(|m| HostPlan::build_lists(m, tile, lists))
             .collect();
         let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
-        for part in &parts {
+        for part in &mut parts {
             // Bases of the concatenated lists of tile indices that this mask's offsets point
             // into.
             let base = |a: PlanArray| -> Result<u32, Error> {
@@ -624,15 +678,22 @@ impl HostPlan {
                     continue;
                 }
                 let shift = shifts[a.index()];
-                let src = &part.arrays[a.index()];
+                let src = std::mem::take(&mut part.arrays[a.index()]);
                 let dst = &mut arrays[a.index()];
-                for &v in src {
-                    dst.push(v.checked_add(shift).ok_or_else(|| {
-                        Error::invalid(format!(
-                            "the plan's {} array outgrows the kernels' 32-bit indices",
-                            a.name()
-                        ))
-                    })?);
+                if shift == 0 && dst.is_empty() {
+                    // The first mask's arrays (a plan of one mask: all of them) move as they are.
+                    *dst = src;
+                } else if src
+                    .iter()
+                    .max()
+                    .is_some_and(|&v| v.checked_add(shift).is_none())
+                {
+                    return Err(Error::invalid(format!(
+                        "the plan's {} array outgrows the kernels' 32-bit indices",
+                        a.name()
+                    )));
+                } else {
+                    dst.extend(src.iter().map(|&v| v + shift));
                 }
             }
         }
@@ -1473,5 +1534,27 @@ mod tests {
         }
         let bad = PlanLists::Ws(WS_SETS);
         assert!(HostPlan::build_masks(&[&rows], &[0], [1, 1], tile, bad).is_err());
+    }
+
+    /// The bit-matrix transpose against the bit-by-bit definition, on random matrices.
+    #[test]
+    fn transpose64_moves_every_bit_across_the_diagonal() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20 {
+            let mut a = [0u64; 64];
+            for row in a.iter_mut() {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                *row = seed;
+            }
+            let mut t = a;
+            transpose64(&mut t);
+            for (r, row) in a.iter().enumerate() {
+                for (c, col) in t.iter().enumerate() {
+                    assert_eq!(col >> r & 1, row >> c & 1, "row {r} key {c}");
+                }
+            }
+        }
     }
 }

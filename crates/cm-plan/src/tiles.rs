@@ -339,7 +339,21 @@ impl TileDescriptor {
     /// # Panics
     /// If a block size is zero (the facade validates tile shapes first).
     pub fn build(rows: &RowIntervals, tile: TileShape) -> TileDescriptor {
-        match Self::try_build(rows, tile, usize::MAX) {
+        match Self::build_impl(rows, None, tile, usize::MAX, true) {
+            Ok(d) => d,
+            Err(_) => unreachable!("no entry limit"),
+        }
+    }
+
+    /// [`TileDescriptor::build`] without the transposed lists (`q_offsets`, `q_indices`,
+    /// `q_partial_ids`, `full_q_offsets` and `full_q_indices` stay empty): the forward lists
+    /// alone, for kernels that walk query blocks. Transposing is most of the cost of a
+    /// descriptor with many full tiles.
+    ///
+    /// # Panics
+    /// If a block size is zero.
+    pub fn build_forward(rows: &RowIntervals, tile: TileShape) -> TileDescriptor {
+        match Self::build_impl(rows, None, tile, usize::MAX, false) {
             Ok(d) => d,
             Err(_) => unreachable!("no entry limit"),
         }
@@ -359,7 +373,7 @@ impl TileDescriptor {
         tile: TileShape,
         max_entries: usize,
     ) -> Result<TileDescriptor, usize> {
-        Self::build_impl(rows, None, tile, max_entries)
+        Self::build_impl(rows, None, tile, max_entries, true)
     }
 
     /// As [`TileDescriptor::try_build`] (the same descriptor, bit for bit), for rows the
@@ -396,7 +410,7 @@ impl TileDescriptor {
             "runs are ascending row indices"
         );
         debug_assert!(runs_are_affine(rows, runs), "runs are affine");
-        Self::build_impl(rows, Some(runs), tile, max_entries)
+        Self::build_impl(rows, Some(runs), tile, max_entries, true)
     }
 
     /// Rows with strided runs are classified through two rows of plain intervals
@@ -408,6 +422,7 @@ impl TileDescriptor {
         runs: Option<&[u32]>,
         tile: TileShape,
         max_entries: usize,
+        transpose: bool,
     ) -> Result<TileDescriptor, usize> {
         assert!(
             tile.block_m > 0 && tile.block_n > 0,
@@ -420,20 +435,26 @@ impl TileDescriptor {
                 runs.is_none_or(|r| runs_are_affine(touch, r)),
                 "a strided run's proxies are affine where the run is"
             );
-            return Self::build_classified((touch, Some(&inter)), runs, tile, max_entries);
+            return Self::build_classified(
+                (touch, Some(&inter)),
+                runs,
+                tile,
+                (max_entries, transpose),
+            );
         }
-        Self::build_classified((rows, None), runs, tile, max_entries)
+        Self::build_classified((rows, None), runs, tile, (max_entries, transpose))
     }
 
     /// The descriptor of the rows whose tiles are classified from `(touch, inter)`:
     /// `(rows, None)` for rows of plain intervals, or the proxies of strided rows, `touch`
     /// for the tiles a row touches and `inter` for the keys it sees whole. `touch_runs` are
-    /// runs of `touch` (see [`TileDescriptor::try_build_runs`]).
+    /// runs of `touch` (see [`TileDescriptor::try_build_runs`]); the transposed lists only
+    /// with `transpose`.
     fn build_classified(
         (touch, inter): (&RowIntervals, Option<&RowIntervals>),
         touch_runs: Option<&[u32]>,
         tile: TileShape,
-        max_entries: usize,
+        (max_entries, transpose): (usize, bool),
     ) -> Result<TileDescriptor, usize> {
         let (q_len, kv_len) = (touch.q_len(), touch.kv_len());
         let (bm, bn) = tile.clamped(q_len, kv_len);
@@ -530,7 +551,9 @@ impl TileDescriptor {
                 return Err(entries);
             }
         }
-        d.build_transpose();
+        if transpose {
+            d.build_transpose();
+        }
         Ok(d)
     }
 
@@ -593,14 +616,15 @@ impl TileDescriptor {
 
     fn build_transpose(&mut self) {
         let num_n = self.num_n_blocks as usize;
-        let (q_offsets, ids) = transpose_csr(&self.kv_offsets, &self.kv_indices, num_n);
-        self.q_indices = ids.iter().map(|&(m, _)| m).collect();
-        self.q_partial_ids = ids.iter().map(|&(_, p)| p).collect();
+        let (q_offsets, q_indices, ids) =
+            transpose_csr(&self.kv_offsets, &self.kv_indices, num_n, true);
         self.q_offsets = q_offsets;
-        let (full_offsets, full_ids) =
-            transpose_csr(&self.full_kv_offsets, &self.full_kv_indices, num_n);
+        self.q_indices = q_indices;
+        self.q_partial_ids = ids;
+        let (full_offsets, full_indices, _) =
+            transpose_csr(&self.full_kv_offsets, &self.full_kv_indices, num_n, false);
         self.full_q_offsets = full_offsets;
-        self.full_q_indices = full_ids.iter().map(|&(m, _)| m).collect();
+        self.full_q_indices = full_indices;
     }
 
     /// Tile counts by class over the whole `num_m_blocks x num_n_blocks` grid.
@@ -1094,8 +1118,15 @@ fn next_end(ivs: &[KeyInterval], i: u32, end: u32) -> u32 {
     }
 }
 
-/// Transposes a CSR (rows -> ascending column ids) into columns -> ascending (row, entry id).
-fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, Vec<(u32, u32)>) {
+/// Transposes a CSR (rows -> ascending column ids) into columns -> ascending rows: the
+/// column offsets, each entry's row and, with `with_ids`, its entry id in the input (else
+/// empty).
+fn transpose_csr(
+    offsets: &[u32],
+    cols: &[u32],
+    num_cols: usize,
+    with_ids: bool,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let mut counts = vec![0u32; num_cols + 1];
     for &c in cols {
         counts[c as usize + 1] += 1;
@@ -1105,15 +1136,20 @@ fn transpose_csr(offsets: &[u32], cols: &[u32], num_cols: usize) -> (Vec<u32>, V
     }
     let out_offsets = counts.clone();
     let mut fill = counts;
-    let mut out = vec![(0u32, 0u32); cols.len()];
+    let mut rows = vec![0u32; cols.len()];
+    let mut ids = vec![0u32; if with_ids { cols.len() } else { 0 }];
     for (row, w) in offsets.windows(2).enumerate() {
         for e in w[0]..w[1] {
             let c = cols[e as usize] as usize;
-            out[fill[c] as usize] = (row as u32, e);
+            let at = fill[c] as usize;
+            rows[at] = row as u32;
+            if with_ids {
+                ids[at] = e;
+            }
             fill[c] += 1;
         }
     }
-    (out_offsets, out)
+    (out_offsets, rows, ids)
 }
 
 #[cfg(test)]
@@ -1221,6 +1257,35 @@ mod tests {
                     assert_eq!(fast, TileDescriptor::try_build(&rows, tile, usize::MAX));
                 }
             }
+        }
+    }
+
+    /// The forward-only build is the full build's forward half, with no transposed lists.
+    #[test]
+    fn a_forward_build_holds_the_forward_lists_alone() {
+        let rows: Vec<Vec<(u32, u32)>> = (0..300u32)
+            .map(|q| {
+                if q % 7 == 3 {
+                    vec![]
+                } else {
+                    vec![(q / 3, (q + 1).min(250)), (260, 261 + q % 39)]
+                }
+            })
+            .collect();
+        let rows = RowIntervals::from_rows(300, &rows).unwrap();
+        for (block_m, block_n) in [(64, 64), (128, 128), (192, 128), (64, 128)] {
+            let tile = TileShape { block_m, block_n };
+            let full = TileDescriptor::build(&rows, tile);
+            let fwd = TileDescriptor::build_forward(&rows, tile);
+            assert_eq!(fwd.kv_offsets, full.kv_offsets);
+            assert_eq!(fwd.kv_indices, full.kv_indices);
+            assert_eq!(fwd.full_kv_offsets, full.full_kv_offsets);
+            assert_eq!(fwd.full_kv_indices, full.full_kv_indices);
+            assert_eq!(fwd.computed_pairs, full.computed_pairs);
+            assert!(!full.q_indices.is_empty() && !full.q_offsets.is_empty());
+            assert!(fwd.q_offsets.is_empty() && fwd.q_indices.is_empty());
+            assert!(fwd.q_partial_ids.is_empty() && fwd.full_q_offsets.is_empty());
+            assert!(fwd.full_q_indices.is_empty());
         }
     }
 

@@ -84,32 +84,19 @@ where
     Ok([read_vec(a, na)?, read_vec(b, nb)?, read_vec(c, nc)?])
 }
 
-/// Native-endian bytes of a slice of plain numbers.
-pub trait NeBytes: Copy {
-    const SIZE: usize;
-    fn put(self, out: &mut Vec<u8>);
-}
+/// Plain numbers whose native-endian bytes cross to Python (`bytemuck::Pod`: reinterpreted
+/// in place, no per-element work).
+pub trait NeBytes: bytemuck::Pod {}
 
-macro_rules! ne_bytes {
-    ($($t:ty),*) => {$(
-        impl NeBytes for $t {
-            const SIZE: usize = std::mem::size_of::<$t>();
-            fn put(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_ne_bytes());
-            }
-        }
-    )*};
-}
-ne_bytes!(u32, i32, f32, f64);
+impl NeBytes for u32 {}
+impl NeBytes for i32 {}
+impl NeBytes for f32 {}
+impl NeBytes for f64 {}
 
-pub fn to_bytes<T: NeBytes>(values: &[T]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * T::SIZE);
-    for &v in values {
-        v.put(&mut out);
-    }
-    out
+pub fn to_bytes<T: NeBytes>(values: &[T]) -> &[u8] {
+    bytemuck::cast_slice(values)
 }
 
 pub fn py_bytes<'py, T: NeBytes>(py: Python<'py>, values: &[T]) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &to_bytes(values))
+    PyBytes::new(py, to_bytes(values))
 }

@@ -108,7 +108,7 @@ impl IndexedMasks {
 }
 
 pub(crate) fn bytearray<'py, T: NeBytes>(py: Python<'py>, v: &[T]) -> Bound<'py, PyByteArray> {
-    PyByteArray::new(py, &to_bytes(v))
+    PyByteArray::new(py, to_bytes(v))
 }
 
 pub(crate) type Forward<'py> = (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>);
