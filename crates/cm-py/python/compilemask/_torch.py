@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import _native
@@ -63,18 +64,27 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
     """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
     distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``,
     and the forward's tile sets best first for this plan (from the arrays' used lengths,
-    before padding)."""
-    out, lens = [], []
-    for raw in arrays:
-        n = len(raw) // 4
-        # At least 4: keeps every array's loads aligned (16-byte rows of the
-        # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`).
-        host = torch.zeros(_pow2(max(n, 4)), dtype=torch.int32)
-        if n:
-            host[:n] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
-        out.append(host.to(dev))
-        lens.append(n)
-    return tuple(out), tuple(_native.cuda_ws_order(lens))
+    before padding). The arrays are views of one tensor, filled on the host and copied to
+    ``dev`` in one transfer."""
+    lens = [len(raw) // 4 for raw in arrays]
+    # At least 4: keeps every array's loads aligned (16-byte rows of the
+    # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`), as every capacity, a
+    # power of two of at least 4 elements, keeps the next array's start.
+    caps = [_pow2(max(n, 4)) for n in lens]
+    flat = torch.empty(sum(caps), dtype=torch.int32)
+    parts, at = [], 0
+    with warnings.catch_warnings():
+        # The bytes are read-only; they are only read, into `flat`.
+        warnings.simplefilter("ignore", UserWarning)
+        for raw, n, cap in zip(arrays, lens, caps):
+            if n:
+                flat[at:at + n] = torch.frombuffer(raw, dtype=torch.int32)
+            flat[at + n:at + cap] = 0
+            parts.append((at, cap))
+            at += cap
+    flat = flat.to(dev)
+    out = tuple(flat[a:a + cap] for a, cap in parts)
+    return out, tuple(_native.cuda_ws_order(lens))
 
 
 def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
