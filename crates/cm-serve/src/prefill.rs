@@ -420,6 +420,60 @@ mod tests {
         ));
     }
 
+    /// With rows padded per sequence, the paged forward's 128 x 128 tiles are partial only
+    /// where the mask cuts them (a row's causal edge inside the key block, or a sequence's
+    /// last, short block), never because a tile holds two sequences' rows; packed rows
+    /// (row_block 1) mix sequences and make many more partial tiles.
+    #[test]
+    fn padded_rows_leave_partial_only_the_tiles_the_mask_cuts() {
+        use cm_plan::tiles::{TileDescriptor, TileShape};
+        let (q_len, kv_len) = ([200, 64, 300, 1], [1000, 700, 2000, 130]);
+        let rows: Vec<Vec<(i32, i32)>> = q_len
+            .iter()
+            .zip(kv_len)
+            .flat_map(|(&q, kv)| (0..q).map(move |i| vec![(0, kv - q + i + 1)]))
+            .collect();
+        let plan = step(&q_len, &kv_len, &rows);
+        let tile = TileShape {
+            block_m: 128,
+            block_n: 128,
+        };
+        for g in [1u32, 4] {
+            let p = plan.prefill(shape(128, 128, g)).unwrap();
+            let desc = TileDescriptor::build_forward(&p.rows, tile);
+            let mut owner = vec![None; p.q_rows() as usize];
+            for (i, &v) in p.row_index.iter().enumerate() {
+                owner[v as usize] = plan.seq_of_row(i / g as usize);
+            }
+            for m in 0..desc.num_m_blocks as usize {
+                let block_rows = m * 128..(m + 1) * 128;
+                let seqs: std::collections::BTreeSet<_> =
+                    block_rows.clone().filter_map(|v| owner[v]).collect();
+                assert_eq!(
+                    seqs.len(),
+                    1,
+                    "g {g}: query tile {m} holds sequences {seqs:?}"
+                );
+                for &n in
+                    &desc.kv_indices[desc.kv_offsets[m] as usize..desc.kv_offsets[m + 1] as usize]
+                {
+                    let (key0, valid) = (n * 128, p.key_blocks[4 * n as usize + 2] as u32);
+                    let cut = block_rows.clone().any(|v| {
+                        let row = p.rows.row(v as u32);
+                        row.iter().any(|iv| key0 < iv.end && iv.end < key0 + valid)
+                    });
+                    assert!(
+                        cut || valid < 128,
+                        "g {g}: tile ({m}, {n}) is partial but uncut"
+                    );
+                }
+            }
+            let packed = plan.prefill(shape(128, 1, g)).unwrap();
+            let mixed = TileDescriptor::build_forward(&packed.rows, tile);
+            assert!(mixed.kv_indices.len() > 2 * desc.kv_indices.len(), "g {g}");
+        }
+    }
+
     #[test]
     fn a_zero_block_is_refused() {
         let plan = step(&[1], &[3], &[vec![(0, 3)]]);
