@@ -605,7 +605,8 @@ fn cases() -> Vec<Case> {
     ));
     // Prefill chunks (hundreds of new rows per sequence: the paged forward's shapes), every
     // box size of the paged loads (pages of 8 to 256 slots), odd lengths ending inside a key
-    // block, query blocks holding rows of two sequences, extreme logits.
+    // block, sequences whose GQA-packed rows (groups of 1 to 8) end inside a query tile and
+    // are padded, extreme logits.
     let chunks = vec![(300, 1000), (513, 513), (128, 2049), (65, 193)];
     for &(dtype, d, ps, hq, hkv) in &[
         (DType::Bf16, 128, 16, 8, 2),
