@@ -503,6 +503,73 @@ impl PlanLists {
     }
 }
 
+/// Masks of at least this many (q, k) pairs (8K x 8K) build their tile sets on threads of
+/// their own: below it, starting the threads costs about what they save.
+const PARALLEL_PAIRS: u64 = 1 << 26;
+
+/// One tile set of a descriptor, built independently of the others
+/// ([`HostPlan::build_lists`]).
+enum SetPart {
+    /// A forward set: `fwd_ws`'s set `Some(set)`, or the plan's own tile (`None`), its work
+    /// counts and its lists in [`ForwardArray::ALL`] order.
+    Forward {
+        set: Option<usize>,
+        computed_pairs: u64,
+        counts: TileCounts,
+        lists: [Vec<u32>; 6],
+    },
+    /// The backward's transposed lists and key-major bits.
+    Backward([(PlanArray, Vec<u32>); 6]),
+}
+
+impl SetPart {
+    fn forward(set: Option<usize>, desc: TileDescriptor, rows: &RowIntervals) -> SetPart {
+        SetPart::Forward {
+            set,
+            computed_pairs: desc.computed_pairs,
+            counts: desc.counts(),
+            lists: forward_lists(desc, rows),
+        }
+    }
+
+    fn backward(rows: &RowIntervals) -> SetPart {
+        let bwd = TileDescriptor::build(rows, bwd_tile());
+        let order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
+        let masks = partial_key_masks(&bwd, rows);
+        SetPart::Backward([
+            (PlanArray::BwdNBlockOrder, order),
+            (PlanArray::BwdQOffsets, bwd.q_offsets),
+            (PlanArray::BwdQIndices, bwd.q_indices),
+            (PlanArray::BwdFullQOffsets, bwd.full_q_offsets),
+            (PlanArray::BwdFullQIndices, bwd.full_q_indices),
+            (PlanArray::BwdPartialKeyMask, masks),
+        ])
+    }
+}
+
+/// The results of `jobs` in order: each on a scoped thread of its own with `parallel` (and
+/// more than one core), else one after the other. A job's panic reaches the caller as it
+/// would have without threads.
+fn run_jobs<'a, T: Send + 'a>(
+    jobs: Vec<Box<dyn FnOnce() -> T + Send + 'a>>,
+    parallel: bool,
+) -> Vec<T> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !parallel || cores < 2 || jobs.len() < 2 {
+        return jobs.into_iter().map(|job| job()).collect();
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs.into_iter().map(|job| scope.spawn(job)).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    })
+}
+
 /// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
 pub struct HostPlan {
     q_len: u32,
@@ -553,38 +620,74 @@ impl HostPlan {
 
     /// [`HostPlan::build`] restricted to the arrays `lists` holds; the others stay empty.
     fn build_lists(rows: &RowIntervals, tile: TileShape, lists: PlanLists) -> HostPlan {
+        let pairs = u64::from(rows.q_len()) * u64::from(rows.kv_len());
+        HostPlan::build_lists_on(rows, tile, lists, pairs >= PARALLEL_PAIRS)
+    }
+
+    /// [`HostPlan::build_lists`], each tile set classified and encoded on its own: on
+    /// threads of their own with `parallel`.
+    fn build_lists_on(
+        rows: &RowIntervals,
+        tile: TileShape,
+        lists: PlanLists,
+        parallel: bool,
+    ) -> HostPlan {
+        let mut jobs: Vec<Box<dyn FnOnce() -> SetPart + Send + '_>> = Vec::new();
+        for set in
+            (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
+        {
+            jobs.push(Box::new(move || {
+                SetPart::forward(
+                    Some(set),
+                    TileDescriptor::build_forward(rows, ws_tile(set)),
+                    rows,
+                )
+            }));
+        }
+        if lists == PlanLists::All {
+            jobs.push(Box::new(move || {
+                SetPart::forward(None, TileDescriptor::build_forward(rows, tile), rows)
+            }));
+            jobs.push(Box::new(move || SetPart::backward(rows)));
+        }
+        let parts = run_jobs(jobs, parallel);
         let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
         let mut stats = PlanStats {
             visible_pairs: rows.visible_pairs(),
             ..PlanStats::default()
         };
-        for set in
-            (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
-        {
-            let ws = TileDescriptor::build_forward(rows, ws_tile(set));
-            stats.ws_computed_pairs[set] = ws.computed_pairs;
-            stats.ws_counts[set] = ws.counts();
-            for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(ws, rows)) {
-                arrays[PlanArray::Ws(a, set).index()] = v;
+        for part in parts {
+            match part {
+                SetPart::Forward {
+                    set,
+                    computed_pairs,
+                    counts,
+                    lists,
+                } => {
+                    match set {
+                        Some(set) => {
+                            stats.ws_computed_pairs[set] = computed_pairs;
+                            stats.ws_counts[set] = counts;
+                        }
+                        None => {
+                            stats.computed_pairs = computed_pairs;
+                            stats.counts = counts;
+                        }
+                    }
+                    for (a, v) in ForwardArray::ALL.into_iter().zip(lists) {
+                        let array = match set {
+                            Some(set) => PlanArray::Ws(a, set),
+                            None => PlanArray::Forward(a),
+                        };
+                        arrays[array.index()] = v;
+                    }
+                }
+                SetPart::Backward(lists) => {
+                    for (a, v) in lists {
+                        arrays[a.index()] = v;
+                    }
+                }
             }
-        }
-        if lists == PlanLists::All {
-            let desc = TileDescriptor::build_forward(rows, tile);
-            stats.computed_pairs = desc.computed_pairs;
-            stats.counts = desc.counts();
-            for (a, v) in ForwardArray::ALL.into_iter().zip(forward_lists(desc, rows)) {
-                arrays[PlanArray::Forward(a).index()] = v;
-            }
-            let bwd = TileDescriptor::build(rows, bwd_tile());
-            let bwd_order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
-            let bwd_masks = partial_key_masks(&bwd, rows);
-            let mut put = |a: PlanArray, v: Vec<u32>| arrays[a.index()] = v;
-            put(PlanArray::BwdNBlockOrder, bwd_order);
-            put(PlanArray::BwdQOffsets, bwd.q_offsets);
-            put(PlanArray::BwdQIndices, bwd.q_indices);
-            put(PlanArray::BwdFullQOffsets, bwd.full_q_offsets);
-            put(PlanArray::BwdFullQIndices, bwd.full_q_indices);
-            put(PlanArray::BwdPartialKeyMask, bwd_masks);
         }
         arrays[PlanArray::MaskIndex.index()] = vec![0];
         HostPlan {
@@ -1555,6 +1658,48 @@ mod tests {
                     assert_eq!(col >> r & 1, row >> c & 1, "row {r} key {c}");
                 }
             }
+        }
+    }
+
+    /// The tile sets built on threads of their own give the same descriptor as built in
+    /// turn (a sliding window over 8K rows: above the size that starts threads).
+    #[test]
+    fn threads_build_the_same_descriptor() {
+        let len = 8192u32;
+        let rows: Vec<Vec<(u32, u32)>> = (0..len)
+            .map(|q| {
+                vec![
+                    (q.saturating_sub(700), q + 1),
+                    ((q + 3000) % len, (q + 3000) % len + 1),
+                ]
+            })
+            .map(|mut r| {
+                r.sort();
+                if r[0].1 >= r[1].0 {
+                    r = vec![(r[0].0, r[0].1.max(r[1].1))];
+                }
+                r
+            })
+            .collect();
+        let rows = RowIntervals::from_rows(len, &rows).unwrap();
+        assert!(u64::from(len) * u64::from(len) >= PARALLEL_PAIRS);
+        let tile = ws_tile(0);
+        for lists in [PlanLists::All, PlanLists::Ws(1)] {
+            let threads = HostPlan::build_lists_on(&rows, tile, lists, true);
+            let in_turn = HostPlan::build_lists_on(&rows, tile, lists, false);
+            for a in PlanArray::ALL {
+                assert_eq!(
+                    threads.arrays()[a.index()],
+                    in_turn.arrays()[a.index()],
+                    "{}",
+                    a.name()
+                );
+            }
+            assert_eq!(threads.stats.computed_pairs, in_turn.stats.computed_pairs);
+            assert_eq!(
+                threads.stats.ws_computed_pairs,
+                in_turn.stats.ws_computed_pairs
+            );
         }
     }
 }
