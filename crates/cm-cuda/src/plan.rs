@@ -547,27 +547,52 @@ impl SetPart {
     }
 }
 
-/// The results of `jobs` in order: each on a scoped thread of its own with `parallel` (and
-/// more than one core), else one after the other. A job's panic reaches the caller as it
-/// would have without threads.
+/// A piece of a descriptor built on its own ([`run_jobs`]).
+type Job<'a, T> = Box<dyn FnOnce() -> T + Send + 'a>;
+
+/// The results of `jobs` in order: with `parallel` (and more than one core) on scoped
+/// threads, at most one per core, each taking every `threads`-th job; else one after the
+/// other. A job's panic reaches the caller as it would have without threads.
 fn run_jobs<'a, T: Send + 'a>(
     jobs: Vec<Box<dyn FnOnce() -> T + Send + 'a>>,
     parallel: bool,
 ) -> Vec<T> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if !parallel || cores < 2 || jobs.len() < 2 {
+    let threads = cores.min(jobs.len());
+    if !parallel || threads < 2 {
         return jobs.into_iter().map(|job| job()).collect();
     }
+    let count = jobs.len();
+    let mut buckets: Vec<Vec<(usize, Job<'a, T>)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        buckets[i % threads].push((i, job));
+    }
+    let mut slots: Vec<Option<T>> = (0..count).map(|_| None).collect();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs.into_iter().map(|job| scope.spawn(job)).collect();
-        handles
+        let handles: Vec<_> = buckets
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            .map(|bucket| {
+                scope.spawn(move || {
+                    bucket
+                        .into_iter()
+                        .map(|(i, job)| (i, job()))
+                        .collect::<Vec<_>>()
+                })
             })
-            .collect()
-    })
+            .collect();
+        for h in handles {
+            let done = h
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            for (i, result) in done {
+                slots[i] = Some(result);
+            }
+        }
+    });
+    slots
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
 }
 
 /// A plan's descriptor on the host: exactly the arrays a [`DevicePlan`] holds on the device.
@@ -632,7 +657,7 @@ impl HostPlan {
         lists: PlanLists,
         parallel: bool,
     ) -> HostPlan {
-        let mut jobs: Vec<Box<dyn FnOnce() -> SetPart + Send + '_>> = Vec::new();
+        let mut jobs: Vec<Job<'_, SetPart>> = Vec::new();
         for set in
             (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
         {
@@ -754,11 +779,28 @@ impl HostPlan {
         let dims = mask_dims.map(|d| u32::try_from(d).unwrap_or(u32::MAX));
         let num_masks = u32::try_from(masks.len())
             .map_err(|_| Error::invalid(format!("{} masks exceed 2^32", masks.len())))?;
-        let mut parts: Vec<HostPlan> = masks
+        // Several large masks build on threads of their own, each mask's sets in turn.
+        let pairs = u64::from(q_len) * u64::from(kv_len);
+        let jobs: Vec<Job<'_, HostPlan>> = masks
             .iter()
-            .map(|m| HostPlan::build_lists(m, tile, lists))
+            .map(|&m| -> Job<'_, HostPlan> {
+                if masks.len() > 1 {
+                    Box::new(move || HostPlan::build_lists_on(m, tile, lists, false))
+                } else {
+                    Box::new(move || HostPlan::build_lists(m, tile, lists))
+                }
+            })
             .collect();
-        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|_| Vec::new());
+        let mut parts = run_jobs(jobs, masks.len() > 1 && pairs >= PARALLEL_PAIRS / 4);
+        // Each concatenation allocated once at its final size (the first mask's arrays move).
+        let mut arrays: [Vec<u32>; PLAN_ARRAY_COUNT] = std::array::from_fn(|i| {
+            let total: usize = parts.iter().map(|p| p.arrays[i].len()).sum();
+            if parts.len() > 1 {
+                Vec::with_capacity(total)
+            } else {
+                Vec::new()
+            }
+        });
         for part in &mut parts {
             // Bases of the concatenated lists of tile indices that this mask's offsets point
             // into.
@@ -783,8 +825,8 @@ impl HostPlan {
                 let shift = shifts[a.index()];
                 let src = std::mem::take(&mut part.arrays[a.index()]);
                 let dst = &mut arrays[a.index()];
-                if shift == 0 && dst.is_empty() {
-                    // The first mask's arrays (a plan of one mask: all of them) move as they are.
+                if shift == 0 && dst.capacity() == 0 {
+                    // A plan of one mask: its arrays move as they are.
                     *dst = src;
                 } else if src
                     .iter()
@@ -1701,5 +1743,24 @@ mod tests {
                 in_turn.stats.ws_computed_pairs
             );
         }
+    }
+
+    /// Jobs on threads come back in their order, whatever the number of cores, and a
+    /// job's panic reaches the caller.
+    #[test]
+    fn jobs_on_threads_return_in_order_and_raise_their_panics() {
+        for parallel in [false, true] {
+            let jobs: Vec<Job<'_, usize>> = (0..37)
+                .map(|i| -> Job<'_, usize> { Box::new(move || i * i) })
+                .collect();
+            let got = run_jobs(jobs, parallel);
+            assert_eq!(got, (0..37).map(|i| i * i).collect::<Vec<_>>());
+        }
+        let panicked = std::panic::catch_unwind(|| {
+            let jobs: Vec<Job<'_, u32>> = vec![Box::new(|| 1), Box::new(|| panic!("job 1"))];
+            run_jobs(jobs, true)
+        });
+        let message = panicked.unwrap_err();
+        assert_eq!(message.downcast_ref::<&str>(), Some(&"job 1"));
     }
 }
