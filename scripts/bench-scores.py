@@ -11,9 +11,11 @@ backward 3.5x that.
 
     python3 scripts/bench-scores.py [--q-len 32768] [--runs 10] [--flex] [--json OUT.json]
 
-With `--flex`, W1 also runs FlexAttention (torch.compile'd, Triton backend, the causal
-`create_block_mask`) with the equivalent `score_mod` of each term (softcap, ALiBi, the T5
-table as a captured tensor with its gradient; Flex has no sinks) in the same process.
+With `--flex`, W1 also runs FlexAttention (torch.compile'd, the causal `create_block_mask`)
+on both of its backends, Triton and FLASH (FlashAttention-4's kernels, where the peers'
+staging installs them), with the equivalent `score_mod` of each term (softcap, ALiBi, the T5
+table as a captured tensor with its gradient; Flex has no sinks), and FlashAttention-4's own
+causal forward and backward without and with its softcap, in the same process.
 
 Needs torch with CUDA and the compilemask wheel (built with the kernels).
 """
@@ -49,8 +51,10 @@ def alibi_slopes(h: int) -> torch.Tensor:
 
 
 def flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, runs, ours) -> dict:
-    """FlexAttention (Triton backend) on causal W1 with each term's `score_mod`, and our
-    speed-up over it."""
+    """FlexAttention on causal W1 with each term's `score_mod`, on both of its backends
+    (Triton, and FLASH: FlashAttention-4's CuTe kernels, where the peers' staging installs
+    them and the `score_mod` lowers; the error is recorded otherwise), and our speed-up over
+    the faster of the two."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -65,17 +69,69 @@ def flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, runs, ours) -> dic
         "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
         "t5_table": lambda s, b, h, qi, ki: s + table[h, bucket32[qi - ki + n - 1]],
     }
+    backends = {"triton": None, "flash": {"BACKEND": "FLASH"}}
     out = {}
     for name, mod in mods.items():
         params = [q, k, v] + ([table] if name == "t5_table" else [])
-        fn = lambda mod=mod: flex(q, k, v, score_mod=mod, block_mask=bm)  # noqa: E731
-        fwd = median_ms(fn, runs, warmup=2)
-        fwd_bwd = median_ms(lambda: torch.autograd.grad(fn(), params, dout), runs, warmup=2)
-        out[name] = {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_ms": fwd_bwd,
-                     "fwd_bwd_tflops": 3.5 * flops / fwd_bwd / 1e9,
-                     "ours_over_flex_fwd": ours[name]["fwd_tflops"] / (flops / fwd / 1e9),
-                     "ours_over_flex_fwd_bwd": ours[name]["fwd_bwd_tflops"] / (3.5 * flops / fwd_bwd / 1e9)}
-        print("flex", name, json.dumps(out[name]), flush=True)
+        row = {}
+        for backend, options in backends.items():
+            fn = lambda mod=mod, options=options: flex(  # noqa: E731
+                q, k, v, score_mod=mod, block_mask=bm, kernel_options=options)
+            try:
+                fwd = median_ms(fn, runs, warmup=2)
+                row[f"{backend}_fwd_ms"] = fwd
+                row[f"{backend}_fwd_tflops"] = flops / fwd / 1e9
+            except Exception as e:  # noqa: BLE001
+                row[f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            try:
+                fwd_bwd = median_ms(lambda fn=fn: torch.autograd.grad(fn(), params, dout), runs,
+                                    warmup=2)
+                row[f"{backend}_fwd_bwd_ms"] = fwd_bwd
+                row[f"{backend}_fwd_bwd_tflops"] = 3.5 * flops / fwd_bwd / 1e9
+            except Exception as e:  # noqa: BLE001
+                row[f"{backend}_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for what in ("fwd", "fwd_bwd"):
+            best = max((row[f"{b}_{what}_tflops"] for b in backends
+                        if f"{b}_{what}_tflops" in row), default=None)
+            if best is not None:
+                row[f"best_{what}_tflops"] = best
+                row[f"ours_over_flex_{what}"] = ours[name][f"{what}_tflops"] / best
+        out[name] = row
+        print("flex", name, json.dumps(row), flush=True)
+    return out
+
+
+def fa4_rows(q, k, v, dout, flops, runs, ours) -> dict:
+    """FlashAttention-4's native causal attention (`flash_attn.cute.flash_attn_func`, inputs
+    `[batch, seq, heads, head_dim]`) without and with its softcap of 30, and our speed-up
+    over it; its import or launch error where it does not run."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    qb, kb, vb = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    dob = dout.transpose(1, 2).contiguous()
+    out = {}
+    for name, softcap in (("none", 0.0), ("softcap", 30.0)):
+        def fn(softcap=softcap):
+            o = flash_attn_func(qb, kb, vb, causal=True, softcap=softcap)
+            return o[0] if isinstance(o, tuple) else o
+
+        row = {}
+        try:
+            fwd = median_ms(fn, runs, warmup=2)
+            fwd_bwd = median_ms(lambda: torch.autograd.grad(fn(), [qb, kb, vb], dob), runs,
+                                warmup=2)
+            row.update(fwd_ms=fwd, fwd_tflops=flops / fwd / 1e9, fwd_bwd_ms=fwd_bwd,
+                       fwd_bwd_tflops=3.5 * flops / fwd_bwd / 1e9)
+            for what in ("fwd", "fwd_bwd"):
+                row[f"ours_over_fa4_{what}"] = (ours[name][f"{what}_tflops"]
+                                                / row[f"{what}_tflops"])
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out[name] = row
+        print("fa4", name, json.dumps(row), flush=True)
     return out
 
 
@@ -136,7 +192,8 @@ def main() -> None:
             for key in ("fwd_tflops", "fwd_bwd_tflops"):
                 row[tname][f"vs_none_{key}"] = row[tname][key] / row["none"][key]
         if a.flex and wname == "W1":
-            row["flex_triton"] = flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, a.runs, row)
+            row["flex"] = flex_rows(q, k, v, dout, n, slopes, table, bucket, flops, a.runs, row)
+            row["fa4_native"] = fa4_rows(q, k, v, dout, flops, a.runs, row)
         results["workloads"][wname] = {"visible_pairs_per_head": plan.visible_pairs, **row}
         print(wname, json.dumps(row, indent=1), flush=True)
     if a.json:
