@@ -124,6 +124,8 @@ def test_bad_steps_raise():
     assert step.kv_len == [4, 9]
     with pytest.raises(IndexError, match="row 2 is out of range"):
         step.row(2)
+    with pytest.raises(IndexError, match="row -1 is out of range"):
+        step.row(-1)
 
 
 # --------------------------------------------------------------------------- torch
@@ -271,6 +273,47 @@ def test_shared_prompt_pages_and_trees(torch):
     out = cm.paged_attention(q, kc, vc, table, step)
     want, _ = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(8))
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+def test_prefill_layout_arguments(torch):
+    """prefill_tensors names a bad row group; None is the CPU, as for to_tensors; a layout
+    of too many tiles is refused by name, not built."""
+    step = cm.builtin("causal").plan_step([5, 3], [40, 9])
+    for bad, err in [(0, ValueError), (-1, ValueError), (257, ValueError), (2 ** 40, ValueError),
+                     (True, TypeError), (2.0, TypeError), ("2", TypeError), (None, TypeError)]:
+        with pytest.raises(err, match="row_group"):
+            step.prefill_tensors("cpu", bad)
+    pt = step.prefill_tensors(None, 4)
+    assert pt.row_index.device.type == "cpu" and pt.q_rows == 256
+    huge = cm.builtin("causal").plan_step(2 ** 20, [2 ** 26])
+    with pytest.raises(ValueError, match="tiles of 128 x 128; at most"):
+        huge.prefill_tensors("cpu", 1)
+
+
+def test_paged_attention_scale_checks(torch):
+    step = cm.builtin("causal").plan_step([2], [9])
+    kc, vc, table = make_cache(torch, [9], 8, 1, 4, 4, [None], 1)
+    q = torch.randn(2, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"scale = 1e\+308 must be finite and fit float32"):
+        cm.paged_attention(q, kc, vc, table, step, scale=1e308)
+    with pytest.raises(TypeError, match="scale must be a number, got True"):
+        cm.paged_attention(q, kc, vc, table, step, scale=True)
+
+
+def test_paged_attention_under_torch_compile_on_cpu(torch):
+    """The CPU reference reads host bytes, which torch.compile cannot trace: it runs eagerly
+    inside a compiled function (a graph break) and gives the eager result."""
+    step = cm.builtin("causal").plan_step([3, 1], [40, 9])
+    kc, vc, table = make_cache(torch, [40, 9], 8, 2, 8, 8, [None, None], 5)
+    q = torch.randn(step.total_q, 4, 8, dtype=torch.float64)
+    tensors = step.to_tensors()
+
+    def run(q, kc, vc, table):
+        return cm.paged_attention(q, kc, vc, table, tensors, return_lse=True)
+
+    want = run(q, kc, vc, table)
+    got = torch.compile(run)(q, kc, vc, table)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_empty_rows_are_zero_and_minus_inf(torch):

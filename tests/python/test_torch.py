@@ -195,6 +195,13 @@ def test_bad_scale_and_plan_types():
     plan, q, k, v = _ok()
     with pytest.raises(ValueError, match="scale"):
         cm.attention(q, k, v, plan, scale=float("inf"))
+    # Finite in Python but not in float32, the kernels' scale: named as given.
+    with pytest.raises(ValueError, match=r"scale = 1e\+308 must be finite and fit float32"):
+        cm.attention(q, k, v, plan, scale=1e308)
+    with pytest.raises(TypeError, match="scale must be a number, got True"):
+        cm.attention(q, k, v, plan, scale=True)
+    with pytest.raises(TypeError, match="scale must be a number"):
+        cm.attention(q, k, v, plan, scale="0.5")
     with pytest.raises(TypeError, match="plan"):
         cm.attention(q, k, v, "causal")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="query"):

@@ -143,16 +143,16 @@ impl Step {
         ))
     }
 
-    /// Row `r`'s intervals; `IndexError` outside `[0, total_q)`.
-    fn row(&self, r: usize) -> PyResult<Vec<(u32, u32)>> {
+    /// Row `r`'s intervals; `IndexError` outside `[0, total_q)` (negative rows included).
+    fn row(&self, r: i64) -> PyResult<Vec<(u32, u32)>> {
         let p = self.inner.plan();
-        if r >= p.total_q() {
-            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+        match usize::try_from(r) {
+            Ok(r) if r < p.total_q() => Ok(p.row(r).collect()),
+            _ => Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "row {r} is out of range; the step has total_q = {} rows",
                 p.total_q()
-            )));
+            ))),
         }
-        Ok(p.row(r).collect())
     }
 
     /// The next step: sequence `s` gains `new_tokens[s]` tokens, its new rows (GIL released).

@@ -107,6 +107,23 @@ pub enum StepError {
         max: u64,
     },
 
+    /// A prefill layout whose sequences could see more tiles than
+    /// [`crate::MAX_PREFILL_TILES`] (each sequence's row blocks times its key blocks).
+    #[error(
+        "the step's sequences span up to {tiles} tiles of {row_block} x {key_block}; at most \
+         {max} (the tile descriptor would outgrow memory: take the step in smaller chunks)"
+    )]
+    PrefillTooManyTiles {
+        /// Each sequence's row blocks times its key blocks, summed.
+        tiles: u64,
+        /// Rows per block, as asked.
+        row_block: u32,
+        /// Keys per block, as asked.
+        key_block: u32,
+        /// The limit.
+        max: u64,
+    },
+
     /// More intervals than [`crate::MAX_STEP_INTERVALS`].
     #[error("the step's rows hold more than {max} intervals")]
     TooManyIntervals {

@@ -31,5 +31,7 @@ mod step;
 pub use error::{PagedError, StepError};
 pub use paged::{paged_attention, PagedShape};
 pub use planner::{Step, StepPlanner, MIN_CAPACITY};
-pub use prefill::{Prefill, PrefillShape, MAX_PREFILL_KEYS, MAX_PREFILL_KEY_BLOCKS};
+pub use prefill::{
+    Prefill, PrefillShape, MAX_PREFILL_KEYS, MAX_PREFILL_KEY_BLOCKS, MAX_PREFILL_TILES,
+};
 pub use step::{StepPlan, MAX_STEP_INTERVALS};

@@ -32,6 +32,12 @@ pub const MAX_PREFILL_KEYS: u64 = i32::MAX as u64 - 256;
 /// whatever `key_block` is asked for.
 pub const MAX_PREFILL_KEY_BLOCKS: u64 = 1 << 24;
 
+/// Most tiles a prefill layout's sequences may span (each sequence's row blocks times its
+/// key blocks, summed): what bounds the tile descriptor built from the layout (4 bytes a
+/// listed tile, 2 KiB more a partial one) whatever the mask. 2^24 tiles of 128 x 128 are
+/// 2^38 (q, k) pairs, minutes of GPU time in one step.
+pub const MAX_PREFILL_TILES: u64 = 1 << 24;
+
 /// How a prefill layout is tiled (module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefillShape {
@@ -84,7 +90,8 @@ impl StepPlan {
     /// # Errors
     /// [`StepError::PrefillTooLarge`] when the virtual keys or rows exceed
     /// [`MAX_PREFILL_KEYS`], [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
-    /// [`MAX_PREFILL_KEY_BLOCKS`], [`StepError::TooManyIntervals`] when the padded rows hold
+    /// [`MAX_PREFILL_KEY_BLOCKS`], [`StepError::PrefillTooManyTiles`] when the sequences span
+    /// more than [`MAX_PREFILL_TILES`] tiles, [`StepError::TooManyIntervals`] when the padded rows hold
     /// more than [`crate::MAX_STEP_INTERVALS`] intervals; [`StepError::BadArray`] for a zero
     /// block or group.
     pub fn prefill(&self, shape: PrefillShape) -> Result<Prefill, StepError> {
@@ -133,6 +140,20 @@ impl StepPlan {
                 blocks,
                 key_block,
                 max: MAX_PREFILL_KEY_BLOCKS,
+            });
+        }
+        let tiles: u64 = (0..self.num_seqs())
+            .map(|s| {
+                let rows = (row_offset[s + 1] - row_offset[s]) / rb;
+                rows.saturating_mul((key_offset[s + 1] - key_offset[s]) / kb)
+            })
+            .fold(0u64, u64::saturating_add);
+        if tiles > MAX_PREFILL_TILES {
+            return Err(StepError::PrefillTooManyTiles {
+                tiles,
+                row_block,
+                key_block,
+                max: MAX_PREFILL_TILES,
             });
         }
         // Each sequence's rows, each `group` times, then its padding rows, each a copy of its
@@ -472,6 +493,24 @@ mod tests {
             let mixed = TileDescriptor::build_forward(&packed.rows, tile);
             assert!(mixed.kv_indices.len() > 2 * desc.kv_indices.len(), "g {g}");
         }
+    }
+
+    /// A chunk of 2^20 rows over 2^26 keys spans 2^32 tiles of 128 x 128: refused by name
+    /// before anything of that size is built.
+    #[test]
+    fn layouts_of_too_many_tiles_are_refused() {
+        let rows = 1usize << 20;
+        let kv = 1i32 << 26;
+        let plan = step(&[rows as i32], &[kv], &vec![vec![(0, 1)]; rows]);
+        let err = plan.prefill(shape(128, 128, 1)).unwrap_err();
+        assert!(
+            matches!(err, StepError::PrefillTooManyTiles { tiles, .. } if tiles == 1 << 32),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("take the step in smaller chunks"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -71,6 +71,10 @@ class PrefillTensors(NamedTuple):
 # the slower path); decode steps, trees and short chunks stay on the decode kernel.
 PREFILL_MIN_ROWS_PER_SEQ = 64
 
+# The most query heads per kv head a prefill layout packs as rows (GQA groups are 1 to 64 in
+# practice; under "auto" a larger group takes the decode kernel).
+MAX_ROW_GROUP = 256
+
 
 def _ints(raw: bytes) -> list[int]:
     a = array.array("i")
@@ -245,17 +249,23 @@ class Step:
         return out
 
     def prefill_tensors(self, device: Any, row_group: int = 1) -> PrefillTensors:
-        """The step laid out for the paged forward on CUDA ``device``, each row ``row_group``
-        times (``num_heads // num_kv_heads`` packs the query heads of a kv head as rows),
-        cached until the next :meth:`append` (``ValueError`` when the layout is too large)."""
+        """The step laid out for the paged forward on ``device`` (CUDA for the kernel; ``None``
+        is the CPU), each row ``row_group`` times (``num_heads // num_kv_heads`` packs the
+        query heads of a kv head as rows; an int in ``[1, MAX_ROW_GROUP]``), cached until the
+        next :meth:`append` (``ValueError`` when the layout is too large)."""
         from ._torch import _cache_key, _int32, _kernel_tensors, require_torch
 
+        if isinstance(row_group, bool) or not isinstance(row_group, int):
+            raise TypeError(f"row_group must be an int, got {_type_name(row_group)}")
+        if not 1 <= row_group <= MAX_ROW_GROUP:
+            raise ValueError(f"row_group = {row_group} is out of range; expected 1 to "
+                             f"{MAX_ROW_GROUP} (num_heads // num_kv_heads)")
         torch = require_torch("Step.prefill_tensors")
         key = f"prefill {row_group} " + _cache_key(torch, device)
         cached = self._tensors.get(key)
         if cached is not None:
             return cached
-        dev = torch.device(device)
+        dev = torch.device("cpu") if device is None else torch.device(device)
         arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
         kernel, _ = _kernel_tensors(torch, arrays, dev)
         out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
@@ -327,7 +337,7 @@ def paged_attention(
     keys padded to whole 128-key blocks; a descriptor of every tile a sequence's rows see,
     with per-row bits where the mask cuts a tile.
     """
-    from ._torch import _DTYPES, require_torch
+    from ._torch import _DTYPES, _checked_scale, require_torch
 
     torch = require_torch("compilemask.paged_attention")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table}
@@ -384,9 +394,7 @@ def paged_attention(
     if tensors.cu_q.device != q.device:
         raise ValueError(f"the step tensors are on {tensors.cu_q.device} but q is on "
                          f"{q.device}; use step.to_tensors({str(q.device)!r})")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = _checked_scale(scale, d)
     if q.device.type == "cuda":
         from . import _ops
 
@@ -408,7 +416,10 @@ def paged_attention(
     if q.device.type != "cpu":
         raise ValueError(f"compilemask.paged_attention runs on CPU and CUDA tensors, got "
                          f"{q.device}")
-    out, lse = _paged_cpu(torch, q, k_cache, v_cache, block_table, tensors, scale)
+    # The reference reads the tensors' bytes on the host, which torch.compile cannot trace:
+    # it runs eagerly there (a graph break).
+    reference = torch.compiler.disable(_paged_cpu)
+    out, lse = reference(torch, q, k_cache, v_cache, block_table, tensors, scale)
     return (out, lse) if return_lse else out
 
 

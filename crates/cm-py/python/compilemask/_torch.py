@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import _native
-from ._program import Plan, PlanTensors, ScoreTensors
+from ._program import Plan, PlanTensors, ScoreTensors, _type_name
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +85,28 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
     flat = flat.to(dev)
     out = tuple(flat[a:a + cap] for a, cap in parts)
     return out, tuple(_native.cuda_ws_order(lens))
+
+
+def _checked_scale(scale: Any, head_dim: int) -> float:
+    """``scale`` as the float the kernels and the references take (``1 / sqrt(head_dim)``
+    for ``None``): ``TypeError`` for a bool or a non-number, ``ValueError`` naming it when it
+    is not finite or does not fit float32 (the kernels' softmax scale)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, str, bytes, bytearray)):
+        raise TypeError(f"scale must be a number, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number, got {_type_name(scale)}") from None
+    if not math.isfinite(value) or abs(value) > _F32_MAX:
+        raise ValueError(f"scale = {scale!r} must be finite and fit float32 (magnitude at most "
+                         f"{_F32_MAX:.4g})")
+    return value
+
+
+# The largest finite float32.
+_F32_MAX = 3.4028234663852886e38
 
 
 def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
@@ -626,11 +648,7 @@ def attention(
             f"the plan tensors are on {pt.row_ptr.device} but query is on {query.device}; "
             f"use plan.to_tensors({str(query.device)!r})"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = _checked_scale(scale, d)
     if query.device.type == "cuda" and not pt.kernel:
         raise ValueError(
             "the plan tensors hold no CUDA kernel descriptor; build them for the query's device "
