@@ -244,6 +244,24 @@ pub enum PagedError {
     #[error("softmax_scale = {0} is not finite")]
     Scale(f64),
 
+    /// A cache or query element the step reads is NaN or infinite (the reference would
+    /// otherwise emit NaN): named by where it is in the tensor the caller gave.
+    #[error(
+        "{tensor}[{index}] (sequence {seq}, {what}) is {value}; the reference needs finite inputs"
+    )]
+    NonFiniteInput {
+        /// The sequence that reads it.
+        seq: usize,
+        /// `q`, `k_cache` or `v_cache`.
+        tensor: &'static str,
+        /// Its index in that tensor, e.g. `5, 3, 0, 7` (page, slot, kv head, element).
+        index: String,
+        /// What it is to the sequence, e.g. `position 83`.
+        what: String,
+        /// The element, widened to `f64`.
+        value: f64,
+    },
+
     /// The attention reference refused a sequence's gathered inputs.
     #[error("sequence {seq}: {error}")]
     Reference {

@@ -201,7 +201,42 @@ pub fn paged_attention<T: Float>(
             head_dim_v: dv,
         };
         let o = attention_forward(&attn, &qs, &k, &v, &Masks::shared(&mask), softmax_scale)
-            .map_err(|error| PagedError::Reference { seq, error })?;
+            .map_err(|error| match error {
+                // The gathered layouts' flat indices, named in the caller's tensors.
+                cm_reference::ReferenceError::NonFiniteInput {
+                    tensor,
+                    index,
+                    value,
+                } => {
+                    let (name, index, what) = match tensor {
+                        "q" => {
+                            let (h, i, e) = (index / (lq * d), index / d % lq, index % d);
+                            let r = r0 + i;
+                            ("q", format!("{r}, {h}, {e}"), format!("its row {i}"))
+                        }
+                        _ => {
+                            let width = if tensor == "k" { d } else { dv };
+                            let (h, p, e) =
+                                (index / (kv * width), index / width % kv, index % width);
+                            let (page, slot) = (pages[p / ps], p % ps);
+                            let name = if tensor == "k" { "k_cache" } else { "v_cache" };
+                            (
+                                name,
+                                format!("{page}, {slot}, {h}, {e}"),
+                                format!("position {p}"),
+                            )
+                        }
+                    };
+                    PagedError::NonFiniteInput {
+                        seq,
+                        tensor: name,
+                        index,
+                        what,
+                        value,
+                    }
+                }
+                error => PagedError::Reference { seq, error },
+            })?;
         for i in 0..lq {
             for h in 0..hq {
                 out[((r0 + i) * hq + h) * dv..][..dv]

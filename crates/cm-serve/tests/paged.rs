@@ -506,10 +506,45 @@ fn bad_inputs_are_errors() {
         1.0
     ))
     .starts_with("num_heads = 7 is not a multiple of num_kv_heads = 2"));
-    // A NaN in a slot a sequence reads is the reference's error, naming the sequence.
+    // A NaN in a slot a sequence reads is named where the caller put it: page, slot, kv
+    // head and element of the cache, and the sequence's position.
     let mut k = cache.k.clone();
-    let slot = cache.block_table[sh.max_pages_per_seq] as usize * 8;
-    k[slot * 2 * 4] = f64::NAN;
-    let msg = e(run(&sh, &q, &k, &cache.v, &cache.block_table, 1.0));
-    assert!(msg.starts_with("sequence 1: "), "{msg}");
+    let page = cache.block_table[sh.max_pages_per_seq] as usize;
+    k[((page * 8 + 3) * 2 + 1) * 4 + 2] = f64::NAN;
+    assert_eq!(
+        e(run(&sh, &q, &k, &cache.v, &cache.block_table, 1.0)),
+        format!(
+            "k_cache[{page}, 3, 1, 2] (sequence 1, position 3) is NaN; the reference needs \
+             finite inputs"
+        )
+    );
+    let mut v = cache.v.clone();
+    v[(page * 8 * 2) * dims.head_dim_v] = f64::INFINITY;
+    assert!(
+        e(run(&sh, &q, &cache.k, &v, &cache.block_table, 1.0)).starts_with(&format!(
+            "v_cache[{page}, 0, 0, 0] (sequence 1, position 0) is inf"
+        ))
+    );
+    let mut q_bad = q.clone();
+    q_bad[(2 * dims.num_heads + 3) * dims.head_dim + 1] = f64::NAN;
+    assert!(
+        e(run(
+            &sh,
+            &q_bad,
+            &cache.k,
+            &cache.v,
+            &cache.block_table,
+            1.0
+        ))
+        .starts_with("q[2, 3, 1] (sequence 1, its row 1) is NaN"),
+        "{}",
+        e(run(
+            &sh,
+            &q_bad,
+            &cache.k,
+            &cache.v,
+            &cache.block_table,
+            1.0
+        ))
+    );
 }
