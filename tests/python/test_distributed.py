@@ -188,6 +188,12 @@ def test_shard_and_unshard_refuse_bad_ranks_and_shapes():
         cp.shard(torch.zeros(1, 2, 299, 8), 0)
     with pytest.raises(ValueError, match="along dim 0"):
         cp.shard(x, 0, dim=0)
+    for dim in (7, -5, 1.0, True):
+        with pytest.raises(ValueError, match=rf"dim = {dim!r} is not a dimension of a tensor of "
+                                             r"shape \(1, 2, 300, 8\) \(expected -4 to 3\)"):
+            cp.shard(x, 0, dim=dim)
+    with pytest.raises(ValueError, match="200 tokens cannot give each of ranks = 300 a token"):
+        ContextParallel(cm.builtin("causal").plan(200), ranks=300, chunk=1)
     shards = [cp.shard(x, r) for r in range(3)]
     assert shards[0].shape[2] != shards[2].shape[2], [s.shape for s in shards]
     with pytest.raises(ValueError, match=f"shard 0 must hold rank 0's {cp.shard_len(0)} positions"):

@@ -410,6 +410,12 @@ def test_paged_attention_bad_inputs(torch):
         cm.paged_attention(q, kc, vc, table, [0, 1])
     with pytest.raises(ValueError, match="kernel must be 'auto', 'decode' or 'prefill', got 'fast'"):
         cm.paged_attention(q, kc, vc, table, step, kernel="fast")
+    # Hand-made StepTensors: each array an int32 tensor, named otherwise.
+    tensors = step.to_tensors()
+    for name, value in [("kv_len", None), ("kv_len", tensors.kv_len.float()),
+                        ("intervals", [0, 1])]:
+        with pytest.raises(TypeError, match=f"step.{name} must be an int32 tensor"):
+            cm.paged_attention(q, kc, vc, table, tensors._replace(**{name: value}))
 
 
 @pytest.mark.parametrize("name,params", SERVING + [("tree_decode", None)])

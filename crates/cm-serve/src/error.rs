@@ -226,8 +226,7 @@ pub enum PagedError {
     /// A block table entry a sequence uses that names no page.
     #[error(
         "block_table[{seq}][{index}] = {page} is out of range; sequence {seq} reads it, so it \
-         must be a page 0 ..= {last} (num_pages = {num_pages})",
-        last = *num_pages as i64 - 1
+         must name a page of the cache, in [0, num_pages) = [0, {num_pages})"
     )]
     PageOutOfRange {
         /// The sequence.

@@ -451,10 +451,9 @@ fn bad_inputs_are_errors() {
     assert_eq!(
         e(run(&sh, &q, &cache.k, &cache.v, &bt, 1.0)),
         format!(
-            "block_table[0][1] = {} is out of range; sequence 0 reads it, so it must be a page 0 ..= {} (num_pages = {})",
-            sh.num_pages,
-            sh.num_pages - 1,
-            sh.num_pages
+            "block_table[0][1] = {} is out of range; sequence 0 reads it, so it must name a page \
+             of the cache, in [0, num_pages) = [0, {})",
+            sh.num_pages, sh.num_pages
         )
     );
     bt[1] = -3;

@@ -40,6 +40,8 @@ pub enum ShardError {
          whose tokens are both the queries and the keys (self-attention)"
     )]
     NotSquare { q_len: u32, kv_len: u32 },
+    #[error("{len} tokens cannot give each of ranks = {ranks} a token: at most {len} ranks")]
+    TooManyRanks { len: u32, ranks: u32 },
     #[error(
         "{len} tokens in chunks of {chunk} make {chunks} chunks, fewer than ranks = {ranks}: \
          use a smaller chunk (at most {max_chunk}) or fewer ranks"
@@ -219,6 +221,9 @@ pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, Sh
             len,
             entries,
         });
+    }
+    if len < ranks {
+        return Err(ShardError::TooManyRanks { len, ranks });
     }
     let num_chunks = len.div_ceil(chunk);
     if num_chunks < ranks {

@@ -157,6 +157,7 @@ proptest! {
         match shard(&rows, ranks, chunk) {
             Ok(s) => check(&rows, &s),
             Err(ShardError::TooFewChunks { chunks, .. }) => prop_assert!(chunks < ranks),
+            Err(ShardError::TooManyRanks { len: l, ranks: r }) => prop_assert!(l < r),
             Err(e) => prop_assert!(false, "{e}"),
         }
     }
@@ -233,6 +234,11 @@ fn bad_arguments_are_named() {
         e,
         "100 tokens in chunks of 64 make 2 chunks, fewer than ranks = 8: use a smaller chunk \
          (at most 12) or fewer ranks"
+    );
+    // Fewer tokens than ranks: no chunk helps, so none is suggested.
+    assert_eq!(
+        shard(&rows, 200, 1).unwrap_err().to_string(),
+        "100 tokens cannot give each of ranks = 200 a token: at most 100 ranks"
     );
     // Every (rank, source) part plans all of its rank's rows: ranks x tokens row pointers.
     let long = RowIntervals::from_rows(1 << 20, &vec![vec![(0, 1)]; 1 << 20]).unwrap();

@@ -386,6 +386,11 @@ def paged_attention(
         tensors = step
     else:
         raise TypeError(f"step must be a compilemask.Step or StepTensors, got {_type_name(step)}")
+    for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
+        t = getattr(tensors, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            got = t.dtype if isinstance(t, torch.Tensor) else _type_name(t)
+            raise TypeError(f"step.{name} must be an int32 tensor, got {got}")
     if tensors.total_q != total_q:
         raise ValueError(f"the step has total_q = {tensors.total_q} rows, but q has {total_q}")
     if tensors.num_seqs != block_table.shape[0]:

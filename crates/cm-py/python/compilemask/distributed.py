@@ -52,6 +52,13 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be in [1, {_U32_MAX}], got {value}")
 
 
+def _check_dim(dim: Any, x: Any) -> None:
+    """``ValueError`` unless ``dim`` is a dimension of ``x`` (negative counts from the end)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim = {dim!r} is not a dimension of a tensor of shape "
+                         f"{tuple(x.shape)} (expected -{x.dim()} to {x.dim() - 1})")
+
+
 class ContextParallel:
     """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens (default:
     512, or ``len // ranks`` when that gives fewer chunks than ranks) by visible pairs.
@@ -174,6 +181,7 @@ class ContextParallel:
         self._check_rank(rank)
         if not hasattr(x, "shape") or not hasattr(x, "index_select"):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _check_dim(dim, x)
         if x.shape[dim] != self.plan.q_len:
             raise ValueError(
                 f"shard takes the whole sequence along dim {dim}: {self.plan.q_len} positions "
@@ -189,6 +197,7 @@ class ContextParallel:
         if len(shards) != self.ranks:
             raise ValueError(f"unshard takes one tensor per rank ({self.ranks}), got {len(shards)}")
         for rank, t in enumerate(shards):
+            _check_dim(dim, t)
             if t.shape[dim] != self.shard_len(rank):
                 raise ValueError(
                     f"shard {rank} must hold rank {rank}'s {self.shard_len(rank)} positions along "
