@@ -526,24 +526,16 @@ fn bad_inputs_are_errors() {
     );
     let mut q_bad = q.clone();
     q_bad[(2 * dims.num_heads + 3) * dims.head_dim + 1] = f64::NAN;
+    let msg = e(run(
+        &sh,
+        &q_bad,
+        &cache.k,
+        &cache.v,
+        &cache.block_table,
+        1.0,
+    ));
     assert!(
-        e(run(
-            &sh,
-            &q_bad,
-            &cache.k,
-            &cache.v,
-            &cache.block_table,
-            1.0
-        ))
-        .starts_with("q[2, 3, 1] (sequence 1, its row 1) is NaN"),
-        "{}",
-        e(run(
-            &sh,
-            &q_bad,
-            &cache.k,
-            &cache.v,
-            &cache.block_table,
-            1.0
-        ))
+        msg.starts_with("q[2, 3, 1] (sequence 1, its row 1) is NaN"),
+        "{msg}"
     );
 }
