@@ -76,7 +76,8 @@ pub use plan::{
     PLAN_ARRAY_COUNT, WS_SETS,
 };
 pub use prefill::{
-    check_prefill, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK, PREFILL_ROW_BLOCK,
+    check_prefill, prefill_host_plan, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK,
+    PREFILL_ROW_BLOCK,
 };
 pub use runtime::Runtime;
 pub use score::{DistBias, LinearCoefs, Score, ScoreRaw};

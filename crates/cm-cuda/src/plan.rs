@@ -365,12 +365,12 @@ fn partial_key_masks(desc: &TileDescriptor, rows: &RowIntervals) -> Vec<u32> {
             let out = &mut masks[i * tile_words..][..tile_words];
             for q in row0..row_end {
                 let r = q - row0;
-                let (word, bit) = (r / 32, 1u32 << (r % 32));
                 for (lo, hi) in runs_in_tile((desc, &per_row), rows, p, q, r, key0) {
                     if by_matrix {
                         set_row_bits(&mut matrices, r, lo, hi);
                         continue;
                     }
+                    let (word, bit) = (r / 32, 1u32 << (r % 32));
                     for key in out[lo as usize * words..hi as usize * words].chunks_exact_mut(words)
                     {
                         key[word] |= bit;
@@ -471,6 +471,11 @@ pub enum PlanLists {
 }
 
 impl PlanLists {
+    /// Whether a descriptor of these lists holds [`PlanArray::Ws`] set `set`.
+    fn holds_set(self, set: usize) -> bool {
+        self.holds(PlanArray::Ws(ForwardArray::KvIndices, set))
+    }
+
     /// Whether a descriptor of these lists holds array `a`.
     pub fn holds(self, a: PlanArray) -> bool {
         match (self, a) {
@@ -553,10 +558,7 @@ type Job<'a, T> = Box<dyn FnOnce() -> T + Send + 'a>;
 /// The results of `jobs` in order: with `parallel` (and more than one core) on scoped
 /// threads, at most one per core, each taking every `threads`-th job; else one after the
 /// other. A job's panic reaches the caller as it would have without threads.
-fn run_jobs<'a, T: Send + 'a>(
-    jobs: Vec<Box<dyn FnOnce() -> T + Send + 'a>>,
-    parallel: bool,
-) -> Vec<T> {
+fn run_jobs<'a, T: Send + 'a>(jobs: Vec<Job<'a, T>>, parallel: bool) -> Vec<T> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = cores.min(jobs.len());
     if !parallel || threads < 2 {
@@ -658,9 +660,7 @@ impl HostPlan {
         parallel: bool,
     ) -> HostPlan {
         let mut jobs: Vec<Job<'_, SetPart>> = Vec::new();
-        for set in
-            (0..WS_SETS).filter(|&set| lists.holds(PlanArray::Ws(ForwardArray::KvIndices, set)))
-        {
+        for set in (0..WS_SETS).filter(|&set| lists.holds_set(set)) {
             jobs.push(Box::new(move || {
                 SetPart::forward(
                     Some(set),
@@ -1039,10 +1039,7 @@ impl PlanLayout {
                 "the forward's tile set order {order:?} is not a permutation of 0..{WS_SETS}"
             )));
         }
-        if !self
-            .lists
-            .holds(PlanArray::Ws(ForwardArray::KvIndices, order[0]))
-        {
+        if !self.lists.holds_set(order[0]) {
             return Err(Error::invalid(format!(
                 "the forward's tile set order {order:?} puts set {} first, but the plan holds \
                  only {:?}",

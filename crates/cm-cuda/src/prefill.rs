@@ -16,10 +16,12 @@
 
 use crate::forward::{check_addr, prepare, ForwardRaw, Launch};
 use crate::layout::{check_no_overlap, check_strides, VECTOR_BYTES};
-use crate::plan::{ws_set, PlanLayout, PlanLists};
+use crate::plan::{ws_set, HostPlan, PlanLayout, PlanLists};
 use crate::score::ScoreRaw;
 use crate::tma::TensorMap;
 use crate::{DType, Error, KernelKind, LseLayout, TensorLayout};
+use cm_plan::rows::RowIntervals;
+use cm_plan::tiles::TileShape;
 use cudarc::driver::CudaSlice;
 
 /// Keys per block of the paged forward's virtual key space: its tile's `block_n`.
@@ -45,6 +47,17 @@ const _: () = {
 pub fn prefill_lists() -> PlanLists {
     let tile = cm_kernels::kernel_tiles::<1>(KernelKind::FwdWsPaged)[0];
     PlanLists::Ws(ws_set(tile).expect("the paged forward's tile is one of fwd_ws's"))
+}
+
+/// The descriptor of a prefill layout's rows over its virtual keys (`cm_serve::Prefill::rows`):
+/// one mask for every head at the plan's tile, holding only [`prefill_lists`].
+///
+/// # Errors
+/// As [`crate::HostPlan::build_masks`].
+pub fn prefill_host_plan(rows: &RowIntervals) -> Result<HostPlan, Error> {
+    let (block_m, block_n) = cm_kernels::TILE;
+    let tile = TileShape { block_m, block_n };
+    HostPlan::build_masks(&[rows], &[0], [1, 1], tile, prefill_lists())
 }
 
 /// Smallest page the paged forward reads: a TMA box of fewer rows would not fill a 1 KB

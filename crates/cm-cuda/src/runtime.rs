@@ -3,7 +3,7 @@
 use crate::decode::{prepare_decode, row_major, Decode, DecodeRaw};
 use crate::forward::{prepare, Launch};
 use crate::layout::check_buffer_len;
-use crate::prefill::{prefill_lists, prepare_prefill, Prefill, PrefillRaw};
+use crate::prefill::{prefill_host_plan, prepare_prefill, Prefill, PrefillRaw};
 use crate::{DevicePlan, Error, Forward, ForwardRaw, HostPlan, PlanLists, PlanView};
 use cm_kernels::{KernelKind, VARIANTS};
 use cm_plan::rows::RowIntervals;
@@ -234,8 +234,7 @@ impl Runtime {
         stream: &Arc<CudaStream>,
     ) -> Result<DevicePlan, Error> {
         self.check_stream(stream)?;
-        let host = HostPlan::build_masks(&[rows], &[0], [1, 1], kernel_tile(), prefill_lists())?;
-        DevicePlan::upload(&host, stream)
+        DevicePlan::upload(&prefill_host_plan(rows)?, stream)
     }
 
     /// Forward attention over Rust-owned buffers, enqueued on `stream`; returns without

@@ -113,8 +113,9 @@ type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// the unpadded arrays.
 type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>);
 /// A prefill layout's kernel descriptor as the Python side passes it: `(q_rows, kv_len,
-/// [array; PLAN_ARRAY_COUNT])` (the layout's virtual rows and keys), the arrays of `Step.prefill_arrays` as 1-D tensors (padded;
-/// only those of `cm_cuda::prefill_lists` are read).
+/// [array; PLAN_ARRAY_COUNT])` (the layout's virtual rows and keys), the arrays of
+/// `Step.prefill_arrays` as 1-D tensors (padded; only those of `cm_cuda::prefill_lists` are
+/// read).
 type PrefillDescriptorArg = (u32, u32, Vec<TensorArg<1>>);
 
 /// A launch's score terms as the Python side passes them: `(softcap, slopes, (q_coef,

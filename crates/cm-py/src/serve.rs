@@ -106,7 +106,7 @@ impl Step {
     /// `cm_cuda::PREFILL_KEY_BLOCK` keys and `cm_cuda::PREFILL_ROW_BLOCK` rows per block, each
     /// row `row_group` times: the query heads of a kv head packed as rows): the kernels'
     /// descriptor of its virtual rows over the virtual keys
-    /// (`cm_cuda::HostPlan::build_masks`, one mask for every head, with only the lists
+    /// (`cm_cuda::prefill_host_plan`: one mask for every head, with only the lists
     /// `cm_cuda::prefill_lists` names, the others empty; one uint32 bytes object per array, in
     /// the order of `CUDA_PLAN_ARRAYS`), `key_blocks` (int32 bytes, `[num_key_blocks, 4]`),
     /// the virtual `kv_len`, `row_index` (int32 bytes, `[total_q * row_group]`: the virtual
@@ -123,14 +123,7 @@ impl Step {
                     row_group,
                 })
                 .map_err(|e| e.to_string())?;
-            let host = cm_cuda::HostPlan::build_masks(
-                &[&prefill.rows],
-                &[0],
-                [1, 1],
-                crate::cuda::kernel_tile(),
-                cm_cuda::prefill_lists(),
-            )
-            .map_err(|e| e.to_string())?;
+            let host = cm_cuda::prefill_host_plan(&prefill.rows).map_err(|e| e.to_string())?;
             Ok((host, prefill))
         });
         let (host, prefill) = built.map_err(PyValueError::new_err)?;

@@ -12,10 +12,10 @@
 //! each row is repeated `row_group` times (GQA packing: the query heads of one kv head become
 //! consecutive rows of one head, so a sequence of few rows still fills a tile): copy `j` of
 //! row `i` of sequence `s` is virtual row `row_offset[s] + i * row_group + j`, each
-//! sequence's rows padded to whole row blocks, so no query tile holds rows of two sequences. A tile mixing sequences would
-//! see every key block of both, each partial (the other sequence's rows see none of it), and
-//! need row bits for all of them: over long caches, hundreds of MiB and of milliseconds a
-//! step. A padding row sees what its sequence's last row sees, so each tile is full, partial
+//! sequence's rows padded to whole row blocks, so no query tile holds rows of two
+//! sequences. A tile mixing sequences would see every key block of both, each partial (the
+//! other sequence's rows see none of it), and need row bits for all of them: over long
+//! caches, hundreds of MiB and of milliseconds a step. A padding row sees what its sequence's last row sees, so each tile is full, partial
 //! or empty exactly as for the real rows alone; the kernel computes padding rows like any
 //! other and the caller drops them (`row_index` maps each step row to its virtual row).
 
@@ -91,8 +91,8 @@ impl StepPlan {
     /// [`StepError::PrefillTooLarge`] when the virtual keys or rows exceed
     /// [`MAX_PREFILL_KEYS`], [`StepError::PrefillTooManyBlocks`] when the key blocks exceed
     /// [`MAX_PREFILL_KEY_BLOCKS`], [`StepError::PrefillTooManyTiles`] when the sequences span
-    /// more than [`MAX_PREFILL_TILES`] tiles, [`StepError::TooManyIntervals`] when the padded rows hold
-    /// more than [`crate::MAX_STEP_INTERVALS`] intervals; [`StepError::BadArray`] for a zero
+    /// more than [`MAX_PREFILL_TILES`] tiles, [`StepError::TooManyIntervals`] when the padded
+    /// rows hold more than [`crate::MAX_STEP_INTERVALS`] intervals; [`StepError::BadArray`] for a zero
     /// block or group.
     pub fn prefill(&self, shape: PrefillShape) -> Result<Prefill, StepError> {
         let PrefillShape {
