@@ -542,12 +542,15 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 const u32 sdO = base + OFF_DO + s * STEP_BYTES;
                 const u32 stats = base + OFF_STATS + s * STATS_BYTES;
                 const u32 full = bar(BAR_FULL(s));
-                cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
+                // The step's first tile (there always is one) is read before the wait, so that
+                // its global loads overlap it.
                 CmDkdvTile tl;
                 u32 head = 0;
+                dkdv_next(p, blk, walk, tl, head);
+                cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
     #pragma unroll
                 for (int q = 0; q < Q_TILES; ++q) {
-                    const bool present = dkdv_next(p, blk, walk, tl, head);
+                    const bool present = q == 0 || dkdv_next(p, blk, walk, tl, head);
                     const bool partial = present && tl.partial;
                     cm_mbar_expect_tx(full, 2 * TILE_BYTES + 2 * BLOCK_M * 4 + (partial ? MASK_BYTES : 0));
     #pragma unroll
