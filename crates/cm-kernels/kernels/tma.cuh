@@ -21,12 +21,6 @@ __device__ __forceinline__ void cm_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Announces `bytes` more TMA traffic for the current phase without arriving: a producer that
-// learns a stage's size load by load announces each load's before issuing it and arrives last.
-__device__ __forceinline__ void cm_mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void cm_mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
