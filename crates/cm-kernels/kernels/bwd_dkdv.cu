@@ -217,43 +217,73 @@ __device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBloc
     return true;
 }
 
+// One step's tiles as dkdv_for_each_step hands them over: whether tile q is present (an
+// absent one repeats the first's tile and head), tile(q) and its query head, and whether the
+// step's last tile ends its head's list. One tile a step reads its tile where it is used (so
+// the score terms' consumers load its first query while their products run, as before
+// two-tile steps; held from the step's start they spill); two are read by the walk.
+struct CmDkdvStep1 {
+    const CmBwdParams& p;
+    const CmDkdvHead& hd;
+    u32 ti;
+    __device__ __forceinline__ bool present(int) const { return true; }
+    __device__ __forceinline__ bool partial(int) const { return ti < hd.num_partial; }
+    __device__ __forceinline__ CmDkdvTile tile(int) const { return cm_dkdv_tile(p, hd, ti); }
+    __device__ __forceinline__ u32 head(int) const { return hd.head; }
+    __device__ __forceinline__ bool head_ends() const { return ti + 1 == hd.num_tiles; }
+};
+
+struct CmDkdvStep2 {
+    CmDkdvTile tl[2];
+    u32 hd[2];
+    bool pres[2];
+    bool ends;
+    __device__ __forceinline__ bool present(int q) const { return pres[q]; }
+    __device__ __forceinline__ bool partial(int q) const { return pres[q] && tl[q].partial; }
+    __device__ __forceinline__ CmDkdvTile tile(int q) const { return tl[q]; }
+    __device__ __forceinline__ u32 head(int q) const { return hd[q]; }
+    __device__ __forceinline__ bool head_ends() const { return ends; }
+};
+
 // The block's steps in order, the same for the producer, the reducer and the consumers:
-// calls f(it, tl, head, present, head_ends) with step it's Q_TILES tiles, their query heads,
-// which of them are present (an absent one repeats the first's tile and head) and whether the
-// step's last tile ends its head's list. One tile a step walks each head's list in nested
-// loops, as before two-tile steps (the single walk measured 1.5-3% slower at head_dim 128 on
-// W1); two walk the group's lists as one sequence (CmDkdvWalk).
+// calls f(it, step) for each. One tile a step walks each head's list in nested loops, as
+// before two-tile steps (the single walk measured 1.5-3% slower at head_dim 128 on W1); two
+// walk the group's lists as one sequence (CmDkdvWalk).
+#if Q_TILES == 1
+typedef CmDkdvStep1 CmDkdvStep;
+#else
+typedef CmDkdvStep2 CmDkdvStep;
+#endif
+
 template <class F>
 __device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f) {
-    CmDkdvTile tl[Q_TILES];
-    u32 head[Q_TILES];
-    bool present[Q_TILES];
-    if constexpr (Q_TILES == 1) {
+#if Q_TILES == 1
+    {
         u32 it = 0;
         for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
             const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + hg, blk.n_block);
-            for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
-                tl[0] = cm_dkdv_tile(p, hd, ti);
-                head[0] = hd.head;
-                present[0] = true;
-                f(it, tl, head, present, ti + 1 == hd.num_tiles);
-            }
+            for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) f(it, CmDkdvStep1{p, hd, ti});
         }
-    } else {
+    }
+#else
+    {
         CmDkdvWalk walk = dkdv_walk(p, blk);
         const u32 steps = dkdv_steps(blk);
         for (u32 it = 0; it < steps; ++it) {
+            CmDkdvStep2 st;
 #pragma unroll
-            for (int q = 0; q < Q_TILES; ++q) {
-                present[q] = dkdv_next(p, blk, walk, tl[q], head[q]);
-                if (!present[q]) {
-                    tl[q] = tl[0];
-                    head[q] = head[0];
+            for (int q = 0; q < 2; ++q) {
+                st.pres[q] = dkdv_next(p, blk, walk, st.tl[q], st.hd[q]);
+                if (!st.pres[q]) {
+                    st.tl[q] = st.tl[0];
+                    st.hd[q] = st.hd[0];
                 }
             }
-            f(it, tl, head, present, walk.ti == walk.num_tiles);
+            st.ends = walk.ti == walk.num_tiles;
+            f(it, st);
         }
     }
+#endif
 }
 
 // The consumers' walk over the key block's tiles (warpgroups 1 and 2). The two modes are
@@ -317,13 +347,15 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0;
     asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
-    dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvTile(&tl)[Q_TILES], const u32(&head)[Q_TILES],
-                                   const bool(&present)[Q_TILES], bool head_ends) {
+    dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
         const u32 s = it % STAGES;
         // The step's tiles: whether each is partial, or absent (the last step of an odd count).
-        bool partial[Q_TILES];
+        bool present[Q_TILES], partial[Q_TILES];
 #pragma unroll
-        for (int q = 0; q < Q_TILES; ++q) partial[q] = present[q] && tl[q].partial;
+        for (int q = 0; q < Q_TILES; ++q) {
+            present[q] = st.present(q);
+            partial[q] = st.partial(q);
+        }
         {
             const u32 sQ = base + OFF_Q + s * STEP_BYTES;
             const u32 sdO = base + OFF_DO + s * STEP_BYTES;
@@ -351,12 +383,12 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             // The tile's first query and the distance table's view of it, loaded while the
             // products run.
             const u32 key_base = key0 + c * 64 + warp * 16 + g;
-            const u32 tile_row0 = tl[0].row0;
+            const u32 tile_row0 = st.tile(0).row0;
             const u32 query_base = tile_row0 + 2 * t;
             // The tile's distances (queries tile_row0 .., keys key0 + 64 c ..), as indices:
             // the same range in every thread of the consumer.
             const int dist_lo = (int)tile_row0 - (int)(key0 + c * 64 + 63) + (int)p.kv_len - 1;
-            const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, head[0], p.q_len, p.kv_len, key_base,
+            const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, st.head(0), p.q_len, p.kv_len, key_base,
                                                                     query_base, dist_lo, dist_lo + DIST_SPAN - 2);
 #endif
             // While they run: this thread's two key rows' visibility of each tile's 64 queries,
@@ -378,8 +410,9 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     #pragma unroll
                     for (int h = 0; h < 2; ++h) bits[q][h] = present[q] && key_in_range[h] ? ~0ull : 0ull;
                 } else {
+                    // Read only when the step's other tile masks (two tiles a step).
     #pragma unroll
-                    for (int h = 0; h < 2; ++h) bits[q][h] = ~0ull;
+                    for (int h = 0; h < 2; ++h) bits[q][h] = Q_TILES == 2 ? ~0ull : 0ull;
                 }
             }
             // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
@@ -392,7 +425,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
             CmDcap<Q_ROWS / 8> dcap;
-            cm_score_logits<Q_ROWS / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, head[0], p.q_len,
+            cm_score_logits<Q_ROWS / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, st.head(0), p.q_len,
                                                      p.kv_len, key_base, query_base);
             const float logit_scale = 1.f;
 #else
@@ -407,32 +440,38 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             // per k-step).
             u32 pa[Q_ROWS / 16][4];
             u32 dsa[Q_ROWS / 16][4];
-            auto issue_dv = [&]() {
+            auto pack_p = [&]() {
     #pragma unroll
                 for (int kk = 0; kk < Q_ROWS / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+            };
+            auto issue_dv = [&]() {
                 cm_wgmma_fence();
     #pragma unroll
                 for (int kk = 0; kk < Q_ROWS / 16; ++kk)
                     cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, Q_ROWS, kk), 1);
                 cm_wgmma_commit();
             };
-            if constexpr (Q_TILES == 1) issue_dv();
+            if constexpr (Q_TILES == 1) pack_p();
 #if CM_SCORE
             // With a softcap and no table to differentiate, dS takes the cap's derivative
             // through P, which dV no longer needs (it has pa): dcap ends here, not after dP.
             const bool cap_in_p = p.score.softcap > 0.f && p.score.dist_bias_grad == nullptr;
             if (cap_in_p) cm_mul_dcap(sc, dcap);
 #endif
+            if constexpr (Q_TILES == 1) issue_dv();
             cm_wgmma_wait<Q_TILES == 1 ? 1 : 0>();
             cm_fence_acc(dp);
             score_grads(dp, sc, lse2s + Q_ROWS, t);
 #if CM_SCORE
-            score_term_grads(dp, dcap, p.score, dist, dist_acc, head[0], p.q_len, p.kv_len, dist_buf[c], dist_lo, c,
+            score_term_grads(dp, dcap, p.score, dist, dist_acc, st.head(0), p.q_len, p.kv_len, dist_buf[c], dist_lo, c,
                              dist_fixed);
 #endif
     #pragma unroll
             for (int kk = 0; kk < Q_ROWS / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
-            if constexpr (Q_TILES == 2) issue_dv();
+            if constexpr (Q_TILES == 2) {
+                pack_p();
+                issue_dv();
+            }
             if constexpr (ATOMIC_DQ) {
                 // dS^T into the shared tile. Its readers of the previous tile are done: this
                 // consumer's dK product retired at the end of that tile, and both consumers' dQ
@@ -520,7 +559,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
         }
 #if CM_SCORE
         // The next head's gradient goes to its own row of the table (one tile a step here).
-        if (p.score.dist_bias_grad != nullptr && head_ends) cm_dist_grad_flush(dist_acc, p.score, head[0], dist_fixed);
+        if (p.score.dist_bias_grad != nullptr && st.head_ends()) cm_dist_grad_flush(dist_acc, p.score, st.head(0), dist_fixed);
 #endif
     });
 
@@ -568,9 +607,17 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
                 cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
             }
-            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvTile(&tl)[Q_TILES], const u32(&head)[Q_TILES],
-                                           const bool(&present)[Q_TILES], bool) {
+            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
                 const u32 s = it % STAGES;
+                CmDkdvTile tl[Q_TILES];
+                u32 head[Q_TILES];
+                bool present[Q_TILES];
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) {
+                    tl[q] = st.tile(q);
+                    head[q] = st.head(q);
+                    present[q] = st.present(q);
+                }
                 // An absent second tile is loaded as a copy of the first (finite values, which
                 // the consumers mask out).
                 u32 bytes = Q_TILES * (2 * TILE_BYTES + 2 * BLOCK_M * 4);
@@ -608,8 +655,16 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // The first step finds the dQ tiles free.
             cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
             const u32 steps = dkdv_steps(blk);
-            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvTile(&tl)[Q_TILES], const u32(&head)[Q_TILES],
-                                           const bool(&present)[Q_TILES], bool) {
+            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+                CmDkdvTile tl[Q_TILES];
+                u32 head[Q_TILES];
+                bool present[Q_TILES];
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) {
+                    tl[q] = st.tile(q);
+                    head[q] = st.head(q);
+                    present[q] = st.present(q);
+                }
                 cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
                 if ((threadIdx.x & 31) == 0) {
     #pragma unroll
