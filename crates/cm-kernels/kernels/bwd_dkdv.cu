@@ -219,12 +219,12 @@ __device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBloc
 
 // One step's tiles as dkdv_for_each_step hands them over: whether tile q is present (an
 // absent one repeats the first's tile and head), tile(q) and its query head, and whether the
-// step's last tile ends its head's list. One tile a step reads its tile where it is used (so
-// the score terms' consumers load its first query while their products run, as before
-// two-tile steps; held from the step's start they spill); two are read by the walk.
+// step's last tile ends its head's list. One tile a step reads its tile where it is used
+// (the score terms' consumers load its first query while their products run, as before
+// two-tile steps); two are read by the walk.
 struct CmDkdvStep1 {
     const CmBwdParams& p;
-    const CmDkdvHead& hd;
+    CmDkdvHead hd;
     u32 ti;
     __device__ __forceinline__ bool present(int) const { return true; }
     __device__ __forceinline__ bool partial(int) const { return ti < hd.num_partial; }
