@@ -656,24 +656,21 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
             const u32 steps = dkdv_steps(blk);
             dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
-                CmDkdvTile tl[Q_TILES];
-                u32 head[Q_TILES];
-                bool present[Q_TILES];
+                // The step's destinations (null for an absent tile), read before the hand-off.
+                float* dst[Q_TILES];
     #pragma unroll
                 for (int q = 0; q < Q_TILES; ++q) {
-                    tl[q] = st.tile(q);
-                    head[q] = st.head(q);
-                    present[q] = st.present(q);
+                    dst[q] = st.present(q) ? p.dq_accum + (((u64)batch * p.num_heads + st.head(q)) * p.q_pad +
+                                                           st.tile(q).row0) * HEAD_DIM
+                                           : nullptr;
                 }
                 cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
                 if ((threadIdx.x & 31) == 0) {
     #pragma unroll
                     for (int q = 0; q < Q_TILES; ++q) {
-                        if (!present[q]) break;
-                        float* dst =
-                            p.dq_accum + (((u64)batch * p.num_heads + head[q]) * p.q_pad + tl[q].row0) * HEAD_DIM;
+                        if (dst[q] == nullptr) break;
                         asm volatile(
-                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst[q]),
                             "r"(sDQ + q * DQ_BYTES), "n"(DQ_BYTES)
                             : "memory");
                     }
