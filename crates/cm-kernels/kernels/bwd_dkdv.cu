@@ -176,44 +176,25 @@ struct CmDkdvBlock {
 // Steps of the block's walk: Q_TILES tiles each, the last possibly fewer.
 __device__ __forceinline__ u32 dkdv_steps(const CmDkdvBlock& blk) { return (blk.total + Q_TILES - 1) / Q_TILES; }
 
-// A position in the walk over a key block's tiles that the producer, the reducer and the
-// consumers each take: every tile of the group's first query head, then the next head's. Kept
-// small: the producer warpgroup runs on 24 registers.
+// A position in the walk over a key block's tiles with two tiles a step: every tile of the
+// group's first query head, then the next head's. Kept small (a head's lists and a tile
+// index): the producer warpgroup runs on 24 registers.
 struct CmDkdvWalk {
-    u32 hg;  // query head of the group
-    u32 ti;  // next tile of that head's list
-    u32 p_begin, num_partial, f_begin, num_tiles;
+    CmDkdvHead hd;
+    u32 ti;  // next tile of hd's list
 };
 
-__device__ __forceinline__ void dkdv_enter(const CmBwdParams& p, const CmDkdvBlock& blk, CmDkdvWalk& w) {
-    const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + w.hg, blk.n_block);
-    w.ti = 0;
-    w.p_begin = hd.p_begin;
-    w.num_partial = hd.num_partial;
-    w.f_begin = hd.f_begin;
-    w.num_tiles = hd.num_tiles;
-}
-
-__device__ __forceinline__ CmDkdvWalk dkdv_walk(const CmBwdParams& p, const CmDkdvBlock& blk) {
-    CmDkdvWalk w;
-    w.hg = 0;
-    dkdv_enter(p, blk, w);
-    return w;
-}
-
 // The walk's next tile into tl and its query head into head; false past the block's last.
-// Afterwards w.ti == w.num_tiles when it was its head's last.
+// Afterwards w.ti == w.hd.num_tiles when it was its head's last.
 __device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBlock& blk, CmDkdvWalk& w, CmDkdvTile& tl,
                                           u32& head) {
-    while (w.ti >= w.num_tiles) {
-        if (++w.hg >= p.heads_per_kv_head) return false;
-        dkdv_enter(p, blk, w);
+    while (w.ti >= w.hd.num_tiles) {
+        if (w.hd.head + 1 >= blk.pair.head0 + p.heads_per_kv_head) return false;
+        w.hd = cm_dkdv_head(p, blk.pair.batch, w.hd.head + 1, blk.n_block);
+        w.ti = 0;
     }
-    tl.partial = w.ti < w.num_partial;
-    tl.index = tl.partial ? w.p_begin + w.ti : w.f_begin + w.ti - w.num_partial;
-    tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
-    head = blk.pair.head0 + w.hg;
-    ++w.ti;
+    tl = cm_dkdv_tile(p, w.hd, w.ti++);
+    head = w.hd.head;
     return true;
 }
 
@@ -258,30 +239,26 @@ typedef CmDkdvStep2 CmDkdvStep;
 template <class F>
 __device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f) {
 #if Q_TILES == 1
-    {
-        u32 it = 0;
-        for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-            const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + hg, blk.n_block);
-            for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) f(it, CmDkdvStep1{p, hd, ti});
-        }
+    u32 it = 0;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+        const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + hg, blk.n_block);
+        for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) f(it, CmDkdvStep1{p, hd, ti});
     }
 #else
-    {
-        CmDkdvWalk walk = dkdv_walk(p, blk);
-        const u32 steps = dkdv_steps(blk);
-        for (u32 it = 0; it < steps; ++it) {
-            CmDkdvStep2 st;
+    CmDkdvWalk walk = {cm_dkdv_head(p, blk.pair.batch, blk.pair.head0, blk.n_block), 0};
+    const u32 steps = dkdv_steps(blk);
+    for (u32 it = 0; it < steps; ++it) {
+        CmDkdvStep2 st;
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                st.pres[q] = dkdv_next(p, blk, walk, st.tl[q], st.hd[q]);
-                if (!st.pres[q]) {
-                    st.tl[q] = st.tl[0];
-                    st.hd[q] = st.hd[0];
-                }
+        for (int q = 0; q < 2; ++q) {
+            st.pres[q] = dkdv_next(p, blk, walk, st.tl[q], st.hd[q]);
+            if (!st.pres[q]) {
+                st.tl[q] = st.tl[0];
+                st.hd[q] = st.hd[0];
             }
-            st.ends = walk.ti == walk.num_tiles;
-            f(it, st);
         }
+        st.ends = walk.ti == walk.hd.num_tiles;
+        f(it, st);
     }
 #endif
 }
@@ -609,20 +586,15 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             }
             dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
                 const u32 s = it % STAGES;
+                // The step's tiles, read once (one tile a step reads its row from the lists).
                 CmDkdvTile tl[Q_TILES];
-                u32 head[Q_TILES];
-                bool present[Q_TILES];
     #pragma unroll
-                for (int q = 0; q < Q_TILES; ++q) {
-                    tl[q] = st.tile(q);
-                    head[q] = st.head(q);
-                    present[q] = st.present(q);
-                }
+                for (int q = 0; q < Q_TILES; ++q) tl[q] = st.tile(q);
                 // An absent second tile is loaded as a copy of the first (finite values, which
                 // the consumers mask out).
                 u32 bytes = Q_TILES * (2 * TILE_BYTES + 2 * BLOCK_M * 4);
     #pragma unroll
-                for (int q = 0; q < Q_TILES; ++q) bytes += present[q] && tl[q].partial ? MASK_BYTES : 0;
+                for (int q = 0; q < Q_TILES; ++q) bytes += st.partial(q) ? MASK_BYTES : 0;
                 cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
                 const u32 full = bar(BAR_FULL(s));
                 cm_mbar_arrive_expect_tx(full, bytes);
@@ -634,13 +606,13 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     #pragma unroll
                     for (int a = 0; a < HEAD_DIM / 64; ++a) {
                         const u32 at = a * Q_ROWS * 128 + q * BLOCK_M * 128;
-                        cm_tma_load4(sQ + at, &tm_q, full, a * 64, tl[q].row0, head[q], batch);
-                        cm_tma_load4(sdO + at, &tm_do, full, a * 64, tl[q].row0, head[q], batch);
+                        cm_tma_load4(sQ + at, &tm_q, full, a * 64, tl[q].row0, st.head(q), batch);
+                        cm_tma_load4(sdO + at, &tm_do, full, a * 64, tl[q].row0, st.head(q), batch);
                     }
-                    const u64 rows = ((u64)batch * p.num_heads + head[q]) * p.q_pad + tl[q].row0;
+                    const u64 rows = ((u64)batch * p.num_heads + st.head(q)) * p.q_pad + tl[q].row0;
                     cm_bulk_load(stats + q * BLOCK_M * 4, p.lse_log2 + rows, BLOCK_M * 4, full);
                     cm_bulk_load(stats + (Q_ROWS + q * BLOCK_M) * 4, p.delta + rows, BLOCK_M * 4, full);
-                    if (present[q] && tl[q].partial) {
+                    if (st.partial(q)) {
                         cm_bulk_load(base + OFF_MASK + (s * Q_TILES + q) * MASK_BYTES,
                                      p.bwd_partial_key_mask + (u64)tl[q].index * KEY_BLOCK * 2, MASK_BYTES, full);
                     }
