@@ -223,8 +223,6 @@ __device__ __forceinline__ CmDkdvTile cm_dkdv_tile(const CmBwdParams& p, const C
     return tl;
 }
 
-// Columns of a dQ tile each of bwd_dkdv's two consumer warpgroups computes.
-#define CM_DQ_COLS (HEAD_DIM / 2)
 
 // Float offset, inside one 64 x HEAD_DIM tile of the fast mode's dQ accumulator, of the
 // m16n8 accumulator element pair block of lane `lane` of warp `warp` (a consumer warpgroup's

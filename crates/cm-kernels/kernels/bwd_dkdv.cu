@@ -4,7 +4,11 @@
 // transposed descriptor lists at 64 x 128 (cm_cuda::BWD_TILE: partial tiles first, then full
 // tiles with no mask code; empty tiles are never visited) for every query head of the GQA
 // group in turn, each head's tiles from that (batch, head)'s own mask, so dK and dV of a kv
-// head are summed in registers in a fixed order: no atomics, the same bits run to run.
+// head are summed in registers in a fixed order: no atomics, the same bits run to run. A step
+// takes Q_TILES of those tiles (cm_kernels::Variant::q_tiles_per_step: two at head_dim 64,
+// whatever their rows and heads, as one 128-query step; a block with an odd count ends with
+// one, its second half masked out and loaded as a copy of the first so that it holds finite
+// values).
 //
 // Warpgroup 0 is the producer: one thread loads K and V once (TMA), then streams each query
 // tile's Q and dO (TMA), its lse_log2 and delta rows and, for a partial tile, its key-major
@@ -14,18 +18,20 @@
 //   S^T = K Q^T, dP^T = V dO^T            SS wgmma, keys x queries (M = this warpgroup's keys)
 //   P^T = exp2(S^T c log2e - lse_log2), dS^T = P^T (dP^T - delta)      in registers
 //   dV += P^T dO, dK += dS^T Q             dO and Q read MN-major
-// Warp w of a consumer holds keys 16 w .. 16 w + 15 of its 64 (the m16n8 accumulator layout).
+// (Queries: the step's Q_ROWS.) Warp w of a consumer holds keys 16 w .. 16 w + 15 of its 64
+// (the m16n8 accumulator layout).
 // Without a dQ accumulator (the deterministic mode) dV's and dK's products read P^T and dS^T
 // from registers, the consumers never synchronise with each other and dQ is left to bwd_dq.
 // With one in the workspace (the fast mode), after FlashAttention-3's order: both consumers
 // write dS^T to a shared tile and meet on a named barrier; each issues half of the tile's
-// dQ = dS K (split along head_dim; dS read MN-major from the dS^T tile, K read MN-major), then
+// dQ = dS K (split along head_dim, or with two tiles a step each consumer one tile's; dS read
+// MN-major from the dS^T tile, K read MN-major), then
 // dK's product with dS^T read from its own rows of that tile (so no fragment is live beside
 // dQ's accumulator); while dK's product runs it stores dQ to shared memory in the
 // accumulator's fragment-ordered layout (conflict-free; bwd_post reads it back into row
 // order) and hands the tile to the reducer warp (warp 1 of the producer warpgroup) on a named
 // barrier. The reducer adds the whole 64 x head_dim tile into the fp32 accumulator with a
-// single bulk asynchronous reduction (cp.reduce.async.bulk .add.f32), which overlaps the next
+// bulk asynchronous reduction per tile (cp.reduce.async.bulk .add.f32), which overlaps the next
 // tile, and hands the tile back once the reduction has read it: the consumers never wait for
 // each other's dQ, only (a tile later) for that read. In both modes each consumer waits for
 // its dK product at the end of the tile, which releases the stage. The order of the dQ
@@ -33,7 +39,7 @@
 // dkdv_consumers.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM = CM_HEAD_DIM_V (64|128; the
-// wider shapes are bwd_dkdv_wide.cu's),
+// wider shapes are bwd_dkdv_wide.cu's), CM_Q_TILES (query tiles per step, 1 or 2),
 // CM_DYNAMIC_SMEM_BYTES (the dynamic shared memory the runtime launches with), CM_SCORE (1:
 // recompute P with the score terms, add the distance table's gradient, apply the softcap's
 // derivative to dS).
@@ -51,23 +57,35 @@ static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_d
 #define STAGES CM_STAGES
 CM_CHECK_SHAPE(BLOCK_M, KEY_BLOCK, STAGES, DKDV_THREADS);
 static_assert(STAGES == 2 || STAGES == 3, "two or three stages");
+#define Q_TILES CM_Q_TILES
+static_assert(Q_TILES == 1 || Q_TILES == 2 && HEAD_DIM == 64 && !CM_SCORE,
+              "two tiles a step only at head_dim 64 without score terms");
+// Queries of a step: its tiles' rows, tile h at rows 64 h .. of the step's Q and dO.
+#define Q_ROWS (Q_TILES * BLOCK_M)
 // K or V of the key block: HEAD_DIM / 64 column atoms of [128 rows][128 bytes].
 #define KV_BYTES (KEY_BLOCK * HEAD_DIM * 2)
-// dS^T of one tile: [128 keys][64 queries], one column atom.
-#define DS_BYTES (KEY_BLOCK * BLOCK_M * 2)
-// The tile's dQ in fp32, fragment-ordered (see dq_offset).
+// Q or dO of a step: HEAD_DIM / 64 column atoms of [Q_ROWS rows][128 bytes].
+#define STEP_BYTES (Q_TILES * TILE_BYTES)
+// dS^T of one step: [128 keys][Q_ROWS queries], column atoms of 64 queries (one per tile).
+#define DS_BYTES (KEY_BLOCK * Q_ROWS * 2)
+// One tile's dQ in fp32, fragment-ordered (see cm_dq_offset).
 #define DQ_BYTES (BLOCK_M * HEAD_DIM * 4)
-#define STATS_BYTES (2 * BLOCK_M * 4)
+// Columns of dQ each consumer computes: half of the tile's, or with two tiles a step all of
+// its own tile's.
+#define DQ_COLS (HEAD_DIM * Q_TILES / 2)
+// lse_log2 of the step's queries, then delta.
+#define STATS_BYTES (2 * Q_ROWS * 4)
+// One tile's key-major visibility.
 #define MASK_BYTES (KEY_BLOCK * 8)
 
 #define OFF_V KV_BYTES
 #define OFF_Q (2 * KV_BYTES)
-#define OFF_DO (OFF_Q + STAGES * TILE_BYTES)
-#define OFF_DS (OFF_DO + STAGES * TILE_BYTES)
+#define OFF_DO (OFF_Q + STAGES * STEP_BYTES)
+#define OFF_DS (OFF_DO + STAGES * STEP_BYTES)
 #define OFF_DQ (OFF_DS + DS_BYTES)
-#define OFF_STATS (OFF_DQ + DQ_BYTES)
+#define OFF_STATS (OFF_DQ + Q_TILES * DQ_BYTES)
 #define OFF_MASK (OFF_STATS + STAGES * STATS_BYTES)
-#define OFF_BARS (OFF_MASK + STAGES * MASK_BYTES)
+#define OFF_BARS (OFF_MASK + STAGES * Q_TILES * MASK_BYTES)
 #define SMEM_BYTES (OFF_BARS + 64 + 1024)
 static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic_shared_bytes must match");
 
@@ -85,14 +103,15 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 #define NAMED_DQ_EMPTY 5
 #define DQ_HANDOFF_THREADS 288
 
-// P^T of one tile in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
-// consumer, query 8 j + 2 t + (e & 1). A masked pair gets exponent -inf whatever its score, so
-// P = 0 (and with it dS) exactly.
+// P^T of one step in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
+// consumer, query 8 j + 2 t + (e & 1) of the step (tile j / 8); bits[h][r] are tile h's
+// visibility bits of the thread's key row r. A masked pair gets exponent -inf whatever its
+// score, so P = 0 (and with it dS) exactly.
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], const float* lse2s, const u64 (&bits)[2],
-                                              float scale_log2, int t) {
+__device__ __forceinline__ void probabilities(float (&s)[Q_ROWS / 8][4], const float* lse2s,
+                                              const u64 (&bits)[Q_TILES][2], float scale_log2, int t) {
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j) {
+    for (int j = 0; j < Q_ROWS / 8; ++j) {
         const float2 lse2v = *reinterpret_cast<const float2*>(lse2s + j * 8 + t * 2);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -100,7 +119,7 @@ __device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], const 
             float x = fmaf(s[j][e], scale_log2, -(c ? lse2v.y : lse2v.x));
             if (MASKED) {
                 // bits[h] is already shifted right by 2 t.
-                if (!((bits[e >> 1] >> (j * 8 + c)) & 1ull)) x = cm_neg_inf();
+                if (!((bits[j / 8][e >> 1] >> ((j % 8) * 8 + c)) & 1ull)) x = cm_neg_inf();
             }
             s[j][e] = cm_exp2(x);
         }
@@ -108,10 +127,10 @@ __device__ __forceinline__ void probabilities(float (&s)[BLOCK_M / 8][4], const 
 }
 
 // dS^T = P^T (dP^T - delta) in place of dP^T (same element order as probabilities).
-__device__ __forceinline__ void score_grads(float (&dp)[BLOCK_M / 8][4], const float (&pr)[BLOCK_M / 8][4],
+__device__ __forceinline__ void score_grads(float (&dp)[Q_ROWS / 8][4], const float (&pr)[Q_ROWS / 8][4],
                                             const float* deltas, int t) {
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j) {
+    for (int j = 0; j < Q_ROWS / 8; ++j) {
         const float2 dlv = *reinterpret_cast<const float2*>(deltas + j * 8 + t * 2);
 #pragma unroll
         for (int e = 0; e < 4; ++e) dp[j][e] = pr[j][e] * (dp[j][e] - ((e & 1) ? dlv.y : dlv.x));
@@ -154,6 +173,96 @@ struct CmDkdvBlock {
     u32 total;  // tiles over the group's query heads
 };
 
+// Steps of the block's walk: Q_TILES tiles each, the last possibly fewer.
+__device__ __forceinline__ u32 dkdv_steps(const CmDkdvBlock& blk) { return (blk.total + Q_TILES - 1) / Q_TILES; }
+
+// A position in the walk over a key block's tiles with two tiles a step: every tile of the
+// group's first query head, then the next head's. Kept small (a head's lists and a tile
+// index): the producer warpgroup runs on 24 registers.
+struct CmDkdvWalk {
+    CmDkdvHead hd;
+    u32 ti;  // next tile of hd's list
+};
+
+// The walk's next tile into tl and its query head into head; false past the block's last.
+// Afterwards w.ti == w.hd.num_tiles when it was its head's last.
+__device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBlock& blk, CmDkdvWalk& w, CmDkdvTile& tl,
+                                          u32& head) {
+    while (w.ti >= w.hd.num_tiles) {
+        if (w.hd.head + 1 >= blk.pair.head0 + p.heads_per_kv_head) return false;
+        w.hd = cm_dkdv_head(p, blk.pair.batch, w.hd.head + 1, blk.n_block);
+        w.ti = 0;
+    }
+    tl = cm_dkdv_tile(p, w.hd, w.ti++);
+    head = w.hd.head;
+    return true;
+}
+
+// One step's tiles as dkdv_for_each_step hands them over: whether tile q is present (an
+// absent one repeats the first's tile and head), tile(q) and its query head, and whether the
+// step's last tile ends its head's list. One tile a step reads its tile where it is used
+// (the score terms' consumers load its first query while their products run, as before
+// two-tile steps); two are read by the walk.
+struct CmDkdvStep1 {
+    const CmBwdParams& p;
+    CmDkdvHead hd;
+    u32 ti;
+    __device__ __forceinline__ bool present(int) const { return true; }
+    __device__ __forceinline__ bool partial(int) const { return ti < hd.num_partial; }
+    __device__ __forceinline__ CmDkdvTile tile(int) const { return cm_dkdv_tile(p, hd, ti); }
+    __device__ __forceinline__ u32 head(int) const { return hd.head; }
+    __device__ __forceinline__ bool head_ends() const { return ti + 1 == hd.num_tiles; }
+};
+
+struct CmDkdvStep2 {
+    CmDkdvTile tl[2];
+    u32 hd[2];
+    bool pres[2];
+    bool ends;
+    __device__ __forceinline__ bool present(int q) const { return pres[q]; }
+    __device__ __forceinline__ bool partial(int q) const { return pres[q] && tl[q].partial; }
+    __device__ __forceinline__ CmDkdvTile tile(int q) const { return tl[q]; }
+    __device__ __forceinline__ u32 head(int q) const { return hd[q]; }
+    __device__ __forceinline__ bool head_ends() const { return ends; }
+};
+
+// The block's steps in order, the same for the producer, the reducer and the consumers:
+// calls f(it, step) for each. One tile a step walks each head's list in nested loops, as
+// before two-tile steps (the single walk measured 1.5-3% slower at head_dim 128 on W1); two
+// walk the group's lists as one sequence (CmDkdvWalk).
+#if Q_TILES == 1
+typedef CmDkdvStep1 CmDkdvStep;
+#else
+typedef CmDkdvStep2 CmDkdvStep;
+#endif
+
+template <class F>
+__device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f) {
+#if Q_TILES == 1
+    u32 it = 0;
+    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
+        const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + hg, blk.n_block);
+        for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) f(it, CmDkdvStep1{p, hd, ti});
+    }
+#else
+    CmDkdvWalk walk = {cm_dkdv_head(p, blk.pair.batch, blk.pair.head0, blk.n_block), 0};
+    const u32 steps = dkdv_steps(blk);
+    for (u32 it = 0; it < steps; ++it) {
+        CmDkdvStep2 st;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            st.pres[q] = dkdv_next(p, blk, walk, st.tl[q], st.hd[q]);
+            if (!st.pres[q]) {
+                st.tl[q] = st.tl[0];
+                st.hd[q] = st.hd[0];
+            }
+        }
+        st.ends = walk.ti == walk.hd.num_tiles;
+        f(it, st);
+    }
+#endif
+}
+
 // The consumers' walk over the key block's tiles (warpgroups 1 and 2). The two modes are
 // separate instantiations, so that no wgmma batch sits behind a run-time branch on the mode
 // while other products are in flight (ptxas would serialise them).
@@ -164,8 +273,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     const u32 sV = base + OFF_V;
     const u32 sDQ = base + OFF_DQ;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
-    const u32 batch = blk.pair.batch, head0 = blk.pair.head0, kv_head = blk.pair.kv_head, n_block = blk.n_block,
-              key0 = blk.key0, total = blk.total;
+    const u32 batch = blk.pair.batch, kv_head = blk.pair.kv_head, key0 = blk.key0, total = blk.total;
 #if CM_SCORE
     // Per consumer: the per-distance sums of a tile near the diagonal, zero between tiles.
     __shared__ unsigned long long dist_buf[2][DIST_SPAN];
@@ -186,9 +294,9 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
 
     float acc_dk[HEAD_DIM / 8][4];
     float acc_dv[HEAD_DIM / 8][4];
-    float acc_dq[CM_DQ_COLS / 8][4];
-    float sc[BLOCK_M / 8][4];
-    float dp[BLOCK_M / 8][4];
+    float acc_dq[DQ_COLS / 8][4];
+    float sc[Q_ROWS / 8][4];
+    float dp[Q_ROWS / 8][4];
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
@@ -197,12 +305,12 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     // Every product that writes these starts with accumulate = 0; zeroing them once keeps
     // their first use from reading undefined registers.
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j) {
+    for (int j = 0; j < Q_ROWS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[j][e] = dp[j][e] = 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
+    for (int j = 0; j < DQ_COLS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
     }
@@ -216,104 +324,131 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0;
     asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
-    u32 it = 0;
-    for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-        const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
-        for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
-            const u32 s = it % STAGES;
-            const bool partial = ti < hd.num_partial;
-            const u32 sQ = base + OFF_Q + s * TILE_BYTES;
-            const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+    dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+        const u32 s = it % STAGES;
+        // The step's tiles: whether each is partial, or absent (the last step of an odd count).
+        bool present[Q_TILES], partial[Q_TILES];
+#pragma unroll
+        for (int q = 0; q < Q_TILES; ++q) {
+            present[q] = st.present(q);
+            partial[q] = st.partial(q);
+        }
+        {
+            const u32 sQ = base + OFF_Q + s * STEP_BYTES;
+            const u32 sdO = base + OFF_DO + s * STEP_BYTES;
             // Formed per tile (not hoisted with its descriptors out of the loop, which spills).
             const u32 sDS = cm_opaque(base + OFF_DS);
             cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
 
-            // S^T and dP^T: this consumer's 64 keys x the tile's 64 queries, contraction over
+            // S^T and dP^T: this consumer's 64 keys x the step's queries, contraction over
             // head_dim. The keys are a 64-row slice of the 128-row K and V tiles (same column
             // atoms, 64 rows in).
             cm_wgmma_fence();
     #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                cm_wgmma_n64_ss(sc, cm_wgmma_desc(cm_opaque(sKc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
-                                cm_desc_k_major(sQ, BLOCK_M, ks), ks > 0);
+                cm_wgmma_ss<0, 0>(sc, cm_wgmma_desc(cm_opaque(sKc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                                  cm_desc_k_major(sQ, Q_ROWS, ks), ks > 0);
             }
             cm_wgmma_commit();
     #pragma unroll
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                cm_wgmma_n64_ss(dp, cm_wgmma_desc(cm_opaque(sVc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
-                                cm_desc_k_major(sdO, BLOCK_M, ks), ks > 0);
+                cm_wgmma_ss<0, 0>(dp, cm_wgmma_desc(cm_opaque(sVc) + (ks >> 2) * KEY_BLOCK * 128 + (ks & 3) * 32, 16, 1024),
+                                  cm_desc_k_major(sdO, Q_ROWS, ks), ks > 0);
             }
             cm_wgmma_commit();
 #if CM_SCORE
             // The tile's first query and the distance table's view of it, loaded while the
             // products run.
             const u32 key_base = key0 + c * 64 + warp * 16 + g;
-            const u32 tile_row0 = cm_dkdv_tile(p, hd, ti).row0;
+            const u32 tile_row0 = st.tile(0).row0;
             const u32 query_base = tile_row0 + 2 * t;
             // The tile's distances (queries tile_row0 .., keys key0 + 64 c ..), as indices:
             // the same range in every thread of the consumer.
             const int dist_lo = (int)tile_row0 - (int)(key0 + c * 64 + 63) + (int)p.kv_len - 1;
-            const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, hd.head, p.q_len, p.kv_len, key_base,
+            const CmDistTile dist = cm_dist_tile<BLOCK_M / 8, true>(p.score, st.head(0), p.q_len, p.kv_len, key_base,
                                                                     query_base, dist_lo, dist_lo + DIST_SPAN - 2);
 #endif
-            // While they run: this thread's two key rows' visibility of the tile's 64 queries,
+            // While they run: this thread's two key rows' visibility of each tile's 64 queries,
             // shifted to its query columns. A full tile of the block that overhangs kv_len sees
             // every query from its keys below kv_len and none from the zero-filled keys past it:
             // their score 0 would give P = exp2(-lse_log2), which overflows to inf for a row
             // with lse below -88.7 (ln FLT_MAX) and reaches dQ through dS K as inf * 0 = NaN.
-            u64 bits[2] = {0, 0};
-            if (partial) {
-                const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + s * MASK_BYTES);
+            // An absent tile sees nothing.
+            u64 bits[Q_TILES][2];
+            bool masked = overhangs;
     #pragma unroll
-                for (int h = 0; h < 2; ++h) bits[h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
-            } else if (overhangs) {
+            for (int q = 0; q < Q_TILES; ++q) {
+                masked |= partial[q] || !present[q];
+                if (partial[q]) {
+                    const u64* mask = reinterpret_cast<const u64*>(smem + OFF_MASK + (s * Q_TILES + q) * MASK_BYTES);
     #pragma unroll
-                for (int h = 0; h < 2; ++h) bits[h] = key_in_range[h] ? ~0ull : 0ull;
+                    for (int h = 0; h < 2; ++h) bits[q][h] = mask[c * 64 + warp * 16 + g + h * 8] >> (2 * t);
+                } else if (overhangs || !present[q]) {
+    #pragma unroll
+                    for (int h = 0; h < 2; ++h) bits[q][h] = present[q] && key_in_range[h] ? ~0ull : 0ull;
+                } else {
+                    // Read only when the step's other tile masks (two tiles a step).
+    #pragma unroll
+                    for (int h = 0; h < 2; ++h) bits[q][h] = Q_TILES == 2 ? ~0ull : 0ull;
+                }
             }
             // P^T as soon as S^T is done, while dP^T is computed; then dV += P^T dO (contraction
-            // over the tile's 64 queries, dO read MN-major) runs while dS^T is formed.
+            // over the step's queries, dO read MN-major) runs while dS^T is formed, or with two
+            // tiles a step once it is formed: P^T's fragments beside P^T, dP^T, dK and dV
+            // (224 registers) would not fit the consumers' 240.
             cm_wgmma_wait<1>();
             cm_fence_acc(sc);
             const float* lse2s = reinterpret_cast<const float*>(smem + OFF_STATS + s * STATS_BYTES);
 #if CM_SCORE
             // The logits with their score terms, already in the log2 domain.
-            CmDcap<BLOCK_M / 8> dcap;
-            cm_score_logits<BLOCK_M / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, hd.head, p.q_len,
+            CmDcap<Q_ROWS / 8> dcap;
+            cm_score_logits<Q_ROWS / 8, true, true>(sc, dcap, p.score, dist, p.softmax_scale, st.head(0), p.q_len,
                                                      p.kv_len, key_base, query_base);
             const float logit_scale = 1.f;
 #else
             const float logit_scale = p.scale_log2;
 #endif
-            if (partial || overhangs) {
+            if (masked) {
                 probabilities<true>(sc, lse2s, bits, logit_scale, t);
             } else {
                 probabilities<false>(sc, lse2s, bits, logit_scale, t);
             }
             // The operands in the element type: P^T and dS^T as register A fragments (16 queries
             // per k-step).
-            u32 pa[BLOCK_M / 16][4];
-            u32 dsa[BLOCK_M / 16][4];
+            u32 pa[Q_ROWS / 16][4];
+            u32 dsa[Q_ROWS / 16][4];
+            auto pack_p = [&]() {
     #pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+                for (int kk = 0; kk < Q_ROWS / 16; ++kk) cm_bwd_a_fragment(sc, kk, pa[kk]);
+            };
+            auto issue_dv = [&]() {
+                cm_wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < Q_ROWS / 16; ++kk)
+                    cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, Q_ROWS, kk), 1);
+                cm_wgmma_commit();
+            };
+            if constexpr (Q_TILES == 1) pack_p();
 #if CM_SCORE
             // With a softcap and no table to differentiate, dS takes the cap's derivative
             // through P, which dV no longer needs (it has pa): dcap ends here, not after dP.
             const bool cap_in_p = p.score.softcap > 0.f && p.score.dist_bias_grad == nullptr;
             if (cap_in_p) cm_mul_dcap(sc, dcap);
 #endif
-            cm_wgmma_fence();
-    #pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dv, pa[kk], cm_desc_mn_major(sdO, BLOCK_M, kk), 1);
-            cm_wgmma_commit();
-            cm_wgmma_wait<1>();
+            if constexpr (Q_TILES == 1) issue_dv();
+            cm_wgmma_wait<Q_TILES == 1 ? 1 : 0>();
             cm_fence_acc(dp);
-            score_grads(dp, sc, lse2s + BLOCK_M, t);
+            score_grads(dp, sc, lse2s + Q_ROWS, t);
 #if CM_SCORE
-            score_term_grads(dp, dcap, p.score, dist, dist_acc, hd.head, p.q_len, p.kv_len, dist_buf[c], dist_lo, c,
+            score_term_grads(dp, dcap, p.score, dist, dist_acc, st.head(0), p.q_len, p.kv_len, dist_buf[c], dist_lo, c,
                              dist_fixed);
 #endif
     #pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
+            for (int kk = 0; kk < Q_ROWS / 16; ++kk) cm_bwd_a_fragment(dp, kk, dsa[kk]);
+            if constexpr (Q_TILES == 2) {
+                pack_p();
+                issue_dv();
+            }
             if constexpr (ATOMIC_DQ) {
                 // dS^T into the shared tile. Its readers of the previous tile are done: this
                 // consumer's dK product retired at the end of that tile, and both consumers' dQ
@@ -321,7 +456,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 // read it (so the dQ tile is free as well).
                 cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
     #pragma unroll
-                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const u32 row = c * 64 + warp * 16 + g + h * 8;
@@ -336,46 +471,55 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 cm_fence_proxy_async();
                 // Both halves of dS^T are in shared memory after the barrier.
                 cm_consumers_sync(NAMED_DS);
-                // dQ[:, c * CM_DQ_COLS ..] = dS K over the block's 128 keys: A is dS read transposed
-                // from the dS^T tile (16 keys per k-step), B the K tile read transposed, starting
-                // at this consumer's columns (a column atom at head_dim 128, half of one at 64).
-                // Issued before dK's product (FlashAttention-3's order) so that dQ's trip through
-                // shared memory and its reduction overlap dK's product on the tensor pipe.
-                const u32 sK_cols = cm_opaque(sK) + (HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
+                // dQ = dS K over the block's 128 keys, this consumer's DQ_COLS columns of the
+                // step's one tile, or with two tiles a step all columns of tile c: A is dS read
+                // transposed from the dS^T tile (16 keys per k-step; tile c's column atom), B the
+                // K tile read transposed, starting at this consumer's columns (a column atom at
+                // head_dim 128, half of one at 64). Issued before dK's product
+                // (FlashAttention-3's order) so that dQ's trip through shared memory and its
+                // reduction overlap dK's product on the tensor pipe.
+                const u32 sDS_rows = sDS + (Q_TILES == 2 ? c * KEY_BLOCK * 128 : 0);
+                const u32 sK_cols =
+                    cm_opaque(sK) + (Q_TILES == 2 ? 0 : HEAD_DIM == 128 ? c * KEY_BLOCK * 128 : c * 64);
                 cm_wgmma_fence();
     #pragma unroll
                 for (int kk = 0; kk < KEY_BLOCK / 16; ++kk) {
-                    cm_wgmma_ss<1, 1>(acc_dq, cm_wgmma_desc(sDS + kk * 2048, BLOCK_M * 128, 1024),
+                    cm_wgmma_ss<1, 1>(acc_dq, cm_wgmma_desc(sDS_rows + kk * 2048, BLOCK_M * 128, 1024),
                                       cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
                 }
                 cm_wgmma_commit();
-                // dK += dS^T Q: contraction over the tile's 64 queries, dS^T read from this
+                // dK += dS^T Q: contraction over the step's queries, dS^T read from this
                 // consumer's rows of the shared tile (K-major) rather than from registers, so that
                 // dsa is dead before dQ's accumulator is read out. Q read MN-major.
     #pragma unroll
-                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-                    cm_wgmma_ss<0, 1>(acc_dk, cm_wgmma_desc(sDS + c * 64 * 128 + kk * 32, 16, 1024),
-                                      cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+                for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
+                    cm_wgmma_ss<0, 1>(acc_dk,
+                                      cm_wgmma_desc(sDS + (kk >> 2) * KEY_BLOCK * 128 + c * 64 * 128 + (kk & 3) * 32,
+                                                    16, 1024),
+                                      cm_desc_mn_major(sQ, Q_ROWS, kk), 1);
                 }
                 cm_wgmma_commit();
+                const u32 sDQ_at = sDQ + (Q_TILES == 2 ? c * DQ_BYTES + 4 * cm_dq_offset(0, warp, lane)
+                                                       : 4 * cm_dq_offset(c * (DQ_COLS / 8), warp, lane));
 
                 // dV's and dQ's products are done (groups retire in order); dK's runs on.
                 cm_wgmma_wait<1>();
                 cm_fence_acc(acc_dq);
                 cm_fence_frag(pa);
     #pragma unroll
-                for (int j = 0; j < CM_DQ_COLS / 8; ++j) {
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ + 4 * cm_dq_offset(c * (CM_DQ_COLS / 8) + j, warp, lane)),
+                for (int j = 0; j < DQ_COLS / 8; ++j) {
+                    // Chunk j of this consumer's columns; chunks are 2 KB apart (cm_dq_offset).
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(sDQ_at + j * 2048),
                                  "f"(acc_dq[j][0]), "f"(acc_dq[j][1]), "f"(acc_dq[j][2]), "f"(acc_dq[j][3])
                                  : "memory");
                 }
                 cm_fence_proxy_async();
                 cm_named_arrive<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
             } else {
-                // dK += dS^T Q: contraction over the tile's 64 queries, Q read MN-major.
+                // dK += dS^T Q: contraction over the step's queries, Q read MN-major.
                 cm_wgmma_fence();
     #pragma unroll
-                for (int kk = 0; kk < BLOCK_M / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, BLOCK_M, kk), 1);
+                for (int kk = 0; kk < Q_ROWS / 16; ++kk) cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, Q_ROWS, kk), 1);
                 cm_wgmma_commit();
             }
             // dK's product is waited for here in the fast mode too: kept in flight behind the
@@ -391,10 +535,10 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
         }
 #if CM_SCORE
-        // The next head's gradient goes to its own row of the table.
-        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, hd.head, dist_fixed);
+        // The next head's gradient goes to its own row of the table (one tile a step here).
+        if (p.score.dist_bias_grad != nullptr && st.head_ends()) cm_dist_grad_flush(dist_acc, p.score, st.head(0), dist_fixed);
 #endif
-    }
+    });
 
     const u32 row0 = key0 + c * 64;
     cm_bwd_store_rows(p.dk + batch * p.dk_stride_batch + kv_head * p.dk_stride_head, p.dk_stride_row, acc_dk,
@@ -440,61 +584,76 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
                 cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
             }
-            u32 it = 0;
-            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
-                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
-                    const u32 s = it % STAGES;
-                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
-                    const u64 rows = ((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0;
-                    cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
-                    const u32 full = bar(BAR_FULL(s));
-                    cm_mbar_arrive_expect_tx(full, 2 * TILE_BYTES + STATS_BYTES + (tl.partial ? MASK_BYTES : 0));
-                    const u32 sQ = base + OFF_Q + s * TILE_BYTES;
-                    const u32 sdO = base + OFF_DO + s * TILE_BYTES;
+            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+                const u32 s = it % STAGES;
+                // The step's tiles, read once (one tile a step reads its row from the lists).
+                CmDkdvTile tl[Q_TILES];
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) tl[q] = st.tile(q);
+                // An absent second tile is loaded as a copy of the first (finite values, which
+                // the consumers mask out).
+                u32 bytes = Q_TILES * (2 * TILE_BYTES + 2 * BLOCK_M * 4);
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) bytes += st.partial(q) ? MASK_BYTES : 0;
+                cm_mbar_wait(bar(BAR_EMPTY(s)), ((it / STAGES) & 1) ^ 1);
+                const u32 full = bar(BAR_FULL(s));
+                cm_mbar_arrive_expect_tx(full, bytes);
+                const u32 sQ = base + OFF_Q + s * STEP_BYTES;
+                const u32 sdO = base + OFF_DO + s * STEP_BYTES;
+                const u32 stats = base + OFF_STATS + s * STATS_BYTES;
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) {
     #pragma unroll
                     for (int a = 0; a < HEAD_DIM / 64; ++a) {
-                        cm_tma_load4(sQ + a * BLOCK_M * 128, &tm_q, full, a * 64, tl.row0, hd.head, batch);
-                        cm_tma_load4(sdO + a * BLOCK_M * 128, &tm_do, full, a * 64, tl.row0, hd.head, batch);
+                        const u32 at = a * Q_ROWS * 128 + q * BLOCK_M * 128;
+                        cm_tma_load4(sQ + at, &tm_q, full, a * 64, tl[q].row0, st.head(q), batch);
+                        cm_tma_load4(sdO + at, &tm_do, full, a * 64, tl[q].row0, st.head(q), batch);
                     }
-                    const u32 stats = base + OFF_STATS + s * STATS_BYTES;
-                    cm_bulk_load(stats, p.lse_log2 + rows, BLOCK_M * 4, full);
-                    cm_bulk_load(stats + BLOCK_M * 4, p.delta + rows, BLOCK_M * 4, full);
-                    if (tl.partial) {
-                        cm_bulk_load(base + OFF_MASK + s * MASK_BYTES, p.bwd_partial_key_mask + (u64)tl.index * KEY_BLOCK * 2,
-                                  MASK_BYTES, full);
+                    const u64 rows = ((u64)batch * p.num_heads + st.head(q)) * p.q_pad + tl[q].row0;
+                    cm_bulk_load(stats + q * BLOCK_M * 4, p.lse_log2 + rows, BLOCK_M * 4, full);
+                    cm_bulk_load(stats + (Q_ROWS + q * BLOCK_M) * 4, p.delta + rows, BLOCK_M * 4, full);
+                    if (st.partial(q)) {
+                        cm_bulk_load(base + OFF_MASK + (s * Q_TILES + q) * MASK_BYTES,
+                                     p.bwd_partial_key_mask + (u64)tl[q].index * KEY_BLOCK * 2, MASK_BYTES, full);
                     }
                 }
-            }
+            });
         } else if (threadIdx.x / 32 == 1 && total > 0 && p.dq_accum != nullptr) {
-            // The reducer warp of the fast mode: adds each tile's dQ, once both consumers have
-            // stored it, into the fp32 accumulator with one bulk asynchronous reduction, and
-            // gives the tile back once the reduction has read it. It walks the same tiles as
-            // the consumers, so every barrier phase is matched.
+            // The reducer warp of the fast mode: adds each tile's dQ, once the consumers have
+            // stored the step's, into the fp32 accumulator with one bulk asynchronous reduction
+            // per tile, and gives the tiles back once the reductions have read them. It walks
+            // the same steps as the consumers, so every barrier phase is matched.
             const u32 sDQ = base + OFF_DQ;
-            // The first tile finds the dQ tile free.
+            // The first step finds the dQ tiles free.
             cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
-            u32 it = 0;
-            for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
-                const CmDkdvHead hd = cm_dkdv_head(p, batch, head0 + hg, n_block);
-                for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) {
-                    const CmDkdvTile tl = cm_dkdv_tile(p, hd, ti);
-                    cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
-                    if ((threadIdx.x & 31) == 0) {
-                        float* dst = p.dq_accum + (((u64)batch * p.num_heads + hd.head) * p.q_pad + tl.row0) * HEAD_DIM;
-                        asm volatile(
-                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
-                            "r"(sDQ), "n"(DQ_BYTES)
-                            : "memory");
-                        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-                        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-                    }
-                    __syncwarp();
-                    // The last tile's dQ tile is not written again (the consumers sync EMPTY
-                    // once per tile).
-                    if (it + 1 < total) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+            const u32 steps = dkdv_steps(blk);
+            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+                // The step's destinations (null for an absent tile), read before the hand-off.
+                float* dst[Q_TILES];
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) {
+                    dst[q] = st.present(q) ? p.dq_accum + (((u64)batch * p.num_heads + st.head(q)) * p.q_pad +
+                                                           st.tile(q).row0) * HEAD_DIM
+                                           : nullptr;
                 }
-            }
+                cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
+                if ((threadIdx.x & 31) == 0) {
+    #pragma unroll
+                    for (int q = 0; q < Q_TILES; ++q) {
+                        if (dst[q] == nullptr) break;
+                        asm volatile(
+                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst[q]),
+                            "r"(sDQ + q * DQ_BYTES), "n"(DQ_BYTES)
+                            : "memory");
+                    }
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                }
+                __syncwarp();
+                // The last step's dQ tiles are not written again (the consumers sync EMPTY
+                // once per step).
+                if (it + 1 < steps) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+            });
             // The last reduction must finish before the CTA exits.
             if ((threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         }

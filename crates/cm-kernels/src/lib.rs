@@ -247,6 +247,22 @@ impl Variant {
         }
     }
 
+    /// Query tiles of the descriptor lists (`block_m` rows each) one step of
+    /// [`KernelKind::BwdDkDv`]'s ring takes: two at head_dim 64 without score terms, so that
+    /// each consumer's products are 64 keys x 128 queries (FlashAttention-3's 128 x 128 tile
+    /// at that head dim: a 64-row step's products are too short to hide its barriers and
+    /// statistics), one elsewhere (at head_dim 128 a 128-query step's scores beside dK and dV
+    /// do not fit the consumers' registers; the score terms index their tiles by first
+    /// query). The two tiles of a step need not be adjacent: any two of the key block's list,
+    /// across the GQA group's heads; a block with an odd count ends with a step of one. 1 for
+    /// every other kernel.
+    pub const fn q_tiles_per_step(&self) -> u32 {
+        match self.kernel {
+            KernelKind::BwdDkDv if self.head_dim == 64 && !self.score => 2,
+            _ => 1,
+        }
+    }
+
     /// Keys per pipeline stage of [`KernelKind::FwdWs`]: the descriptor's 128-key tile, or at
     /// head_dim above 192 half of it (two stages of 128 keys x 256 columns of K and V beside a
     /// 128 x 256 Q tile exceed the SM's 227 KB of shared memory; the 64-key halves of one tile
@@ -283,6 +299,9 @@ impl Variant {
             format!("-DCM_STAGES={}", self.stages),
             format!("-DCM_THREADS={}", self.threads()),
         ];
+        if self.kernel == KernelKind::BwdDkDv {
+            defines.push(format!("-DCM_Q_TILES={}", self.q_tiles_per_step()));
+        }
         if matches!(self.kernel, KernelKind::FwdWs | KernelKind::FwdWsPaged) {
             defines.push(format!("-DCM_WS_KEY_STEP={}", self.key_step()));
         }
@@ -313,17 +332,17 @@ impl Variant {
                 3 * tile + 3 * tile_v + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 64 * 8 + 64 + 1024
             }
             // K and V (128 x head_dim each), `stages` stages of Q and dO, of lse and delta (64
-            // f32 each) and of the key visibility (128 u64), one dS^T (128 x 64 elements), the
-            // fp32 dQ tile (64 x head_dim), 64 bytes of mbarriers, and 1 KB to align the start
-            // to a swizzle atom.
+            // f32 each) and of the key visibility (128 u64), each per query tile of a step
+            // (`q_tiles_per_step`); one dS^T (128 keys x the step's queries), the fp32 dQ tiles
+            // (64 x head_dim each), 64 bytes of mbarriers, and 1 KB to align the start to a
+            // swizzle atom.
             KernelKind::BwdDkDv => {
                 let stages = self.stages;
+                let q_tiles = self.q_tiles_per_step();
                 2 * 2 * tile
-                    + stages * 2 * tile
-                    + 128 * 64 * 2
-                    + 64 * self.head_dim * 4
-                    + stages * 2 * 64 * 4
-                    + stages * 128 * 8
+                    + stages * q_tiles * (2 * tile + 2 * 64 * 4 + 128 * 8)
+                    + 128 * 64 * 2 * q_tiles
+                    + q_tiles * 64 * self.head_dim * 4
                     + 64
                     + 1024
             }
