@@ -199,8 +199,7 @@ __device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBloc
 }
 
 // One step's tiles as dkdv_for_each_step hands them over: whether tile q is present (an
-// absent one repeats the first's tile and head), tile(q) and its query head, and whether the
-// step's last tile ends its head's list. One tile a step reads its tile where it is used
+// absent one repeats the first's tile and head), and tile(q) and its query head. One tile a step reads its tile where it is used
 // (the score terms' consumers load its first query while their products run, as before
 // two-tile steps); two are read by the walk.
 struct CmDkdvStep1 {
@@ -211,40 +210,48 @@ struct CmDkdvStep1 {
     __device__ __forceinline__ bool partial(int) const { return ti < hd.num_partial; }
     __device__ __forceinline__ CmDkdvTile tile(int) const { return cm_dkdv_tile(p, hd, ti); }
     __device__ __forceinline__ u32 head(int) const { return hd.head; }
-    __device__ __forceinline__ bool head_ends() const { return ti + 1 == hd.num_tiles; }
 };
 
 struct CmDkdvStep2 {
     CmDkdvTile tl[2];
     u32 hd[2];
     bool pres[2];
-    bool ends;
     __device__ __forceinline__ bool present(int q) const { return pres[q]; }
     __device__ __forceinline__ bool partial(int q) const { return pres[q] && tl[q].partial; }
     __device__ __forceinline__ CmDkdvTile tile(int q) const { return tl[q]; }
     __device__ __forceinline__ u32 head(int q) const { return hd[q]; }
-    __device__ __forceinline__ bool head_ends() const { return ends; }
 };
 
 // The block's steps in order, the same for the producer, the reducer and the consumers:
-// calls f(it, step) for each. One tile a step walks each head's list in nested loops, as
-// before two-tile steps (the single walk measured 1.5-3% slower at head_dim 128 on W1); two
-// walk the group's lists as one sequence (CmDkdvWalk).
+// calls f(it, step) for each, and with one tile a step head_done(head) after each query
+// head's last tile (with two, a step can span two heads: the score terms, whose gradient
+// table is flushed per head, take one). One tile a step walks each head's list in nested
+// loops, as before two-tile steps (the single walk measured 1.5-3% slower at head_dim 128 on
+// W1); two walk the group's lists as one sequence (CmDkdvWalk).
 #if Q_TILES == 1
 typedef CmDkdvStep1 CmDkdvStep;
 #else
 typedef CmDkdvStep2 CmDkdvStep;
 #endif
 
-template <class F>
-__device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f) {
+struct CmNoHeadDone {
+    __device__ __forceinline__ void operator()(u32) const {}
+};
+template <class G> struct CmIsNoHeadDone { static constexpr bool value = false; };
+template <> struct CmIsNoHeadDone<CmNoHeadDone> { static constexpr bool value = true; };
+
+template <class F, class G = CmNoHeadDone>
+__device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f,
+                                                   G&& head_done = G{}) {
 #if Q_TILES == 1
     u32 it = 0;
     for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) {
         const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0 + hg, blk.n_block);
         for (u32 ti = 0; ti < hd.num_tiles; ++ti, ++it) f(it, CmDkdvStep1{p, hd, ti});
+        head_done(hd.head);
     }
 #else
+    static_assert(CmIsNoHeadDone<G>::value, "head_done needs one tile a step: with two, a step can span two heads");
     CmDkdvWalk walk = {cm_dkdv_head(p, blk.pair.batch, blk.pair.head0, blk.n_block), 0};
     const u32 steps = dkdv_steps(blk);
     for (u32 it = 0; it < steps; ++it) {
@@ -257,7 +264,6 @@ __device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const C
                 st.hd[q] = st.hd[0];
             }
         }
-        st.ends = walk.ti == walk.hd.num_tiles;
         f(it, st);
     }
 #endif
@@ -534,11 +540,14 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             __syncwarp();
             if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
         }
+    }
 #if CM_SCORE
-        // The next head's gradient goes to its own row of the table (one tile a step here).
-        if (p.score.dist_bias_grad != nullptr && st.head_ends()) cm_dist_grad_flush(dist_acc, p.score, st.head(0), dist_fixed);
+    , [&](u32 head) {
+        // The next head's gradient goes to its own row of the table.
+        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, head, dist_fixed);
+    }
 #endif
-    });
+    );
 
     const u32 row0 = key0 + c * 64;
     cm_bwd_store_rows(p.dk + batch * p.dk_stride_batch + kv_head * p.dk_stride_head, p.dk_stride_row, acc_dk,
