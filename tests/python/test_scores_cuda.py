@@ -147,9 +147,11 @@ def test_softcap_alone_on_both_sides_of_the_fixed_reference(case, dtype, cap, wi
     _check_against_dense(case, terms, False, dtype, 64, 4, 2, softcap=cap, logits=logits)
 
 
-def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0, softcap=5.0, logits="mild"):
+def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0, softcap=5.0, logits="mild",
+                         dv=None):
     """Forward and gradients of one plan with `terms` (a name of TERMS, or a tuple of them)
-    against the float64 dense attention; `shift` is added to every table entry and sink.
+    against the float64 dense attention; `shift` is added to every table entry and sink; `dv`
+    is head_dim_v (default `d`).
     `logits`: "mild" (q and k of scale 1.5), "saturated" (q 40 times larger: scaled logits of
     about +-90) or "all_low" (as saturated, with every q . k negative)."""
     from compilemask import _ops
@@ -166,7 +168,7 @@ def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0
         q, k = -q.abs(), k.abs()
     q = q.to(dtype).requires_grad_()
     k = k.to(dtype).requires_grad_()
-    v = torch.randn((b, hk, lk, d), generator=g, device="cuda").to(dtype).requires_grad_()
+    v = torch.randn((b, hk, lk, dv or d), generator=g, device="cuda").to(dtype).requires_grad_()
     scale = 1.0 / math.sqrt(d)
     use = {t: (t in terms) if isinstance(terms, tuple) else terms in (t, "all") for t in TERMS[:4]}
     softcap = softcap if use["softcap"] else 0.0

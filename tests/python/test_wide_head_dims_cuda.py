@@ -22,7 +22,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)")
 
 from test_cuda import EDGE_PLANS, TOL, _err, _weighted_grads  # noqa: E402
-from test_scores_cuda import CASES, TERMS, _buckets, _reference  # noqa: E402
+from test_scores_cuda import CASES, EDGE_CASES, TERMS, _buckets, _check_against_dense, _reference  # noqa: E402
 from test_torch import WORKLOADS, dense_attention  # noqa: E402
 
 SHAPES = [(256, 256), (192, 128)]
@@ -196,10 +196,10 @@ def test_wide_head_refusals_name_the_shape():
     for d, dv in SCORE_SHAPES:
         q, k, v = _inputs(1, 2, 2, 64, 64, d, dv, torch.bfloat16)
         q.requires_grad_()
-        with pytest.raises(NotImplementedError, match=f"score terms.*head_dim {d} and head_dim_v {dv}"):
+        with pytest.raises(NotImplementedError, match=f"a softcap or biases.*head_dim {d} and head_dim_v {dv}"):
             cm.attention(q, k, v, scored)
     q, k, v = _inputs(1, 2, 2, 64, 64, 256, 256, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="with score terms on CUDA supports .* "
+    with pytest.raises(NotImplementedError, match="with a softcap or biases on CUDA supports .* "
                        "head_dim 64, 128, 192 \\(head_dim_v 128\\) "):
         with torch.no_grad():
             cm.attention(q, k, v, scored)
@@ -242,3 +242,30 @@ def test_wide_head_score_terms_forward(case, d, dv, terms):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("shift", [0.0, -120.0, 60.0])
+@pytest.mark.parametrize("d,dv", SHAPES)
+@pytest.mark.parametrize("case", CASES[:2] + EDGE_CASES[:2], ids=lambda c: f"{c[0]}-{c[2]}x{c[3]}")
+def test_wide_head_sinks_alone_forward_and_gradients(case, d, dv, shift, deterministic):
+    """Sinks alone run on the plain kernels (they change only each row's normalisation), so
+    the wide shapes, which have no score-term backward, train with them: output, lse and the
+    gradients of q, k, v and the sinks against the float64 dense attention, sinks shifted to
+    about -120 and +60 as well (a row's sink then far outweighs, or vanishes beside, its
+    keys)."""
+    _check_against_dense(case, ("sinks",), deterministic, torch.bfloat16, d, 4, 2, shift, dv=dv)
+
+
+def test_wide_head_sinks_through_attention():
+    """`compilemask.attention` with a program whose only score statement is a sink takes
+    inputs that require grad at head_dim 256 (no refusal) and its sinks get a gradient."""
+    prog = cm.compile("tensor sinks: [num_heads];\nmask = q - 40 < k <= q;\nsink = sinks[h];")
+    plan = prog.plan(100, num_heads=4)
+    q, k, v = _inputs(1, 4, 2, 100, 100, 256, 256, torch.bfloat16)
+    q.requires_grad_()
+    sinks = torch.zeros((4,), device="cuda", requires_grad=True)
+    out = cm.attention(q, k, v, plan.to_tensors("cuda"), enable_gqa=True, score_tensors={"sinks": sinks})
+    out.float().square().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(sinks.grad).all()
+    assert sinks.grad.abs().sum().item() > 0

@@ -349,7 +349,7 @@ pub fn check_backward(plan: &PlanLayout, a: &BackwardRaw) -> Result<(), Error> {
     };
     check_forward(plan, &forward)?;
     let (d, dv) = (a.q_layout.shape[3] as u32, a.v_layout.shape[3] as u32);
-    let scored = a.score.is_active();
+    let scored = a.score.modifies_logits();
     if cm_kernels::find_variant(KernelKind::BwdDkDv, a.dtype, d, dv, scored).is_none() {
         let built = cm_kernels::built_head_dims(KernelKind::BwdDkDv, a.dtype, scored);
         return Err(Error::invalid(format!(
@@ -416,7 +416,7 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     }
 
     let variant = |kind: KernelKind| {
-        let scored = a.score.is_active() && kind.has_score_variant();
+        let scored = a.score.modifies_logits() && kind.has_score_variant();
         cm_kernels::find_variant(kind, a.dtype, d as u32, dv as u32, scored).ok_or_else(|| {
             Error::invalid(format!(
                 "no {} kernel for {} at head_dim = {d}, head_dim_v = {dv}",

@@ -199,10 +199,10 @@ pub(crate) fn prepare(
     let dv = a.v_layout.shape[3];
     let head_dim = u32::try_from(d).unwrap_or(u32::MAX);
     let head_dim_v = u32::try_from(dv).unwrap_or(u32::MAX);
-    let scored = a.score.is_active();
+    let scored = a.score.modifies_logits();
     if scored && !kernel_kind.has_score_variant() {
         return Err(Error::invalid(format!(
-            "score terms (softcap, biases, sinks) run on the default forward kernel fwd_ws, not {}; \
+            "score terms that change the logits (softcap, biases) run on the default forward kernel fwd_ws, not {}; \
              Runtime::set_forward_kernel(KernelKind::FwdWs)",
             kernel_kind.name()
         )));
@@ -681,6 +681,12 @@ mod tests {
         };
         assert_eq!(ws(&shaped(256, 256)), "accepted");
         assert_eq!(ws(&shaped(192, 128)), "accepted");
+        // Sinks alone need no score variant (there is none at 256); a softcap does.
+        let mut sinks = shaped(256, 256);
+        sinks.score.sinks = 0x3000_0000;
+        assert_eq!(ws(&sinks), "accepted");
+        sinks.score.softcap = 30.0;
+        assert!(ws(&sinks).contains("with score terms"), "{}", ws(&sinks));
         assert_eq!(
             check_forward(&plan, &shaped(192, 128)).map_err(|e| e.to_string()),
             Ok(())
@@ -727,6 +733,15 @@ mod tests {
         }
         assert!(backward(128, 128, 0.0).unwrap_err().contains("workspace"));
         assert!(backward(128, 128, 30.0).unwrap_err().contains("workspace"));
+        // Sinks alone change only the normalisation: the plain kernels run them, so every
+        // wide shape's backward takes them (and its forward needs no score variant).
+        for (d, dv) in cm_kernels::WIDE_SHAPES {
+            let mut raw = backward_raw(d as usize, dv as usize, 0.0);
+            raw.score.sinks = 0x3000_0000;
+            assert!(!raw.score.modifies_logits());
+            let got = check(&raw).unwrap_err();
+            assert!(got.contains("workspace"), "{got}");
+        }
         // At MLA's shape dO is shaped as the output and dV as V, not as Q and K.
         let mut raw = backward_raw(192, 128, 0.0);
         raw.dout_layout = raw.q_layout;

@@ -92,9 +92,12 @@ pub struct ScoreRaw {
 }
 
 impl ScoreRaw {
-    /// Whether any term is set (the launch then runs the score variants).
-    pub fn is_active(&self) -> bool {
-        self.softcap != 0.0 || self.slopes != 0 || self.dist_bias != 0 || self.sinks != 0
+    /// Whether a term changes the logits (softcap, linear bias, bias by distance): the launch
+    /// then runs the score variants. Sinks alone change only each row's normalisation, which
+    /// every forward variant applies (and the backward reads through lse), so they run on the
+    /// plain kernels at every built shape.
+    pub fn modifies_logits(&self) -> bool {
+        self.softcap != 0.0 || self.slopes != 0 || self.dist_bias != 0
     }
 
     /// Every check of the terms against the launch: the softcap's value, alignment, a
@@ -134,7 +137,7 @@ impl ScoreRaw {
             )));
         }
         // Positions and distances are formed in fp32, exact below 2^24.
-        if q_len as u64 + kv_len as u64 > 1 << 24 && self.is_active() {
+        if q_len as u64 + kv_len as u64 > 1 << 24 && self.modifies_logits() {
             return Err(Error::invalid(format!(
                 "score terms with q_len + kv_len = {} tokens: at most 2^24, where positions stay exact in fp32",
                 q_len as u64 + kv_len as u64

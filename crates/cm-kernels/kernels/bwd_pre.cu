@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwd
         if (row < p.q_len) {
             const float lse = p.lse[batch * p.lse_stride_batch + head * p.lse_stride_head + row];
             if (lse != cm_neg_inf()) {
-                lse2 = lse * 1.4426950408889634f;
+                lse2 = lse * CM_LOG2E;
                 // A row with no visible key keeps delta = 0: its -inf lse depends on nothing.
                 if (p.dlse != nullptr) acc -= p.dlse[batch * p.dlse_stride_batch + head * p.dlse_stride_head + row];
             }

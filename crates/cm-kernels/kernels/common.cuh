@@ -3,10 +3,14 @@
 // spelled out here with inline PTX for sm_90a.
 #pragma once
 
-// 1 in the variants that apply score terms (CmScoreParams); the others never read them.
+// 1 in the variants that apply the score terms that change logits (CmScoreParams); the
+// others read only the sinks, at normalisation.
 #ifndef CM_SCORE
 #define CM_SCORE 0
 #endif
+
+// log2(e): natural-log quantities (lse, biases, sinks) into the kernels' log2 domain.
+#define CM_LOG2E 1.4426950408889634f
 
 // The shape every variant declares (cm_kernels::Variant): the tile of the descriptor lists it
 // reads (CM_BLOCK_M query rows x CM_BLOCK_N keys), the depth of its load ring (CM_STAGES; 1
@@ -39,7 +43,9 @@ struct CmKeyInterval {
 //        + dist_bias[h * dist_head_stride + q - k + kv_len - 1]    (a bias by distance, e.g.
 //                                                                   a T5 bucket table gathered)
 // and each row's softmax also counts exp(sinks[h]) in its denominator (a sink has value 0).
-// Only the `CM_SCORE` variants read it; a null pointer or a zero softcap switches a term off.
+// The `CM_SCORE` variants read every term; the others only the sinks, which change a row's
+// normalisation and not its logits (cm_sink_normalise, every forward). A null pointer or a
+// zero softcap switches a term off.
 // Must match cm_cuda::ScoreParams (#[repr(C)], pointers first, 64 bytes).
 struct CmScoreParams {
     const float* slopes;       // [num_heads], natural-log units

@@ -214,6 +214,20 @@ __device__ __forceinline__ void cm_p_fragment(const float (&s)[NB][4], int kk, u
     a[3] = cm_pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// The sink's share of a row's softmax (common.cuh's CmScoreParams), applied when the row is
+// normalised, in every forward variant (it needs no per-logit work): with the row's
+// running maximum row_max and sum (log2 domain, the output accumulated against row_max), the
+// sink logit joins the denominator. Returns the output's multiplier and sets lse (natural
+// log); a row with nothing visible gets output 0 and lse = the sink.
+__device__ __forceinline__ float cm_sink_normalise(float sink, float row_max, float sum, float& lse) {
+    const float sink2 = sink * CM_LOG2E;
+    const float m = fmaxf(row_max, sink2);
+    const float keep = row_max == cm_neg_inf() ? 0.f : cm_exp2(row_max - m);
+    const float total = fmaf(sum, keep, cm_exp2(sink2 - m));
+    lse = (m + __log2f(total)) * 0.69314718055994531f;
+    return keep / total;
+}
+
 // Normalises and stores the warp's rows; rows with an empty sum (no visible key) write 0 and
 // lse -inf.
 template <int ND>
@@ -230,9 +244,7 @@ __device__ __forceinline__ void cm_store_output(const CmFwdParams& p, const floa
         if (qrow >= p.q_len) continue;
         float inv = sum > 0.f ? 1.f / sum : 0.f;
         float lse = sum > 0.f ? row_max[h] * 0.69314718055994531f + logf(sum) : cm_neg_inf();
-#if CM_SCORE
         if (p.score.sinks != nullptr) inv = cm_sink_normalise(p.score.sinks[head], row_max[h], sum, lse);
-#endif
         u16* orow = o + (i64)qrow * p.o_stride_row;
 #pragma unroll
         for (int j = 0; j < ND; ++j) {

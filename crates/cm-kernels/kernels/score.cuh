@@ -6,8 +6,6 @@
 #pragma once
 #include "common.cuh"
 
-#define CM_LOG2E 1.4426950408889634f
-
 // The hardware's approximate tanh (one special-function op, as FlashAttention-3's softcap):
 // its relative error of about 2^-11 moves a capped logit by less than the rounding of
 // bf16 / fp16 inputs already moves q . k. (Two at a time through tanh.approx.f16x2 measured
@@ -357,15 +355,3 @@ __device__ __forceinline__ void cm_dist_grad_flush_tile(unsigned long long* buf,
     }
 }
 
-// The sink's share of a row's softmax, applied when the row is normalised: with the row's
-// running maximum row_max and sum (log2 domain, the output accumulated against row_max), the
-// sink logit joins the denominator. Returns the output's multiplier and sets lse (natural
-// log); a row with nothing visible gets output 0 and lse = the sink.
-__device__ __forceinline__ float cm_sink_normalise(float sink, float row_max, float sum, float& lse) {
-    const float sink2 = sink * CM_LOG2E;
-    const float m = fmaxf(row_max, sink2);
-    const float keep = row_max == cm_neg_inf() ? 0.f : cm_exp2(row_max - m);
-    const float total = fmaf(sum, keep, cm_exp2(sink2 - m));
-    lse = (m + __log2f(total)) * 0.69314718055994531f;
-    return keep / total;
-}

@@ -136,7 +136,8 @@ impl KernelKind {
 }
 
 /// One compiled instantiation: a kernel at a dtype and head dimensions, with or without the
-/// score terms (softcap, biases, sinks: `CmScoreParams` in `kernels/common.cuh`), at the tile
+/// score terms that change logits (softcap, biases: `CmScoreParams` in `kernels/common.cuh`;
+/// every forward applies sinks, which change only the normalisation), at the tile
 /// and pipeline depth it declares. The build passes the declared shape to the source
 /// (`CM_BLOCK_M`, `CM_BLOCK_N`, `CM_STAGES`, `CM_THREADS`), which uses it or refuses to
 /// compile with another; the runtime builds the descriptor lists each variant reads at its
@@ -149,8 +150,8 @@ pub struct Variant {
     pub head_dim: u32,
     /// Columns of V and of the output; equal to `head_dim` but in [`WIDE_SHAPES`]' MLA shape.
     pub head_dim_v: u32,
-    /// Compiled with `CM_SCORE=1`: the kernel forms every logit with the launch's score
-    /// terms. Only [`KernelKind::has_score_variant`] kernels have one.
+    /// Compiled with `CM_SCORE=1`: the kernel forms every logit with the launch's softcap
+    /// and biases. Only [`KernelKind::has_score_variant`] kernels have one.
     pub score: bool,
     /// Query rows of a tile of the descriptor lists the kernel reads.
     pub block_m: u32,

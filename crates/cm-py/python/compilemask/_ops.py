@@ -124,8 +124,8 @@ def _check_cuda_supported(q: Tensor, v: Tensor, shapes: tuple = CUDA_FORWARD_HEA
 def check_cuda_backward_supported(q: Tensor, k: Tensor, v: Tensor, scored: bool) -> None:
     """Refuses, before the forward runs, a CUDA call whose inputs need gradients at a shape
     built forward only (``CUDA_BACKWARD_HEAD_DIMS``; ``CUDA_SCORE_BACKWARD_HEAD_DIMS`` with
-    score terms), so that training fails at the call, not at ``backward()`` after the
-    forward's work."""
+    ``scored``: a softcap or biases, not sinks alone), so that training fails at the call,
+    not at ``backward()`` after the forward's work."""
     if q.device.type != "cuda" or not torch.is_grad_enabled():
         return
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -133,7 +133,7 @@ def check_cuda_backward_supported(q: Tensor, k: Tensor, v: Tensor, scored: bool)
     _check_cuda_supported(
         q, v, CUDA_SCORE_BACKWARD_HEAD_DIMS if scored else CUDA_BACKWARD_HEAD_DIMS,
         "the backward of compilemask.attention on CUDA (inputs that require grad"
-        + (", score terms" if scored else "") + ")")
+        + (", a softcap or biases" if scored else "") + ")")
 
 
 def _raw(t: Tensor) -> tuple:
@@ -185,12 +185,18 @@ def _score_arg(score: Optional[tuple], dist_bias_grad: Optional[Tensor] = None) 
             None if dist_bias_grad is None else _raw(dist_bias_grad.view(-1)))
 
 
+def _modifies_logits(score: Optional[tuple]) -> bool:
+    """Whether the score tuple ``(softcap, linear, slopes, dist_bias, dist_run_end, sinks)``
+    changes the logits (the score kernels' shapes); sinks alone run on the plain kernels."""
+    return score is not None and (score[0] > 0 or score[2] is not None or score[3] is not None)
+
+
 def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
-    if score is None:
-        _check_cuda_supported(q, v)
-    else:
+    if _modifies_logits(score):
         _check_cuda_supported(q, v, CUDA_SCORE_HEAD_DIMS,
-                              "compilemask.attention with score terms on CUDA")
+                              "compilemask.attention with a softcap or biases on CUDA")
+    else:
+        _check_cuda_supported(q, v)
     b, hq, lq, _ = q.shape
     lk = k.shape[2]
     out = torch.empty((b, hq, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -357,9 +363,13 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                              sinks: Optional[Tensor], want_dist_grad: bool
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_cuda_supported(q, v, CUDA_SCORE_BACKWARD_HEAD_DIMS,
-                          "the backward of compilemask.attention with score terms on CUDA")
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
+    if _modifies_logits(score):
+        _check_cuda_supported(q, v, CUDA_SCORE_BACKWARD_HEAD_DIMS,
+                              "the backward of compilemask.attention with a softcap or biases on CUDA")
+    else:
+        _check_cuda_supported(q, v, CUDA_BACKWARD_HEAD_DIMS,
+                              "the backward of compilemask.attention on CUDA")
     dout = _kernel_ready(grad_out)
     # The deterministic backward sums the table's gradient in int64 fixed point (units of
     # 2^-32; integer atomics repeat their bits), the fast one in float32. The kernels write

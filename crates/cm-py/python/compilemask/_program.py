@@ -91,6 +91,13 @@ class ScoreTensors(NamedTuple):
     run_end: torch.Tensor | None = None
     runs: tuple[torch.Tensor, ...] | None = None
 
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether a term changes the logits (softcap, linear bias, table): CUDA then runs the
+        score kernels, built at fewer shapes. Sinks alone change only each row's
+        normalisation and run on the plain kernels at every shape."""
+        return self.softcap > 0 or self.slopes is not None or self.table is not None
+
 
 class CompileMaskWarning(UserWarning):
     """A plan that is valid but very likely not what was meant: no visible pair (CM0260),

@@ -551,8 +551,9 @@ def attention(
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
     computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
     capability 9.0; bfloat16 / float16, head_dim 64, 128 or 256 with ``head_dim_v ==
-    head_dim`` and 192 with head_dim_v 128, forward and backward; score terms at 64 and 128,
-    and at 192 / 128 forward only (no inputs that require grad); other cases raise
+    head_dim`` and 192 with head_dim_v 128, forward and backward; a softcap or biases at 64
+    and 128, and at 192 / 128 forward only (no inputs that require grad); sinks alone at
+    every one of those shapes, forward and backward; other cases raise
     ``NotImplementedError``) on the current CUDA stream, without host
     synchronisation, so it can be captured in a CUDA graph. Inputs there need a contiguous
     last dim and 16-byte aligned addresses and strides (a ``.contiguous()`` tensor is fine).
@@ -661,7 +662,8 @@ def attention(
     if query.device.type == "cuda":
         from . import _ops
 
-        _ops.check_cuda_backward_supported(query, key, value, pt.score is not None)
+        _ops.check_cuda_backward_supported(
+            query, key, value, pt.score is not None and pt.score.modifies_logits)
     mask_index = pt.mask_index.expand(b, hq)
     # How the CUDA kernels find each (batch, head)'s mask in the descriptor, and their tile.
     plan_dims = pt.plan_dims()

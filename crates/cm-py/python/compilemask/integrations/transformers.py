@@ -24,8 +24,8 @@ Every attention call then runs :func:`compilemask.attention` with a compiled pla
   planned at each call's lengths (per document when packed; ``h`` is the query head).
 
 Plans are cached per shape. On CUDA tensors the CompileMask kernels run (Hopper; bfloat16 /
-float16, head_dim 64 or 128; for inference also 256 and MLA's 192 / 128, see
-``compilemask._ops.CUDA_FORWARD_HEAD_DIMS``); on CPU the CPU reference (float32 / float64). Attention
+float16, head_dim 64, 128, 256 and MLA's 192 / 128, forward and backward, see
+``compilemask._ops.CUDA_FORWARD_HEAD_DIMS`` and ``CUDA_BACKWARD_HEAD_DIMS``); on CPU the CPU reference (float32 / float64). Attention
 dropout, logit soft-capping and attention sinks are not supported and raise
 ``NotImplementedError``; ``output_attentions`` returns no weights (``None``), as SDPA.
 """
