@@ -1,7 +1,8 @@
 """compilemask as a Hugging Face transformers attention backend
 (`attn_implementation="compilemask"`, compilemask.integrations.transformers) against
 transformers' own `attn_implementation="sdpa"` on small random-initialised Llama- and
-Qwen2-style models (GQA; Qwen2 with a sliding window), no weights downloaded: logits, loss
+Qwen2-style models (GQA; Qwen2 with a sliding window), and against `"eager"` on gpt-oss
+(learnable sinks) and Gemma 2 (logit soft-capping), no weights downloaded: logits, loss
 and every parameter's gradient within the accuracy rule of docs/design.md, greedy
 generation, packed documents (position_ids and cu_seq_lens) against each document alone,
 left-padded batches, and a user program against a float64 dense reference. On CPU the
@@ -51,17 +52,59 @@ def configs():
 CONFIGS = ["llama", "qwen2"]
 
 
+def scored_configs():
+    """Models whose attention calls pass score terms, each with the attention it is compared
+    against (transformers' eager attention, the one that applies them): gpt-oss (learnable
+    sinks, `s_aux`; a sliding-window layer and a full one; its experts in eager loops, which
+    run in float64) and Gemma 2 (logit soft-capping, `softcap`, small enough to bite at
+    random initialisation; sliding window). Those the installed transformers has."""
+    out = {}
+    try:
+        from transformers import GptOssConfig
+
+        out["gpt_oss"] = GptOssConfig(
+            vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+            attention_dropout=0.0)
+    except ImportError:
+        pass
+    try:
+        from transformers import Gemma2Config
+
+        out["gemma2"] = Gemma2Config(
+            vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=24,
+            attn_logit_softcapping=2.0, query_pre_attn_scalar=64, max_position_embeddings=512,
+            attention_dropout=0.0)
+    except ImportError:
+        pass
+    return out
+
+
+SCORED = list(scored_configs())
+
+
 def models(name, device, dtype, impl="compilemask"):
-    """(the model under `impl` in `dtype`, sdpa in `dtype`, sdpa in float64), one set of
-    random weights."""
+    """(the model under `impl` in `dtype`, its reference attention in `dtype`, the reference
+    in float64), one set of random weights; the reference is sdpa, or eager for the models
+    of scored_configs (sinks drawn with standard deviation 2, so that they matter)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = configs()[name]
+    scored = scored_configs()
+    cfg = scored[name] if name in scored else configs()[name]
+    ref_impl = "eager" if name in scored else "sdpa"
+    extra = {"experts_implementation": "eager"} if name == "gpt_oss" else {}
     torch.manual_seed(0)
-    weights = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).state_dict()
+    weights = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), **extra).state_dict()
+    for n in weights:
+        if n.endswith(".sinks"):
+            weights[n] = torch.randn_like(weights[n]) * 2
     out = []
-    for impl_, dt in ((impl, dtype), ("sdpa", dtype), ("sdpa", torch.float64)):
-        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl_)
+    for impl_, dt in ((impl, dtype), (ref_impl, dtype), (ref_impl, torch.float64)):
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl_,
+                                             **extra)
         assert m.config._attn_implementation == impl_
         m.load_state_dict(weights)
         out.append(m.to(device=device, dtype=dt).eval())
@@ -96,8 +139,10 @@ def tokens(device, b, n, seed=1):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", CONFIGS + SCORED)
 def test_logits_loss_and_gradients_match_sdpa(name, device, dtype):
+    """Logits, loss and every parameter's gradient (the sinks' included) against the
+    reference attention (sdpa; eager for the models with score terms)."""
     ours, sdpa, ref = models(name, device, dtype)
     ids = tokens(device, 2, 61)
     results = []
@@ -116,7 +161,7 @@ def test_logits_loss_and_gradients_match_sdpa(name, device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", CONFIGS + SCORED)
 def test_greedy_generation_matches_sdpa(name, device, dtype):
     ours, sdpa, ref = models(name, device, dtype)
     prompt = tokens(device, 1, 37, seed=2)
@@ -225,8 +270,14 @@ def test_unsupported_features_are_named():
     k = torch.zeros(1, 2, 3, 64)
     with pytest.raises(NotImplementedError, match="dropout"):
         cmt.attention_forward(layer, q, k, k, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        cmt.attention_forward(layer, q, k, k, None, softcap=30.0)
+    with pytest.raises(ValueError, match="softcap = -1.0: expected a finite number above 0"):
+        cmt.attention_forward(layer, q, k, k, None, softcap=-1.0)
+    # A registered program says its own score terms: the model's are refused by name.
+    cmt.register("compilemask_chunks_test", "mask = k / 8 == q / 8;")
+    with pytest.raises(NotImplementedError, match="passes s_aux, but the backend "
+                       "'compilemask_chunks_test' runs a registered program"):
+        cmt.attention_forward(layer, q, k, k, None, s_aux=torch.zeros(4),
+                              _backend="compilemask_chunks_test")
     holes = torch.tensor([[1, 0, 1]])
     with pytest.raises(ValueError, match="not one run"):
         cmt.attention_forward(layer, q, k, k, holes)

@@ -25,13 +25,17 @@ Every attention call then runs :func:`compilemask.attention` with a compiled pla
 
 Plans are cached per shape. On CUDA tensors the CompileMask kernels run (Hopper; bfloat16 /
 float16, head_dim 64, 128, 256 and MLA's 192 / 128, forward and backward, see
-``compilemask._ops.CUDA_FORWARD_HEAD_DIMS`` and ``CUDA_BACKWARD_HEAD_DIMS``); on CPU the CPU reference (float32 / float64). Attention
-dropout, logit soft-capping and attention sinks are not supported and raise
-``NotImplementedError``; ``output_attentions`` returns no weights (``None``), as SDPA.
+``compilemask._ops.CUDA_FORWARD_HEAD_DIMS`` and ``CUDA_BACKWARD_HEAD_DIMS``); on CPU the CPU reference (float32 / float64). With
+the model's own masks, logit soft-capping (``softcap``, Gemma 2) and learnable attention
+sinks (``s_aux``, gpt-oss) are applied as the program's score terms (``score =
+softcap(score, c);``, ``sink = sinks[h];``), with gradients for the sinks; attention dropout,
+and soft-capping or sinks with a registered program, raise ``NotImplementedError``;
+``output_attentions`` returns no weights (``None``), as SDPA.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -67,6 +71,20 @@ param end: [int] = [kv_len];
 mask = k >= start[b] & k < end[b];
 """
 
+# The score statements a model's attention call asks for, appended to the mask's source: the
+# softcap's value as a literal (parameters are integers), the sinks as a per-head tensor.
+_SINKS = "tensor sinks: [num_heads];\nsink = sinks[h];\n"
+
+
+def _score_source(softcap: float | None, sinks: bool) -> str:
+    source = ""
+    if softcap is not None:
+        if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap = {softcap!r}: expected a finite number above 0")
+        source += f"score = softcap(score, {float(softcap)!r});\n"
+    return source + (_SINKS if sinks else "")
+
+
 _PROGRAMS: dict[str, Program] = {}
 
 
@@ -88,7 +106,9 @@ class _Backend:
         self.cache: OrderedDict[tuple, Any] = OrderedDict()
 
     def tensors(self, key: tuple, device: Any, make: Callable[[], Plan]) -> Any:
-        """The plan tensors for `key` on `device`, planned by `make` on a miss (LRU)."""
+        """The plan for `key` as :func:`compilemask.attention` takes it on `device` (its
+        tensors; on CPU with score terms the Plan itself, which the CPU reference reads),
+        planned by `make` on a miss (LRU)."""
         key = (*key, str(device))
         hit = self.cache.get(key)
         if hit is not None:
@@ -99,6 +119,8 @@ class _Backend:
             warnings.simplefilter("ignore", CompileMaskWarning)
             plan = make()
         pt = plan.to_tensors(device)
+        if pt.score is not None and device.type == "cpu":
+            pt = plan
         self.cache[key] = pt
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
@@ -174,10 +196,19 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             f"the compilemask backend has no attention dropout (got {dropout}); set the "
             f"config's attention_dropout to 0"
         )
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the compilemask backend does not support {name}")
     backend = _BACKENDS[_backend]
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if backend.program is not None:
+        for name in ("softcap", "s_aux", "sinks"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"the model passes {name}, but the backend {_backend!r} runs a registered "
+                    f"program: write the term into the program (`score = softcap(score, c);`, "
+                    f"`sink = ...;`) or register without one (the model's own masks)"
+                )
     b, hq, q_len, _ = query.shape
     kv_len = key.shape[2]
     packed = _cu_seqlens(torch, kwargs, b, q_len, kv_len)
@@ -202,11 +233,13 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     else:
         source = (_CAUSAL_PADDED if runs else _CAUSAL) if causal else (
             _FULL_PADDED if runs else _FULL)
-        program = _program(source)
+        score = _score_source(softcap, sinks is not None)
+        program = _program(source + score)
         params = {"window": int(window)} if causal else {}
         if runs is not None:
             params.update(start=runs[0], end=runs[1])
-        heads, batch = 1, (b if runs is not None else 1)
+        # Score terms are bound per query head (the masks stay one, deduplicated).
+        heads, batch = (hq if score else 1), (b if runs is not None else 1)
 
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
     bs = backend.block_size
@@ -220,7 +253,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         pt = backend.tensors(
             ("dense", id(program), q_len, kv_len, batch, heads, frozen), query.device,
             lambda: program.plan(q_len, kv_len, batch, heads, block_size=bs, **params))
-    out = attention(query, key, value, pt, scale=scaling, enable_gqa=hq != key.shape[1])
+    out = attention(query, key, value, pt, scale=scaling, enable_gqa=hq != key.shape[1],
+                    score_tensors=None if sinks is None else {"sinks": sinks})
     return out.transpose(1, 2).contiguous(), None
 
 
