@@ -441,6 +441,8 @@ def test_score_tensors_are_checked():
             cm.attention(q, q, q, plan, score_tensors=bad)
     with pytest.raises(ValueError, match="has no score or sink statement"):
         cm.attention(q, q, q, cm.builtin("causal").plan(64), score_tensors=good)
+    with pytest.raises(TypeError, match="score_tensors must map each tensor name .* got Tensor"):
+        cm.attention(q, q, q, plan, score_tensors=good["sinks"])
 
 
 def test_deterministic_backward_repeats_its_bits_with_score_terms():

@@ -270,14 +270,58 @@ def test_unsupported_features_are_named():
     k = torch.zeros(1, 2, 3, 64)
     with pytest.raises(NotImplementedError, match="dropout"):
         cmt.attention_forward(layer, q, k, k, None, dropout=0.1)
-    with pytest.raises(ValueError, match="softcap = -1.0: expected a finite number above 0"):
-        cmt.attention_forward(layer, q, k, k, None, softcap=-1.0)
-    # A registered program says its own score terms: the model's are refused by name.
+    for cap in (-1.0, 0, float("nan"), float("inf"), True, "2", 1e-40, 1e39, torch.ones(2)):
+        with pytest.raises(ValueError, match="expected a real number above 0 within float32"):
+            cmt.attention_forward(layer, q, k, k, None, softcap=cap)
+    # A registered program says its own score terms: what the model passes must be there.
     cmt.register("compilemask_chunks_test", "mask = k / 8 == q / 8;")
-    with pytest.raises(NotImplementedError, match="passes s_aux, but the backend "
-                       "'compilemask_chunks_test' runs a registered program"):
+    with pytest.raises(NotImplementedError, match="passes sinks \\(s_aux\\), but the program of "
+                       "backend 'compilemask_chunks_test' has no sink"):
         cmt.attention_forward(layer, q, k, k, None, s_aux=torch.zeros(4),
+                              _backend="compilemask_chunks_test")
+    with pytest.raises(NotImplementedError, match="softcap = 30.0, but the program of backend "
+                       "'compilemask_chunks_test' has no softcap"):
+        cmt.attention_forward(layer, q, k, k, None, softcap=30.0,
                               _backend="compilemask_chunks_test")
     holes = torch.tensor([[1, 0, 1]])
     with pytest.raises(ValueError, match="not one run"):
         cmt.attention_forward(layer, q, k, k, holes)
+
+
+def test_softcap_as_numpy_or_tensor_scalar():
+    """A cap given as a NumPy or one-element tensor scalar is the same cap as the float."""
+    np = pytest.importorskip("numpy")
+    ours, _, _ = models("llama", "cpu", torch.float32)
+    layer = ours.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 9, 64, generator=g) * 3, torch.randn(1, 2, 9, 64, generator=g) * 3
+    want, _ = cmt.attention_forward(layer, q, k, k, None, softcap=2.0)
+    for cap in (np.float32(2.0), np.float64(2.0), torch.tensor(2.0), 2):
+        got, _ = cmt.attention_forward(layer, q, k, k, None, softcap=cap)
+        assert torch.equal(got, want), cap
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_a_registered_program_with_the_models_score_terms(name):
+    """A registered program that writes the model's terms (gpt-oss's sinks read from the
+    tensor its `sink` names, Gemma 2's cap) gives what the model's own masks give: its plan
+    is bound per query head although its mask reads no `h`."""
+    cfg = scored_configs()[name]
+    window = cfg.sliding_window
+    source = ("tensor s: [num_heads];\nsink = s[h];\n" if name == "gpt_oss" else
+              f"score = softcap(score, {float(cfg.attn_logit_softcapping)!r});\n")
+    # The causal window of the model's sliding layers (keys (p - w, p]).
+    cmt.register("compilemask_scored_test", "let p = q + kv_len - q_len;\n"
+                 f"mask = k <= p & k > p - {window};\n" + source)
+    ours, _, _ = models(name, "cpu", torch.float64)
+    layer = ours.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 40, 64, dtype=torch.float64, generator=g) * 3
+    k = torch.randn(2, 2, 40, 64, dtype=torch.float64, generator=g) * 3
+    extra = {"s_aux": layer.sinks} if name == "gpt_oss" else {"softcap": cfg.attn_logit_softcapping}
+    with torch.no_grad():
+        want, _ = cmt.attention_forward(layer, q, k, k, None, is_causal=True,
+                                        sliding_window=window, **extra)
+        got, _ = cmt.attention_forward(layer, q, k, k, None, is_causal=True,
+                                       _backend="compilemask_scored_test", **extra)
+    assert (got - want).abs().max().item() <= 1e-12

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _native
@@ -174,6 +175,11 @@ def _score_inputs(torch: Any, score: ScoreTensors, score_tensors: Any, device: A
     """The table and sink tensors ``score_tensors`` gives for the plan's score (each
     checked: present, of the declared shape, float, on ``device``), and nothing else; the
     sink may be left out when not ``need_sink``."""
+    if score_tensors is not None and not isinstance(score_tensors, Mapping):
+        raise TypeError(
+            f"score_tensors must map each tensor name the program declares to its tensor "
+            f"({{name: tensor}}), got {_type_name(score_tensors)}"
+        )
     given = dict(score_tensors or {})
     wanted = {n: shape for n, shape in ((score.table, score.table_shape),
                                         (score.sink, score.sink_shape)) if n is not None}
@@ -527,7 +533,8 @@ def attention(
     a multiple of ``num_kv_heads`` (GQA / MQA), as in SDPA and Flex. Returns ``out``
     ``[batch, num_heads, q_len, head_dim_v]`` in the input dtype, and with ``return_lse``
     also ``lse`` ``[batch, num_heads, q_len]`` (natural log; float32, float64 for float64
-    inputs). Rows with no visible key give 0 and ``-inf``. Differentiable (``out`` and
+    inputs). Rows with no visible key give 0 and ``-inf`` (with a sink: 0 and the sink's
+    logit). Differentiable (``out`` and
     ``lse``). ``deterministic`` selects the CUDA backward whose dQ needs no atomics (the same
     bits every run; the CPU reference always is deterministic).
 
@@ -536,9 +543,10 @@ def attention(
     forms its logits with them. The program's tensors come by name in ``score_tensors``
     (``{"rel_bias": table, "sinks": s}``, each of its declared shape, float, on the query's
     device); they are differentiable (the table's gradient is summed with fp32 atomics on
-    CUDA, so its last bits vary run to run, also with ``deterministic``). With score
-    terms only ``out`` is differentiable (a loss that uses ``lse`` raises
-    ``NotImplementedError``), and on CPU the plan must be a :class:`Plan`.
+    CUDA, so its last bits vary run to run, also with ``deterministic``). ``out`` and
+    ``lse`` stay differentiable; on CPU the plan must be a :class:`Plan`, and
+    ``torch.compile`` works with score terms on CUDA only (the CPU reference is not
+    traceable).
 
     Packed samples: with a plan from ``program.plan(cu_seqlens_q=..., cu_seqlens_k=...)``,
     pass FlashAttention's varlen layout: ``query`` ``[total_q, num_heads, head_dim]``,

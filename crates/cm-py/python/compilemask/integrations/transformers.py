@@ -18,8 +18,8 @@ Every attention call then runs :func:`compilemask.attention` with a compiled pla
   ``cu_seq_lens_k`` keyword arguments, give a packed plan in which no token sees another
   document;
 - padded batches (a 2-D ``attention_mask`` whose ones are one run per row, left or right
-  padding): each row's keys are limited to its run; query rows in the padding see nothing
-  and give 0;
+  padding): each row's keys are limited to its run (the outputs of query rows that are
+  themselves padding are unspecified; transformers ignores them);
 - or any program: :func:`register` another name with ``program=`` (and its ``params``),
   planned at each call's lengths (per document when packed; ``h`` is the query head).
 
@@ -28,8 +28,10 @@ float16, head_dim 64, 128, 256 and MLA's 192 / 128, forward and backward, see
 ``compilemask._ops.CUDA_FORWARD_HEAD_DIMS`` and ``CUDA_BACKWARD_HEAD_DIMS``); on CPU the CPU reference (float32 / float64). With
 the model's own masks, logit soft-capping (``softcap``, Gemma 2) and learnable attention
 sinks (``s_aux``, gpt-oss) are applied as the program's score terms (``score =
-softcap(score, c);``, ``sink = sinks[h];``), with gradients for the sinks; attention dropout,
-and soft-capping or sinks with a registered program, raise ``NotImplementedError``;
+softcap(score, c);``, ``sink = sinks[h];``; the cap is held in float32), with gradients for
+the sinks; a registered program says its own score terms (the model's softcap must match the
+program's, and its sinks go to the tensor the program's ``sink`` reads). Attention dropout
+raises ``NotImplementedError``;
 ``output_attentions`` returns no weights (``None``), as SDPA.
 """
 
@@ -76,12 +78,30 @@ mask = k >= start[b] & k < end[b];
 _SINKS = "tensor sinks: [num_heads];\nsink = sinks[h];\n"
 
 
+# float32's normal range: the kernels and the CPU reference hold the cap as a float32.
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+
+def _checked_softcap(softcap: Any) -> float:
+    """The model's ``softcap`` as a float: a real number (Python, NumPy or a one-element
+    tensor, not a bool) above 0 within float32's normal range."""
+    value = None
+    if not isinstance(softcap, bool):
+        try:
+            if getattr(softcap, "numel", lambda: 1)() == 1 and not isinstance(softcap, (str, bytes)):
+                value = float(softcap)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
+        raise ValueError(
+            f"softcap = {softcap!r}: expected a real number above 0 within float32's normal "
+            f"range ({_F32_TINY:.4g} .. {_F32_MAX:.4g}); the cap is applied in float32"
+        )
+    return value
+
+
 def _score_source(softcap: float | None, sinks: bool) -> str:
-    source = ""
-    if softcap is not None:
-        if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap = {softcap!r}: expected a finite number above 0")
-        source += f"score = softcap(score, {float(softcap)!r});\n"
+    source = "" if softcap is None else f"score = softcap(score, {softcap!r});\n"
     return source + (_SINKS if sinks else "")
 
 
@@ -105,10 +125,13 @@ class _Backend:
         self.cache_size = cache_size
         self.cache: OrderedDict[tuple, Any] = OrderedDict()
 
-    def tensors(self, key: tuple, device: Any, make: Callable[[], Plan]) -> Any:
+    def tensors(self, key: tuple, device: Any, make: Callable[[int], Plan],
+                heads: int, num_heads: int) -> tuple[Any, Any]:
         """The plan for `key` as :func:`compilemask.attention` takes it on `device` (its
-        tensors; on CPU with score terms the Plan itself, which the CPU reference reads),
-        planned by `make` on a miss (LRU)."""
+        tensors; on CPU with score terms the Plan itself, which the CPU reference reads) and
+        its score terms (``ScoreTensors`` or None), planned by `make(heads)` on a miss (LRU).
+        Score terms are bound per query head, so a plan of one head that has them is planned
+        again for `num_heads`."""
         key = (*key, str(device))
         hit = self.cache.get(key)
         if hit is not None:
@@ -117,14 +140,16 @@ class _Backend:
         with warnings.catch_warnings():
             # Empty rows (padding, a window at the start) are expected here, not mistakes.
             warnings.simplefilter("ignore", CompileMaskWarning)
-            plan = make()
-        pt = plan.to_tensors(device)
-        if pt.score is not None and device.type == "cpu":
-            pt = plan
-        self.cache[key] = pt
+            plan = make(heads)
+            pt = plan.to_tensors(device)
+            if pt.score is not None and heads != num_heads:
+                plan = make(num_heads)
+                pt = plan.to_tensors(device)
+        hit = (plan if pt.score is not None and device.type == "cpu" else pt, pt.score)
+        self.cache[key] = hit
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
-        return pt
+        return hit
 
     def user_params(self, q_len: int, kv_len: int) -> Mapping[str, Any]:
         if callable(self.params):
@@ -183,6 +208,34 @@ def _key_runs(torch: Any, mask: Any, kv_len: int) -> tuple[list[int], list[int]]
     return first.tolist(), (first + n).tolist()
 
 
+def _registered_score_tensors(name: str, terms: Any, softcap: float | None,
+                              sinks: Any) -> dict[str, Any] | None:
+    """A registered program's score tensors for the model's terms: the program says its own
+    score, so the model's softcap must be the program's (``score = softcap(score, c);``) and
+    the model's sinks go to the tensor the program's ``sink`` statement reads."""
+    have_cap = 0.0 if terms is None else terms.softcap
+    if softcap is not None and not math.isclose(have_cap, softcap, rel_tol=1e-6):
+        raise NotImplementedError(
+            f"the model passes softcap = {softcap}, but the program of backend {name!r} "
+            + (f"caps at {have_cap}" if have_cap else "has no softcap")
+            + f": write `score = softcap(score, {softcap});` into the program"
+        )
+    sink = None if terms is None else terms.sink
+    if sinks is None:
+        if sink is not None:
+            raise ValueError(
+                f"the program of backend {name!r} reads the sink tensor `{sink}`, but the model "
+                f"passes no sinks (s_aux)"
+            )
+        return None
+    if sink is None:
+        raise NotImplementedError(
+            f"the model passes sinks (s_aux), but the program of backend {name!r} has no sink: "
+            f"declare `tensor sinks: [num_heads];` and `sink = sinks[h];` in it"
+        )
+    return {sink: sinks}
+
+
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, *, _backend: str = NAME,
@@ -201,14 +254,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")
-    if backend.program is not None:
-        for name in ("softcap", "s_aux", "sinks"):
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(
-                    f"the model passes {name}, but the backend {_backend!r} runs a registered "
-                    f"program: write the term into the program (`score = softcap(score, c);`, "
-                    f"`sink = ...;`) or register without one (the model's own masks)"
-                )
+    if softcap is not None:
+        softcap = _checked_softcap(softcap)
     b, hq, q_len, _ = query.shape
     kv_len = key.shape[2]
     packed = _cu_seqlens(torch, kwargs, b, q_len, kv_len)
@@ -245,16 +292,21 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     bs = backend.block_size
     if packed is not None:
         cu_q, cu_k = packed
-        pt = backend.tensors(
+        pt, terms = backend.tensors(
             ("packed", id(program), tuple(cu_q), tuple(cu_k), heads, frozen), query.device,
-            lambda: program.plan(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_heads=heads,
-                                 block_size=bs, **params))
+            lambda n: program.plan(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_heads=n,
+                                   block_size=bs, **params), heads, hq)
     else:
-        pt = backend.tensors(
+        pt, terms = backend.tensors(
             ("dense", id(program), q_len, kv_len, batch, heads, frozen), query.device,
-            lambda: program.plan(q_len, kv_len, batch, heads, block_size=bs, **params))
+            lambda n: program.plan(q_len, kv_len, batch, n, block_size=bs, **params), heads, hq)
+    score_tensors = None
+    if backend.program is not None:
+        score_tensors = _registered_score_tensors(_backend, terms, softcap, sinks)
+    elif sinks is not None:
+        score_tensors = {"sinks": sinks}
     out = attention(query, key, value, pt, scale=scaling, enable_gqa=hq != key.shape[1],
-                    score_tensors=None if sinks is None else {"sinks": sinks})
+                    score_tensors=score_tensors)
     return out.transpose(1, 2).contiguous(), None
 
 
