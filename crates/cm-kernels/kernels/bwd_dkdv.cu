@@ -199,9 +199,9 @@ __device__ __forceinline__ bool dkdv_next(const CmBwdParams& p, const CmDkdvBloc
 }
 
 // One step's tiles as dkdv_for_each_step hands them over: whether tile q is present (an
-// absent one repeats the first's tile and head), and tile(q) and its query head. One tile a step reads its tile where it is used
-// (the score terms' consumers load its first query while their products run, as before
-// two-tile steps); two are read by the walk.
+// absent one repeats the first's tile and head), and tile(q) and its query head. One tile a
+// step reads its tile where it is used (the score terms' consumers load its first query
+// while their products run, as before two-tile steps); two are read by the walk.
 struct CmDkdvStep1 {
     const CmBwdParams& p;
     CmDkdvHead hd;

@@ -86,11 +86,11 @@ def _checked_softcap(softcap: Any) -> float:
     """The model's ``softcap`` as a float: a real number (Python, NumPy or a one-element
     tensor, not a bool) above 0 within float32's normal range."""
     value = None
-    if not isinstance(softcap, bool):
+    if not isinstance(softcap, (bool, str, bytes)):
         try:
-            if getattr(softcap, "numel", lambda: 1)() == 1 and not isinstance(softcap, (str, bytes)):
-                value = float(softcap)
-        except (TypeError, ValueError):
+            value = float(softcap)
+        except (TypeError, ValueError, RuntimeError):
+            # RuntimeError: a tensor of more than one element.
             value = None
     if value is None or not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
         raise ValueError(
