@@ -24,6 +24,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[derive(Parser)]
 #[command(
     name = "compilemask",
+    bin_name = "compilemask",
     version,
     about = "Compile attention masks written in the CompileMask language"
 )]

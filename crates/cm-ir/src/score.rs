@@ -44,6 +44,10 @@ pub struct ScoreTerms {
 pub struct LinearBias {
     /// One slope per query head, `num_heads` entries.
     pub slopes: Vec<f32>,
+    /// Whether the slope may differ between heads (its expression reads `h`, `num_heads`
+    /// or a parameter). When false every entry of `slopes` is the same, and terms bound for
+    /// one head apply to any number of heads.
+    pub per_head: bool,
     pub q_coef: i32,
     pub k_coef: i32,
     pub offset: i64,
@@ -81,8 +85,24 @@ impl ScoreTerms {
             let x = i128::from(l.q_coef) * i128::from(q)
                 + i128::from(l.k_coef) * i128::from(k)
                 + i128::from(l.offset);
-            f64::from(l.slopes[h]) * x as f64
+            f64::from(l.slope(h)) * x as f64
         })
+    }
+
+    /// Whether a term is bound per head (slopes that may differ between heads, a table with
+    /// a row per head, a sink per head): then the terms apply only to the `num_heads` they
+    /// were bound for. Otherwise terms bound for any head count apply to every head.
+    pub fn per_head(&self) -> bool {
+        self.sink.is_some()
+            || self.table.as_ref().is_some_and(|t| t.per_head)
+            || self.linear.as_ref().is_some_and(|l| l.per_head)
+    }
+}
+
+impl LinearBias {
+    /// The slope of head `h` (any head when the slope is not per head).
+    pub fn slope(&self, h: usize) -> f32 {
+        self.slopes[if self.per_head { h } else { 0 }]
     }
 }
 
@@ -199,6 +219,40 @@ pub fn t5_bucket(
 pub struct ScoreExpr {
     pub kind: ScoreKind,
     pub span: Span,
+}
+
+impl ScoreExpr {
+    /// Whether some node of the expression satisfies `f`.
+    pub fn any_node(&self, f: &impl Fn(&ScoreKind) -> bool) -> bool {
+        if f(&self.kind) {
+            return true;
+        }
+        match &self.kind {
+            ScoreKind::Neg(a) => a.any_node(f),
+            ScoreKind::Bin(_, a, b) | ScoreKind::Softcap(a, b) => a.any_node(f) || b.any_node(f),
+            ScoreKind::Index(FloatArr::Lit(xs), _) => xs.iter().any(|x| x.any_node(f)),
+            _ => false,
+        }
+    }
+
+    /// Whether an integer part of the expression (indices included) has a leaf for which
+    /// `leaf` holds.
+    pub fn reads(&self, leaf: &impl Fn(&IntKind) -> bool) -> bool {
+        self.any_node(&|k| match k {
+            ScoreKind::Int(i) => i.mentions(leaf),
+            ScoreKind::Index(arr, i) => {
+                i.mentions(leaf) || matches!(arr, FloatArr::Alibi(n) if n.mentions(leaf))
+            }
+            ScoreKind::Table { head, bucket, .. } => {
+                head.as_ref().is_some_and(|x| x.mentions(leaf))
+                    || match bucket {
+                        Bucket::Int(i) => i.mentions(leaf),
+                        Bucket::T5 { relative, .. } => relative.mentions(leaf),
+                    }
+            }
+            _ => false,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -513,11 +567,7 @@ impl Bound<'_> {
                 c.span,
                 format!(
                     "softcap {}: expected a positive finite number that f32 holds ({:e} to {:e})",
-                    if cap != 0.0 && !(1e-4..1e16).contains(&cap.abs()) {
-                        format!("{cap:e}")
-                    } else {
-                        format!("{cap}")
-                    },
+                    show_float(cap),
                     f32::MIN_POSITIVE,
                     f32::MAX
                 ),
@@ -632,7 +682,10 @@ impl Bound<'_> {
                 if !(v as f32).is_finite() {
                     return Err(bad_value(
                         l.slope.span,
-                        format!("the bias coefficient of head {h} is {v}; expected a finite f32"),
+                        format!(
+                            "the bias coefficient of head {h} is {}; expected a finite f32",
+                            show_float(v)
+                        ),
                     ));
                 }
                 slopes.push(v as f32);
@@ -650,6 +703,9 @@ impl Bound<'_> {
             };
             terms.linear = Some(LinearBias {
                 slopes,
+                per_head: l.slope.reads(&|x| {
+                    matches!(x, IntKind::H | IntKind::NumHeads | IntKind::Param(_))
+                }),
                 q_coef: coef(&l.q_coef, "q")?,
                 k_coef: coef(&l.k_coef, "k")?,
                 offset: self.eval_int(&l.offset, &none)?,
@@ -685,6 +741,15 @@ impl Bound<'_> {
             });
         }
         Ok(Some(terms))
+    }
+}
+
+/// `v` for a message: in exponent form when very large or small (`1e300`, not 301 digits).
+fn show_float(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-4..1e16).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
     }
 }
 

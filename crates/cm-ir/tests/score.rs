@@ -286,6 +286,12 @@ fn bad_score_values_fail_at_plan_time() {
             "the bias coefficient of head 0 is inf; expected a finite f32",
         ),
         (
+            "mask = k <= q;\nscore = score + 1e300 * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is 1e300; expected a finite f32",
+        ),
+        (
             "mask = k <= q;\nscore = score + 0.5 * (3000000000 * q - k);",
             shape(4, 4, 1),
             "CM0314",

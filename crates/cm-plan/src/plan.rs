@@ -233,11 +233,22 @@ impl Plan {
         &self.masks[self.mask_index[(b * self.num_heads + h) as usize] as usize]
     }
 
+    /// `f` of each (batch, head)'s mask, summed; `f` runs once per distinct mask, so the
+    /// cost does not grow with `batch * num_heads`.
     fn sum<T: Into<u64>>(&self, f: impl Fn(&MaskPlan) -> T) -> u64 {
-        self.mask_index
-            .iter()
-            .map(|&i| f(&self.masks[i as usize]).into())
+        self.uses()
+            .zip(&self.masks)
+            .map(|(n, m)| n * f(m).into())
             .sum()
+    }
+
+    /// How many (batch, head) pairs use each distinct mask, in `masks` order.
+    fn uses(&self) -> impl Iterator<Item = u64> {
+        let mut n = vec![0u64; self.masks.len()];
+        for &i in &self.mask_index {
+            n[i as usize] += 1;
+        }
+        n.into_iter()
     }
 
     /// Visible (q, k) pairs, summed over every (batch, head).
@@ -261,11 +272,11 @@ impl Plan {
     /// Tile counts, summed over every (batch, head).
     pub fn tile_counts(&self) -> TileCounts {
         let mut t = TileCounts::default();
-        for &i in &self.mask_index {
-            let c = self.masks[i as usize].tiles.counts();
-            t.full += c.full;
-            t.partial += c.partial;
-            t.empty += c.empty;
+        for (n, m) in self.uses().zip(&self.masks) {
+            let c = m.tiles.counts();
+            t.full += n * c.full;
+            t.partial += n * c.partial;
+            t.empty += n * c.empty;
         }
         t
     }

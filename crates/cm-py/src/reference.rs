@@ -249,7 +249,9 @@ pub fn reference_backward<'py>(
 /// (`{"slopes": [num_heads floats], "q_coef", "k_coef", "offset"}` or `None`), `table`
 /// (`{"tensor", "num_buckets", "per_head", "shape", "bucket"}` or `None`, `bucket` the
 /// bucket of every distance `q - k` at index `q - k + kv_len - 1` as native-endian `int32`
-/// bytes, `q_len + kv_len - 1` of them), `sink` (`{"tensor", "shape"}` or `None`).
+/// bytes, `q_len + kv_len - 1` of them), `sink` (`{"tensor", "shape"}` or `None`),
+/// `per_head` (`ScoreTerms::per_head`: whether the terms hold only for the plan's
+/// `num_heads`).
 #[pyfunction]
 pub fn score_terms<'py>(
     py: Python<'py>,
@@ -262,6 +264,7 @@ pub fn score_terms<'py>(
     let heads = p.num_heads as usize;
     let d = PyDict::new(py);
     d.set_item("softcap", t.softcap)?;
+    d.set_item("per_head", t.per_head())?;
     let linear = match &t.linear {
         Some(l) => {
             let x = PyDict::new(py);

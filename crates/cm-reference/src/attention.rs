@@ -114,7 +114,7 @@ impl<'a> ScoreCtx<'a> {
             });
         };
         let t = score.terms;
-        if let Some(l) = &t.linear {
+        if let Some(l) = t.linear.as_ref().filter(|l| l.per_head) {
             if l.slopes.len() != shape.num_heads {
                 return Err(ReferenceError::ScoreTermsMismatch {
                     what: "num_heads",
@@ -145,14 +145,14 @@ impl<'a> ScoreCtx<'a> {
                 }),
                 (Some(n), Some(d)) => {
                     let expected: usize = dims.iter().product();
+                    let named = if what == "sinks" {
+                        "[num_heads]"
+                    } else if dims.len() == 2 {
+                        "[num_heads, num_buckets]"
+                    } else {
+                        "[num_buckets]"
+                    };
                     if d.len() != expected {
-                        let named = if what == "sinks" {
-                            "[num_heads]"
-                        } else if dims.len() == 2 {
-                            "[num_heads, num_buckets]"
-                        } else {
-                            "[num_buckets]"
-                        };
                         return Err(ReferenceError::ScoreTensorLength {
                             tensor: n.clone(),
                             dims: format!("{named} = {dims:?}"),
@@ -160,7 +160,7 @@ impl<'a> ScoreCtx<'a> {
                             actual: d.len(),
                         });
                     }
-                    check_finite(what, d)?;
+                    check_finite(n, named, &dims, d)?;
                     Ok(Some(d.iter().map(|x| x.to_f64()).collect()))
                 }
             }
@@ -211,15 +211,31 @@ impl<'a> ScoreCtx<'a> {
     }
 }
 
-fn check_finite<T: Float>(tensor: &'static str, data: &[T]) -> Result<(), ReferenceError> {
-    match data.iter().position(|x| !x.to_f64().is_finite()) {
-        None => Ok(()),
-        Some(index) => Err(ReferenceError::NonFiniteInput {
-            tensor,
-            index,
-            value: data[index].to_f64(),
-        }),
+/// Refuses a NaN or infinite element of `data`, a row-major tensor of the given `extents`
+/// (named `dims`), naming its index along each dimension.
+fn check_finite<T: Float>(
+    tensor: &str,
+    dims: &'static str,
+    extents: &[usize],
+    data: &[T],
+) -> Result<(), ReferenceError> {
+    let Some(index) = data.iter().position(|x| !x.to_f64().is_finite()) else {
+        return Ok(());
+    };
+    let mut at = vec![0; extents.len()];
+    let mut rest = index;
+    for (a, &n) in at.iter_mut().zip(extents).rev() {
+        *a = rest % n.max(1);
+        rest /= n.max(1);
     }
+    let at: Vec<String> = at.iter().map(ToString::to_string).collect();
+    Err(ReferenceError::NonFiniteInput {
+        tensor: tensor.to_owned(),
+        index,
+        at: at.join(", "),
+        dims,
+        value: data[index].to_f64(),
+    })
 }
 
 fn dot<T: Float>(a: &[f64], b: &[T]) -> f64 {
@@ -257,9 +273,11 @@ impl<'a, T: Float> Ctx<'a, T> {
         if !scale.is_finite() {
             return Err(ReferenceError::NonFiniteScale { value: scale });
         }
-        check_finite("q", q)?;
-        check_finite("k", k)?;
-        check_finite("v", v)?;
+        let s = shape;
+        let kv = [s.batch, s.num_kv_heads, s.kv_len];
+        check_finite("q", Q_DIMS, &[s.batch, s.num_heads, s.q_len, s.head_dim], q)?;
+        check_finite("k", K_DIMS, &[kv[0], kv[1], kv[2], s.head_dim], k)?;
+        check_finite("v", V_DIMS, &[kv[0], kv[1], kv[2], s.head_dim_v], v)?;
         let masks = masks.resolve(shape)?;
         let score = ScoreCtx::new(shape, score)?;
         Ok(Ctx {
@@ -314,8 +332,12 @@ impl<'a, T: Float> Ctx<'a, T> {
             for j in iv.start as usize..iv.end as usize {
                 let s = self.scale * dot(qf, self.k_vec(self.kv_row(b, kv_head, j)));
                 let l = self.score.logit(s, i, j, h, self.shape.kv_len);
-                if !l.s.is_finite() {
+                // The kernels form logits in their element type; one that overflows it has
+                // no softmax there either.
+                if !T::from_f64(l.s).to_f64().is_finite() {
                     return Err(ReferenceError::LogitOverflow {
+                        value: l.s,
+                        dtype: T::NAME,
                         batch: b,
                         head: h,
                         row: i,
@@ -484,10 +506,12 @@ pub fn attention_backward_scored<T: Float>(
 ) -> Result<ScoreGradients<T>, ReferenceError> {
     let ctx = Ctx::new(shape, q, k, v, masks, softmax_scale, score)?;
     check_len("dout", OUT_DIMS, dout.len(), ctx.sizes.out)?;
-    check_finite("dout", dout)?;
+    let rows = [shape.batch, shape.num_heads, shape.q_len];
+    let out_extents = [rows[0], rows[1], rows[2], shape.head_dim_v];
+    check_finite("dout", OUT_DIMS, &out_extents, dout)?;
     if let Some(dlse) = dlse {
         check_len("dlse", LSE_DIMS, dlse.len(), ctx.sizes.lse)?;
-        check_finite("dlse", dlse)?;
+        check_finite("dlse", LSE_DIMS, &rows, dlse)?;
     }
     let (d, dvw, scale) = (shape.head_dim, shape.head_dim_v, ctx.scale);
     let mut dq = vec![T::from_f64(0.0); ctx.sizes.q];

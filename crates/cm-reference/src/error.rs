@@ -127,22 +127,32 @@ pub enum ReferenceError {
     },
 
     /// An input element is NaN or infinite; the reference would otherwise emit NaN.
-    #[error("{tensor}[{index}] is {value}; inputs must be finite")]
+    #[error("{tensor}[{at}] of {dims} is {value}; inputs must be finite")]
     NonFiniteInput {
-        /// The tensor's name (`q`, `k`, `v`, `dout`).
-        tensor: &'static str,
+        /// The tensor's name (`q`, `k`, `v`, `dout`, `dlse`, or a score tensor's).
+        tensor: String,
         /// Flat (row-major) 0-based index of the element.
         index: usize,
+        /// The element's 0-based index along each dimension, `0, 1, 3, 2`.
+        at: String,
+        /// The tensor's dimensions by name, `[batch, num_heads, q_len, head_dim]`.
+        dims: &'static str,
         /// The element, widened to `f64`.
         value: f64,
     },
 
-    /// A scaled logit overflowed `f64`, so the softmax of the row is undefined.
+    /// A scaled logit (with its score terms) is not finite in the tensors' element type, so
+    /// the softmax of the row (and its lse) cannot be represented: the same in `f32` and
+    /// `f64`, never an `inf` in the output.
     #[error(
-        "scaled logit of batch {batch}, head {head}, query row {row} is not finite; \
-         reduce softmax_scale or the input magnitudes"
+        "scaled logit of batch {batch}, head {head}, query row {row} is {value:e}, not finite in {dtype}; \
+         reduce softmax_scale, the input magnitudes or the score terms"
     )]
     LogitOverflow {
+        /// The logit, computed in `f64`.
+        value: f64,
+        /// The element type it had to fit, `f32` or `f64`.
+        dtype: &'static str,
         /// Batch of the row.
         batch: usize,
         /// Query head of the row.

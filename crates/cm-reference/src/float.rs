@@ -12,6 +12,9 @@ mod private {
 ///
 /// The reference computes in `f64` internally; this trait only converts at the boundary.
 pub trait Float: Copy + Debug + PartialOrd + Send + Sync + 'static + private::Sealed {
+    /// The type's name in messages: `f32` or `f64`.
+    const NAME: &'static str;
+
     /// Widens to `f64` (exact for both implementations).
     fn to_f64(self) -> f64;
 
@@ -20,6 +23,8 @@ pub trait Float: Copy + Debug + PartialOrd + Send + Sync + 'static + private::Se
 }
 
 impl Float for f32 {
+    const NAME: &'static str = "f32";
+
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
@@ -31,6 +36,8 @@ impl Float for f32 {
 }
 
 impl Float for f64 {
+    const NAME: &'static str = "f64";
+
     fn to_f64(self) -> f64 {
         self
     }

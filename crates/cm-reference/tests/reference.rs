@@ -474,13 +474,13 @@ mod errors {
         q[5] = f64::INFINITY;
         assert_eq!(
             fwd_err(&s, &q, &k, &v, &m),
-            "q[5] is inf; inputs must be finite"
+            "q[0, 0, 2, 1] of [batch, num_heads, q_len, head_dim] is inf; inputs must be finite"
         );
         q[5] = 0.0;
         let mut dout = vec![0.0; 36];
         dout[7] = f64::NAN;
         let e = attention_backward(&s, &q, &k, &v, &dout, &m, 1.0).unwrap_err();
-        assert_eq!(e.to_string(), "dout[7] is NaN; inputs must be finite");
+        assert_eq!(e.to_string(), "dout[0, 0, 2, 1] of [batch, num_heads, q_len, head_dim_v] is NaN; inputs must be finite");
     }
 
     #[test]
@@ -491,10 +491,32 @@ mod errors {
         assert_eq!(
             e,
             ReferenceError::LogitOverflow {
+                value: f64::INFINITY,
+                dtype: "f64",
                 batch: 0,
                 head: 0,
                 row: 0
             }
         );
+    }
+
+    /// A logit that f64 holds but f32 does not is refused for f32 tensors (the lse would be
+    /// inf there), and computed for f64 ones.
+    #[test]
+    fn logit_overflow_follows_the_element_type() {
+        let (s, q, k, v, mask) = setup();
+        let m = Masks::shared(&mask);
+        let wide = |x: &[f64]| x.iter().map(|&a| (a * 1e20) as f32).collect::<Vec<f32>>();
+        let narrow = |x: &[f64]| x.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+        let e = attention_forward(&s, &wide(&q), &wide(&k), &narrow(&v), &m, 1.0).unwrap_err();
+        let ReferenceError::LogitOverflow { value, dtype, .. } = e else {
+            panic!("{e}");
+        };
+        assert_eq!(dtype, "f32");
+        assert!((value / 4e38 - 1.0).abs() < 1e-6, "{value}");
+        let q64: Vec<f64> = q.iter().map(|a| a * 1e20).collect();
+        let k64: Vec<f64> = k.iter().map(|a| a * 1e20).collect();
+        let f = attention_forward(&s, &q64, &k64, &v, &m, 1.0).unwrap();
+        assert!(f.lse.iter().all(|x| x.is_finite()), "{:?}", f.lse);
     }
 }

@@ -416,7 +416,7 @@ fn score_tensors_are_checked() {
     let nan = [f64::NAN, 0.0];
     assert_eq!(
         run(Some(&table), Some(&nan), &shape),
-        "sinks[0] is NaN; inputs must be finite"
+        "sinks[0] of [num_heads] is NaN; inputs must be finite"
     );
     let none = compile("mask = k <= q;\nscore = score + 1.0;");
     let b = none.bind(s, &BTreeMap::new()).unwrap();
@@ -449,5 +449,69 @@ fn score_tensors_are_checked() {
             .unwrap_err()
             .to_string(),
         "the score terms were bound for num_heads = 2, but the shape has 4; plan again for these tensors"
+    );
+}
+
+/// Terms that are the same for every head (a softcap, a slope that does not read `h`, a
+/// table shared by the heads), bound for one head, apply to any head count and give what
+/// terms bound for that head count give; a slope that reads `h` is refused instead.
+#[test]
+fn terms_without_heads_apply_to_every_head() {
+    let bind = |src: &str, num_heads: usize| {
+        let s = Shape {
+            q_len: 5,
+            kv_len: 7,
+            batch: 1,
+            num_heads: num_heads as i64,
+        };
+        let program = compile(src);
+        let bound = program.bind(s, &BTreeMap::new()).unwrap();
+        plan(&bound, TileShape::default()).unwrap()
+    };
+    let shape = AttentionShape {
+        batch: 1,
+        num_heads: 4,
+        num_kv_heads: 2,
+        q_len: 5,
+        kv_len: 7,
+        head_dim: 3,
+        head_dim_v: 2,
+    };
+    let mut rng = Rng::new(41);
+    let q = rand_vec(&mut rng, 4 * 5 * 3, 2.0);
+    let k = rand_vec(&mut rng, 2 * 7 * 3, 2.0);
+    let v = rand_vec(&mut rng, 2 * 7 * 2, 1.0);
+    let table = rand_vec(&mut rng, 9, 1.0);
+    let shared = "tensor rel: [9];\nmask = k <= q + 2;\n\
+                  score = softcap(score, 3.0) - 0.25 * (q - k) + rel[min(max(q - k, -4), 4) + 4];";
+    let run = |pl: &cm_plan::Plan| {
+        let masks = [&pl.masks[0].rows];
+        let m = Masks::indexed(&masks, &[0; 4]);
+        let score = Score {
+            terms: pl.score.as_ref().unwrap(),
+            table: Some(&table[..]),
+            sink: None,
+        };
+        attention_forward_scored(&shape, &q, &k, &v, &m, 0.5, Some(&score))
+    };
+    let (one, four) = (bind(shared, 1), bind(shared, 4));
+    assert!(!one.score.as_ref().unwrap().per_head());
+    let (a, b) = (run(&one).unwrap(), run(&four).unwrap());
+    assert_eq!((a.out, a.lse), (b.out, b.lse));
+    let per_head = "mask = k <= q + 2;\nscore = score - 0.25 * (h + 1) * (q - k);";
+    let one = bind(per_head, 1);
+    assert!(one.score.as_ref().unwrap().per_head());
+    let masks = [&one.masks[0].rows];
+    let m = Masks::indexed(&masks, &[0; 4]);
+    let score = Score {
+        terms: one.score.as_ref().unwrap(),
+        table: None,
+        sink: None,
+    };
+    assert_eq!(
+        attention_forward_scored(&shape, &q, &k, &v, &m, 0.5, Some(&score))
+            .unwrap_err()
+            .to_string(),
+        "the score terms were bound for num_heads = 1, but the shape has 4; plan again for these tensors"
     );
 }

@@ -207,8 +207,9 @@ pub fn paged_attention<T: Float>(
                     tensor,
                     index,
                     value,
+                    ..
                 } => {
-                    let (name, index, what) = match tensor {
+                    let (name, index, what) = match tensor.as_str() {
                         "q" => {
                             let (h, i, e) = (index / (lq * d), index / d % lq, index % d);
                             let r = r0 + i;

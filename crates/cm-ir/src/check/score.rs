@@ -27,51 +27,20 @@ fn unsupported(span: Span, message: impl Into<String>) -> Diagnostic {
     Diagnostic::error(Code::UnsupportedScore, span, message)
 }
 
-/// Whether some node of `e` satisfies `f`.
-fn any_node(e: &ScoreExpr, f: &impl Fn(&ScoreKind) -> bool) -> bool {
-    if f(&e.kind) {
-        return true;
-    }
-    match &e.kind {
-        ScoreKind::Neg(a) => any_node(a, f),
-        ScoreKind::Bin(_, a, b) | ScoreKind::Softcap(a, b) => any_node(a, f) || any_node(b, f),
-        ScoreKind::Index(FloatArr::Lit(xs), _) => xs.iter().any(|x| any_node(x, f)),
-        _ => false,
-    }
-}
-
-/// Whether an integer part of `e` (indices included) has a leaf for which `leaf` holds.
-fn reads(e: &ScoreExpr, leaf: &impl Fn(&IntKind) -> bool) -> bool {
-    any_node(e, &|k| match k {
-        ScoreKind::Int(i) => i.mentions(leaf),
-        ScoreKind::Index(arr, i) => {
-            i.mentions(leaf) || matches!(arr, FloatArr::Alibi(n) if n.mentions(leaf))
-        }
-        ScoreKind::Table { head, bucket, .. } => {
-            head.as_ref().is_some_and(|x| x.mentions(leaf))
-                || match bucket {
-                    Bucket::Int(i) => i.mentions(leaf),
-                    Bucket::T5 { relative, .. } => relative.mentions(leaf),
-                }
-        }
-        _ => false,
-    })
-}
-
 fn reads_qk(i: &Int) -> bool {
     i.mentions(&|x| matches!(x, IntKind::Q | IntKind::K))
 }
 
 fn score_reads_qk(e: &ScoreExpr) -> bool {
-    reads(e, &|x| matches!(x, IntKind::Q | IntKind::K))
+    e.reads(&|x| matches!(x, IntKind::Q | IntKind::K))
 }
 
 fn is_raw(e: &ScoreExpr) -> bool {
-    any_node(e, &|k| matches!(k, ScoreKind::Raw))
+    e.any_node(&|k| matches!(k, ScoreKind::Raw))
 }
 
 fn is_table(e: &ScoreExpr) -> bool {
-    any_node(e, &|k| matches!(k, ScoreKind::Table { .. }))
+    e.any_node(&|k| matches!(k, ScoreKind::Table { .. }))
 }
 
 fn expr(kind: ScoreKind, span: Span) -> ScoreExpr {
@@ -150,7 +119,7 @@ impl<'a> Checker<'a> {
         let Ok(e) = e else {
             return;
         };
-        if reads(&e, &|x| matches!(x, IntKind::B)) {
+        if e.reads(&|x| matches!(x, IntKind::B)) {
             self.err(
                 unsupported(value.span, "the score cannot read the batch index `b`")
                     .with_hint(FORM_HINT),
@@ -477,7 +446,7 @@ impl<'a> Checker<'a> {
                         }
                         if is_raw(c)
                             || is_table(c)
-                            || reads(c, &|x| matches!(x, IntKind::Q | IntKind::K | IntKind::H))
+                            || c.reads(&|x| matches!(x, IntKind::Q | IntKind::K | IntKind::H))
                         {
                             self.err(unsupported(
                                 c.span,
@@ -543,6 +512,12 @@ impl<'a> Checker<'a> {
                             span,
                         });
                         continue;
+                    }
+                    if let Some(old) = form.linear.as_ref().filter(|old| free(old) || free(&linear)) {
+                        let span = if free(&linear) { linear.span } else { old.span };
+                        self.err(unsupported(span, "a constant beside a bias that reads q or k is not supported yet")
+                            .with_hint("a constant added to every logit of a head changes only the row's lse (and its weight against a sink); drop it, or fold it into the positions: `0.5 * (q - k) + 0.5` is `0.5 * (q - k + 1)`"));
+                        return Err(());
                     }
                     if form.linear.is_some() {
                         self.err(unsupported(t.span, "a score has at most one bias linear in q and k")
@@ -862,6 +837,8 @@ mod tests {
             ("score = softcap(score, q + 1);", "the softcap is a constant: it reads lengths and parameters only"),
             ("score = score + (q - k) * (q - k);", "a bias is linear in q and k: this is a product of two position terms"),
             ("score = score + 0.5 * q + 0.25 * k;", "a score has at most one bias linear in q and k"),
+            ("score = score + 0.5 * (q - k) + 0.5;", "a constant beside a bias that reads q or k is not supported yet"),
+            ("score = score - h + alibi_slopes(num_heads)[h] * (q - k);", "a constant beside a bias that reads q or k is not supported yet"),
             ("score = score + abs(q - k) * 0.5;", "`abs` of positions is not linear in q and k"),
             ("score = score + 1.0 / (q - k);", "the positions of a bias form one integer expression affine in q and k, times a coefficient"),
             ("score = score + (q - k) / 2 * 0.5;", "this is not affine in q and k"),

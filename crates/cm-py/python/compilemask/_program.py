@@ -90,6 +90,9 @@ class ScoreTensors(NamedTuple):
     # index, for the kernels) and the table gradient's run sums (``_ops.distance_runs``).
     run_end: torch.Tensor | None = None
     runs: tuple[torch.Tensor, ...] | None = None
+    # Whether a term differs between heads (slopes reading ``h``, a table or sink per head):
+    # then the terms hold only for the plan's ``num_heads``; otherwise for any head count.
+    per_head: bool = True
 
     @property
     def modifies_logits(self) -> bool:

@@ -167,6 +167,7 @@ def _score_tensors(torch: Any, plan: Plan, dev: Any) -> ScoreTensors | None:
         sink_shape=None if sink is None else tuple(sink["shape"]),
         run_end=run_end,
         runs=None if runs is None else tuple(runs),
+        per_head=bool(terms["per_head"]),
     )
 
 
@@ -236,7 +237,7 @@ def make_score_mod(plan: Plan, score_tensors: Any = None, device: Any = None) ->
         if cap > 0:
             s = cap * torch.tanh(s / cap)
         if slopes is not None:
-            s = s + slopes[h] * (qc * q_idx + kc * kv_idx + off)
+            s = s + slopes[h if score.per_head else 0] * (qc * q_idx + kc * kv_idx + off)
         if table is not None:
             i = bucket[q_idx - kv_idx + kv_len - 1]
             s = s + (table[h, i] if per_head else table[i])
@@ -250,7 +251,12 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
     """(out, lse) with the plan's score terms: the score kernels on CUDA, the CPU reference
     (through an autograd function) on CPU."""
     score = pt.score
-    if pt.num_heads != query.shape[1]:
+    slopes = score.slopes
+    if pt.num_heads != query.shape[1] and not score.per_head:
+        # Every head has the same terms (a softcap, one slope, one table for all heads).
+        if slopes is not None:
+            slopes = slopes[:1].expand(query.shape[1]).contiguous()
+    elif pt.num_heads != query.shape[1]:
         raise ValueError(
             f"the plan's score terms were bound for num_heads = {pt.num_heads} (slopes, tables "
             f"and sinks are per head), but the query has {query.shape[1]} heads; plan with "
@@ -267,7 +273,7 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
                 dist = dist.unsqueeze(0)
         return _ops.attention_forward_score(
             query, key, value, list(pt.kernel), plan_dims, scale, bool(deterministic),
-            score.softcap, list(score.linear), score.slopes, dist,
+            score.softcap, list(score.linear), slopes, dist,
             score.run_end if dist is not None else None,
             None if sink is None else sink.float())
     if not isinstance(plan, Plan):

@@ -344,11 +344,29 @@ def register(name: str = NAME, program: Program | str | None = None, *,
             "compilemask.integrations.transformers needs transformers >= 4.53 "
             "(AttentionInterface and AttentionMaskInterface)"
         ) from e
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not name or name != name.strip() or "/" in name:
+        raise ValueError(f"name = {name!r}: expected a non-empty name without surrounding "
+                         f"spaces or '/' (transformers reads 'owner/repo' as a Hub kernel)")
+    if name not in _BACKENDS and (name == "eager" or name in AttentionInterface._global_mapping
+                                  or name in AttentionMaskInterface._global_mapping):
+        raise ValueError(f"name = {name!r} is one of transformers' own attention "
+                         f"implementations; registering it would replace that one for every "
+                         f"model: choose another name")
     if isinstance(program, str):
         program = compile(program, name=f"<{name}>")
     if program is not None and not isinstance(program, Program):
         raise TypeError(f"program must be a compilemask.Program or source text, got "
                         f"{type(program).__name__}")
+    if params is not None and not callable(params):
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params must be a mapping or a function of (q_len, kv_len), got "
+                            f"{type(params).__name__}")
+        if program is None:
+            raise ValueError("params are given without a program: the model's own masks "
+                             "take none")
+        program._check_names(params)
     _BACKENDS[name] = _Backend(program, params, block_size, cache_size)
 
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, None]:
