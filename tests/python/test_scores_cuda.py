@@ -466,3 +466,32 @@ def test_score_terms_need_the_plan_for_the_heads():
     q = torch.zeros((1, 4, 64, 64), device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"bound for num_heads = 1.*num_heads=4"):
         cm.attention(q, q, q, plan)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_terms_the_same_for_every_head_apply_to_any_head_count(device):
+    """A softcap, a slope that does not read `h` and a table shared by the heads, planned
+    for one head, give on 4 heads what the plan for 4 heads gives (outputs and every
+    gradient), on the kernels and on the CPU reference, and in the plan's score_mod."""
+    src = ("tensor rel: [9];\nmask = k <= q;\n"
+           "score = softcap(score, 3.0) - 0.25 * (q - k) + rel[min(max(q - k, -4), 4) + 4];")
+    program = cm.compile(src)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 70, 64, generator=g).to(device, dtype).requires_grad_()
+               for _ in range(3))
+    table = torch.randn(9, generator=g).to(device).requires_grad_()
+    results = []
+    for heads in (1, 4):
+        plan = program.plan(70, num_heads=heads)
+        out = cm.attention(q, k, v, plan, score_tensors={"rel": table})
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, table))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    one = program.plan(70).score_mod({"rel": table}, device)
+    four = program.plan(70, num_heads=4).score_mod({"rel": table}, device)
+    s, i, j = (torch.tensor(x, device=device) for x in (1.5, 9, 2))
+    for h in range(4):
+        h = torch.tensor(h, device=device)
+        assert torch.equal(one(s, 0, h, i, j), four(s, 0, h, i, j))

@@ -325,3 +325,23 @@ def test_a_registered_program_with_the_models_score_terms(name):
         got, _ = cmt.attention_forward(layer, q, k, k, None, is_causal=True,
                                        _backend="compilemask_scored_test", **extra)
     assert (got - want).abs().max().item() <= 1e-12
+
+
+def test_register_refuses_names_and_parameters_it_cannot_honour():
+    """transformers' own implementations are never replaced, a name is non-empty, and a
+    parameter the program does not declare fails at register, not at the first forward."""
+    for name in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+        with pytest.raises(ValueError, match="one of transformers' own attention"):
+            cmt.register(name, "mask = k <= q;")
+    for name in ("", " padded", "owner/repo"):
+        with pytest.raises(ValueError, match="expected a non-empty name"):
+            cmt.register(name, "mask = k <= q;")
+    with pytest.raises(TypeError, match="name must be a str"):
+        cmt.register(3, "mask = k <= q;")
+    with pytest.raises(cm.PlanError, match="unknown parameter `chunkz`"):
+        cmt.register("compilemask_typo_test", cm.builtin("chunked_causal"), params={"chunkz": 8})
+    with pytest.raises(ValueError, match="params are given without a program"):
+        cmt.register("compilemask_typo_test", params={"chunk": 8})
+    # Registering one of ours again replaces it.
+    assert cmt.register("compilemask_twice_test", "mask = k <= q;") == "compilemask_twice_test"
+    assert cmt.register("compilemask_twice_test", "mask = k < q;") == "compilemask_twice_test"
