@@ -703,9 +703,9 @@ impl Bound<'_> {
             };
             terms.linear = Some(LinearBias {
                 slopes,
-                per_head: l.slope.reads(&|x| {
-                    matches!(x, IntKind::H | IntKind::NumHeads | IntKind::Param(_))
-                }),
+                per_head: l
+                    .slope
+                    .reads(&|x| matches!(x, IntKind::H | IntKind::NumHeads | IntKind::Param(_))),
                 q_coef: coef(&l.q_coef, "q")?,
                 k_coef: coef(&l.k_coef, "k")?,
                 offset: self.eval_int(&l.offset, &none)?,

@@ -513,7 +513,11 @@ impl<'a> Checker<'a> {
                         });
                         continue;
                     }
-                    if let Some(old) = form.linear.as_ref().filter(|old| free(old) || free(&linear)) {
+                    if let Some(old) = form
+                        .linear
+                        .as_ref()
+                        .filter(|old| free(old) || free(&linear))
+                    {
                         let span = if free(&linear) { linear.span } else { old.span };
                         self.err(unsupported(span, "a constant beside a bias that reads q or k is not supported yet")
                             .with_hint("a constant added to every logit of a head changes only the row's lse (and its weight against a sink); drop it, or fold it into the positions: `0.5 * (q - k) + 0.5` is `0.5 * (q - k + 1)`"));
