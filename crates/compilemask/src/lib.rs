@@ -840,8 +840,8 @@ pub enum AttentionError {
 ///
 /// # Errors
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
-/// mask that differs per batch or head, or a plan with score terms) another batch size or
-/// head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
+/// mask that differs per batch or head, or a plan with score terms that differ between
+/// heads) another batch size or head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
 /// other or the score reads a tensor; [`AttentionError::Strides`] (`CM0412`) for strided
 /// rows past [`cm_plan::MAX_EXPANDED_INTERVALS`].
 pub fn attention<T: Float>(
@@ -878,8 +878,8 @@ pub fn attention<T: Float>(
 /// # Errors
 /// As [`attention`]; [`AttentionError::UnknownScoreTensor`] for a name the score does not
 /// read, [`AttentionError::PlanMismatch`] for another `num_heads` than the plan's when the
-/// plan has score terms, and [`AttentionError::Reference`] for a tensor missing, of the
-/// wrong length or not finite.
+/// plan has score terms that differ between heads (`ScoreTerms::per_head`), and
+/// [`AttentionError::Reference`] for a tensor missing, of the wrong length or not finite.
 pub fn attention_with_scores<T: Float>(
     shape: &AttentionShape,
     q: &[T],
@@ -954,7 +954,7 @@ fn score_of<'a, T>(
         }
         return Ok(None);
     };
-    if plan.num_heads as usize != shape.num_heads {
+    if terms.per_head() && plan.num_heads as usize != shape.num_heads {
         return Err(AttentionError::PlanMismatch {
             what: "num_heads",
             planned: plan.num_heads as usize,

@@ -111,6 +111,29 @@ fn tensors_by_name_are_the_plans_terms() {
     );
 }
 
+/// A plan whose terms are the same for every head (the built-in softcap, a slope without
+/// `h`), made for one head, applies to tensors of any head count as the plan for that count.
+#[test]
+fn terms_the_same_for_every_head_serve_any_head_count() {
+    let s = shape(3, 6, 6);
+    let (q, k, v) = (values(36, 0.3), values(12, 0.7), values(12, 1.3));
+    for src in [
+        "param cap: int = 2;\nmask = k <= q;\nscore = softcap(score, cap);",
+        "mask = k <= q;\nscore = score - 0.5 * (q - k);",
+    ] {
+        let program = compilemask::compile(src).unwrap();
+        let mut options = PlanOptions::new(6);
+        let one = program.plan(&options).unwrap();
+        options.num_heads = 3;
+        let three = program.plan(&options).unwrap();
+        assert_eq!(
+            attention_with_scores(&s, &q, &k, &v, &one, 0.5, &[]).unwrap(),
+            attention_with_scores(&s, &q, &k, &v, &three, 0.5, &[]).unwrap(),
+            "{src}"
+        );
+    }
+}
+
 #[test]
 fn score_parts_are_shown_as_written() {
     let p = compilemask::builtin("t5_relative_bias").unwrap();
