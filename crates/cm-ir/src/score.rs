@@ -654,7 +654,8 @@ impl Bound<'_> {
     ///
     /// # Errors
     /// `CM0314` for a softcap that is not positive and finite, a slope that is not finite in
-    /// `f32`, coefficients outside `i32`, bad `t5_bucket` arguments; `CM0315` for a bucket
+    /// `f32`, coefficients outside `i32`, bias positions past `2^24` in magnitude (what f32
+    /// holds exactly), bad `t5_bucket` arguments; `CM0315` for a bucket
     /// outside `[0, num_buckets)` (naming the distance); any error of evaluating them.
     pub(crate) fn bind_score(&self) -> PResult<Option<ScoreTerms>> {
         let p = self.program;
@@ -701,14 +702,42 @@ impl Bound<'_> {
                     )
                 })
             };
+            let (q_coef, k_coef) = (coef(&l.q_coef, "q")?, coef(&l.k_coef, "k")?);
+            let offset = self.eval_int(&l.offset, &none)?;
+            // The kernels form `q_coef * q`, `k_coef * k` and their sum with the offset in
+            // f32, exact for integers up to 2^24; past that the bias would silently round.
+            let (q_last, k_last) = (self.shape.q_len - 1, self.shape.kv_len - 1);
+            let parts = [
+                ("q_coef * q", i128::from(q_coef) * i128::from(q_last)),
+                ("k_coef * k", i128::from(k_coef) * i128::from(k_last)),
+                ("the offset", i128::from(offset)),
+            ];
+            let corners = [(0, 0), (q_last, 0), (0, k_last), (q_last, k_last)].map(|(q, k)| {
+                let x = i128::from(q_coef) * i128::from(q)
+                    + i128::from(k_coef) * i128::from(k)
+                    + i128::from(offset);
+                (
+                    format!("q_coef * q + k_coef * k + offset at (q, k) = ({q}, {k})"),
+                    x,
+                )
+            });
+            let exact = 1i128 << 24;
+            let parts = parts.into_iter().map(|(w, x)| (w.to_string(), x));
+            if let Some((what, x)) = parts.chain(corners).find(|(_, x)| x.abs() > exact) {
+                return Err(bad_value(
+                    l.span,
+                    format!("the positions of the bias reach {what} = {x}; expected at most 2^24 in magnitude"),
+                )
+                .with_hint("the kernels form the bias's positions in f32, which holds integers exactly up to 2^24; a constant offset only shifts each row's lse, so leave it out"));
+            }
             terms.linear = Some(LinearBias {
                 slopes,
                 per_head: l
                     .slope
                     .reads(&|x| matches!(x, IntKind::H | IntKind::NumHeads | IntKind::Param(_))),
-                q_coef: coef(&l.q_coef, "q")?,
-                k_coef: coef(&l.k_coef, "k")?,
-                offset: self.eval_int(&l.offset, &none)?,
+                q_coef,
+                k_coef,
+                offset,
             });
         }
         if let Some(t) = &form.table {

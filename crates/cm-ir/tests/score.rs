@@ -286,6 +286,18 @@ fn bad_score_values_fail_at_plan_time() {
             "the bias coefficient of head 0 is inf; expected a finite f32",
         ),
         (
+            "mask = k <= q;\nscore = score + 0.5 * (q - k + 9223372036854775807);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the positions of the bias reach the offset = 9223372036854775807; expected at most 2^24 in magnitude",
+        ),
+        (
+            "mask = k <= q;\nscore = score + 0.5 * (3 * q - k);",
+            shape(8_000_000, 4, 1),
+            "CM0314",
+            "the positions of the bias reach q_coef * q = 23999997; expected at most 2^24 in magnitude",
+        ),
+        (
             "mask = k <= q;\nscore = score + 1e300 * (q - k);",
             shape(4, 4, 1),
             "CM0314",

@@ -1267,13 +1267,15 @@ impl<'a, 'p> Solver<'a, 'p> {
         span: Span,
     ) -> Eval<Vec<AffineInterval>> {
         // Far outside the keys the comparison's outcome no longer changes, so a constant
-        // term can be clamped exactly; this keeps `k <= i64::MAX` from overflowing below.
-        let rest = if rest.step == 0 {
-            let reach = alpha
-                .unsigned_abs()
-                .saturating_mul(self.bound.shape.kv_len as u64)
-                .saturating_add(2);
-            let m = reach.min(i64::MAX as u64 / 4) as i64;
+        // term beyond `alpha * kv_len + 2` can be clamped exactly; this keeps `k <= i64::MAX`
+        // from overflowing below. A larger reach is not clamped (a bound below it would
+        // change the outcome); the checked arithmetic below reports what overflows.
+        let reach = alpha
+            .unsigned_abs()
+            .saturating_mul(self.bound.shape.kv_len as u64)
+            .saturating_add(2);
+        let rest = if rest.step == 0 && reach <= i64::MAX as u64 / 4 {
+            let m = reach as i64;
             Affine::constant(rest.first.clamp(-m, m))
         } else {
             rest

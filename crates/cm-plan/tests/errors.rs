@@ -134,6 +134,48 @@ fn overflow_of_key_products() {
     assert_agrees("mask = k < -9223372036854775807;", 1, 2);
 }
 
+/// A large multiple of `k` against a large constant: the constant may be clamped only
+/// where that keeps every key's outcome, so the plan is the reference's at each key (found
+/// by a fresh user: `4.8e18 < 4.5e18 * k` planned key 1 as visible).
+#[test]
+fn large_key_multiples_against_large_constants() {
+    let coefficients = [
+        "4500000000000000000",
+        "4611686018427387904",
+        "3074457345618258603",
+    ];
+    let constants = [
+        "4800000000000000000",
+        "5000000000000000000",
+        "4000000000000000000",
+        "9223372036854775807",
+        "-9223372036854775807",
+        "4611686018427387905",
+    ];
+    for a in coefficients {
+        for c in constants {
+            for op in ["<", "<=", ">", ">=", "==", "!="] {
+                assert_agrees(&format!("mask = {c} {op} {a} * k;"), 1, 2);
+                assert_agrees(&format!("mask = {a} * k {op} {c};"), 1, 2);
+                assert_agrees(&format!("mask = k < 3 & !({c} {op} {a} * k);"), 2, 4);
+            }
+        }
+    }
+}
+
+/// `% 0` of any multiple of `k` fails as `k % 0` does (CM0301), never a panic.
+#[test]
+fn modulo_by_zero_of_key_multiples() {
+    for src in [
+        "mask = (2 * k) % 0 == 0;",
+        "mask = (3 * k) % 0 == 1;",
+        "mask = (2 * k) % 0 != 0 | k <= q;",
+        "mask = k % 0 == 0;",
+    ] {
+        assert_agrees(src, 3, 4);
+    }
+}
+
 /// The reference evaluates a ball's radius on every row and squares an L2 radius at the
 /// keys of its grid.
 #[test]

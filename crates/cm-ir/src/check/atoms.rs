@@ -758,6 +758,21 @@ impl Checker<'_> {
                         span,
                     ))
                 }
+                // `x % 0` is an error at every pair, whatever `x` is: the atom of `k % 0`
+                // raises it (CM0301) when the plan evaluates its divisor.
+                Some((_, rest)) if const_value(d) == Some(0) => {
+                    return Ok(Val::Region(
+                        Region::KMod {
+                            alpha: 1,
+                            rest,
+                            div: (**d).clone(),
+                            op,
+                            rhs,
+                            span,
+                        },
+                        span,
+                    ))
+                }
                 Some((alpha, rest)) if matches!(op, CmpOp::Eq | CmpOp::Ne) => {
                     match const_value(d).and_then(|d| congruence(alpha, rest, d, rhs, span)) {
                         Some(eq) if op == CmpOp::Eq => return Ok(Val::Region(eq, span)),
