@@ -599,7 +599,8 @@ def attention(
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D [batch, heads, seq_len, head_dim] (or 3-D [total, heads, "
-                f"head_dim] for a packed plan), got shape {tuple(t.shape)}"
+                f"head_dim], the varlen layout, with a plan of batch 1 such as a packed plan), "
+                f"got shape {tuple(t.shape)}"
             )
         if str(t.dtype).removeprefix("torch.") not in _DTYPES:
             raise ValueError(
