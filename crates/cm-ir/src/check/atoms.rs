@@ -745,25 +745,13 @@ impl Checker<'_> {
                 _ => mixed_cause(t),
             },
             IntKind::Bin(IntOp::Mod, x, d) => match linearize(x) {
-                Some((alpha @ (1 | -1), rest)) => {
+                // `x % 0` is an error at every pair, whatever `x` is, so any multiple of `k`
+                // takes the atom of `k % 0`, which raises it (CM0301) when the plan
+                // evaluates its divisor.
+                Some((alpha, rest)) if matches!(alpha, 1 | -1) || const_value(d) == Some(0) => {
                     return Ok(Val::Region(
                         Region::KMod {
-                            alpha,
-                            rest,
-                            div: (**d).clone(),
-                            op,
-                            rhs,
-                            span,
-                        },
-                        span,
-                    ))
-                }
-                // `x % 0` is an error at every pair, whatever `x` is: the atom of `k % 0`
-                // raises it (CM0301) when the plan evaluates its divisor.
-                Some((_, rest)) if const_value(d) == Some(0) => {
-                    return Ok(Val::Region(
-                        Region::KMod {
-                            alpha: 1,
+                            alpha: if alpha < 0 { -1 } else { 1 },
                             rest,
                             div: (**d).clone(),
                             op,
