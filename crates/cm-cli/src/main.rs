@@ -60,7 +60,10 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         order_out: Option<std::path::PathBuf>,
     },
-    /// Print the visible key intervals of rows A..B-1.
+    /// Print the visible key intervals of rows A..B-1. In the program's positions and
+    /// without packing, those rows are solved alone (no other row, no tile descriptor, no
+    /// plan warnings), so a row of a mask too large to plan whole is still printed; with
+    /// `--order` or `--cu-seqlens-q` the whole plan is made.
     Intervals {
         #[command(flatten)]
         mask: MaskArgs,
@@ -252,28 +255,32 @@ fn check_batch_head(plan: &compilemask::Plan, b: u32, h: u32) -> Result<()> {
             plan.q_len
         ));
     }
-    if b >= plan.batch {
+    check_index(b, h, plan.batch, plan.num_heads)
+}
+
+/// `--b` and `--h` inside a shape of `batch` x `num_heads`.
+fn check_index(b: u32, h: u32, batch: u32, num_heads: u32) -> Result<()> {
+    if b >= batch {
         return Err(anyhow!(
-            "--b {b} is out of range; the plan has batch = {} (indices 0 ..= {})",
-            plan.batch,
-            plan.batch - 1
+            "--b {b} is out of range; the plan has batch = {batch} (indices 0 ..= {})",
+            batch - 1
         ));
     }
-    if h >= plan.num_heads {
+    if h >= num_heads {
         return Err(anyhow!(
-            "--h {h} is out of range; the plan has num_heads = {} (indices 0 ..= {})",
-            plan.num_heads,
-            plan.num_heads - 1
+            "--h {h} is out of range; the plan has num_heads = {num_heads} (indices 0 ..= {})",
+            num_heads - 1
         ));
     }
     Ok(())
 }
 
-/// Writes rows `rows.0 .. rows.1` of `mask`, one at a time: JSON `{"rows":[{"q":5,
-/// "intervals":[[0,6]]},...]}` or one text line per row.
+/// Writes rows `rows.0 .. rows.1` of a mask whose row `q` is `mask`'s row `q - first`, one
+/// at a time: JSON `{"rows":[{"q":5, "intervals":[[0,6]]},...]}` or one text line per row.
 fn write_intervals(
     w: &mut impl Write,
     mask: &compilemask::RowIntervals,
+    first: u32,
     rows: (u32, u32),
     json: bool,
 ) -> std::io::Result<()> {
@@ -284,7 +291,7 @@ fn write_intervals(
                 w.write_all(b",")?;
             }
             write!(w, "{{\"q\":{q},\"intervals\":[")?;
-            for (i, iv) in mask.row_expanded(q).iter().enumerate() {
+            for (i, iv) in mask.row_expanded(q - first).iter().enumerate() {
                 if i > 0 {
                     w.write_all(b",")?;
                 }
@@ -296,7 +303,7 @@ fn write_intervals(
     } else {
         for q in rows.0..rows.1 {
             write!(w, "{q}: ")?;
-            let ivs = mask.row_expanded(q);
+            let ivs = mask.row_expanded(q - first);
             if ivs.is_empty() {
                 w.write_all(b"(empty)")?;
             }
@@ -556,17 +563,42 @@ fn run(command: Command) -> Result<ExitCode> {
             h,
             json,
         } => {
-            let (_, _, plan, _) = mask.plan()?;
-            if rows.1 > plan.q_len {
-                return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, plan.q_len));
-            }
-            check_batch_head(&plan, b, h)?;
-            let m = plan.mask(b, h);
+            // In the program's positions and without packing, the rows are solved alone (no
+            // other row, no tile descriptor); a token order or packing needs the whole plan.
+            let options = mask.options()?;
+            let alone =
+                options.order == compilemask::OrderRequest::Raster && mask.packed()?.is_none();
+            let (plan, solved, first);
+            let rows_of = if alone {
+                let program = mask.program()?;
+                if i64::from(rows.1) > options.q_len {
+                    return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, options.q_len));
+                }
+                // Lengths out of range are the binding's error (CM0402), below.
+                let len = |x: i64| u32::try_from(x).ok().filter(|&x| x > 0);
+                if let (Some(batch), Some(num_heads)) = (len(options.batch), len(options.num_heads))
+                {
+                    check_index(b, h, batch, num_heads)?;
+                }
+                solved = program
+                    .row_range(&options, b, h, rows.0..rows.1)
+                    .map_err(|e| anyhow!("{}", program.render_error(&e).trim_end()))?;
+                first = rows.0;
+                &solved
+            } else {
+                plan = mask.plan()?.2;
+                if rows.1 > plan.q_len {
+                    return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, plan.q_len));
+                }
+                check_batch_head(&plan, b, h)?;
+                first = 0;
+                &plan.mask(b, h).rows
+            };
             // Stream: one row at a time through a buffer, never the whole output in memory.
             let stdout = std::io::stdout();
             let mut w = BufWriter::new(stdout.lock());
             finish_output(
-                write_intervals(&mut w, &m.rows, rows, json).and_then(|()| w.flush()),
+                write_intervals(&mut w, rows_of, first, rows, json).and_then(|()| w.flush()),
                 "the intervals",
             )?;
             Ok(ExitCode::SUCCESS)

@@ -240,6 +240,51 @@ impl Program {
         cm_plan::plan_in_order(&bound, options.tile, &options.order)
     }
 
+    /// Rows `rows` (0-based, half-open, in the program's positions) of the mask of batch
+    /// `b` and head `h`, solved alone: the same intervals as `self.plan(options)?.mask(b,
+    /// h).rows` gives for those rows (the returned rows are numbered from 0, row `i` being
+    /// row `rows.start + i`), without solving the other rows or building a tile
+    /// descriptor, so one row of a mask too large to plan whole is still available. Cost
+    /// O(pieces x intervals) of those rows. `options.tile` and `options.order` are not
+    /// read.
+    ///
+    /// ```
+    /// let causal = compilemask::builtin("causal").unwrap();
+    /// let options = compilemask::PlanOptions::new(1 << 26);
+    /// let rows = causal.row_range(&options, 0, 0, (1 << 26) - 1..1 << 26).unwrap();
+    /// assert_eq!(rows.row(0)[0].end, 1 << 26);
+    /// ```
+    ///
+    /// # Errors
+    /// `CM0402` for `b`, `h` or `rows` outside the shape; any plan-time error of those rows
+    /// (another row's error is not raised), as [`Program::plan`].
+    pub fn row_range(
+        &self,
+        options: &PlanOptions,
+        b: u32,
+        h: u32,
+        rows: std::ops::Range<u32>,
+    ) -> Result<RowIntervals, PlanError> {
+        let shape = options.shape();
+        let bound = self.ir.bind(shape, &options.params)?;
+        for (what, value, len) in [
+            ("batch index b", b, shape.batch),
+            ("head index h", h, shape.num_heads),
+        ] {
+            if i64::from(value) >= len {
+                return Err(PlanError::new(
+                    Code::LengthOutOfRange,
+                    None,
+                    format!("{what} = {value} is outside the shape's 0 .. {len}"),
+                ));
+            }
+        }
+        let at = bound.at_batch(i64::from(b))?;
+        let solver = cm_plan::symbolic::Solver::new(&at);
+        let rows = i64::from(rows.start)..i64::from(rows.end);
+        cm_plan::row_range_intervals(&solver, i64::from(b), i64::from(h), rows, &mut 0)
+    }
+
     /// Plans the program for samples packed back to back (FlashAttention's `cu_seqlens`
     /// form): a batch-1 plan over `total_q = cu_seqlens_q[batch]` rows and `total_k =
     /// cu_seqlens_k[batch]` keys in which packed row `r` of sample `b` holds the program's
