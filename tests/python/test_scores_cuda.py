@@ -484,11 +484,16 @@ def test_terms_the_same_for_every_head_apply_to_any_head_count(device):
     results = []
     for heads in (1, 4):
         plan = program.plan(70, num_heads=heads)
-        out = cm.attention(q, k, v, plan, score_tensors={"rel": table})
+        out = cm.attention(q, k, v, plan, score_tensors={"rel": table}, deterministic=True)
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, table))
         results.append((out, *grads))
-    for a, b in zip(*results):
+    # The deterministic mode repeats q, k and v's gradient bits; the table's gradient is
+    # summed with fp32 atomics on CUDA, whose last bits vary run to run (docs/python.md).
+    *exact_1, table_1 = results[0]
+    *exact_4, table_4 = results[1]
+    for a, b in zip(exact_1, exact_4):
         assert torch.equal(a, b)
+    torch.testing.assert_close(table_1, table_4, rtol=1e-5, atol=1e-4)
     one = program.plan(70).score_mod({"rel": table}, device)
     four = program.plan(70, num_heads=4).score_mod({"rel": table}, device)
     s, i, j = (torch.tensor(x, device=device) for x in (1.5, 9, 2))
