@@ -568,12 +568,16 @@ fn run(command: Command) -> Result<ExitCode> {
             let options = mask.options()?;
             let alone =
                 options.order == compilemask::OrderRequest::Raster && mask.packed()?.is_none();
+            let in_range = |q_len: i64| -> Result<()> {
+                if i64::from(rows.1) > q_len {
+                    return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {q_len} rows (0-based, half-open)", rows.0, rows.1));
+                }
+                Ok(())
+            };
             let (plan, solved, first);
             let rows_of = if alone {
                 let program = mask.program()?;
-                if i64::from(rows.1) > options.q_len {
-                    return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, options.q_len));
-                }
+                in_range(options.q_len)?;
                 // Lengths out of range are the binding's error (CM0402), below.
                 let len = |x: i64| u32::try_from(x).ok().filter(|&x| x > 0);
                 if let (Some(batch), Some(num_heads)) = (len(options.batch), len(options.num_heads))
@@ -587,9 +591,7 @@ fn run(command: Command) -> Result<ExitCode> {
                 &solved
             } else {
                 plan = mask.plan()?.2;
-                if rows.1 > plan.q_len {
-                    return Err(anyhow!("--rows {}:{} is out of range; the mask has q_len = {} rows (0-based, half-open)", rows.0, rows.1, plan.q_len));
-                }
+                in_range(i64::from(plan.q_len))?;
                 check_batch_head(&plan, b, h)?;
                 first = 0;
                 &plan.mask(b, h).rows

@@ -252,16 +252,16 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
     (through an autograd function) on CPU."""
     score = pt.score
     slopes = score.slopes
-    if pt.num_heads != query.shape[1] and not score.per_head:
+    if pt.num_heads != query.shape[1]:
+        if score.per_head:
+            raise ValueError(
+                f"the plan's score terms were bound for num_heads = {pt.num_heads} (slopes, "
+                f"tables and sinks are per head), but the query has {query.shape[1]} heads; plan "
+                f"with program.plan(..., num_heads={query.shape[1]})"
+            )
         # Every head has the same terms (a softcap, one slope, one table for all heads).
         if slopes is not None:
             slopes = slopes[:1].expand(query.shape[1]).contiguous()
-    elif pt.num_heads != query.shape[1]:
-        raise ValueError(
-            f"the plan's score terms were bound for num_heads = {pt.num_heads} (slopes, tables "
-            f"and sinks are per head), but the query has {query.shape[1]} heads; plan with "
-            f"program.plan(..., num_heads={query.shape[1]})"
-        )
     table, sink = _score_inputs(torch, score, score_tensors, query.device)
     if query.device.type == "cuda":
         from . import _ops
