@@ -239,6 +239,12 @@ BLOCK_CASES = [
      lambda b, h, q, k: (k <= q) & (torch.bucketize(q, torch.tensor([100, 300]), right=True)
                                     == torch.bucketize(k, torch.tensor([100, 300]),
                                                        right=True))),
+    # Strided runs: each visible key of a row is its own interval (the row's intervals
+    # outnumber its runs), so mask_mod's table must be as wide as the expanded rows.
+    ("dilated_window", 129, 129, {"window": 30, "dilation": 3}, (32, 32),
+     lambda b, h, q, k: (q >= k) & (q - k < 30) & ((q - k) % 3 == 0)),
+    ("dilated_window", 200, 150, {"window": 9, "dilation": 2}, (64, 16),
+     lambda b, h, q, k: (q >= k) & (q - k < 9) & ((q - k) % 2 == 0)),
 ]
 
 

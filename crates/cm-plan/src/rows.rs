@@ -513,13 +513,35 @@ impl RowIntervals {
         self.row_ptr.windows(2).filter(|w| w[0] == w[1]).count() as u32
     }
 
-    /// The largest number of (maximal) intervals in one row; with strides, of runs.
-    pub fn max_intervals_per_row(&self) -> u32 {
+    /// The largest number of runs in one row (a strided run counts once): the width of the
+    /// stored form.
+    pub fn max_runs_per_row(&self) -> u32 {
         self.row_ptr
             .windows(2)
             .map(|w| w[1] - w[0])
             .max()
             .unwrap_or(0)
+    }
+
+    /// The largest number of maximal intervals in one row: a strided run counts each of its
+    /// keys (each is its own maximal interval), as [`RowIntervals::expanded`] writes the row,
+    /// so the count is the width a consumer of the expanded rows needs.
+    pub fn max_intervals_per_row(&self) -> u32 {
+        if !self.strided {
+            return self.max_runs_per_row();
+        }
+        self.row_ptr
+            .windows(2)
+            .map(|w| {
+                let (a, b) = (w[0] as usize, w[1] as usize);
+                self.intervals[a..b]
+                    .iter()
+                    .zip(&self.strides[a..b])
+                    .map(|(iv, &s)| if s <= 1 { 1 } else { Self::run_keys(iv, s) })
+                    .sum::<u64>()
+            })
+            .max()
+            .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
     }
 
     /// Is key `kv_idx` visible from row `q_idx`? O(log intervals).

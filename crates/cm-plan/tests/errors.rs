@@ -176,6 +176,39 @@ fn modulo_by_zero_of_key_multiples() {
     }
 }
 
+/// `|` of two regions evaluates both sides at every key; `or` of two conditions that read no
+/// key (a row condition) stops at the first true one, as `and` at the first false one
+/// (docs/language.md, "Errors"): the plan and the reference agree either way, and only the
+/// region form fails at row 0.
+#[test]
+fn or_of_row_conditions_stops_at_the_first_true_side() {
+    let planned = |src: &str| {
+        agree(
+            src,
+            5,
+            5,
+            TileShape {
+                block_m: 4,
+                block_n: 8,
+            },
+        )
+        .unwrap()
+    };
+    let row_or = "param w: int = 7;\nmask = (q >= 0) | (w % q > 0);";
+    assert_agrees(row_or, 5, 5);
+    assert!(planned(row_or));
+    assert!(planned(
+        "param w: int = 7;\nmask = (q >= 0) or (w % q > 0);"
+    ));
+    let region_or = "param w: int = 7;\nmask = (k >= 0) | (w % q > 0);";
+    assert_agrees(region_or, 5, 5);
+    assert!(!planned(region_or));
+    // A condition whose key terms cancel reads no key.
+    let cancelled = "mask = (q >= 0) | (k >= k + 9 % q);";
+    assert_agrees(cancelled, 5, 5);
+    assert!(planned(cancelled));
+}
+
 /// The reference evaluates a ball's radius on every row and squares an L2 radius at the
 /// keys of its grid.
 #[test]

@@ -110,9 +110,13 @@ fn dilated_window_is_one_run_per_row() {
     let p = plan(&bound, TileShape::default()).unwrap();
     let rows = &p.masks[0].rows;
     assert!(rows.has_strides());
-    assert_eq!(rows.max_intervals_per_row(), 1);
+    assert_eq!(rows.max_runs_per_row(), 1);
     let unit = rows.expanded().unwrap();
     assert!(!unit.has_strides());
+    // In maximal intervals a row holds its keys: 64 / 4 at most, as in the expanded rows.
+    assert_eq!(rows.max_intervals_per_row(), 16);
+    assert_eq!(unit.max_intervals_per_row(), 16);
+    assert_eq!(p.max_intervals_per_row(), 16);
     unit.validate().unwrap();
     for q in 0..300 {
         let want = bound.brute_force_row(q, 0, 0).unwrap();
@@ -147,7 +151,7 @@ fn runs_cut_by_further_intervals_stay_runs() {
     let p = plan(&bound, TileShape::default()).unwrap();
     let rows = &p.masks[0].rows;
     assert!(rows.has_strides());
-    assert_eq!(rows.max_intervals_per_row(), 1);
+    assert_eq!(rows.max_runs_per_row(), 1);
     // The band's sides cut before the residue, as in the band-first form: its pieces, not
     // a piece every few rows where a residue run to the last key changes length.
     let band_first =
@@ -210,7 +214,7 @@ fn dilated_window_at_128k() {
     let p = plan(&bound, TileShape::default()).unwrap();
     let rows = &p.masks[0].rows;
     assert!(p.pieces <= 4096 / 2 + 2, "{} pieces", p.pieces);
-    assert_eq!(rows.max_intervals_per_row(), 1);
+    assert_eq!(rows.max_runs_per_row(), 1);
     // Rows q >= 4095 see 2048 keys, row q < 4095 sees q / 2 + 1.
     let want: u64 = (0..131072u64).map(|q| q.min(4095) / 2 + 1).sum();
     assert_eq!(rows.visible_pairs(), want);

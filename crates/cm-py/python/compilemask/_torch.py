@@ -319,7 +319,8 @@ def _scored_reference(torch: Any) -> Any:
 
 def _interval_table(plan: Plan, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded per-row tables ``starts``, ``ends`` of shape ``[num_masks, q_len, K]`` with
-    ``K = max(1, max_intervals_per_row)``; unused slots are the empty interval (0, 0)."""
+    ``K`` the most intervals of any row of ``interval_arrays()`` (at least 1; a strided run
+    there is one interval per key); unused slots are the empty interval (0, 0)."""
     torch = require_torch("Plan.mask_mod")
     key = ("table", _cache_key(torch, device))
     cached = plan._cache.get(key)
@@ -331,8 +332,8 @@ def _interval_table(plan: Plan, device: Any) -> tuple[torch.Tensor, torch.Tensor
     used = len(iv_raw) // 8
     ivs = _int32(torch, iv_raw, (max(used, 1), 2), None) if used else torch.zeros(
         (1, 2), dtype=torch.int32)
-    width = max(1, plan.max_intervals_per_row)
     first, count = row_ptr[:, :-1], row_ptr[:, 1:] - row_ptr[:, :-1]
+    width = max(1, int(count.max())) if count.numel() else 1
     slot = torch.arange(width).view(1, 1, width)
     valid = slot < count.unsqueeze(-1)
     index = (first.unsqueeze(-1) + slot).clamp(max=ivs.shape[0] - 1)
