@@ -183,6 +183,14 @@ def test_gqa_heads_must_divide():
         cm.attention(q3, k, v, plan, enable_gqa=True)
 
 
+def test_zero_heads_are_named():
+    plan, q, k, v = _ok()
+    with pytest.raises(ValueError, match="num_heads = 0 .* must be at least 1"):
+        cm.attention(q[:, :0], k, v, plan, enable_gqa=True)
+    with pytest.raises(ValueError, match="num_kv_heads = 0 .* must be at least 1"):
+        cm.attention(q, k[:, :0], v[:, :0], plan, enable_gqa=True)
+
+
 def test_mask_reading_h_needs_a_plan_for_the_heads():
     program = cm.compile("param w: [int] = [1, 2];\nmask = q - w[h % 2] < k <= q;")
     _, q, k, v = _ok()

@@ -140,9 +140,10 @@ enum Command {
         /// Ranks (GPUs) to deal the sequence to.
         #[arg(long)]
         ranks: u32,
-        /// Tokens per chunk.
-        #[arg(long, default_value_t = 512)]
-        chunk: u32,
+        /// Tokens per chunk (default: 512, or q_len / ranks when 512 leaves fewer chunks
+        /// than ranks).
+        #[arg(long)]
+        chunk: Option<u32>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -545,6 +546,7 @@ fn run(command: Command) -> Result<ExitCode> {
             json,
         } => {
             let (program, _, plan, _) = mask.plan()?;
+            let chunk = chunk.unwrap_or_else(|| compilemask::default_chunk(plan.q_len, ranks));
             let (sharding, ms) = shard::shard(&plan, ranks, chunk)?;
             let report = shard::report(&plan, &sharding, ms);
             if json {

@@ -140,3 +140,41 @@ fn what_cannot_be_sharded_is_named() {
         &["score terms"],
     );
 }
+
+/// Without `--chunk` the chunk is 512 tokens, or q_len / ranks when 512 would leave fewer
+/// chunks than ranks (as Python's `ContextParallel`): 1000 tokens deal to 3 ranks in chunks of
+/// 333 (the last chunk holds the remaining token), 4096 to 2 in chunks of 512.
+#[test]
+fn the_default_chunk_leaves_a_chunk_per_rank() {
+    let out = ok(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "1000",
+        "--ranks",
+        "3",
+    ]);
+    assert!(
+        out.contains("1000 tokens over 3 ranks in chunks of 333"),
+        "{out}"
+    );
+    let v = json(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "4096",
+        "--ranks",
+        "2",
+        "--json",
+    ]);
+    let tokens: u64 = v["per_rank"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(tokens, 4096);
+    assert_eq!(v["chunk"], 512, "{v}");
+}

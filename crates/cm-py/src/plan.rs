@@ -358,9 +358,12 @@ impl Plan {
         Ok((py_bytes(py, &row_ptr), py_bytes(py, &flat)))
     }
 
-    /// This plan's sequence dealt to `ranks` ranks in chunks of `chunk` tokens by work
-    /// (context parallelism, `cm_shard`); `ValueError` naming what cannot be sharded.
-    fn shard(&self, ranks: u32, chunk: u32) -> PyResult<crate::shard::Sharding> {
+    /// This plan's sequence dealt to `ranks` ranks in chunks of `chunk` tokens (None:
+    /// `cm_shard::default_chunk`) by work (context parallelism, `cm_shard`); `ValueError`
+    /// naming what cannot be sharded.
+    #[pyo3(signature = (ranks, chunk=None))]
+    fn shard(&self, ranks: u32, chunk: Option<u32>) -> PyResult<crate::shard::Sharding> {
+        let chunk = chunk.unwrap_or_else(|| compilemask::default_chunk(self.inner.q_len, ranks));
         crate::shard::Sharding::new(self, ranks, chunk)
     }
 

@@ -173,6 +173,17 @@ impl Sharding {
     }
 }
 
+/// Tokens per chunk when the caller names none: 512, or `q_len / ranks` (at least 1) when
+/// 512 would leave fewer chunks than ranks, so that any `q_len >= ranks` can be dealt.
+pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
+    const CHUNK: u32 = 512;
+    if u64::from(q_len) >= u64::from(CHUNK) * u64::from(ranks) {
+        CHUNK
+    } else {
+        (q_len / ranks.max(1)).max(1)
+    }
+}
+
 /// [`shard`] of a plan's one mask; see [`Sharding::part_plan`] for the parts as plans.
 ///
 /// # Errors

@@ -42,7 +42,7 @@ pub use cm_serve::{
     paged_attention, PagedError, PagedShape, Prefill, PrefillShape, Step, StepError, StepPlan,
     StepPlanner, MAX_STEP_INTERVALS,
 };
-pub use cm_shard::{shard, shard_plan, Part, ShardError, Sharding};
+pub use cm_shard::{default_chunk, shard, shard_plan, Part, ShardError, Sharding};
 pub use cm_stdlib::{Builtin, BUILTINS};
 pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
 

@@ -630,7 +630,11 @@ def attention(
     if key.shape[3] != d:
         raise ValueError(f"query head_dim {d} differs from key head_dim {key.shape[3]}")
     hk, lk = key.shape[1], key.shape[2]
-    if hk == 0 or hq % hk != 0:
+    if hq == 0 or hk == 0:
+        raise ValueError(
+            f"num_heads = {hq} and num_kv_heads = {hk} (dim 1 of query and key) must be at "
+            "least 1")
+    if hq % hk != 0:
         raise ValueError(
             f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}"
         )

@@ -76,9 +76,8 @@ class ContextParallel:
             raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
         # The native sharding counts ranks and chunk tokens in 32 bits.
         _check_count("ranks", ranks)
-        if chunk is None:
-            chunk = 512 if plan.q_len >= 512 * ranks else max(1, plan.q_len // ranks)
-        _check_count("chunk", chunk)
+        if chunk is not None:
+            _check_count("chunk", chunk)
         self._native = plan._native.shard(ranks, chunk)
         self.plan = plan
         self._plans: dict = {}
