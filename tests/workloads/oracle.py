@@ -320,8 +320,8 @@ def clear(q_len: int, grid: int | None = None, radius: int = CLEAR_RADIUS,
 class DilatedWindowMask(Mask):
     """The standard library's ``dilated_window`` (not a workload): row ``q`` sees the keys
     ``k`` of ``(q - window, q]`` with ``(q - k) % dilation == 0``. The compiler stores each
-    row as one strided run, so its ``max_intervals_per_row`` counts runs: 1 for a row with
-    any key (:meth:`runs`)."""
+    row as one strided run, but ``max_intervals_per_row`` counts maximal intervals
+    (docs/design.md): with a dilation above 1, one per visible key."""
 
     def __init__(self, q_len: int, window: int = 4096, dilation: int = 2):
         super().__init__(q_len)
@@ -339,10 +339,6 @@ class DilatedWindowMask(Mask):
         if d == 1:
             return [(first, q + 1)]
         return [(k, k + 1) for k in range(first, q + 1, d)]
-
-    @staticmethod
-    def runs(row: Row) -> int:
-        return 1 if row else 0
 
     def boundaries(self) -> list[int]:
         return [self.window - 1] if self.window - 1 < self.q_len else []
@@ -455,11 +451,10 @@ def plan_stats(mask: Mask, block_m: int = 128, block_n: int = 128) -> dict:
     for m0 in range(0, q_len, block_m):
         m1 = min(q_len, m0 + block_m)
         rows = mask.rows(m0, m1)
-        runs = getattr(mask, "runs", len)
         for row in rows:
             visible += sum(hi - lo for lo, hi in row)
             empty_rows += not row
-            max_intervals = max(max_intervals, runs(row))
+            max_intervals = max(max_intervals, len(row))
         union, inter = union_and_intersection(rows)
         count, width = touched_tiles(union, block_n, kv_len)
         nonempty += count
