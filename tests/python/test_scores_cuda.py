@@ -500,3 +500,52 @@ def test_terms_the_same_for_every_head_apply_to_any_head_count(device):
     for h in range(4):
         h = torch.tensor(h, device=device)
         assert torch.equal(one(s, 0, h, i, j), four(s, 0, h, i, j))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("score", ["", "score = softcap(score, 20);\n"])
+def test_a_minus_inf_sink_is_no_sink(deterministic, d, score):
+    """A head whose sink is -inf has no sink: its output, lse and q / k / v gradients are
+    those of the same mask without sinks (rows with no visible key keep output 0 and lse
+    -inf, never NaN), and its sink's gradient is 0; the other heads' finite sinks still
+    count. On CUDA (plain and score kernels) and on the CPU reference."""
+    hq, hk, lq, lk = 4, 2, 131, 129
+    mask = "mask = q >= 3 & k <= q;\n"
+    with_sinks = cm.compile("tensor sinks: [num_heads];\n" + mask + score + "sink = sinks[h];")
+    without = cm.compile(mask + score)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn((1, h, n, d), generator=g, device="cuda").to(torch.bfloat16)
+               for h, n in ((hq, lq), (hk, lk), (hk, lk)))
+    sinks = torch.tensor([-math.inf, 0.5, -math.inf, 1.0], device="cuda")
+    w = torch.randn((1, hq, lq, d), generator=g, device="cuda", dtype=torch.float64)
+    wl = torch.randn((1, hq, lq), generator=g, device="cuda", dtype=torch.float64)
+    for dev in ("cuda", "cpu"):
+        cast = (lambda t: t) if dev == "cuda" else (lambda t: t.float().cpu())
+        ins = [cast(t).requires_grad_() for t in (q, k, v)]
+        s = cast(sinks).requires_grad_()
+        out, lse = cm.attention(*ins, with_sinks.plan(lq, lk, num_heads=hq), enable_gqa=True,
+                                return_lse=True, deterministic=deterministic,
+                                score_tensors={"sinks": s})
+        ins0 = [cast(t).requires_grad_() for t in (q, k, v)]
+        out0, lse0 = cm.attention(*ins0, without.plan(lq, lk), enable_gqa=True, return_lse=True,
+                                  deterministic=deterministic)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        heads = [0, 2]
+        # The sink kernels form lse as (max + log2(sum)) ln 2, the plain ones max ln 2 + ln(sum).
+        assert torch.equal(out[:, heads], out0[:, heads]), dev
+        assert torch.allclose(lse[:, heads], lse0[:, heads], rtol=1e-6, atol=1e-5), dev
+        assert (lse[:, heads, :3] == -math.inf).all() and (lse[:, 1, :3] == 0.5).all()
+        wd, wld = w.to(out.device), wl.to(out.device)
+        loss = (out.double() * wd).sum() + (lse.double().nan_to_num(neginf=0) * wld).sum()
+        loss0 = (out0.double() * wd).sum() + (lse0.double().nan_to_num(neginf=0) * wld).sum()
+        grads = torch.autograd.grad(loss, ins + [s])
+        grads0 = torch.autograd.grad(loss0, ins0)
+        assert all(torch.isfinite(t).all() for t in grads), dev
+        assert grads[3][heads].abs().max().item() == 0.0, dev
+        assert grads[3][[1, 3]].abs().min().item() > 0.0, dev
+        # dq of the no-sink heads is the same computation; dk / dv sum the heads of a kv
+        # head, where the sink heads differ, so compare dq only.
+        tol = 0.0 if dev == "cpu" else 1e-2
+        e = (grads[0][:, heads].double() - grads0[0][:, heads].double()).abs().max().item()
+        assert e <= tol * max(1.0, grads0[0].abs().max().item()), (dev, e)

@@ -6,6 +6,7 @@ kernels have their own tests in test_cuda.py."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 
@@ -191,6 +192,52 @@ def test_zero_heads_are_named():
         cm.attention(q, k[:, :0], v[:, :0], plan, enable_gqa=True)
 
 
+@pytest.mark.parametrize("flag", ["enable_gqa", "return_lse", "deterministic"])
+@pytest.mark.parametrize("value", ["yes", "False", 1, None])
+def test_flags_must_be_bools(flag, value):
+    """A truthy string such as 'False' would silently mean True: every flag is a bool."""
+    plan, q, k, v = _ok()
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got"):
+        cm.attention(q, k, v, plan, **{flag: value})
+
+
+def test_3d_inputs_name_the_layout_they_are_read_as():
+    """3-D tensors are the varlen layout [total_q, num_heads, head_dim]; one laid out as
+    [num_heads, q_len, head_dim] (a batch dim left out) is named as such, with the fix."""
+    plan, q, k, v = _ok()
+    with pytest.raises(ValueError, match=r"read as the varlen layout .* total_q = 2 \(dim 0\), "
+                                         r"but the plan has q_len = 8; its dim 1 is 8: .* "
+                                         r"query.unsqueeze\(0\)"):
+        cm.attention(q[0], k[0], v[0], plan)
+    with pytest.raises(ValueError, match=r"total_q = 3 \(dim 0\), but the plan has q_len = 8$"):
+        cm.attention(q[0, :, :3].transpose(0, 1), k[0, :, :3].transpose(0, 1),
+                     v[0, :, :3].transpose(0, 1), plan)
+    out = cm.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), plan)
+    torch.testing.assert_close(out, cm.attention(q, k, v, plan)[0].transpose(0, 1))
+
+
+def test_a_minus_inf_sink_is_no_sink_on_cpu():
+    """A -inf sink leaves its head as without a sink (empty rows: lse -inf) with gradient 0;
+    NaN and +inf sinks are refused, naming the head."""
+    src = "mask = q >= 2 & k <= q;\n"
+    plan = cm.compile("tensor sinks: [num_heads];\n" + src + "sink = sinks[h];").plan(6, num_heads=2)
+    plan0 = cm.compile(src).plan(6)
+    q, k, v = (t.detach().double() for t in _inputs(1, 2, 2, 6, 6, 4, 4, torch.float32))
+    q.requires_grad_()
+    sinks = torch.tensor([-math.inf, 0.25], dtype=torch.float64, requires_grad=True)
+    out, lse = cm.attention(q, k, v, plan, return_lse=True, score_tensors={"sinks": sinks})
+    out0, lse0 = cm.attention(q, k, v, plan0, return_lse=True)
+    assert torch.equal(out[:, 0], out0[:, 0]) and torch.equal(lse[:, 0], lse0[:, 0])
+    assert lse[0, 0, :2].tolist() == [-math.inf] * 2 and lse[0, 1, :2].tolist() == [0.25] * 2
+    (out.sum() + lse[:, :, 2:].sum()).backward()
+    assert sinks.grad[0].item() == 0.0 and sinks.grad[1].item() != 0.0
+    assert torch.isfinite(q.grad).all()
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"sinks\[1\] of \[num_heads\] is .*; a sink must be "
+                                             r"finite, or -inf for no sink"):
+            cm.attention(q, k, v, plan, score_tensors={"sinks": torch.tensor([0.0, bad])})
+
+
 def test_mask_reading_h_needs_a_plan_for_the_heads():
     program = cm.compile("param w: [int] = [1, 2];\nmask = q - w[h % 2] < k <= q;")
     _, q, k, v = _ok()
@@ -296,6 +343,39 @@ def test_block_mask_equals_create_block_mask(name, q_len, kv_len, params, block,
     assert torch.equal(flex.create_mask(plan.mask_mod(device), 1, 1, q_len, kv_len,
                                         device=device), dense)
     assert torch.equal(flex.create_mask(rule, 1, 1, q_len, kv_len, device="cpu"), dense.cpu())
+
+
+COMPILED_FLEX_CASES = [
+    ("causal", cm.builtin("causal"), 200, {}, {}),
+    ("dilated", cm.builtin("dilated_window"), 256, {}, {}),
+    ("per_head", cm.compile("param w: [int] = [3, 40];\nmask = q - w[h % 2] < k <= q;"), 130,
+     {"num_heads": 2}, {}),
+    ("t5", cm.builtin("t5_relative_bias"), 190, {"num_heads": 2}, {"rel_bias": (2, 32)}),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,program,n,plan_args,tensors", COMPILED_FLEX_CASES,
+                         ids=[c[0] for c in COMPILED_FLEX_CASES])
+def test_compiled_flex_attention_with_our_block_mask(name, program, n, plan_args, tensors, device):
+    """torch.compile(flex_attention) with plan.to_block_mask() and plan.score_mod() computes
+    compilemask.attention's output: one table row per mask (strided runs as several
+    intervals), per-head masks, a bias table, a length that ends inside a tile. (Inductor's
+    CPU template read a 2-D interval table wrongly; ``dynamic=False`` because its dynamic
+    recompile fails on any mask_mod that reads a captured tensor, torch's own included.)"""
+    if device == "cpu" and shutil.which("g++") is None:
+        pytest.skip("Inductor's CPU backend needs a C++ compiler")
+    plan = program.plan(n, block_size=(64, 64), **plan_args)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn((1, 2, n, 64), generator=g).to(device) for _ in range(3))
+    given = {t: torch.randn(shape, generator=g).to(device) for t, shape in tensors.items()}
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    out = compiled(q, k, v, block_mask=plan.to_block_mask(device),
+                   score_mod=plan.score_mod(given or None, device))
+    want = cm.attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), plan,
+                        score_tensors={t: x.cpu().double() for t, x in given.items()} or None)
+    err = (out.double().cpu() - want).abs().max().item()
+    assert err <= 1e-4 if device == "cpu" else err <= 2e-2, err
 
 
 def test_block_mask_per_head():

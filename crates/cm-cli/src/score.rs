@@ -1,6 +1,6 @@
 //! How `check`, `plan` and `list` show a program's score terms (docs/language.md, "Scores").
 
-use compilemask::{ScorePart, ScoreTerms};
+use compilemask::{show_float, ScorePart, ScoreTerms};
 use serde_json::{json, Value};
 
 /// `a*q + b*k + c` as written by a person: `q - k`, `2*q + 3`, `0`.
@@ -43,10 +43,10 @@ fn buckets_read(t: &compilemask::TableBias) -> usize {
 pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(c) = t.softcap {
-        out.push(format!("softcap {c}: c * tanh(s / c)"));
+        out.push(format!("softcap {}: c * tanh(s / c)", show_float(c)));
     }
     if let Some(l) = &t.linear {
-        let shown: Vec<String> = l.slopes.iter().take(4).map(|s| s.to_string()).collect();
+        let shown: Vec<String> = l.slopes.iter().take(4).map(|&s| show_float(s)).collect();
         let more = if l.slopes.len() > 4 { ", ..." } else { "" };
         out.push(format!(
             "linear bias slopes[h] * ({}), slopes [{}{more}] ({num_heads} heads)",

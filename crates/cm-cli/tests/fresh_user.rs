@@ -459,7 +459,7 @@ fn integer_list_entries_take_underscores_as_literals_do() {
         &[&doc[..], &["--set", "lengths=_10,2"]].concat(),
         &[
             "CM0308",
-            "entry 0, `_10`, is not an integer: `_` may only follow a digit",
+            "entry 0, `_10`, is not an integer: `_` must sit between two digits",
         ],
     );
     fails(

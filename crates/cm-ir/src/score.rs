@@ -14,7 +14,7 @@
 
 use crate::bind::{Bound, Env, PResult, PlanError, MAX_HEADS};
 use crate::ir::{Bool, Int, IntKind};
-use cm_syntax::ast::FloatBits;
+use cm_syntax::ast::{show_float, FloatBits};
 use cm_syntax::{Code, Span};
 
 pub type TensorId = usize;
@@ -770,15 +770,6 @@ impl Bound<'_> {
             });
         }
         Ok(Some(terms))
-    }
-}
-
-/// `v` for a message: in exponent form when very large or small (`1e300`, not 301 digits).
-fn show_float(v: f64) -> String {
-    if v != 0.0 && v.is_finite() && !(1e-4..1e16).contains(&v.abs()) {
-        format!("{v:e}")
-    } else {
-        format!("{v}")
     }
 }
 

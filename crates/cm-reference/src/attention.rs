@@ -160,7 +160,18 @@ impl<'a> ScoreCtx<'a> {
                             actual: d.len(),
                         });
                     }
-                    check_finite(n, named, &dims, d)?;
+                    if what != "sinks" {
+                        check_finite(n, named, &dims, d)?;
+                    } else if let Some(head) = d.iter().position(|x| {
+                        let x = x.to_f64();
+                        x.is_nan() || x == f64::INFINITY
+                    }) {
+                        return Err(ReferenceError::BadSink {
+                            tensor: n.clone(),
+                            head,
+                            value: d[head].to_f64(),
+                        });
+                    }
                     Ok(Some(d.iter().map(|x| x.to_f64()).collect()))
                 }
             }
@@ -537,9 +548,11 @@ pub fn attention_backward_scored<T: Float>(
                 widen_into(&mut qf, &q[row * d..(row + 1) * d]);
                 let Some(stats) = ctx.row_logits(b, h, i, &qf, &mut logits)? else {
                     // dq is already 0; the row touches no key. With a sink its lse is the
-                    // sink itself (d lse / d sink = 1).
-                    if let (Some(ds), Some(_), Some(dlse)) = (&mut dsink, &ctx.score.sink, dlse) {
-                        ds[h] += dlse[row].to_f64();
+                    // sink itself (d lse / d sink = 1); a -inf sink is no sink, gradient 0.
+                    if let (Some(ds), Some(s), Some(dlse)) = (&mut dsink, &ctx.score.sink, dlse) {
+                        if s[h] > f64::NEG_INFINITY {
+                            ds[h] += dlse[row].to_f64();
+                        }
                     }
                     continue;
                 };

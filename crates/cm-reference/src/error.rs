@@ -126,6 +126,19 @@ pub enum ReferenceError {
         value: f64,
     },
 
+    /// A sink logit is NaN or `+inf`; `-inf` is allowed (that head has no sink).
+    #[error(
+        "{tensor}[{head}] of [num_heads] is {value}; a sink must be finite, or -inf for no sink"
+    )]
+    BadSink {
+        /// The sinks tensor's name in the program.
+        tensor: String,
+        /// The 0-based head.
+        head: usize,
+        /// The logit given.
+        value: f64,
+    },
+
     /// An input element is NaN or infinite; the reference would otherwise emit NaN.
     #[error("{tensor}[{at}] of {dims} is {value}; inputs must be finite")]
     NonFiniteInput {

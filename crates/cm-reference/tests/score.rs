@@ -369,6 +369,89 @@ fn empty_rows_with_and_without_sinks() {
     }
 }
 
+/// A `-inf` sink is no sink: its head's output, lse and gradients are those of the same
+/// mask without a sink (rows with no visible key included: lse -inf, never NaN), and its
+/// own gradient is 0, while the other head's finite sink still counts. `+inf` is refused.
+#[test]
+fn a_minus_inf_sink_is_no_sink() {
+    let with = compile("tensor sinks: [num_heads];\nmask = q >= 2 & k <= q + 1;\nsink = sinks[h];");
+    let without = compile("mask = q >= 2 & k <= q + 1;");
+    let s = Shape {
+        q_len: 7,
+        kv_len: 9,
+        batch: 1,
+        num_heads: 2,
+    };
+    let shape = AttentionShape {
+        batch: 1,
+        num_heads: 2,
+        num_kv_heads: 2,
+        q_len: 7,
+        kv_len: 9,
+        head_dim: 3,
+        head_dim_v: 2,
+    };
+    let c = case(&mut Rng::new(11), shape, 0);
+    let pw = plan(
+        &with.bind(s, &BTreeMap::new()).unwrap(),
+        TileShape::default(),
+    )
+    .unwrap();
+    let po = plan(
+        &without.bind(s, &BTreeMap::new()).unwrap(),
+        TileShape::default(),
+    )
+    .unwrap();
+    let sink = [f64::NEG_INFINITY, 0.75];
+    let score = Score {
+        terms: pw.score.as_ref().unwrap(),
+        table: None,
+        sink: Some(&sink[..]),
+    };
+    let (mw, mo) = ([&pw.masks[0].rows], [&po.masks[0].rows]);
+    let (mw, mo) = (Masks::indexed(&mw, &[0, 0]), Masks::indexed(&mo, &[0, 0]));
+    let (q, k, v) = (&c.q, &c.k, &c.v);
+    let fw = attention_forward_scored(&shape, q, k, v, &mw, 0.5, Some(&score)).unwrap();
+    let fo = attention_forward_scored(&shape, q, k, v, &mo, 0.5, None).unwrap();
+    let (rows, dv) = (shape.q_len, shape.head_dim_v);
+    assert_eq!(fw.out[..rows * dv], fo.out[..rows * dv], "head 0's output");
+    assert_eq!(fw.lse[..rows], fo.lse[..rows], "head 0's lse");
+    assert_eq!(
+        fw.lse[..2],
+        [f64::NEG_INFINITY; 2],
+        "empty rows keep lse -inf"
+    );
+    assert_eq!(
+        fw.lse[rows..rows + 2],
+        [0.75; 2],
+        "head 1's sink still counts"
+    );
+    assert!(fw.out.iter().all(|x| x.is_finite()));
+    let dlse = Some(c.dlse.as_slice());
+    let gw =
+        attention_backward_scored(&shape, q, k, v, &c.dout, dlse, &mw, 0.5, Some(&score)).unwrap();
+    let go = attention_backward_scored(&shape, q, k, v, &c.dout, dlse, &mo, 0.5, None).unwrap();
+    let dsink = gw.dsink.unwrap();
+    assert_eq!(dsink[0], 0.0, "a -inf sink has no gradient");
+    assert!(dsink[1].is_finite() && dsink[1] != 0.0);
+    let head0 = |g: &[f64], n: usize| g[..n].to_vec();
+    let d = shape.head_dim;
+    assert_eq!(head0(&gw.grads.dq, rows * d), head0(&go.grads.dq, rows * d));
+    assert_eq!(head0(&gw.grads.dk, 9 * d), head0(&go.grads.dk, 9 * d));
+    assert_eq!(head0(&gw.grads.dv, 9 * dv), head0(&go.grads.dv, 9 * dv));
+    let up = [f64::INFINITY, 0.0];
+    let bad = Score {
+        sink: Some(&up[..]),
+        ..score
+    };
+    assert_eq!(
+        attention_forward_scored(&shape, q, k, v, &mw, 0.5, Some(&bad))
+            .unwrap_err()
+            .to_string(),
+        "sinks[0] of [num_heads] is inf; a sink must be finite, or -inf for no sink"
+    );
+}
+
 #[test]
 fn score_tensors_are_checked() {
     let program = compile(PROGRAMS[0]);
@@ -416,7 +499,7 @@ fn score_tensors_are_checked() {
     let nan = [f64::NAN, 0.0];
     assert_eq!(
         run(Some(&table), Some(&nan), &shape),
-        "sinks[0] of [num_heads] is NaN; inputs must be finite"
+        "sinks[0] of [num_heads] is NaN; a sink must be finite, or -inf for no sink"
     );
     let none = compile("mask = k <= q;\nscore = score + 1.0;");
     let b = none.bind(s, &BTreeMap::new()).unwrap();

@@ -19,6 +19,21 @@ impl FloatBits {
     }
 }
 
+/// A float as messages and listings show it: the shortest text that reads back as `v` (in
+/// `v`'s own width, so an `f32` 0.1 stays `0.1`), in exponent form outside `[1e-4, 1e16)` as
+/// Python's `repr` does, so `1e30` is not thirty-one digits and `1e-9` not eleven.
+pub fn show_float<T>(v: T) -> String
+where
+    T: Copy + Into<f64> + std::fmt::Display + std::fmt::LowerExp,
+{
+    let x: f64 = v.into();
+    if x != 0.0 && x.is_finite() && !(1e-4..1e16).contains(&x.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Ident {
     pub name: String,
@@ -236,4 +251,23 @@ pub enum ExprKind {
     },
     /// Stands in for an expression that failed to parse; a diagnostic was already issued.
     Error,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::show_float;
+
+    /// Shortest round-trip text in the value's own width; exponent form outside [1e-4, 1e16).
+    #[test]
+    fn floats_show_as_python_repr_would() {
+        assert_eq!(show_float(1e3_f32), "1000");
+        assert_eq!(show_float(0.1_f32), "0.1");
+        assert_eq!(show_float(1e30_f32), "1e30");
+        assert_eq!(show_float(1e-9_f64), "1e-9");
+        assert_eq!(show_float(-2.5e-5_f64), "-2.5e-5");
+        assert_eq!(show_float(1e16_f64), "1e16");
+        assert_eq!(show_float(9.5e15_f64), "9500000000000000");
+        assert_eq!(show_float(0.0_f64), "0");
+        assert_eq!(show_float(0.0001_f64), "0.0001");
+    }
 }

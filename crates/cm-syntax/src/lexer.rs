@@ -49,7 +49,7 @@ impl Tok {
     pub fn describe(&self) -> String {
         match self {
             Tok::Int(v) => format!("integer `{v}`"),
-            Tok::Float(v) => format!("float `{}`", v.value()),
+            Tok::Float(v) => format!("float `{}`", crate::ast::show_float(v.value())),
             Tok::Str(_) => "a string".into(),
             Tok::Ident(s) => format!("`{s}`"),
             Tok::Eof => "end of input".into(),
@@ -119,6 +119,26 @@ fn float_end(chars: &[(usize, char)], j: usize) -> Option<usize> {
         }
     }
     (end > j).then_some(end)
+}
+
+/// Whether every `_` of a number's text sits between two digits (`1_000`, `1.2_5e1_0`), the
+/// rule of Python's literals: `1__0`, `10_`, `1_.5` and `1e_5` are typos, not numbers.
+pub fn underscores_between_digits(text: &str) -> bool {
+    let b = text.as_bytes();
+    b.iter().enumerate().all(|(k, &c)| {
+        c != b'_'
+            || (k > 0 && b[k - 1].is_ascii_digit() && b.get(k + 1).is_some_and(u8::is_ascii_digit))
+    })
+}
+
+/// `CM0103` for a number whose `_` does not sit between two digits, at `span`.
+fn misplaced_underscore(span: Span) -> Diagnostic {
+    Diagnostic::error(
+        Code::BadIntegerLiteral,
+        span,
+        "malformed number literal: `_` must sit between two digits",
+    )
+    .with_hint("write digit groups with single underscores, as in 1_000_000")
 }
 
 /// Whether `c` can begin a token, whitespace or a comment: every character the lexer does
@@ -213,12 +233,18 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 j += 1;
             }
             if let Some(end) = float_end(&chars, j) {
-                let text: String = chars[i..end]
-                    .iter()
-                    .map(|c| c.1)
-                    .filter(|&c| c != '_')
-                    .collect();
+                let written: String = chars[i..end].iter().map(|c| c.1).collect();
+                let text = written.replace('_', "");
                 let span = Span::new(start, end_of(end));
+                if !underscores_between_digits(&written) {
+                    diags.push(misplaced_underscore(span));
+                    toks.push(Token {
+                        tok: Tok::Float(FloatBits::new(0.0)),
+                        span,
+                    });
+                    i = end;
+                    continue;
+                }
                 match text.parse::<f64>() {
                     Ok(v) if v.is_finite() => toks.push(Token {
                         tok: Tok::Float(FloatBits::new(v)),
@@ -261,6 +287,16 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     span: Span::new(start, end_of(k)),
                 });
                 i = k;
+                continue;
+            }
+            let written: String = chars[i..j].iter().map(|c| c.1).collect();
+            if !underscores_between_digits(&written) {
+                diags.push(misplaced_underscore(span));
+                toks.push(Token {
+                    tok: Tok::Int(0),
+                    span,
+                });
+                i = j;
                 continue;
             }
             match value {
@@ -444,6 +480,30 @@ mod tests {
         assert_eq!(t[0].tok, f(0.0));
         // `4e` is a malformed integer, as before.
         assert_eq!(lex("4e").1[0].code, "CM0103");
+    }
+
+    /// `_` groups digits only between two digits, in integers and in every digit run of a
+    /// float; anywhere else the whole literal is one diagnostic (never a silent value).
+    #[test]
+    fn underscores_sit_between_digits() {
+        let f = |v: f64| Tok::Float(crate::ast::FloatBits::new(v));
+        assert_eq!(
+            toks("1_000 4_0_9_6 1_0.2_5 2e1_0"),
+            [Tok::Int(1000), Tok::Int(4096), f(10.25), f(2e10)]
+        );
+        for bad in [
+            "1__0", "10_", "1_.5", "1.5_", "1e_5", "1e5_", "1_e5", "2__0.0",
+        ] {
+            let (t, d) = lex(bad);
+            assert_eq!(d.len(), 1, "{bad}: {d:?}");
+            assert_eq!(d[0].code, "CM0103", "{bad}");
+            assert_eq!(
+                (d[0].span.start as usize, d[0].span.end as usize),
+                (0, bad.len()),
+                "{bad}"
+            );
+            assert_eq!(t.len(), 2, "{bad}: one literal, then the end: {t:?}");
+        }
     }
 
     /// A run of characters no token starts with is one diagnostic over the whole run; a

@@ -44,6 +44,7 @@ pub use cm_serve::{
 };
 pub use cm_shard::{default_chunk, shard, shard_plan, Part, ShardError, Sharding};
 pub use cm_stdlib::{Builtin, BUILTINS};
+pub use cm_syntax::ast::show_float;
 pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
 
 /// A program failed to parse or check.

@@ -5,7 +5,7 @@
 //!
 //! A list is integers separated by commas and / or whitespace, optionally inside `[` `]`
 //! (`0,5,12`, `[0, 5, 12]`, `0 5 12`, one per line). An integer is an optional sign and
-//! digits in which `_` may follow any digit (`1_000`, `1_0` is 10), exactly as the
+//! digits in which each `_` sits between two digits (`1_000`, `1_0` is 10), exactly as the
 //! language's integer literals, so a list reads like an array literal of the language
 //! (`compilemask list --json` reads parameter defaults with it). An empty entry (`0,,5`,
 //! a comma at either end) is an error, never silently dropped.
@@ -31,20 +31,20 @@ pub enum ListError {
 pub enum IntFault {
     #[error("is not an integer")]
     NotAnInteger,
-    #[error("is not an integer: `_` may only follow a digit, as in 1_000")]
+    #[error("is not an integer: `_` must sit between two digits, as in 1_000")]
     MisplacedUnderscore,
     #[error("is outside the 64-bit integer range")]
     OutOfRange,
 }
 
-/// One integer: an optional sign, then a digit, then digits and `_` (as the language's
-/// literals: `1_000`, `1__0` and `10_` are integers, `_10` is not).
+/// One integer: an optional sign, then digits in which each `_` sits between two digits (as
+/// the language's literals: `1_000` is an integer, `1__0`, `10_` and `_10` are not).
 ///
 /// # Errors
 /// [`IntFault`] saying why `token` is not a 64-bit integer.
 pub fn parse_int(token: &str) -> Result<i64, IntFault> {
     let unsigned = token.strip_prefix(['+', '-']).unwrap_or(token);
-    if unsigned.contains('_') && !unsigned.starts_with(|c: char| c.is_ascii_digit()) {
+    if !cm_syntax::lexer::underscores_between_digits(unsigned) {
         return Err(IntFault::MisplacedUnderscore);
     }
     token
@@ -224,6 +224,7 @@ mod tests {
             "4_096",
             "1__0",
             "10_",
+            "1_0_",
             "0_7",
             "_10",
             "_",
@@ -237,13 +238,14 @@ mod tests {
         assert_eq!(list("-1_0 +2_0"), Ok(vec![-10, 20]), "after a sign, too");
         assert_eq!(
             list("5 _10").unwrap_err(),
-            "entry 1, `_10`, is not an integer: `_` may only follow a digit, as in 1_000"
+            "entry 1, `_10`, is not an integer: `_` must sit between two digits, as in 1_000"
         );
         assert_eq!(parse_int("-_10"), Err(IntFault::MisplacedUnderscore));
-        assert_eq!(parse_int("1_-0"), Err(IntFault::NotAnInteger));
+        assert_eq!(parse_int("1_-0"), Err(IntFault::MisplacedUnderscore));
+        assert_eq!(parse_int("1-0"), Err(IntFault::NotAnInteger));
         assert_eq!(
             parse_value("_5").unwrap_err().message,
-            "`_5` is not an integer: `_` may only follow a digit, as in 1_000"
+            "`_5` is not an integer: `_` must sit between two digits, as in 1_000"
         );
     }
 

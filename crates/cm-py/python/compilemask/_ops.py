@@ -330,8 +330,11 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 def _sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, with the
     kernels' delta = rowsum(dout * out) - grad_lse: the sink is one more logit of each row's
-    softmax, with value 0 (so its dP is 0), and d lse / d sink = exp(sink - lse)."""
-    share = torch.exp(sinks.float().view(1, -1, 1) - lse.float())
+    softmax, with value 0 (so its dP is 0), and d lse / d sink = exp(sink - lse); 0 for a -inf
+    sink."""
+    sink = sinks.float().view(1, -1, 1)
+    # A -inf sink is no sink: its share is 0 (exp(-inf - lse) is NaN where lse is -inf too).
+    share = torch.where(sink == -math.inf, 0.0, torch.exp(sink - lse.float()))
     return -(share * delta).sum(dim=(0, 2))
 
 

@@ -148,6 +148,14 @@ def _int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an int, got {_type_name(value)} {value!r}") from None
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A bool argument (``bool`` or NumPy's ``bool_``), or ``TypeError`` naming it: a string
+    such as ``"yes"`` or ``"False"`` is truthy in Python and would silently mean ``True``."""
+    if isinstance(value, bool) or _type_name(value) == "bool_":
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {_type_name(value)} {value!r}")
+
+
 def _length(name: str, value: Any) -> int:
     """``q_len``, ``kv_len``, ``batch`` or ``num_heads``: an int; one too large for the
     native layer is the ``PlanError`` CM0402 that the planner gives any other bad length."""
@@ -1004,7 +1012,10 @@ class Plan:
     def to_block_mask(self, device: Any = None) -> BlockMask:
         """A ``torch.nn.attention.flex_attention.BlockMask`` built from this plan's tile
         descriptor (``BlockMask.from_kv_blocks``) with a matching :meth:`mask_mod`, at this
-        plan's ``block_size``, for ``flex_attention``. Needs torch."""
+        plan's ``block_size``, for ``flex_attention``. Needs torch. On CPU, compile with
+        ``torch.compile(flex_attention, dynamic=False)``: torch 2.11's Inductor CPU template
+        fails to build the dynamic-shape recompile of any ``mask_mod`` that reads a captured
+        tensor (a C++ compile error; torch's own document masks too)."""
         from ._torch import make_block_mask
 
         return make_block_mask(self, device)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _native
-from ._program import _int, _ordered, _type_name
+from ._program import _flag, _int, _ordered, _type_name
 
 if TYPE_CHECKING:
     import torch
@@ -380,6 +380,7 @@ def paged_attention(
         raise ValueError(f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}")
     if kernel not in ("auto", "decode", "prefill"):
         raise ValueError(f"kernel must be 'auto', 'decode' or 'prefill', got {kernel!r}")
+    return_lse = _flag("return_lse", return_lse)
     if isinstance(step, Step):
         tensors = step.to_tensors(q.device)
     elif isinstance(step, StepTensors):

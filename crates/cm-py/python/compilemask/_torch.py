@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _native
-from ._program import Plan, PlanTensors, ScoreTensors, _type_name
+from ._program import Plan, PlanTensors, ScoreTensors, _flag, _type_name
 
 if TYPE_CHECKING:
     import torch
@@ -355,18 +355,18 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     dev = starts.device
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int64, device=dev).view(
         plan.batch, plan.num_heads)
-    s0, e0 = starts[0], ends[0]
+    # One-dimensional tables read at computed offsets: Inductor's CPU template for a compiled
+    # flex_attention (torch 2.11) returned wrong values for a 2-D table row indexed by q_idx
+    # and then sliced by column, and right ones for this form (tests/python/test_torch.py).
+    starts_flat, ends_flat = starts.reshape(-1), ends.reshape(-1)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         q = q_idx.clamp(0, q_len - 1)  # padded rows of the last block read row q_len - 1
-        if single:
-            s, e = s0[q], e0[q]
-        else:
-            m = mask_index[b, h]
-            s, e = starts[m, q], ends[m, q]
-        visible = (kv_idx >= s[..., 0]) & (kv_idx < e[..., 0])
+        row = q if single else mask_index[b, h] * q_len + q
+        at = row * width
+        visible = (kv_idx >= starts_flat[at]) & (kv_idx < ends_flat[at])
         for j in range(1, width):
-            visible = visible | ((kv_idx >= s[..., j]) & (kv_idx < e[..., j]))
+            visible = visible | ((kv_idx >= starts_flat[at + j]) & (kv_idx < ends_flat[at + j]))
         return visible & (q_idx < q_len) & (kv_idx < kv_len)
 
     mask_mod.__name__ = f"compilemask_{plan.program.name.strip('<>').replace(' ', '_')}"
@@ -541,7 +541,7 @@ def attention(
     ``[batch, num_heads, q_len, head_dim_v]`` in the input dtype, and with ``return_lse``
     also ``lse`` ``[batch, num_heads, q_len]`` (natural log; float32, float64 for float64
     inputs). Rows with no visible key give 0 and ``-inf`` (with a sink: 0 and the sink's
-    logit). Differentiable (``out`` and
+    logit; a ``-inf`` sink is no sink, with gradient 0). Differentiable (``out`` and
     ``lse``). ``deterministic`` selects the CUDA backward whose dQ needs no atomics (the same
     bits every run; the CPU reference always is deterministic).
 
@@ -576,6 +576,9 @@ def attention(
     a wheel built without the CUDA kernels raises ``RuntimeError`` on CUDA tensors.
     """
     torch = require_torch("compilemask.attention")
+    enable_gqa = _flag("enable_gqa", enable_gqa)
+    return_lse = _flag("return_lse", return_lse)
+    deterministic = _flag("deterministic", deterministic)
     tensors = {"query": query, "key": key, "value": value}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -590,6 +593,17 @@ def attention(
                     f"{name} must be 3-D too (or pass 4-D [batch, heads, seq_len, head_dim] "
                     f"tensors), got shape {tuple(t.shape)}"
                 )
+        packed = isinstance(plan, Plan) and plan.is_packed
+        plan_q_len = plan.q_len if isinstance(plan, (Plan, PlanTensors)) else None
+        if plan_q_len is not None and not packed and query.shape[0] != plan_q_len:
+            hint = (f"; its dim 1 is {plan_q_len}: for [num_heads, q_len, head_dim] without a "
+                    "batch dim, pass query.unsqueeze(0) (and key, value alike)"
+                    if query.shape[1] == plan_q_len else "")
+            raise ValueError(
+                f"query is 3-D, so it is read as the varlen layout [total_q, num_heads, "
+                f"head_dim] with total_q = {query.shape[0]} (dim 0), but the plan has q_len = "
+                f"{plan_q_len}{hint}"
+            )
         out = attention(query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
                         value.unsqueeze(0).transpose(1, 2), plan, scale, enable_gqa, True,
                         deterministic, score_tensors)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ._program import Plan
+from ._program import Plan, _flag
 from ._torch import require_torch
 
 __all__ = ["ContextParallel", "attention", "simulate"]
@@ -277,6 +277,7 @@ def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
     autograd, the gradients) is in those positions too, as :func:`compilemask.attention`'s on
     the whole sequence."""
     require_torch("compilemask.distributed.simulate")
+    return_lse = _flag("return_lse", return_lse)
     _check_lengths((query, key, value), cp.plan.q_len, "the plan's sequence")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -304,6 +305,8 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     """
     torch = require_torch("compilemask.distributed.attention")
     import torch.distributed as dist
+
+    return_lse = _flag("return_lse", return_lse)
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size != cp.ranks:
