@@ -3,7 +3,7 @@
 //! ALiBi slopes against the authors' `get_slopes`, written out here; T5's buckets against
 //! their closed form in exact integer arithmetic; every plan-time score error.
 
-use cm_ir::score::{alibi_slopes, t5_bucket};
+use cm_ir::score::{alibi_slope, alibi_slopes, t5_bucket};
 use cm_ir::{Bound, Program, Shape, Value};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -140,6 +140,27 @@ fn get_slopes(n: usize) -> Vec<f64> {
                 .take(n - closest),
         );
         out
+    }
+}
+
+/// Binding reads one slope per head: at the largest head count (2^16) that must not
+/// rebuild all 2^16 slopes for every head (O(num_heads^2): 20 s in release, far longer
+/// here), and each head's slope is the list's.
+#[test]
+fn alibi_slopes_bind_in_linear_time_at_the_head_limit() {
+    let p = compile(PROGRAMS[0]);
+    let n = 1usize << 16;
+    let start = std::time::Instant::now();
+    let b = bind(&p, shape(2, 2, n as i64), &[]).unwrap();
+    let took = start.elapsed();
+    assert!(took.as_secs() < 10, "binding 2^16 ALiBi heads took {took:?}");
+    let l = b.score.unwrap().linear.unwrap();
+    assert_eq!(l.slopes.len(), n);
+    for m in [1, 2, 3, 12, 100, 130, 4096, 5000] {
+        let all = alibi_slopes(m);
+        for (i, s) in all.iter().enumerate() {
+            assert_eq!(alibi_slope(m, i).to_bits(), s.to_bits(), "{m} heads, head {i}");
+        }
     }
 }
 
