@@ -68,7 +68,7 @@ enum Command {
         #[command(flatten)]
         mask: MaskArgs,
         /// Rows A:B (half-open, 0-based).
-        #[arg(long, value_parser = parse_rows)]
+        #[arg(long, value_parser = parse_rows, allow_hyphen_values = true)]
         rows: (u32, u32),
         /// Batch index, for masks that depend on it.
         #[arg(long, default_value_t = 0)]
@@ -104,7 +104,7 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         h: u32,
         /// Draw only rows A:B (half-open, 0-based; default: every row).
-        #[arg(long, value_parser = parse_rows)]
+        #[arg(long, value_parser = parse_rows, allow_hyphen_values = true)]
         rows: Option<(u32, u32)>,
         /// Draw only keys C:D (half-open, 0-based; default: every key).
         #[arg(long, value_parser = parse_cols)]

@@ -442,6 +442,11 @@ fn bad_row_ranges() {
         args.push(&arg);
         fails(&args, &["not a row range", "A:B"]);
     }
+    // A value after a space that starts with '-' reaches the range parser too, not clap's
+    // "unexpected argument".
+    let mut args = base.to_vec();
+    args.extend(["--rows", "-1:2"]);
+    fails(&args, &["not a row range", "-1:2"]);
     for rows in ["0:11", "10:12"] {
         let arg = format!("--rows={rows}");
         let mut args = base.to_vec();
