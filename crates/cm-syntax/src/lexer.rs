@@ -8,6 +8,9 @@ use crate::Code;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tok {
     Int(i64),
+    /// The literal 9223372036854775808 (2^63): no `i64`, but `-9223372036854775808` is
+    /// `i64::MIN`, so the parser takes it after a unary minus and refuses it elsewhere.
+    IntMinMagnitude,
     /// A float literal (`0.5`, `1e-3`, `2.5e4`): its finite value, compared by bits.
     Float(FloatBits),
     /// String literal: its unescaped text and the byte offset of its first character, so
@@ -49,6 +52,7 @@ impl Tok {
     pub fn describe(&self) -> String {
         match self {
             Tok::Int(v) => format!("integer `{v}`"),
+            Tok::IntMinMagnitude => format!("integer `{}`", 1u64 << 63),
             Tok::Float(v) => format!("float `{}`", crate::ast::show_float(v.value())),
             Tok::Str(_) => "a string".into(),
             Tok::Ident(s) => format!("`{s}`"),
@@ -223,12 +227,12 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
         }
         if c.is_ascii_digit() {
             let mut j = i;
-            let mut value: Option<i64> = Some(0);
+            let mut value: Option<u64> = Some(0);
             while j < chars.len() && (chars[j].1.is_ascii_digit() || chars[j].1 == '_') {
                 if let Some(d) = chars[j].1.to_digit(10) {
                     value = value
                         .and_then(|v| v.checked_mul(10))
-                        .and_then(|v| v.checked_add(i64::from(d)));
+                        .and_then(|v| v.checked_add(u64::from(d)));
                 }
                 j += 1;
             }
@@ -299,12 +303,16 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 i = j;
                 continue;
             }
-            match value {
-                Some(v) => toks.push(Token {
+            match value.map(i64::try_from) {
+                Some(Ok(v)) => toks.push(Token {
                     tok: Tok::Int(v),
                     span,
                 }),
-                None => {
+                Some(Err(_)) if value == Some(1 << 63) => toks.push(Token {
+                    tok: Tok::IntMinMagnitude,
+                    span,
+                }),
+                _ => {
                     diags.push(
                         Diagnostic::error(
                             Code::BadIntegerLiteral,

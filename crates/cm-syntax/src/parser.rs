@@ -785,6 +785,13 @@ impl Parser {
             _ => return self.postfix_expr(),
         };
         let start = self.bump().span;
+        if op == UnOp::Neg && self.peek().tok == Tok::IntMinMagnitude {
+            let span = start.to(self.bump().span);
+            return Expr {
+                kind: ExprKind::Int(i64::MIN),
+                span,
+            };
+        }
         self.depth += 1;
         let inner = if self.depth > MAX_DEPTH {
             self.expr()
@@ -865,6 +872,24 @@ impl Parser {
     fn primary(&mut self) -> Expr {
         let t = self.peek().clone();
         match t.tok {
+            Tok::IntMinMagnitude => {
+                self.bump();
+                self.diags.push(
+                    Diagnostic::error(
+                        Code::BadIntegerLiteral,
+                        t.span,
+                        "integer literal does not fit in 64 bits",
+                    )
+                    .with_hint(
+                        "the largest integer is 9223372036854775807; \
+                         -9223372036854775808 is written with its minus sign",
+                    ),
+                );
+                Expr {
+                    kind: ExprKind::Int(0),
+                    span: t.span,
+                }
+            }
             Tok::Int(v) => {
                 self.bump();
                 Expr {

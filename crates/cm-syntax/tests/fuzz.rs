@@ -325,3 +325,27 @@ fn empty_and_trivial_inputs() {
         parse_checked(src);
     }
 }
+
+/// `-9223372036854775808` is `i64::MIN` wherever a unary minus stands before it; the bare
+/// magnitude (2^63) is no integer, and one past it is no integer even negated.
+#[test]
+fn the_smallest_integer_is_written_with_its_minus_sign() {
+    use cm_syntax::ast::ExprKind;
+    let (e, diags) = parse_expr("-9223372036854775808");
+    assert!(diags.is_empty(), "{diags:?}");
+    assert!(matches!(e.kind, ExprKind::Int(i64::MIN)), "{:?}", e.kind);
+    let (e, diags) = parse_expr("-9223372036854775807");
+    assert!(diags.is_empty(), "{diags:?}");
+    assert!(!matches!(e.kind, ExprKind::Int(_)), "a unary minus over the literal");
+    for src in [
+        "9223372036854775808",
+        "q - 9223372036854775808",
+        "-9223372036854775809",
+        "-(9223372036854775808)",
+    ] {
+        let (_, diags) = parse_expr(src);
+        assert_eq!(diags.len(), 1, "{src}: {diags:?}");
+        assert_eq!(diags[0].code.as_str(), "CM0103", "{src}");
+        parse_checked(src);
+    }
+}
