@@ -336,7 +336,10 @@ fn the_smallest_integer_is_written_with_its_minus_sign() {
     assert!(matches!(e.kind, ExprKind::Int(i64::MIN)), "{:?}", e.kind);
     let (e, diags) = parse_expr("-9223372036854775807");
     assert!(diags.is_empty(), "{diags:?}");
-    assert!(!matches!(e.kind, ExprKind::Int(_)), "a unary minus over the literal");
+    assert!(
+        !matches!(e.kind, ExprKind::Int(_)),
+        "a unary minus over the literal"
+    );
     for src in [
         "9223372036854775808",
         "q - 9223372036854775808",
