@@ -221,13 +221,17 @@ __device__ __forceinline__ void cm_p_fragment(const float (&s)[NB][4], int kk, u
 // log); a row with nothing visible gets output 0 and lse = the sink (-inf: no sink).
 __device__ __forceinline__ float cm_sink_normalise(float sink, float row_max, float sum, float& lse) {
     const float sink2 = sink * CM_LOG2E;
-    const float m = fmaxf(row_max, sink2);
+    // A row with nothing visible has no maximum, whatever row_max holds: the softcap's fixed
+    // reference (score.cuh) starts it finite, and a -inf sink then made total 0 and the
+    // output 0 * inf = NaN.
+    const float seen_max = sum > 0.f ? row_max : cm_neg_inf();
+    const float m = fmaxf(seen_max, sink2);
     // A -inf sink is no sink: with no visible key either, exp2(m - m) would be NaN.
     if (m == cm_neg_inf()) {
         lse = cm_neg_inf();
         return 0.f;
     }
-    const float keep = row_max == cm_neg_inf() ? 0.f : cm_exp2(row_max - m);
+    const float keep = seen_max == cm_neg_inf() ? 0.f : cm_exp2(seen_max - m);
     const float total = fmaf(sum, keep, cm_exp2(sink2 - m));
     lse = (m + __log2f(total)) * 0.69314718055994531f;
     return keep / total;
