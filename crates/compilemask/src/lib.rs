@@ -239,6 +239,41 @@ impl Program {
     pub fn plan(&self, options: &PlanOptions) -> Result<Plan, PlanError> {
         let bound = self.ir.bind(options.shape(), &options.params)?;
         cm_plan::plan_in_order(&bound, options.tile, &options.order)
+            .map_err(|e| self.name_param_values(&bound, e))
+    }
+
+    /// An arithmetic error (`CM0301`, `CM0302`) also names the values of the parameters its
+    /// expression reads (`--set window=...` shows only as `window` in the source snippet).
+    /// Arrays of more than 8 values are named by their length.
+    fn name_param_values(&self, bound: &cm_ir::Bound<'_>, mut e: PlanError) -> PlanError {
+        if !matches!(e.code, Code::Overflow | Code::DivisionByZero) {
+            return e;
+        }
+        let Some(text) = e
+            .span
+            .and_then(|s| self.source.get(s.start as usize..s.end as usize))
+        else {
+            return e;
+        };
+        let words: std::collections::BTreeSet<&str> = text
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .collect();
+        let named: Vec<String> = self
+            .ir
+            .params
+            .iter()
+            .zip(&bound.params)
+            .filter(|(decl, _)| words.contains(decl.name.as_str()))
+            .map(|(decl, value)| match value {
+                Value::Int(v) => format!("{} = {v}", decl.name),
+                Value::Array(a) if a.len() <= 8 => format!("{} = {a:?}", decl.name),
+                Value::Array(a) => format!("{} = [{} values]", decl.name, a.len()),
+            })
+            .collect();
+        if !named.is_empty() {
+            e.message = format!("{}, where {}", e.message, named.join(", "));
+        }
+        e
     }
 
     /// Rows `rows` (0-based, half-open, in the program's positions) of the mask of batch
@@ -284,6 +319,7 @@ impl Program {
         let solver = cm_plan::symbolic::Solver::new(&at);
         let rows = i64::from(rows.start)..i64::from(rows.end);
         cm_plan::row_range_intervals(&solver, i64::from(b), i64::from(h), rows, &mut 0)
+            .map_err(|e| self.name_param_values(&bound, e))
     }
 
     /// Plans the program for samples packed back to back (FlashAttention's `cu_seqlens`
