@@ -52,7 +52,7 @@ impl Tok {
     pub fn describe(&self) -> String {
         match self {
             Tok::Int(v) => format!("integer `{v}`"),
-            Tok::IntMinMagnitude => format!("integer `{}`", 1u64 << 63),
+            Tok::IntMinMagnitude => format!("integer `{}`", i64::MIN.unsigned_abs()),
             Tok::Float(v) => format!("float `{}`", crate::ast::show_float(v.value())),
             Tok::Str(_) => "a string".into(),
             Tok::Ident(s) => format!("`{s}`"),
@@ -136,6 +136,22 @@ pub fn underscores_between_digits(text: &str) -> bool {
 }
 
 /// `CM0103` for a number whose `_` does not sit between two digits, at `span`.
+/// `CM0103` for an integer literal past `i64`; `min_magnitude` when it is 2^63 without the
+/// minus sign that would make it `i64::MIN` (the parser's case).
+pub(crate) fn integer_too_large(span: Span, min_magnitude: bool) -> Diagnostic {
+    let hint = if min_magnitude {
+        "the largest integer is 9223372036854775807; -9223372036854775808 is written with its minus sign"
+    } else {
+        "the largest integer is 9223372036854775807"
+    };
+    Diagnostic::error(
+        Code::BadIntegerLiteral,
+        span,
+        "integer literal does not fit in 64 bits",
+    )
+    .with_hint(hint)
+}
+
 fn misplaced_underscore(span: Span) -> Diagnostic {
     Diagnostic::error(
         Code::BadIntegerLiteral,
@@ -303,24 +319,17 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 i = j;
                 continue;
             }
-            match value.map(i64::try_from) {
-                Some(Ok(v)) => toks.push(Token {
-                    tok: Tok::Int(v),
+            match value {
+                Some(v) if v <= i64::MAX as u64 => toks.push(Token {
+                    tok: Tok::Int(v as i64),
                     span,
                 }),
-                Some(Err(_)) if value == Some(1 << 63) => toks.push(Token {
+                Some(v) if v == i64::MIN.unsigned_abs() => toks.push(Token {
                     tok: Tok::IntMinMagnitude,
                     span,
                 }),
                 _ => {
-                    diags.push(
-                        Diagnostic::error(
-                            Code::BadIntegerLiteral,
-                            span,
-                            "integer literal does not fit in 64 bits",
-                        )
-                        .with_hint("the largest integer is 9223372036854775807"),
-                    );
+                    diags.push(integer_too_large(span, false));
                     toks.push(Token {
                         tok: Tok::Int(0),
                         span,

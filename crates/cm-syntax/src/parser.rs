@@ -5,7 +5,7 @@
 
 use crate::ast::*;
 use crate::diag::{Diagnostic, Span};
-use crate::lexer::{lex, Tok, Token};
+use crate::lexer::{integer_too_large, lex, Tok, Token};
 use crate::Code;
 
 /// Nesting deeper than this is refused, so hostile input cannot overflow the stack.
@@ -874,17 +874,7 @@ impl Parser {
         match t.tok {
             Tok::IntMinMagnitude => {
                 self.bump();
-                self.diags.push(
-                    Diagnostic::error(
-                        Code::BadIntegerLiteral,
-                        t.span,
-                        "integer literal does not fit in 64 bits",
-                    )
-                    .with_hint(
-                        "the largest integer is 9223372036854775807; \
-                         -9223372036854775808 is written with its minus sign",
-                    ),
-                );
+                self.diags.push(integer_too_large(t.span, true));
                 Expr {
                     kind: ExprKind::Int(0),
                     span: t.span,
