@@ -388,9 +388,10 @@ impl Program {
         b: i64,
         h: i64,
     ) -> Result<Vec<(u32, u32)>, PlanError> {
-        self.ir
-            .bind(options.shape(), &options.params)?
+        let bound = self.ir.bind(options.shape(), &options.params)?;
+        bound
             .brute_force_row(q, b, h)
+            .map_err(|e| self.name_param_values(&bound, e))
     }
 
     /// A planner of serving steps of this program with parameter values `params` (see

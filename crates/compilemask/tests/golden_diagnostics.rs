@@ -465,6 +465,29 @@ fn cm0302_overflow() {
     );
 }
 
+/// Every entry that evaluates a bound program names the parameter values of a failing
+/// expression, as `plan` does above: the row-range solver and the brute-force reference too.
+#[test]
+fn arithmetic_errors_name_parameter_values_on_every_entry() {
+    let program =
+        compilemask::compile_named("param scale: int = 2;\nmask = k <= q * scale;\n", NAME)
+            .unwrap();
+    let options = opts(8).param("scale", Value::Int(i64::MAX));
+    let errors = [
+        program.plan(&options).unwrap_err(),
+        program.row_range(&options, 0, 0, 2..3).unwrap_err(),
+        program.brute_force_row(&options, 2, 0, 0).unwrap_err(),
+    ];
+    for err in errors {
+        assert_eq!(err.code, "CM0302", "{err}");
+        assert!(
+            err.message.ends_with(", where scale = 9223372036854775807"),
+            "{}",
+            err.message
+        );
+    }
+}
+
 #[test]
 fn cm0303_outside_segmentation() {
     plan_golden(
