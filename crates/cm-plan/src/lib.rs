@@ -15,7 +15,7 @@ pub mod symbolic;
 pub mod tiles;
 
 pub use order::{TokenOrder, Traversal};
-pub use packed::{plan_packed, Packing};
+pub use packed::{plan_packed, plan_packed_with, Packing};
 pub use plan::{
     elementwise_pairs_up_front, expand_error, first_piece, plan, plan_in_order,
     row_range_intervals, AffineRows, MaskPlan, OrderRequest, Plan, TreeOverhang,

@@ -206,6 +206,24 @@ pub fn plan_packed(
     values: &BTreeMap<String, Value>,
     tile: TileShape,
 ) -> PResult<Plan> {
+    plan_packed_with(program, packing, num_heads, values, tile, &|_, e| e)
+}
+
+/// [`plan_packed`], with `annotate` applied to every error raised while a sample is
+/// planned, given that sample's bound program (whose parameter values may differ from
+/// sample to sample, as defaults may read the lengths), before the sample is named.
+/// Binding errors are not annotated: no bound program exists for them.
+///
+/// # Errors
+/// As [`plan_packed`].
+pub fn plan_packed_with(
+    program: &Program,
+    packing: &Packing,
+    num_heads: i64,
+    values: &BTreeMap<String, Value>,
+    tile: TileShape,
+    annotate: &dyn Fn(&Bound<'_>, PlanError) -> PlanError,
+) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(PlanError::new(
             Code::ZeroTileSide,
@@ -275,9 +293,9 @@ pub fn plan_packed(
                     .map_err(|e| in_sample(e, b, lq, lk))?;
                 slot.insert(bound);
             }
-            let at = bounds[&(lq, lk)]
-                .at_batch(i64::from(b))
-                .map_err(|e| in_sample(e, b, lq, lk))?;
+            let bound = &bounds[&(lq, lk)];
+            let fail = |e| in_sample(annotate(bound, e), b, lq, lk);
+            let at = bound.at_batch(i64::from(b)).map_err(fail)?;
             if h == 0 {
                 // Every sample has lengths of its own, so every tree is looked at in each.
                 overhangs.see(&at, b, false);
@@ -287,14 +305,14 @@ pub fn plan_packed(
             let sample = if program.uses_b {
                 // Every sample differs: nothing to share, nothing to keep.
                 fresh = row_intervals(&solver, i64::from(b), i64::from(h), &mut pieces)
-                    .map_err(|e| in_sample(e, b, lq, lk))?;
+                    .map_err(fail)?;
                 &fresh
             } else {
                 match solved.entry((lq, lk)) {
                     Entry::Occupied(e) => &*e.into_mut(),
                     Entry::Vacant(slot) => {
                         let r = row_intervals(&solver, i64::from(b), i64::from(h), &mut pieces)
-                            .map_err(|e| in_sample(e, b, lq, lk))?;
+                            .map_err(fail)?;
                         &*slot.insert(r)
                     }
                 }

@@ -366,12 +366,13 @@ impl Program {
             ));
         }
         let packing = packed.packing()?;
-        cm_plan::plan_packed(
+        cm_plan::plan_packed_with(
             &self.ir,
             &packing,
             packed.num_heads,
             &options.params,
             options.tile,
+            &|bound, e| self.name_param_values(bound, e),
         )
     }
 

@@ -13,7 +13,7 @@
 //! another error. Snapshots live in `tests/snapshots/`; regenerate with
 //! `INSTA_UPDATE=always cargo test -p compilemask --test golden_diagnostics` and review.
 
-use compilemask::{PlanOptions, Value};
+use compilemask::{PackedShape, PlanOptions, Value};
 
 const NAME: &str = "mask.cmask";
 
@@ -477,15 +477,43 @@ fn arithmetic_errors_name_parameter_values_on_every_entry() {
         program.plan(&options).unwrap_err(),
         program.row_range(&options, 0, 0, 2..3).unwrap_err(),
         program.brute_force_row(&options, 2, 0, 0).unwrap_err(),
+        program
+            .plan_packed(&PackedShape::self_attention([0, 3, 8]), &options)
+            .unwrap_err(),
     ];
     for err in errors {
         assert_eq!(err.code, "CM0302", "{err}");
         assert!(
-            err.message.ends_with(", where scale = 9223372036854775807"),
+            err.message.contains(", where scale = 9223372036854775807"),
             "{}",
             err.message
         );
     }
+}
+
+/// A default that reads the lengths has a value per packed sample: the error names the
+/// failing sample's value. `q * s * 2^61` overflows at row 1 when `s = q_len = 4`, not when
+/// it is 2.
+#[test]
+fn a_packed_sample_error_names_that_samples_parameter_values() {
+    let program = compilemask::compile_named(
+        "param s: int = q_len;\nmask = k <= q * s * 2305843009213693952;\n",
+        NAME,
+    )
+    .unwrap();
+    let err = program
+        .plan_packed(
+            &PackedShape::self_attention([0, 2, 6]),
+            &PlanOptions::default(),
+        )
+        .unwrap_err();
+    assert_eq!(err.code, "CM0302", "{err}");
+    assert!(
+        err.message
+            .ends_with(", where s = 4 (packed sample b = 1: q_len = 4, kv_len = 4)"),
+        "{}",
+        err.message
+    );
 }
 
 #[test]
