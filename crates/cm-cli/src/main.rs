@@ -445,13 +445,18 @@ fn run(command: Command) -> Result<ExitCode> {
             if let Some(t) = &plan.score {
                 out["score"] = score::json(t, plan.num_heads);
             }
+            // The order is chosen on the (0, 0) mask and `raster_computed_pairs` is its count,
+            // so both densities are that mask's (whatever the batch and head count).
+            let first = plan.mask(0, 0);
+            let visible_00 = first.rows.visible_pairs() as f64;
+            let before = visible_00 / plan.raster_computed_pairs.max(1) as f64;
             if let Some(o) = &plan.order {
                 out["order"] = json!({
                     "patch": o.patch,
                     "traversal": if o.tree_preorder { json!("preorder") } else { json!(o.traversal) },
                     "raster_computed_pairs": plan.raster_computed_pairs,
-                    "tile_density_before": plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64,
-                    "tile_density_after": plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64,
+                    "tile_density_before": before,
+                    "tile_density_after": visible_00 / first.tiles.computed_pairs.max(1) as f64,
                     "candidates": plan.order_candidates,
                 });
             }
@@ -513,8 +518,6 @@ fn run(command: Command) -> Result<ExitCode> {
                 );
                 out!("  descriptor      {} bytes", plan.descriptor_bytes());
                 if let Some(o) = &plan.order {
-                    let before =
-                        plan.visible_pairs() as f64 / plan.raster_computed_pairs.max(1) as f64;
                     let which = match (o.patch, o.traversal) {
                         (Some([t, y, x]), Some(tr)) => format!(
                             "patch {t}x{y}x{x} (frames x rows x columns) {}",

@@ -1624,6 +1624,46 @@ fn show_colours_pixels_by_tile_class() {
     assert_eq!(px(40, 5), full_visible);
 }
 
+/// The densities of `--order auto` are the (0, 0) mask's, on which the order is chosen: the
+/// same at any batch and head count, and equal to that mask's visible pairs over its computed
+/// pairs in each order (a density of 1.6 was reported at 4 heads).
+#[test]
+fn plan_order_auto_densities_do_not_scale_with_batch_and_heads() {
+    const ARGS: [&str; 7] = [
+        "plan",
+        "--builtin",
+        "neighborhood_3d",
+        "--q-len",
+        "16384",
+        "--order",
+        "auto",
+    ];
+    let plan = |extra: &[&str]| json(&[&ARGS[..], extra, &["--json"]].concat());
+    let one = plan(&[]);
+    let visible = one["visible_pairs"].as_f64().unwrap();
+    let before = visible / one["order"]["raster_computed_pairs"].as_f64().unwrap();
+    let after = visible / one["computed_pairs"].as_f64().unwrap();
+    assert!(before > 0.0 && before < after && after <= 1.0, "{one}");
+    for extra in [&["--num-heads", "4"][..], &["--batch", "3"][..]] {
+        let many = plan(extra);
+        for (field, want) in [
+            ("tile_density_before", before),
+            ("tile_density_after", after),
+        ] {
+            let got = many["order"][field].as_f64().unwrap();
+            assert!(
+                (got - want).abs() < 1e-12,
+                "{extra:?} {field}: {got} != {want}"
+            );
+        }
+    }
+    let text = ok(&[&ARGS[..], &["--num-heads", "4"]].concat());
+    assert!(
+        text.contains(&format!("tile density {before:.3} in raster order")),
+        "{text}"
+    );
+}
+
 #[test]
 fn plan_order_auto_candidates() {
     // A small grid (5 x 5 after 3 text tokens): patch shapes clip to a few distinct ones,
