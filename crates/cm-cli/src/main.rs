@@ -179,6 +179,22 @@ enum ExportFormat {
     Flashmask,
 }
 
+/// Offsets for a human reader: every entry up to 9, else the first 4, the last 2 and the
+/// count (a million samples would print a 17 MB line; `--json` keeps them all).
+fn brief_list(values: &[u32]) -> String {
+    const SHOW_ALL: usize = 9;
+    if values.len() <= SHOW_ALL {
+        return format!("{values:?}");
+    }
+    let show = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+    format!(
+        "[{}, ..., {}] ({} entries)",
+        show(&values[..4]),
+        show(&values[values.len() - 2..]),
+        values.len()
+    )
+}
+
 /// Writes a plan's token order (`order[new] = original`, one per line; the identity for
 /// none) to `path`.
 fn write_order(
@@ -490,10 +506,10 @@ fn run(command: Command) -> Result<ExitCode> {
                 );
                 if let Some(p) = &plan.packing {
                     out!(
-                        "  packed          {} samples, cu_seqlens_q {:?}, cu_seqlens_k {:?}",
+                        "  packed          {} samples, cu_seqlens_q {}, cu_seqlens_k {}",
                         p.batch(),
-                        p.cu_seqlens_q(),
-                        p.cu_seqlens_k()
+                        brief_list(p.cu_seqlens_q()),
+                        brief_list(p.cu_seqlens_k())
                     );
                 }
                 out!(

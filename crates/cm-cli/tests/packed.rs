@@ -119,6 +119,33 @@ fn packed_rows_are_each_samples_rows_shifted() {
     }
 }
 
+/// The human report lists short offsets whole and long ones by their ends and count (a
+/// million samples printed a 17 MB line); `--json` keeps every entry.
+#[test]
+fn the_report_abbreviates_long_offsets() {
+    let short = ok(&["plan", "--builtin", "causal", "--cu-seqlens-q", "0,5,12"]);
+    assert!(
+        short.contains("2 samples, cu_seqlens_q [0, 5, 12], cu_seqlens_k [0, 5, 12]"),
+        "{short}"
+    );
+    let cu: Vec<String> = (0..=40).map(|i| (3 * i).to_string()).collect();
+    let cu = cu.join(",");
+    let long = ok(&["plan", "--builtin", "causal", "--cu-seqlens-q", &cu]);
+    assert!(
+        long.contains("40 samples, cu_seqlens_q [0, 3, 6, 9, ..., 117, 120] (41 entries)"),
+        "{long}"
+    );
+    let v = json(&[
+        "plan",
+        "--builtin",
+        "causal",
+        "--cu-seqlens-q",
+        &cu,
+        "--json",
+    ]);
+    assert_eq!(v["cu_seqlens_q"].as_array().unwrap().len(), 41);
+}
+
 #[test]
 fn cu_seqlens_k_defaults_to_q_and_files_work() {
     let dir = scratch("files");
