@@ -331,16 +331,24 @@ impl Program {
         Ok(())
     }
 
-    /// Binds the program to `shape` and `values` (parameters not given take their
-    /// defaults). Cost: O(segments + parameters), independent of `q_len x kv_len`.
+    /// The parameter values at `shape`: given ones checked against their declarations,
+    /// the others their defaults (which may read the lengths and earlier parameters).
+    /// [`Program::bind`] starts with them; callers that report an error of binding read
+    /// them to name the values an expression saw.
     ///
     /// # Errors
-    /// Bad lengths (`CM0402`), unknown or ill-typed parameters (`CM0309`, `CM0308`),
-    /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
-    /// (`CM0305`), bad score values or tensor extents (`CM0314`, `CM0315`) and any
-    /// arithmetic error while evaluating them. The score terms cost O(num_heads + q_len +
-    /// kv_len).
-    pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
+    /// As [`Program::bind`] for lengths and parameters (`CM0402`, `CM0309`, `CM0308`) and
+    /// any arithmetic error of a default.
+    pub fn param_values(
+        &self,
+        shape: Shape,
+        values: &BTreeMap<String, Value>,
+    ) -> PResult<Vec<Value>> {
+        self.bind_params(shape, values).map(|b| b.params)
+    }
+
+    /// A bound program with its lengths and parameters only (no structure, no score).
+    fn bind_params(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
         let given = [shape.q_len, shape.kv_len, shape.batch, shape.num_heads];
         for ((name, max), v) in LENGTH_LIMITS.into_iter().zip(given) {
             if v < 1 || v > max {
@@ -401,6 +409,21 @@ impl Program {
             };
             b.params.push(v);
         }
+        Ok(b)
+    }
+
+    /// Binds the program to `shape` and `values` (parameters not given take their
+    /// defaults). Cost: O(segments + parameters), independent of `q_len x kv_len`.
+    ///
+    /// # Errors
+    /// Bad lengths (`CM0402`), unknown or ill-typed parameters (`CM0309`, `CM0308`),
+    /// bad segment lengths (`CM0306`, `CM0307`), grids (`CM0311`), failed `require`s
+    /// (`CM0305`), bad score values or tensor extents (`CM0314`, `CM0315`) and any
+    /// arithmetic error while evaluating them. The score terms cost O(num_heads + q_len +
+    /// kv_len).
+    pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
+        let mut b = self.bind_params(shape, values)?;
+        let env = Env::default();
         // The requirements that read no structure guard the values structures are built
         // from, so they come first.
         b.check_requires(false)?;

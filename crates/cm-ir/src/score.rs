@@ -200,15 +200,19 @@ pub fn t5_bucket(
     };
     let max_exact = nb / 2;
     if max_exact < 1 || max_distance <= max_exact {
-        return Err(PlanError::new(
-            Code::BadScoreValue,
-            span,
+        let call = format!(
+            "t5_bucket(num_buckets = {num_buckets}, max_distance = {max_distance}{})",
+            if bidirectional { ", bidirectional" } else { "" }
+        );
+        let message = if max_exact < 1 {
             format!(
-                "t5_bucket(num_buckets = {num_buckets}, max_distance = {max_distance}{}) has \
-                 {max_exact} exact buckets and needs max_distance above them",
-                if bidirectional { ", bidirectional" } else { "" }
-            ),
-        )
+                "{call} has no exact bucket; expected num_buckets >= {}",
+                if bidirectional { 4 } else { 2 }
+            )
+        } else {
+            format!("{call} has {max_exact} exact buckets and needs max_distance above them")
+        };
+        return Err(PlanError::new(Code::BadScoreValue, span, message)
         .with_hint(
             "num_buckets must be >= 2 (>= 4 when bidirectional) and max_distance > num_buckets / 2 \
              (/ 4 when bidirectional); T5's defaults are 32 and 128",

@@ -345,6 +345,18 @@ fn bad_score_values_fail_at_plan_time() {
             "t5_bucket(num_buckets = 8, max_distance = 2) has 4 exact buckets and needs max_distance above them",
         ),
         (
+            "tensor t: [num_heads, 8];\nmask = k <= q;\nscore = score + t[h][t5_bucket(k - q, -64, 128, false)];",
+            shape(4, 4, 1),
+            "CM0314",
+            "t5_bucket(num_buckets = -64, max_distance = 128) has no exact bucket; expected num_buckets >= 2",
+        ),
+        (
+            "tensor t: [num_heads, 8];\nmask = k <= q;\nscore = score + t[h][t5_bucket(k - q, 3, 128, true)];",
+            shape(4, 4, 1),
+            "CM0314",
+            "t5_bucket(num_buckets = 3, max_distance = 128, bidirectional) has no exact bucket; expected num_buckets >= 4",
+        ),
+        (
             "tensor t: [8];\nmask = k <= q;\nscore = score + t[q - k];",
             shape(9, 4, 1),
             "CM0315",

@@ -209,10 +209,10 @@ pub fn plan_packed(
     plan_packed_with(program, packing, num_heads, values, tile, &|_, e| e)
 }
 
-/// [`plan_packed`], with `annotate` applied to every error raised while a sample is
-/// planned, given that sample's bound program (whose parameter values may differ from
-/// sample to sample, as defaults may read the lengths), before the sample is named.
-/// Binding errors are not annotated: no bound program exists for them.
+/// [`plan_packed`], with `annotate` applied to every error raised while a sample is bound
+/// or planned, given that sample's parameter values (which may differ from sample to
+/// sample, as defaults may read the lengths), before the sample is named. An error of the
+/// parameters themselves is not annotated: they have no values then.
 ///
 /// # Errors
 /// As [`plan_packed`].
@@ -222,7 +222,7 @@ pub fn plan_packed_with(
     num_heads: i64,
     values: &BTreeMap<String, Value>,
     tile: TileShape,
-    annotate: &dyn Fn(&Bound<'_>, PlanError) -> PlanError,
+    annotate: &dyn Fn(&[Value], PlanError) -> PlanError,
 ) -> PResult<Plan> {
     if tile.block_m == 0 || tile.block_n == 0 {
         return Err(PlanError::new(
@@ -288,13 +288,17 @@ pub fn plan_packed_with(
                     batch: i64::from(batch),
                     num_heads,
                 };
-                let bound = program
-                    .bind(shape, values)
-                    .map_err(|e| in_sample(e, b, lq, lk))?;
+                let bound = program.bind(shape, values).map_err(|e| {
+                    let e = match program.param_values(shape, values) {
+                        Ok(params) => annotate(&params, e),
+                        Err(_) => e,
+                    };
+                    in_sample(e, b, lq, lk)
+                })?;
                 slot.insert(bound);
             }
             let bound = &bounds[&(lq, lk)];
-            let fail = |e| in_sample(annotate(bound, e), b, lq, lk);
+            let fail = |e| in_sample(annotate(&bound.params, e), b, lq, lk);
             let at = bound.at_batch(i64::from(b)).map_err(fail)?;
             if h == 0 {
                 // Every sample has lengths of its own, so every tree is looked at in each.

@@ -237,15 +237,30 @@ impl Program {
     /// parameters, failed `require`s, arithmetic errors (division by zero, overflow) and
     /// positions outside a segmentation or grid. Render it with [`Program::render_error`].
     pub fn plan(&self, options: &PlanOptions) -> Result<Plan, PlanError> {
-        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let bound = self.bind(options.shape(), &options.params)?;
         cm_plan::plan_in_order(&bound, options.tile, &options.order)
-            .map_err(|e| self.name_param_values(&bound, e))
+            .map_err(|e| self.name_param_values(&bound.params, e))
+    }
+
+    /// [`cm_ir::Program::bind`], its arithmetic errors (a grid's extent, a tree's prompt)
+    /// naming the parameter values as planning errors do.
+    fn bind(
+        &self,
+        shape: cm_ir::Shape,
+        values: &BTreeMap<String, Value>,
+    ) -> Result<cm_ir::Bound<'_>, PlanError> {
+        self.ir
+            .bind(shape, values)
+            .map_err(|e| match self.ir.param_values(shape, values) {
+                Ok(params) => self.name_param_values(&params, e),
+                Err(_) => e,
+            })
     }
 
     /// An arithmetic error (`CM0301`, `CM0302`) also names the values of the parameters its
     /// expression reads (`--set window=...` shows only as `window` in the source snippet).
     /// Arrays of more than 8 values are named by their length.
-    fn name_param_values(&self, bound: &cm_ir::Bound<'_>, mut e: PlanError) -> PlanError {
+    fn name_param_values(&self, params: &[Value], mut e: PlanError) -> PlanError {
         if !matches!(e.code, Code::Overflow | Code::DivisionByZero) {
             return e;
         }
@@ -262,7 +277,7 @@ impl Program {
             .ir
             .params
             .iter()
-            .zip(&bound.params)
+            .zip(params)
             .filter(|(decl, _)| words.contains(decl.name.as_str()))
             .map(|(decl, value)| match value {
                 Value::Int(v) => format!("{} = {v}", decl.name),
@@ -302,7 +317,7 @@ impl Program {
         rows: std::ops::Range<u32>,
     ) -> Result<RowIntervals, PlanError> {
         let shape = options.shape();
-        let bound = self.ir.bind(shape, &options.params)?;
+        let bound = self.bind(shape, &options.params)?;
         for (what, value, len) in [
             ("batch index b", b, shape.batch),
             ("head index h", h, shape.num_heads),
@@ -319,7 +334,7 @@ impl Program {
         let solver = cm_plan::symbolic::Solver::new(&at);
         let rows = i64::from(rows.start)..i64::from(rows.end);
         cm_plan::row_range_intervals(&solver, i64::from(b), i64::from(h), rows, &mut 0)
-            .map_err(|e| self.name_param_values(&bound, e))
+            .map_err(|e| self.name_param_values(&bound.params, e))
     }
 
     /// Plans the program for samples packed back to back (FlashAttention's `cu_seqlens`
@@ -372,7 +387,7 @@ impl Program {
             packed.num_heads,
             &options.params,
             options.tile,
-            &|bound, e| self.name_param_values(bound, e),
+            &|params, e| self.name_param_values(params, e),
         )
     }
 
@@ -389,10 +404,10 @@ impl Program {
         b: i64,
         h: i64,
     ) -> Result<Vec<(u32, u32)>, PlanError> {
-        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let bound = self.bind(options.shape(), &options.params)?;
         bound
             .brute_force_row(q, b, h)
-            .map_err(|e| self.name_param_values(&bound, e))
+            .map_err(|e| self.name_param_values(&bound.params, e))
     }
 
     /// A planner of serving steps of this program with parameter values `params` (see

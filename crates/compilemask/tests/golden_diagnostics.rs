@@ -491,6 +491,30 @@ fn arithmetic_errors_name_parameter_values_on_every_entry() {
     }
 }
 
+/// Arithmetic errors of binding (a grid's size here, a tree's prompt offset) name the
+/// parameter values as well, on every entry.
+#[test]
+fn binding_arithmetic_errors_name_parameter_values() {
+    let program = compilemask::compile_named(
+        "param n: int = 2;\ngrid g = [9223372036854775807, n];\nmask = k in g;\n",
+        NAME,
+    )
+    .unwrap();
+    let options = opts(8).param("n", Value::Int(3));
+    let errors = [
+        program.plan(&options).unwrap_err(),
+        program.row_range(&options, 0, 0, 2..3).unwrap_err(),
+        program.brute_force_row(&options, 2, 0, 0).unwrap_err(),
+        program
+            .plan_packed(&PackedShape::self_attention([0, 3, 8]), &options)
+            .unwrap_err(),
+    ];
+    for err in errors {
+        assert_eq!(err.code, "CM0302", "{err}");
+        assert!(err.message.contains(", where n = 3"), "{}", err.message);
+    }
+}
+
 /// A default that reads the lengths has a value per packed sample: the error names the
 /// failing sample's value. `q * s * 2^61` overflows at row 1 when `s = q_len = 4`, not when
 /// it is 2.
