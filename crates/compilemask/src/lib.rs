@@ -495,7 +495,7 @@ impl Program {
         patch: [u32; 3],
         traversal: Traversal,
     ) -> Result<TokenOrder, PlanError> {
-        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let bound = self.bind(options.shape(), &options.params)?;
         let grid = bound.grids.first().ok_or_else(|| {
             PlanError::new(
                 Code::NoGridForOrder,
@@ -518,7 +518,7 @@ impl Program {
     /// # Errors
     /// As [`Program::plan`] (binding the lengths and parameters).
     pub fn structure(&self, options: &PlanOptions) -> Result<Structure, PlanError> {
-        let bound = self.ir.bind(options.shape(), &options.params)?;
+        let bound = self.bind(options.shape(), &options.params)?;
         let mut groups = Vec::new();
         for (decl, table) in self.ir.segs.iter().zip(&bound.segs) {
             let segments = (0..table.count())
