@@ -255,6 +255,49 @@ def test_plan_stats_keys_are_those_of_plan_json():
     assert plan.stats()["distinct_masks"] == plan.num_masks
 
 
+def _hf_t5_bucket(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """transformers' T5Attention._relative_position_bucket, for one `rel = k - q`."""
+    import math
+
+    bucket, n = 0, -rel
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if n < 0 else 0
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return bucket + n
+    large = exact + int(math.log(n / exact) / math.log(max_distance / exact)
+                        * (num_buckets - exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def test_plan_stats_score_is_that_of_plan_json():
+    # ALiBi's slopes for 4 heads are 2^-2, 2^-4, 2^-6, 2^-8 (Press et al.), subtracted:
+    # `score - slope * (q - k)` is the linear term with slopes -2^-2, ...
+    alibi = cm.builtin("causal_alibi").plan(64, num_heads=4).stats()["score"]
+    assert alibi == {
+        "softcap": None,
+        "linear": {"slopes": [-(2.0 ** -2), -(2.0 ** -4), -(2.0 ** -6), -(2.0 ** -8)],
+                   "q_coef": 1, "k_coef": -1, "offset": 0},
+        "table": None, "sink": None, "reads_positions": True,
+    }
+    cap = cm.builtin("causal_softcap").plan(64).stats()["score"]
+    assert cap == {"softcap": 50.0, "linear": None, "table": None, "sink": None,
+                   "reads_positions": False}
+    sinks = cm.builtin("sliding_window_sinks").plan(64, num_heads=3).stats()["score"]
+    assert sinks["sink"] == {"tensor": "sinks", "shape": [3]}
+    assert not sinks["reads_positions"]
+    q_len = 300
+    t5 = cm.builtin("t5_relative_bias").plan(q_len, num_heads=2).stats()["score"]
+    read = {_hf_t5_bucket(k - q, True, 32, 128) for q in range(q_len) for k in range(q_len)}
+    assert t5["table"] == {"tensor": "rel_bias", "shape": [2, 32], "num_buckets": 32,
+                           "per_head": True, "buckets_read": len(read)}
+    assert "score" not in cm.builtin("causal").plan(64).stats()
+
+
 def test_documented_plan_attributes_exist():
     plan = cm.builtin("causal").plan(100)
     for name in ("q_len", "kv_len", "batch", "num_heads", "block_size", "visible_pairs",

@@ -113,6 +113,16 @@ def test_bad_steps_raise():
         cm.builtin("tree_decode").plan_step([7, 3], [100, 5])
     assert e.value.code == "CM0305"
     assert "(sequence 1: q_len = 3, kv_len = 5)" in str(e.value)
+    # Integers past 64 bits are out of range like any other bad index or length, not
+    # the binding layer's OverflowError.
+    step = causal.plan_step(1, [3, 4])
+    for r in (2, -1, 2 ** 64, -(2 ** 64)):
+        with pytest.raises(IndexError, match=f"{r}"):
+            step.row(r)
+    for heads in (2 ** 64, 0):
+        with pytest.raises(cm.PlanError) as e:
+            causal.plan_step(1, [3], num_heads=heads)
+        assert e.value.code == "CM0402" and f"num_heads = {heads}" in str(e.value)
     with pytest.raises(cm.PlanError) as e:
         cm.builtin("sliding_window").plan_step(1, [9], params=[{"widow": 3}])
     assert e.value.code == "CM0309"

@@ -30,15 +30,6 @@ fn affine(q: i32, k: i32, offset: i64) -> String {
     }
 }
 
-/// The buckets a table reads at least once, over every distance of the plan.
-fn buckets_read(t: &compilemask::TableBias) -> usize {
-    let mut seen = vec![false; t.num_buckets as usize];
-    for &b in &t.bucket {
-        seen[b as usize] = true;
-    }
-    seen.iter().filter(|&&s| s).count()
-}
-
 /// One line per term, for `plan`.
 pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
     let mut out = Vec::new();
@@ -69,7 +60,7 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
             } else {
                 " shared by the heads"
             },
-            buckets_read(b),
+            b.buckets_read(),
             b.num_buckets
         ));
     }
@@ -94,7 +85,7 @@ pub fn json(t: &ScoreTerms, num_heads: u32) -> Value {
             "shape": b.dims(num_heads as usize),
             "num_buckets": b.num_buckets,
             "per_head": b.per_head,
-            "buckets_read": buckets_read(b),
+            "buckets_read": b.buckets_read(),
         })),
         "sink": t.sink.as_ref().map(|s| json!({ "tensor": s, "shape": [num_heads] })),
         "reads_positions": t.reads_positions(),

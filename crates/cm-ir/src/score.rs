@@ -107,6 +107,15 @@ impl LinearBias {
 }
 
 impl TableBias {
+    /// How many of the table's `num_buckets` entries some distance of the plan reads.
+    pub fn buckets_read(&self) -> usize {
+        let mut seen = vec![false; self.num_buckets as usize];
+        for &b in &self.bucket {
+            seen[b as usize] = true;
+        }
+        seen.iter().filter(|&&s| s).count()
+    }
+
     /// The bucket of pair `(q, k)` for a plan of `kv_len` keys; `q < q_len`, `k < kv_len`.
     pub fn bucket_of(&self, q: usize, k: usize, kv_len: usize) -> u32 {
         self.bucket[q + kv_len - 1 - k]

@@ -247,11 +247,12 @@ pub fn reference_backward<'py>(
 /// The score terms of a plan (`Plan::score`, see `cm_ir::score`) as a dict, or `None` when
 /// its program has no `score` or `sink` statement: `softcap` (float or `None`), `linear`
 /// (`{"slopes": [num_heads floats], "q_coef", "k_coef", "offset"}` or `None`), `table`
-/// (`{"tensor", "num_buckets", "per_head", "shape", "bucket"}` or `None`, `bucket` the
+/// (`{"tensor", "num_buckets", "per_head", "shape", "buckets_read", "bucket"}` or `None`,
+/// `buckets_read` how many buckets some distance reads, `bucket` the
 /// bucket of every distance `q - k` at index `q - k + kv_len - 1` as native-endian `int32`
 /// bytes, `q_len + kv_len - 1` of them), `sink` (`{"tensor", "shape"}` or `None`),
 /// `per_head` (`ScoreTerms::per_head`: whether the terms hold only for the plan's
-/// `num_heads`).
+/// `num_heads`), `reads_positions` (`ScoreTerms::reads_positions`).
 #[pyfunction]
 pub fn score_terms<'py>(
     py: Python<'py>,
@@ -265,6 +266,7 @@ pub fn score_terms<'py>(
     let d = PyDict::new(py);
     d.set_item("softcap", t.softcap)?;
     d.set_item("per_head", t.per_head())?;
+    d.set_item("reads_positions", t.reads_positions())?;
     let linear = match &t.linear {
         Some(l) => {
             let x = PyDict::new(py);
@@ -284,6 +286,7 @@ pub fn score_terms<'py>(
             x.set_item("num_buckets", b.num_buckets)?;
             x.set_item("per_head", b.per_head)?;
             x.set_item("shape", b.dims(heads))?;
+            x.set_item("buckets_read", b.buckets_read())?;
             let bucket: Vec<i32> = b.bucket.iter().map(|&v| v as i32).collect();
             x.set_item("bucket", crate::convert::py_bytes(py, &bucket))?;
             Some(x)

@@ -789,8 +789,8 @@ class Plan:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The fields of ``compilemask plan --json`` (with ``order`` for a plan in a token
-        order, see :meth:`order_info`)."""
+        """The fields of ``compilemask plan --json`` (with ``score`` for a program with score
+        terms, and ``order`` for a plan in a token order, see :meth:`order_info`)."""
         out: dict[str, Any] = {
             "mask": self._program.name,
             "q_len": self.q_len,
@@ -814,6 +814,9 @@ class Plan:
             out["samples"] = len(cu_q) - 1
             out["cu_seqlens_q"] = cu_q
             out["cu_seqlens_k"] = self.cu_seqlens_k
+        terms = _native.score_terms(self._native)
+        if terms is not None:
+            out["score"] = _score_stats(terms)
         info = self.order_info()
         if info is not None:
             out["order"] = info
@@ -1019,6 +1022,21 @@ class Plan:
         from ._torch import make_block_mask
 
         return make_block_mask(self, device)
+
+
+def _score_stats(terms: dict[str, Any]) -> dict[str, Any]:
+    """The ``score`` object of ``compilemask plan --json`` from the native score terms."""
+    table = terms["table"]
+    if table is not None:
+        table = {key: table[key]
+                 for key in ("tensor", "shape", "num_buckets", "per_head", "buckets_read")}
+    return {
+        "softcap": terms["softcap"],
+        "linear": terms["linear"],
+        "table": table,
+        "sink": terms["sink"],
+        "reads_positions": terms["reads_positions"],
+    }
 
 
 _BLOCK_KEYS = (

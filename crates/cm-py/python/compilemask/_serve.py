@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _native
-from ._program import _flag, _int, _ordered, _type_name
+from ._program import _flag, _index, _int, _length, _ordered, _type_name
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +121,7 @@ def plan_step(program: Program, q_len: Any, kv_len: Any, num_heads: Any, params:
               shared: Mapping[str, Any]) -> Step:
     kv = _int_list("kv_len", kv_len)
     q = _counts("q_len", q_len, len(kv))
-    heads = 1 if num_heads is None else _int("num_heads", num_heads)
+    heads = 1 if num_heads is None else _length("num_heads", num_heads)
     native = program._native.plan_step(q, kv, heads, program._params(shared),
                                        _seq_params(program, params))
     return Step(native, program)
@@ -193,7 +193,7 @@ class Step:
 
     def row(self, r: int) -> list[tuple[int, int]]:
         """Row ``r``'s visible intervals (``0 <= r < total_q``), half-open."""
-        return list(self._native.row(_int("r", r)))
+        return list(self._native.row(_index("r", r)))
 
     def positions(self) -> list[int]:
         """The logical position of every row: ``kv_len[s] - q_len[s] + i``."""
