@@ -75,16 +75,16 @@ impl<'a> Checker<'a> {
     }
 
     /// `let NAME = EXPR;`, item `idx`: checked where it is used (see `lets`), except for
-    /// its depth with the `let`s it uses inlined, which is checked once, here.
+    /// its depth and size with the `let`s it uses inlined, which are checked once, here.
     pub(super) fn let_item(&mut self, name: &Ident, value: &'a ast::Expr, idx: usize) {
-        let Some(depth) = self.let_depth(name, value) else {
+        let Some(shape) = self.let_shape(name, value) else {
             self.declare(name, Def::Failed);
             return;
         };
         let id = self.lets.len();
         if self.declare(name, Def::Let(id)) {
             self.lets.push((value, false, idx));
-            self.let_depths.push(depth);
+            self.let_shapes.push(shape);
         }
     }
 

@@ -1,11 +1,12 @@
 //! Lowering of `let`s: a `let` is inlined at every use (so its body is checked in the
 //! context of each use, and errors inside it are reported at the use too); one that nobody
 //! uses is still checked, and warned about (`CM0250`) when the program is otherwise clean.
-//! A `let`'s depth with the `let`s it uses inlined is bounded ([`MAX_INLINED_DEPTH`]) and
-//! checked once, at the `let` itself, so a too-deep chain is one error at the link past the
-//! limit, not one per use.
+//! A `let`'s depth and size with the `let`s it uses inlined are bounded
+//! ([`MAX_INLINED_DEPTH`], the checker's node limit) and checked once, at the `let` itself,
+//! so a too-deep or too-large chain is one error at the link past the limit, not one per
+//! use.
 
-use super::{Checker, Ctx, Def, Val, R};
+use super::{Checker, Ctx, Def, Val, MAX_NODES, R};
 use cm_syntax::ast::{self, ExprKind, Ident, Item};
 use cm_syntax::{Code, Diagnostic, Span};
 
@@ -15,8 +16,17 @@ use cm_syntax::{Code, Diagnostic, Span};
 /// `let`s that each add one term (`let u2 = u1 | t2;`) fits.
 pub const MAX_INLINED_DEPTH: u32 = 8192;
 
-/// [`Checker::inlined_depth`] of an expression that names a failed definition.
+/// [`Inlined::depth`] of an expression that names a failed definition.
 const POISONED: u32 = u32::MAX;
+
+/// An expression's shape with the `let`s it names inlined.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Inlined {
+    /// 1 for a leaf, one more than its deepest operand otherwise.
+    pub depth: u32,
+    /// Expression nodes, each inlined `let` counted at every use (saturating).
+    pub nodes: u64,
+}
 
 /// Calls `f` on each direct operand of `e`.
 fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
@@ -56,45 +66,72 @@ fn each_operand<'e>(e: &'e ast::Expr, f: &mut impl FnMut(&'e ast::Expr)) {
 }
 
 impl Checker<'_> {
-    /// The inlined depth of the body `value` of `let NAME`, measured before the name is
-    /// declared (so a use of the name inside is not this `let`); `None`, with the error
-    /// reported at the name when the depth is past [`MAX_INLINED_DEPTH`], when the `let`
-    /// cannot be used: it then names a failed definition, or is too deep.
-    pub(super) fn let_depth(&mut self, name: &Ident, value: &ast::Expr) -> Option<u32> {
-        let depth = self.inlined_depth(value);
-        if depth == POISONED {
+    /// The inlined depth and size of the body `value` of `let NAME`, measured before the
+    /// name is declared (so a use of the name inside is not this `let`); `None`, with the
+    /// error reported at the name when the depth is past [`MAX_INLINED_DEPTH`] or the size
+    /// past [`MAX_NODES`], when the `let` cannot be used: it then names a failed
+    /// definition, or is too deep or too large.
+    pub(super) fn let_shape(&mut self, name: &Ident, value: &ast::Expr) -> Option<Inlined> {
+        let shape = self.inlined(value);
+        if shape.depth == POISONED {
             // It uses a name that failed (already reported): so does every use.
             return None;
         }
-        if depth > MAX_INLINED_DEPTH {
-            self.err(
-                Diagnostic::error(
+        let too_large = if shape.depth > MAX_INLINED_DEPTH {
+            Some(Diagnostic::error(
                     Code::TooDeep,
                     name.span,
-                    format!("`{}` nests too deeply: with the `let`s it uses inlined, its expression is {depth} levels deep (at most {MAX_INLINED_DEPTH})", name.name),
+                    format!("`{}` nests too deeply: with the `let`s it uses inlined, its expression is {} levels deep (at most {MAX_INLINED_DEPTH})", name.name, shape.depth),
                 )
-                .with_hint("a long chain of `let`s that each use the previous one adds up; join terms in groups (`let g1 = t1 | ... | t100;`) and combine the groups"),
-            );
+                .with_hint("a long chain of `let`s that each use the previous one adds up; join terms in groups (`let g1 = t1 | ... | t100;`) and combine the groups"))
+        } else if shape.nodes > MAX_NODES as u64 {
+            Some(Diagnostic::error(
+                    Code::TooDeep,
+                    name.span,
+                    format!("`{}` is too large: with the `let`s it uses inlined, its expression has {} nodes (at most {MAX_NODES})", name.name, shape.nodes),
+                )
+                .with_hint("a `let` is copied into every place that uses it; a chain of lets that each use the previous one twice doubles in size at every step"))
+        } else {
+            None
+        };
+        if let Some(d) = too_large {
+            self.err(d);
             self.mark_used(value);
             return None;
         }
-        Some(depth)
+        Some(shape)
     }
 
-    /// The depth of `e` with every earlier `let` it names inlined: 1 for a leaf, one more
-    /// than its deepest operand otherwise (recursion bounded by the parser's nesting limit);
-    /// [`POISONED`] when it names something that failed to check.
-    fn inlined_depth(&self, e: &ast::Expr) -> u32 {
+    /// The shape of `e` with every earlier `let` it names inlined (recursion bounded by the
+    /// parser's nesting limit); depth [`POISONED`] when it names something that failed to
+    /// check.
+    fn inlined(&self, e: &ast::Expr) -> Inlined {
         if let ExprKind::Name(n) = &e.kind {
             return match self.names.get(n) {
-                Some((Def::Let(id), _)) => self.let_depths[*id].saturating_add(1),
-                Some((Def::Failed, _)) => POISONED,
-                _ => 1,
+                Some((Def::Let(id), _)) => {
+                    let at = self.let_shapes[*id];
+                    Inlined {
+                        depth: at.depth.saturating_add(1),
+                        nodes: at.nodes.saturating_add(1),
+                    }
+                }
+                Some((Def::Failed, _)) => Inlined {
+                    depth: POISONED,
+                    nodes: 1,
+                },
+                _ => Inlined { depth: 1, nodes: 1 },
             };
         }
-        let mut below = 0;
-        each_operand(e, &mut |x| below = below.max(self.inlined_depth(x)));
-        below.saturating_add(1)
+        let mut below = Inlined { depth: 0, nodes: 0 };
+        each_operand(e, &mut |x| {
+            let x = self.inlined(x);
+            below.depth = below.depth.max(x.depth);
+            below.nodes = below.nodes.saturating_add(x.nodes);
+        });
+        Inlined {
+            depth: below.depth.saturating_add(1),
+            nodes: below.nodes.saturating_add(1),
+        }
     }
 
     /// Marks the `let`s that `e` names as used (their user failed, so a second report of

@@ -122,8 +122,8 @@ struct Checker<'a> {
     reads_lengths: bool,
     /// Whether each parameter is read.
     params_read: Vec<bool>,
-    /// Each `let`'s expression depth with the `let`s it uses inlined (see [`lets`]).
-    let_depths: Vec<u32>,
+    /// Each `let`'s expression depth and size with the `let`s it uses inlined (see [`lets`]).
+    let_shapes: Vec<lets::Inlined>,
     /// The item each name was declared in: a name is visible only in later items.
     declared_at: HashMap<String, usize>,
     /// Index of the item being checked (or of the `let` whose body is being lowered).
@@ -209,7 +209,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         score_h: None,
         reads_lengths: false,
         params_read: Vec::new(),
-        let_depths: Vec::new(),
+        let_shapes: Vec::new(),
         declared_at: HashMap::new(),
         visible_before: 0,
         nodes: 0,

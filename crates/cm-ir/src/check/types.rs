@@ -908,6 +908,21 @@ mod tests {
         src.push_str("mask = k < a39;");
         let (code, message) = error(&src);
         assert_eq!(code, "CM0105");
+        // `a{i}` has 2^(i + 2) - 3 nodes inlined (1 for `a0`; a sum of two uses, each one
+        // node more than its let): the first past 200000 is `a16`, and it is named.
+        assert_eq!(
+            message,
+            "`a16` is too large: with the `let`s it uses inlined, its expression has 262141 \
+             nodes (at most 200000)"
+        );
+        // Each let within the limit, their uses together past it: the lowering's count.
+        let mut src = "let a0 = q;\n".to_string();
+        for i in 1..=12 {
+            src.push_str(&format!("let a{i} = a{0} + a{0};\n", i - 1));
+        }
+        src.push_str(&format!("mask = k < {};", vec!["a12"; 13].join(" + ")));
+        let (code, message) = error(&src);
+        assert_eq!(code, "CM0105");
         assert!(message.starts_with("the program is too large"), "{message}");
     }
 }
