@@ -11,6 +11,7 @@ use cm_plan::{plan, TileShape};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use common::*;
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 
 const TILES: &[TileShape] = &[
     TileShape {
@@ -249,6 +250,44 @@ fn split_term() -> impl Strategy<Value = String> {
     })
 }
 
+/// `cmp` planned at `q_len` x `kv_len` with `tile`: its rows are those of the same
+/// comparison inside `elementwise` (the pairwise evaluation of it as written), and the
+/// planner's rows and tiles are those of the brute-force evaluation of its normal form; or
+/// both fail with one code (a division by zero, an overflow).
+fn equals_elementwise(
+    cmp: &str,
+    (q_len, kv_len): (i64, i64),
+    tile: TileShape,
+) -> Result<(), TestCaseError> {
+    let program = compile(&format!("mask = {cmp};"));
+    prop_assert!(!program.mask.uses_elementwise(), "{}", cmp);
+    let pairwise = compile(&format!("mask = elementwise({cmp});"));
+    let s = shape(q_len, kv_len);
+    let (a, b) = (
+        program.bind(s, &params(&[])).unwrap(),
+        pairwise.bind(s, &params(&[])).unwrap(),
+    );
+    match (plan(&a, tile), plan(&b, tile)) {
+        (Ok(x), Ok(y)) => {
+            for q in 0..q_len as u32 {
+                prop_assert_eq!(
+                    row_pairs(&x.masks[0].rows, q),
+                    row_pairs(&y.masks[0].rows, q),
+                    "{} row {} at {} x {}",
+                    cmp,
+                    q,
+                    q_len,
+                    kv_len
+                );
+            }
+            check_against_brute_force(&program, s, &params(&[]), tile);
+        }
+        (Err(x), Err(y)) => prop_assert_eq!(x.code, y.code, "{}", cmp),
+        (x, y) => prop_assert!(false, "{}: {:?} vs {:?}", cmp, x.err(), y.err()),
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(env_config(PROPTEST_CASES, 200, 0x5b1_17ca5e))]
 
@@ -259,26 +298,105 @@ proptest! {
         t in split_term(),
         op in prop::sample::select(&["<", "<=", ">", ">=", "==", "!="][..]),
         r in q_side(),
-        (q_len, kv_len) in (1i64..40, 1i64..40),
+        lengths in (1i64..40, 1i64..40),
         (bm, bn) in (1u32..9, 1u32..9),
     ) {
         let cmp = format!("{t} {op} {r}");
-        let program = compile(&format!("mask = {cmp};"));
-        prop_assert!(!program.mask.uses_elementwise(), "{}", cmp);
-        let pairwise = compile(&format!("mask = elementwise({cmp});"));
-        let s = shape(q_len, kv_len);
-        let (a, b) = (program.bind(s, &params(&[])).unwrap(), pairwise.bind(s, &params(&[])).unwrap());
-        let tile = TileShape { block_m: bm, block_n: bn };
-        match (plan(&a, tile), plan(&b, tile)) {
-            (Ok(x), Ok(y)) => {
-                for q in 0..q_len as u32 {
-                    prop_assert_eq!(row_pairs(&x.masks[0].rows, q), row_pairs(&y.masks[0].rows, q), "{} row {}", cmp, q);
-                }
-                check_against_brute_force(&program, s, &params(&[]), tile);
+        equals_elementwise(&cmp, lengths, TileShape { block_m: bm, block_n: bn })?;
+    }
+}
+
+/// A term of `abs` / `min` / `max` nested in each other, 3 or 4 of them in all, over linear
+/// and q-side terms: a `min` / `max` of 2 to 4 arguments (written `min(a, b, c)` or nested
+/// `min(min(a, b), c)`), `abs` of any term, differences of them.
+fn nested_term() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![3 => linear(), 1 => q_side()];
+    leaf.prop_recursive(4, 12, 4, |inner| {
+        prop_oneof![
+            inner.clone().prop_map(|a| format!("abs({a})")),
+            (
+                prop::sample::select(&["min", "max"][..]),
+                prop::collection::vec(inner.clone(), 2..=4),
+                prop::bool::ANY,
+            )
+                .prop_map(|(f, xs, flat)| if flat {
+                    format!("{f}({})", xs.join(", "))
+                } else {
+                    xs[1..]
+                        .iter()
+                        .fold(xs[0].clone(), |acc, x| format!("{f}({acc}, {x})"))
+                }),
+            (inner.clone(), inner).prop_map(|(a, b)| format!("({a} - {b})")),
+        ]
+    })
+    .prop_filter("3 or 4 `abs` / `min` / `max` terms", |t| {
+        let terms =
+            t.matches("abs(").count() + t.matches("min(").count() + t.matches("max(").count();
+        (3..=4).contains(&terms)
+    })
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 300, 0x4e57_ed01))]
+
+    /// Nested `abs` / `min` / `max` of 3 or 4 terms, alone or inside `%`, `/` or a sum,
+    /// compared either way round with a q-side value: planned exactly, at odd lengths and
+    /// `q_len != kv_len`, as their pairwise evaluation.
+    #[test]
+    fn nested_abs_min_max_equal_elementwise(
+        t in nested_term(),
+        how in 0u8..5,
+        d in 2i64..6,
+        x in linear(),
+        op in prop::sample::select(&["<", "<=", ">", ">=", "==", "!="][..]),
+        r in q_side(),
+        flip in prop::bool::ANY,
+        lengths in (1i64..48, 1i64..48),
+        (bm, bn) in (1u32..9, 1u32..9),
+    ) {
+        // A residue is compared by `==` / `!=` only: its cases may scale `k` (`(k - q) -
+        // (q - k)` is `2 * k - 2 * q`), and `(2 * k + f(q)) % d < r` is no solvable form.
+        let (t, op) = match how {
+            0 | 1 => (t, op),
+            2 => (
+                format!("{t} % {d}"),
+                if matches!(op, "==" | "!=") { op } else { "==" },
+            ),
+            3 => (format!("{t} / {d}"), op),
+            _ => (format!("{t} + {x}"), op),
+        };
+        let cmp = if flip { format!("{r} {op} {t}") } else { format!("{t} {op} {r}") };
+        equals_elementwise(&cmp, lengths, TileShape { block_m: bm, block_n: bn })?;
+    }
+}
+
+/// The reported forms (a `min` of three `abs` was CM0207, "not linear in `k`": no more than
+/// 4 terms were split, 2 cases each) and nests of 3 and 4 terms like them, at odd lengths and
+/// `q_len != kv_len` (tiles of 16 x 16 and 7 x 5).
+#[test]
+fn nested_abs_min_max_of_three_and_four_terms_equal_elementwise() {
+    let forms = [
+        "min(abs(k-q), abs(k-q+1), abs(k-q+2)) < 3",
+        "min(min(abs(k-q),abs(k-q+1)),abs(k-q+2)) < 3",
+        "min(abs(k-q), abs(k-q+1), 5) < 3",
+        "abs(abs(k-q)-3) < 2",
+        "min(abs(k - q), abs(k - q + 1), abs(k - q + 2)) % 3 == 1",
+        "min(abs(k - q), abs(k - q - 4), abs(k - q + 5), abs(2 * q - k)) == 2",
+        "max(min(abs(k - q), abs(k - q - 3)), min(abs(k - q + 1), k - 2)) % 4 == 1",
+        "max(min(k, q - 2), min(abs(k - q), q - k + 5)) / 3 != 1",
+        "abs(min(k, q) - max(k - 3, q / 2)) % 3 != 0",
+        "abs(abs(abs(k - q) - 3) - 2) % 2 == 0",
+        "min(k, q, 5) + max(k - q, 2, q - 3) < q",
+        "q - min(k, 2 * q - k, 4) > max(k - 8, 1)",
+        "abs(max(k - q, q - 7 - k, 2 - k) - min(k, 3)) <= 4",
+        "max(abs(k - q) - 2, abs(k - 2 * q) - 6, abs(k + q - 20)) >= 5",
+    ];
+    for cmp in forms {
+        for lengths in [(1, 1), (7, 7), (13, 9), (20, 31), (37, 37), (61, 44)] {
+            for tile in TILES {
+                equals_elementwise(cmp, lengths, *tile)
+                    .unwrap_or_else(|e| panic!("{cmp} at {lengths:?}: {e}"));
             }
-            // A division by zero, or an overflow, both ways.
-            (Err(x), Err(y)) => prop_assert_eq!(x.code, y.code, "{}", cmp),
-            (x, y) => prop_assert!(false, "{}: {:?} vs {:?}", cmp, x.err(), y.err()),
         }
     }
 }

@@ -276,6 +276,27 @@ fn cm0207_case_splits_need_linear_terms() {
     });
 }
 
+/// `abs`, `min` and `max` nested in each other, of any number of terms, are split too; past
+/// the 256 cases one comparison may have, CM0207 names that limit and the count of cases
+/// the comparison's terms give, not a term that is "not linear".
+#[test]
+fn cm0207_past_the_case_limit() {
+    for ok in [
+        "mask = min(abs(k-q), abs(k-q+1), abs(k-q+2)) < 3;\n",
+        "mask = min(min(abs(k-q),abs(k-q+1)),abs(k-q+2)) < 3;\n",
+        "mask = max(min(abs(k - q), abs(k - q - 3)), min(abs(k - q + 1), k - 2)) % 4 == 1;\n",
+    ] {
+        let p = compilemask::compile_named(ok, NAME).unwrap_or_else(|e| panic!("{}", e.rendered));
+        assert!(p.warnings().is_empty(), "{ok}");
+    }
+    insta::with_settings!({snapshot_suffix => "case_limit"}, {
+        compile_golden(
+            "CM0207",
+            "mask = min(abs(k - q), abs(k - q + 1), abs(k - q + 2), abs(k - q - 5), abs(k - q - 7), abs(k - q + 9)) % 3 == 1;\n",
+        );
+    });
+}
+
 #[test]
 fn cm0206_points_at_the_argument() {
     insta::with_settings!({snapshot_suffix => "argument"}, {

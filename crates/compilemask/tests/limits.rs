@@ -55,6 +55,10 @@ fn every_public_limit_is_documented_with_its_value() {
         ("terms of `any` / `all` evaluated", MAX_QUANT_EVALS),
         ("nodes of one tree", MAX_LEN as u64),
         ("path intervals of one tree", MAX_TREE_INTERVALS as u64),
+        (
+            "cases one comparison with `k` is split into",
+            cm_ir::check::MAX_COMPARISON_CASES,
+        ),
     ] {
         let row = row.trim_end_matches(" |");
         let cell = documented(row);

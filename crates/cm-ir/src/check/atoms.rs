@@ -205,11 +205,32 @@ fn terms(e: &Int, coeff: i64, holes: &mut Vec<(i64, Int)>) -> Option<(Int, Int)>
             ))
         }
         _ if is_hole(e) => {
+            if let Some(r) = cancelled(e) {
+                return Some((Int::constant(0, e.span), r));
+            }
             holes.push((coeff, e.clone()));
             Some((Int::constant(0, e.span), Int::constant(0, e.span)))
         }
         _ => None,
     }
+}
+
+/// The term `t` (`x / d`, `x % d` or `abs(x)`) as a q-side value when `k` cancels in `x`
+/// (`(k - k + q) / 2` is `q / 2`; a case of `(abs(k - q) - k) / 2` is that): `x` without its
+/// terms of `k`, which add up to 0.
+fn cancelled(t: &Int) -> Option<Int> {
+    let q_side = |x: &Int| match linearize(x) {
+        Some((0, rest)) => Some(Box::new(rest)),
+        _ => None,
+    };
+    let kind = match &t.kind {
+        IntKind::Bin(op @ (IntOp::Div | IntOp::Mod), x, d) => {
+            IntKind::Bin(*op, q_side(x)?, d.clone())
+        }
+        IntKind::Abs(x) => IntKind::Abs(q_side(x)?),
+        _ => return None,
+    };
+    Some(Int::new(kind, t.span))
 }
 
 fn neg(e: Int) -> Int {
@@ -277,12 +298,43 @@ fn key_side(e: &Int) -> Option<(Int, Int)> {
     }
 }
 
+/// Whether `e` is linear in `k` with literal coefficients once split at its `abs`, `min` and
+/// `max` terms: sums, negations and literal multiples of `k`, q-side values, and `abs`,
+/// `min`, `max` of such terms.
+fn piecewise_linear(e: &Int) -> bool {
+    if !e.has_k() {
+        return true;
+    }
+    match &e.kind {
+        IntKind::K => true,
+        IntKind::Neg(a) | IntKind::Abs(a) => piecewise_linear(a),
+        IntKind::Bin(IntOp::Add | IntOp::Sub | IntOp::Min | IntOp::Max, a, b) => {
+            piecewise_linear(a) && piecewise_linear(b)
+        }
+        IntKind::Bin(IntOp::Mul, a, b) => match (const_value(a), const_value(b)) {
+            (Some(_), _) => piecewise_linear(b),
+            (_, Some(_)) => piecewise_linear(a),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 /// Why `e` (a comparison's `lhs - rhs`) is not solvable: the smallest term that reads `k`
 /// together with `q` or a quantifier's variable, and what is wrong with it.
 fn mixed_cause(e: &Int) -> Option<(Span, String)> {
     let var = |x: &IntKind| matches!(x, IntKind::Var(_));
     let mixed = |x: &Int| x.has_k() && (x.reads_q() || x.mentions(&var));
     if !mixed(e) {
+        return None;
+    }
+    // An `abs`, `min` or `max` of terms linear in `k` splits into linear cases: what is at
+    // fault is around it (`(abs(k - q) - k) % 3`, whose case `(q - 2 * k) % 3` no atom takes).
+    if matches!(
+        e.kind,
+        IntKind::Abs(_) | IntKind::Bin(IntOp::Min | IntOp::Max, ..)
+    ) && piecewise_linear(e)
+    {
         return None;
     }
     let inner = match &e.kind {
@@ -310,14 +362,77 @@ fn mixed_cause(e: &Int) -> Option<(Span, String)> {
     })
 }
 
-/// Most `abs`, `min` and `max` terms one comparison is split at ([`Checker::split_cases`]):
-/// each doubles the atoms, so a comparison holds at most 2^4 cases.
-const MAX_CASE_SPLITS: u32 = 4;
+/// Most cases one comparison with `k` is split into at its `abs`, `min` and `max` terms: the
+/// cases of [`Checker::split_cases`] and the parts of `abs(x) < r` ([`Checker::abs_term`])
+/// and of `min(x, y) < r` ([`Checker::chain_parts`]), counted over everything the comparison
+/// as written becomes. Each `abs` at most doubles them and each `min` / `max` of n terms at
+/// most multiplies them by n; past the limit the comparison is `CM0207`, naming the limit
+/// and that count ([`case_bound`]).
+pub const MAX_COMPARISON_CASES: u64 = 256;
 
-/// The first `abs(x)`, `min(x, y)` or `max(x, y)` inside `e`, innermost first, that reads
-/// `k` and whose arguments are linear in `k` (no `/`, `%`, `abs`, `min`, `max` of `k` in
-/// them): the term a comparison is split at. Searched through arithmetic, `if` branches,
-/// indices and positions.
+/// The cases of the comparison being normalised (the outermost one, as written): how many
+/// comparisons it has been split into so far, the leaves of its tree of cases and parts.
+#[derive(Clone, Copy)]
+pub(super) struct Cases {
+    leaves: u64,
+    /// Whether `leaves` passed [`MAX_COMPARISON_CASES`]: every comparison inside fails, and
+    /// the outermost one reports the limit.
+    over: bool,
+}
+
+/// The arguments of the `min` (or `max`, by `op`) chain `e`: `min(min(x, y), z)` (which is
+/// how `min(x, y, z)` is written down) has `x`, `y` and `z`. A nested `min` without `k` is
+/// one argument (a q-side value).
+fn chain_args(e: &Int, op: IntOp) -> Vec<&Int> {
+    match &e.kind {
+        IntKind::Bin(o, a, b) if *o == op && e.has_k() => {
+            let mut args = chain_args(a, op);
+            args.extend(chain_args(b, op));
+            args
+        }
+        _ => vec![e],
+    }
+}
+
+/// The `abs`, `min` and `max` terms that read `k` in `e` (a `min` / `max` of several
+/// arguments counting once), and the most cases they split a comparison into: 2 per `abs`,
+/// n per `min` / `max` of n arguments, multiplied (saturating). Every term a comparison is
+/// split at, or taken apart at, is one of them, each used once along every case: so the
+/// cases of a comparison are at most the product of its sides' counts.
+fn case_bound(e: &Int) -> (u32, u64) {
+    if !e.has_k() {
+        return (0, 1);
+    }
+    let of = |parts: &[&Int]| {
+        parts.iter().fold((0u32, 1u64), |(n, c), p| {
+            let (pn, pc) = case_bound(p);
+            (n.saturating_add(pn), c.saturating_mul(pc))
+        })
+    };
+    match &e.kind {
+        IntKind::Abs(a) => {
+            let (n, c) = case_bound(a);
+            (n.saturating_add(1), c.saturating_mul(2))
+        }
+        IntKind::Bin(op @ (IntOp::Min | IntOp::Max), ..) => {
+            let args = chain_args(e, *op);
+            let (n, c) = of(&args);
+            (n.saturating_add(1), c.saturating_mul(args.len() as u64))
+        }
+        IntKind::Neg(a) | IntKind::Isqrt(a) => case_bound(a),
+        IntKind::Bin(_, a, b) | IntKind::If(_, a, b) => of(&[a, b]),
+        IntKind::ArrIndex(_, a) | IntKind::SegIndex(_, a) | IntKind::GridCoord(_, _, a) => {
+            case_bound(a)
+        }
+        _ => (0, 1),
+    }
+}
+
+/// The first `abs(x)`, or `min` / `max` chain of arguments `x1, ..., xn`, inside `e`,
+/// innermost first, that reads `k` and whose arguments are linear in `k` (no `/`, `%`,
+/// `abs`, `min`, `max` of `k` in them): the term a comparison is split at. Searched through
+/// arithmetic, `if` branches, indices and positions. Splitting replaces it by one of its
+/// arguments (or `-x`), so the term around it may be next: any nesting of them is split.
 fn split_point(e: &Int) -> Option<&Int> {
     if !e.has_k() {
         return None;
@@ -326,19 +441,25 @@ fn split_point(e: &Int) -> Option<&Int> {
         let mut holes = Vec::new();
         terms(x, 1, &mut holes).is_some() && holes.is_empty()
     };
-    let inner = match &e.kind {
-        IntKind::Neg(a) | IntKind::Abs(a) | IntKind::Isqrt(a) => split_point(a),
+    match &e.kind {
+        IntKind::Bin(op @ (IntOp::Min | IntOp::Max), ..) => {
+            let args = chain_args(e, *op);
+            if let Some(inner) = args.iter().find_map(|x| split_point(x)) {
+                return Some(inner);
+            }
+            return args.iter().all(|x| linear(x)).then_some(e);
+        }
+        IntKind::Abs(x) => return split_point(x).or_else(|| linear(x).then_some(e)),
+        _ => {}
+    }
+    match &e.kind {
+        IntKind::Neg(a) | IntKind::Isqrt(a) => split_point(a),
         IntKind::Bin(_, a, b) | IntKind::If(_, a, b) => split_point(a).or_else(|| split_point(b)),
         IntKind::ArrIndex(_, a) | IntKind::SegIndex(_, a) | IntKind::GridCoord(_, _, a) => {
             split_point(a)
         }
         _ => None,
-    };
-    inner.or(match &e.kind {
-        IntKind::Abs(x) if linear(x) => Some(e),
-        IntKind::Bin(IntOp::Min | IntOp::Max, x, y) if linear(x) && linear(y) => Some(e),
-        _ => None,
-    })
+    }
 }
 
 /// `e` with the sub-term `at` (by address) replaced by `with`.
@@ -362,57 +483,116 @@ fn substitute(e: &Int, at: &Int, with: &Int) -> Int {
 }
 
 impl Checker<'_> {
+    /// The leaves of the current comparison's cases (1 outside one).
+    fn case_leaves(&self) -> u64 {
+        self.cases.map_or(1, |c| c.leaves)
+    }
+
+    /// Whether the current comparison went past [`MAX_COMPARISON_CASES`].
+    fn cases_over(&self) -> bool {
+        self.cases.is_some_and(|c| c.over)
+    }
+
+    /// Back to `leaves` cases, after an attempt that failed (its cases are not made).
+    fn reset_cases(&mut self, leaves: u64) {
+        if let Some(c) = self.cases.as_mut() {
+            if !c.over {
+                c.leaves = leaves;
+            }
+        }
+    }
+
+    /// One comparison of the current one becomes `n` (cases or parts): false, and the
+    /// whole comparison fails, when that takes it past [`MAX_COMPARISON_CASES`].
+    fn split_into(&mut self, n: usize) -> bool {
+        let Some(c) = self.cases.as_mut() else {
+            return true;
+        };
+        c.leaves = c.leaves.saturating_add((n as u64).saturating_sub(1));
+        if c.leaves > MAX_COMPARISON_CASES {
+            c.over = true;
+        }
+        !c.over
+    }
+
     /// `a op b` (with `k`, of no solvable form as it stands) split into cases at a term
-    /// `abs(x)`, `min(x, y)` or `max(x, y)` whose arguments are linear in `k`
-    /// ([`split_point`]): `T(abs(x))` is `x >= 0 & T(x) | x < 0 & T(-x)`, `T(min(x, y))` is
-    /// `x <= y & T(x) | x > y & T(y)`, `T(max(x, y))` is `x >= y & T(x) | x < y & T(y)`; each
-    /// case's condition is a linear comparison and each `T` is normalised again (split
-    /// further, up to [`MAX_CASE_SPLITS`] terms). So `min(k, q) < 5`, `max(q - k, 0) <= 3`
-    /// and `abs(k - q) % 3 == 0` are unions of solvable atoms. `None` (nothing reported)
-    /// when there is no such term or a case is not solvable.
+    /// `abs(x)` or `min` / `max` of `x1, ..., xn` whose arguments are linear in `k`
+    /// ([`split_point`]): `T(abs(x))` is `x >= 0 & T(x) | x < 0 & T(-x)`; `T(min(x1, ...,
+    /// xn))` is the union over `i` of `xi < xj (j < i) & xi <= xj (j > i) & T(xi)` (the
+    /// first smallest argument), `max` likewise with `>` and `>=`. Each case's conditions
+    /// are linear comparisons and each `T` is normalised again (split further at the term
+    /// around, or another one, up to [`MAX_COMPARISON_CASES`] cases in all). So `min(k, q)
+    /// < 5`, `max(q - k, 0) % 4 <= 3`, `abs(k - q) % 3 == 0` and `abs(min(k, q) - 4) % 2
+    /// == 0` are unions of solvable atoms. `None` (nothing reported) when there is no such
+    /// term or a case is not solvable.
     fn split_cases(
         &mut self,
         op: CmpOp,
         (a, b): (&Int, &Int),
         span: Span,
         ctx: Ctx,
-        depth: u32,
     ) -> Option<Val> {
-        if depth >= MAX_CASE_SPLITS {
-            return None;
-        }
         let at = split_point(a).or_else(|| split_point(b))?;
         let negate = |x: &Int| Int::new(IntKind::Neg(Box::new(x.clone())), x.span);
         let zero = Int::constant(0, at.span);
-        // (condition lhs, condition op, condition rhs, what the term is in that case)
-        let cases = match &at.kind {
-            IntKind::Abs(x) => [
-                ((**x).clone(), CmpOp::Ge, zero.clone(), (**x).clone()),
-                ((**x).clone(), CmpOp::Lt, zero, negate(x)),
+        // (each condition as lhs, op, rhs; what the term is in that case)
+        type Case = (Vec<(Int, CmpOp, Int)>, Int);
+        let cases: Vec<Case> = match &at.kind {
+            IntKind::Abs(x) => vec![
+                (
+                    vec![((**x).clone(), CmpOp::Ge, zero.clone())],
+                    (**x).clone(),
+                ),
+                (vec![((**x).clone(), CmpOp::Lt, zero)], negate(x)),
             ],
-            IntKind::Bin(m @ (IntOp::Min | IntOp::Max), x, y) => {
-                let (first, second) = if *m == IntOp::Min {
-                    (CmpOp::Le, CmpOp::Gt)
+            IntKind::Bin(m @ (IntOp::Min | IntOp::Max), ..) => {
+                let args = chain_args(at, *m);
+                // Against the arguments before it and after it: the first extreme one.
+                let (before, after) = if *m == IntOp::Min {
+                    (CmpOp::Lt, CmpOp::Le)
                 } else {
-                    (CmpOp::Ge, CmpOp::Lt)
+                    (CmpOp::Gt, CmpOp::Ge)
                 };
-                [
-                    ((**x).clone(), first, (**y).clone(), (**x).clone()),
-                    ((**x).clone(), second, (**y).clone(), (**y).clone()),
-                ]
+                args.iter()
+                    .enumerate()
+                    .map(|(i, &x)| {
+                        let conds = args
+                            .iter()
+                            .enumerate()
+                            .filter(|&(j, _)| j != i)
+                            .map(|(j, &y)| {
+                                (x.clone(), if j < i { before } else { after }, y.clone())
+                            })
+                            .collect();
+                        (conds, x.clone())
+                    })
+                    .collect()
             }
             _ => return None,
         };
+        if !self.split_into(cases.len()) {
+            return None;
+        }
         let before = self.diags.len();
         let mut joined: Option<Val> = None;
-        for (cl, cop, cr, term) in cases {
+        for (conds, term) in cases {
             let case = (|| {
-                let cond = self
-                    .compare_at(cop, Val::Int(cl), Val::Int(cr), span, ctx)
-                    .ok()?;
+                let mut all: Option<Val> = None;
+                for (cl, cop, cr) in conds {
+                    let cond = self
+                        .compare_at(cop, Val::Int(cl), Val::Int(cr), span, ctx)
+                        .ok()?;
+                    all = Some(match all {
+                        None => cond,
+                        Some(prev) => self.and_or(true, prev, cond, span).ok()?,
+                    });
+                }
                 let (a, b) = (substitute(a, at, &term), substitute(b, at, &term));
-                let cmp = self.normalise(op, &a, &b, span, ctx, depth + 1)?;
-                self.and_or(true, cond, cmp, span).ok()
+                let cmp = self.normalise(op, &a, &b, span, ctx)?;
+                match all {
+                    None => Some(cmp),
+                    Some(all) => self.and_or(true, all, cmp, span).ok(),
+                }
             })();
             let Some(case) = case else {
                 self.diags.truncate(before);
@@ -432,22 +612,59 @@ impl Checker<'_> {
         joined
     }
 
-    /// `a op b` normalised as [`Checker::compare_at`] does, reporting nothing when it is not
-    /// solvable (split into cases first, `depth` splits deep): `None` then.
-    fn normalise(
+    /// `min(x1, ..., xn)  op  r` for an inequality `op`, the `min` (or `max`) as written on
+    /// either side and `r` anything: `min(xs) < r` (or `<=`) is `x1 < r | ... | xn < r`,
+    /// `min(xs) > r` (or `>=`) is `x1 > r & ... & xn > r`, `max` the other way round; each
+    /// part normalised again. So `min(abs(k - q), abs(k - q - 8)) <= 2` is two bands, not
+    /// cases. `None` (nothing reported) when neither side is such a term or a part is not
+    /// solvable.
+    fn chain_parts(
         &mut self,
         op: CmpOp,
-        a: &Int,
-        b: &Int,
+        (a, b): (&Int, &Int),
         span: Span,
         ctx: Ctx,
-        depth: u32,
     ) -> Option<Val> {
+        if matches!(op, CmpOp::Eq | CmpOp::Ne) {
+            return None;
+        }
+        let (chain, left) = [(a, true), (b, false)].into_iter().find(|(e, _)| {
+            e.has_k() && matches!(e.kind, IntKind::Bin(IntOp::Min | IntOp::Max, ..))
+        })?;
+        let IntKind::Bin(m, ..) = chain.kind else {
+            return None;
+        };
+        let args = chain_args(chain, m);
+        // Read from the chain's side: `min(xs) < r` holds when some argument is below `r`.
+        let from_chain = if left { op } else { op.flip() };
+        let any = (m == IntOp::Min) == matches!(from_chain, CmpOp::Lt | CmpOp::Le);
+        if !self.split_into(args.len()) {
+            return None;
+        }
         let before = self.diags.len();
-        let quiet = self.quiet_cases;
-        self.quiet_cases = Some(depth);
+        let mut joined: Option<Val> = None;
+        for x in args {
+            let (l, r) = if left { (x, b) } else { (a, x) };
+            let part = self
+                .normalise(op, l, r, span, ctx)
+                .and_then(|part| match joined.take() {
+                    None => Some(part),
+                    Some(prev) => self.and_or(!any, prev, part, span).ok(),
+                });
+            let Some(part) = part else {
+                self.diags.truncate(before);
+                return None;
+            };
+            joined = Some(part);
+        }
+        joined
+    }
+
+    /// `a op b` normalised as [`Checker::compare_at`] does, reporting nothing when it is not
+    /// solvable (split into cases first): `None` then.
+    fn normalise(&mut self, op: CmpOp, a: &Int, b: &Int, span: Span, ctx: Ctx) -> Option<Val> {
+        let before = self.diags.len();
         let v = self.compare_at(op, Val::Int(a.clone()), Val::Int(b.clone()), span, ctx);
-        self.quiet_cases = quiet;
         match v {
             Ok(v) if self.diags.len() == before => Some(v),
             _ => {
@@ -573,10 +790,42 @@ impl Checker<'_> {
     }
 
     /// [`Checker::compare`] reported at `span` (the comparison as written, for the parts an
-    /// `abs` is expanded to). A comparison with `k` that is not solvable as it stands is split
-    /// into cases at its `abs`, `min` and `max` terms ([`Checker::split_cases`]) before it is
-    /// `CM0207`.
+    /// `abs` is expanded to). A comparison with `k` that is not solvable as it stands is taken
+    /// apart at a `min` / `max` side ([`Checker::chain_parts`]) or split into cases at its
+    /// `abs`, `min` and `max` terms ([`Checker::split_cases`]) before it is `CM0207`. The
+    /// outermost comparison counts the cases of everything it becomes: past
+    /// [`MAX_COMPARISON_CASES`] it is `CM0207` naming the limit and the count.
     fn compare_at(&mut self, op: CmpOp, a: Val, b: Val, span: Span, ctx: Ctx) -> R<Val> {
+        if self.cases.is_some() {
+            if self.cases_over() {
+                return Err(());
+            }
+            return self.compare_cases(op, a, b, span, ctx);
+        }
+        let sides = match (&a, &b) {
+            (Val::Int(x), Val::Int(y)) => Some((x.clone(), y.clone())),
+            _ => None,
+        };
+        self.cases = Some(Cases {
+            leaves: 1,
+            over: false,
+        });
+        let before = self.diags.len();
+        let v = self.compare_cases(op, a, b, span, ctx);
+        let over = self.cases.take().is_some_and(|c| c.over);
+        match sides {
+            Some((x, y)) if over => {
+                self.diags.truncate(before);
+                self.too_many_cases(span, &x, &y);
+                Err(())
+            }
+            _ => v,
+        }
+    }
+
+    /// [`Checker::compare_at`] inside the outermost comparison: as it stands, else taken
+    /// apart or split into cases.
+    fn compare_cases(&mut self, op: CmpOp, a: Val, b: Val, span: Span, ctx: Ctx) -> R<Val> {
         let ints = match (&a, &b) {
             (Val::Int(x), Val::Int(y)) if (x.has_k() || y.has_k()) && !ctx.pairwise() => {
                 Some((x.clone(), y.clone()))
@@ -584,6 +833,7 @@ impl Checker<'_> {
             _ => None,
         };
         let before = self.diags.len();
+        let leaves = self.case_leaves();
         let v = self.compare_atoms(op, a, b, span, ctx);
         let Some((x, y)) = ints.filter(|_| v.is_err()) else {
             return v;
@@ -591,18 +841,54 @@ impl Checker<'_> {
         let unsolvable = self.diags[before..]
             .iter()
             .all(|d| d.code == Code::UnsolvableComparison);
-        if !unsolvable {
+        if !unsolvable || self.cases_over() {
             return v;
         }
-        let depth = self.quiet_cases.unwrap_or(0);
         let kept = self.diags.split_off(before);
-        match self.split_cases(op, (&x, &y), span, ctx, depth) {
-            Some(v) => Ok(v),
-            None => {
-                self.diags.extend(kept);
-                v
+        self.reset_cases(leaves);
+        if let Some(v) = self.chain_parts(op, (&x, &y), span, ctx) {
+            return Ok(v);
+        }
+        self.reset_cases(leaves);
+        if !self.cases_over() {
+            if let Some(v) = self.split_cases(op, (&x, &y), span, ctx) {
+                return Ok(v);
             }
         }
+        self.reset_cases(leaves);
+        self.diags.extend(kept);
+        v
+    }
+
+    /// `CM0207` for the comparison `x op y` at `span`, whose cases passed
+    /// [`MAX_COMPARISON_CASES`]: the limit, and how many its terms may split it into.
+    fn too_many_cases(&mut self, span: Span, x: &Int, y: &Int) {
+        let ((nx, cx), (ny, cy)) = (case_bound(x), case_bound(y));
+        let (terms, count) = (nx.saturating_add(ny), cx.saturating_mul(cy));
+        let count = if count == u64::MAX {
+            "more than 2^64".to_string()
+        } else {
+            format!("up to {count}")
+        };
+        self.err(
+            Diagnostic::error(
+                Code::UnsolvableComparison,
+                span,
+                format!(
+                    "this comparison would be split into {count} cases at its {terms} `abs`, \
+                     `min` and `max` terms of `k`, more than the {MAX_COMPARISON_CASES} one \
+                     comparison may have"
+                ),
+            )
+            .with_hint(format!(
+                "each `abs` doubles the cases and each `min` / `max` of n terms multiplies them \
+                 by n; write it as several comparisons joined with `&` / `|`, each with fewer of \
+                 these terms (`min(x, y) % 4 == 0` is `x <= y & x % 4 == 0 | x > y & y % 4 == \
+                 0`), or evaluate it pair by pair with `elementwise(...)`, at most {} pairs per \
+                 plan, narrowed by a solvable region",
+                crate::MAX_ELEMENTWISE_PAIRS
+            )),
+        );
     }
 
     /// [`Checker::compare_at`] without splitting into cases.
@@ -780,6 +1066,10 @@ impl Checker<'_> {
     /// `abs(x)  op  r` as comparisons of `x` with `r` and `-r`: `|x| <= r` is `-r <= x <= r`,
     /// `|x| >= r` is `x >= r | x <= -r`, `|x| == r` is `r >= 0 & (x == r | x == -r)`.
     fn abs_term(&mut self, x: &Int, op: CmpOp, r: Int, span: Span, ctx: Ctx) -> R<Val> {
+        // Two comparisons of `x` where there was one.
+        if !self.split_into(2) {
+            return Err(());
+        }
         let minus_r = Int::new(IntKind::Neg(Box::new(r.clone())), r.span);
         let pair = |c: &mut Self, op_r: CmpOp, op_minus: CmpOp| -> R<(Val, Val)> {
             let a = c.compare_at(op_r, Val::Int(x.clone()), Val::Int(r.clone()), span, ctx)?;
@@ -953,17 +1243,49 @@ mod tests {
             ("abs(k * k - 9) <= q", "Inter"),
             // Split into cases at `abs`, `min` and `max` terms of linear arguments.
             ("min(k, q) < 5", "Union"),
-            ("max(q - k, 0) <= 3", "Union"),
+            ("max(q - k, 0) <= 3", "Inter"),
             ("abs(k - q) % 3 == 0", "Union"),
             ("abs(k - q) / 2 == 1", "Union"),
             ("(abs(k - q) + 1) % 4 < 2", "Union"),
-            ("min(k, q - 3) >= 2", "Union"),
+            ("min(k, q - 3) >= 2", "Inter"),
             ("max(k, 2 * q) == q + 4", "Union"),
             ("min(k, q) != 3", "Union"),
             ("max(k, q) % 5 == 0", "Union"),
             ("min(abs(k - q), 3) < 2", "Union"),
             ("min(k, 10 - k) > q % 4", "KeyCmp"),
             ("min(k, q) + max(k, 3) < q", "Union"),
+            ("max(q - k, 0) % 4 <= 3", "Union"),
+            // `min` / `max` of any number of terms, nested in each other and in `abs`.
+            (
+                "min(abs(k - q), abs(k - q + 1), abs(k - q + 2)) < 3",
+                "Union",
+            ),
+            (
+                "min(min(abs(k - q), abs(k - q + 1)), abs(k - q + 2)) < 3",
+                "Union",
+            ),
+            ("max(abs(k - q), abs(k - 2 * q), 3) >= q", "Union"),
+            ("k < min(k * k, q)", "Inter"),
+            (
+                "min(abs(k - q), abs(k - q + 1), abs(k - q + 2)) % 3 == 1",
+                "Union",
+            ),
+            (
+                "min(abs(k - q), abs(k - q - 3), abs(k - q + 5), abs(k + q)) == 2",
+                "Union",
+            ),
+            (
+                "max(min(k, q - 2), min(abs(k - q), q - k + 5)) / 3 != 1",
+                "Union",
+            ),
+            ("abs(min(k, q) - max(k - 3, q / 2)) % 3 != 0", "Union"),
+            ("abs(abs(abs(k - q) - 3) - 2) % 2 == 0", "Union"),
+            ("min(k, q, 5) + max(k - q, 2, q - 3) < q", "Union"),
+            ("q - min(k, 2 * q - k, 4) > max(k - 8, 1)", "Inter"),
+            // A term in which `k` cancels is q-side, as a case may make it.
+            ("(k - k + q) / 2 < 3", "Rows"),
+            ("abs(2 * k - q - k - k) % 3 < 1", "Rows"),
+            ("(abs(k - q) - k) / 2 < 3", "Union"),
         ];
         for (cmp, kind) in cases {
             let src = format!("mask = {cmp};");
@@ -1064,8 +1386,14 @@ mod tests {
                 "(k + q) / (q + 2)",
                 "together with `q`",
             ),
-            ("k < min(k * k, q)", "min(k * k, q)", "together with `q`"),
+            ("k == min(k * k, q)", "min(k * k, q)", "together with `q`"),
             ("abs(k * q) % 3 == 0", "k * q", "together with `q`"),
+            // An `abs` / `min` / `max` of linear terms splits: the fault is around it.
+            (
+                "(abs(k - q) - k) % 3 < 1",
+                "(abs(k - q) - k) % 3",
+                "together with `q`",
+            ),
             (
                 "any i in 0 .. 2: [1, 2, 3][k + i] == 2",
                 "[1, 2, 3][k + i]",
@@ -1086,6 +1414,71 @@ mod tests {
         let d = error_diag(src);
         assert_eq!(d.code.as_str(), "CM0206");
         assert_eq!(&src[d.span.start as usize..d.span.end as usize], "abs(k)");
+    }
+
+    /// A comparison is split into at most `MAX_COMPARISON_CASES` cases: at the limit it is
+    /// solved; past it, it is `CM0207` naming the limit and the count of its terms' cases
+    /// (not "not linear in `k`"), and it says so at once for any nesting.
+    #[test]
+    fn comparisons_past_the_case_limit_name_the_limit_and_the_count() {
+        use super::MAX_COMPARISON_CASES;
+        assert_eq!(MAX_COMPARISON_CASES, 256);
+        let nested = |n: usize, c: &str| {
+            let mut e = "k - q".to_string();
+            for _ in 0..n {
+                e = format!("abs({e}) - {c}");
+            }
+            e
+        };
+        let abs_of = |shifts: &[i64]| {
+            let terms: Vec<String> = shifts.iter().map(|s| format!("abs(k - q + {s})")).collect();
+            format!("min({})", terms.join(", "))
+        };
+        // At the limit: 8 nested `abs` are 2^8 comparisons, 5 `abs` in a `min` 2^5 * 5 cases.
+        for cmp in [
+            format!("{} < 1", nested(8, "3")),
+            format!("{} % 3 == 1", abs_of(&[0, 1, 2, -5, -7])),
+        ] {
+            let src = format!("mask = {cmp};");
+            assert_eq!(
+                rows(&src, 23, 17),
+                rows(&format!("mask = elementwise({cmp});"), 23, 17),
+                "{cmp}"
+            );
+        }
+        for (cmp, terms, count) in [
+            (format!("{} < 1", nested(9, "3")), 9, "up to 512"),
+            (
+                format!("{} % 3 == 1", abs_of(&[0, 1, 2, -5, -7, 9])),
+                7,
+                "up to 384",
+            ),
+            (
+                format!("{} > q", nested(60, "1")),
+                60,
+                "up to 1152921504606846976",
+            ),
+            (
+                format!("{} == q", abs_of(&(0..64).collect::<Vec<_>>())),
+                65,
+                "more than 2^64",
+            ),
+        ] {
+            let src = format!("mask = {cmp};");
+            let d = error_diag(&src);
+            assert_eq!(d.code.as_str(), "CM0207", "{cmp}");
+            assert_eq!(&src[d.span.start as usize..d.span.end as usize], cmp);
+            assert!(
+                d.message
+                    .contains("more than the 256 one comparison may have")
+                    && d.message
+                        .contains(&format!("its {terms} `abs`, `min` and `max` terms"))
+                    && d.message.contains(&format!("split into {count} cases")),
+                "{cmp}: {}",
+                d.message
+            );
+            assert!(d.related.is_empty(), "{cmp}: {d:?}");
+        }
     }
 
     #[test]

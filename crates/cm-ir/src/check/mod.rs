@@ -18,6 +18,7 @@ mod score;
 mod suggest;
 mod types;
 
+pub use atoms::MAX_COMPARISON_CASES;
 pub use lets::MAX_INLINED_DEPTH;
 pub use suggest::suggest;
 
@@ -97,9 +98,9 @@ struct Checker<'a> {
     /// The named constant arrays programs may read (the standard library's data).
     arrays: &'a [NamedArray],
     diags: Vec<Diagnostic>,
-    /// While a case of a comparison split at an `abs`, `min` or `max` is normalised
-    /// (`atoms`): how many splits deep it is.
-    quiet_cases: Option<u32>,
+    /// While a comparison with `k` is normalised (`atoms`): the cases it has been split
+    /// into so far at its `abs`, `min` and `max` terms.
+    cases: Option<atoms::Cases>,
     names: HashMap<String, (Def, Span)>,
     /// Each `let`: its body, whether it was used, and its item index.
     lets: Vec<(&'a ast::Expr, bool, usize)>,
@@ -192,7 +193,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
     let mut c = Checker {
         arrays,
         diags: Vec::new(),
-        quiet_cases: None,
+        cases: None,
         names: HashMap::new(),
         lets: Vec::new(),
         params: Vec::new(),
