@@ -257,20 +257,25 @@ fn cm0207_names_the_term_at_fault() {
     });
 }
 
+/// Each source compiles with no error and no warning.
+fn compiles_clean(sources: &[&str]) {
+    for ok in sources {
+        let p = compilemask::compile_named(ok, NAME).unwrap_or_else(|e| panic!("{}", e.rendered));
+        assert!(p.warnings().is_empty(), "{ok}");
+    }
+}
+
 /// `k` inside `abs` is solvable in a comparison; inside a function of q-side values it is
 /// `CM0206` at that argument.
 /// `abs`, `min` and `max` of linear terms are split into cases (`min(k, q) < 5` plans);
 /// of a term that is not linear, the comparison stays CM0207, naming that term.
 #[test]
 fn cm0207_case_splits_need_linear_terms() {
-    for ok in [
+    compiles_clean(&[
         "mask = min(k, q) < 5;\n",
         "mask = max(q - k, 0) <= 3;\n",
         "mask = abs(k - q) % 3 == 0;\n",
-    ] {
-        let p = compilemask::compile_named(ok, NAME).unwrap_or_else(|e| panic!("{}", e.rendered));
-        assert!(p.warnings().is_empty(), "{ok}");
-    }
+    ]);
     insta::with_settings!({snapshot_suffix => "case_split"}, {
         compile_golden("CM0207", "mask = min(k * q, 4) % 3 == 0;\n");
     });
@@ -281,14 +286,11 @@ fn cm0207_case_splits_need_linear_terms() {
 /// the comparison's terms give, not a term that is "not linear".
 #[test]
 fn cm0207_past_the_case_limit() {
-    for ok in [
+    compiles_clean(&[
         "mask = min(abs(k-q), abs(k-q+1), abs(k-q+2)) < 3;\n",
         "mask = min(min(abs(k-q),abs(k-q+1)),abs(k-q+2)) < 3;\n",
         "mask = max(min(abs(k - q), abs(k - q - 3)), min(abs(k - q + 1), k - 2)) % 4 == 1;\n",
-    ] {
-        let p = compilemask::compile_named(ok, NAME).unwrap_or_else(|e| panic!("{}", e.rendered));
-        assert!(p.warnings().is_empty(), "{ok}");
-    }
+    ]);
     insta::with_settings!({snapshot_suffix => "case_limit"}, {
         compile_golden(
             "CM0207",
