@@ -96,7 +96,7 @@ impl Sharding {
     /// The ranges of rank `s`'s local keys that rank `r` reads.
     fn keys(&self, r: i64, s: i64) -> PyResult<Vec<(u32, u32)>> {
         let (r, s) = (self.check(r, "rank")?, self.check(s, "source")?);
-        Ok(self.inner.parts[r][s].keys.clone())
+        Ok(self.inner.keys(r, s).to_vec())
     }
 
     /// Rank `r`'s rows against the keys it reads from `s`, as a plan of its own.

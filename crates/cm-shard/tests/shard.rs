@@ -3,9 +3,10 @@
 //! rows, once each; chunks are dealt whole with the capacities; work and fetch counts are the
 //! pairs and keys they claim; balance on the masks context parallelism is for.
 
+use cm_plan::order::computed_pairs;
 use cm_plan::rows::RowIntervals;
 use cm_plan::tiles::TileShape;
-use cm_shard::{shard, ShardError, Sharding};
+use cm_shard::{shard, ShardError, Sharding, MAX_KEY_RANGES};
 use cm_testkit::config::{env_config, PROPTEST_CASES};
 use proptest::prelude::*;
 use std::collections::BTreeSet;
@@ -17,8 +18,9 @@ fn dense(rows: &RowIntervals) -> Vec<BTreeSet<u32>> {
         .collect()
 }
 
-/// Checks every claim of `s` about `rows` pair by pair.
-fn check(rows: &RowIntervals, s: &Sharding) {
+/// Checks every claim of `s` about `rows` pair by pair; computed pairs at `tile` against
+/// the parts' rows planned one by one.
+fn check(rows: &RowIntervals, s: &Sharding, tile: TileShape) {
     let len = rows.q_len();
     let want = dense(rows);
     let ranks = s.ranks as usize;
@@ -40,11 +42,21 @@ fn check(rows: &RowIntervals, s: &Sharding) {
     }
     assert!(seen.iter().all(|&x| x));
     assert_eq!(s.offsets[ranks], len);
-    for r in 0..ranks {
+    let mut ranges = 0;
+    for (r, &computed_r) in s.computed_pairs(tile).iter().enumerate() {
         let n_r = s.shard_len(r);
         let mut got: Vec<BTreeSet<u32>> = vec![BTreeSet::new(); n_r as usize];
         let mut fetched = 0u64;
-        for (src, part) in s.parts[r].iter().enumerate() {
+        let mut reads = Vec::new();
+        let mut computed = 0u64;
+        for src in 0..ranks {
+            let part = s.part(r, src);
+            assert_eq!(part.keys, s.keys(r, src));
+            ranges += part.keys.len();
+            if !part.keys.is_empty() {
+                reads.push(src as u32);
+            }
+            computed += computed_pairs(&part.rows, tile);
             assert_eq!(part.rows.q_len(), n_r);
             assert_eq!(part.rows.kv_len(), part.fetched());
             part.rows.validate().unwrap();
@@ -84,10 +96,13 @@ fn check(rows: &RowIntervals, s: &Sharding) {
             );
             pairs += set.len() as u64;
         }
+        assert_eq!(s.sources(r).collect::<Vec<_>>(), reads);
+        assert_eq!(computed_r, computed, "rank {r} at {tile:?}");
         assert_eq!(s.work[r], pairs);
         assert_eq!(s.fetched(r), fetched);
         assert!(fetched <= s.ring_fetched(r));
     }
+    assert_eq!(s.key_ranges(), ranges);
 }
 
 /// Random masks: each row a few random intervals.
@@ -152,15 +167,69 @@ proptest! {
         ranks in 1u32..6,
         chunk in 1u32..20,
         seed in any::<u64>(),
+        block_m in 1u32..20,
+        block_n in 1u32..20,
     ) {
         let rows = random_rows(len, seed);
         match shard(&rows, ranks, chunk) {
-            Ok(s) => check(&rows, &s),
+            Ok(s) => check(&rows, &s, TileShape { block_m, block_n }),
             Err(ShardError::TooFewChunks { chunks, .. }) => prop_assert!(chunks < ranks),
             Err(ShardError::TooManyRanks { len: l, ranks: r }) => prop_assert!(l < r),
             Err(e) => prop_assert!(false, "{e}"),
         }
     }
+}
+
+proptest! {
+    #![proptest_config(env_config(PROPTEST_CASES, 200, 0x5a4e))]
+
+    /// Up to a rank per token: each rank's rows reach most sources, the case the
+    /// communication plan has to stay sparse for.
+    #[test]
+    fn many_ranks_hold_exactly_the_visible_pairs(
+        len in 1u32..70,
+        ranks_per_len in 0.5f64..=1.0,
+        chunk in 1u32..3,
+        seed in any::<u64>(),
+        block_m in 1u32..6,
+        block_n in 1u32..6,
+    ) {
+        let rows = random_rows(len, seed);
+        let ranks = ((f64::from(len.div_ceil(chunk)) * ranks_per_len) as u32).max(1);
+        let s = shard(&rows, ranks, chunk).unwrap();
+        check(&rows, &s, TileShape { block_m, block_n });
+    }
+}
+
+/// A causal mask with a rank per token: the rank holding token `q` reads one key from each
+/// rank holding a token up to `q`, and computes one pair per part.
+#[test]
+fn a_rank_per_token() {
+    let len = 4096u32;
+    let s = shard(&causal(len), len, 1).unwrap();
+    let tile = TileShape::default();
+    let computed = s.computed_pairs(tile);
+    for r in [0usize, 1, 1000, 2047, 4095] {
+        let q = s.order.order[s.offsets[r] as usize];
+        assert_eq!(s.work[r], u64::from(q) + 1);
+        assert_eq!(s.fetched(r), u64::from(q));
+        assert_eq!(s.sources(r).count() as u32, q + 1);
+        assert_eq!(computed[r], u64::from(q) + 1);
+        for src in s.sources(r) {
+            assert_eq!(s.keys(r, src as usize), &[(0, 1)]);
+            assert!(s.order.order[s.offsets[src as usize] as usize] <= q);
+        }
+        let part = s.part(r, s.sources(r).next().unwrap() as usize);
+        assert_eq!((part.rows.q_len(), part.rows.kv_len()), (1, 1));
+    }
+    assert_eq!(
+        s.key_ranges() as u64,
+        u64::from(len) * u64::from(len + 1) / 2
+    );
+    assert_eq!(
+        (0..len as usize).map(|r| s.fetched(r)).sum::<u64>(),
+        u64::from(len) * u64::from(len - 1) / 2
+    );
 }
 
 #[test]
@@ -175,7 +244,11 @@ fn odd_lengths_of_the_context_parallel_masks() {
                     causal(len),
                     documents(&[len / 3, len / 5, len - len / 3 - len / 5]),
                 ] {
-                    check(&rows, &shard(&rows, ranks, chunk).unwrap());
+                    check(
+                        &rows,
+                        &shard(&rows, ranks, chunk).unwrap(),
+                        TileShape::default(),
+                    );
                 }
             }
         }
@@ -240,16 +313,35 @@ fn bad_arguments_are_named() {
         shard(&rows, 200, 1).unwrap_err().to_string(),
         "100 tokens cannot give each of ranks = 200 a token: at most 100 ranks"
     );
-    // Every (rank, source) part plans all of its rank's rows: ranks x tokens row pointers.
+    // Ranks x tokens is no limit: here every rank reads one range, from rank 0.
     let long = RowIntervals::from_rows(1 << 20, &vec![vec![(0, 1)]; 1 << 20]).unwrap();
+    let s = shard(&long, 512, 16).unwrap();
+    assert_eq!(s.key_ranges(), 512);
+    assert!((0..512).all(|r| s.sources(r).eq([0])));
+    // Full attention with a rank per token: each of 2^15 ranks reads from every rank, 2^30
+    // ranges, refused before any is built.
+    let full = RowIntervals::from_rows(1 << 15, &vec![vec![(0, 1 << 15)]; 1 << 15]).unwrap();
+    let e = shard(&full, 1 << 15, 1).unwrap_err();
     assert_eq!(
-        shard(&long, 512, 16).unwrap_err(),
+        e,
         ShardError::TooLarge {
-            ranks: 512,
-            len: 1 << 20,
-            entries: 1 << 29
+            ranks: 1 << 15,
+            len: 1 << 15,
+            chunk: 1,
+            ranges: 1 << 30
         }
     );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "ranks = 32768 over 32768 tokens in chunks of 1: the ranks' rows see keys in up to \
+             1073741824 (rank, source) key ranges, more than the {MAX_KEY_RANGES} a sharding \
+             holds (12 bytes each); use fewer ranks"
+        )
+    );
+    // The same ranks with each rank's rows on one source's keys fit.
+    let s = shard(&long.clone(), 1 << 15, 32).unwrap();
+    assert_eq!(s.key_ranges(), 1 << 15);
     let wide = RowIntervals::from_rows(120, &vec![vec![(0, 1)]; 100]).unwrap();
     assert!(shard(&wide, 2, 8)
         .unwrap_err()

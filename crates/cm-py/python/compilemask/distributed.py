@@ -65,8 +65,8 @@ class ContextParallel:
 
     Rank ``r`` holds new positions ``offsets[r] .. offsets[r + 1]``, original tokens
     ``order[offsets[r]:offsets[r + 1]]`` (its chunks, ascending). ``ValueError`` when the
-    plan is not one square mask of batch 1 without score terms, or has fewer chunks than
-    ranks.
+    plan is not one square mask of batch 1 without score terms, has fewer chunks than
+    ranks, or its ranks' rows would read keys in more than 2^28 (rank, source) ranges.
     """
 
     __slots__ = ("_native", "plan", "_plans", "_index")
