@@ -329,3 +329,53 @@ def test_endless_iterators_for_array_parameters_stop_at_the_limit():
         program.plan(8, lengths=itertools.count(1))
     # An iterator of a reasonable length is an array like any other.
     assert program.plan(8, lengths=iter([3, 5])).rows(0, 8)[3] == [(3, 4)]
+
+
+# ---------------------------------------------------------------------------- iterators
+def test_endless_iterators_stop_at_each_inputs_limit():
+    import itertools
+
+    causal = cm.builtin("causal")
+    cases = [
+        (lambda: causal.plan(cu_seqlens_q=itertools.count()),
+         "cu_seqlens_q has more than 1048577"),
+        (lambda: causal.plan_step(1, itertools.count(1)), "kv_len has more than 1048576"),
+        (lambda: causal.plan_step(itertools.repeat(1), [5]), "q_len has more than 1048576"),
+        (lambda: causal.plan_step(1, [5], params=itertools.repeat({})),
+         "params has more than 1048576"),
+        (lambda: causal.plan_step(1, [5]).append(itertools.repeat(1)),
+         "new_tokens has more than 1048576"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # An order has q_len entries: past them it is a bad order, whatever follows.
+    for order in (itertools.count(), range(51)):
+        with pytest.raises(cm.PlanError, match="more than q_len = 50 entries") as e:
+            causal.plan(50, order=order)
+        assert e.value.code == "CM0407"
+
+
+def test_lengths_are_checked_before_indices_and_names_before_use():
+    with pytest.raises(cm.PlanError) as e:
+        cm.builtin("causal").brute_force_row(3, 0)
+    assert e.value.code == "CM0402" and "q_len = 0 is out of range" in str(e.value)
+    with pytest.raises(IndexError, match=r"q = 3 is out of range \[0, 2\)"):
+        cm.builtin("causal").brute_force_row(3, 2)
+    with pytest.raises(ValueError, match="a parameter name must be valid Unicode text"):
+        cm.builtin("sliding_window").plan(10, **{"\ud800": 3})
+    for side in (2 ** 40, -1):
+        with pytest.raises(cm.PlanError, match=r"expected 1 \.\.= 4294967295"):
+            cm.builtin("causal").plan(10, block_size=side)
+
+
+def test_numpy_scalars_are_counts_in_serving_steps():
+    np = pytest.importorskip("numpy")
+    causal = cm.builtin("causal")
+    step = causal.plan_step(np.int64(1), [5, 7])
+    assert step.q_len == [1, 1]
+    step.append(np.int64(2))
+    assert step.kv_len == [7, 9] and step.row(0) == [(0, 6)]
+    with pytest.raises(TypeError, match="kv_len must be a sequence of ints, one per sequence, "
+                                        "got int64"):
+        causal.plan_step(1, np.int64(5))

@@ -90,7 +90,10 @@ fn block(py: Python<'_>, what: &str, v: i64) -> PyResult<u32> {
         plan_error_msg(
             py,
             Code::ZeroTileSide,
-            format!("{what} = {v} is not a valid tile side"),
+            format!(
+                "{what} = {v} is not a valid tile side; expected 1 ..= {}",
+                u32::MAX
+            ),
             Some("tile sides are positive integers, e.g. block_size=(128, 128)".into()),
         )
     })
@@ -272,6 +275,19 @@ impl Program {
         h: i64,
         params: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<(u32, u32)>> {
+        // The lengths first, as planning checks them: an index is only out of range of a
+        // valid length (q_len = 0 is CM0402, not an empty range for q).
+        let given = [q_len, kv_len.unwrap_or(q_len), batch, num_heads];
+        for ((name, max), v) in compilemask::LENGTH_LIMITS.into_iter().zip(given) {
+            if !(1..=max).contains(&v) {
+                return Err(plan_error_msg(
+                    py,
+                    Code::LengthOutOfRange,
+                    format!("{name} = {v} is out of range; expected 1 ..= {max}"),
+                    None,
+                ));
+            }
+        }
         let bad = |what: &str, v: i64, n: i64| {
             pyo3::exceptions::PyIndexError::new_err(format!(
                 "{what} = {v} is out of range [0, {n})"

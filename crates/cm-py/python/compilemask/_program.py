@@ -205,6 +205,15 @@ def _ordered(name: str, value: Any, what: str) -> Iterable[Any]:
     return value
 
 
+def _bounded(name: str, items: Iterable[Any], limit: int, why: str) -> Iterator[tuple[int, Any]]:
+    """``enumerate(items)``, or ``ValueError`` naming ``name`` once it passes ``limit``
+    entries, so that an endless iterator stops there instead of filling memory."""
+    for i, x in enumerate(items):
+        if i == limit:
+            raise ValueError(f"{name} has more than {limit} entries ({why})")
+        yield i, x
+
+
 def _source_text(name: str, text: Any) -> str:
     """``text`` if it is a ``str`` that encodes as UTF-8 (no lone surrogates)."""
     if not isinstance(text, str):
@@ -233,13 +242,8 @@ def _param_value(name: str, value: Any) -> int | list[int]:
         return value
     value = _ordered(f"parameter `{name}`", value, "an int or a list of ints")
     out: list[int] = []
-    for i, x in enumerate(value):
-        if i == _ARRAY_MAX:
-            # An endless iterator stops here instead of filling memory.
-            raise ValueError(
-                f"parameter `{name}` has more than {_ARRAY_MAX} entries (2^24, the most "
-                "segments a segmentation may have)"
-            )
+    for _, x in _bounded(f"parameter `{name}`", value, _ARRAY_MAX,
+                         "2^24, the most segments a segmentation may have"):
         if isinstance(x, bool):
             raise TypeError(f"parameter `{name}`: expected ints, got bool {x!r}")
         try:
@@ -251,9 +255,10 @@ def _param_value(name: str, value: Any) -> int | list[int]:
     return out
 
 
-def _order_value(order: Any) -> str | list[int] | None:
+def _order_value(order: Any, q_len: int) -> str | list[int] | None:
     """``None``, ``"raster"``, ``"auto"``, or a list of ints from any sequence of ints (a
-    list, a range, a numpy array, a torch tensor)."""
+    list, a range, a numpy array, a torch tensor) of at most ``q_len`` entries (CM0407
+    past them, so that an endless iterator stops)."""
     if order is None or isinstance(order, str):
         return order
     if hasattr(order, "tolist"):
@@ -263,6 +268,12 @@ def _order_value(order: Any) -> str | list[int] | None:
     )
     out: list[int] = []
     for i, x in enumerate(order):
+        if i == max(q_len, 1):
+            raise _plan_error(
+                "CM0407",
+                f"bad token order: more than q_len = {q_len} entries",
+                "an order lists every position 0 .. q_len - 1 once",
+            )
         if isinstance(x, bool):
             raise TypeError(f"order[{i}]: expected an int, got bool")
         try:
@@ -293,7 +304,8 @@ def _offsets(name: str, value: Any) -> list[int]:
         value = value.tolist()
     value = _ordered(name, value, "a sequence of ints (batch + 1 offsets)")
     out: list[int] = []
-    for i, x in enumerate(value):
+    for i, x in _bounded(name, value, _LENGTH_MAX["batch"] + 1,
+                         "batch + 1 offsets, at most 2^20 samples"):
         if isinstance(x, bool):
             raise TypeError(f"{name}[{i}]: expected an int, got bool")
         try:
@@ -317,7 +329,8 @@ def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
             raise TypeError
         v = operator.index(v)
         if not 0 <= v < (1 << 32):
-            raise _plan_error("CM0401", f"block_size side {v} is not a valid tile side",
+            raise _plan_error("CM0401", f"block_size side {v} is not a valid tile side; "
+                                        f"expected 1 ..= {(1 << 32) - 1}",
                               "tile sides are positive integers, e.g. block_size=(128, 128)")
         return v
 
@@ -417,6 +430,7 @@ class Program:
     def _check_names(self, params: Mapping[str, Any]) -> None:
         declared = [n for n, _, _ in self._native.params]
         for name in params:
+            _source_text("a parameter name", name)
             if name not in declared:
                 listed = ", ".join(declared) if declared else "none"
                 raise _plan_error(
@@ -510,21 +524,22 @@ class Program:
                 bm,
                 bn,
                 self._params(params),
-                _order_value(order),
+                _order_value(order, cu_q[-1] if cu_q else 0),
             )
             _warn(native)
             return Plan(native, self)
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
+        rows = _length("q_len", q_len)
         native = self._native.plan(
-            _length("q_len", q_len),
+            rows,
             None if kv_len is None else _length("kv_len", kv_len),
             1 if batch is None else _length("batch", batch),
             1 if num_heads is None else _length("num_heads", num_heads),
             bm,
             bn,
             self._params(params),
-            _order_value(order),
+            _order_value(order, rows),
         )
         _warn(native)
         return Plan(native, self)

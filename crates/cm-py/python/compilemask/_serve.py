@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _native
-from ._program import _flag, _index, _int, _length, _ordered, _type_name
+from ._program import _LENGTH_MAX, _bounded, _flag, _index, _int, _length, _ordered, _type_name
 
 if TYPE_CHECKING:
     import torch
@@ -82,12 +82,22 @@ def _ints(raw: bytes) -> list[int]:
     return a.tolist()
 
 
+# Most sequences one step may have (the planner's batch limit); an endless iterator of
+# per-sequence values stops there.
+_MAX_SEQS = _LENGTH_MAX["batch"]
+_MAX_SEQS_WHY = "one per sequence, at most 2^20 sequences"
+
+
 def _int_list(name: str, value: Any) -> list[int]:
     """A list of ints from a sequence, an iterator, a numpy array or an integer tensor."""
+    given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
+        if not isinstance(value, list):  # a scalar, named as the caller gave it
+            raise TypeError(f"{name} must be a sequence of ints, one per sequence, got "
+                            f"{_type_name(given)}")
     value = _ordered(name, value, "a sequence of ints, one per sequence")
-    out = [_int(f"{name}[{i}]", x) for i, x in enumerate(value)]
+    out = [_int(f"{name}[{i}]", x) for i, x in _bounded(name, value, _MAX_SEQS, _MAX_SEQS_WHY)]
     for i, x in enumerate(out):
         if not -(1 << 63) <= x < (1 << 63):
             raise ValueError(f"{name}[{i}] = {x} is out of range")
@@ -95,7 +105,10 @@ def _int_list(name: str, value: Any) -> list[int]:
 
 
 def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
-    """One int per sequence: an int (the same for every sequence) or a sequence of ints."""
+    """One int per sequence: an int (the same for every sequence; a numpy or torch scalar
+    too) or a sequence of ints."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()  # numpy / torch: scalars become int, arrays lists
     if isinstance(value, int) and not isinstance(value, bool):
         return _int_list(name, [value] * num_seqs)
     return _int_list(name, value)
@@ -109,7 +122,7 @@ def _seq_params(program: Program, params: Any) -> list[dict[str, Any]] | None:
 
     params = _ordered("params", params, "a list of dicts, one per sequence")
     out = []
-    for i, p in enumerate(params):
+    for i, p in _bounded("params", params, _MAX_SEQS, _MAX_SEQS_WHY):
         if not isinstance(p, Mapping):
             raise TypeError(f"params[{i}] must be a dict of parameter values, got {_type_name(p)}")
         program._check_names(p)
