@@ -84,7 +84,84 @@ def test_errors_name_the_value():
         cp.shard([0] * 100, 0)
 
 
-torch = pytest.importorskip("torch", reason="torch is not installed")
+# Every public method taking a rank or source index, as (name, call with (rank, source)); the
+# others of a call get a valid rank. shard, key_index and order need torch: below.
+RANK_METHODS = [
+    ("shard_len", ("rank",), lambda cp, r, s: cp.shard_len(r)),
+    ("fetched", ("rank",), lambda cp, r, s: cp.fetched(r)),
+    ("ring_fetched", ("rank",), lambda cp, r, s: cp.ring_fetched(r)),
+    ("keys", ("rank", "source"), lambda cp, r, s: cp.keys(r, s)),
+    ("part_plan", ("rank", "source"), lambda cp, r, s: cp.part_plan(r, s)),
+]
+
+
+def _same(a, b):
+    """Equal results of two calls (plans by their intervals)."""
+    if isinstance(a, cm.Plan):
+        return a.intervals(0) == b.intervals(0) and a.visible_pairs == b.visible_pairs
+    return a == b
+
+
+def _check_rank_arguments(cp, methods, numpy=None):
+    """Each rank / source argument of ``methods``: wrong types are ``TypeError`` naming it,
+    values outside ``0 .. ranks`` (past 64 bits included) ``IndexError`` naming it and the
+    range, NumPy ints the same as ints."""
+    ranks = cp.ranks
+    for name, args, call in methods:
+        for pos, arg in enumerate(args):
+            def at(value, pos=pos):
+                return call(cp, *[value if i == pos else 1 for i in range(2)])
+
+            for bad, shown in ((True, "bool True"), (False, "bool False"), (1.0, "float 1.0"),
+                               (None, "NoneType None"), ("1", "str '1'")):
+                with pytest.raises(TypeError, match=f"^{arg} must be an int, got {shown}$"):
+                    at(bad)
+            for bad in (2**64, -(2**64), 2**63, -1, ranks):
+                with pytest.raises(IndexError, match=rf"^{arg} = {bad} is out of range; "
+                                                     rf"expected 0 \.\. {ranks} "):
+                    at(bad)
+            want = [at(r) for r in range(ranks)]
+            if numpy is not None:
+                for r in range(ranks):
+                    for t in (numpy.int64, numpy.int32, numpy.uint8):
+                        assert _same(at(t(r)), want[r]), (name, arg, t, r)
+                with pytest.raises(IndexError, match=f"^{arg} = {ranks} is out of range"):
+                    at(numpy.int64(ranks))
+                with pytest.raises(TypeError, match=f"^{arg} must be an int, got float64"):
+                    at(numpy.float64(1))
+
+
+def test_rank_arguments_are_checked():
+    plan = cm.builtin("document_causal", lengths=[30, 50, 44]).plan(124)
+    cp = ContextParallel(plan, ranks=3, chunk=8)
+    _check_rank_arguments(cp, RANK_METHODS)
+    # Results of valid ranks are those of the native sharding, whatever the caller's int type.
+    assert cp.keys(1, 0) == cp._native.keys(1, 0)
+    assert cp.shard_len(2) == cp.offsets[3] - cp.offsets[2]
+    # A bool must not reach the plan cache as the rank it hashes as.
+    with pytest.raises(TypeError, match="rank must be an int, got bool True"):
+        cp.part_plan(True, 0)
+
+
+def test_rank_arguments_accept_numpy_ints():
+    np = pytest.importorskip("numpy")
+    plan = cm.builtin("document_causal", lengths=[30, 50, 44]).plan(124)
+    cp = ContextParallel(plan, ranks=3, chunk=8)
+    _check_rank_arguments(cp, RANK_METHODS, np)
+    same = ContextParallel(plan, ranks=np.int64(3), chunk=np.int32(8))
+    assert (same.ranks, same.chunk, same.offsets) == (3, 8, cp.offsets)
+    with pytest.raises(ValueError, match=r"ranks must be in \[1, 4294967295\], got 0"):
+        ContextParallel(plan, ranks=np.int64(0))
+    with pytest.raises(TypeError, match="chunk must be an int, got float64"):
+        ContextParallel(plan, ranks=2, chunk=np.float64(8))
+
+
+# Not pytest.importorskip at module level: that would skip the tests above too.
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 def _inputs(n, dtype, device, seed):
@@ -103,6 +180,7 @@ def _grads(out, lse, q, k, v, seed):
     return torch.autograd.grad(loss, (q, k, v))
 
 
+@needs_torch
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name,make", WORKLOADS)
 def test_simulated_ranks_match_the_whole_sequence(name, make, ranks):
@@ -139,6 +217,7 @@ def _gloo_worker(rank, ranks, init, outdir, n):
         dist.destroy_process_group()
 
 
+@needs_torch
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_gloo_ranks_match_the_whole_sequence(tmp_path, ranks):
     import torch.distributed as dist
@@ -166,6 +245,7 @@ def test_gloo_ranks_match_the_whole_sequence(tmp_path, ranks):
         assert (got - want).abs().max().item() < 1e-12, "qkv"[i]
 
 
+@needs_torch
 def test_shard_and_unshard_are_inverse():
     cp = ContextParallel(cm.builtin("causal").plan(1000), ranks=3, chunk=64)
     x = torch.arange(1000.0).view(1, 1, 1000, 1)
@@ -176,21 +256,35 @@ def test_shard_and_unshard_are_inverse():
     assert torch.equal(torch.sort(order).values, torch.arange(1000))
 
 
+@needs_torch
 def test_shard_and_unshard_refuse_bad_ranks_and_shapes():
     cp = ContextParallel(cm.builtin("causal").plan(300), ranks=3, chunk=32)
     x = torch.zeros(1, 2, 300, 8)
-    for rank in (-1, 3, True, 1.0):
-        with pytest.raises(IndexError, match=f"rank = {rank!r} is out of range; the sharding has ranks = 3"):
+    for rank in (-1, 3, 2**64):
+        with pytest.raises(IndexError, match=rf"rank = {rank} is out of range; expected 0 \.\. 3 "
+                                             r"\(half-open: the sharding has ranks = 3\)"):
+            cp.shard(x, rank)
+    for rank, shown in ((True, "bool True"), (1.0, "float 1.0"), (None, "NoneType None")):
+        with pytest.raises(TypeError, match=f"rank must be an int, got {shown}"):
             cp.shard(x, rank)
     with pytest.raises(IndexError, match="rank = -1 is out of range"):
         cp.shard_len(-1)
+    # key_index and shard take the checks of the methods without torch.
+    _check_rank_arguments(cp, [
+        ("key_index", ("rank", "source"), lambda cp, r, s: cp.key_index(r, s).tolist()),
+        ("shard", ("rank",), lambda cp, r, s: cp.shard(x + torch.arange(300.0)[:, None], r)
+         .tolist()),
+    ])
     with pytest.raises(ValueError, match=r"300 positions \(the plan's q_len\), got shape \(1, 2, 299, 8\)"):
         cp.shard(torch.zeros(1, 2, 299, 8), 0)
     with pytest.raises(ValueError, match="along dim 0"):
         cp.shard(x, 0, dim=0)
-    for dim in (7, -5, 1.0, True):
-        with pytest.raises(ValueError, match=rf"dim = {dim!r} is not a dimension of a tensor of "
+    for dim in (7, -5, 2**64):
+        with pytest.raises(IndexError, match=rf"dim = {dim} is not a dimension of a tensor of "
                                              r"shape \(1, 2, 300, 8\) \(expected -4 to 3\)"):
+            cp.shard(x, 0, dim=dim)
+    for dim, shown in ((1.0, "float 1.0"), (True, "bool True"), (None, "NoneType None")):
+        with pytest.raises(TypeError, match=f"dim must be an int, got {shown}"):
             cp.shard(x, 0, dim=dim)
     with pytest.raises(ValueError, match="200 tokens cannot give each of ranks = 300 a token"):
         ContextParallel(cm.builtin("causal").plan(200), ranks=300, chunk=1)
@@ -200,9 +294,11 @@ def test_shard_and_unshard_refuse_bad_ranks_and_shapes():
         cp.unshard([shards[2], shards[1], shards[0]])
 
 
-CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+CUDA = (torch is not None and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0))
 
 
+@needs_torch
 @pytest.mark.skipif(not CUDA, reason="needs a Hopper GPU (compute capability 9.0)")
 @pytest.mark.parametrize("name,make", WORKLOADS)
 def test_simulated_ranks_on_the_gpu(name, make):

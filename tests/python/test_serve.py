@@ -550,3 +550,66 @@ def test_cuda_refuses_what_the_kernel_lacks(torch):
         with pytest.raises(NotImplementedError, match="got float32"):
             cm.paged_attention(torch.zeros(1, 1, 8, device=dev), kc.float().to(dev),
                                vc.float().to(dev), table.to(dev), step, kernel=kernel)
+
+
+def test_one_step_shared_between_threads():
+    """Appends from several threads, with readers between them, on one Step: every call
+    succeeds (no "Already mutably borrowed"), no append is lost, and the step ends as the same
+    appends made one after another leave it."""
+    import sys
+    import threading
+
+    # A mask that reads b: rows are planned, not looked up, so each append holds the step
+    # (with the GIL released) long enough for the other threads to reach it.
+    program = cm.compile("mask = k <= q & (k + b) % 3 != 0;")
+    q_len, kv_len = [1] * 6, [3000, 2000, 4000, 1000, 2500, 3500]
+    step = program.plan_step(q_len, kv_len)
+    writers, appends, readers = 3, 40, 2
+    errors: list = []
+    done = threading.Event()
+    start = threading.Barrier(writers + readers)
+
+    def write():
+        try:
+            start.wait()
+            for _ in range(appends):
+                step.append(1)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def read():
+        try:
+            start.wait()
+            while not done.is_set():
+                assert len(step.row(0)) > 0
+                kv = step.kv_len
+                assert step.q_len == q_len and len(kv) == 6
+                assert step.total_q == 6 and step.num_seqs == 6
+                step._native.prefill_arrays(2)
+                step._native.arrays()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=write) for _ in range(writers)]
+        reading = [threading.Thread(target=read) for _ in range(readers)]
+        for t in threads + reading:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        for t in reading:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+
+    sequential = program.plan_step(q_len, kv_len)
+    for _ in range(writers * appends):
+        sequential.append(1)
+    assert step.kv_len == sequential.kv_len == [n + writers * appends for n in kv_len]
+    assert step._native.arrays() == sequential._native.arrays()
+    assert [step.row(r) for r in range(step.total_q)] == [
+        sequential.row(r) for r in range(sequential.total_q)]

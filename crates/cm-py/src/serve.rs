@@ -3,16 +3,25 @@
 //! The step's arrays cross as native-endian `int32` bytes.
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use compilemask::{Float, PagedShape, StepError, StepPlan, Value};
 use pyo3::buffer::Element;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::convert::{self, py_bytes, read_three, read_vec, NeBytes};
 use crate::errors::plan_error;
 use crate::reference::{bytearray, Forward};
+
+/// `Step.arrays`' result: `(cu_q, kv_len, row_ptr, intervals)`.
+type StepArrays<'py> = (
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
 
 /// `Step.prefill_arrays`' result: `(descriptor arrays, key_blocks, kv_len, row_index,
 /// q_rows)`.
@@ -54,52 +63,76 @@ pub fn seq_params(
 }
 
 /// A planned serving step (private; wrapped by `compilemask.Step`).
-#[pyclass(module = "compilemask._native", name = "Step")]
+///
+/// One Python `Step` may be shared between threads, and `append` / `replan` /
+/// `prefill_arrays` run with the GIL released, so the state sits behind a mutex (`frozen`: no
+/// PyO3 borrow flag, whose conflicts surface as a bare "Already mutably borrowed" and lose the
+/// call). The mutex is only ever taken with the GIL released and dropped before it is taken
+/// back: a thread waiting for it while holding the GIL would deadlock against the holder.
+#[pyclass(frozen, module = "compilemask._native", name = "Step")]
 pub struct Step {
-    pub inner: compilemask::Step,
+    inner: Mutex<compilemask::Step>,
     pub program: compilemask::Program,
+}
+
+impl Step {
+    /// Runs `f` on the state with the GIL released, after the calls before it on this step.
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut compilemask::Step) -> R + Send,
+    ) -> PyResult<R> {
+        py.detach(|| match self.inner.lock() {
+            Ok(mut step) => Ok(f(&mut step)),
+            // A panic inside an earlier call may have left the step half-updated.
+            Err(_) => Err(PyRuntimeError::new_err(
+                "this Step is unusable: an earlier call on it panicked",
+            )),
+        })
+    }
 }
 
 #[pymethods]
 impl Step {
     #[getter]
-    fn num_seqs(&self) -> usize {
-        self.inner.plan().num_seqs()
+    fn num_seqs(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.plan().num_seqs())
     }
 
     #[getter]
-    fn total_q(&self) -> usize {
-        self.inner.plan().total_q()
+    fn total_q(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.plan().total_q())
     }
 
     #[getter]
-    fn num_intervals(&self) -> usize {
-        self.inner.plan().num_intervals()
+    fn num_intervals(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.plan().num_intervals())
     }
 
     /// Whether the planner reads rows from its piece cache (see `cm_serve`).
     #[getter]
-    fn caches_pieces(&self) -> bool {
-        self.inner.planner().caches_pieces()
+    fn caches_pieces(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |s| s.planner().caches_pieces())
     }
 
     /// `(cu_q, kv_len, row_ptr, intervals)` as native-endian `int32` bytes.
-    fn arrays<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> (
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-    ) {
-        let p = self.inner.plan();
-        (
-            py_bytes(py, p.cu_q()),
-            py_bytes(py, p.kv_len()),
-            py_bytes(py, p.row_ptr()),
-            py_bytes(py, p.intervals()),
-        )
+    fn arrays<'py>(&self, py: Python<'py>) -> PyResult<StepArrays<'py>> {
+        // Copied out under the lock so that the four arrays are of one state.
+        let (cu_q, kv_len, row_ptr, intervals) = self.with(py, |s| {
+            let p = s.plan();
+            (
+                p.cu_q().to_vec(),
+                p.kv_len().to_vec(),
+                p.row_ptr().to_vec(),
+                p.intervals().to_vec(),
+            )
+        })?;
+        Ok((
+            py_bytes(py, &cu_q),
+            py_bytes(py, &kv_len),
+            py_bytes(py, &row_ptr),
+            py_bytes(py, &intervals),
+        ))
     }
 
     /// The step laid out for the paged forward (`cm_serve::StepPlan::prefill` at
@@ -114,9 +147,9 @@ impl Step {
     /// (GIL released). `ValueError` when the layout is too large or `row_group` is 0.
     #[pyo3(signature = (row_group = 1))]
     fn prefill_arrays<'py>(&self, py: Python<'py>, row_group: u32) -> PyResult<PrefillArrays<'py>> {
-        let plan = self.inner.plan();
-        let built = py.detach(|| -> Result<_, String> {
-            let prefill = plan
+        let built = self.with(py, |s| -> Result<_, String> {
+            let prefill = s
+                .plan()
                 .prefill(compilemask::PrefillShape {
                     key_block: cm_cuda::PREFILL_KEY_BLOCK,
                     row_block: cm_cuda::PREFILL_ROW_BLOCK,
@@ -125,7 +158,7 @@ impl Step {
                 .map_err(|e| e.to_string())?;
             let host = cm_cuda::prefill_host_plan(&prefill.rows).map_err(|e| e.to_string())?;
             Ok((host, prefill))
-        });
+        })?;
         let (host, prefill) = built.map_err(PyValueError::new_err)?;
         Ok((
             host.arrays().iter().map(|a| py_bytes(py, a)).collect(),
@@ -137,36 +170,38 @@ impl Step {
     }
 
     /// Row `r`'s intervals; `IndexError` outside `[0, total_q)` (negative rows included).
-    fn row(&self, r: i64) -> PyResult<Vec<(u32, u32)>> {
-        let p = self.inner.plan();
-        match usize::try_from(r) {
-            Ok(r) if r < p.total_q() => Ok(p.row(r).collect()),
-            _ => Err(pyo3::exceptions::PyIndexError::new_err(format!(
-                "row {r} is out of range; the step has total_q = {} rows",
-                p.total_q()
-            ))),
-        }
+    fn row(&self, py: Python<'_>, r: i64) -> PyResult<Vec<(u32, u32)>> {
+        let got = self.with(py, |s| {
+            let p = s.plan();
+            match usize::try_from(r) {
+                Ok(r) if r < p.total_q() => Ok(p.row(r).collect()),
+                _ => Err(p.total_q()),
+            }
+        })?;
+        got.map_err(|total_q| {
+            PyIndexError::new_err(format!(
+                "row {r} is out of range; the step has total_q = {total_q} rows"
+            ))
+        })
     }
 
     /// The next step: sequence `s` gains `new_tokens[s]` tokens, its new rows (GIL released).
-    fn append(&mut self, py: Python<'_>, new_tokens: Vec<i64>) -> PyResult<()> {
-        let step = &mut self.inner;
-        py.detach(|| crate::deep(|| step.append(&new_tokens)))
+    fn append(&self, py: Python<'_>, new_tokens: Vec<i64>) -> PyResult<()> {
+        self.with(py, |s| crate::deep(|| s.append(&new_tokens)))?
             .map_err(|e| step_error(py, &self.program, &e))
     }
 
     /// A step of other sequences with the same planner and its cache (GIL released).
     #[pyo3(signature = (q_len, kv_len, params = None))]
     fn replan(
-        &mut self,
+        &self,
         py: Python<'_>,
         q_len: Vec<i64>,
         kv_len: Vec<i64>,
         params: Option<&Bound<'_, PyList>>,
     ) -> PyResult<()> {
         let own = seq_params(params)?;
-        let step = &mut self.inner;
-        py.detach(|| crate::deep(|| step.replan(&q_len, &kv_len, own)))
+        self.with(py, |s| crate::deep(|| s.replan(&q_len, &kv_len, own)))?
             .map_err(|e| step_error(py, &self.program, &e))
     }
 }
@@ -189,7 +224,7 @@ pub fn plan_step(
     });
     match result {
         Ok(inner) => Ok(Step {
-            inner,
+            inner: Mutex::new(inner),
             program: program.clone(),
         }),
         Err(e) => Err(step_error(py, program, &e)),

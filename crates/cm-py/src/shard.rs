@@ -35,8 +35,9 @@ impl Sharding {
             Ok(r as usize)
         } else {
             Err(PyIndexError::new_err(format!(
-                "{what} = {r} is out of range; the sharding has ranks = {}",
-                self.inner.ranks
+                "{what} = {r} is out of range; expected 0 .. {n} (half-open: the sharding has \
+                 ranks = {n})",
+                n = self.inner.ranks
             )))
         }
     }

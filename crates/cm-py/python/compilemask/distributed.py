@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ._program import Plan, _flag
+from ._program import Plan, _flag, _int
 from ._torch import require_torch
 
 __all__ = ["ContextParallel", "attention", "simulate"]
@@ -43,20 +43,36 @@ __all__ = ["ContextParallel", "attention", "simulate"]
 _U32_MAX = 2**32 - 1
 
 
-def _check_count(name: str, value: Any) -> None:
-    """``TypeError`` unless ``value`` is an int (bools are not), ``ValueError`` unless it is
-    in ``[1, 2^32)``."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if not 1 <= value <= _U32_MAX:
-        raise ValueError(f"{name} must be in [1, {_U32_MAX}], got {value}")
+def _check_count(name: str, value: Any) -> int:
+    """``value`` as an int (any ``__index__`` type, as NumPy's; never a bool, ``TypeError``
+    otherwise), ``ValueError`` unless it is in ``[1, 2^32)``."""
+    v = _int(name, value)
+    if not 1 <= v <= _U32_MAX:
+        raise ValueError(f"{name} must be in [1, {_U32_MAX}], got {v}")
+    return v
 
 
-def _check_dim(dim: Any, x: Any) -> None:
-    """``ValueError`` unless ``dim`` is a dimension of ``x`` (negative counts from the end)."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim = {dim!r} is not a dimension of a tensor of shape "
+def _check_rank(name: str, value: Any, ranks: int) -> int:
+    """A rank or source rank as an int (``TypeError`` as :func:`_check_count`), ``IndexError``
+    unless it is in ``0 .. ranks``. Checked here, before the native layer, whose 64-bit
+    conversion would give an ``OverflowError``, and before any cache keyed by it: ``True``
+    hashes as ``1``."""
+    v = _int(name, value)
+    # A negative rank would index the offsets from the end: an empty or wrong shard.
+    if not 0 <= v < ranks:
+        raise IndexError(f"{name} = {v} is out of range; expected 0 .. {ranks} (half-open: "
+                         f"the sharding has ranks = {ranks})")
+    return v
+
+
+def _check_dim(dim: Any, x: Any) -> int:
+    """``dim`` as an int (``TypeError`` as :func:`_check_count`), ``IndexError`` unless it is
+    a dimension of ``x`` (negative counts from the end)."""
+    d = _int("dim", dim)
+    if not -x.dim() <= d < x.dim():
+        raise IndexError(f"dim = {d} is not a dimension of a tensor of shape "
                          f"{tuple(x.shape)} (expected -{x.dim()} to {x.dim() - 1})")
+    return d
 
 
 class ContextParallel:
@@ -75,9 +91,9 @@ class ContextParallel:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
         # The native sharding counts ranks and chunk tokens in 32 bits.
-        _check_count("ranks", ranks)
+        ranks = _check_count("ranks", ranks)
         if chunk is not None:
-            _check_count("chunk", chunk)
+            chunk = _check_count("chunk", chunk)
         self._native = plan._native.shard(ranks, chunk)
         self.plan = plan
         self._plans: dict = {}
@@ -111,31 +127,35 @@ class ContextParallel:
         """Pairs each rank's kernels compute at the plan's tile (its parts' non-empty tiles)."""
         return self._native.computed_pairs()
 
-    def shard_len(self, rank: int) -> int:
-        self._check_rank(rank)
-        return self.offsets[rank + 1] - self.offsets[rank]
+    # Every rank and source argument goes through _rank / _pair: ``TypeError`` for what is not
+    # an int (bools, floats, None), ``IndexError`` naming it outside ``0 .. ranks``.
+    def _rank(self, rank: Any) -> int:
+        return _check_rank("rank", rank, self.ranks)
 
-    def _check_rank(self, rank: Any) -> None:
-        # A negative rank would index the offsets from the end: an empty or wrong shard.
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.ranks:
-            raise IndexError(
-                f"rank = {rank!r} is out of range; the sharding has ranks = {self.ranks}"
-            )
+    def _pair(self, rank: Any, source: Any) -> tuple[int, int]:
+        return self._rank(rank), _check_rank("source", source, self.ranks)
+
+    def shard_len(self, rank: int) -> int:
+        """Tokens rank ``rank`` holds."""
+        r = self._rank(rank)
+        offsets = self.offsets
+        return offsets[r + 1] - offsets[r]
 
     def fetched(self, rank: int) -> int:
         """Keys ``rank`` fetches from the other ranks (K and V each)."""
-        return self._native.fetched(rank)
+        return self._native.fetched(self._rank(rank))
 
     def ring_fetched(self, rank: int) -> int:
         """Keys ring attention would move to ``rank``: every other rank's."""
-        return self._native.ring_fetched(rank)
+        return self._native.ring_fetched(self._rank(rank))
 
     def keys(self, rank: int, source: int) -> list[tuple[int, int]]:
         """Ranges of ``source``'s local key positions that ``rank``'s rows see."""
-        return self._native.keys(rank, source)
+        return self._native.keys(*self._pair(rank, source))
 
     def part_plan(self, rank: int, source: int) -> Plan:
         """``rank``'s rows against the keys it reads from ``source``, compacted, as a plan."""
+        rank, source = self._pair(rank, source)
         key = (rank, source)
         if key not in self._plans:
             self._plans[key] = Plan(self._native.part_plan(rank, source), self.plan.program)
@@ -164,6 +184,7 @@ class ContextParallel:
     def key_index(self, rank: int, source: int, device: Any = None) -> Any:
         """The local key positions of ``source`` that ``rank`` fetches, as an int64 tensor."""
         torch = require_torch("ContextParallel.key_index")
+        rank, source = self._pair(rank, source)
         key = (rank, source, str(device))
         if key not in self._index:
             ranges = self.keys(rank, source)
@@ -176,11 +197,12 @@ class ContextParallel:
         """Rank ``rank``'s tokens of ``x`` (positions in the program's order along ``dim``).
 
         ``x`` holds the whole sequence along ``dim``: ``plan.q_len`` positions (``ValueError``
-        otherwise); ``IndexError`` for a rank outside ``[0, ranks)``."""
-        self._check_rank(rank)
+        otherwise); ``IndexError`` for a rank outside ``0 .. ranks`` or a ``dim`` that ``x``
+        lacks."""
+        rank = self._rank(rank)
         if not hasattr(x, "shape") or not hasattr(x, "index_select"):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        _check_dim(dim, x)
+        dim = _check_dim(dim, x)
         if x.shape[dim] != self.plan.q_len:
             raise ValueError(
                 f"shard takes the whole sequence along dim {dim}: {self.plan.q_len} positions "
@@ -196,7 +218,7 @@ class ContextParallel:
         if len(shards) != self.ranks:
             raise ValueError(f"unshard takes one tensor per rank ({self.ranks}), got {len(shards)}")
         for rank, t in enumerate(shards):
-            _check_dim(dim, t)
+            dim = _check_dim(dim, t)
             if t.shape[dim] != self.shard_len(rank):
                 raise ValueError(
                     f"shard {rank} must hold rank {rank}'s {self.shard_len(rank)} positions along "
