@@ -613,3 +613,36 @@ def test_one_step_shared_between_threads():
     assert step._native.arrays() == sequential._native.arrays()
     assert [step.row(r) for r in range(step.total_q)] == [
         sequential.row(r) for r in range(sequential.total_q)]
+
+
+def test_tensors_of_a_shared_step_follow_its_appends():
+    """`to_tensors` racing `append` on one Step never caches an older step's tensors: after
+    the threads stop, the cached tensors are the final step's."""
+    torch = pytest.importorskip("torch")
+    import threading
+
+    step = cm.builtin("causal").plan_step(1, [300, 200, 400])
+    done = threading.Event()
+    errors: list = []
+
+    def read():
+        try:
+            while not done.is_set():
+                step.to_tensors()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for _ in range(200):
+        step.append(1)
+    done.set()
+    for t in readers:
+        t.join()
+    assert errors == []
+    cached = step.to_tensors()
+    assert cached.kv_len.tolist() == [500, 400, 600] == step.kv_len
+    fresh = cm.builtin("causal").plan_step(1, [500, 400, 600]).to_tensors()
+    for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
+        assert torch.equal(getattr(cached, name), getattr(fresh, name)), name

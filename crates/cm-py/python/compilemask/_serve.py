@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import math
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -151,12 +152,16 @@ class Step:
     kv_len[s]`` with batch index ``b = s``. One mask serves every head.
     """
 
-    __slots__ = ("_native", "_program", "_tensors")
+    __slots__ = ("_native", "_program", "_tensors", "_lock")
 
     def __init__(self, native: _native.Step, program: Program):
         self._native = native
         self._program = program
         self._tensors: dict[str, StepTensors | PrefillTensors] = {}
+        # The native step serialises its own calls; this keeps the tensor cache in step
+        # with it when threads share a Step (tensors of an old step must not be stored
+        # after an append has cleared the cache).
+        self._lock = threading.RLock()
 
     @property
     def program(self) -> Program:
@@ -227,17 +232,20 @@ class Step:
         which are its new rows (``q_len[s] = new_tokens[s]``, ``kv_len[s]`` grows by as much).
         Only those rows are planned; each sequence keeps its parameters. Returns the step.
         On an error (``ValueError``) the step is unchanged."""
-        self._native.append(_counts("new_tokens", new_tokens, self.num_seqs))
-        self._tensors.clear()
+        with self._lock:
+            self._native.append(_counts("new_tokens", new_tokens, self.num_seqs))
+            self._tensors.clear()
         return self
 
     def replan(self, q_len: Any, kv_len: Any, params: Any = None) -> Step:
         """A step of other sequences (the batch changed), in place, with the same program,
         shared parameters and piece cache; ``params`` as in :meth:`Program.plan_step`."""
         kv = _int_list("kv_len", kv_len)
-        self._native.replan(_counts("q_len", q_len, len(kv)), kv,
-                            _seq_params(self._program, params))
-        self._tensors.clear()
+        q = _counts("q_len", q_len, len(kv))
+        own = _seq_params(self._program, params)
+        with self._lock:
+            self._native.replan(q, kv, own)
+            self._tensors.clear()
         return self
 
     def to_tensors(self, device: Any = None) -> StepTensors:
@@ -247,18 +255,19 @@ class Step:
 
         torch = require_torch("Step.to_tensors")
         key = _cache_key(torch, device)
-        cached = self._tensors.get(key)
-        if cached is not None:
-            return cached
-        dev = torch.device(key)
-        cu, kv, rp, iv = self._arrays()
-        n, t = self.num_seqs, self.total_q
-        offsets = _ints(cu)
-        max_q = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-        out = StepTensors(_int32(torch, cu, (n + 1,), dev), _int32(torch, kv, (n,), dev),
-                          _int32(torch, rp, (t + 1,), dev),
-                          _int32(torch, iv, (len(iv) // 4,), dev), n, t, max_q)
-        self._tensors[key] = out
+        with self._lock:
+            cached = self._tensors.get(key)
+            if cached is not None:
+                return cached
+            dev = torch.device(key)
+            cu, kv, rp, iv = self._arrays()
+            n, t = self.num_seqs, self.total_q
+            offsets = _ints(cu)
+            max_q = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+            out = StepTensors(_int32(torch, cu, (n + 1,), dev), _int32(torch, kv, (n,), dev),
+                              _int32(torch, rp, (t + 1,), dev),
+                              _int32(torch, iv, (len(iv) // 4,), dev), n, t, max_q)
+            self._tensors[key] = out
         return out
 
     def prefill_tensors(self, device: Any, row_group: int = 1) -> PrefillTensors:
@@ -275,16 +284,17 @@ class Step:
                              f"{MAX_ROW_GROUP} (num_heads // num_kv_heads)")
         torch = require_torch("Step.prefill_tensors")
         key = f"prefill {row_group} " + _cache_key(torch, device)
-        cached = self._tensors.get(key)
-        if cached is not None:
-            return cached
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
-        kernel, _ = _kernel_tensors(torch, arrays, dev)
-        out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
-                             _int32(torch, row_index, (len(row_index) // 4,), dev).long(),
-                             kv_len, q_rows, row_group)
-        self._tensors[key] = out
+        with self._lock:
+            cached = self._tensors.get(key)
+            if cached is not None:
+                return cached
+            dev = torch.device("cpu") if device is None else torch.device(device)
+            arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
+            kernel, _ = _kernel_tensors(torch, arrays, dev)
+            out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
+                                 _int32(torch, row_index, (len(row_index) // 4,), dev).long(),
+                                 kv_len, q_rows, row_group)
+            self._tensors[key] = out
         return out
 
     def __repr__(self) -> str:
