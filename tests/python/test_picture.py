@@ -116,6 +116,8 @@ def test_bad_views_are_refused():
         plan.to_image(rows=(4, 9))
     with pytest.raises(ValueError, match="png"):
         plan.to_image("jpeg")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match='format must be "png" or "svg", got NoneType None'):
+        plan.to_image(None)  # type: ignore[arg-type]
     for bad, err, message in [((0,), ValueError, "rows must be a .start, stop. pair of ints.*got 1 values"),
                               ((0, 1, 2), ValueError, "got 3 values"),
                               (5, TypeError, "rows must be a .start, stop. pair.*got int"),

@@ -893,6 +893,9 @@ class Plan:
         grids, and a legend; ``rows`` / ``cols`` = ``(start, stop)`` (half-open) zoom in.
         Drawn from the plan's intervals and tiles, so a long mask costs no dense array.
         Raises ``IndexError`` for a view outside the plan."""
+        if not isinstance(format, str):
+            raise TypeError(f'format must be "png" or "svg", got {_type_name(format)} '
+                            f"{format!r}")
         return self._native.image(format, _index("b", b), _index("h", h), _span("rows", rows),
                                   _span("cols", cols))
 
