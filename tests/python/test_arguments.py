@@ -317,6 +317,11 @@ def test_one_element_lists_for_int_parameters_are_documented_coercions():
     with pytest.raises(cm.PlanError) as e:
         program.plan(10, window=[3, 4])
     assert e.value.code == "CM0308"
+    # Given as a default, it fails where it is given, not at every later plan.
+    with pytest.raises(cm.PlanError) as e:
+        program.with_params(window=[3, 4])
+    assert e.value.code == "CM0308" and "parameter `window` is an integer" in str(e.value)
+    assert program.with_params(window=[3]).plan(10).rows() == program.plan(10, window=3).rows()
     doc = cm.builtin("document_causal")
     assert doc.plan(10, lengths=5).rows() == doc.plan(10, lengths=[5]).rows()
 

@@ -456,7 +456,14 @@ class Program:
             )
         given = dict(params or {})
         given.update(kwargs)
-        return Program(self._native, self._params(given))
+        values = self._params(given)
+        # A list for an integer parameter fails at every plan, so it fails here, where it
+        # was given, as planning would (CM0308; a one-element list is that integer).
+        for name, is_array, _ in self._native.params:
+            value = values.get(name) if name in given else None
+            if not is_array and isinstance(value, list) and len(value) != 1:
+                raise _plan_error("CM0308", f"parameter `{name}` is an integer, got a list")
+        return Program(self._native, values)
 
     def plan(
         self,
