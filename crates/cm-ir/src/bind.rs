@@ -109,9 +109,16 @@ impl std::error::Error for PlanError {}
 
 pub type PResult<T> = Result<T, PlanError>;
 
+/// The hint of every `CM0302`: besides the written arithmetic, the normal forms the
+/// reference and the planner both evaluate can overflow (docs/language.md, "Plan-time
+/// errors").
+pub const OVERFLOW_HINT: &str = "values are 64-bit signed integers; overflow is an error, \
+     never wraparound. A comparison is evaluated as the difference of its sides (`k >= c` as \
+     `k - c >= 0`) and `lo ..= hi` as `lo .. hi + 1`, so constants near the 64-bit limits can \
+     overflow there (docs/language.md, \"Plan-time errors\")";
+
 fn overflow(span: Span) -> PlanError {
-    PlanError::new(Code::Overflow, Some(span), "integer overflow")
-        .with_hint("values are 64-bit signed integers; overflow is an error, never wraparound")
+    PlanError::new(Code::Overflow, Some(span), "integer overflow").with_hint(OVERFLOW_HINT)
 }
 
 /// Floor division (toward negative infinity).

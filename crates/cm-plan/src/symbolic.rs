@@ -290,7 +290,7 @@ struct BallKey {
 fn overflow(span: Span) -> Flow {
     Flow::Error(
         PlanError::new(Code::Overflow, Some(span), "integer overflow")
-            .with_hint("values are 64-bit signed integers"),
+            .with_hint(cm_ir::bind::OVERFLOW_HINT),
     )
 }
 
