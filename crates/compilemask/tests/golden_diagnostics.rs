@@ -488,14 +488,12 @@ fn cm0302_overflow() {
     );
 }
 
-/// Every entry that evaluates a bound program names the parameter values of a failing
-/// expression, as `plan` does above: the row-range solver and the brute-force reference too.
-#[test]
-fn arithmetic_errors_name_parameter_values_on_every_entry() {
-    let program =
-        compilemask::compile_named("param scale: int = 2;\nmask = k <= q * scale;\n", NAME)
-            .unwrap();
-    let options = opts(8).param("scale", Value::Int(i64::MAX));
+/// The CM0302 that `source` with `param = value` raises on every entry that evaluates a
+/// bound program (plan, the row-range solver, the brute-force reference, packed planning)
+/// ends its message naming `param = value`.
+fn overflow_names_value_on_every_entry(source: &str, param: &str, value: i64) {
+    let program = compilemask::compile_named(source, NAME).unwrap();
+    let options = opts(8).param(param, Value::Int(value));
     let errors = [
         program.plan(&options).unwrap_err(),
         program.row_range(&options, 0, 0, 2..3).unwrap_err(),
@@ -506,36 +504,30 @@ fn arithmetic_errors_name_parameter_values_on_every_entry() {
     ];
     for err in errors {
         assert_eq!(err.code, "CM0302", "{err}");
-        assert!(
-            err.message.contains(", where scale = 9223372036854775807"),
-            "{}",
-            err.message
-        );
+        let named = format!(", where {param} = {value}");
+        assert!(err.message.contains(&named), "{}", err.message);
     }
+}
+
+/// Every entry names the parameter values of a failing expression, as `plan` does above.
+#[test]
+fn arithmetic_errors_name_parameter_values_on_every_entry() {
+    overflow_names_value_on_every_entry(
+        "param scale: int = 2;\nmask = k <= q * scale;\n",
+        "scale",
+        i64::MAX,
+    );
 }
 
 /// Arithmetic errors of binding (a grid's size here, a tree's prompt offset) name the
 /// parameter values as well, on every entry.
 #[test]
 fn binding_arithmetic_errors_name_parameter_values() {
-    let program = compilemask::compile_named(
+    overflow_names_value_on_every_entry(
         "param n: int = 2;\ngrid g = [9223372036854775807, n];\nmask = k in g;\n",
-        NAME,
-    )
-    .unwrap();
-    let options = opts(8).param("n", Value::Int(3));
-    let errors = [
-        program.plan(&options).unwrap_err(),
-        program.row_range(&options, 0, 0, 2..3).unwrap_err(),
-        program.brute_force_row(&options, 2, 0, 0).unwrap_err(),
-        program
-            .plan_packed(&PackedShape::self_attention([0, 3, 8]), &options)
-            .unwrap_err(),
-    ];
-    for err in errors {
-        assert_eq!(err.code, "CM0302", "{err}");
-        assert!(err.message.contains(", where n = 3"), "{}", err.message);
-    }
+        "n",
+        3,
+    );
 }
 
 /// A default that reads the lengths has a value per packed sample: the error names the
