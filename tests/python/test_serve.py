@@ -116,8 +116,11 @@ def test_bad_steps_raise():
     # Integers past 64 bits are out of range like any other bad index or length, not
     # the binding layer's OverflowError.
     step = causal.plan_step(1, [3, 4])
-    for r in (2, -1, 2 ** 64, -(2 ** 64)):
-        with pytest.raises(IndexError, match=f"{r}"):
+    for r in (2, -1):
+        with pytest.raises(IndexError, match=f"row {r} is out of range; the step has total_q = 2"):
+            step.row(r)
+    for r in (2 ** 64, -(2 ** 64)):
+        with pytest.raises(IndexError, match=f"r = {r} is out of range; expected 0 <= r < 2"):
             step.row(r)
     for heads in (2 ** 64, 0):
         with pytest.raises(cm.PlanError) as e:

@@ -166,12 +166,14 @@ def _length(name: str, value: Any) -> int:
     return v
 
 
-def _index(name: str, value: Any) -> int:
+def _index(name: str, value: Any, size: int | None = None) -> int:
     """A row, batch or head index: an int; one too large for the native layer is an
-    ``IndexError`` like any other index out of range."""
+    ``IndexError`` like any other index out of range, naming ``[0, size)`` where the caller
+    knows it."""
     v = _int(name, value)
     if not -_I64 <= v < _I64:
-        raise IndexError(f"{name} = {v} is out of range")
+        expected = "" if size is None else f"; expected 0 <= {name} < {size}"
+        raise IndexError(f"{name} = {v} is out of range{expected}")
     return v
 
 
@@ -857,7 +859,8 @@ class Plan:
     # ------------------------------------------------------------------ intervals
     def intervals(self, q: int, b: int = 0, h: int = 0) -> list[tuple[int, int]]:
         """Row ``q``'s visible keys as sorted, disjoint, maximal ``[start, end)`` pairs."""
-        return self._native.intervals(_index("q", q), _index("b", b), _index("h", h))
+        return self._native.intervals(_index("q", q, self.q_len), _index("b", b, self.batch),
+                                      _index("h", h, self.num_heads))
 
     def rows(self, start: int = 0, stop: int | None = None, b: int = 0,
              h: int = 0) -> list[list[tuple[int, int]]]:
@@ -869,7 +872,7 @@ class Plan:
 
     def mask_id(self, b: int = 0, h: int = 0) -> int:
         """Index of the distinct mask that (b, h) uses."""
-        return self._native.mask_id(_index("b", b), _index("h", h))
+        return self._native.mask_id(_index("b", b, self.batch), _index("h", h, self.num_heads))
 
     def _one(self, b: int | None, h: int | None, what: str) -> tuple[int, int]:
         if b is None and h is None:

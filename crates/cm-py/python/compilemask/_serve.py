@@ -211,7 +211,7 @@ class Step:
 
     def row(self, r: int) -> list[tuple[int, int]]:
         """Row ``r``'s visible intervals (``0 <= r < total_q``), half-open."""
-        return list(self._native.row(_index("r", r)))
+        return list(self._native.row(_index("r", r, self.total_q)))
 
     def positions(self) -> list[int]:
         """The logical position of every row: ``kv_len[s] - q_len[s] + i``."""
