@@ -462,17 +462,23 @@ fn run(command: Command) -> Result<ExitCode> {
                 out["score"] = score::json(t, plan.num_heads);
             }
             // The order is chosen on the (0, 0) mask and `raster_computed_pairs` is its count,
-            // so both densities are that mask's (whatever the batch and head count).
-            let first = plan.mask(0, 0);
-            let visible_00 = first.rows.visible_pairs() as f64;
-            let before = visible_00 / plan.raster_computed_pairs.max(1) as f64;
-            if let Some(o) = &plan.order {
+            // so both densities are that mask's (whatever the batch and head count); counted
+            // only for a plan in an order.
+            let densities = plan.order.as_ref().map(|_| {
+                let first = plan.mask(0, 0);
+                let visible = first.rows.visible_pairs() as f64;
+                (
+                    visible / plan.raster_computed_pairs.max(1) as f64,
+                    visible / first.tiles.computed_pairs.max(1) as f64,
+                )
+            });
+            if let (Some(o), Some((before, after))) = (&plan.order, densities) {
                 out["order"] = json!({
                     "patch": o.patch,
                     "traversal": if o.tree_preorder { json!("preorder") } else { json!(o.traversal) },
                     "raster_computed_pairs": plan.raster_computed_pairs,
                     "tile_density_before": before,
-                    "tile_density_after": visible_00 / first.tiles.computed_pairs.max(1) as f64,
+                    "tile_density_after": after,
                     "candidates": plan.order_candidates,
                 });
             }
@@ -533,7 +539,7 @@ fn run(command: Command) -> Result<ExitCode> {
                     plan.visible_pairs() as f64 / plan.computed_pairs().max(1) as f64
                 );
                 out!("  descriptor      {} bytes", plan.descriptor_bytes());
-                if let Some(o) = &plan.order {
+                if let (Some(o), Some((before, _))) = (&plan.order, densities) {
                     let which = match (o.patch, o.traversal) {
                         (Some([t, y, x]), Some(tr)) => format!(
                             "patch {t}x{y}x{x} (frames x rows x columns) {}",

@@ -338,22 +338,6 @@ impl Program {
         Ok(())
     }
 
-    /// The parameter values at `shape`: given ones checked against their declarations,
-    /// the others their defaults (which may read the lengths and earlier parameters).
-    /// [`Program::bind`] starts with them; callers that report an error of binding read
-    /// them to name the values an expression saw.
-    ///
-    /// # Errors
-    /// As [`Program::bind`] for lengths and parameters (`CM0402`, `CM0309`, `CM0308`) and
-    /// any arithmetic error of a default.
-    pub fn param_values(
-        &self,
-        shape: Shape,
-        values: &BTreeMap<String, Value>,
-    ) -> PResult<Vec<Value>> {
-        self.bind_params(shape, values).map(|b| b.params)
-    }
-
     /// A bound program with its lengths and parameters only (no structure, no score).
     fn bind_params(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
         let given = [shape.q_len, shape.kv_len, shape.batch, shape.num_heads];
@@ -429,16 +413,49 @@ impl Program {
     /// arithmetic error while evaluating them. The score terms cost O(num_heads + q_len +
     /// kv_len).
     pub fn bind(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
+        self.bind_with(shape, values, &|_, e| e)
+    }
+
+    /// [`Program::bind`], with `annotate` applied to every error raised once the parameters
+    /// are bound (structures, requirements, score terms), given their values, so that a
+    /// caller can name the values an expression saw. Errors of the lengths and parameters
+    /// themselves are not annotated: there are no values then.
+    ///
+    /// # Errors
+    /// As [`Program::bind`].
+    pub fn bind_with(
+        &self,
+        shape: Shape,
+        values: &BTreeMap<String, Value>,
+        annotate: &dyn Fn(&[Value], PlanError) -> PlanError,
+    ) -> PResult<Bound<'_>> {
         let mut b = self.bind_params(shape, values)?;
+        match b.bind_structures() {
+            Ok(()) => Ok(b),
+            Err(e) => Err(annotate(&b.params, e)),
+        }
+    }
+
+    /// Whether some segmentation or tree reads the batch index `b`.
+    pub fn has_per_batch_segs(&self) -> bool {
+        self.segs.iter().any(|s| s.per_batch) || self.trees.iter().any(|t| t.per_batch)
+    }
+}
+
+impl<'p> Bound<'p> {
+    /// Everything [`Program::bind`] builds after the parameters: grids, segmentations,
+    /// trees, the requirements, tensor extents and score terms.
+    fn bind_structures(&mut self) -> PResult<()> {
+        let program = self.program;
         let env = Env::default();
         // The requirements that read no structure guard the values structures are built
         // from, so they come first.
-        b.check_requires(false)?;
-        for g in &self.grids {
+        self.check_requires(false)?;
+        for g in &program.grids {
             let mut dims = Vec::new();
             let mut size = 1i64;
             for d in &g.dims {
-                let v = b.eval_int(d, &env)?;
+                let v = self.eval_int(d, &env)?;
                 if v < 1 {
                     return Err(PlanError::new(
                         Code::BadGrid,
@@ -449,7 +466,7 @@ impl Program {
                 size = mul(size, v, d.span)?;
                 dims.push(v);
             }
-            let at = b.eval_int(&g.at, &env)?;
+            let at = self.eval_int(&g.at, &env)?;
             if at < 0 {
                 return Err(PlanError::new(
                     Code::BadGrid,
@@ -458,30 +475,23 @@ impl Program {
                 ));
             }
             add(at, size, g.span)?;
-            b.grids.push(GridVals { dims, at, size });
+            self.grids.push(GridVals { dims, at, size });
         }
-        for s in &self.segs {
-            let table = b.lay_out(s, 0)?;
-            b.segs.push(table);
+        for s in &program.segs {
+            let table = self.lay_out(s, 0)?;
+            self.segs.push(table);
         }
-        for t in &self.trees {
-            let table = b.lay_out_tree(t, 0)?;
-            b.trees.push(table);
+        for t in &program.trees {
+            let table = self.lay_out_tree(t, 0)?;
+            self.trees.push(table);
         }
         // Then the requirements that read a structure (`require doc.count <= 64`).
-        b.check_requires(true)?;
-        b.tensors = b.tensor_extents()?;
-        b.score = b.bind_score()?;
-        Ok(b)
+        self.check_requires(true)?;
+        self.tensors = self.tensor_extents()?;
+        self.score = self.bind_score()?;
+        Ok(())
     }
 
-    /// Whether some segmentation or tree reads the batch index `b`.
-    pub fn has_per_batch_segs(&self) -> bool {
-        self.segs.iter().any(|s| s.per_batch) || self.trees.iter().any(|t| t.per_batch)
-    }
-}
-
-impl<'p> Bound<'p> {
     /// The program with its per-batch segmentations and trees laid out for batch index `b`:
     /// borrowed when none reads `b` or they already are. Cost O(their segments and nodes).
     ///

@@ -288,13 +288,9 @@ pub fn plan_packed_with(
                     batch: i64::from(batch),
                     num_heads,
                 };
-                let bound = program.bind(shape, values).map_err(|e| {
-                    let e = match program.param_values(shape, values) {
-                        Ok(params) => annotate(&params, e),
-                        Err(_) => e,
-                    };
-                    in_sample(e, b, lq, lk)
-                })?;
+                let bound = program
+                    .bind_with(shape, values, annotate)
+                    .map_err(|e| in_sample(e, b, lq, lk))?;
                 slot.insert(bound);
             }
             let bound = &bounds[&(lq, lk)];

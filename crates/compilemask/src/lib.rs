@@ -249,12 +249,9 @@ impl Program {
         shape: cm_ir::Shape,
         values: &BTreeMap<String, Value>,
     ) -> Result<cm_ir::Bound<'_>, PlanError> {
-        self.ir
-            .bind(shape, values)
-            .map_err(|e| match self.ir.param_values(shape, values) {
-                Ok(params) => self.name_param_values(&params, e),
-                Err(_) => e,
-            })
+        self.ir.bind_with(shape, values, &|params, e| {
+            self.name_param_values(params, e)
+        })
     }
 
     /// An arithmetic error (`CM0301`, `CM0302`) also names the values of the parameters its
