@@ -164,9 +164,10 @@ except ImportError:
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
-def _inputs(n, dtype, device, seed):
+def _inputs(n, dtype, device, seed, head_dim=16, head_dim_v=24):
+    """GQA 4/2 inputs; the CPU reference takes any head dims, the kernels only theirs."""
     g = torch.Generator(device=device).manual_seed(seed)
-    shapes = ((1, 4, n, 16), (1, 2, n, 16), (1, 2, n, 24))
+    shapes = ((1, 4, n, head_dim), (1, 2, n, head_dim), (1, 2, n, head_dim_v))
     return [torch.randn(s, generator=g, device=device, dtype=dtype).requires_grad_()
             for s in shapes]
 
@@ -306,7 +307,7 @@ def test_simulated_ranks_on_the_gpu(name, make):
     plus 1e-3 (the merge adds one rounding of each part's output)."""
     plan = make(1001)
     cp = ContextParallel(plan, ranks=4, chunk=64)
-    q, k, v = _inputs(1001, torch.bfloat16, "cuda", seed=2)
+    q, k, v = _inputs(1001, torch.bfloat16, "cuda", seed=2, head_dim=64, head_dim_v=64)
     out, lse = cm.distributed.simulate(q, k, v, cp, enable_gqa=True, return_lse=True)
     ref, ref_lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True)
     exact, exact_lse = cm.attention(*(t.detach().double().cpu() for t in (q, k, v)), plan,
