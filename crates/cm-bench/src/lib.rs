@@ -108,7 +108,7 @@ pub struct BenchInputs {
 }
 
 /// The backward's tensors of a [`BenchInputs`]: random dO (and its host copy), dQ, dK, dV
-/// and the workspace of the fast mode (which also fits the deterministic one).
+/// and the workspace of the deterministic mode (which also fits the fast one).
 struct BackwardBuffers {
     host_dout: Vec<u16>,
     dout: CudaSlice<u16>,
@@ -224,7 +224,7 @@ impl BenchInputs {
         let o = self.opts;
         let host_dout = random_bits(o.dtype, self.out_layout.span_elements(), o.seed ^ 0x44);
         let ws = plan
-            .backward_workspace_len(1, o.heads, o.head_dim, false)
+            .backward_workspace_len(1, o.heads, o.head_dim, true)
             .ok_or_else(|| Error::invalid("backward workspace size overflows usize"))?;
         let alloc = |n: usize| {
             stream

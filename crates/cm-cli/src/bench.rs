@@ -122,7 +122,7 @@ pub struct BenchArgs {
     /// stream (effective TFLOP/s = 3.5 x the forward's FLOPs / time), and the backward alone.
     #[arg(long)]
     bwd: bool,
-    /// With --bwd: also check and time the deterministic backward (dQ without atomics).
+    /// With --bwd: also check and time the deterministic backward (dQ summed in a fixed order).
     #[arg(long, requires = "bwd")]
     deterministic: bool,
     /// Serving decode over a paged KV cache instead of the workloads: `--sizes` are the

@@ -8,22 +8,31 @@
 //!    when the loss reads lse: `d lse_i / d s_ij = P_ij`, so it joins `dS_ij = P_ij (dP_ij -
 //!    delta_i)` with no other pass) and the forward's lse
 //!    in the exp2 domain, into the workspace (rows with no visible key get a `+inf` lse there,
-//!    so the probabilities recomputed for them are exactly 0); in the fast mode it also zeroes
-//!    the fp32 dQ accumulator.
+//!    so the probabilities recomputed for them are exactly 0); when `bwd_dkdv` adds dQ it also
+//!    zeroes the fp32 dQ accumulator, and in the deterministic mode the dQ turn counters.
 //! 2. `bwd_dkdv`, per (128-key block, kv head, batch), walking the transposed lists at
 //!    [`cm_kernels::BWD_TILE`] (64-row query tiles): dK and dV, summed over the query heads of
 //!    a GQA group and over query tiles in registers in a fixed order, written once. It is
 //!    warp-specialised: a TMA producer warpgroup streams Q, dO and the row statistics through a
 //!    two-stage ring while two wgmma consumer warpgroups (64 keys each) compute. In the fast
-//!    mode (the workspace has a dQ accumulator) it also adds each tile's dQ into that fp32
-//!    accumulator with one bulk asynchronous reduction per tile (`cp.reduce.async.bulk .add`),
-//!    in a fragment-ordered layout that `bwd_post` reads back. At the wide shapes of
+//!    mode it also adds each tile's dQ into an fp32 accumulator with one bulk asynchronous
+//!    reduction per tile (`cp.reduce.async.bulk .add`), in a fragment-ordered layout that
+//!    `bwd_post` reads back. The deterministic mode does the same in turns, after
+//!    FlashAttention-3's deterministic backward: each 64-row query tile's additions come in
+//!    ascending key-block order (each entry of the transposed lists carries its rank among the
+//!    tile's key blocks, `PlanArray::BwdQRanks`; a counter per tile in the workspace says whose
+//!    turn it is), CTAs take their key blocks by start ticket in ascending order (so every
+//!    turn a CTA waits for belongs to a CTA that has started) and walk their tiles from the
+//!    highest query tile down, every query head of the group per tile, so that a later key
+//!    block reaches a shared tile no sooner than an earlier one. It does so where the query
+//!    heads of each kv head share one mask and there are no score terms. At the wide shapes of
 //!    [`cm_kernels::WIDE_SHAPES`] a CTA takes one 64-key half of a block, its two consumers
 //!    split the head dim, and dQ is added with vector reductions (`red.global.add.v4.f32`).
-//! 3. Fast mode: `bwd_post` scales and rounds the accumulator into dQ. Deterministic mode:
-//!    `bwd_dq`, per 64-row query block, walking the forward lists at [`cm_kernels::TILE`],
-//!    recomputes the tile's probabilities and accumulates dQ in registers (one warpgroup,
-//!    wgmma, the next tile's loads double buffered).
+//! 3. `bwd_post` scales and rounds the accumulator into dQ. In the deterministic mode with
+//!    score terms, per-head masks under GQA or the wide shapes, `bwd_dq` computes dQ instead:
+//!    per 64-row query block, walking the forward lists at [`cm_kernels::TILE`], it recomputes
+//!    the tile's probabilities and accumulates dQ in registers (one warpgroup, wgmma, the next
+//!    tile's loads double buffered).
 //!
 //! The only atomic accumulation is the fast mode's dQ: fp32 addition in an order that depends
 //! on CTA timing, so its last bits can differ run to run. dK and dV are never atomic, and the
@@ -214,6 +223,9 @@ struct BwdParams {
     bwd_full_q_offsets: u64,
     bwd_full_q_indices: u64,
     bwd_partial_key_mask: u64,
+    bwd_q_ranks: u64,
+    bwd_full_q_ranks: u64,
+    dq_turns: u64,
     mask_index: u64,
     q_len: u32,
     kv_len: u32,
@@ -233,7 +245,7 @@ struct BwdParams {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<BwdParams>() == 552,
+    std::mem::size_of::<BwdParams>() == 576,
     "must match sizeof(CmBwdParams)"
 );
 
@@ -263,10 +275,12 @@ struct Launches {
 }
 
 /// fp32 elements of workspace a backward over a `q_len`-row plan at `tile` needs: `lse_log2`
-/// and `delta` `[batch, num_heads, q_pad]`, plus in the fast mode the dQ accumulator `[batch,
-/// num_heads, q_pad, head_dim]`, with `q_pad` = q_len rounded up to whole query tiles. `None`
-/// if the count overflows `usize`. Needs no device, so a caller can allocate the workspace
-/// (e.g. with torch) before it has a plan view.
+/// and `delta` `[batch, num_heads, q_pad]`, the dQ accumulator `[batch, num_heads, q_pad,
+/// head_dim]`, with `q_pad` = q_len rounded up to whole query tiles, and in the
+/// deterministic mode one u32 counter per 64-row query tile (`[batch, num_heads, q_pad /
+/// 64]`, the turns of its dQ additions) and one more (the CTAs' start tickets). `None` if the
+/// count overflows `usize`. Needs no device, so a caller can allocate the workspace (e.g.
+/// with torch) before it has a plan view.
 pub fn backward_workspace_len(
     q_len: u32,
     tile: TileShape,
@@ -278,9 +292,16 @@ pub fn backward_workspace_len(
     let (bm, _) = tile.clamped(q_len, 1);
     let q_pad = q_len.div_ceil(bm) as usize * tile.block_m as usize;
     let rows = batch.checked_mul(num_heads)?.checked_mul(q_pad)?;
-    let per_row = if deterministic { 2 } else { 2 + head_dim };
-    rows.checked_mul(per_row)
+    let accum = rows.checked_mul(head_dim.checked_add(2)?)?;
+    if deterministic {
+        accum.checked_add(rows.div_ceil(DQ_TURN_ROWS) + 1)
+    } else {
+        Some(accum)
+    }
 }
+
+/// Query rows per dQ turn counter: `bwd_dkdv`'s query tile.
+const DQ_TURN_ROWS: usize = 64;
 
 impl PlanLayout {
     /// [`backward_workspace_len`] for this plan.
@@ -455,23 +476,34 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         ))
     })?;
     let per_key_block = (blocks, 1, 1);
-    // bwd_dkdv adds dQ atomically exactly when the workspace has a dQ accumulator.
+    // The deterministic mode adds dQ in bwd_dkdv as well, in turns, where every query head of
+    // a kv head has the same mask (the CTA walks them tile by tile) and there are no score
+    // terms (whose table gradient is flushed head by head): else bwd_dq computes it.
+    let mask_stride_head = plan.mask_strides(b, h)?[1];
+    let dq_in_dkdv = !a.deterministic
+        || (!dkdv.score && dkdv_keys == dkdv.block_n && (h == h_kv || mask_stride_head == 0));
+    // bwd_dkdv adds dQ exactly when the workspace pointer to the dQ accumulator is set.
     push(KernelKind::BwdDkDv, per_key_block)?;
     push(
-        if a.deterministic {
-            KernelKind::BwdDq
-        } else {
+        if dq_in_dkdv {
             KernelKind::BwdPost
+        } else {
+            KernelKind::BwdDq
         },
         per_query_block,
     )?;
 
     let rows = b * h * plan.q_pad() as usize;
     let (lse_log2, delta) = (a.workspace, a.workspace + 4 * rows as u64);
-    let dq_accum = if a.deterministic {
-        0
-    } else {
+    let dq_accum = if dq_in_dkdv {
         a.workspace + 8 * rows as u64
+    } else {
+        0
+    };
+    let dq_turns = if dq_in_dkdv && a.deterministic {
+        a.workspace + 4 * (2 + d as u64) * rows as u64
+    } else {
+        0
     };
     let s3 = |l: &TensorLayout| [l.strides[0], l.strides[1], l.strides[2]];
     let params = BwdParams {
@@ -510,6 +542,9 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         bwd_full_q_offsets: plan.addr(PlanArray::BwdFullQOffsets)?,
         bwd_full_q_indices: plan.addr(PlanArray::BwdFullQIndices)?,
         bwd_partial_key_mask: plan.addr(PlanArray::BwdPartialKeyMask)?,
+        bwd_q_ranks: plan.addr(PlanArray::BwdQRanks)?,
+        bwd_full_q_ranks: plan.addr(PlanArray::BwdFullQRanks)?,
+        dq_turns,
         mask_index: plan.addr(PlanArray::MaskIndex)?,
         q_len: plan.q_len,
         kv_len: plan.kv_len,
@@ -549,10 +584,12 @@ impl Runtime {
     ///
     /// Three kernels run in order on `stream`: `bwd_pre` (delta = rowsum(dO * O) - dlse and the lse
     /// into the workspace), `bwd_dkdv` (per 128-key block over the plan's transposed lists; dK
-    /// and dV summed in registers in a fixed order, never atomic; in the fast mode also dQ,
-    /// added into an fp32 workspace accumulator with bulk asynchronous reductions), then `bwd_post` (fast mode:
-    /// the accumulator scaled and rounded into dQ) or `bwd_dq` (deterministic mode: dQ per
-    /// query block in registers). The fast mode's dQ is the only atomic sum, so only its last
+    /// and dV summed in registers in a fixed order, never atomic; also dQ, added into an fp32
+    /// workspace accumulator with bulk asynchronous reductions, in the deterministic mode in
+    /// ascending key-block order per query tile), then `bwd_post` (the accumulator scaled and
+    /// rounded into dQ), or `bwd_dq` (dQ per query block in registers) where the deterministic
+    /// mode cannot take turns (score terms, per-head masks under GQA, the wide shapes; see the
+    /// module docs). The fast mode's dQ is the only sum in a varying order, so only its last
     /// bits can vary run to run; the deterministic mode repeats its bits exactly.
     ///
     /// # Errors

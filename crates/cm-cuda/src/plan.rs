@@ -23,7 +23,7 @@ use std::sync::Arc;
 pub const WS_SETS: usize = cm_kernels::FWD_WS_TILES.len();
 
 /// The number of arrays in a descriptor ([`PlanArray::ALL`]).
-pub const PLAN_ARRAY_COUNT: usize = 13 + 6 * WS_SETS;
+pub const PLAN_ARRAY_COUNT: usize = 15 + 6 * WS_SETS;
 
 /// One array of a plan's device descriptor, all u32.
 ///
@@ -44,7 +44,11 @@ pub const PLAN_ARRAY_COUNT: usize = 13 + 6 * WS_SETS;
 /// order (`bwd_partial_key_mask [num_partial, block_n, block_m / 32]`: for the `i`-th entry of
 /// `bwd_q_indices`, in key block `n_block`, bit `r % 32` of word `r / 32` of key `c` set when
 /// query row `bwd_q_indices[i] * block_m + r` sees key `n_block * block_n + c`; rows past
-/// `q_len` and keys past `kv_len` have no bits).
+/// `q_len` and keys past `kv_len` have no bits). `bwd_q_ranks [num_partial]` and
+/// `bwd_full_q_ranks [num_full]` give, for each entry of `bwd_q_indices` (`bwd_full_q_indices`),
+/// how many lower key blocks of the same mask also visit that query tile (as a partial or a
+/// full tile): the deterministic backward adds each query tile's dQ in ascending key-block
+/// order, and an entry's rank is the number of additions that come before its own.
 ///
 /// A plan of several masks holds each mask's arrays one after the other, in mask order. The
 /// arrays whose length the lengths fix ([`PlanArray::fixed_len`]: block orders and offsets)
@@ -65,6 +69,8 @@ pub enum PlanArray {
     BwdFullQOffsets,
     BwdFullQIndices,
     BwdPartialKeyMask,
+    BwdQRanks,
+    BwdFullQRanks,
     MaskIndex,
 }
 
@@ -106,13 +112,15 @@ impl ForwardArray {
 impl PlanArray {
     /// Every array, in the order of [`HostPlan::arrays`] and [`PlanLayout::new`].
     pub const ALL: [PlanArray; PLAN_ARRAY_COUNT] = {
-        const TAIL: [PlanArray; 7] = [
+        const TAIL: [PlanArray; 9] = [
             PlanArray::BwdNBlockOrder,
             PlanArray::BwdQOffsets,
             PlanArray::BwdQIndices,
             PlanArray::BwdFullQOffsets,
             PlanArray::BwdFullQIndices,
             PlanArray::BwdPartialKeyMask,
+            PlanArray::BwdQRanks,
+            PlanArray::BwdFullQRanks,
             PlanArray::MaskIndex,
         ];
         let mut all = [PlanArray::MaskIndex; PLAN_ARRAY_COUNT];
@@ -161,6 +169,8 @@ impl PlanArray {
             PlanArray::BwdFullQOffsets => "bwd_full_q_offsets",
             PlanArray::BwdFullQIndices => "bwd_full_q_indices",
             PlanArray::BwdPartialKeyMask => "bwd_partial_key_mask",
+            PlanArray::BwdQRanks => "bwd_q_ranks",
+            PlanArray::BwdFullQRanks => "bwd_full_q_ranks",
             PlanArray::MaskIndex => "mask_index",
         };
         plain.to_string()
@@ -523,8 +533,8 @@ enum SetPart {
         counts: TileCounts,
         lists: [Vec<u32>; 6],
     },
-    /// The backward's transposed lists and key-major bits.
-    Backward([(PlanArray, Vec<u32>); 6]),
+    /// The backward's transposed lists, key-major bits and ranks.
+    Backward([(PlanArray, Vec<u32>); 8]),
 }
 
 impl SetPart {
@@ -541,6 +551,7 @@ impl SetPart {
         let bwd = TileDescriptor::build(rows, bwd_tile());
         let order = heaviest_first(bwd.num_n_blocks, [&bwd.q_offsets, &bwd.full_q_offsets]);
         let masks = partial_key_masks(&bwd, rows);
+        let (ranks, full_ranks) = visitor_ranks(&bwd);
         SetPart::Backward([
             (PlanArray::BwdNBlockOrder, order),
             (PlanArray::BwdQOffsets, bwd.q_offsets),
@@ -548,8 +559,32 @@ impl SetPart {
             (PlanArray::BwdFullQOffsets, bwd.full_q_offsets),
             (PlanArray::BwdFullQIndices, bwd.full_q_indices),
             (PlanArray::BwdPartialKeyMask, masks),
+            (PlanArray::BwdQRanks, ranks),
+            (PlanArray::BwdFullQRanks, full_ranks),
         ])
     }
+}
+
+/// The rank of every entry of `desc`'s transposed partial and full lists among the key blocks
+/// that visit its query tile, lowest key block first ([`PlanArray::BwdQRanks`]).
+fn visitor_ranks(desc: &TileDescriptor) -> (Vec<u32>, Vec<u32>) {
+    let mut seen = vec![0u32; desc.num_m_blocks as usize];
+    let mut ranks = vec![0u32; desc.q_indices.len()];
+    let mut full_ranks = vec![0u32; desc.full_q_indices.len()];
+    for n in 0..desc.num_n_blocks as usize {
+        let lists = [
+            (&desc.q_offsets, &desc.q_indices, &mut ranks),
+            (&desc.full_q_offsets, &desc.full_q_indices, &mut full_ranks),
+        ];
+        for (offsets, indices, out) in lists {
+            for i in offsets[n] as usize..offsets[n + 1] as usize {
+                let m = indices[i] as usize;
+                out[i] = seen[m];
+                seen[m] += 1;
+            }
+        }
+    }
+    (ranks, full_ranks)
 }
 
 /// A piece of a descriptor built on its own ([`run_jobs`]).
@@ -1310,8 +1345,10 @@ mod tests {
     /// `TileDescriptor::build`'s at [`cm_kernels::BWD_TILE`] and classify every (query block, key block)
     /// tile exactly (all in-range pairs visible: full; none: in neither list; else partial),
     /// every bit of every partial tile's key-major mask is the pair's visibility (no bits
-    /// past `q_len` or `kv_len`), and the key-block order is heaviest first. Returns the
-    /// numbers of partial and full tiles.
+    /// past `q_len` or `kv_len`), the key-block order is heaviest first, each key block's lists
+    /// ascend (the deterministic backward walks them merged, descending) and every entry's rank
+    /// counts the lower key blocks that visit its query tile. Returns the numbers of partial
+    /// and full tiles.
     fn check_bwd_arrays(rows: &RowIntervals) -> (usize, usize) {
         let (q_len, kv_len) = (rows.q_len(), rows.kv_len());
         let host = HostPlan::build(
@@ -1360,6 +1397,24 @@ mod tests {
                     class, want,
                     "tile (q block {m}, key block {n}): {set} set, {clear} clear"
                 );
+            }
+            for list in [partial, full] {
+                assert!(list.windows(2).all(|w| w[0] < w[1]), "key block {n}: {list:?}");
+            }
+            let ranks = [array(PlanArray::BwdQRanks), array(PlanArray::BwdFullQRanks)];
+            let lists = [(q_offsets, q_indices), (full_offsets, full_indices)];
+            for ((offsets, indices), ranks) in lists.into_iter().zip(ranks) {
+                assert_eq!(ranks.len(), indices.len());
+                for i in offsets[n as usize] as usize..offsets[n as usize + 1] as usize {
+                    let m = indices[i];
+                    let lower = (0..n as usize)
+                        .filter(|&n2| {
+                            let holds = |o: &[u32], ix: &[u32]| ix[o[n2] as usize..o[n2 + 1] as usize].contains(&m);
+                            holds(q_offsets, q_indices) || holds(full_offsets, full_indices)
+                        })
+                        .count();
+                    assert_eq!(ranks[i] as usize, lower, "entry {i} (q block {m}, key block {n})");
+                }
             }
             for i in q_offsets[n as usize] as usize..q_offsets[n as usize + 1] as usize {
                 let m = q_indices[i];

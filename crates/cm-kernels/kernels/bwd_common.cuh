@@ -94,6 +94,14 @@ struct CmBwdParams {
     const u32* bwd_full_q_offsets;     // [bwd_num_n_blocks + 1]
     const u32* bwd_full_q_indices;     // [num_full]
     const u32* bwd_partial_key_mask;   // [num_partial, 128, 2]
+    // Per entry of bwd_q_indices (bwd_full_q_indices): how many lower key blocks of the mask
+    // visit that query tile, the entry's turn among the tile's dQ additions.
+    const u32* bwd_q_ranks;            // [num_partial]
+    const u32* bwd_full_q_ranks;       // [num_full]
+    // The deterministic mode's dQ turns (null otherwise, and whenever bwd_dq computes dQ):
+    // [0] the CTAs' start tickets, then [batch, num_heads, q_pad / 64] the count of dQ
+    // additions each 64-row query tile has had (cm_dq_turn). Zeroed by bwd_pre.
+    u32* dq_turns;
     // The mask of (batch, query head) at batch * mask_stride_batch + head * mask_stride_head;
     // each mask's fixed-stride arrays (block orders, offsets) follow the previous mask's, the
     // tile lists and bits are concatenated (cm_cuda::PlanArray).
@@ -118,7 +126,7 @@ struct CmBwdParams {
     CmScoreParams score;    // read by the CM_SCORE variants of bwd_dkdv and bwd_dq
 };
 
-static_assert(sizeof(CmBwdParams) == 552, "must match cm_cuda::backward::BwdParams");
+static_assert(sizeof(CmBwdParams) == 576, "must match cm_cuda::backward::BwdParams");
 
 __device__ __forceinline__ u32 cm_bwd_mask(const CmBwdParams& p, u32 batch, u32 head) {
     return cm_mask_of(p.mask_index, p.mask_stride_batch, p.mask_stride_head, p.num_masks, batch, head);
@@ -157,9 +165,10 @@ __device__ __forceinline__ void cm_dkdv_ring_init(u32 bar0, int stages, u32 cons
     cm_mbar_init_fence();
 }
 
-// The work item of CTA `blockIdx.x` of bwd_dkdv's (and bwd_dkdv_wide's) one-dimensional grid:
-// CTAs start in grid order, in groups of bwd_head_group (batch, kv head) pairs, rank by rank
-// inside a group, so no pair's heaviest key block waits for every other pair's work.
+// Work item `item` of bwd_dkdv's (and bwd_dkdv_wide's) one-dimensional grid (the CTA's
+// blockIdx.x, or its start ticket): items start in order, in groups of bwd_head_group (batch,
+// kv head) pairs, rank by rank inside a group, so no pair's heaviest key block waits for every
+// other pair's work.
 // `ranks` per pair: the key blocks, or their halves (bwd_dkdv_wide, both halves adjacent).
 struct CmDkdvPair {
     u32 batch;
@@ -168,12 +177,12 @@ struct CmDkdvPair {
     u32 rank;   // in [0, ranks)
 };
 
-__device__ __forceinline__ CmDkdvPair cm_dkdv_pair(const CmBwdParams& p, u32 ranks) {
+__device__ __forceinline__ CmDkdvPair cm_dkdv_pair(const CmBwdParams& p, u32 ranks, u32 item) {
     const u32 group_blocks = p.bwd_head_group * ranks;
-    const u32 group = blockIdx.x / group_blocks;
+    const u32 group = item / group_blocks;
     const u32 first_pair = group * p.bwd_head_group;
     const u32 pairs = min(p.bwd_head_group, p.bwd_pairs - first_pair);
-    const u32 in_group = blockIdx.x - group * group_blocks;
+    const u32 in_group = item - group * group_blocks;
     CmDkdvPair it;
     it.rank = in_group / pairs;
     const u32 pair = first_pair + (in_group - it.rank * pairs);
@@ -221,6 +230,25 @@ __device__ __forceinline__ CmDkdvTile cm_dkdv_tile(const CmBwdParams& p, const C
     tl.index = tl.partial ? hd.p_begin + ti : hd.f_begin + ti - hd.num_partial;
     tl.row0 = (tl.partial ? p.bwd_q_indices[tl.index] : p.bwd_full_q_indices[tl.index]) * BLOCK_M;
     return tl;
+}
+
+// The turn counters' accesses: a GPU-scope acquire load, a release increment, and the proxy
+// fence that orders the bulk reductions (async proxy) with them (generic proxy).
+__device__ __forceinline__ u32 cm_ld_acquire(const u32* at) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(at) : "memory");
+    return v;
+}
+__device__ __forceinline__ void cm_red_release_add(u32* at, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(at), "r"(v) : "memory");
+}
+__device__ __forceinline__ void cm_fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The deterministic mode's turn counter of (batch, head)'s 64-row query tile at row0.
+__device__ __forceinline__ u32* cm_dq_turn(const CmBwdParams& p, u32 batch, u32 head, u32 row0) {
+    return p.dq_turns + 1 + ((u64)batch * p.num_heads + head) * (p.q_pad / BLOCK_M) + row0 / BLOCK_M;
 }
 
 

@@ -20,9 +20,10 @@
 //   dV += P^T dO, dK += dS^T Q             dO and Q read MN-major
 // (Queries: the step's Q_ROWS.) Warp w of a consumer holds keys 16 w .. 16 w + 15 of its 64
 // (the m16n8 accumulator layout).
-// Without a dQ accumulator (the deterministic mode) dV's and dK's products read P^T and dS^T
-// from registers, the consumers never synchronise with each other and dQ is left to bwd_dq.
-// With one in the workspace (the fast mode), after FlashAttention-3's order: both consumers
+// Without a dQ accumulator (the deterministic mode with score terms, or with query heads of
+// one kv head under different masks) dV's and dK's products read P^T and dS^T from registers,
+// the consumers never synchronise with each other and dQ is left to bwd_dq. With one in the
+// workspace, after FlashAttention-3's order: both consumers
 // write dS^T to a shared tile and meet on a named barrier; each issues half of the tile's
 // dQ = dS K (split along head_dim, or with two tiles a step each consumer one tile's; dS read
 // MN-major from the dS^T tile, K read MN-major), then
@@ -34,9 +35,11 @@
 // bulk asynchronous reduction per tile (cp.reduce.async.bulk .add.f32), which overlaps the next
 // tile, and hands the tile back once the reduction has read it: the consumers never wait for
 // each other's dQ, only (a tile later) for that read. In both modes each consumer waits for
-// its dK product at the end of the tile, which releases the stage. The order of the dQ
-// additions between CTAs varies run to run. The two modes are separate instantiations of
-// dkdv_consumers.
+// its dK product at the end of the tile, which releases the stage. In the fast mode the order
+// of the dQ additions between CTAs varies run to run; in the deterministic mode (dq_turns set)
+// each query tile's additions take turns in ascending key-block order (dkdv_for_each_ordered_step,
+// the reducer's turn counters), so dQ repeats its bits, after FlashAttention-3's deterministic
+// backward. The modes are separate instantiations of dkdv_consumers.
 //
 // Compile-time parameters (NVRTC -D): CM_DTYPE_BF16, CM_HEAD_DIM = CM_HEAD_DIM_V (64|128; the
 // wider shapes are bwd_dkdv_wide.cu's), CM_Q_TILES (query tiles per step, 1 or 2),
@@ -212,10 +215,11 @@ struct CmDkdvStep1 {
     __device__ __forceinline__ u32 head(int) const { return hd.head; }
 };
 
-struct CmDkdvStep2 {
-    CmDkdvTile tl[2];
-    u32 hd[2];
-    bool pres[2];
+template <int N>
+struct CmDkdvStepList {
+    CmDkdvTile tl[N];
+    u32 hd[N];
+    bool pres[N];
     __device__ __forceinline__ bool present(int q) const { return pres[q]; }
     __device__ __forceinline__ bool partial(int q) const { return pres[q] && tl[q].partial; }
     __device__ __forceinline__ CmDkdvTile tile(int q) const { return tl[q]; }
@@ -231,7 +235,7 @@ struct CmDkdvStep2 {
 #if Q_TILES == 1
 typedef CmDkdvStep1 CmDkdvStep;
 #else
-typedef CmDkdvStep2 CmDkdvStep;
+typedef CmDkdvStepList<2> CmDkdvStep;
 #endif
 
 struct CmNoHeadDone {
@@ -255,7 +259,7 @@ __device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const C
     CmDkdvWalk walk = {cm_dkdv_head(p, blk.pair.batch, blk.pair.head0, blk.n_block), 0};
     const u32 steps = dkdv_steps(blk);
     for (u32 it = 0; it < steps; ++it) {
-        CmDkdvStep2 st;
+        CmDkdvStepList<2> st;
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             st.pres[q] = dkdv_next(p, blk, walk, st.tl[q], st.hd[q]);
@@ -269,10 +273,71 @@ __device__ __forceinline__ void dkdv_for_each_step(const CmBwdParams& p, const C
 #endif
 }
 
-// The consumers' walk over the key block's tiles (warpgroups 1 and 2). The two modes are
-// separate instantiations, so that no wgmma batch sits behind a run-time branch on the mode
-// while other products are in flight (ptxas would serialise them).
-template <bool ATOMIC_DQ>
+// The deterministic mode's walk, where every query head of the group has the group's first
+// head's mask: the key block's tiles from the highest query tile down (partial and full lists
+// merged; each ascends), each tile for every query head of the group in turn, Q_TILES (tile,
+// head) pairs a step. dQ is added tile by tile in ascending key-block order and key blocks
+// start in ascending order, so a later key block reaches each shared tile no earlier in its walk
+// than an earlier one does (causal, windows, documents): the turns rarely wait. Walking heads
+// outermost, a later block would reach a later head's tiles two steps per block sooner.
+template <class F>
+__device__ __forceinline__ void dkdv_for_each_ordered_step(const CmBwdParams& p, const CmDkdvBlock& blk, F&& f) {
+    const CmDkdvHead hd = cm_dkdv_head(p, blk.pair.batch, blk.pair.head0, blk.n_block);
+    u32 partial_left = hd.num_partial, full_left = hd.num_tiles - hd.num_partial;
+    CmDkdvStepList<Q_TILES> st;
+    u32 it = 0;
+    bool half = false;  // two tiles a step: the step's first pair is set
+    auto emit = [&](const CmDkdvTile& tl, u32 head) {
+        if constexpr (Q_TILES == 1) {
+            st.tl[0] = tl;
+            st.hd[0] = head;
+            st.pres[0] = true;
+            f(it++, st);
+        } else if (!half) {
+            st.tl[0] = tl;
+            st.hd[0] = head;
+            half = true;
+        } else {
+            st.tl[1] = tl;
+            st.hd[1] = head;
+            st.pres[0] = st.pres[1] = true;
+            f(it++, st);
+            half = false;
+        }
+    };
+    while (partial_left + full_left > 0) {
+        const u32 pq = partial_left > 0 ? p.bwd_q_indices[hd.p_begin + partial_left - 1] : 0;
+        const u32 fq = full_left > 0 ? p.bwd_full_q_indices[hd.f_begin + full_left - 1] : 0;
+        CmDkdvTile tl;
+        tl.partial = partial_left > 0 && (full_left == 0 || pq > fq);
+        if (tl.partial) {
+            --partial_left;
+            tl.index = hd.p_begin + partial_left;
+            tl.row0 = pq * BLOCK_M;
+        } else {
+            --full_left;
+            tl.index = hd.f_begin + full_left;
+            tl.row0 = fq * BLOCK_M;
+        }
+        for (u32 hg = 0; hg < p.heads_per_kv_head; ++hg) emit(tl, blk.pair.head0 + hg);
+    }
+    if constexpr (Q_TILES == 2) {
+        // An odd count ends with one pair; the absent second repeats it.
+        if (half) {
+            st.tl[1] = st.tl[0];
+            st.hd[1] = st.hd[0];
+            st.pres[0] = true;
+            st.pres[1] = false;
+            f(it, st);
+        }
+    }
+}
+
+// The consumers' walk over the key block's tiles (warpgroups 1 and 2). The modes are separate
+// instantiations, so that no wgmma batch sits behind a run-time branch on the mode while other
+// products are in flight (ptxas would serialise them). ORDERED (with ATOMIC_DQ, no score
+// terms): the deterministic mode's walk (dkdv_for_each_ordered_step).
+template <bool ATOMIC_DQ, bool ORDERED>
 __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkdvBlock& blk, u32 base,
                                                unsigned char* smem, int warpgroup) {
     const u32 sK = base;
@@ -330,7 +395,8 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     for (int i = threadIdx.x - 128 * (c + 1); i < DIST_SPAN; i += 128) dist_buf[c][i] = 0;
     asm volatile("bar.sync %0, 128;" ::"r"(3 + c) : "memory");
 #endif
-    dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+    static_assert(!ORDERED || ATOMIC_DQ && !CM_SCORE, "the ordered walk adds dQ, without score terms");
+    auto body = [&](u32 it, const auto& st) {
         const u32 s = it % STAGES;
         // The step's tiles: whether each is partial, or absent (the last step of an odd count).
         bool present[Q_TILES], partial[Q_TILES];
@@ -540,14 +606,20 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             __syncwarp();
             if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));
         }
-    }
+    };
+    if constexpr (ORDERED) {
+        dkdv_for_each_ordered_step(p, blk, body);
+    } else {
+        dkdv_for_each_step(p, blk, body
 #if CM_SCORE
-    , [&](u32 head) {
-        // The next head's gradient goes to its own row of the table.
-        if (p.score.dist_bias_grad != nullptr) cm_dist_grad_flush(dist_acc, p.score, head, dist_fixed);
-    }
+                           , [&](u32 head) {
+                               // The next head's gradient goes to its own row of the table.
+                               if (p.score.dist_bias_grad != nullptr)
+                                   cm_dist_grad_flush(dist_acc, p.score, head, dist_fixed);
+                           }
 #endif
-    );
+        );
+    }
 
     const u32 row0 = key0 + c * 64;
     cm_bwd_store_rows(p.dk + batch * p.dk_stride_batch + kv_head * p.dk_stride_head, p.dk_stride_row, acc_dk,
@@ -567,11 +639,24 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     const u32 sV = base + OFF_V;
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
-    const CmDkdvPair item = cm_dkdv_pair(p, p.bwd_num_n_blocks);
+    // The deterministic mode adds dQ in turns (dq_turns). A CTA then takes its work item by
+    // start ticket, not blockIdx.x: every item it waits for has a lower ticket, so it has
+    // started and runs (or has finished) whatever the scheduler's order, and the lowest
+    // unfinished one never waits. Its key blocks start in ascending order, the turns' order.
+    const bool ordered = !CM_SCORE && p.dq_turns != nullptr;
+    u32 item_id = blockIdx.x;
+    if (ordered) {
+        __shared__ u32 ticket;
+        if (threadIdx.x == 0) ticket = atomicAdd(p.dq_turns, 1u);
+        __syncthreads();
+        item_id = ticket;
+    }
+    const CmDkdvPair item = cm_dkdv_pair(p, p.bwd_num_n_blocks, item_id);
     const u32 batch = item.batch, kv_head = item.kv_head, head0 = item.head0, rank = item.rank;
     // Any mask's key-block order is a permutation of the blocks; the group's first head's
     // orders the launch.
-    const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank];
+    const u32 n_block =
+        ordered ? rank : p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank];
     const u32 key0 = n_block * KEY_BLOCK;
     // Tiles over the group's query heads, each head's from its own mask.
     u32 total = 0;
@@ -593,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 cm_tma_load4(sK + a * KEY_BLOCK * 128, &tm_k, bar(BAR_KV), a * 64, key0, kv_head, batch);
                 cm_tma_load4(sV + a * KEY_BLOCK * 128, &tm_v, bar(BAR_KV), a * 64, key0, kv_head, batch);
             }
-            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
+            auto produce = [&](u32 it, const auto& st) {
                 const u32 s = it % STAGES;
                 // The step's tiles, read once (one tile a step reads its row from the lists).
                 CmDkdvTile tl[Q_TILES];
@@ -626,30 +711,51 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                                      p.bwd_partial_key_mask + (u64)tl[q].index * KEY_BLOCK * 2, MASK_BYTES, full);
                     }
                 }
-            });
+            };
+            if (ordered) {
+                dkdv_for_each_ordered_step(p, blk, produce);
+            } else {
+                dkdv_for_each_step(p, blk, produce);
+            }
         } else if (threadIdx.x / 32 == 1 && total > 0 && p.dq_accum != nullptr) {
-            // The reducer warp of the fast mode: adds each tile's dQ, once the consumers have
-            // stored the step's, into the fp32 accumulator with one bulk asynchronous reduction
-            // per tile, and gives the tiles back once the reductions have read them. It walks
-            // the same steps as the consumers, so every barrier phase is matched.
+            // The reducer warp: adds each tile's dQ, once the consumers have stored the step's,
+            // into the fp32 accumulator with one bulk asynchronous reduction per tile, and
+            // gives the tiles back once the reductions have read them. It walks the same steps
+            // as the consumers, so every barrier phase is matched. In the deterministic mode
+            // each reduction waits for its turn (the tile's count of additions reaching this
+            // key block's rank among the tile's visitors), and the count goes up once the
+            // reduction is complete: each tile's dQ is summed in ascending key-block order.
             const u32 sDQ = base + OFF_DQ;
             // The first step finds the dQ tiles free.
             cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
             const u32 steps = dkdv_steps(blk);
-            dkdv_for_each_step(p, blk, [&](u32 it, const CmDkdvStep& st) {
-                // The step's destinations (null for an absent tile), read before the hand-off.
+            const bool leader = (threadIdx.x & 31) == 0;
+            auto reduce = [&](u32 it, const auto& st) {
+                // The step's destinations (null for an absent tile) and turns, read before the
+                // hand-off.
                 float* dst[Q_TILES];
+                u32* turn[Q_TILES];
+                u32 my_turn[Q_TILES];
     #pragma unroll
                 for (int q = 0; q < Q_TILES; ++q) {
+                    const CmDkdvTile tl = st.tile(q);
                     dst[q] = st.present(q) ? p.dq_accum + (((u64)batch * p.num_heads + st.head(q)) * p.q_pad +
-                                                           st.tile(q).row0) * HEAD_DIM
+                                                           tl.row0) * HEAD_DIM
                                            : nullptr;
+                    turn[q] = ordered ? cm_dq_turn(p, batch, st.head(q), tl.row0) : nullptr;
+                    my_turn[q] = ordered ? (tl.partial ? p.bwd_q_ranks : p.bwd_full_q_ranks)[tl.index] : 0;
                 }
                 cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
-                if ((threadIdx.x & 31) == 0) {
+                if (leader) {
     #pragma unroll
                     for (int q = 0; q < Q_TILES; ++q) {
                         if (dst[q] == nullptr) break;
+                        if (ordered) {
+                            while (cm_ld_acquire(turn[q]) != my_turn[q]) __nanosleep(128);
+                            // The earlier additions (async proxy, released by their CTAs) come
+                            // before this one.
+                            cm_fence_proxy_async_global();
+                        }
                         asm volatile(
                             "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst[q]),
                             "r"(sDQ + q * DQ_BYTES), "n"(DQ_BYTES)
@@ -662,7 +768,21 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 // The last step's dQ tiles are not written again (the consumers sync EMPTY
                 // once per step).
                 if (it + 1 < steps) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
-            });
+                if (ordered && leader) {
+                    // The next visitor's turn, once this step's additions are complete.
+                    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                    cm_fence_proxy_async_global();
+    #pragma unroll
+                    for (int q = 0; q < Q_TILES; ++q) {
+                        if (dst[q] != nullptr) cm_red_release_add(turn[q], 1u);
+                    }
+                }
+            };
+            if (ordered) {
+                dkdv_for_each_ordered_step(p, blk, reduce);
+            } else {
+                dkdv_for_each_step(p, blk, reduce);
+            }
             // The last reduction must finish before the CTA exits.
             if ((threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         }
@@ -670,9 +790,13 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     }
 
     cm_regs_alloc<CONSUMER_REGS>();
-    if (p.dq_accum != nullptr) {
-        dkdv_consumers<true>(p, blk, base, smem, warpgroup);
+    if (p.dq_accum == nullptr) {
+        dkdv_consumers<false, false>(p, blk, base, smem, warpgroup);
+#if !CM_SCORE
+    } else if (ordered) {
+        dkdv_consumers<true, true>(p, blk, base, smem, warpgroup);
+#endif
     } else {
-        dkdv_consumers<false>(p, blk, base, smem, warpgroup);
+        dkdv_consumers<true, false>(p, blk, base, smem, warpgroup);
     }
 }

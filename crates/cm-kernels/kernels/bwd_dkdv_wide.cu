@@ -287,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
     auto bar = [&](int i) -> u32 { return base + OFF_BARS + 8 * i; };
 
     // A rank is one half of a key block here.
-    const CmDkdvPair item = cm_dkdv_pair(p, 2 * p.bwd_num_n_blocks);
+    const CmDkdvPair item = cm_dkdv_pair(p, 2 * p.bwd_num_n_blocks, blockIdx.x);
     const u32 batch = item.batch, kv_head = item.kv_head, head0 = item.head0, rank = item.rank;
     const u32 n_block = p.bwd_n_block_order[(u64)cm_bwd_mask(p, batch, head0) * p.bwd_num_n_blocks + rank / 2];
     const u32 half = rank % 2;

@@ -1,4 +1,4 @@
-// Backward post-processing of the fast mode, one CTA of 128 threads per (64-row query block,
+// Backward post-processing wherever bwd_dkdv adds dQ, one CTA of 128 threads per (64-row query block,
 // head, batch): dQ = softmax_scale * the fp32 accumulator that bwd_dkdv added into with bulk
 // reductions (in its fragment order, cm_dq_offset), rounded to the element type. Rows no tile
 // reached were zeroed by bwd_pre, so rows with no visible key get dQ = 0.

@@ -2,7 +2,8 @@
 // delta_i = sum_d dO[i, d] * O[i, d] - dlse_i in fp32 (dlse_i, when the loss reads lse, is
 // d loss / d lse_i: lse_i's own softmax derivative is P_ij, so the term folds into every
 // dS_ij = P_ij (dP_ij - delta_i) at no cost), the forward lse converted to the exp2 domain, and
-// (fast mode) the fp32 dQ accumulator zeroed, all into the workspace at padded rows.
+// (when bwd_dkdv adds dQ) the fp32 dQ accumulator zeroed, all into the workspace at padded
+// rows, and (deterministic mode) the block's dQ turn counter and the start tickets zeroed.
 // Rows at or past q_len, and rows with no visible key (lse = -inf), get lse_log2 = +inf and
 // delta = 0: every probability recomputed from them is exp2(s - inf) = 0, so such rows add
 // nothing to dK / dV and get dQ = 0, with no -inf - -inf = NaN anywhere.
@@ -53,6 +54,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cm_bwd_pre(const CmBwd
         }
         p.lse_log2[bh * p.q_pad + row] = lse2;
         p.delta[bh * p.q_pad + row] = acc;
+    }
+    if (p.dq_turns != nullptr && threadIdx.x == 0) {
+        *cm_dq_turn(p, batch, head, row0) = 0;
+        if (m_block == 0 && head == 0 && batch == 0) p.dq_turns[0] = 0;
     }
     if (p.dq_accum != nullptr) {
         float4* acc_rows = reinterpret_cast<float4*>(p.dq_accum + (bh * p.q_pad + row0) * HEAD_DIM);

@@ -53,15 +53,18 @@ pub enum KernelKind {
     /// `cm_serve::Prefill`'s virtual key blocks), 128x128 tiles, no score terms.
     FwdWsPaged,
     /// `kernels/bwd_pre.cu`: backward pre-processing (`delta = rowsum(dO * O)`, lse in the
-    /// exp2 domain, zeroed fp32 dQ accumulator), per query block.
+    /// exp2 domain, zeroed fp32 dQ accumulator and dQ turn counters), per query block.
     BwdPre,
     /// `kernels/bwd_dkdv.cu`: dK and dV per 128-key block, warp-specialised (a TMA producer
-    /// warpgroup, two wgmma consumer warpgroups of 64 keys, [`BWD_TILE`]); in the fast mode
-    /// also dQ, added into an fp32 accumulator by bulk asynchronous reductions.
+    /// warpgroup, two wgmma consumer warpgroups of 64 keys, [`BWD_TILE`]); also dQ, added into
+    /// an fp32 accumulator by bulk asynchronous reductions (in the deterministic mode in turns,
+    /// ascending key block by key block per query tile).
     BwdDkDv,
-    /// `kernels/bwd_dq.cu`: dQ per query block on wgmma, no atomics (deterministic mode).
+    /// `kernels/bwd_dq.cu`: dQ per query block on wgmma, no atomics (the deterministic mode
+    /// where `bwd_dkdv` cannot add dQ in turns: score terms, per-head masks under GQA, the
+    /// wide shapes).
     BwdDq,
-    /// `kernels/bwd_post.cu`: the fast mode's fp32 dQ accumulator scaled and rounded.
+    /// `kernels/bwd_post.cu`: `bwd_dkdv`'s fp32 dQ accumulator scaled and rounded.
     BwdPost,
     /// `kernels/decode.cu`: serving attention of a step's new rows against a paged KV cache
     /// (the query heads of a kv head packed into one CTA, split-KV, mma.sync, 64x64 tiles).
@@ -619,6 +622,9 @@ pub fn nvrtc_options(variant: &Variant) -> Vec<String> {
         format!("--gpu-architecture={GPU_ARCH}"),
         "--ptxas-options=-v".to_string(),
         "-std=c++17".to_string(),
+        // The sources hold no host code; this makes generic lambdas (the backward's walks
+        // hand one body two step types) device code too.
+        "-default-device".to_string(),
         "-lineinfo".to_string(),
     ];
     opts.extend(variant.defines());

@@ -230,9 +230,9 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
             _raw(dk), _raw(dv), _raw(workspace), scale, deterministic,
             _score_arg(score, dist_bias_grad))
     # The workspace holds lse_log2, then delta, each [b, hq, q_pad] (cm_cuda's
-    # backward_workspace_len), then the fast mode's dQ accumulator (q_pad per head_dim).
-    per_row = 2 if deterministic else 2 + d
-    rows = workspace.numel() // per_row
+    # backward_workspace_len), then the dQ accumulator (head_dim per row) and, in the
+    # deterministic mode, the dQ turn counters: the fast mode's length is rows * (2 + d).
+    rows = _native.cuda_workspace_len(lq, b, hq, d, False) // (2 + d)
     delta = workspace[rows:2 * rows].view(b, hq, rows // max(b * hq, 1))[..., :lq]
     return dq, dk, dv, delta
 

@@ -53,9 +53,9 @@ impl Dev {
             false,
         );
         let s = &gpu.stream;
-        // Room for either mode: the fast one needs more (its dQ accumulator is head_dim wide).
+        // Room for either mode: the deterministic one needs more (its dQ turn counters).
         let ws = plan
-            .backward_workspace_len(sh.batch, sh.heads, sh.head_dim, false)
+            .backward_workspace_len(sh.batch, sh.heads, sh.head_dim, true)
             .ok_or("workspace size overflow")?;
         let dev = Dev {
             dout: s.clone_htod(&to_mem(c.dtype, &dout, &fwd.out_layout, fwd.out_len_mem))?,
