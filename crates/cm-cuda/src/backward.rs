@@ -500,7 +500,8 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     } else {
         0
     };
-    let dq_turns = if dq_in_dkdv && a.deterministic {
+    // Without query rows bwd_pre does not run (nor zero the tickets), and there is no dQ.
+    let dq_turns = if dq_in_dkdv && a.deterministic && plan.num_m_blocks > 0 {
         a.workspace + 4 * (2 + d as u64) * rows as u64
     } else {
         0
