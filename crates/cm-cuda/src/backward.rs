@@ -278,7 +278,9 @@ struct Launches {
 /// and `delta` `[batch, num_heads, q_pad]`, the dQ accumulator `[batch, num_heads, q_pad,
 /// head_dim]`, with `q_pad` = q_len rounded up to whole query tiles, and in the
 /// deterministic mode one u32 counter per 64-row query tile (`[batch, num_heads, q_pad /
-/// 64]`, the turns of its dQ additions) and one more (the CTAs' start tickets). `None` if the
+/// 64]`, the turns of its dQ additions) and one more (the CTAs' start tickets); that length
+/// also covers the deterministic mode's other dQ path (`bwd_dq`: score terms, per-head masks
+/// under GQA, the wide shapes), which uses only `lse_log2` and `delta`. `None` if the
 /// count overflows `usize`. Needs no device, so a caller can allocate the workspace (e.g.
 /// with torch) before it has a plan view.
 pub fn backward_workspace_len(

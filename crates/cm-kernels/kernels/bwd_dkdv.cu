@@ -777,6 +777,8 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                         if (dst[q] != nullptr) cm_red_release_add(turn[q], 1u);
                     }
                 }
+                // The next step's named barrier counts the warp: it must arrive converged.
+                __syncwarp();
             };
             if (ordered) {
                 dkdv_for_each_ordered_step(p, blk, reduce);
