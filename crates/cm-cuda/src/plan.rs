@@ -1399,7 +1399,10 @@ mod tests {
                 );
             }
             for list in [partial, full] {
-                assert!(list.windows(2).all(|w| w[0] < w[1]), "key block {n}: {list:?}");
+                assert!(
+                    list.windows(2).all(|w| w[0] < w[1]),
+                    "key block {n}: {list:?}"
+                );
             }
             let ranks = [array(PlanArray::BwdQRanks), array(PlanArray::BwdFullQRanks)];
             let lists = [(q_offsets, q_indices), (full_offsets, full_indices)];
@@ -1409,11 +1412,16 @@ mod tests {
                     let m = indices[i];
                     let lower = (0..n as usize)
                         .filter(|&n2| {
-                            let holds = |o: &[u32], ix: &[u32]| ix[o[n2] as usize..o[n2 + 1] as usize].contains(&m);
+                            let holds = |o: &[u32], ix: &[u32]| {
+                                ix[o[n2] as usize..o[n2 + 1] as usize].contains(&m)
+                            };
                             holds(q_offsets, q_indices) || holds(full_offsets, full_indices)
                         })
                         .count();
-                    assert_eq!(ranks[i] as usize, lower, "entry {i} (q block {m}, key block {n})");
+                    assert_eq!(
+                        ranks[i] as usize, lower,
+                        "entry {i} (q block {m}, key block {n})"
+                    );
                 }
             }
             for i in q_offsets[n as usize] as usize..q_offsets[n as usize + 1] as usize {
