@@ -249,6 +249,22 @@ const _: () = assert!(
     "must match sizeof(CmBwdParams)"
 );
 
+/// How many (batch, kv head) pairs `bwd_dkdv` interleaves, rank by rank. Without turns, as
+/// many as the L2 holds the streamed Q and dO of ([`crate::forward::head_group`]). With the
+/// deterministic mode's turns (`dq_turns`), every pair: each key block's first reduction of a
+/// query tile waits for the block before it in its pair, so k CTAs of one pair in flight start
+/// up to k - 1 hand-offs apart (measured: 26% over the fast backward on causal at 32K with two
+/// pairs interleaved, each hand-off a bulk reduction's round trip); spread over every pair, the
+/// CTAs in flight form short chains, and those of one pair still walk the same tiles together,
+/// so their Q and dO stay shared in L2.
+fn bwd_head_group(l2_bytes: u64, params: &BwdParams, pair_bytes: u64) -> u32 {
+    if params.dq_turns != 0 {
+        params.bwd_pairs.max(1)
+    } else {
+        crate::forward::head_group(l2_bytes, pair_bytes, u64::from(params.bwd_pairs))
+    }
+}
+
 // SAFETY: BwdParams is #[repr(C)], Copy, holds only integers and floats, and has the exact
 // layout of CmBwdParams (8-byte fields first, explicit tail padding, no implicit padding; size
 // checked above), so the driver may copy its bytes as the kernel's by-value parameter.
@@ -732,11 +748,7 @@ impl Runtime {
     #[allow(unsafe_code)]
     fn launch_backward(&self, stream: &CudaStream, launches: &Launches) -> Result<(), Error> {
         let mut params = launches.params;
-        params.bwd_head_group = crate::forward::head_group(
-            self.l2_bytes(),
-            launches.pair_bytes,
-            u64::from(params.bwd_pairs),
-        );
+        params.bwd_head_group = bwd_head_group(self.l2_bytes(), &launches.params, launches.pair_bytes);
         for step in &launches.steps {
             let variant = &cm_kernels::VARIANTS[step.variant];
             let config = LaunchConfig {
