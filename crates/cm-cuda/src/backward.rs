@@ -748,7 +748,8 @@ impl Runtime {
     #[allow(unsafe_code)]
     fn launch_backward(&self, stream: &CudaStream, launches: &Launches) -> Result<(), Error> {
         let mut params = launches.params;
-        params.bwd_head_group = bwd_head_group(self.l2_bytes(), &launches.params, launches.pair_bytes);
+        params.bwd_head_group =
+            bwd_head_group(self.l2_bytes(), &launches.params, launches.pair_bytes);
         for step in &launches.steps {
             let variant = &cm_kernels::VARIANTS[step.variant];
             let config = LaunchConfig {

@@ -725,11 +725,33 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // each reduction waits for its turn (the tile's count of additions reaching this
             // key block's rank among the tile's visitors), and the count goes up once the
             // reduction is complete: each tile's dQ is summed in ascending key-block order.
+            // A step's counts go up after the next step's reductions are issued when that
+            // step's turns have come already (its group then completes while the next is in
+            // flight, so the warp never waits for a completion between steps), and before the
+            // next step waits for a turn otherwise (a later visitor never waits on a step that
+            // waits itself).
             const u32 sDQ = base + OFF_DQ;
             // The first step finds the dQ tiles free.
             cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
             const u32 steps = dkdv_steps(blk);
             const bool leader = (threadIdx.x & 31) == 0;
+            // The turn counters of the last reduced step, not yet released (leader only).
+            u32* pending[Q_TILES] = {};
+            // Once every committed group is complete (all), or every one but the newest.
+            auto release_pending = [&](bool all) {
+                if (pending[0] == nullptr) return;
+                if (all) {
+                    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                } else {
+                    asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+                }
+                cm_fence_proxy_async_global();
+    #pragma unroll
+                for (int q = 0; q < Q_TILES; ++q) {
+                    if (pending[q] != nullptr) cm_red_release_add(pending[q], 1u);
+                    pending[q] = nullptr;
+                }
+            };
             auto reduce = [&](u32 it, const auto& st) {
                 // The step's destinations (null for an absent tile) and turns, read before the
                 // hand-off.
@@ -747,6 +769,14 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 }
                 cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
                 if (leader) {
+                    if (ordered) {
+                        bool ready = true;
+    #pragma unroll
+                        for (int q = 0; q < Q_TILES; ++q) {
+                            if (dst[q] != nullptr) ready = ready && cm_ld_acquire(turn[q]) == my_turn[q];
+                        }
+                        if (!ready) release_pending(true);
+                    }
     #pragma unroll
                     for (int q = 0; q < Q_TILES; ++q) {
                         if (dst[q] == nullptr) break;
@@ -769,13 +799,11 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 // once per step).
                 if (it + 1 < steps) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
                 if (ordered && leader) {
-                    // The next visitor's turn, once this step's additions are complete.
-                    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                    cm_fence_proxy_async_global();
+                    // The previous step's turns pass on once its group is complete; this
+                    // step's group may still be in flight.
+                    release_pending(false);
     #pragma unroll
-                    for (int q = 0; q < Q_TILES; ++q) {
-                        if (dst[q] != nullptr) cm_red_release_add(turn[q], 1u);
-                    }
+                    for (int q = 0; q < Q_TILES; ++q) pending[q] = dst[q] != nullptr ? turn[q] : nullptr;
                 }
                 // The next step's named barrier counts the warp: it must arrive converged.
                 __syncwarp();
@@ -785,8 +813,11 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             } else {
                 dkdv_for_each_step(p, blk, reduce);
             }
-            // The last reduction must finish before the CTA exits.
-            if ((threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            // The last reduction must finish before the CTA exits, and its turns pass on.
+            if (leader) {
+                release_pending(true);
+                asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            }
         }
         return;
     }
