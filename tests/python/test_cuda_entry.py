@@ -23,11 +23,12 @@ def _tensor(shape, dtype="bfloat16", device=0, addr=0x1000_0000):
 
 def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None, ws_order=None):
     arrays = plan._native.kernel_arrays()[:count]
+    lens = [len(a) // 4 for a in plan._native.kernel_arrays()]
     if ws_order is None:
-        ws_order = _native.cuda_ws_order([len(a) // 4 for a in plan._native.kernel_arrays()])
+        ws_order = _native.cuda_ws_order(lens)
     return (plan.q_len if q_len is None else q_len, plan.kv_len, 1, (1, 1),
             [(0x100_0000 * (i + 1), (max(len(a) // 4, 4),), (1,), dtype, device)
-             for i, a in enumerate(arrays)], ws_order)
+             for i, a in enumerate(arrays)], ws_order, _native.cuda_dq_turns(lens))
 
 
 def _forward_args(**change):
@@ -167,3 +168,21 @@ def test_the_forward_tile_order_follows_the_plans_tiles():
     assert order(cm.builtin("sliding_window", window=256).plan(8192)) == [0, 1]
     with pytest.raises(ValueError, match="3 array lengths"):
         _native.cuda_ws_order([1, 2, 3])
+
+
+def test_the_deterministic_dq_path_follows_the_share_of_partial_tiles():
+    """The deterministic backward adds dQ in turns where at most 11% of the backward's 64 x 128
+    tiles are partial (counted here from the plan at that block size): causal and documents
+    do, CLEAR's 2D windows and trace documents (26% partial at 32K) do not."""
+    def turns(plan):
+        return _native.cuda_dq_turns([len(a) // 4 for a in plan._native.kernel_arrays()])
+
+    cases = [(cm.builtin("causal"), 8192, True), (cm.builtin("document_causal"), 8192, True),
+             (cm.builtin("clear"), 8612, False), (cm.builtin("trace_documents"), 32768, False)]
+    for program, n, want in cases:
+        tiles = program.plan(n, block_size=(64, 128)).tiles
+        share = tiles["partial"] / (tiles["partial"] + tiles["full"])
+        assert (share <= 0.11) == want, (program, share)
+        assert turns(program.plan(n)) == want, (program, share)
+    with pytest.raises(ValueError, match="cuda_dq_turns: 3 array lengths"):
+        _native.cuda_dq_turns([1, 2, 3])

@@ -25,11 +25,14 @@
 //!    turn a CTA waits for belongs to a CTA that has started) and walk their tiles from the
 //!    highest query tile down, every query head of the group per tile, so that a later key
 //!    block reaches a shared tile no sooner than an earlier one. It does so where the query
-//!    heads of each kv head share one mask and there are no score terms. At the wide shapes of
+//!    heads of each kv head share one mask, there are no score terms and at most a ninth of
+//!    the plan's tiles are partial ([`crate::dq_in_turns`]: on masks of many partial tiles
+//!    the turns wait more than `bwd_dq` costs). At the wide shapes of
 //!    [`cm_kernels::WIDE_SHAPES`] a CTA takes one 64-key half of a block, its two consumers
 //!    split the head dim, and dQ is added with vector reductions (`red.global.add.v4.f32`).
-//! 3. `bwd_post` scales and rounds the accumulator into dQ. In the deterministic mode with
-//!    score terms, per-head masks under GQA or the wide shapes, `bwd_dq` computes dQ instead:
+//! 3. `bwd_post` scales and rounds the accumulator into dQ. In the deterministic mode without
+//!    turns (score terms, per-head masks under GQA, the wide shapes, masks of many partial
+//!    tiles), `bwd_dq` computes dQ instead:
 //!    per 64-row query block, walking the forward lists at [`cm_kernels::TILE`], it recomputes
 //!    the tile's probabilities and accumulates dQ in registers (one warpgroup, wgmma, the next
 //!    tile's loads double buffered).
@@ -495,11 +498,15 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
     })?;
     let per_key_block = (blocks, 1, 1);
     // The deterministic mode adds dQ in bwd_dkdv as well, in turns, where every query head of
-    // a kv head has the same mask (the CTA walks them tile by tile) and there are no score
-    // terms (whose table gradient is flushed head by head): else bwd_dq computes it.
+    // a kv head has the same mask (the CTA walks them tile by tile), there are no score terms
+    // (whose table gradient is flushed head by head) and the plan's tiles are mostly full
+    // (plan::dq_in_turns): else bwd_dq computes it.
     let mask_stride_head = plan.mask_strides(b, h)?[1];
     let dq_in_dkdv = !a.deterministic
-        || (!dkdv.score && dkdv_keys == dkdv.block_n && (h == h_kv || mask_stride_head == 0));
+        || (plan.dq_turns
+            && !dkdv.score
+            && dkdv_keys == dkdv.block_n
+            && (h == h_kv || mask_stride_head == 0));
     // bwd_dkdv adds dQ exactly when the workspace pointer to the dQ accumulator is set.
     push(KernelKind::BwdDkDv, per_key_block)?;
     push(
@@ -607,7 +614,8 @@ impl Runtime {
     /// workspace accumulator with bulk asynchronous reductions, in the deterministic mode in
     /// ascending key-block order per query tile), then `bwd_post` (the accumulator scaled and
     /// rounded into dQ), or `bwd_dq` (dQ per query block in registers) where the deterministic
-    /// mode cannot take turns (score terms, per-head masks under GQA, the wide shapes; see the
+    /// mode takes no turns (score terms, per-head masks under GQA, the wide shapes, many partial
+    /// tiles; see the
     /// module docs). The fast mode's dQ is the only sum in a varying order, so only its last
     /// bits can vary run to run; the deterministic mode repeats its bits exactly.
     ///

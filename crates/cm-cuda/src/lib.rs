@@ -72,8 +72,8 @@ pub use forward::{check_forward, forward_variant, Forward, ForwardRaw};
 pub use kernels::{embedded_kernels, KernelInfo};
 pub use layout::{LseLayout, TensorLayout};
 pub use plan::{
-    ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanLists, PlanView,
-    PLAN_ARRAY_COUNT, WS_SETS,
+    dq_in_turns, ws_order, DevicePlan, ForwardArray, HostPlan, PlanArray, PlanLayout, PlanLists,
+    PlanView, PLAN_ARRAY_COUNT, WS_SETS,
 };
 pub use prefill::{
     check_prefill, prefill_host_plan, prefill_lists, Prefill, PrefillRaw, PREFILL_KEY_BLOCK,

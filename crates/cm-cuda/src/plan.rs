@@ -291,6 +291,32 @@ pub fn ws_order(lens: &[usize; PLAN_ARRAY_COUNT]) -> [usize; WS_SETS] {
     order
 }
 
+/// The largest share of partial tiles among the backward's listed tiles (at
+/// [`cm_kernels::BWD_TILE`]) at which the deterministic backward adds dQ in `bwd_dkdv` in
+/// turns ([`dq_in_turns`]).
+///
+/// Measured on an H100 (BENCHMARKS.md, "The deterministic backward's dQ: in turns or in
+/// `bwd_dq`, chosen per plan"): turns ran 0.71-0.80x the fast backward's speed where at most
+/// 9.3% of the tiles were partial (causal, shared prefix, sliding window, documents) against
+/// 0.64-0.72x for `bwd_dq`, but 0.47-0.79x where 13-84% were (HSTU, CLEAR, traces) against
+/// 0.77-0.90x. Masks of many partial tiles are those whose key blocks reach a shared query
+/// tile at far-apart points of their walks (2D windows, short documents, targets), so a turn
+/// waits on a CTA that is busy elsewhere; `bwd_dq` reads each query block's own list and never
+/// waits.
+const DQ_TURNS_MAX_PARTIAL_SHARE: f64 = 0.11;
+
+/// Whether the deterministic backward adds dQ in `bwd_dkdv` in turns (else `bwd_dq` computes
+/// it; where turns apply at all, see [`crate::Runtime::backward`]) for a plan whose arrays
+/// have lengths `lens` (in [`PlanArray::ALL`] order, as [`HostPlan::arrays`] made them, before
+/// any padding): when at most [`DQ_TURNS_MAX_PARTIAL_SHARE`] of the backward's listed tiles
+/// are partial. A pure function of the plan, so one plan always takes one path and repeats
+/// its bits.
+pub fn dq_in_turns(lens: &[usize; PLAN_ARRAY_COUNT]) -> bool {
+    let partial = lens[PlanArray::BwdQIndices.index()];
+    let full = lens[PlanArray::BwdFullQIndices.index()];
+    partial as f64 <= DQ_TURNS_MAX_PARTIAL_SHARE * (partial + full) as f64
+}
+
 /// Block indices `0..count` with the most work first (ties: the later block first, which for
 /// causal-like masks is also the longer row), so the longest CTAs start first.
 fn heaviest_first(count: u32, offsets: [&[u32]; 2]) -> Vec<u32> {
@@ -937,6 +963,8 @@ pub struct PlanLayout {
     pub(crate) ws_order: [usize; WS_SETS],
     /// Key blocks at [`cm_kernels::BWD_TILE`].
     pub(crate) bwd_num_n_blocks: u32,
+    /// Whether the deterministic backward adds dQ in turns ([`dq_in_turns`]).
+    pub(crate) dq_turns: bool,
     /// Distinct masks in the arrays.
     pub(crate) num_masks: u32,
     /// `[mask_batch, mask_heads]` of `mask_index` (a side of 1 applies to every batch or head).
@@ -1051,6 +1079,7 @@ impl PlanLayout {
             ws_num_m_blocks,
             ws_order: lists.ws_order(&lens),
             bwd_num_n_blocks,
+            dq_turns: dq_in_turns(&lens),
             num_masks,
             mask_dims,
             lists,
@@ -1083,6 +1112,14 @@ impl PlanLayout {
         }
         self.ws_order.copy_from_slice(order);
         Ok(self)
+    }
+
+    /// This layout with the deterministic backward's dQ path `turns` ([`dq_in_turns`] of the
+    /// arrays' lengths before padding), for arrays whose lengths were padded after it read
+    /// them.
+    pub fn with_dq_turns(mut self, turns: bool) -> PlanLayout {
+        self.dq_turns = turns;
+        self
     }
 
     /// The [`PlanArray::Ws`] sets best first.
@@ -1199,6 +1236,7 @@ impl DevicePlan {
                     ws_num_m_blocks,
                     ws_order: host.lists.ws_order(&lens),
                     bwd_num_n_blocks,
+                    dq_turns: dq_in_turns(&lens),
                     num_masks: host.num_masks,
                     mask_dims: host.mask_dims,
                     lists: host.lists,
@@ -1690,6 +1728,50 @@ mod tests {
         assert_eq!(key(2, 0), [(1 << 22) - 1, 0]);
         assert_eq!(key(2, 21), [1 << 21, 0]);
         assert!(masks[(2 * 128 + 22) * 2..].iter().all(|&w| w == 0));
+    }
+
+    /// The deterministic backward's dQ path follows the share of partial tiles that brute force
+    /// counts at [`cm_kernels::BWD_TILE`]: a causal mask (one partial tile per diagonal block,
+    /// 3% at 4096) takes turns, scattered random rows (nearly every tile partial) do not, and
+    /// the layouts of both carry their plan's choice until a padded caller overrides it.
+    #[test]
+    fn the_deterministic_dq_path_follows_the_share_of_partial_tiles() {
+        let causal: Vec<Vec<(u32, u32)>> = (0..4096).map(|q| vec![(0, q + 1)]).collect();
+        let cases = [
+            (RowIntervals::from_rows(4096, &causal).unwrap(), true),
+            (
+                RowIntervals::from_rows(700, &random_rows(600, 700, 5)).unwrap(),
+                false,
+            ),
+        ];
+        for (rows, turns) in cases {
+            let (partial, full) = check_bwd_arrays(&rows);
+            let share = partial as f64 / (partial + full) as f64;
+            assert_eq!(share <= DQ_TURNS_MAX_PARTIAL_SHARE, turns, "share {share}");
+            let tile = TileShape {
+                block_m: 64,
+                block_n: 64,
+            };
+            let host = HostPlan::build(&rows, tile);
+            let lens = host.arrays().each_ref().map(Vec::len);
+            assert_eq!(dq_in_turns(&lens), turns, "share {share}");
+            let mut slots = [(0u64, 0usize); PLAN_ARRAY_COUNT];
+            for (i, (slot, len)) in slots.iter_mut().zip(lens).enumerate() {
+                *slot = (0x100_0000 * (i as u64 + 1), len.max(4));
+            }
+            let layout = PlanLayout::new(
+                rows.q_len(),
+                rows.kv_len(),
+                tile,
+                1,
+                [1, 1],
+                slots,
+                PlanLists::All,
+            )
+            .unwrap();
+            assert_eq!(layout.dq_turns, turns);
+            assert_eq!(layout.with_dq_turns(!turns).dq_turns, !turns);
+        }
     }
 
     /// A descriptor of one forward set holds exactly that set's arrays (equal to a full

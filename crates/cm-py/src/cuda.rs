@@ -111,7 +111,7 @@ type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
 /// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT], ws_order)`, each array a 1-D tensor
 /// (padded), `ws_order` the forward's tile sets best first as [`cuda_ws_order`] gave them for
 /// the unpadded arrays.
-type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>);
+type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>, bool);
 /// A prefill layout's kernel descriptor as the Python side passes it: `(q_rows, kv_len,
 /// [array; PLAN_ARRAY_COUNT])` (the layout's virtual rows and keys), the arrays of
 /// `Step.prefill_arrays` as 1-D tensors (padded; only those of `cm_cuda::prefill_lists` are
@@ -207,6 +207,7 @@ fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> 
         cm_cuda::PlanLists::All,
     )?
     .with_ws_order(&plan.5)
+    .map(|layout| layout.with_dq_turns(plan.6))
 }
 
 /// The forward's tile sets (the `ws*` arrays of `CUDA_PLAN_ARRAYS`, one set per tile of the
@@ -214,14 +215,25 @@ fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> 
 /// elements each (before padding): `cm_cuda::ws_order`.
 #[pyfunction]
 pub fn cuda_ws_order(lens: Vec<usize>) -> PyResult<Vec<usize>> {
-    let lens: [usize; cm_cuda::PLAN_ARRAY_COUNT] = lens.try_into().map_err(|l: Vec<usize>| {
+    Ok(cm_cuda::ws_order(&plan_lens("cuda_ws_order", lens)?).to_vec())
+}
+
+/// `lens` as one length per descriptor array, or a `ValueError` naming `what` and the count.
+fn plan_lens(what: &str, lens: Vec<usize>) -> PyResult<[usize; cm_cuda::PLAN_ARRAY_COUNT]> {
+    lens.try_into().map_err(|l: Vec<usize>| {
         PyValueError::new_err(format!(
-            "cuda_ws_order: {} array lengths, expected {}",
+            "{what}: {} array lengths, expected {}",
             l.len(),
             cm_cuda::PLAN_ARRAY_COUNT
         ))
-    })?;
-    Ok(cm_cuda::ws_order(&lens).to_vec())
+    })
+}
+
+/// Whether the deterministic backward adds dQ in turns for a plan whose `Plan.kernel_arrays`
+/// have `lens` u32 elements each (before padding): `cm_cuda::dq_in_turns`.
+#[pyfunction]
+pub fn cuda_dq_turns(lens: Vec<usize>) -> PyResult<bool> {
+    Ok(cm_cuda::dq_in_turns(&plan_lens("cuda_dq_turns", lens)?))
 }
 
 /// q, k, v, out and lse as a forward's arguments, each checked to be on q's device with q's

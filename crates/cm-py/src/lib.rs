@@ -74,6 +74,7 @@ fn cm_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUDA_SCORE_BACKWARD_HEAD_DIMS", score_backward)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_kernel_tile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_ws_order, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_dq_turns, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_paged_attention, m)?)?;

@@ -268,6 +268,7 @@ CUDA_HEAD_DIMS: list[int]
 
 def cuda_kernel_tile() -> tuple[int, int]: ...
 def cuda_ws_order(lens: list[int]) -> list[int]: ...
+def cuda_dq_turns(lens: list[int]) -> bool: ...
 def cuda_workspace_len(
     q_len: int, batch: int, num_heads: int, head_dim: int, deterministic: bool
 ) -> int: ...
@@ -275,8 +276,9 @@ def cuda_workspace_len(
 # without "torch.", CUDA ordinal or -1); every one is checked before a launch.
 _Tensor = tuple[int, tuple[int, ...], tuple[int, ...], str, int]
 # A plan's descriptor: (q_len, kv_len, num_masks, (mask_batch, mask_heads), arrays,
-# the forward's tile sets best first as cuda_ws_order gave them).
-_Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor], list[int]]
+# the forward's tile sets best first as cuda_ws_order gave them, the deterministic backward's
+# dQ path as cuda_dq_turns gave it).
+_Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor], list[int], bool]
 # The score terms (softcap, slopes, (q_coef, k_coef, offset), dist_bias, dist_per_head,
 # dist_run_end, sinks, dist_bias_grad), as cm-py's `ScoreArg`.
 _Score = tuple[float, _Tensor | None, tuple[float, float, float], _Tensor | None, bool,

@@ -10,10 +10,11 @@ work under ``torch.compile``:
 - ``compilemask::attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr,
   intervals, mask_index, kernel, plan_dims, scale, deterministic) -> (dq, dk, dv)``
 
-``plan_dims`` is ``[num_masks, batch, num_heads, *kernel_ws_order]`` of the plan (its mask
-index's sides, 1 applying to every batch or head, with which the CUDA kernels find each
-(batch, head)'s mask in ``kernel``: one launch, one backward sequence, serves the whole plan;
-then the forward's tile sets best first, ``PlanTensors.kernel_ws_order``).
+``plan_dims`` is ``[num_masks, batch, num_heads, kernel_dq_turns, *kernel_ws_order]`` of the
+plan (its mask index's sides, 1 applying to every batch or head, with which the CUDA kernels
+find each (batch, head)'s mask in ``kernel``: one launch, one backward sequence, serves the
+whole plan; then the deterministic backward's dQ path, ``PlanTensors.kernel_dq_turns``, and
+the forward's tile sets best first, ``PlanTensors.kernel_ws_order``).
 
 ``paged_attention_cuda`` is the CUDA path of :func:`compilemask.paged_attention` (serving
 steps over a paged KV cache).
@@ -155,9 +156,11 @@ def _kernel_ready(t: Tensor) -> Tensor:
 
 def _plan_arg(kernel: list, plan_dims: list, q_len: int, kv_len: int) -> tuple:
     """The kernels' view of the plan: lengths, mask count and mask index sides, its
-    descriptor arrays, and the forward's tile sets best first."""
-    num_masks, batch, num_heads, *ws_order = plan_dims
-    return (q_len, kv_len, num_masks, (batch, num_heads), [_raw(t) for t in kernel], ws_order)
+    descriptor arrays, the forward's tile sets best first and the deterministic backward's
+    dQ path."""
+    num_masks, batch, num_heads, dq_turns, *ws_order = plan_dims
+    return (q_len, kv_len, num_masks, (batch, num_heads), [_raw(t) for t in kernel], ws_order,
+            bool(dq_turns))
 
 
 def _stream(device: torch.device) -> int:

@@ -61,12 +61,17 @@ class PlanTensors(NamedTuple):
     # On CUDA, the forward's tile sets of ``kernel`` (``ws*`` arrays) best first for this
     # plan: the launch runs the first one built for its head dims (``_native.cuda_ws_order``).
     kernel_ws_order: tuple[int, ...] = ()
+    # On CUDA, whether the deterministic backward adds dQ in turns for this plan
+    # (``_native.cuda_dq_turns``; else a dQ kernel of its own).
+    kernel_dq_turns: bool = True
 
     def plan_dims(self) -> list[int]:
-        """``[num_masks, batch, num_heads, *kernel_ws_order]``: how the CUDA kernels find each
-        (batch, head)'s mask in ``kernel`` (a side of 1 applies to every batch or head) and
-        which forward tile they run."""
-        return [self.row_ptr.shape[0], self.batch, self.num_heads, *self.kernel_ws_order]
+        """``[num_masks, batch, num_heads, kernel_dq_turns, *kernel_ws_order]``: how the CUDA
+        kernels find each (batch, head)'s mask in ``kernel`` (a side of 1 applies to every
+        batch or head), the deterministic backward's dQ path and which forward tile they
+        run."""
+        return [self.row_ptr.shape[0], self.batch, self.num_heads, int(self.kernel_dq_turns),
+                *self.kernel_ws_order]
 
 
 class ScoreTensors(NamedTuple):

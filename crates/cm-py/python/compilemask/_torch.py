@@ -64,8 +64,8 @@ def _pow2(n: int) -> int:
 def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
     """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
     distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``,
-    and the forward's tile sets best first for this plan (from the arrays' used lengths,
-    before padding). The arrays are views of one tensor, filled on the host and copied to
+    the forward's tile sets best first for this plan and whether the deterministic backward
+    adds dQ in turns (both from the arrays' used lengths, before padding). The arrays are views of one tensor, filled on the host and copied to
     ``dev`` in one transfer."""
     lens = [len(raw) // 4 for raw in arrays]
     # At least 4: keeps every array's loads aligned (16-byte rows of the
@@ -85,7 +85,7 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
             at += cap
     flat = flat.to(dev)
     out = tuple(flat[a:a + cap] for a, cap in parts)
-    return out, tuple(_native.cuda_ws_order(lens))
+    return out, tuple(_native.cuda_ws_order(lens)), _native.cuda_dq_turns(lens)
 
 
 def _checked_scale(scale: Any, head_dim: int) -> float:
@@ -127,11 +127,11 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
-    kernel, ws_order = (_kernel_tensors(torch, plan._native.kernel_arrays(), dev)
-                        if dev.type == "cuda" else ((), ()))
+    kernel, ws_order, dq_turns = (_kernel_tensors(torch, plan._native.kernel_arrays(), dev)
+                                  if dev.type == "cuda" else ((), (), True))
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
                       plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
-                      _score_tensors(torch, plan, dev), ws_order)
+                      _score_tensors(torch, plan, dev), ws_order, dq_turns)
     plan._cache[key] = out
     return out
 
