@@ -24,15 +24,16 @@
 //!    turn it is), CTAs take their key blocks by start ticket in ascending order (so every
 //!    turn a CTA waits for belongs to a CTA that has started) and walk their tiles from the
 //!    highest query tile down, every query head of the group per tile, so that a later key
-//!    block reaches a shared tile no sooner than an earlier one. It does so where the query
-//!    heads of each kv head share one mask, there are no score terms and at most a ninth of
-//!    the plan's tiles are partial ([`crate::dq_in_turns`]: on masks of many partial tiles
-//!    the turns wait more than `bwd_dq` costs). At the wide shapes of
+//!    block reaches a shared tile no sooner than an earlier one. It does so where that was
+//!    measured to beat `bwd_dq`: head_dim 128, one query head per kv head, no score terms,
+//!    and at most a ninth of the plan's tiles partial ([`crate::dq_in_turns`]: on masks of
+//!    many partial tiles, at head_dim 64 and under GQA the turns wait more than `bwd_dq`
+//!    costs). At the wide shapes of
 //!    [`cm_kernels::WIDE_SHAPES`] a CTA takes one 64-key half of a block, its two consumers
 //!    split the head dim, and dQ is added with vector reductions (`red.global.add.v4.f32`).
 //! 3. `bwd_post` scales and rounds the accumulator into dQ. In the deterministic mode without
-//!    turns (score terms, per-head masks under GQA, the wide shapes, masks of many partial
-//!    tiles), `bwd_dq` computes dQ instead:
+//!    turns (the other shapes, GQA, score terms, masks of many partial tiles), `bwd_dq`
+//!    computes dQ instead:
 //!    per 64-row query block, walking the forward lists at [`cm_kernels::TILE`], it recomputes
 //!    the tile's probabilities and accumulates dQ in registers (one warpgroup, wgmma, the next
 //!    tile's loads double buffered).
@@ -497,16 +498,18 @@ fn prepare(plan: &PlanLayout, a: &BackwardRaw) -> Result<Option<Launches>, Error
         ))
     })?;
     let per_key_block = (blocks, 1, 1);
-    // The deterministic mode adds dQ in bwd_dkdv as well, in turns, where every query head of
-    // a kv head has the same mask (the CTA walks them tile by tile), there are no score terms
-    // (whose table gradient is flushed head by head) and the plan's tiles are mostly full
-    // (plan::dq_in_turns): else bwd_dq computes it.
-    let mask_stride_head = plan.mask_strides(b, h)?[1];
+    // The deterministic mode adds dQ in bwd_dkdv as well, in turns, where that was measured to
+    // beat bwd_dq: head_dim 128, one query head per kv head, no score terms, a plan of mostly
+    // full tiles (plan::dq_in_turns); else bwd_dq computes it. On an H100 at 32K (BENCHMARKS.md,
+    // "The deterministic backward's dQ: in turns or in bwd_dq"), turns ran 1.03-1.12x
+    // bwd_dq's speed there, but 0.80-0.91x at head_dim 64 (where bwd_dkdv takes two query tiles a
+    // step) and 0.71x on the sliding window under GQA 32/8, so those keep bwd_dq.
     let dq_in_dkdv = !a.deterministic
         || (plan.dq_turns
             && !dkdv.score
             && dkdv_keys == dkdv.block_n
-            && (h == h_kv || mask_stride_head == 0));
+            && h == h_kv
+            && (d, dv) == (128, 128));
     // bwd_dkdv adds dQ exactly when the workspace pointer to the dQ accumulator is set.
     push(KernelKind::BwdDkDv, per_key_block)?;
     push(
@@ -614,8 +617,8 @@ impl Runtime {
     /// workspace accumulator with bulk asynchronous reductions, in the deterministic mode in
     /// ascending key-block order per query tile), then `bwd_post` (the accumulator scaled and
     /// rounded into dQ), or `bwd_dq` (dQ per query block in registers) where the deterministic
-    /// mode takes no turns (score terms, per-head masks under GQA, the wide shapes, many partial
-    /// tiles; see the
+    /// mode takes no turns (head dims other than 128, GQA, score terms, many partial tiles;
+    /// see the
     /// module docs). The fast mode's dQ is the only sum in a varying order, so only its last
     /// bits can vary run to run; the deterministic mode repeats its bits exactly.
     ///
