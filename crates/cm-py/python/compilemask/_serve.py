@@ -290,7 +290,7 @@ class Step:
                 return cached
             dev = torch.device("cpu") if device is None else torch.device(device)
             arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
-            kernel, _ = _kernel_tensors(torch, arrays, dev)
+            kernel = _kernel_tensors(torch, arrays, dev)
             out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
                                  _int32(torch, row_index, (len(row_index) // 4,), dev).long(),
                                  kv_len, q_rows, row_group)

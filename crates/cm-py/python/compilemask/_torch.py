@@ -63,10 +63,9 @@ def _pow2(n: int) -> int:
 
 def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
     """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
-    distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``,
-    the forward's tile sets best first for this plan and whether the deterministic backward
-    adds dQ in turns (both from the arrays' used lengths, before padding). The arrays are views of one tensor, filled on the host and copied to
-    ``dev`` in one transfer."""
+    distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``.
+    The arrays are views of one tensor, filled on the host and copied to ``dev`` in one
+    transfer."""
     lens = [len(raw) // 4 for raw in arrays]
     # At least 4: keeps every array's loads aligned (16-byte rows of the
     # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`), as every capacity, a
@@ -84,8 +83,15 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
             parts.append((at, cap))
             at += cap
     flat = flat.to(dev)
-    out = tuple(flat[a:a + cap] for a, cap in parts)
-    return out, tuple(_native.cuda_ws_order(lens)), _native.cuda_dq_turns(lens)
+    return tuple(flat[a:a + cap] for a, cap in parts)
+
+
+def _launch_choices(arrays: list) -> tuple[tuple[int, ...], bool]:
+    """What the launches of a plan whose ``kernel_arrays()`` are ``arrays`` choose from its
+    lists: the forward's tile sets best first and whether the deterministic backward adds dQ
+    in turns (both from the arrays' used lengths, before padding)."""
+    lens = [len(raw) // 4 for raw in arrays]
+    return tuple(_native.cuda_ws_order(lens)), _native.cuda_dq_turns(lens)
 
 
 def _checked_scale(scale: Any, head_dim: int) -> float:
@@ -127,8 +133,11 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
-    kernel, ws_order, dq_turns = (_kernel_tensors(torch, plan._native.kernel_arrays(), dev)
-                                  if dev.type == "cuda" else ((), (), True))
+    kernel, ws_order, dq_turns = (), (), True
+    if dev.type == "cuda":
+        arrays = plan._native.kernel_arrays()
+        kernel = _kernel_tensors(torch, arrays, dev)
+        ws_order, dq_turns = _launch_choices(arrays)
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
                       plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
                       _score_tensors(torch, plan, dev), ws_order, dq_turns)
