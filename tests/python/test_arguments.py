@@ -370,6 +370,15 @@ def test_lengths_are_checked_before_indices_and_names_before_use():
     assert e.value.code == "CM0402" and "q_len = 0 is out of range" in str(e.value)
     with pytest.raises(IndexError, match=r"q = 3 is out of range \[0, 2\)"):
         cm.builtin("causal").brute_force_row(3, 2)
+    # Every length check of planning, the product of batch and heads included.
+    for lengths, message in (({"batch": 2 ** 12, "num_heads": 2 ** 13},
+                              r"batch x num_heads = 33554432 is out of range"),
+                             ({"kv_len": 2 ** 27}, r"kv_len = 134217728 is out of range")):
+        for call in (lambda: cm.builtin("causal").brute_force_row(0, 4, **lengths),
+                     lambda: cm.builtin("causal").plan(4, **lengths)):
+            with pytest.raises(cm.PlanError, match=message) as e:
+                call()
+            assert e.value.code == "CM0402"
     with pytest.raises(ValueError, match="a parameter name must be valid Unicode text"):
         cm.builtin("sliding_window").plan(10, **{"\ud800": 3})
     for side in (2 ** 40, -1):

@@ -58,6 +58,39 @@ pub struct Shape {
     pub num_heads: i64,
 }
 
+impl Shape {
+    /// Checks each length against [`LENGTH_LIMITS`] and `batch x num_heads` against
+    /// [`MAX_BATCH_HEADS`], as binding does first: callers that take an index into these
+    /// lengths check it only once the lengths themselves are valid.
+    ///
+    /// # Errors
+    /// `CM0402` ([`Code::LengthOutOfRange`]) naming the first length out of range, its value
+    /// and the accepted range.
+    pub fn check(&self) -> PResult<()> {
+        let given = [self.q_len, self.kv_len, self.batch, self.num_heads];
+        for ((name, max), v) in LENGTH_LIMITS.into_iter().zip(given) {
+            if v < 1 || v > max {
+                return Err(PlanError::new(
+                    Code::LengthOutOfRange,
+                    None,
+                    format!("{name} = {v} is out of range; expected 1 ..= {max}"),
+                ));
+            }
+        }
+        if self.batch * self.num_heads > MAX_BATCH_HEADS {
+            return Err(PlanError::new(
+                Code::LengthOutOfRange,
+                None,
+                format!(
+                    "batch x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
+                    self.batch * self.num_heads
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// An error found while binding or planning: a stable code, a message, the source span
 /// when one applies, and a hint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -340,26 +373,7 @@ impl Program {
 
     /// A bound program with its lengths and parameters only (no structure, no score).
     fn bind_params(&self, shape: Shape, values: &BTreeMap<String, Value>) -> PResult<Bound<'_>> {
-        let given = [shape.q_len, shape.kv_len, shape.batch, shape.num_heads];
-        for ((name, max), v) in LENGTH_LIMITS.into_iter().zip(given) {
-            if v < 1 || v > max {
-                return Err(PlanError::new(
-                    Code::LengthOutOfRange,
-                    None,
-                    format!("{name} = {v} is out of range; expected 1 ..= {max}"),
-                ));
-            }
-        }
-        if shape.batch * shape.num_heads > MAX_BATCH_HEADS {
-            return Err(PlanError::new(
-                Code::LengthOutOfRange,
-                None,
-                format!(
-                    "batch x num_heads = {} is out of range; expected at most {MAX_BATCH_HEADS}",
-                    shape.batch * shape.num_heads
-                ),
-            ));
-        }
+        shape.check()?;
         self.check_param_names(values)?;
         let mut b = Bound {
             program: self,

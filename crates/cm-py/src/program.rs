@@ -277,17 +277,13 @@ impl Program {
     ) -> PyResult<Vec<(u32, u32)>> {
         // The lengths first, as planning checks them: an index is only out of range of a
         // valid length (q_len = 0 is CM0402, not an empty range for q).
-        let given = [q_len, kv_len.unwrap_or(q_len), batch, num_heads];
-        for ((name, max), v) in compilemask::LENGTH_LIMITS.into_iter().zip(given) {
-            if !(1..=max).contains(&v) {
-                return Err(plan_error_msg(
-                    py,
-                    Code::LengthOutOfRange,
-                    format!("{name} = {v} is out of range; expected 1 ..= {max}"),
-                    None,
-                ));
-            }
-        }
+        let shape = compilemask::Shape {
+            q_len,
+            kv_len: kv_len.unwrap_or(q_len),
+            batch,
+            num_heads,
+        };
+        shape.check().map_err(|e| plan_error(py, None, &e))?;
         let bad = |what: &str, v: i64, n: i64| {
             pyo3::exceptions::PyIndexError::new_err(format!(
                 "{what} = {v} is out of range [0, {n})"
