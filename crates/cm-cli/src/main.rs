@@ -725,6 +725,9 @@ fn run(command: Command) -> Result<ExitCode> {
                     if unnamed_b && unnamed_h { "batch and head" } else if unnamed_b { "batch" } else { "head" }
                 ));
             }
+            if let Some(t) = &plan.score {
+                write_stderr(&score::export_warning(t, plan.num_heads));
+            }
             let m = plan.mask(b, h);
             let mut value = match format {
                 ExportFormat::Dense => {

@@ -70,6 +70,17 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
     out
 }
 
+/// `export`'s warning for a plan with score terms: every format holds only which pairs are
+/// visible, so the terms are named here rather than dropped without a word.
+pub fn export_warning(t: &ScoreTerms, num_heads: u32) -> String {
+    format!(
+        "warning: the export holds only which pairs are visible, not the plan's score terms: {}; \
+         apply them where the export is used (from Python, `plan.score_mod()` is FlexAttention's \
+         score_mod of the softcap and biases; sinks: docs/exports.md, \"Score terms\")\n",
+        lines(t, num_heads).join("; ")
+    )
+}
+
 /// The terms as `plan --json`'s `score` object.
 pub fn json(t: &ScoreTerms, num_heads: u32) -> Value {
     json!({
