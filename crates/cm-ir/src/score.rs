@@ -394,6 +394,33 @@ fn bad_table(span: Span, message: String) -> PlanError {
     PlanError::new(Code::BadScoreTable, Some(span), message)
 }
 
+/// `v`, a constant of the score that the kernels take as an `f32` (`what` names it), in
+/// `f32`. A nonzero value that `f32` rounds to 0, or one it cannot hold, would change the
+/// terms without a word: `CM0314`, naming the value and the range.
+fn kernel_f32(v: f64, span: Span, what: impl Fn() -> String) -> PResult<f32> {
+    let f = v as f32;
+    let why = if !v.is_finite() {
+        "it is not a finite number"
+    } else if !f.is_finite() {
+        "f32 rounds it to infinity"
+    } else if f == 0.0 && v != 0.0 {
+        "f32 rounds it to 0"
+    } else {
+        return Ok(f);
+    };
+    Err(bad_value(
+        span,
+        format!(
+            "{} is {}, which the kernels take as an f32, and {why}; expected 0 or a magnitude from {:e} to {:e}",
+            what(),
+            show_float(v),
+            f32::from_bits(1),
+            f32::MAX
+        ),
+    )
+    .with_hint("write 0 (or leave the term out) for no bias; a coefficient is stored as one f32 per head"))
+}
+
 /// The values of tensor `name` among `tensors` (`CM0315` at `span` when not given).
 fn given<'a>(tensors: &TensorValues<'a>, name: &str, span: Span) -> PResult<&'a [f64]> {
     tensors
@@ -676,8 +703,8 @@ impl Bound<'_> {
     /// `sink` statements). Cost O(num_heads + q_len + kv_len).
     ///
     /// # Errors
-    /// `CM0314` for a softcap that is not positive and finite, a slope that is not finite in
-    /// `f32`, coefficients outside `i32`, bias positions past `2^24` in magnitude (what f32
+    /// `CM0314` for a softcap that is not positive and finite, a slope that `f32` cannot hold
+    /// or rounds from nonzero to 0, coefficients outside `i32`, bias positions past `2^24` in magnitude (what f32
     /// holds exactly), bad `t5_bucket` arguments; `CM0315` for a bucket
     /// outside `[0, num_buckets)` (naming the distance); any error of evaluating them.
     pub(crate) fn bind_score(&self) -> PResult<Option<ScoreTerms>> {
@@ -703,16 +730,9 @@ impl Bound<'_> {
             for h in 0..self.shape.num_heads {
                 let env = Env { h, ..none };
                 let v = self.eval_float(&l.slope, &env, f64::NAN, &[])?;
-                if !(v as f32).is_finite() {
-                    return Err(bad_value(
-                        l.slope.span,
-                        format!(
-                            "the bias coefficient of head {h} is {}; expected a finite f32",
-                            show_float(v)
-                        ),
-                    ));
-                }
-                slopes.push(v as f32);
+                slopes.push(kernel_f32(v, l.slope.span, || {
+                    format!("the bias coefficient of head {h}")
+                })?);
             }
             let coef = |i: &Int, what: &str| -> PResult<i32> {
                 let v = self.eval_int(i, &none)?;

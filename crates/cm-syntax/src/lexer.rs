@@ -265,19 +265,32 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     i = end;
                     continue;
                 }
+                // A nonzero digit before the exponent: the literal is not 0, whatever it
+                // rounds to.
+                let nonzero = text
+                    .split(['e', 'E'])
+                    .next()
+                    .is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)));
                 match text.parse::<f64>() {
-                    Ok(v) if v.is_finite() => toks.push(Token {
+                    Ok(v) if v.is_finite() && (v != 0.0 || !nonzero) => toks.push(Token {
                         tok: Tok::Float(FloatBits::new(v)),
                         span,
                     }),
-                    _ => {
-                        diags.push(
-                            Diagnostic::error(
-                                Code::BadIntegerLiteral,
-                                span,
-                                "float literal is too large",
+                    parsed => {
+                        let (message, hint) = if parsed.is_ok_and(|v| v == 0.0) {
+                            (
+                                format!("float literal `{written}` is too small: a 64-bit float rounds it to 0"),
+                                "floats are 64-bit; the smallest nonzero magnitude is about 4.9e-324; write 0.0 for zero",
                             )
-                            .with_hint("floats are 64-bit; the largest is about 1.8e308"),
+                        } else {
+                            (
+                                format!("float literal `{written}` is too large"),
+                                "floats are 64-bit; the largest is about 1.8e308",
+                            )
+                        };
+                        diags.push(
+                            Diagnostic::error(Code::BadIntegerLiteral, span, message)
+                                .with_hint(hint),
                         );
                         toks.push(Token {
                             tok: Tok::Float(FloatBits::new(0.0)),
@@ -493,8 +506,20 @@ mod tests {
         assert_eq!(toks("3.x"), [Tok::Int(3), Tok::Dot, Tok::Ident("x".into())]);
         let (t, d) = lex("1e999");
         assert_eq!(d[0].code, "CM0103");
-        assert_eq!(d[0].message, "float literal is too large");
+        assert_eq!(d[0].message, "float literal `1e999` is too large");
         assert_eq!(t[0].tok, f(0.0));
+        // A nonzero literal is never silently 0; zeros written any way are 0.
+        let (_, d) = lex("1e-400 0.000_1e-999");
+        let messages: Vec<&str> = d.iter().map(|d| d.message.as_str()).collect();
+        assert_eq!(
+            messages,
+            [
+                "float literal `1e-400` is too small: a 64-bit float rounds it to 0",
+                "float literal `0.000_1e-999` is too small: a 64-bit float rounds it to 0"
+            ]
+        );
+        assert_eq!(toks("0.0 0e-999 00.000e5"), [f(0.0), f(0.0), f(0.0)]);
+        assert_eq!(toks("5e-324"), [f(5e-324)]);
         // `4e` is a malformed integer, as before.
         assert_eq!(lex("4e").1[0].code, "CM0103");
     }

@@ -372,6 +372,7 @@ fn cm0212_score_forms() {
         ("CM0208", "grid g = [2, 2];\nscore = score + l2(g) * 1.0;"),
         ("CM0202", "param score: int = 1;"),
         ("CM0103", "score = score + 1e999;"),
+        ("CM0103", "score = score + 1e-400 * (q - k);"),
         ("CM0203", "score = score % 2.0;"),
         ("CM0203", "score = score + (score + 1.0)[0];"),
         ("CM0212", "score = score + 0.5 * (q - k) * 0.5 + 0.5 * q;"),
@@ -708,6 +709,7 @@ fn cm0314_cm0315_cm0411_score_values() {
     let cases: &[(&str, &str, i64, i64)] = &[
         ("CM0314", "param cap: int = 0;\nmask = k <= q;\nscore = softcap(score, cap);", 4, 1),
         ("CM0314", "mask = k <= q;\nscore = score + 1e300 * 1e300 * (q - k);", 4, 1),
+        ("CM0314", "mask = k <= q;\nscore = score + 1e-46 * (q - k);", 4, 1),
         ("CM0314", "mask = k <= q;\nscore = score + 0.5 * (3000000000 * q - k);", 4, 1),
         ("CM0314", "tensor t: [num_heads, 8];\nmask = k <= q;\nscore = score + t[h][t5_bucket(k - q, 8, 2, false)];", 4, 1),
         ("CM0314", "mask = k <= q;\nscore = score + alibi_slopes(0)[h] * (q - k);", 4, 2),
