@@ -73,8 +73,17 @@ def test_errors_name_the_value():
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
     with pytest.raises(ValueError, match="batch = 2 and 2 distinct masks"):
         ContextParallel(per_batch, ranks=2)
-    with pytest.raises(ValueError, match="score terms"):
-        ContextParallel(cm.builtin("causal_softcap").plan(64), ranks=2)
+    # Each kind of score term names its own reason (only the biases read positions).
+    for name, reason in [
+        ("causal_softcap", "the softcap reads no position, but the parts' plans carry no "
+                           "score terms yet"),
+        ("causal_alibi", "the linear bias reads the positions q and k, which a part renumbers"),
+        ("sliding_window_sinks", "a sink joins each row's softmax once, but a rank's parts "
+                                 "are merged by lse without it"),
+    ]:
+        with pytest.raises(ValueError, match="score terms") as e:
+            ContextParallel(cm.builtin(name).plan(100), ranks=2)
+        assert reason in str(e.value), (name, str(e.value))
     with pytest.raises(TypeError, match="compilemask.Plan"):
         ContextParallel("causal", ranks=2)
     cp = ContextParallel(causal, ranks=2, chunk=10)

@@ -127,18 +127,37 @@ fn what_cannot_be_sharded_is_named() {
         ],
         &["q_len = 100 and kv_len = 120 differ"],
     );
-    fails(
-        &[
-            "shard",
-            "--builtin",
+    // Each kind of score term is refused for its own reason: only the biases read positions.
+    for (name, reason) in [
+        (
             "causal_softcap",
-            "--q-len",
-            "100",
-            "--ranks",
-            "2",
-        ],
-        &["score terms"],
-    );
+            "the softcap reads no position, but the parts' plans carry no score terms yet",
+        ),
+        (
+            "causal_alibi",
+            "the linear bias reads the positions q and k, which a part renumbers",
+        ),
+        (
+            "t5_relative_bias",
+            "the bias table reads the distance q - k, which a part renumbers",
+        ),
+        (
+            "sliding_window_sinks",
+            "a sink joins each row's softmax once, but a rank's parts are merged by lse without it",
+        ),
+    ] {
+        let err = fails(
+            &["shard", "--builtin", name, "--q-len", "1000", "--ranks", "2"],
+            &[
+                "the plan has score terms, which context parallelism does not carry into a rank's parts: ",
+                reason,
+            ],
+        );
+        assert!(!err.contains("bound to positions"), "{err}");
+        if name != "causal_alibi" && name != "t5_relative_bias" {
+            assert!(!err.contains("renumber"), "{name}: {err}");
+        }
+    }
 }
 
 /// Without `--chunk` the chunk is 512 tokens, or q_len / ranks when 512 would leave fewer

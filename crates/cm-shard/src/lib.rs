@@ -80,11 +80,13 @@ pub enum ShardError {
          one sequence (batch 1, e.g. a packed plan) whose heads share one mask"
     )]
     NotOneMask { batch: u32, masks: usize },
+    /// Why each of the plan's score terms cannot be carried into a rank's parts, `; `
+    /// between them.
     #[error(
-        "the plan has score terms, which are bound to positions: context parallelism shards \
-         masks without them"
+        "the plan has score terms, which context parallelism does not carry into a rank's \
+         parts: {0}; shard the plan of the mask without them"
     )]
-    Score,
+    Score(String),
 }
 
 /// What rank `r` reads from source rank `s` (`s == r`: its own keys, nothing to fetch), as
@@ -370,7 +372,8 @@ pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
 ///
 /// # Errors
 /// [`ShardError::NotOneMask`] for a batch above 1 or masks that differ per head,
-/// [`ShardError::Score`] for a plan with score terms, and [`shard`]'s errors.
+/// [`ShardError::Score`] for a plan with score terms (naming why each is refused), and
+/// [`shard`]'s errors.
 pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
     if plan.batch != 1 || plan.masks.len() != 1 {
         return Err(ShardError::NotOneMask {
@@ -378,8 +381,29 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
             masks: plan.masks.len(),
         });
     }
-    if plan.score.is_some() {
-        return Err(ShardError::Score);
+    if let Some(t) = &plan.score {
+        // A part is its rank's rows against the keys they fetch from one source, both
+        // compacted: positions are renumbered, and the parts are merged by lse.
+        let mut why = Vec::new();
+        if t.softcap.is_some() {
+            why.push("the softcap reads no position, but the parts' plans carry no score terms yet, so it would be left out");
+        }
+        match &t.linear {
+            Some(l) if l.q_coef != 0 || l.k_coef != 0 => why.push(
+                "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
+            ),
+            Some(_) => why.push(
+                "the constant bias per head reads no position, but the parts' plans carry no score terms yet",
+            ),
+            None => {}
+        }
+        if t.table.is_some() {
+            why.push("the bias table reads the distance q - k, which a part renumbers (its rows and fetched keys are compacted)");
+        }
+        if t.sink.is_some() {
+            why.push("a sink joins each row's softmax once, but a rank's parts are merged by lse without it");
+        }
+        return Err(ShardError::Score(why.join("; ")));
     }
     shard(&plan.masks[0].rows, ranks, chunk)
 }
