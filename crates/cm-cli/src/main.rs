@@ -140,8 +140,9 @@ enum Command {
         /// Ranks (GPUs) to deal the sequence to.
         #[arg(long)]
         ranks: u32,
-        /// Tokens per chunk (default: 512, or q_len / ranks when 512 leaves fewer chunks
-        /// than ranks).
+        /// Tokens per chunk. Default: the largest of 512, 256, 128 and 64 that cuts q_len
+        /// into at least 4 chunks per rank (so the deal can balance them), else 64; q_len /
+        /// ranks when 64 leaves fewer chunks than ranks.
         #[arg(long)]
         chunk: Option<u32>,
         /// Print one JSON object.

@@ -357,15 +357,32 @@ fn tile_columns(
     cols
 }
 
-/// Tokens per chunk when the caller names none: 512, or `q_len / ranks` (at least 1) when
-/// 512 would leave fewer chunks than ranks, so that any `q_len >= ranks` can be dealt.
+/// Largest default chunk, in tokens.
+pub const DEFAULT_CHUNK_MAX: u32 = 512;
+/// Smallest default chunk, in tokens (unless the sequence is too short to give every rank a
+/// chunk of it).
+pub const DEFAULT_CHUNK_MIN: u32 = 64;
+/// Chunks per rank the default chunk leaves where it can.
+pub const DEFAULT_CHUNKS_PER_RANK: u32 = 4;
+
+/// Tokens per chunk when the caller names none: the largest power of two from
+/// [`DEFAULT_CHUNK_MAX`] (512) down to [`DEFAULT_CHUNK_MIN`] (64) that cuts `q_len` into at
+/// least [`DEFAULT_CHUNKS_PER_RANK`] (4) chunks per rank (a short last chunk counts), else
+/// 64; and `q_len / ranks` (at least 1) when 64 leaves fewer chunks than ranks, so that any
+/// `q_len >= ranks` can be dealt. With one chunk per rank every rank's work is fixed by
+/// positions and the deal cannot balance it (a causal mask in 2 chunks over 2 ranks keeps
+/// 1.5x the mean on the last); 4 per rank gives the swaps room.
 pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
-    const CHUNK: u32 = 512;
-    if u64::from(q_len) >= u64::from(CHUNK) * u64::from(ranks) {
-        CHUNK
-    } else {
-        (q_len / ranks.max(1)).max(1)
+    let chunks = |c: u32| u64::from(q_len.div_ceil(c));
+    let ranks64 = u64::from(ranks.max(1));
+    let mut c = DEFAULT_CHUNK_MAX;
+    while c > DEFAULT_CHUNK_MIN && chunks(c) < u64::from(DEFAULT_CHUNKS_PER_RANK) * ranks64 {
+        c /= 2;
     }
+    if chunks(c) < ranks64 {
+        c = (q_len / ranks.max(1)).max(1);
+    }
+    c
 }
 
 /// [`shard`] of a plan's one mask; see [`Sharding::part_plan`] for the parts as plans.
