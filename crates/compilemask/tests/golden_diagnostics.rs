@@ -361,6 +361,8 @@ fn cm0212_score_forms() {
         ("CM0212", "tensor t: [8];\nscore = score + t;"),
         ("CM0212", "tensor s: [num_heads];\nsink = s[0];"),
         ("CM0212", "param s: [int] = [1];\nsink = s[h];"),
+        ("CM0212", "tensor S: [num_heads, 2];\nsink = S[h][0];"),
+        ("CM0201", "sink = U[h];"),
         ("CM0212", "sink = 1.5;"),
         ("CM0213", "score = score;\nscore = score;"),
         ("CM0213", "tensor s: [num_heads];\nsink = s[h];\nsink = s[h];"),
