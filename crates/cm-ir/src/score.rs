@@ -107,13 +107,13 @@ impl LinearBias {
 }
 
 impl TableBias {
-    /// How many of the table's `num_buckets` entries some distance of the plan reads.
+    /// How many of the table's `num_buckets` entries some distance of the plan reads. Cost
+    /// O(distances x log), whatever `num_buckets` is.
     pub fn buckets_read(&self) -> usize {
-        let mut seen = vec![false; self.num_buckets as usize];
-        for &b in &self.bucket {
-            seen[b as usize] = true;
-        }
-        seen.iter().filter(|&&s| s).count()
+        let mut read = self.bucket.clone();
+        read.sort_unstable();
+        read.dedup();
+        read.len()
     }
 
     /// The bucket of pair `(q, k)` for a plan of `kv_len` keys; `q < q_len`, `k < kv_len`.
@@ -421,6 +421,12 @@ fn kernel_f32(v: f64, span: Span, what: impl Fn() -> String) -> PResult<f32> {
     .with_hint("write 0 (or leave the term out) for no bias; a coefficient is stored as one f32 per head"))
 }
 
+/// Most elements of one declared tensor: its extents multiplied. A table's buckets go to
+/// the kernels' gather as `int32` indices, so `num_buckets` must stay below `2^31`; the cap
+/// on the whole tensor also keeps every size computed from it in range (and the tensor
+/// within 8 GiB of `f32`s).
+pub const MAX_TENSOR_ELEMENTS: i64 = 1 << 31;
+
 /// The values of tensor `name` among `tensors` (`CM0315` at `span` when not given).
 fn given<'a>(tensors: &TensorValues<'a>, name: &str, span: Span) -> PResult<&'a [f64]> {
     tensors
@@ -434,7 +440,8 @@ impl Bound<'_> {
     /// The extents of every declared tensor, evaluated and checked against their use.
     ///
     /// # Errors
-    /// `CM0315` for an extent < 1, a table that is not `[num_heads, n]` (indexed by `h`) or
+    /// `CM0315` for an extent < 1, more than [`MAX_TENSOR_ELEMENTS`] elements (checked before
+    /// anything proportional to them), a table that is not `[num_heads, n]` (indexed by `h`) or
     /// `[n]`, sinks that are not `[num_heads]`; any error of evaluating an extent.
     pub(crate) fn tensor_extents(&self) -> PResult<Vec<Vec<i64>>> {
         let p = self.program;
@@ -455,6 +462,19 @@ impl Bound<'_> {
                     ));
                 }
                 dims.push(v);
+            }
+            let elements: i128 = dims.iter().map(|&d| i128::from(d)).product();
+            if elements > i128::from(MAX_TENSOR_ELEMENTS) {
+                let shown: Vec<String> = dims.iter().map(i64::to_string).collect();
+                return Err(bad_table(
+                    t.span,
+                    format!(
+                        "tensor `{}` is [{}], {elements} elements; expected at most 2^31 = {MAX_TENSOR_ELEMENTS}",
+                        t.name,
+                        shown.join(", ")
+                    ),
+                )
+                .with_hint("a bias table's buckets reach the kernels as int32 indices, and a table of 2^31 floats is 8 GiB; T5 uses [num_heads, 32]"));
             }
             out.push(dims);
         }

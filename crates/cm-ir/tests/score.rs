@@ -425,6 +425,18 @@ fn bad_score_values_fail_at_plan_time() {
             "tensor `s` is the sinks, indexed by `h`, so its first extent must be num_heads = 2, got 3",
         ),
         (
+            "tensor t: [num_heads, 4294967295];\nmask = k <= q;\nscore = score + t[h][0];",
+            shape(4, 4, 65536),
+            "CM0315",
+            "tensor `t` is [65536, 4294967295], 281474976645120 elements; expected at most 2^31 = 2147483648",
+        ),
+        (
+            "tensor t: [num_heads, 1073741825];\nmask = k <= q;\nscore = score + t[h][0];",
+            shape(4, 4, 2),
+            "CM0315",
+            "tensor `t` is [2, 1073741825], 2147483650 elements; expected at most 2^31 = 2147483648",
+        ),
+        (
             "tensor s: [q_len - 4];\nmask = k <= q;\nsink = s[h];",
             shape(4, 4, 2),
             "CM0315",
@@ -448,6 +460,11 @@ fn bad_score_values_fail_at_plan_time() {
         assert_eq!((e.code.as_str(), e.message.as_str()), (code, message), "{src}");
         assert!(e.span.is_some(), "{src}");
     }
+    // A tensor of exactly 2^31 elements binds, its last bucket an int32.
+    let p = compile("tensor t: [num_heads, 1073741824];\nmask = k <= q;\nscore = score + t[h][q - k + 1073741820];");
+    let b = bind(&p, shape(4, 4, 2), &[]).unwrap();
+    let t = b.score.as_ref().unwrap().table.as_ref().unwrap();
+    assert_eq!((t.num_buckets, t.bucket[6]), (1 << 30, 1073741823));
     // Zero, the smallest f32 (a subnormal: the kernels do not flush them) and values near
     // f32's largest bind to the f32 nearest them.
     for (c, want) in [
