@@ -40,9 +40,10 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
         let shown: Vec<String> = l.slopes.iter().take(4).map(|&s| show_float(s)).collect();
         let more = if l.slopes.len() > 4 { ", ..." } else { "" };
         out.push(format!(
-            "linear bias slopes[h] * ({}), slopes [{}{more}] ({num_heads} heads)",
+            "linear bias slopes[h] * ({}), slopes [{}{more}] ({})",
             affine(l.q_coef, l.k_coef, l.offset),
-            shown.join(", ")
+            shown.join(", "),
+            crate::count(num_heads, "head")
         ));
     }
     if let Some(b) = &t.table {
@@ -52,7 +53,7 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
             .map(|d| d.to_string())
             .collect();
         out.push(format!(
-            "bias table `{}` [{}]{}, learnable: {} of {} buckets read",
+            "bias table `{}` [{}]{}, learnable: {} of {} read",
             b.tensor,
             dims.join(", "),
             if b.per_head {
@@ -61,7 +62,7 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
                 " shared by the heads"
             },
             b.buckets_read(),
-            b.num_buckets
+            crate::count(b.num_buckets, "bucket")
         ));
     }
     if let Some(s) = &t.sink {

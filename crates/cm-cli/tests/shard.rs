@@ -111,7 +111,7 @@ fn what_cannot_be_sharded_is_named() {
             "--ranks",
             "0",
         ],
-        &["ranks = 0"],
+        &["invalid value '0' for '--ranks", "not in 1..=4294967295"],
     );
     fails(
         &[
