@@ -50,6 +50,18 @@ def test_documents_fetch_fewer_keys_than_ring_attention():
         assert cp.keys(r, r)  # its own rows see some of its own keys
 
 
+def test_the_default_chunk_gives_the_deal_room():
+    """The CLI's default (one rule, ``cm_shard::default_chunk``): the largest of 512, 256, 128,
+    64 with 4 chunks per rank, else 64, or len // ranks when 64 gives fewer chunks than ranks."""
+    for q_len, ranks, chunk in [(1000, 2, 128), (1000, 3, 64), (4096, 2, 512), (4096, 8, 128),
+                                (200, 5, 40), (100, 64, 1)]:
+        cp = ContextParallel(cm.builtin("causal").plan(q_len), ranks=ranks)
+        assert cp.chunk == chunk, (q_len, ranks, cp.chunk)
+    # Causal 1000 over 2 balances (2 chunks of 512 kept the split by positions' 1.5x).
+    cp = ContextParallel(cm.builtin("causal").plan(1000), ranks=2)
+    assert max(cp.work) / (sum(cp.work) / 2) < 1.02
+
+
 def test_errors_name_the_value():
     causal = cm.builtin("causal").plan(100)
     with pytest.raises(ValueError, match="fewer than ranks = 8"):
@@ -73,8 +85,17 @@ def test_errors_name_the_value():
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
     with pytest.raises(ValueError, match="batch = 2 and 2 distinct masks"):
         ContextParallel(per_batch, ranks=2)
-    with pytest.raises(ValueError, match="score terms"):
-        ContextParallel(cm.builtin("causal_softcap").plan(64), ranks=2)
+    # Each kind of score term names its own reason (only the biases read positions).
+    for name, reason in [
+        ("causal_softcap", "the softcap reads no position, but the parts' plans carry no "
+                           "score terms yet"),
+        ("causal_alibi", "the linear bias reads the positions q and k, which a part renumbers"),
+        ("sliding_window_sinks", "a sink joins each row's softmax once, but a rank's parts "
+                                 "are merged by lse without it"),
+    ]:
+        with pytest.raises(ValueError, match="score terms") as e:
+            ContextParallel(cm.builtin(name).plan(100), ranks=2)
+        assert reason in str(e.value), (name, str(e.value))
     with pytest.raises(TypeError, match="compilemask.Plan"):
         ContextParallel("causal", ranks=2)
     cp = ContextParallel(causal, ranks=2, chunk=10)

@@ -162,3 +162,20 @@ def test_dense_per_head_shape(np):
         plan.to_dense(b=0)
     with pytest.raises(ValueError, match="format"):
         plan.to_dense(format="pandas")  # type: ignore[arg-type]
+
+
+def test_exports_are_visibility_only():
+    """A program's score terms are in no export: each equals the plain mask's (causal, by
+    an independent rule), as the exports' docstrings say."""
+    n = 40
+    causal = [[k <= q for k in range(n)] for q in range(n)]
+    for name in ("causal_alibi", "causal_softcap"):
+        plan = cm.builtin(name).plan(n, num_heads=2)
+        assert "score" in plan.stats()
+        assert plan.to_dense(0, 0, format="list") == causal
+        assert plan.to_cudnn_endpoints(0, 0) == {
+            "nfunc": 1, "endpoints": [[q + 1 for q in range(n)]]}
+        assert plan.to_flashmask(0, 0)["ute"] == list(range(n))
+        for export in ("to_dense", "block_tensors", "to_cudnn_endpoints", "to_flashmask",
+                       "to_block_mask"):
+            assert "score terms" in getattr(cm.Plan, export).__doc__, export

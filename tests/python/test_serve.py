@@ -132,8 +132,18 @@ def test_bad_steps_raise():
     step = causal.plan_step(1, [4, 9])
     with pytest.raises(ValueError, match="new_tokens has 3 entries for 2 sequences"):
         step.append([1, 1, 1])
-    with pytest.raises(ValueError, match=r"q_len\[0\] = 0"):
+    with pytest.raises(ValueError, match=r"new_tokens\[0\] = 0: every sequence gains at "
+                                         r"least one new token"):
         step.append(0)
+    # A plain int is allowed, so a float names both forms.
+    with pytest.raises(TypeError, match=r"new_tokens must be an int \(the same for every "
+                                        r"sequence\) or a sequence of ints, one per sequence, "
+                                        r"got float"):
+        step.append(1.5)
+    with pytest.raises(TypeError, match=r"new_tokens\[1\] must be an int, got float 2.5"):
+        step.append([1, 2.5])
+    with pytest.raises(TypeError, match=r"q_len must be an int \(the same for every sequence\)"):
+        causal.plan_step(1.5, [4])
     assert step.kv_len == [4, 9]
     with pytest.raises(IndexError, match="row 2 is out of range"):
         step.row(2)

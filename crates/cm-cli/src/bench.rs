@@ -66,6 +66,18 @@ pub const WORKLOADS: [(&str, &str); 8] = [
     ("W8", "trace_prompt_groups"),
 ];
 
+/// A count argument: an integer from 1, the error naming the accepted range (clap's own
+/// parser says "invalid digit" of `-1`).
+fn parse_count(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a count; expected an integer in 1..={}",
+            usize::MAX
+        )),
+    }
+}
+
 /// Longest sequence accepted: the inputs alone take `6 * heads * head_dim * S` bytes.
 const MAX_LEN: u32 = 1 << 20;
 
@@ -78,18 +90,18 @@ pub struct BenchArgs {
           allow_negative_numbers = true)]
     sizes: Vec<u32>,
     /// Query heads.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = parse_count)]
     heads: usize,
     /// Key / value heads (default: --heads); must divide --heads (GQA, MQA).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_count)]
     kv_heads: Option<usize>,
     /// Columns of Q and K per head.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     head_dim: u32,
     /// Columns of V and of the output per head (default: --head-dim); 128 with --head-dim
     /// 192 is DeepSeek's MLA shape (forward and backward; the built shapes are listed in an
     /// error otherwise).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     head_dim_v: Option<u32>,
     /// Element type of Q, K, V and the output.
     #[arg(long, value_enum, default_value = "bf16")]
@@ -131,19 +143,20 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with_all = ["bwd", "order_check"])]
     decode: bool,
     /// With --decode: sequences in the batch.
-    #[arg(long, default_value_t = 64, requires = "decode")]
+    #[arg(long, default_value_t = 64, requires = "decode", value_parser = parse_count)]
     batch: usize,
     /// With --decode: keys per cache page, comma-separated.
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "16,64",
-        requires = "decode"
+        requires = "decode",
+        value_parser = parse_count
     )]
     page_sizes: Vec<usize>,
     /// Back-to-back calls timed per workload and per timed quantity (the protocol asks for at
     /// least 50).
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = parse_count)]
     runs: usize,
     /// Seed of the random inputs and sampled rows (default: fixed).
     #[arg(long, default_value_t = 0x5eed)]
@@ -151,7 +164,7 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Also write the JSON to this file.
+    /// Also write the JSON to this file (`-`: standard output).
     #[arg(short, long)]
     output: Option<String>,
 }
@@ -308,17 +321,14 @@ fn unit_rows(rows: &RowIntervals, name: &str, q_len: u32) -> Result<RowIntervals
 
 fn options(a: &BenchArgs) -> Result<(BenchOptions, KernelKind)> {
     let kv_heads = a.kv_heads.unwrap_or(a.heads);
-    if a.heads == 0 || kv_heads == 0 || !a.heads.is_multiple_of(kv_heads) {
+    if !a.heads.is_multiple_of(kv_heads) {
         bail!(
-            "--heads {} --kv-heads {kv_heads}: both must be positive and --kv-heads must divide --heads",
+            "--heads {} --kv-heads {kv_heads}: --kv-heads must divide --heads",
             a.heads
         );
     }
     if a.sizes.is_empty() || a.workloads.is_empty() || a.order.is_empty() {
         bail!("--sizes, --workloads and --order must each name at least one entry");
-    }
-    if a.runs == 0 {
-        bail!("--runs must be at least 1 (the protocol asks for at least 50)");
     }
     let dtype = match a.dtype {
         DTypeArg::Bf16 => DType::Bf16,
@@ -523,12 +533,8 @@ pub fn run(a: &BenchArgs) -> Result<bool> {
 
 /// `--decode`: every (size, page size) of a serving decode step, one row each.
 fn run_decode(a: &BenchArgs, opts: BenchOptions) -> Result<bool> {
-    if a.batch == 0 || a.page_sizes.is_empty() || a.page_sizes.contains(&0) {
-        bail!(
-            "--batch {} --page-sizes {:?}: the batch and every page size must be positive",
-            a.batch,
-            a.page_sizes
-        );
+    if a.page_sizes.is_empty() {
+        bail!("--page-sizes must name at least one page size");
     }
     let rt = Runtime::new_on_device(0)?;
     let stream = rt.context().default_stream();
@@ -604,7 +610,10 @@ fn run_decode(a: &BenchArgs, opts: BenchOptions) -> Result<bool> {
 fn write_output(a: &BenchArgs, report: &Value) -> Result<()> {
     if let Some(path) = &a.output {
         let text = serde_json::to_string_pretty(report)?;
-        std::fs::write(path, text).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+        crate::write_output(path, "the report", |w| {
+            w.write_all(text.as_bytes())?;
+            w.write_all(b"\n")
+        })?;
     }
     Ok(())
 }

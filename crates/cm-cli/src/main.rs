@@ -56,7 +56,8 @@ enum Command {
         json: bool,
         /// Write the token order the plan is in to FILE: `order[new] = original`, one
         /// position per line (the identity when the plan keeps the program's positions), to
-        /// put a model's tokens in that order or to give it back as `--order FILE`.
+        /// put a model's tokens in that order or to give it back as `--order FILE`. Not `-`:
+        /// standard output holds the plan's report.
         #[arg(long, value_name = "FILE")]
         order_out: Option<std::path::PathBuf>,
     },
@@ -94,7 +95,8 @@ enum Command {
     Show {
         #[command(flatten)]
         mask: MaskArgs,
-        /// Output file: NAME.png, NAME.svg or NAME.html (the explorer page).
+        /// Output file: NAME.png, NAME.svg or NAME.html (the explorer page); the format is
+        /// its extension, so not `-` (standard output has none).
         #[arg(short, long)]
         output: std::path::PathBuf,
         /// Batch index to draw, for masks that read `b`: 0 (the default) ..= --batch - 1.
@@ -126,7 +128,7 @@ enum Command {
         /// Head index to export, for masks that depend on it: 0 (the default) ..= --num-heads - 1.
         #[arg(long)]
         h: Option<u32>,
-        /// Output file (default: standard output).
+        /// Output file (default, or `-`: standard output).
         #[arg(short, long)]
         output: Option<String>,
     },
@@ -137,12 +139,13 @@ enum Command {
     Shard {
         #[command(flatten)]
         mask: MaskArgs,
-        /// Ranks (GPUs) to deal the sequence to.
-        #[arg(long)]
+        /// Ranks (GPUs) to deal the sequence to: 1 ..= 4294967295.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         ranks: u32,
-        /// Tokens per chunk (default: 512, or q_len / ranks when 512 leaves fewer chunks
-        /// than ranks).
-        #[arg(long)]
+        /// Tokens per chunk. Default: the largest of 512, 256, 128 and 64 that cuts q_len
+        /// into at least 4 chunks per rank (so the deal can balance them), else 64; q_len /
+        /// ranks when 64 leaves fewer chunks than ranks.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         chunk: Option<u32>,
         /// Print one JSON object.
         #[arg(long)]
@@ -179,6 +182,13 @@ enum ExportFormat {
     Flashmask,
 }
 
+/// `n` and `noun`, plural unless `n` is 1 (`1 head`, `2 heads`); every noun counted in the
+/// CLI's output takes a plain `s`.
+pub(crate) fn count(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    format!("{n} {noun}{}", if n == 1 { "" } else { "s" })
+}
+
 /// Offsets for a human reader: every entry up to 9, else the first 4, the last 2 and the
 /// count (a million samples would print a 17 MB line; `--json` keeps them all).
 fn brief_list(values: &[u32]) -> String {
@@ -202,6 +212,11 @@ fn write_order(
     order: Option<&compilemask::TokenOrder>,
     q_len: u32,
 ) -> Result<()> {
+    if path == std::path::Path::new("-") {
+        return Err(anyhow!(
+            "--order-out -: standard output holds the plan's report; give a file name for the order"
+        ));
+    }
     let file = std::fs::File::create(path)
         .map_err(|e| anyhow!("--order-out: cannot create `{}`: {e}", path.display()))?;
     let mut w = BufWriter::new(file);
@@ -357,6 +372,26 @@ macro_rules! out {
     };
 }
 
+/// Writes an output file named by `-o PATH` through `write`, buffered: `-` is standard output
+/// (as `-` for an input file is standard input), where a closed pipe ends quietly as
+/// [`finish_output`] says; `what` names the output in errors.
+pub(crate) fn write_output(
+    path: &str,
+    what: &str,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<()> {
+    if path == "-" {
+        let stdout = std::io::stdout();
+        let mut w = BufWriter::new(stdout.lock());
+        return finish_output(write(&mut w).and_then(|()| w.flush()), what);
+    }
+    let file = std::fs::File::create(path).map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
+    let mut w = BufWriter::new(file);
+    write(&mut w)
+        .and_then(|()| w.flush())
+        .map_err(|e| anyhow!("cannot write `{path}`: {e}"))
+}
+
 /// Writes `text` to standard error, ignoring a closed or broken stream (`2>&1 | head`):
 /// unlike `eprint!`, never panics.
 pub(crate) fn write_stderr(text: &str) {
@@ -413,9 +448,9 @@ fn run(command: Command) -> Result<ExitCode> {
                 }
             }
             out!(
-                "ok: {} ({} warning(s); parameters: {}{how})",
+                "ok: {} ({}; parameters: {}{how})",
                 p.name(),
-                p.warnings().len(),
+                count(p.warnings().len() as u64, "warning"),
                 if params.is_empty() {
                     "none".into()
                 } else {
@@ -512,8 +547,8 @@ fn run(command: Command) -> Result<ExitCode> {
                 );
                 if let Some(p) = &plan.packing {
                     out!(
-                        "  packed          {} samples, cu_seqlens_q {}, cu_seqlens_k {}",
-                        p.batch(),
+                        "  packed          {}, cu_seqlens_q {}, cu_seqlens_k {}",
+                        count(p.batch(), "sample"),
                         brief_list(p.cu_seqlens_q()),
                         brief_list(p.cu_seqlens_k())
                     );
@@ -556,8 +591,8 @@ fn run(command: Command) -> Result<ExitCode> {
                 }
                 if plan.elementwise_pairs > 0 {
                     out!(
-                        "  elementwise     {} pairs evaluated one by one",
-                        plan.elementwise_pairs
+                        "  elementwise     {} evaluated one by one",
+                        count(plan.elementwise_pairs, "pair")
                     );
                 }
                 out!("  plan time       {ms:.3} ms");
@@ -725,6 +760,9 @@ fn run(command: Command) -> Result<ExitCode> {
                     if unnamed_b && unnamed_h { "batch and head" } else if unnamed_b { "batch" } else { "head" }
                 ));
             }
+            if let Some(t) = &plan.score {
+                write_stderr(&score::export_warning(t, plan.num_heads));
+            }
             let m = plan.mask(b, h);
             let mut value = match format {
                 ExportFormat::Dense => {
@@ -744,28 +782,10 @@ fn run(command: Command) -> Result<ExitCode> {
             };
             value["b"] = json!(b);
             value["h"] = json!(h);
-            match output {
-                Some(path) => {
-                    let file = std::fs::File::create(&path)
-                        .map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
-                    let mut w = BufWriter::new(file);
-                    serde_json::to_writer(&mut w, &value)
-                        .map_err(std::io::Error::from)
-                        .and_then(|()| w.flush())
-                        .map_err(|e| anyhow!("cannot write `{path}`: {e}"))?;
-                }
-                None => {
-                    let stdout = std::io::stdout();
-                    let mut w = BufWriter::new(stdout.lock());
-                    finish_output(
-                        serde_json::to_writer(&mut w, &value)
-                            .map_err(std::io::Error::from)
-                            .and_then(|()| w.write_all(b"\n"))
-                            .and_then(|()| w.flush()),
-                        "the export",
-                    )?;
-                }
-            }
+            write_output(output.as_deref().unwrap_or("-"), "the export", |w| {
+                serde_json::to_writer(&mut *w, &value)?;
+                w.write_all(b"\n")
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Command::List { json } => {

@@ -93,8 +93,9 @@ pub fn report_warnings(
     }
     if deny && !warnings.is_empty() {
         bail!(
-            "{} warning(s) and --deny-warnings: treating them as errors",
-            warnings.len()
+            "{} and --deny-warnings: treating {} as errors",
+            crate::count(warnings.len() as u64, "warning"),
+            if warnings.len() == 1 { "it" } else { "them" }
         );
     }
     Ok(())

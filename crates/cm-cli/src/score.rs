@@ -40,9 +40,10 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
         let shown: Vec<String> = l.slopes.iter().take(4).map(|&s| show_float(s)).collect();
         let more = if l.slopes.len() > 4 { ", ..." } else { "" };
         out.push(format!(
-            "linear bias slopes[h] * ({}), slopes [{}{more}] ({num_heads} heads)",
+            "linear bias slopes[h] * ({}), slopes [{}{more}] ({})",
             affine(l.q_coef, l.k_coef, l.offset),
-            shown.join(", ")
+            shown.join(", "),
+            crate::count(num_heads, "head")
         ));
     }
     if let Some(b) = &t.table {
@@ -52,7 +53,7 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
             .map(|d| d.to_string())
             .collect();
         out.push(format!(
-            "bias table `{}` [{}]{}, learnable: {} of {} buckets read",
+            "bias table `{}` [{}]{}, learnable: {} of {} read",
             b.tensor,
             dims.join(", "),
             if b.per_head {
@@ -61,13 +62,24 @@ pub fn lines(t: &ScoreTerms, num_heads: u32) -> Vec<String> {
                 " shared by the heads"
             },
             b.buckets_read(),
-            b.num_buckets
+            crate::count(b.num_buckets, "bucket")
         ));
     }
     if let Some(s) = &t.sink {
         out.push(format!("sink `{s}` [{num_heads}], learnable"));
     }
     out
+}
+
+/// `export`'s warning for a plan with score terms: every format holds only which pairs are
+/// visible, so the terms are named here rather than dropped without a word.
+pub fn export_warning(t: &ScoreTerms, num_heads: u32) -> String {
+    format!(
+        "warning: the export holds only which pairs are visible, not the plan's score terms: {}; \
+         apply them where the export is used (from Python, `plan.score_mod()` is FlexAttention's \
+         score_mod of the softcap and biases; sinks: docs/exports.md, \"Score terms\")\n",
+        lines(t, num_heads).join("; ")
+    )
 }
 
 /// The terms as `plan --json`'s `score` object.

@@ -69,9 +69,9 @@ pub fn lines(name: &str, r: &Value) -> Vec<String> {
     let ranks = r["ranks"].as_u64().unwrap_or(0);
     let mut out = vec![
         format!(
-            "{name}: {} tokens over {ranks} rank{} in chunks of {} (sharded in {:.3} ms)",
-            r["q_len"],
-            if ranks == 1 { "" } else { "s" },
+            "{name}: {} over {} in chunks of {} (sharded in {:.3} ms)",
+            crate::count(r["q_len"].as_u64().unwrap_or(0), "token"),
+            crate::count(ranks, "rank"),
             r["chunk"],
             r["shard_ms"].as_f64().unwrap_or(0.0)
         ),

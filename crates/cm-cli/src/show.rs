@@ -18,6 +18,11 @@ impl Format {
     /// The format of `path` by its extension (any case), or an error naming what is
     /// accepted.
     pub fn of(path: &Path) -> Result<Format> {
+        if path == Path::new("-") {
+            return Err(anyhow!(
+                "-o -: `show` picks the format by the file's extension (.png, .svg or .html), which standard output lacks; give a file name"
+            ));
+        }
         let ext = path
             .extension()
             .map(|e| e.to_string_lossy().to_ascii_lowercase());

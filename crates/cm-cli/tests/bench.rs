@@ -31,13 +31,39 @@ fn bad_arguments_are_refused_before_the_gpu() {
         &["--sizes", "-5"],
         &["invalid value '-5' for '--sizes", "not in 1..=1048576"],
     );
-    refused(&["--heads", "-2"], &["invalid value '-2' for '--heads"]);
+    // Counts name the range they take: 0 and negatives alike.
+    for (flag, value) in [
+        ("--heads", "-2"),
+        ("--heads", "0"),
+        ("--kv-heads", "0"),
+        ("--runs", "0"),
+        ("--runs", "-1"),
+    ] {
+        refused(
+            &[flag, value],
+            &[
+                &format!("invalid value '{value}' for '{flag}"),
+                &format!("`{value}` is not a count; expected an integer in 1..="),
+            ],
+        );
+    }
+    for (extra, flag, value) in [
+        (&[][..], "--head-dim", "-3"),
+        (&[][..], "--head-dim", "0"),
+        (&[][..], "--head-dim-v", "0"),
+        (&["--decode"][..], "--batch", "0"),
+        (&["--decode"][..], "--page-sizes", "16,0"),
+    ] {
+        refused(
+            &[extra, &[flag, value][..]].concat(),
+            &[&format!("for '{flag}"), "1..="],
+        );
+    }
     refused(&["--fwd-tile", "-3x4"], &["--fwd-tile \"-3x4\""]);
     refused(
         &["--heads", "6", "--kv-heads", "4"],
         &["must divide --heads"],
     );
-    refused(&["--heads", "0"], &["must be positive"]);
     refused(
         &["--head-dim", "96"],
         &[
@@ -57,14 +83,16 @@ fn bad_arguments_are_refused_before_the_gpu() {
         &["--workloads", "causal,nope"],
         &["unknown built-in mask `nope`"],
     );
-    refused(&["--runs", "0"], &["--runs must be at least 1"]);
     refused(&["--dtype", "fp8"], &["invalid value 'fp8'"]);
     refused(&["--deterministic"], &["--bwd"]);
     refused(
         &["--bwd", "--head-dim", "96"],
         &["--head-dim 96 --head-dim-v 96 is not built"],
     );
-    refused(&["--bwd", "--runs", "0"], &["--runs must be at least 1"]);
+    refused(
+        &["--bwd", "--runs", "0"],
+        &["`0` is not a count; expected an integer in 1..="],
+    );
     refused(
         &["--fwd-tile", "192x128"],
         &[

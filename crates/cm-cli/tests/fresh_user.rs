@@ -914,3 +914,156 @@ fn a_failed_write_to_standard_output_is_an_error() {
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success() && o.stderr.is_empty(), "{o:?}");
 }
+
+/// `-o -` is standard output, as `-` for an input file is standard input: `export` writes
+/// its JSON there (no file named `-`); `show`, whose format is the file's extension, and
+/// `plan --order-out`, whose standard output is the report, refuse it saying why.
+#[test]
+fn dash_output_is_standard_output() {
+    let dir = scratch("dash_output");
+    let at = |args: &[&str]| {
+        std::process::Command::new(BIN)
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap()
+    };
+    let args = [
+        "export",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "4",
+        "--format",
+        "cudnn",
+    ];
+    let o = at(&[&args[..], &["-o", "-"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plain = at(&args);
+    assert_eq!(stdout(&o), stdout(&plain));
+    assert_eq!(
+        stdout(&o).trim(),
+        r#"{"b":0,"endpoints":[1,2,3,4],"h":0,"nfunc":1}"#
+    );
+    let o = at(&["show", "--builtin", "causal", "--q-len", "4", "-o", "-"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("-o -: `show` picks the format by the file's extension"),
+        "{}",
+        stderr(&o)
+    );
+    let o = at(&[
+        "plan",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "4",
+        "--order-out",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--order-out -: standard output holds the plan's report"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!dir.join("-").exists(), "a file named `-` was written");
+}
+
+/// Counts name the range they take: `--ranks` and `--chunk` from 1.
+#[test]
+fn ranks_and_chunk_name_their_range() {
+    for (flag, value) in [
+        ("--ranks", "-2"),
+        ("--ranks", "0"),
+        ("--ranks", "4294967296"),
+        ("--chunk", "0"),
+    ] {
+        let mut args = vec!["shard", "--builtin", "causal", "--q-len", "100"];
+        if flag == "--chunk" {
+            args.extend(["--ranks", "2"]);
+        }
+        args.extend([flag, value]);
+        let err = fails(&args, &[&format!("invalid value '{value}' for '{flag}")]);
+        assert!(err.contains("not in 1..=4294967295"), "{err}");
+        assert!(!err.contains("0..="), "{err}");
+    }
+}
+
+/// A number followed by letters is named as the literal it starts: `1e` is a float whose
+/// exponent has no digits, not a "malformed integer".
+#[test]
+fn malformed_floats_are_called_floats() {
+    let dir = scratch("malformed_float");
+    for (lit, message) in [
+        (
+            "1e",
+            "malformed float literal `1e`: its exponent needs digits",
+        ),
+        (
+            "1.5e",
+            "malformed float literal `1.5e`: its exponent needs digits",
+        ),
+        ("2.5x", "malformed float literal `2.5x`"),
+    ] {
+        let f = write(
+            &dir,
+            "m.cmask",
+            format!("mask = k <= q;\nscore = softcap(score, {lit});\n"),
+        );
+        let err = fails(&["check", &f], &["[CM0103]", message]);
+        assert!(!err.contains("integer"), "{err}");
+    }
+}
+
+/// Counted nouns agree with their count: `1 head`, `1 sample`, `1 token`, `1 warning`.
+#[test]
+fn counts_are_pluralised() {
+    let out = ok(&[
+        "plan",
+        "--builtin",
+        "causal_alibi",
+        "--q-len",
+        "4",
+        "--num-heads",
+        "1",
+    ]);
+    assert!(out.contains("slopes [-0.00390625] (1 head)"), "{out}");
+    let out = ok(&["plan", "--builtin", "causal", "--cu-seqlens-q", "0,5"]);
+    assert!(
+        out.contains("packed          1 sample, cu_seqlens_q [0, 5]"),
+        "{out}"
+    );
+    let out = ok(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "1",
+        "--ranks",
+        "1",
+    ]);
+    assert!(out.contains(": 1 token over 1 rank in chunks of"), "{out}");
+    let out = ok(&[
+        "shard",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "9",
+        "--ranks",
+        "3",
+    ]);
+    assert!(
+        out.contains(": 9 tokens over 3 ranks in chunks of"),
+        "{out}"
+    );
+    let dir = scratch("plurals");
+    let f = write(&dir, "w.cmask", "let unused = 3;\nmask = k <= q;\n");
+    assert!(ok(&["check", &f]).contains("(1 warning; parameters: none)"));
+    fails(
+        &["check", &f, "--deny-warnings"],
+        &["1 warning and --deny-warnings: treating it as errors"],
+    );
+    let o = ok(&["check", "--builtin", "causal"]);
+    assert!(o.contains("(0 warnings; parameters: none)"), "{o}");
+}

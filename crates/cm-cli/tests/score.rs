@@ -148,3 +148,117 @@ fn token_orders_refuse_positional_scores() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("[CM0411]"), "{}", stderr(&o));
 }
+
+/// Every export format holds only which pairs are visible: with score terms, `export` still
+/// writes the mask, exactly the plain mask's, and warns on stderr naming each term.
+#[test]
+fn exports_warn_that_score_terms_are_left_out() {
+    let dir = scratch("cli-score", "exports");
+    for format in ["dense", "flex", "cudnn", "flashmask"] {
+        for (name, term) in [
+            (
+                "causal_alibi",
+                "linear bias slopes[h] * (q - k), slopes [-0.25, -0.0625, -0.015625, -0.00390625] (4 heads)",
+            ),
+            ("causal_softcap", "softcap 50: c * tanh(s / c)"),
+            ("t5_relative_bias", "bias table `rel_bias` [4, 32] per head"),
+            ("sliding_window_sinks", "sink `sinks` [4]"),
+        ] {
+            let path = dir.join(format!("{name}-{format}.json"));
+            let path = path.to_str().unwrap();
+            let args = [
+                "export",
+                "--builtin",
+                name,
+                "--q-len",
+                "64",
+                "--num-heads",
+                "4",
+                "--format",
+                format,
+                "-o",
+                path,
+            ];
+            let o = run(&args);
+            assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+            let err = stderr(&o);
+            for needle in [
+                "warning: the export holds only which pairs are visible, not the plan's score terms: ",
+                term,
+                "`plan.score_mod()`",
+            ] {
+                assert!(err.contains(needle), "{args:?}: no {needle:?} in\n{err}");
+            }
+            // The mask itself is the plain mask's: T5's default is bidirectional, the window
+            // (128) covers all 64 rows, the others are causal.
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+            if format == "dense" {
+                let rows = v["mask"].as_array().unwrap();
+                assert_eq!(rows.len(), 64);
+                for (q, row) in rows.iter().enumerate() {
+                    for (k, x) in row.as_array().unwrap().iter().enumerate() {
+                        let want = name == "t5_relative_bias" || k <= q;
+                        assert_eq!(x.as_u64(), Some(u64::from(want)), "{name} ({q}, {k})");
+                    }
+                }
+            }
+        }
+    }
+    // A plan without score terms exports without the warning.
+    let o = run(&[
+        "export",
+        "--builtin",
+        "causal",
+        "--q-len",
+        "8",
+        "--format",
+        "cudnn",
+    ]);
+    assert!(o.status.success());
+    assert!(!stderr(&o).contains("warning"), "{}", stderr(&o));
+}
+
+/// A bias table past 2^31 elements is refused at once, naming its shape and the limit,
+/// before anything proportional to it (it took 1.9 s, and failed later, before the limit).
+#[test]
+fn bias_tables_past_the_limit_are_refused_at_once() {
+    let t0 = std::time::Instant::now();
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "t5_relative_bias",
+            "--q-len",
+            "1000",
+            "--set",
+            "num_buckets=4294967295",
+            "--set",
+            "max_distance=4611686018427387904",
+            "--num-heads",
+            "65536",
+        ],
+        &[
+            "[CM0315]",
+            "tensor `rel_bias` is [65536, 4294967295], 281474976645120 elements; expected at most 2^31 = 2147483648",
+        ],
+    );
+    assert!(t0.elapsed().as_secs_f64() < 0.5, "{:?}", t0.elapsed());
+    // At the limit the plan is made, and counting the buckets read costs the distances only.
+    let t0 = std::time::Instant::now();
+    let out = ok(&[
+        "plan",
+        "--builtin",
+        "t5_relative_bias",
+        "--q-len",
+        "1000",
+        "--set",
+        "num_buckets=2147483648",
+        "--set",
+        "max_distance=4611686018427387904",
+    ]);
+    assert!(
+        out.contains("bias table `rel_bias` [1, 2147483648] per head, learnable: 1999 of 2147483648 buckets read"),
+        "{out}"
+    );
+    assert!(t0.elapsed().as_secs_f64() < 0.5, "{:?}", t0.elapsed());
+}

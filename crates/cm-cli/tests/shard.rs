@@ -111,7 +111,7 @@ fn what_cannot_be_sharded_is_named() {
             "--ranks",
             "0",
         ],
-        &["ranks = 0"],
+        &["invalid value '0' for '--ranks", "not in 1..=4294967295"],
     );
     fails(
         &[
@@ -127,25 +127,73 @@ fn what_cannot_be_sharded_is_named() {
         ],
         &["q_len = 100 and kv_len = 120 differ"],
     );
-    fails(
-        &[
-            "shard",
-            "--builtin",
+    // Each kind of score term is refused for its own reason: only the biases read positions.
+    for (name, reason) in [
+        (
             "causal_softcap",
-            "--q-len",
-            "100",
-            "--ranks",
-            "2",
-        ],
-        &["score terms"],
-    );
+            "the softcap reads no position, but the parts' plans carry no score terms yet",
+        ),
+        (
+            "causal_alibi",
+            "the linear bias reads the positions q and k, which a part renumbers",
+        ),
+        (
+            "t5_relative_bias",
+            "the bias table reads the distance q - k, which a part renumbers",
+        ),
+        (
+            "sliding_window_sinks",
+            "a sink joins each row's softmax once, but a rank's parts are merged by lse without it",
+        ),
+    ] {
+        let err = fails(
+            &["shard", "--builtin", name, "--q-len", "1000", "--ranks", "2"],
+            &[
+                "the plan has score terms, which context parallelism does not carry into a rank's parts: ",
+                reason,
+            ],
+        );
+        assert!(!err.contains("bound to positions"), "{err}");
+        if name != "causal_alibi" && name != "t5_relative_bias" {
+            assert!(!err.contains("renumber"), "{name}: {err}");
+        }
+    }
 }
 
-/// Without `--chunk` the chunk is 512 tokens, or q_len / ranks when 512 would leave fewer
-/// chunks than ranks (as Python's `ContextParallel`): 1000 tokens deal to 3 ranks in chunks of
-/// 333 (the last chunk holds the remaining token), 4096 to 2 in chunks of 512.
+/// Without `--chunk` the chunk is the largest of 512, 256, 128, 64 leaving 4 chunks per
+/// rank, else 64, or q_len / ranks when 64 leaves fewer chunks than ranks (as Python's
+/// `ContextParallel`, `cm_shard::default_chunk`): 1000 tokens over 2 ranks in chunks of 128
+/// balance (512 gave 2 chunks, the split by positions' 1.5x), 4096 over 2 keep 512, 200 over
+/// 5 take 40.
 #[test]
-fn the_default_chunk_leaves_a_chunk_per_rank() {
+fn the_default_chunk_gives_the_deal_room() {
+    let shard = |q_len: &str, ranks: &str| {
+        json(&[
+            "shard",
+            "--builtin",
+            "causal",
+            "--q-len",
+            q_len,
+            "--ranks",
+            ranks,
+            "--json",
+        ])
+    };
+    let v = shard("1000", "2");
+    assert_eq!(v["chunk"], 128, "{v}");
+    assert!(v["max_over_mean_visible"].as_f64().unwrap() < 1.02, "{v}");
+    assert!(v["position_split_max_over_mean_visible"].as_f64().unwrap() > 1.4);
+    let v = shard("4096", "2");
+    let tokens: u64 = v["per_rank"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(tokens, 4096);
+    assert_eq!(v["chunk"], 512, "{v}");
+    assert_eq!(shard("4096", "8")["chunk"], 128);
+    assert_eq!(shard("200", "5")["chunk"], 40);
     let out = ok(&[
         "shard",
         "--builtin",
@@ -156,25 +204,16 @@ fn the_default_chunk_leaves_a_chunk_per_rank() {
         "3",
     ]);
     assert!(
-        out.contains("1000 tokens over 3 ranks in chunks of 333"),
+        out.contains("1000 tokens over 3 ranks in chunks of 64"),
         "{out}"
     );
-    let v = json(&[
-        "shard",
-        "--builtin",
-        "causal",
-        "--q-len",
-        "4096",
-        "--ranks",
-        "2",
-        "--json",
-    ]);
-    let tokens: u64 = v["per_rank"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["tokens"].as_u64().unwrap())
-        .sum();
-    assert_eq!(tokens, 4096);
-    assert_eq!(v["chunk"], 512, "{v}");
+    // The help states the rule.
+    let help = ok(&["shard", "--help"]);
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains(
+            "the largest of 512, 256, 128 and 64 that cuts q_len into at least 4 chunks per rank"
+        ),
+        "{help}"
+    );
 }

@@ -107,13 +107,13 @@ impl LinearBias {
 }
 
 impl TableBias {
-    /// How many of the table's `num_buckets` entries some distance of the plan reads.
+    /// How many of the table's `num_buckets` entries some distance of the plan reads. Cost
+    /// O(distances x log), whatever `num_buckets` is.
     pub fn buckets_read(&self) -> usize {
-        let mut seen = vec![false; self.num_buckets as usize];
-        for &b in &self.bucket {
-            seen[b as usize] = true;
-        }
-        seen.iter().filter(|&&s| s).count()
+        let mut read = self.bucket.clone();
+        read.sort_unstable();
+        read.dedup();
+        read.len()
     }
 
     /// The bucket of pair `(q, k)` for a plan of `kv_len` keys; `q < q_len`, `k < kv_len`.
@@ -394,6 +394,39 @@ fn bad_table(span: Span, message: String) -> PlanError {
     PlanError::new(Code::BadScoreTable, Some(span), message)
 }
 
+/// `v`, a constant of the score that the kernels take as an `f32` (`what` names it), in
+/// `f32`. A nonzero value that `f32` rounds to 0, or one it cannot hold, would change the
+/// terms without a word: `CM0314`, naming the value and the range.
+fn kernel_f32(v: f64, span: Span, what: impl Fn() -> String) -> PResult<f32> {
+    let f = v as f32;
+    let why = if !v.is_finite() {
+        "it is not a finite number"
+    } else if !f.is_finite() {
+        "f32 rounds it to infinity"
+    } else if f == 0.0 && v != 0.0 {
+        "f32 rounds it to 0"
+    } else {
+        return Ok(f);
+    };
+    Err(bad_value(
+        span,
+        format!(
+            "{} is {}, which the kernels take as an f32, and {why}; expected 0 or a magnitude from {:e} to {:e}",
+            what(),
+            show_float(v),
+            f32::from_bits(1),
+            f32::MAX
+        ),
+    )
+    .with_hint("write 0 (or leave the term out) for no bias; a coefficient is stored as one f32 per head"))
+}
+
+/// Most elements of one declared tensor: its extents multiplied. A table's buckets go to
+/// the kernels' gather as `int32` indices, so `num_buckets` must stay below `2^31`; the cap
+/// on the whole tensor also keeps every size computed from it in range (and the tensor
+/// within 8 GiB of `f32`s).
+pub const MAX_TENSOR_ELEMENTS: i64 = 1 << 31;
+
 /// The values of tensor `name` among `tensors` (`CM0315` at `span` when not given).
 fn given<'a>(tensors: &TensorValues<'a>, name: &str, span: Span) -> PResult<&'a [f64]> {
     tensors
@@ -407,7 +440,8 @@ impl Bound<'_> {
     /// The extents of every declared tensor, evaluated and checked against their use.
     ///
     /// # Errors
-    /// `CM0315` for an extent < 1, a table that is not `[num_heads, n]` (indexed by `h`) or
+    /// `CM0315` for an extent < 1, more than [`MAX_TENSOR_ELEMENTS`] elements (checked before
+    /// anything proportional to them), a table that is not `[num_heads, n]` (indexed by `h`) or
     /// `[n]`, sinks that are not `[num_heads]`; any error of evaluating an extent.
     pub(crate) fn tensor_extents(&self) -> PResult<Vec<Vec<i64>>> {
         let p = self.program;
@@ -428,6 +462,19 @@ impl Bound<'_> {
                     ));
                 }
                 dims.push(v);
+            }
+            let elements: i128 = dims.iter().map(|&d| i128::from(d)).product();
+            if elements > i128::from(MAX_TENSOR_ELEMENTS) {
+                let shown: Vec<String> = dims.iter().map(i64::to_string).collect();
+                return Err(bad_table(
+                    t.span,
+                    format!(
+                        "tensor `{}` is [{}], {elements} elements; expected at most 2^31 = {MAX_TENSOR_ELEMENTS}",
+                        t.name,
+                        shown.join(", ")
+                    ),
+                )
+                .with_hint("a bias table's buckets reach the kernels as int32 indices, and a table of 2^31 floats is 8 GiB; T5 uses [num_heads, 32]"));
             }
             out.push(dims);
         }
@@ -676,8 +723,8 @@ impl Bound<'_> {
     /// `sink` statements). Cost O(num_heads + q_len + kv_len).
     ///
     /// # Errors
-    /// `CM0314` for a softcap that is not positive and finite, a slope that is not finite in
-    /// `f32`, coefficients outside `i32`, bias positions past `2^24` in magnitude (what f32
+    /// `CM0314` for a softcap that is not positive and finite, a slope that `f32` cannot hold
+    /// or rounds from nonzero to 0, coefficients outside `i32`, bias positions past `2^24` in magnitude (what f32
     /// holds exactly), bad `t5_bucket` arguments; `CM0315` for a bucket
     /// outside `[0, num_buckets)` (naming the distance); any error of evaluating them.
     pub(crate) fn bind_score(&self) -> PResult<Option<ScoreTerms>> {
@@ -703,16 +750,9 @@ impl Bound<'_> {
             for h in 0..self.shape.num_heads {
                 let env = Env { h, ..none };
                 let v = self.eval_float(&l.slope, &env, f64::NAN, &[])?;
-                if !(v as f32).is_finite() {
-                    return Err(bad_value(
-                        l.slope.span,
-                        format!(
-                            "the bias coefficient of head {h} is {}; expected a finite f32",
-                            show_float(v)
-                        ),
-                    ));
-                }
-                slopes.push(v as f32);
+                slopes.push(kernel_f32(v, l.slope.span, || {
+                    format!("the bias coefficient of head {h}")
+                })?);
             }
             let coef = |i: &Int, what: &str| -> PResult<i32> {
                 let v = self.eval_int(i, &none)?;

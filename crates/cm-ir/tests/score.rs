@@ -312,7 +312,7 @@ fn bad_score_values_fail_at_plan_time() {
             "mask = k <= q;\nscore = score + 1e300 * 1e300 * (q - k);",
             shape(4, 4, 1),
             "CM0314",
-            "the bias coefficient of head 0 is inf; expected a finite f32",
+            "the bias coefficient of head 0 is inf, which the kernels take as an f32, and it is not a finite number; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
         ),
         (
             "mask = k <= q;\nscore = score + 0.5 * (q - k + 9223372036854775807);",
@@ -330,7 +330,57 @@ fn bad_score_values_fail_at_plan_time() {
             "mask = k <= q;\nscore = score + 1e300 * (q - k);",
             shape(4, 4, 1),
             "CM0314",
-            "the bias coefficient of head 0 is 1e300; expected a finite f32",
+            "the bias coefficient of head 0 is 1e300, which the kernels take as an f32, and f32 rounds it to infinity; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        // Nonzero constants that f32 rounds to 0 would drop the term without a word, however
+        // they are written: a literal, a product, an entry of a per-head array, a constant.
+        (
+            "mask = k <= q;\nscore = score + 1e-46 * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is 1e-46, which the kernels take as an f32, and f32 rounds it to 0; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score + 1e-300 * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is 1e-300, which the kernels take as an f32, and f32 rounds it to 0; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score - 1e-30 * 1e-30 * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is -1.0000000000000001e-60, which the kernels take as an f32, and f32 rounds it to 0; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score + [0.5, 1e-46][h] * (q - k);",
+            shape(4, 4, 2),
+            "CM0314",
+            "the bias coefficient of head 1 is 1e-46, which the kernels take as an f32, and f32 rounds it to 0; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score + 1e-46;",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is 1e-46, which the kernels take as an f32, and f32 rounds it to 0; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score + 1e39 * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is 1e39, which the kernels take as an f32, and f32 rounds it to infinity; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = score + (1e300 * 1e300 - 1e300 * 1e300) * (q - k);",
+            shape(4, 4, 1),
+            "CM0314",
+            "the bias coefficient of head 0 is NaN, which the kernels take as an f32, and it is not a finite number; expected 0 or a magnitude from 1e-45 to 3.4028235e38",
+        ),
+        (
+            "mask = k <= q;\nscore = softcap(score, 1e-45);",
+            shape(4, 4, 1),
+            "CM0314",
+            "softcap 1e-45: expected a positive finite number that f32 holds (1.1754944e-38 to 3.4028235e38)",
         ),
         (
             "mask = k <= q;\nscore = score + 0.5 * (3000000000 * q - k);",
@@ -375,6 +425,18 @@ fn bad_score_values_fail_at_plan_time() {
             "tensor `s` is the sinks, indexed by `h`, so its first extent must be num_heads = 2, got 3",
         ),
         (
+            "tensor t: [num_heads, 4294967295];\nmask = k <= q;\nscore = score + t[h][0];",
+            shape(4, 4, 65536),
+            "CM0315",
+            "tensor `t` is [65536, 4294967295], 281474976645120 elements; expected at most 2^31 = 2147483648",
+        ),
+        (
+            "tensor t: [num_heads, 1073741825];\nmask = k <= q;\nscore = score + t[h][0];",
+            shape(4, 4, 2),
+            "CM0315",
+            "tensor `t` is [2, 1073741825], 2147483650 elements; expected at most 2^31 = 2147483648",
+        ),
+        (
             "tensor s: [q_len - 4];\nmask = k <= q;\nsink = s[h];",
             shape(4, 4, 2),
             "CM0315",
@@ -397,5 +459,23 @@ fn bad_score_values_fail_at_plan_time() {
         let e = bind(&p, s, &[]).unwrap_err();
         assert_eq!((e.code.as_str(), e.message.as_str()), (code, message), "{src}");
         assert!(e.span.is_some(), "{src}");
+    }
+    // A tensor of exactly 2^31 elements binds, its last bucket an int32.
+    let p = compile("tensor t: [num_heads, 1073741824];\nmask = k <= q;\nscore = score + t[h][q - k + 1073741820];");
+    let b = bind(&p, shape(4, 4, 2), &[]).unwrap();
+    let t = b.score.as_ref().unwrap().table.as_ref().unwrap();
+    assert_eq!((t.num_buckets, t.bucket[6]), (1 << 30, 1073741823));
+    // Zero, the smallest f32 (a subnormal: the kernels do not flush them) and values near
+    // f32's largest bind to the f32 nearest them.
+    for (c, want) in [
+        ("0.0", 0.0f32),
+        ("1e-45", f32::from_bits(1)),
+        ("1e-46 * 20.0", f32::from_bits(1)),
+        ("-3e38", -3e38),
+    ] {
+        let p = compile(&format!("mask = k <= q;\nscore = score + {c} * (q - k);"));
+        let b = bind(&p, shape(4, 4, 1), &[]).unwrap();
+        let slopes = &b.score.as_ref().unwrap().linear.as_ref().unwrap().slopes;
+        assert_eq!(slopes, &[want], "{c}");
     }
 }

@@ -34,6 +34,18 @@ pub enum StepError {
         q_len: i64,
     },
 
+    /// A sequence that gains no token in [`crate::Step::append`].
+    #[error(
+        "new_tokens[{seq}] = {new_tokens}: every sequence gains at least one new token \
+         (new_tokens >= 1), which is its new row"
+    )]
+    NoNewTokens {
+        /// The sequence.
+        seq: usize,
+        /// Its count.
+        new_tokens: i64,
+    },
+
     /// More new rows than keys: `kv_len` counts the new tokens too.
     #[error(
         "q_len[{seq}] = {q_len} is more than kv_len[{seq}] = {kv_len}: kv_len counts the \

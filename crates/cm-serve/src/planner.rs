@@ -459,9 +459,9 @@ impl Step {
     /// On an error the step is unchanged.
     ///
     /// # Errors
-    /// [`StepError::CountMismatch`] unless there is one count per sequence; as
-    /// [`StepPlanner::plan`] for the new lengths (`NoNewRows` for a count below 1,
-    /// `KvLenOutOfRange` past `2^26` keys).
+    /// [`StepError::CountMismatch`] unless there is one count per sequence,
+    /// [`StepError::NoNewTokens`] for a count below 1; as [`StepPlanner::plan`] for the new
+    /// lengths (`KvLenOutOfRange` past `2^26` keys).
     pub fn append(&mut self, new_tokens: &[i64]) -> Result<(), StepError> {
         let num_seqs = self.plan.num_seqs();
         if new_tokens.len() != num_seqs {
@@ -471,12 +471,15 @@ impl Step {
                 num_seqs,
             });
         }
+        if let Some((seq, &n)) = new_tokens.iter().enumerate().find(|(_, &n)| n < 1) {
+            return Err(StepError::NoNewTokens { seq, new_tokens: n });
+        }
         self.q_len.clear();
         self.kv_len.clear();
         for (s, &n) in new_tokens.iter().enumerate() {
             self.q_len.push(n);
             self.kv_len
-                .push(i64::from(self.plan.kv_len()[s]).saturating_add(n.max(0)));
+                .push(i64::from(self.plan.kv_len()[s]).saturating_add(n));
         }
         self.planner.plan_into(
             &self.q_len,

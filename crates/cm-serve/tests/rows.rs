@@ -399,12 +399,23 @@ fn bad_steps_are_errors() {
     ));
     assert!(matches!(
         step.append(&[1, 0]),
-        Err(StepError::NoNewRows { seq: 1, q_len: 0 })
+        Err(StepError::NoNewTokens {
+            seq: 1,
+            new_tokens: 0
+        })
     ));
     assert!(matches!(
         step.append(&[1, -4]),
-        Err(StepError::NoNewRows { seq: 1, q_len: -4 })
+        Err(StepError::NoNewTokens {
+            seq: 1,
+            new_tokens: -4
+        })
     ));
+    // The error speaks of what append takes, not of the q_len it would make.
+    assert_eq!(
+        step.append(&[3, 0]).unwrap_err().to_string(),
+        "new_tokens[1] = 0: every sequence gains at least one new token (new_tokens >= 1), which is its new row"
+    );
     assert_eq!(step.plan(), &before);
     assert!(matches!(
         Step::new(causal(), &[1], &[1], Some(vec![])),

@@ -80,11 +80,13 @@ pub enum ShardError {
          one sequence (batch 1, e.g. a packed plan) whose heads share one mask"
     )]
     NotOneMask { batch: u32, masks: usize },
+    /// Why each of the plan's score terms cannot be carried into a rank's parts, `; `
+    /// between them.
     #[error(
-        "the plan has score terms, which are bound to positions: context parallelism shards \
-         masks without them"
+        "the plan has score terms, which context parallelism does not carry into a rank's \
+         parts: {0}; shard the plan of the mask without them"
     )]
-    Score,
+    Score(String),
 }
 
 /// What rank `r` reads from source rank `s` (`s == r`: its own keys, nothing to fetch), as
@@ -355,22 +357,40 @@ fn tile_columns(
     cols
 }
 
-/// Tokens per chunk when the caller names none: 512, or `q_len / ranks` (at least 1) when
-/// 512 would leave fewer chunks than ranks, so that any `q_len >= ranks` can be dealt.
+/// Largest default chunk, in tokens.
+pub const DEFAULT_CHUNK_MAX: u32 = 512;
+/// Smallest default chunk, in tokens (unless the sequence is too short to give every rank a
+/// chunk of it).
+pub const DEFAULT_CHUNK_MIN: u32 = 64;
+/// Chunks per rank the default chunk leaves where it can.
+pub const DEFAULT_CHUNKS_PER_RANK: u32 = 4;
+
+/// Tokens per chunk when the caller names none: the largest power of two from
+/// [`DEFAULT_CHUNK_MAX`] (512) down to [`DEFAULT_CHUNK_MIN`] (64) that cuts `q_len` into at
+/// least [`DEFAULT_CHUNKS_PER_RANK`] (4) chunks per rank (a short last chunk counts), else
+/// 64; and `q_len / ranks` (at least 1) when 64 leaves fewer chunks than ranks, so that any
+/// `q_len >= ranks` can be dealt. With one chunk per rank every rank's work is fixed by
+/// positions and the deal cannot balance it (a causal mask in 2 chunks over 2 ranks keeps
+/// 1.5x the mean on the last); 4 per rank gives the swaps room.
 pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
-    const CHUNK: u32 = 512;
-    if u64::from(q_len) >= u64::from(CHUNK) * u64::from(ranks) {
-        CHUNK
-    } else {
-        (q_len / ranks.max(1)).max(1)
+    let chunks = |c: u32| u64::from(q_len.div_ceil(c));
+    let ranks64 = u64::from(ranks.max(1));
+    let mut c = DEFAULT_CHUNK_MAX;
+    while c > DEFAULT_CHUNK_MIN && chunks(c) < u64::from(DEFAULT_CHUNKS_PER_RANK) * ranks64 {
+        c /= 2;
     }
+    if chunks(c) < ranks64 {
+        c = (q_len / ranks.max(1)).max(1);
+    }
+    c
 }
 
 /// [`shard`] of a plan's one mask; see [`Sharding::part_plan`] for the parts as plans.
 ///
 /// # Errors
 /// [`ShardError::NotOneMask`] for a batch above 1 or masks that differ per head,
-/// [`ShardError::Score`] for a plan with score terms, and [`shard`]'s errors.
+/// [`ShardError::Score`] for a plan with score terms (naming why each is refused), and
+/// [`shard`]'s errors.
 pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
     if plan.batch != 1 || plan.masks.len() != 1 {
         return Err(ShardError::NotOneMask {
@@ -378,8 +398,29 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
             masks: plan.masks.len(),
         });
     }
-    if plan.score.is_some() {
-        return Err(ShardError::Score);
+    if let Some(t) = &plan.score {
+        // A part is its rank's rows against the keys they fetch from one source, both
+        // compacted: positions are renumbered, and the parts are merged by lse.
+        let mut why = Vec::new();
+        if t.softcap.is_some() {
+            why.push("the softcap reads no position, but the parts' plans carry no score terms yet, so it would be left out");
+        }
+        match &t.linear {
+            Some(l) if l.q_coef != 0 || l.k_coef != 0 => why.push(
+                "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
+            ),
+            Some(_) => why.push(
+                "the constant bias per head reads no position, but the parts' plans carry no score terms yet",
+            ),
+            None => {}
+        }
+        if t.table.is_some() {
+            why.push("the bias table reads the distance q - k, which a part renumbers (its rows and fetched keys are compacted)");
+        }
+        if t.sink.is_some() {
+            why.push("a sink joins each row's softmax once, but a rank's parts are merged by lse without it");
+        }
+        return Err(ShardError::Score(why.join("; ")));
     }
     shard(&plan.masks[0].rows, ranks, chunk)
 }

@@ -255,6 +255,57 @@ fn odd_lengths_of_the_context_parallel_masks() {
     }
 }
 
+/// The default chunk: the largest of 512, 256, 128, 64 leaving 4 chunks per rank (64 when
+/// none does), or q_len / ranks where 64 leaves fewer chunks than ranks; every default deals,
+/// and on the short sequences where 512 gave one chunk per rank the deal now balances.
+#[test]
+fn the_default_chunk_leaves_room_to_balance() {
+    for (q_len, ranks, want) in [
+        (1000, 2, 128),
+        (1000, 3, 64),
+        (2000, 8, 64),
+        (4096, 2, 512),
+        (4096, 8, 128),
+        (65536, 8, 512),
+        (300, 2, 64),
+        (100, 64, 1),
+        (200, 3, 64),
+        (200, 4, 64),
+        (200, 5, 40),
+        (7, 7, 1),
+        (1, 1, 64),
+        (u32::MAX, 1, 512),
+        (u32::MAX, u32::MAX, 1),
+    ] {
+        assert_eq!(
+            cm_shard::default_chunk(q_len, ranks),
+            want,
+            "q_len {q_len}, ranks {ranks}"
+        );
+    }
+    for q_len in 1..=600u32 {
+        for ranks in 1..=q_len.min(12) {
+            let c = cm_shard::default_chunk(q_len, ranks);
+            let chunks = q_len.div_ceil(c);
+            assert!(chunks >= ranks, "q_len {q_len}, ranks {ranks}: chunk {c}");
+            let candidates = [512u32, 256, 128, 64];
+            let fits = candidates.iter().find(|&&x| q_len.div_ceil(x) >= 4 * ranks);
+            let expected = match fits {
+                Some(&x) => x,
+                None if q_len.div_ceil(64) >= ranks => 64,
+                None => q_len / ranks,
+            };
+            assert_eq!(c, expected, "q_len {q_len}, ranks {ranks}");
+        }
+    }
+    // Causal 1000 over 2: 2 chunks of 512 kept the split by positions' 1.5x.
+    let rows = causal(1000);
+    let s = shard(&rows, 2, cm_shard::default_chunk(1000, 2)).unwrap();
+    let mean = s.work.iter().sum::<u64>() as f64 / 2.0;
+    let max = *s.work.iter().max().unwrap() as f64;
+    assert!(max / mean < 1.02, "{:?}", s.work);
+}
+
 /// Causal and packed documents at 64K in chunks of 512: every rank within 1% of the mean
 /// work (the position split's last rank does 1.5x / 1.75x the mean at 2 / 4 ranks), and each
 /// rank fetches fewer keys than ring attention moves where the mask allows it.

@@ -40,7 +40,7 @@ codes! {
     InvalidUtf8 = "CM0100", "the source is not valid UTF-8";
     UnexpectedCharacter = "CM0101", "unexpected character";
     UnterminatedString = "CM0102", "unterminated string, or an unclosed `{` in a message";
-    BadIntegerLiteral = "CM0103", "malformed or too large integer or float literal";
+    BadIntegerLiteral = "CM0103", "malformed or too large integer or float literal, or a nonzero float literal that rounds to 0";
     UnexpectedToken = "CM0104", "unexpected token (expected ...)";
     TooDeep = "CM0105", "expression nesting too deep (128 levels, or an operator chain of 128), or a `let` deeper than 8192 levels with the `let`s it uses inlined";
     ExpectedStatement = "CM0106", "expected a statement";
@@ -78,7 +78,7 @@ codes! {
     BadGrid = "CM0311", "a grid with an extent < 1 or a negative offset";
     NegativeIsqrt = "CM0312", "`isqrt` of a negative number";
     BadTree = "CM0313", "a tree's parent array that is not a forest (a parent outside the tree, a cycle) or a tree at a negative position";
-    BadScoreValue = "CM0314", "a bad score value: a softcap that is not positive and finite, a coefficient that is not finite or does not fit, bad `t5_bucket` arguments";
+    BadScoreValue = "CM0314", "a bad score value: a softcap that is not positive and finite, a coefficient that is not finite, does not fit or rounds from nonzero to 0 in f32, bad `t5_bucket` arguments";
     BadScoreTable = "CM0315", "a bucket outside its table's `[0, num_buckets)`, or a tensor whose extents do not fit its use (`[num_heads, n]` or `[n]` for a table, `[num_heads]` for sinks, every extent >= 1)";
     ZeroTileSide = "CM0401", "a tile shape with a zero side";
     LengthOutOfRange = "CM0402", "a length out of range (`q_len`, `kv_len` in `1 ..= 2^26`, `batch`, `num_heads`)";

@@ -161,6 +161,31 @@ fn misplaced_underscore(span: Span) -> Diagnostic {
     .with_hint("write digit groups with single underscores, as in 1_000_000")
 }
 
+/// `CM0103` for a number followed by letters (`written`, the whole run), `after` the first
+/// character past its valid part: an `e` that starts no exponent makes it a malformed float
+/// (`1e`, `1.5e`), as does anything after a fraction or exponent (`float`); else a malformed
+/// integer (`12abc`).
+fn malformed_number(written: &[(usize, char)], after: char, float: bool, span: Span) -> Diagnostic {
+    let text: String = written.iter().map(|c| c.1).collect();
+    let (message, hint) = if matches!(after, 'e' | 'E') {
+        (
+            format!("malformed float literal `{text}`: its exponent needs digits"),
+            "floats are written 0.5, 1e-3, 2.5e4",
+        )
+    } else if float {
+        (
+            format!("malformed float literal `{text}`"),
+            "floats are written 0.5, 1e-3, 2.5e4",
+        )
+    } else {
+        (
+            format!("malformed integer literal `{text}`"),
+            "integers are decimal digits, optionally separated by `_`",
+        )
+    };
+    Diagnostic::error(Code::BadIntegerLiteral, span, message).with_hint(hint)
+}
+
 /// Whether `c` can begin a token, whitespace or a comment: every character the lexer does
 /// not report as unexpected when it starts one.
 fn starts_token(c: char) -> bool {
@@ -252,7 +277,25 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                 }
                 j += 1;
             }
+            // Letters or `_` right after a number belong to it: one malformed literal.
+            let word_end = |mut k: usize| {
+                while k < chars.len() && (chars[k].1.is_alphanumeric() || chars[k].1 == '_') {
+                    k += 1;
+                }
+                k
+            };
             if let Some(end) = float_end(&chars, j) {
+                let k = word_end(end);
+                if k > end {
+                    let span = Span::new(start, end_of(k));
+                    diags.push(malformed_number(&chars[i..k], chars[end].1, true, span));
+                    toks.push(Token {
+                        tok: Tok::Float(FloatBits::new(0.0)),
+                        span,
+                    });
+                    i = k;
+                    continue;
+                }
                 let written: String = chars[i..end].iter().map(|c| c.1).collect();
                 let text = written.replace('_', "");
                 let span = Span::new(start, end_of(end));
@@ -265,19 +308,32 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     i = end;
                     continue;
                 }
+                // A nonzero digit before the exponent: the literal is not 0, whatever it
+                // rounds to.
+                let nonzero = text
+                    .split(['e', 'E'])
+                    .next()
+                    .is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)));
                 match text.parse::<f64>() {
-                    Ok(v) if v.is_finite() => toks.push(Token {
+                    Ok(v) if v.is_finite() && (v != 0.0 || !nonzero) => toks.push(Token {
                         tok: Tok::Float(FloatBits::new(v)),
                         span,
                     }),
-                    _ => {
-                        diags.push(
-                            Diagnostic::error(
-                                Code::BadIntegerLiteral,
-                                span,
-                                "float literal is too large",
+                    parsed => {
+                        let (message, hint) = if parsed.is_ok_and(|v| v == 0.0) {
+                            (
+                                format!("float literal `{written}` is too small: a 64-bit float rounds it to 0"),
+                                "floats are 64-bit; the smallest nonzero magnitude is about 4.9e-324; write 0.0 for zero",
                             )
-                            .with_hint("floats are 64-bit; the largest is about 1.8e308"),
+                        } else {
+                            (
+                                format!("float literal `{written}` is too large"),
+                                "floats are 64-bit; the largest is about 1.8e308",
+                            )
+                        };
+                        diags.push(
+                            Diagnostic::error(Code::BadIntegerLiteral, span, message)
+                                .with_hint(hint),
                         );
                         toks.push(Token {
                             tok: Tok::Float(FloatBits::new(0.0)),
@@ -290,18 +346,13 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             }
             let span = Span::new(start, end_of(j));
             if j < chars.len() && (chars[j].1.is_alphanumeric()) {
-                let mut k = j;
-                while k < chars.len() && (chars[k].1.is_alphanumeric() || chars[k].1 == '_') {
-                    k += 1;
-                }
-                diags.push(
-                    Diagnostic::error(
-                        Code::BadIntegerLiteral,
-                        Span::new(start, end_of(k)),
-                        "malformed integer literal",
-                    )
-                    .with_hint("integers are decimal digits, optionally separated by `_`"),
-                );
+                let k = word_end(j);
+                diags.push(malformed_number(
+                    &chars[i..k],
+                    chars[j].1,
+                    false,
+                    Span::new(start, end_of(k)),
+                ));
                 toks.push(Token {
                     tok: Tok::Int(0),
                     span: Span::new(start, end_of(k)),
@@ -493,10 +544,67 @@ mod tests {
         assert_eq!(toks("3.x"), [Tok::Int(3), Tok::Dot, Tok::Ident("x".into())]);
         let (t, d) = lex("1e999");
         assert_eq!(d[0].code, "CM0103");
-        assert_eq!(d[0].message, "float literal is too large");
+        assert_eq!(d[0].message, "float literal `1e999` is too large");
         assert_eq!(t[0].tok, f(0.0));
-        // `4e` is a malformed integer, as before.
-        assert_eq!(lex("4e").1[0].code, "CM0103");
+        // A nonzero literal is never silently 0; zeros written any way are 0.
+        let (_, d) = lex("1e-400 0.000_1e-999");
+        let messages: Vec<&str> = d.iter().map(|d| d.message.as_str()).collect();
+        assert_eq!(
+            messages,
+            [
+                "float literal `1e-400` is too small: a 64-bit float rounds it to 0",
+                "float literal `0.000_1e-999` is too small: a 64-bit float rounds it to 0"
+            ]
+        );
+        assert_eq!(toks("0.0 0e-999 00.000e5"), [f(0.0), f(0.0), f(0.0)]);
+        assert_eq!(toks("5e-324"), [f(5e-324)]);
+        // A number followed by letters is one malformed literal, named as the number it
+        // starts: `e` without exponent digits makes a float.
+        for (src, message) in [
+            (
+                "4e",
+                "malformed float literal `4e`: its exponent needs digits",
+            ),
+            (
+                "1E",
+                "malformed float literal `1E`: its exponent needs digits",
+            ),
+            (
+                "2ex",
+                "malformed float literal `2ex`: its exponent needs digits",
+            ),
+            (
+                "1.5e",
+                "malformed float literal `1.5e`: its exponent needs digits",
+            ),
+            ("1.5x", "malformed float literal `1.5x`"),
+            ("1e5x", "malformed float literal `1e5x`"),
+            ("12abc", "malformed integer literal `12abc`"),
+            ("1_0b", "malformed integer literal `1_0b`"),
+        ] {
+            let (t, d) = lex(src);
+            assert_eq!(d.len(), 1, "{src}: {d:?}");
+            assert_eq!(
+                (d[0].code.as_str(), d[0].message.as_str()),
+                ("CM0103", message)
+            );
+            assert_eq!(
+                (
+                    t[0].span.end as usize,
+                    d[0].span.start as usize,
+                    d[0].span.end as usize
+                ),
+                (src.len(), 0, src.len()),
+                "{src}"
+            );
+        }
+        // `1e+` is the literal `1e` and a `+`.
+        let (t, d) = lex("1e+");
+        assert_eq!(
+            d[0].message,
+            "malformed float literal `1e`: its exponent needs digits"
+        );
+        assert_eq!(t[1].tok, Tok::Plus);
     }
 
     /// `_` groups digits only between two digits, in integers and in every digit run of a

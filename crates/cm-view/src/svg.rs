@@ -318,9 +318,10 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
     }
     let counts = mask.tiles.counts();
     let mut subtitle = format!(
-        "visible {} ({} pairs{})  ·  tiles {}×{}: {} full, {} partial, {} empty",
+        "visible {} ({} pair{}{})  ·  tiles {}×{}: {} full, {} partial, {} empty",
         percent(whole_visible as f64 / total_pairs.max(1.0)),
         whole_visible,
+        if whole_visible == 1 { "" } else { "s" },
         if plan.packing.is_some() {
             " of the samples' q_len × kv_len"
         } else {

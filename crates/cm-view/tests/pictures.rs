@@ -294,6 +294,10 @@ fn sizes_title_and_legend() {
     let wide = builtin("causal", PlanOptions::new(1).kv_len(100_000));
     let (p, _) = draw(&wide, &View::default());
     assert_eq!((p.plot[2], p.plot[3]), (640, 80));
+    // One visible pair is "1 pair".
+    let one = builtin("causal", PlanOptions::new(1));
+    let svg = draw(&one, &View::default()).0.svg().unwrap();
+    assert!(svg.contains("visible 100.0% (1 pair)"), "{svg}");
 }
 
 #[test]

@@ -50,6 +50,10 @@ fn every_public_limit_is_documented_with_its_value() {
         ("a dense export (", compilemask::DENSE_LIMIT),
         ("a dense export written as JSON", compilemask::JSON_LIMIT),
         ("`cu_seqlens` totals", MAX_LEN as u64),
+        (
+            "elements of one `tensor`",
+            cm_ir::score::MAX_TENSOR_ELEMENTS as u64,
+        ),
         ("integers one `any`", MAX_QUANT_TERMS as u64),
         ("nesting of `any`", MAX_QUANT_DEPTH as u64),
         ("terms of `any` / `all` evaluated", MAX_QUANT_EVALS),

@@ -149,34 +149,72 @@ impl<'a> Checker<'a> {
             return;
         }
         let hint = "declare `tensor sinks: [num_heads];` and write `sink = sinks[h];`";
-        let ExprKind::Index { base, index } = &value.kind else {
+        // `T[i][j]...`: the innermost base and the indices, outermost last.
+        let mut indices = Vec::new();
+        let mut base = value;
+        while let ExprKind::Index { base: b, index } = &base.kind {
+            indices.push(&**index);
+            base = b;
+        }
+        indices.reverse();
+        let ExprKind::Name(n) = &base.kind else {
             self.err(
                 unsupported(value.span, "a sink is a tensor indexed by the head, `T[h]`")
                     .with_hint(hint),
             );
             return;
         };
-        let tensor = match &base.kind {
-            ExprKind::Name(n) => match self.names.get(n) {
-                Some((Def::Tensor(t), _)) => Some(*t),
-                Some((Def::Failed, _)) => return,
-                _ => None,
-            },
-            _ => None,
-        };
-        let Some(tensor) = tensor else {
-            self.err(
-                unsupported(base.span, "a sink reads a tensor declared with `tensor`")
+        let tensor = match self.names.get(n) {
+            Some((Def::Tensor(t), _)) => *t,
+            Some((Def::Failed, _)) => return,
+            _ => {
+                // What the name is (or the resolver's own error: an unknown name, one used
+                // before its definition), so the message says why it is not a tensor.
+                let Ok(v) = self.name(n, base.span, Ctx::Score) else {
+                    return;
+                };
+                self.err(
+                    unsupported(
+                        base.span,
+                        format!(
+                            "`{n}` is {}, but a sink reads a tensor declared with `tensor`",
+                            v.describe()
+                        ),
+                    )
                     .with_hint(hint),
-            );
-            return;
+                );
+                return;
+            }
         };
-        let one_extent = self.tensors[tensor].dims.len() == 1;
-        if !matches!(&index.kind, ExprKind::Name(h) if h == "h") || !one_extent {
+        let extents = self.tensors[tensor].dims.len();
+        if extents != 1 {
             self.err(
                 unsupported(
                     value.span,
-                    "a sink is a one-extent tensor indexed by the head, `T[h]`",
+                    format!("tensor `{n}` has {extents} extents, but sinks are one logit per head: a one-extent tensor `[num_heads]`, read `{n}[h]`"),
+                )
+                .with_hint(hint),
+            );
+            return;
+        }
+        if indices.len() != 1 {
+            self.err(
+                unsupported(
+                    value.span,
+                    format!(
+                        "tensor `{n}` has 1 extent but is indexed with {}; a sink reads `{n}[h]`",
+                        indices.len()
+                    ),
+                )
+                .with_hint(hint),
+            );
+            return;
+        }
+        if !matches!(&indices[0].kind, ExprKind::Name(h) if h == "h") {
+            self.err(
+                unsupported(
+                    indices[0].span,
+                    format!("a sink is indexed by the head: `{n}[h]`, one logit per head"),
                 )
                 .with_hint(hint),
             );
@@ -859,10 +897,17 @@ mod tests {
             ("tensor t: [4, 4];\nscore = score + t[h][q - k][0];", "bias tables indexed by two relative coordinates (Swin's 2D relative positions on a grid) are not supported yet"),
             ("grid g = [4, 4];\ntensor t: [num_heads, 49];\nscore = score + t[h][(g.y(q) - g.y(k) + 3) * 7 + g.x(q) - g.x(k) + 3];", "bias tables indexed by two relative coordinates (Swin's 2D relative positions on a grid) are not supported yet"),
             ("tensor t: [8];\nscore = score + t;", "tensor `t` is read by indexing it"),
-            ("tensor s: [num_heads];\nsink = s[0];", "a sink is a one-extent tensor indexed by the head, `T[h]`"),
-            ("tensor s: [num_heads, 2];\nsink = s[h];", "a sink is a one-extent tensor indexed by the head, `T[h]`"),
-            ("param s: [int] = [1];\nsink = s[h];", "a sink reads a tensor declared with `tensor`"),
+            ("tensor s: [num_heads];\nsink = s[0];", "a sink is indexed by the head: `s[h]`, one logit per head"),
+            ("tensor s: [num_heads];\nsink = s[h][0];", "tensor `s` has 1 extent but is indexed with 2; a sink reads `s[h]`"),
+            ("tensor s: [num_heads];\nsink = s;", "tensor `s` has 1 extent but is indexed with 0; a sink reads `s[h]`"),
+            ("tensor s: [num_heads, 2];\nsink = s[h];", "tensor `s` has 2 extents, but sinks are one logit per head: a one-extent tensor `[num_heads]`, read `s[h]`"),
+            ("tensor S: [num_heads, 2];\nsink = S[h][0];", "tensor `S` has 2 extents, but sinks are one logit per head: a one-extent tensor `[num_heads]`, read `S[h]`"),
+            ("param s: [int] = [1];\nsink = s[h];", "`s` is an integer array, but a sink reads a tensor declared with `tensor`"),
+            ("param U: int = 1;\nsink = U[h];", "`U` is an integer, but a sink reads a tensor declared with `tensor`"),
+            ("segments u = [2, 2];\nsink = u[h];", "`u` is a segmentation, but a sink reads a tensor declared with `tensor`"),
+            ("sink = num_heads[h];", "`num_heads` is an integer, but a sink reads a tensor declared with `tensor`"),
             ("sink = 1.5;", "a sink is a tensor indexed by the head, `T[h]`"),
+            ("sink = (1.5)[h];", "a sink is a tensor indexed by the head, `T[h]`"),
         ] {
             let full = format!("mask = k <= q;\n{src}");
             let got = error(&full);
@@ -881,6 +926,11 @@ mod tests {
             ("score = score + [0.5, 0.25];", "CM0203", "a float array must be indexed"),
             ("score = score + (q < k) * 1.0;", "CM0203", "expected an integer, found a boolean"),
             ("score = softcap(score);", "CM0204", "`softcap` takes 2 argument(s), found 1"),
+            // The score statement and the sink statement say the same of an unknown name.
+            ("sink = U[h];", "CM0201", "unknown name `U`"),
+            ("score = score + U[h];", "CM0201", "unknown name `U`"),
+            ("sink = s[h];\ntensor s: [num_heads];", "CM0201", "unknown name `s`"),
+            ("score = score + s[0];\ntensor s: [4];", "CM0201", "unknown name `s`"),
         ] {
             let full = format!("mask = k <= q;\n{src}");
             let d = error_diag(&full);

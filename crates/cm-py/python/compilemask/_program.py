@@ -932,6 +932,8 @@ class Plan:
         ``"numpy"``, ``"list"`` (nested lists of bools; rows may be shared between (b, h),
         treat them as read-only), or ``"auto"``: torch if importable, else numpy, else
         lists. Refused (:class:`PlanError` CM0403) above ``DENSE_LIMIT`` elements.
+        Visibility only: score terms (softcap, biases, sinks) are not part of it (SDPA with
+        this mask computes plain attention; see :meth:`score_mod`).
         """
         fmt = format
         if fmt == "auto":
@@ -975,7 +977,8 @@ class Plan:
         ``full_kv_num_blocks``, ``full_kv_indices``, and the transposes ``q_num_blocks``
         ``[N]``, ``q_indices`` ``[N][M]``, ``full_q_*``; plus ``block_size`` and
         ``seq_lengths``. With ``b`` and ``h``, for that (b, h); without, every table gets
-        leading ``[batch][num_heads]`` dimensions."""
+        leading ``[batch][num_heads]`` dimensions. Visibility only: score terms are not
+        part of it (see :meth:`score_mod`)."""
         if b is not None or h is not None:
             b, h = self._one(b, h, "block_tensors")
             return _block_tables(self._native.flex_block_mask(b, h))
@@ -994,7 +997,8 @@ class Plan:
     def to_cudnn_endpoints(self, b: int | None = None, h: int | None = None) -> dict[str, Any]:
         """cuDNN ``flex_attention`` interval endpoints: ``{"nfunc": n, "endpoints": E}``
         with ``E`` a ``[nfunc][q_len]`` list; row q sees ``[0, E[0][q]) U [E[1][q],
-        E[2][q]) U ...``. ``b``/``h`` are needed when the plan has several masks."""
+        E[2][q]) U ...``. ``b``/``h`` are needed when the plan has several masks.
+        Visibility only: score terms (softcap, biases, sinks) are not part of it."""
         b, h = self._one(b, h, "to_cudnn_endpoints")
         nfunc, raw = self._native.cudnn_endpoints(b, h)
         return {"nfunc": nfunc, "endpoints": _reshape(_ints(raw), self.q_len)}
@@ -1002,7 +1006,8 @@ class Plan:
     def to_flashmask(self, b: int | None = None, h: int | None = None) -> dict[str, list[int]]:
         """FlashMask column bounds ``{"lts", "lte", "uts", "ute"}`` (each ``[kv_len]``): key
         column k is masked for rows ``[lts[k], lte[k])`` and ``[uts[k], ute[k])``.
-        :class:`PlanError` (CM0408) when some column has more than two masked runs."""
+        :class:`PlanError` (CM0408) when some column has more than two masked runs.
+        Visibility only: score terms (softcap, biases, sinks) are not part of it."""
         b, h = self._one(b, h, "to_flashmask")
         raw = self._native.flashmask_bounds(b, h)
         return {k: _ints(v) for k, v in raw.items()}
@@ -1051,7 +1056,8 @@ class Plan:
         plan's ``block_size``, for ``flex_attention``. Needs torch. On CPU, compile with
         ``torch.compile(flex_attention, dynamic=False)``: torch 2.11's Inductor CPU template
         fails to build the dynamic-shape recompile of any ``mask_mod`` that reads a captured
-        tensor (a C++ compile error; torch's own document masks too)."""
+        tensor (a C++ compile error; torch's own document masks too). Visibility only: pass
+        :meth:`score_mod` beside it for the score terms (sinks: see :meth:`score_mod`)."""
         from ._torch import make_block_mask
 
         return make_block_mask(self, device)

@@ -89,15 +89,18 @@ _MAX_SEQS = _LENGTH_MAX["batch"]
 _MAX_SEQS_WHY = "one per sequence, at most 2^20 sequences"
 
 
-def _int_list(name: str, value: Any) -> list[int]:
-    """A list of ints from a sequence, an iterator, a numpy array or an integer tensor."""
+_SEQUENCE = "a sequence of ints, one per sequence"
+
+
+def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
+    """A list of ints from a sequence, an iterator, a numpy array or an integer tensor;
+    ``what`` says what ``name`` takes in a ``TypeError``."""
     given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
         if not isinstance(value, list):  # a scalar, named as the caller gave it
-            raise TypeError(f"{name} must be a sequence of ints, one per sequence, got "
-                            f"{_type_name(given)}")
-    value = _ordered(name, value, "a sequence of ints, one per sequence")
+            raise TypeError(f"{name} must be {what}, got {_type_name(given)}")
+    value = _ordered(name, value, what)
     out = [_int(f"{name}[{i}]", x) for i, x in _bounded(name, value, _MAX_SEQS, _MAX_SEQS_WHY)]
     for i, x in enumerate(out):
         if not -(1 << 63) <= x < (1 << 63):
@@ -112,7 +115,7 @@ def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
         value = value.tolist()  # numpy / torch: scalars become int, arrays lists
     if isinstance(value, int) and not isinstance(value, bool):
         return _int_list(name, [value] * num_seqs)
-    return _int_list(name, value)
+    return _int_list(name, value, f"an int (the same for every sequence) or {_SEQUENCE}")
 
 
 def _seq_params(program: Program, params: Any) -> list[dict[str, Any]] | None:

@@ -76,8 +76,10 @@ def _check_dim(dim: Any, x: Any) -> int:
 
 
 class ContextParallel:
-    """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens (default:
-    512, or ``len // ranks`` when that gives fewer chunks than ranks) by visible pairs.
+    """``plan``'s sequence dealt to ``ranks`` ranks in chunks of ``chunk`` tokens by visible
+    pairs. Default chunk (the CLI's, ``cm_shard::default_chunk``): the largest of 512, 256,
+    128 and 64 that cuts the sequence into at least 4 chunks per rank (so the deal can balance
+    them), else 64; ``len // ranks`` when 64 leaves fewer chunks than ranks.
 
     Rank ``r`` holds new positions ``offsets[r] .. offsets[r + 1]``, original tokens
     ``order[offsets[r]:offsets[r + 1]]`` (its chunks, ascending). ``ValueError`` when the
