@@ -85,17 +85,19 @@ def test_errors_name_the_value():
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
     with pytest.raises(ValueError, match="batch = 2 and 2 distinct masks"):
         ContextParallel(per_batch, ranks=2)
-    # Each kind of score term names its own reason (only the biases read positions).
+    # Biases read the positions a part renumbers, each named; softcaps and sinks are carried.
     for name, reason in [
-        ("causal_softcap", "the softcap reads no position, but the parts' plans carry no "
-                           "score terms yet"),
         ("causal_alibi", "the linear bias reads the positions q and k, which a part renumbers"),
-        ("sliding_window_sinks", "a sink joins each row's softmax once, but a rank's parts "
-                                 "are merged by lse without it"),
+        ("t5_relative_bias", "the bias table reads the distance q - k, which a part renumbers"),
     ]:
         with pytest.raises(ValueError, match="score terms") as e:
             ContextParallel(cm.builtin(name).plan(100), ranks=2)
         assert reason in str(e.value), (name, str(e.value))
+    constant = cm.compile("mask = k <= q;\nscore = score + [0.5, -1][h];").plan(100, num_heads=2)
+    with pytest.raises(ValueError, match="a constant bias per head is not carried"):
+        ContextParallel(constant, ranks=2)
+    for name in ("causal_softcap", "sliding_window_sinks"):
+        ContextParallel(cm.builtin(name).plan(100, num_heads=4), ranks=2)
     with pytest.raises(TypeError, match="compilemask.Plan"):
         ContextParallel("causal", ranks=2)
     cp = ContextParallel(causal, ranks=2, chunk=10)
@@ -219,6 +221,68 @@ def test_simulated_ranks_match_the_whole_sequence(name, make, ranks):
         assert torch.isfinite(a).all() and (a - b).abs().max().item() < 1e-12
 
 
+SCORED = {
+    "softcap": "mask = k <= q;\nscore = softcap(score, 3);",
+    "sinks": "tensor sinks: [num_heads];\nmask = q >= 5 & q - 40 < k <= q;\nsink = sinks[h];",
+    "softcap and sinks": "tensor sinks: [num_heads];\nmask = q >= 9 & k <= q;\n"
+                         "score = softcap(score, 2);\nsink = sinks[h];",
+}
+
+
+@needs_torch
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", sorted(SCORED))
+def test_softcaps_and_sinks_across_ranks_match_the_whole_sequence(name, ranks):
+    """A softcap goes into every part and each row's sink into the merge, once: output, lse and
+    the gradients of q, k, v and the sinks equal cm.attention's on the whole sequence (float64,
+    the CPU reference), with logits large enough for the softcap to bite, rows that see no key
+    (output 0, lse the sink's) and a head whose sink is -inf (no sink, gradient 0)."""
+    n = 257
+    plan = cm.compile(SCORED[name]).plan(n, num_heads=4)
+    cp = ContextParallel(plan, ranks=ranks, chunk=16)
+    q, k, v = _inputs(n, torch.float64, "cpu", seed=ranks + 7)
+    sinks = torch.tensor([0.3, -math.inf, 1.5, -0.7], dtype=torch.float64, requires_grad=True)
+    given = {"sinks": sinks} if "sinks" in name else None
+    out, lse = cm.distributed.simulate(q, k, v, cp, scale=2.0, enable_gqa=True, return_lse=True,
+                                       score_tensors=given)
+    ref, ref_lse = cm.attention(q, k, v, plan, scale=2.0, enable_gqa=True, return_lse=True,
+                                score_tensors=given)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out - ref).abs().max().item() < 1e-12
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-12
+    inputs = (q, k, v) + ((sinks,) if given else ())
+    g = torch.Generator().manual_seed(2)
+    w, w_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(
+        lse.shape, generator=g, dtype=torch.float64).masked_fill(~finite, 0)
+
+    def grads(o, l):
+        loss = (o * w).sum() + (l.masked_fill(~finite, 0) * w_lse).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    ours = grads(out, lse)
+    for a, b in zip(ours, grads(ref, ref_lse)):
+        assert torch.isfinite(a).all() and (a - b).abs().max().item() < 1e-12
+    if given:
+        assert ours[3][1].item() == 0.0 and ours[3][[0, 2, 3]].abs().min().item() > 0
+
+
+@needs_torch
+def test_sinks_across_ranks_are_checked():
+    plan = cm.builtin("sliding_window_sinks").plan(64, num_heads=4)
+    cp = ContextParallel(plan, ranks=2, chunk=16)
+    q, k, v = _inputs(64, torch.float64, "cpu", seed=1)
+    with pytest.raises(ValueError, match="score_tensors is missing 'sinks'"):
+        cm.distributed.simulate(q, k, v, cp, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"shape \(3,\), expected \(4,\)"):
+        cm.distributed.simulate(q, k, v, cp, enable_gqa=True,
+                                score_tensors={"sinks": torch.zeros(3, dtype=torch.float64)})
+    causal = ContextParallel(cm.builtin("causal").plan(64), ranks=2, chunk=16)
+    with pytest.raises(ValueError, match="has no score or sink statement"):
+        cm.distributed.simulate(q, k, v, causal, enable_gqa=True,
+                                score_tensors={"sinks": torch.zeros(4, dtype=torch.float64)})
+
+
 def _gloo_worker(rank, ranks, init, outdir, n):
     import torch.distributed as dist
 
@@ -338,3 +402,29 @@ def test_simulated_ranks_on_the_gpu(name, make):
     finite = torch.isfinite(exact_lse)
     assert (lse.double().cpu()[finite] - exact_lse[finite]).abs().max().item() <= 1e-3
     assert math.isfinite(sum(g.double().sum().item() for g in _grads(out, lse, q, k, v, 3)))
+
+
+@needs_torch
+@pytest.mark.skipif(not CUDA, reason="needs a Hopper GPU (compute capability 9.0)")
+def test_softcaps_and_sinks_across_ranks_on_the_gpu():
+    """bf16 on the kernels (the parts on the softcap variants, the sinks in the merge): within
+    twice the whole sequence's own error against float64 plus 1e-3, finite gradients."""
+    n = 1001
+    plan = cm.compile(SCORED["softcap and sinks"]).plan(n, num_heads=4)
+    cp = ContextParallel(plan, ranks=4, chunk=64)
+    q, k, v = _inputs(n, torch.bfloat16, "cuda", seed=4, head_dim=64, head_dim_v=64)
+    sinks = torch.tensor([0.3, -math.inf, 1.5, -0.7], device="cuda", requires_grad=True)
+    given = {"sinks": sinks}
+    out, lse = cm.distributed.simulate(q, k, v, cp, enable_gqa=True, return_lse=True,
+                                       score_tensors=given)
+    ref = cm.attention(q, k, v, plan, enable_gqa=True, score_tensors=given)
+    exact, exact_lse = cm.attention(*(t.detach().double().cpu() for t in (q, k, v)), plan,
+                                    enable_gqa=True, return_lse=True,
+                                    score_tensors={"sinks": sinks.detach().double().cpu()})
+    own = (ref.double().cpu() - exact).abs().max().item()
+    assert (out.double().cpu() - exact).abs().max().item() <= 2 * own + 1e-3
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert (lse.double().cpu()[finite] - exact_lse[finite]).abs().max().item() <= 1e-3
+    loss = (out.double() * torch.randn(out.shape, device="cuda", dtype=torch.float64)).sum()
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, (q, k, v, sinks)))

@@ -127,12 +127,9 @@ fn what_cannot_be_sharded_is_named() {
         ],
         &["q_len = 100 and kv_len = 120 differ"],
     );
-    // Each kind of score term is refused for its own reason: only the biases read positions.
+    // The biases are refused, each for its own reason (they read positions a part
+    // renumbers); softcaps and sinks are carried, so their plans shard as their masks do.
     for (name, reason) in [
-        (
-            "causal_softcap",
-            "the softcap reads no position, but the parts' plans carry no score terms yet",
-        ),
         (
             "causal_alibi",
             "the linear bias reads the positions q and k, which a part renumbers",
@@ -141,23 +138,37 @@ fn what_cannot_be_sharded_is_named() {
             "t5_relative_bias",
             "the bias table reads the distance q - k, which a part renumbers",
         ),
-        (
-            "sliding_window_sinks",
-            "a sink joins each row's softmax once, but a rank's parts are merged by lse without it",
-        ),
     ] {
-        let err = fails(
+        fails(
             &["shard", "--builtin", name, "--q-len", "1000", "--ranks", "2"],
             &[
-                "the plan has score terms, which context parallelism does not carry into a rank's parts: ",
+                "the plan has score terms that context parallelism does not carry into a rank's parts: ",
                 reason,
             ],
         );
-        assert!(!err.contains("bound to positions"), "{err}");
-        if name != "causal_alibi" && name != "t5_relative_bias" {
-            assert!(!err.contains("renumber"), "{name}: {err}");
-        }
     }
+    let args = |name: &'static str| {
+        [
+            "shard",
+            "--builtin",
+            name,
+            "--q-len",
+            "1000",
+            "--ranks",
+            "2",
+            "--json",
+        ]
+    };
+    // The softcap's mask is causal: the same deal.
+    assert_eq!(
+        json(&args("causal_softcap"))["per_rank"],
+        json(&args("causal"))["per_rank"]
+    );
+    let sinks = json(&args("sliding_window_sinks"));
+    assert!(
+        sinks["max_over_mean_visible"].as_f64().unwrap() < 1.1,
+        "{sinks}"
+    );
 }
 
 /// Without `--chunk` the chunk is the largest of 512, 256, 128, 64 leaving 4 chunks per

@@ -28,6 +28,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
 
+use cm_ir::ScoreTerms;
 use cm_plan::order::TokenOrder;
 use cm_plan::rows::{KeyInterval, RowIntervals};
 use cm_plan::tiles::{TileDescriptor, TileShape};
@@ -80,11 +81,11 @@ pub enum ShardError {
          one sequence (batch 1, e.g. a packed plan) whose heads share one mask"
     )]
     NotOneMask { batch: u32, masks: usize },
-    /// Why each of the plan's score terms cannot be carried into a rank's parts, `; `
-    /// between them.
+    /// Why each of the plan's score terms that reads positions (or is not carried) cannot go
+    /// into a rank's parts, `; ` between them.
     #[error(
-        "the plan has score terms, which context parallelism does not carry into a rank's \
-         parts: {0}; shard the plan of the mask without them"
+        "the plan has score terms that context parallelism does not carry into a rank's \
+         parts: {0}; softcaps and sinks are carried, shard a plan without the others"
     )]
     Score(String),
 }
@@ -142,6 +143,10 @@ pub struct Sharding {
     /// The mask (strided runs expanded), for the parts' rows, which are built on demand.
     #[serde(skip)]
     rows: RowIntervals,
+    /// The score terms every part applies as the whole plan does ([`shard_plan`]: the
+    /// softcap), carried into [`Sharding::part_plan`].
+    #[serde(skip)]
+    part_score: Option<ScoreTerms>,
 }
 
 impl Sharding {
@@ -236,7 +241,9 @@ impl Sharding {
     }
 
     /// Part `(r, s)` ([`Sharding::part`]) as a plan of its own at `tile` (batch 1, one mask
-    /// for every head): `q_len` = rank `r`'s tokens, `kv_len` = the keys it fetches from `s`.
+    /// for every head): `q_len` = rank `r`'s tokens, `kv_len` = the keys it fetches from `s`;
+    /// with the plan's softcap when [`shard_plan`] made the sharding (a sink joins the parts'
+    /// merge instead: `compilemask.distributed`).
     pub fn part_plan(&self, r: usize, s: usize, tile: TileShape) -> Plan {
         let rows = self.part(r, s).rows;
         let tiles = TileDescriptor::build(&rows, tile);
@@ -254,7 +261,7 @@ impl Sharding {
             order: None,
             order_candidates: Vec::new(),
             packing: None,
-            score: None,
+            score: self.part_score.clone(),
             tree_overhangs: Vec::new(),
         }
     }
@@ -389,7 +396,8 @@ pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
 ///
 /// # Errors
 /// [`ShardError::NotOneMask`] for a batch above 1 or masks that differ per head,
-/// [`ShardError::Score`] for a plan with score terms (naming why each is refused), and
+/// [`ShardError::Score`] for a plan with a linear bias or a bias table (naming why each is
+/// refused; softcaps go into every part, sinks into the parts' merge), and
 /// [`shard`]'s errors.
 pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
     if plan.batch != 1 || plan.masks.len() != 1 {
@@ -398,31 +406,38 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
             masks: plan.masks.len(),
         });
     }
+    let mut part_score = None;
     if let Some(t) = &plan.score {
         // A part is its rank's rows against the keys they fetch from one source, both
-        // compacted: positions are renumbered, and the parts are merged by lse.
+        // compacted, so terms that read positions would read the wrong ones; the parts are
+        // merged by lse. The softcap changes each logit alone, so every part applies it; a
+        // sink joins each row's softmax once, so the merge adds it, not the parts.
         let mut why = Vec::new();
-        if t.softcap.is_some() {
-            why.push("the softcap reads no position, but the parts' plans carry no score terms yet, so it would be left out");
-        }
         match &t.linear {
             Some(l) if l.q_coef != 0 || l.k_coef != 0 => why.push(
                 "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
             ),
             Some(_) => why.push(
-                "the constant bias per head reads no position, but the parts' plans carry no score terms yet",
+                "a constant bias per head is not carried into the parts' plans (one head each)",
             ),
             None => {}
         }
         if t.table.is_some() {
             why.push("the bias table reads the distance q - k, which a part renumbers (its rows and fetched keys are compacted)");
         }
-        if t.sink.is_some() {
-            why.push("a sink joins each row's softmax once, but a rank's parts are merged by lse without it");
+        if !why.is_empty() {
+            return Err(ShardError::Score(why.join("; ")));
         }
-        return Err(ShardError::Score(why.join("; ")));
+        part_score = t.softcap.map(|softcap| ScoreTerms {
+            softcap: Some(softcap),
+            linear: None,
+            table: None,
+            sink: None,
+        });
     }
-    shard(&plan.masks[0].rows, ranks, chunk)
+    let mut sharding = shard(&plan.masks[0].rows, ranks, chunk)?;
+    sharding.part_score = part_score;
+    Ok(sharding)
 }
 
 /// Most (rank, source) key ranges one sharding holds: 2^28, 12 bytes each (the range and its
@@ -530,6 +545,7 @@ pub fn shard(rows: &RowIntervals, ranks: u32, chunk: u32) -> Result<Sharding, Sh
         owner,
         slot,
         rows,
+        part_score: None,
     })
 }
 

@@ -26,8 +26,11 @@ and single-GPU development; its output and gradients are those of ``cm.attention
 whole sequence.
 
 Layouts: ``[batch, heads, seq, head_dim]`` as :func:`compilemask.attention` takes them; the
-plan is batch 1 with one mask for every head (a packed plan of documents, say) and no score
-terms. Positions are 0-based and ranges half-open.
+plan is batch 1 with one mask for every head (a packed plan of documents, say). Of the score
+terms, a softcap (every part applies it) and sinks (the merge adds each row's sink once, given
+as ``score_tensors`` as to :func:`compilemask.attention`) are carried; biases that read
+positions are refused, since a part renumbers its rows and keys. Positions are 0-based and
+ranges half-open.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class ContextParallel:
 
     Rank ``r`` holds new positions ``offsets[r] .. offsets[r + 1]``, original tokens
     ``order[offsets[r]:offsets[r + 1]]`` (its chunks, ascending). ``ValueError`` when the
-    plan is not one square mask of batch 1 without score terms, has fewer chunks than
+    plan is not one square mask of batch 1 whose score terms are at most a softcap and sinks
+    (biases read the positions a part renumbers), has fewer chunks than
     ranks, or its ranks' rows would read keys in more than 2^28 (rank, source) ranges.
     """
 
@@ -239,14 +243,17 @@ class ContextParallel:
 
 
 def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale: float,
-                    enable_gqa: bool, deterministic: bool, ready: Any = None) -> tuple:
+                    enable_gqa: bool, deterministic: bool, sink: Any = None,
+                    ready: Any = None) -> tuple:
     """One rank's attention from its queries and, per source rank, the keys and values it
     fetched (``None`` where it reads none). Its own part runs first; ``ready()`` (when given)
     is called after it, before any fetched tensor is read, so the exchange overlaps the own
     part's work. The parts are merged by lse, in float32, as
     FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
-    exp(lse_s - lse) out_s``). Rows that see no key get 0 and lse -inf. lse is float32
-    (float64 for float64 inputs), as :func:`compilemask.attention`'s."""
+    exp(lse_s - lse) out_s``), then the head's ``sink`` logit (when given: ``[heads]``) joins
+    each row's denominator once (``_with_sink``). Rows that see no key get 0 and lse -inf (the
+    sink's logit with a sink). lse is float32 (float64 for float64 inputs), as
+    :func:`compilemask.attention`'s."""
     torch = require_torch("compilemask.distributed.attention")
     from ._torch import attention as cm_attention
 
@@ -269,10 +276,14 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale
     b, h, n, _ = q.shape
     dv = _fetched_dim(fetched, q)
     if not outs:
-        return (q.new_zeros((b, h, n, dv)),
-                torch.full((b, h, n), -math.inf, dtype=acc, device=q.device))
-    if len(outs) == 1:
-        return outs[0], lses[0]
+        outs = [q.new_zeros((b, h, n, dv))]
+        lses = [torch.full((b, h, n), -math.inf, dtype=acc, device=q.device)]
+    out, lse = _merge(torch, outs, lses, acc) if len(outs) > 1 else (outs[0], lses[0])
+    return (out, lse) if sink is None else _with_sink(torch, out, lse, sink, acc)
+
+
+def _merge(torch: Any, outs: list, lses: list, acc: Any) -> tuple:
+    """Partial results over disjoint keys merged by their lse (in ``acc``)."""
     stacked = torch.stack(lses)
     # Rows that see no key in any part keep lse -inf and weight 0, and give no gradient: every
     # branch that is not selected there stays finite (exp(-inf - -inf) and log(0) would not).
@@ -282,7 +293,45 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale
     lse = torch.where(seen, top + torch.log(torch.where(seen, total, 1.0)), -math.inf)
     weights = torch.exp(stacked - torch.where(seen, lse, 0.0))
     out = sum(w.unsqueeze(-1) * o.to(acc) for w, o in zip(weights, outs))
-    return out.to(q.dtype), lse
+    return out.to(outs[0].dtype), lse
+
+
+def _with_sink(torch: Any, out: Any, lse: Any, sink: Any, acc: Any) -> tuple:
+    """``out`` and ``lse`` of rows whose softmax gains head ``h``'s logit ``sink[h]`` with
+    value vector 0 (docs/language.md, "Scores"): ``lse' = log(exp(lse) + exp(sink))``, ``out'
+    = exp(lse - lse') out``. A row that sees no key gets output 0 and lse ``sink[h]``; a
+    ``-inf`` sink changes nothing and gets gradient 0. Every branch not taken stays finite,
+    so no NaN reaches a gradient."""
+    s = sink.to(acc).reshape(1, -1, 1).expand_as(lse)
+    live = torch.isfinite(lse) | torch.isfinite(s)
+    top = torch.where(live, torch.maximum(lse, s), 0.0).detach()
+    total = torch.exp(lse - top) + torch.exp(s - top)
+    joined = torch.where(live, top + torch.log(torch.where(live, total, 1.0)), -math.inf)
+    kept = torch.exp(lse - torch.where(live, joined, 0.0))
+    return (out.to(acc) * kept.unsqueeze(-1)).to(out.dtype), joined
+
+
+def _cp_sink(cp: ContextParallel, score_tensors: Any, heads: int, device: Any) -> Any:
+    """The sink tensor ``score_tensors`` gives for ``cp``'s plan (checked as
+    :func:`compilemask.attention` checks it), or None for a plan without one."""
+    torch = require_torch("compilemask.distributed")
+    from ._torch import _score_inputs, _score_tensors
+
+    score = _score_tensors(torch, cp.plan, device)
+    if score is None:
+        if score_tensors:
+            raise ValueError(
+                f"score_tensors {sorted(score_tensors)} given, but the plan's program has no "
+                "score or sink statement"
+            )
+        return None
+    _, sink = _score_inputs(torch, score, score_tensors, device)
+    if sink is not None and sink.numel() != heads:
+        raise ValueError(
+            f"score_tensors[{score.sink!r}] holds {sink.numel()} sinks (the plan's num_heads), "
+            f"but the query has {heads} heads; plan with num_heads={heads}"
+        )
+    return sink
 
 
 def _fetched_dim(fetched: list, q: Any) -> int:
@@ -294,23 +343,24 @@ def _fetched_dim(fetched: list, q: Any) -> int:
 
 def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
              scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
-             deterministic: bool = False) -> Any:
+             deterministic: bool = False, score_tensors: Any = None) -> Any:
     """Every rank of ``cp`` in one process through :func:`attention`'s per-rank code, the
     transport being indexing: ``query`` / ``key`` / ``value`` are the whole sequence in the
     program's positions (``[batch, heads, seq, head_dim]``); the result (and, through
     autograd, the gradients) is in those positions too, as :func:`compilemask.attention`'s on
-    the whole sequence."""
+    the whole sequence (``score_tensors``: the plan's sink tensor, as there)."""
     require_torch("compilemask.distributed.simulate")
     return_lse = _flag("return_lse", return_lse)
     _check_lengths((query, key, value), cp.plan.q_len, "the plan's sequence")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    sink = _cp_sink(cp, score_tensors, query.shape[1], query.device)
     shards = [(cp.shard(query, r), cp.shard(key, r), cp.shard(value, r)) for r in range(cp.ranks)]
     outs, lses = [], []
     for r in range(cp.ranks):
         fetched = [cp._part_keys(r, s, shards[s][1], shards[s][2]) for s in range(cp.ranks)]
         out, lse = _rank_attention(cp, r, shards[r][0], fetched, float(scale), enable_gqa,
-                                   deterministic)
+                                   deterministic, sink)
         outs.append(out)
         lses.append(lse)
     out = cp.unshard(outs, -2)
@@ -319,13 +369,15 @@ def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
 
 def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: Any = None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
-              deterministic: bool = False) -> Any:
+              deterministic: bool = False, score_tensors: Any = None) -> Any:
     """This rank's part of context-parallel attention over ``torch.distributed``: ``query``,
     ``key`` and ``value`` are this rank's shards (``cp.shard(x, rank)``, ``[batch, heads,
     cp.shard_len(rank), head_dim]``); the rank is ``group``'s (the default group when
     ``None``), whose size must be ``cp.ranks``. Returns this rank's output (and lse) in its
     shard's positions; differentiable (the gradients of fetched keys are sent back to their
-    ranks and summed there). Every rank must call it, with equal ``batch``, heads and dtypes.
+    ranks and summed there). Every rank must call it, with equal ``batch``, heads and dtypes;
+    ``score_tensors`` gives the plan's sink tensor as to :func:`compilemask.attention` (every
+    rank its own copy; its gradient is this rank's rows' part).
     """
     torch = require_torch("compilemask.distributed.attention")
     import torch.distributed as dist
@@ -338,6 +390,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     _check_lengths((query, key, value), cp.shard_len(rank), f"rank {rank}'s shard")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    sink = _cp_sink(cp, score_tensors, query.shape[1], query.device)
     pending: list = []
     anchor, *pieces = _Fetch.apply(key, value, cp, rank, group, pending)
     fetched = []
@@ -350,7 +403,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
         else:
             fetched.append(None)
     out, lse = _rank_attention(cp, rank, query, fetched, float(scale), enable_gqa,
-                               deterministic, ready=lambda: [w.wait() for w in pending])
+                               deterministic, sink, ready=lambda: [w.wait() for w in pending])
     out = out + anchor.to(out.dtype)
     return (out, lse) if return_lse else out
 
