@@ -94,7 +94,7 @@ def test_errors_name_the_value():
             ContextParallel(cm.builtin(name).plan(100), ranks=2)
         assert reason in str(e.value), (name, str(e.value))
     constant = cm.compile("mask = k <= q;\nscore = score + [0.5, -1][h];").plan(100, num_heads=2)
-    with pytest.raises(ValueError, match="a constant bias per head is not carried"):
+    with pytest.raises(ValueError, match="a constant bias is not carried"):
         ContextParallel(constant, ranks=2)
     for name in ("causal_softcap", "sliding_window_sinks"):
         ContextParallel(cm.builtin(name).plan(100, num_heads=4), ranks=2)
@@ -281,6 +281,58 @@ def test_sinks_across_ranks_are_checked():
     with pytest.raises(ValueError, match="has no score or sink statement"):
         cm.distributed.simulate(q, k, v, causal, enable_gqa=True,
                                 score_tensors={"sinks": torch.zeros(4, dtype=torch.float64)})
+
+
+@needs_torch
+def test_ranks_that_see_no_key_match_the_whole_sequence():
+    """A rank whose rows see no key gives output 0 of the values' head dim (head_dim_v 3, not
+    head_dim 8) and lse -inf (its sink's with sinks), and a mask where no row sees a key
+    still differentiates: zero gradients, as compilemask.attention's."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn((1, 2, 9, 8), generator=g, dtype=torch.float64).requires_grad_()
+            for _ in range(2))
+    v = torch.randn((1, 2, 9, 3), generator=g, dtype=torch.float64).requires_grad_()
+    sinks = torch.tensor([0.5, -math.inf], dtype=torch.float64, requires_grad=True)
+    cases = [(cm.compile("mask = k < q;").plan(9), None, 4),
+             (cm.compile("mask = k > q + kv_len;").plan(9), None, 1),
+             (cm.compile("mask = k > q + kv_len;").plan(9), None, 3),
+             (cm.compile("tensor sinks: [num_heads];\nmask = k > q + kv_len;\nsink = sinks[h];")
+              .plan(9, num_heads=2), {"sinks": sinks}, 3)]
+    for plan, given, ranks in cases:
+        cp = ContextParallel(plan, ranks=ranks, chunk=1)
+        out, lse = cm.distributed.simulate(q, k, v, cp, return_lse=True, score_tensors=given)
+        ref, ref_lse = cm.attention(q, k, v, plan, return_lse=True, score_tensors=given)
+        assert out.shape == ref.shape == (1, 2, 9, 3)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        assert torch.allclose(out, ref, rtol=0, atol=1e-12)
+        assert torch.allclose(lse.clamp(min=-1), ref_lse.clamp(min=-1), rtol=0, atol=1e-12)
+        inputs = (q, k, v) + ((sinks,) if given else ())
+        for a, b in zip(torch.autograd.grad((out.sum() + lse.clamp(min=-1).sum()), inputs),
+                        torch.autograd.grad((ref.sum() + ref_lse.clamp(min=-1).sum()), inputs)):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@needs_torch
+def test_heads_and_sink_values_are_checked_as_attention_checks_them():
+    q, k, v = _inputs(64, torch.float64, "cpu", seed=1)
+    two = ContextParallel(cm.builtin("causal").plan(64, num_heads=2), ranks=2, chunk=16)
+    with pytest.raises(ValueError, match="the plan was built for num_heads = 2, but the query "
+                                         "has num_heads = 4"):
+        cm.distributed.simulate(q, k, v, two, enable_gqa=True)
+    sinks_plan = cm.builtin("sliding_window_sinks").plan(64, num_heads=1)
+    one = ContextParallel(sinks_plan, ranks=2, chunk=16)
+    with pytest.raises(ValueError, match="bound for num_heads = 1 .* the query has 4 heads"):
+        cm.distributed.simulate(q, k, v, one, enable_gqa=True,
+                                score_tensors={"sinks": torch.zeros(4, dtype=torch.float64)})
+    cp = ContextParallel(cm.builtin("sliding_window_sinks").plan(64, num_heads=4), ranks=2,
+                         chunk=16)
+    for bad, shown in ((math.nan, "NaN"), (math.inf, "inf")):
+        s = torch.tensor([0.0, bad, -math.inf, 1.0], dtype=torch.float64)
+        for call in (cm.distributed.simulate, cm.attention):
+            plan_or_cp = cp if call is cm.distributed.simulate else cp.plan
+            with pytest.raises(ValueError, match=rf"sinks\[1\] of \[num_heads\] is {shown}; "
+                                                 "a sink must be finite, or -inf for no sink"):
+                call(q, k, v, plan_or_cp, enable_gqa=True, score_tensors={"sinks": s})
 
 
 def _gloo_worker(rank, ranks, init, outdir, n):

@@ -418,7 +418,7 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
                 "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
             ),
             Some(_) => why.push(
-                "a constant bias per head is not carried into the parts' plans (one head each)",
+                "a constant bias is not carried into the parts' plans (one head each)",
             ),
             None => {}
         }

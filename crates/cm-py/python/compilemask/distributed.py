@@ -242,11 +242,11 @@ class ContextParallel:
         return k.index_select(-2, index), v.index_select(-2, index)
 
 
-def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale: float,
-                    enable_gqa: bool, deterministic: bool, sink: Any = None,
+def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, dv: int,
+                    scale: float, enable_gqa: bool, deterministic: bool, sink: Any = None,
                     ready: Any = None) -> tuple:
     """One rank's attention from its queries and, per source rank, the keys and values it
-    fetched (``None`` where it reads none). Its own part runs first; ``ready()`` (when given)
+    fetched (``None`` where it reads none; ``dv``: the values' head dim). Its own part runs first; ``ready()`` (when given)
     is called after it, before any fetched tensor is read, so the exchange overlaps the own
     part's work. The parts are merged by lse, in float32, as
     FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
@@ -274,9 +274,10 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, scale
         outs.append(out)
         lses.append(lse.to(acc))
     b, h, n, _ = q.shape
-    dv = _fetched_dim(fetched, q)
     if not outs:
-        outs = [q.new_zeros((b, h, n, dv))]
+        # No key for any row: output 0 as compilemask.attention gives it, still a function of
+        # q (gradient 0), so a loss over it differentiates as the whole sequence's does.
+        outs = [q.new_zeros((b, h, n, dv)) + q[..., :1] * 0]
         lses = [torch.full((b, h, n), -math.inf, dtype=acc, device=q.device)]
     out, lse = _merge(torch, outs, lses, acc) if len(outs) > 1 else (outs[0], lses[0])
     return (out, lse) if sink is None else _with_sink(torch, out, lse, sink, acc)
@@ -311,13 +312,16 @@ def _with_sink(torch: Any, out: Any, lse: Any, sink: Any, acc: Any) -> tuple:
     return (out.to(acc) * kept.unsqueeze(-1)).to(out.dtype), joined
 
 
-def _cp_sink(cp: ContextParallel, score_tensors: Any, heads: int, device: Any) -> Any:
-    """The sink tensor ``score_tensors`` gives for ``cp``'s plan (checked as
-    :func:`compilemask.attention` checks it), or None for a plan without one."""
+def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
+    """Checks ``query``'s heads against ``cp``'s plan as :func:`compilemask.attention` does
+    (and its sinks: present, of the plan's shape, finite or ``-inf``); returns the sink tensor
+    ``score_tensors`` gives, or None for a plan without sinks."""
     torch = require_torch("compilemask.distributed")
-    from ._torch import _score_inputs, _score_tensors
+    from ._torch import _broadcast_dim, _score_inputs, _score_tensors
 
-    score = _score_tensors(torch, cp.plan, device)
+    heads = query.shape[1]
+    _broadcast_dim(cp.plan.num_heads, heads, cp.plan.uses_head, "num_heads", "h")
+    score = _score_tensors(torch, cp.plan, query.device)
     if score is None:
         if score_tensors:
             raise ValueError(
@@ -325,20 +329,24 @@ def _cp_sink(cp: ContextParallel, score_tensors: Any, heads: int, device: Any) -
                 "score or sink statement"
             )
         return None
-    _, sink = _score_inputs(torch, score, score_tensors, device)
-    if sink is not None and sink.numel() != heads:
+    if score.per_head and cp.plan.num_heads != heads:
         raise ValueError(
-            f"score_tensors[{score.sink!r}] holds {sink.numel()} sinks (the plan's num_heads), "
-            f"but the query has {heads} heads; plan with num_heads={heads}"
+            f"the plan's score terms were bound for num_heads = {cp.plan.num_heads} (sinks are "
+            f"per head), but the query has {heads} heads; plan with "
+            f"program.plan(..., num_heads={heads})"
         )
+    _, sink = _score_inputs(torch, score, score_tensors, query.device)
+    if sink is not None:
+        # As the kernels and the CPU reference refuse them: a NaN or +inf sink has no softmax.
+        bad = torch.isnan(sink) | (sink == math.inf)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            shown = "NaN" if math.isnan(sink[i].item()) else "inf"
+            raise ValueError(
+                f"{score.sink}[{i}] of [num_heads] is {shown}; a sink must be finite, or -inf "
+                "for no sink"
+            )
     return sink
-
-
-def _fetched_dim(fetched: list, q: Any) -> int:
-    for kv in fetched:
-        if kv is not None:
-            return kv[1].shape[-1]
-    return q.shape[-1]
 
 
 def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
@@ -354,16 +362,19 @@ def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
     _check_lengths((query, key, value), cp.plan.q_len, "the plan's sequence")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    sink = _cp_sink(cp, score_tensors, query.shape[1], query.device)
+    sink = _cp_checks(cp, query, score_tensors)
     shards = [(cp.shard(query, r), cp.shard(key, r), cp.shard(value, r)) for r in range(cp.ranks)]
     outs, lses = [], []
     for r in range(cp.ranks):
         fetched = [cp._part_keys(r, s, shards[s][1], shards[s][2]) for s in range(cp.ranks)]
-        out, lse = _rank_attention(cp, r, shards[r][0], fetched, float(scale), enable_gqa,
-                                   deterministic, sink)
+        out, lse = _rank_attention(cp, r, shards[r][0], fetched, value.shape[-1], float(scale),
+                                   enable_gqa, deterministic, sink)
         outs.append(out)
         lses.append(lse)
-    out = cp.unshard(outs, -2)
+    # Keys and values stay in the graph (gradient 0) when no row reads any: as
+    # compilemask.attention's, the gradients are then zeros, not missing.
+    unread = (key.reshape(-1)[:1].sum() + value.reshape(-1)[:1].sum()) * 0
+    out = cp.unshard(outs, -2) + unread.to(outs[0].dtype)
     return (out, cp.unshard(lses, -1)) if return_lse else out
 
 
@@ -390,7 +401,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     _check_lengths((query, key, value), cp.shard_len(rank), f"rank {rank}'s shard")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    sink = _cp_sink(cp, score_tensors, query.shape[1], query.device)
+    sink = _cp_checks(cp, query, score_tensors)
     pending: list = []
     anchor, *pieces = _Fetch.apply(key, value, cp, rank, group, pending)
     fetched = []
@@ -402,8 +413,9 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
             fetched.append((next(it), next(it)))
         else:
             fetched.append(None)
-    out, lse = _rank_attention(cp, rank, query, fetched, float(scale), enable_gqa,
-                               deterministic, sink, ready=lambda: [w.wait() for w in pending])
+    out, lse = _rank_attention(cp, rank, query, fetched, value.shape[-1], float(scale),
+                               enable_gqa, deterministic, sink,
+                               ready=lambda: [w.wait() for w in pending])
     out = out + anchor.to(out.dtype)
     return (out, lse) if return_lse else out
 
