@@ -281,6 +281,12 @@ def test_sinks_across_ranks_are_checked():
     with pytest.raises(ValueError, match="has no score or sink statement"):
         cm.distributed.simulate(q, k, v, causal, enable_gqa=True,
                                 score_tensors={"sinks": torch.zeros(4, dtype=torch.float64)})
+    # Anything but a mapping is a TypeError naming its type, with or without score terms.
+    for not_a_map, named in (([("sinks", 1)], "list"), (torch.zeros(4), "Tensor"), (0, "int")):
+        for target, call in ((causal, cm.distributed.simulate), (causal.plan, cm.attention),
+                             (cp, cm.distributed.simulate), (cp.plan, cm.attention)):
+            with pytest.raises(TypeError, match=f"score_tensors must map .* got {named}"):
+                call(q, k, v, target, enable_gqa=True, score_tensors=not_a_map)
 
 
 @needs_torch

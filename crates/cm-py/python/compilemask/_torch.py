@@ -180,17 +180,36 @@ def _score_tensors(torch: Any, plan: Plan, dev: Any) -> ScoreTensors | None:
     )
 
 
+def _score_tensor_map(score_tensors: Any) -> dict:
+    """``score_tensors`` as a dict (None: empty); ``TypeError`` naming its type for anything
+    but a mapping, whether or not the plan reads score tensors (a tensor or a list is not
+    taken for its truth value or its entries)."""
+    if score_tensors is None:
+        return {}
+    if not isinstance(score_tensors, Mapping):
+        raise TypeError(
+            f"score_tensors must map each tensor name the program declares to its tensor "
+            f"({{name: tensor}}), got {_type_name(score_tensors)}"
+        )
+    return dict(score_tensors)
+
+
+def _no_score_tensors(score_tensors: Any) -> None:
+    """For a plan without score terms: ``score_tensors`` must give nothing."""
+    given = _score_tensor_map(score_tensors)
+    if given:
+        raise ValueError(
+            f"score_tensors {sorted(given)} given, but the plan's program has no score or sink "
+            "statement"
+        )
+
+
 def _score_inputs(torch: Any, score: ScoreTensors, score_tensors: Any, device: Any,
                   need_sink: bool = True) -> tuple:
     """The table and sink tensors ``score_tensors`` gives for the plan's score (each
     checked: present, of the declared shape, float, on ``device``), and nothing else; the
     sink may be left out when not ``need_sink``."""
-    if score_tensors is not None and not isinstance(score_tensors, Mapping):
-        raise TypeError(
-            f"score_tensors must map each tensor name the program declares to its tensor "
-            f"({{name: tensor}}), got {_type_name(score_tensors)}"
-        )
-    given = dict(score_tensors or {})
+    given = _score_tensor_map(score_tensors)
     wanted = {n: shape for n, shape in ((score.table, score.table_shape),
                                         (score.sink, score.sink_shape)) if n is not None}
     for name in given:
@@ -714,11 +733,7 @@ def attention(
         out, lse = _scored_attention(torch, query, key, value, plan, pt, score_tensors, scale,
                                      plan_dims, deterministic)
         return (out, lse) if return_lse else out
-    if score_tensors:
-        raise ValueError(
-            f"score_tensors {sorted(score_tensors)} given, but the plan's program has no "
-            "score or sink statement"
-        )
+    _no_score_tensors(score_tensors)
     out, lse = _forward_op()(query, key, value, pt.row_ptr, pt.intervals, mask_index,
                              list(pt.kernel), plan_dims, scale, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -317,17 +317,13 @@ def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
     (and its sinks: present, of the plan's shape, finite or ``-inf``); returns the sink tensor
     ``score_tensors`` gives, or None for a plan without sinks."""
     torch = require_torch("compilemask.distributed")
-    from ._torch import _broadcast_dim, _score_inputs, _score_tensors
+    from ._torch import _broadcast_dim, _no_score_tensors, _score_inputs, _score_tensors
 
     heads = query.shape[1]
     _broadcast_dim(cp.plan.num_heads, heads, cp.plan.uses_head, "num_heads", "h")
     score = _score_tensors(torch, cp.plan, query.device)
     if score is None:
-        if score_tensors:
-            raise ValueError(
-                f"score_tensors {sorted(score_tensors)} given, but the plan's program has no "
-                "score or sink statement"
-            )
+        _no_score_tensors(score_tensors)
         return None
     if score.per_head and cp.plan.num_heads != heads:
         raise ValueError(
