@@ -204,6 +204,16 @@ def _no_score_tensors(score_tensors: Any) -> None:
         )
 
 
+def _check_score_heads(score: ScoreTensors, plan_heads: int, heads: int) -> None:
+    """Per-head score terms need the plan bound for the query's ``heads``."""
+    if score.per_head and plan_heads != heads:
+        raise ValueError(
+            f"the plan's score terms were bound for num_heads = {plan_heads} (slopes, tables "
+            f"and sinks are per head), but the query has {heads} heads; plan with "
+            f"program.plan(..., num_heads={heads})"
+        )
+
+
 def _score_inputs(torch: Any, score: ScoreTensors, score_tensors: Any, device: Any,
                   need_sink: bool = True) -> tuple:
     """The table and sink tensors ``score_tensors`` gives for the plan's score (each
@@ -280,16 +290,10 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
     (through an autograd function) on CPU."""
     score = pt.score
     slopes = score.slopes
-    if pt.num_heads != query.shape[1]:
-        if score.per_head:
-            raise ValueError(
-                f"the plan's score terms were bound for num_heads = {pt.num_heads} (slopes, "
-                f"tables and sinks are per head), but the query has {query.shape[1]} heads; plan "
-                f"with program.plan(..., num_heads={query.shape[1]})"
-            )
+    _check_score_heads(score, pt.num_heads, query.shape[1])
+    if pt.num_heads != query.shape[1] and slopes is not None:
         # Every head has the same terms (a softcap, one slope, one table for all heads).
-        if slopes is not None:
-            slopes = slopes[:1].expand(query.shape[1]).contiguous()
+        slopes = slopes[:1].expand(query.shape[1]).contiguous()
     table, sink = _score_inputs(torch, score, score_tensors, query.device)
     if query.device.type == "cuda":
         from . import _ops

@@ -250,9 +250,9 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, dv: i
     is called after it, before any fetched tensor is read, so the exchange overlaps the own
     part's work. The parts are merged by lse, in float32, as
     FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
-    exp(lse_s - lse) out_s``), then the head's ``sink`` logit (when given: ``[heads]``) joins
-    each row's denominator once (``_with_sink``). Rows that see no key get 0 and lse -inf (the
-    sink's logit with a sink). lse is float32 (float64 for float64 inputs), as
+    exp(lse_s - lse) out_s``), the head's ``sink`` logit (when given: ``[heads]``) merged as
+    one more part whose output is 0, so it joins each row's denominator once. Rows that see
+    no key get 0 and lse -inf (the sink's logit with a sink). lse is float32 (float64 for float64 inputs), as
     :func:`compilemask.attention`'s."""
     torch = require_torch("compilemask.distributed.attention")
     from ._torch import attention as cm_attention
@@ -279,8 +279,12 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, dv: i
         # q (gradient 0), so a loss over it differentiates as the whole sequence's does.
         outs = [q.new_zeros((b, h, n, dv)) + q[..., :1] * 0]
         lses = [torch.full((b, h, n), -math.inf, dtype=acc, device=q.device)]
-    out, lse = _merge(torch, outs, lses, acc) if len(outs) > 1 else (outs[0], lses[0])
-    return (out, lse) if sink is None else _with_sink(torch, out, lse, sink, acc)
+    if sink is not None:
+        # A sink is a logit with value vector 0 (docs/language.md, "Scores"): a part of its
+        # own, output 0, lse sink[h] on every row of head h.
+        outs.append(outs[0].new_zeros(outs[0].shape))
+        lses.append(sink.to(acc).reshape(1, -1, 1).expand(b, h, n))
+    return _merge(torch, outs, lses, acc) if len(outs) > 1 else (outs[0], lses[0])
 
 
 def _merge(torch: Any, outs: list, lses: list, acc: Any) -> tuple:
@@ -297,27 +301,13 @@ def _merge(torch: Any, outs: list, lses: list, acc: Any) -> tuple:
     return out.to(outs[0].dtype), lse
 
 
-def _with_sink(torch: Any, out: Any, lse: Any, sink: Any, acc: Any) -> tuple:
-    """``out`` and ``lse`` of rows whose softmax gains head ``h``'s logit ``sink[h]`` with
-    value vector 0 (docs/language.md, "Scores"): ``lse' = log(exp(lse) + exp(sink))``, ``out'
-    = exp(lse - lse') out``. A row that sees no key gets output 0 and lse ``sink[h]``; a
-    ``-inf`` sink changes nothing and gets gradient 0. Every branch not taken stays finite,
-    so no NaN reaches a gradient."""
-    s = sink.to(acc).reshape(1, -1, 1).expand_as(lse)
-    live = torch.isfinite(lse) | torch.isfinite(s)
-    top = torch.where(live, torch.maximum(lse, s), 0.0).detach()
-    total = torch.exp(lse - top) + torch.exp(s - top)
-    joined = torch.where(live, top + torch.log(torch.where(live, total, 1.0)), -math.inf)
-    kept = torch.exp(lse - torch.where(live, joined, 0.0))
-    return (out.to(acc) * kept.unsqueeze(-1)).to(out.dtype), joined
-
-
 def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
     """Checks ``query``'s heads against ``cp``'s plan as :func:`compilemask.attention` does
     (and its sinks: present, of the plan's shape, finite or ``-inf``); returns the sink tensor
     ``score_tensors`` gives, or None for a plan without sinks."""
     torch = require_torch("compilemask.distributed")
-    from ._torch import _broadcast_dim, _no_score_tensors, _score_inputs, _score_tensors
+    from ._torch import (_broadcast_dim, _check_score_heads, _no_score_tensors, _score_inputs,
+                         _score_tensors)
 
     heads = query.shape[1]
     _broadcast_dim(cp.plan.num_heads, heads, cp.plan.uses_head, "num_heads", "h")
@@ -325,12 +315,7 @@ def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
     if score is None:
         _no_score_tensors(score_tensors)
         return None
-    if score.per_head and cp.plan.num_heads != heads:
-        raise ValueError(
-            f"the plan's score terms were bound for num_heads = {cp.plan.num_heads} (sinks are "
-            f"per head), but the query has {heads} heads; plan with "
-            f"program.plan(..., num_heads={heads})"
-        )
+    _check_score_heads(score, cp.plan.num_heads, heads)
     _, sink = _score_inputs(torch, score, score_tensors, query.device)
     if sink is not None:
         # As the kernels and the CPU reference refuse them: a NaN or +inf sink has no softmax.
