@@ -1188,15 +1188,29 @@ fn transpose_csr(
                 let n = usize::from(std::mem::take(&mut staged[c]));
                 let at = fill[band_start + c] as usize;
                 let from = c * STAGE_ROWS;
-                rows[at..at + n].copy_from_slice(&staged_rows[from..from + n]);
+                copy_run(&mut rows[at..at + n], &staged_rows[from..from + n]);
                 if with_ids {
-                    ids[at..at + n].copy_from_slice(&staged_ids[from..from + n]);
+                    copy_run(&mut ids[at..at + n], &staged_ids[from..from + n]);
                 }
                 fill[band_start + c] += n as u32;
             }
         }
     }
     (out_offsets, rows, ids)
+}
+
+/// Copies one staged run. A whole line has a length known here, so it compiles to a few
+/// vector moves; a variable-length copy is a `memmove` call, which cost more than the
+/// staging saved on causal lists (4M calls at 1M tokens).
+#[inline]
+fn copy_run(to: &mut [u32], from: &[u32]) {
+    match (
+        <&mut [u32; STAGE_ROWS]>::try_from(&mut *to),
+        <&[u32; STAGE_ROWS]>::try_from(from),
+    ) {
+        (Ok(to), Ok(from)) => *to = *from,
+        _ => to.copy_from_slice(from),
+    }
 }
 
 /// Columns per band of [`transpose_csr`]: their staged rows (`STAGE_ROWS x 4` bytes each,
