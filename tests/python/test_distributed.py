@@ -85,7 +85,7 @@ def test_errors_name_the_value():
     per_batch = cm.compile("mask = k <= q + b;").plan(64, batch=2)
     with pytest.raises(ValueError, match="batch = 2 and 2 distinct masks"):
         ContextParallel(per_batch, ranks=2)
-    # Biases read the positions a part renumbers, each named; softcaps and sinks are carried.
+    # Biases read the positions a part renumbers, each named; softcaps, sinks and constant biases are carried.
     for name, reason in [
         ("causal_alibi", "the linear bias reads the positions q and k, which a part renumbers"),
         ("t5_relative_bias", "the bias table reads the distance q - k, which a part renumbers"),
@@ -93,11 +93,10 @@ def test_errors_name_the_value():
         with pytest.raises(ValueError, match="score terms") as e:
             ContextParallel(cm.builtin(name).plan(100), ranks=2)
         assert reason in str(e.value), (name, str(e.value))
-    constant = cm.compile("mask = k <= q;\nscore = score + [0.5, -1][h];").plan(100, num_heads=2)
-    with pytest.raises(ValueError, match="a constant bias is not carried"):
-        ContextParallel(constant, ranks=2)
     for name in ("causal_softcap", "sliding_window_sinks"):
         ContextParallel(cm.builtin(name).plan(100, num_heads=4), ranks=2)
+    ContextParallel(cm.compile("mask = k <= q;\nscore = score + [0.5, -1][h];").plan(
+        100, num_heads=2), ranks=2)
     with pytest.raises(TypeError, match="compilemask.Plan"):
         ContextParallel("causal", ranks=2)
     cp = ContextParallel(causal, ranks=2, chunk=10)
@@ -226,6 +225,14 @@ SCORED = {
     "sinks": "tensor sinks: [num_heads];\nmask = q >= 5 & q - 40 < k <= q;\nsink = sinks[h];",
     "softcap and sinks": "tensor sinks: [num_heads];\nmask = q >= 9 & k <= q;\n"
                          "score = softcap(score, 2);\nsink = sinks[h];",
+    # A bias that reads no position moves each head's lse only: the merge adds it, before
+    # the sink, which it must not move.
+    "constant bias": "mask = k <= q;\nscore = score + [0.5, -1, 2, 0.25][h] - 1.5;",
+    "constant bias, softcap and sinks": "tensor sinks: [num_heads];\nmask = q >= 9 & k <= q;\n"
+                                        "score = softcap(score, 2) + [0.5, -1, 2, 0.25][h] * 3;"
+                                        "\nsink = sinks[h];",
+    "one constant and sinks": "tensor sinks: [num_heads];\nmask = q >= 5 & q - 40 < k <= q;\n"
+                              "score = score + 0.75;\nsink = sinks[h];",
 }
 
 
@@ -233,7 +240,7 @@ SCORED = {
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("name", sorted(SCORED))
 def test_softcaps_and_sinks_across_ranks_match_the_whole_sequence(name, ranks):
-    """A softcap goes into every part and each row's sink into the merge, once: output, lse and
+    """A softcap goes into every part, each row's sink and constant bias into the merge, once: output, lse and
     the gradients of q, k, v and the sinks equal cm.attention's on the whole sequence (float64,
     the CPU reference), with logits large enough for the softcap to bite, rows that see no key
     (output 0, lse the sink's) and a head whose sink is -inf (no sink, gradient 0)."""

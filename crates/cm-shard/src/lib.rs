@@ -396,8 +396,9 @@ pub fn default_chunk(q_len: u32, ranks: u32) -> u32 {
 ///
 /// # Errors
 /// [`ShardError::NotOneMask`] for a batch above 1 or masks that differ per head,
-/// [`ShardError::Score`] for a plan with a linear bias or a bias table (naming why each is
-/// refused; softcaps go into every part, sinks into the parts' merge), and
+/// [`ShardError::Score`] for a plan with a bias that reads positions or a bias table
+/// (naming why each is refused; softcaps go into every part; sinks and a bias constant per
+/// head, which moves only each row's lse, into the parts' merge), and
 /// [`shard`]'s errors.
 pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, ShardError> {
     if plan.batch != 1 || plan.masks.len() != 1 {
@@ -411,16 +412,16 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
         // A part is its rank's rows against the keys they fetch from one source, both
         // compacted, so terms that read positions would read the wrong ones; the parts are
         // merged by lse. The softcap changes each logit alone, so every part applies it; a
-        // sink joins each row's softmax once, so the merge adds it, not the parts.
+        // sink joins each row's softmax once, so the merge adds it, not the parts; a bias
+        // that reads no position adds one constant to every logit of a head, which moves
+        // only that head's lse, so the merge adds it too (the caller reads it from the plan).
         let mut why = Vec::new();
-        match &t.linear {
-            Some(l) if l.q_coef != 0 || l.k_coef != 0 => why.push(
-                "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
-            ),
-            Some(_) => why.push(
-                "a constant bias is not carried into the parts' plans (one head each)",
-            ),
-            None => {}
+        if let Some(l) = &t.linear {
+            if l.q_coef != 0 || l.k_coef != 0 {
+                why.push(
+                    "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
+                );
+            }
         }
         if t.table.is_some() {
             why.push("the bias table reads the distance q - k, which a part renumbers (its rows and fetched keys are compacted)");

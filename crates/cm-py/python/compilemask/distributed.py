@@ -27,8 +27,9 @@ whole sequence.
 
 Layouts: ``[batch, heads, seq, head_dim]`` as :func:`compilemask.attention` takes them; the
 plan is batch 1 with one mask for every head (a packed plan of documents, say). Of the score
-terms, a softcap (every part applies it) and sinks (the merge adds each row's sink once, given
-as ``score_tensors`` as to :func:`compilemask.attention`) are carried; biases that read
+terms, a softcap (every part applies it), sinks (the merge adds each row's sink once, given
+as ``score_tensors`` as to :func:`compilemask.attention`) and a bias that reads no position
+(a constant per head: the merge adds it to each part's lse) are carried; biases that read
 positions are refused, since a part renumbers its rows and keys. Positions are 0-based and
 ranges half-open.
 """
@@ -243,17 +244,19 @@ class ContextParallel:
 
 
 def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, dv: int,
-                    scale: float, enable_gqa: bool, deterministic: bool, sink: Any = None,
+                    scale: float, enable_gqa: bool, deterministic: bool, merged: tuple,
                     ready: Any = None) -> tuple:
     """One rank's attention from its queries and, per source rank, the keys and values it
     fetched (``None`` where it reads none; ``dv``: the values' head dim). Its own part runs first; ``ready()`` (when given)
     is called after it, before any fetched tensor is read, so the exchange overlaps the own
     part's work. The parts are merged by lse, in float32, as
     FlashAttention's split-KV merge (``lse = logsumexp_s lse_s``, ``out = sum_s
-    exp(lse_s - lse) out_s``), the head's ``sink`` logit (when given: ``[heads]``) merged as
-    one more part whose output is 0, so it joins each row's denominator once. Rows that see
-    no key get 0 and lse -inf (the sink's logit with a sink). lse is float32 (float64 for float64 inputs), as
-    :func:`compilemask.attention`'s."""
+    exp(lse_s - lse) out_s``). ``merged`` is :func:`_cp_checks`'s ``(sink, shift)``: each
+    head's constant bias ``shift`` (``[heads]`` or None) added to every part's lse, since a
+    constant added to every logit of a row moves only its lse; then the head's ``sink`` logit
+    (``[heads]`` or None) merged as one more part whose output is 0, so it joins each row's
+    denominator once. Rows that see no key get 0 and lse -inf (the sink's logit with a sink).
+    lse is float32 (float64 for float64 inputs), as :func:`compilemask.attention`'s."""
     torch = require_torch("compilemask.distributed.attention")
     from ._torch import attention as cm_attention
 
@@ -274,6 +277,9 @@ def _rank_attention(cp: ContextParallel, rank: int, q: Any, fetched: list, dv: i
         outs.append(out)
         lses.append(lse.to(acc))
     b, h, n, _ = q.shape
+    sink, shift = merged
+    if shift is not None:
+        lses = [lse + shift.to(acc).reshape(1, -1, 1) for lse in lses]
     if not outs:
         # No key for any row: output 0 as compilemask.attention gives it, still a function of
         # q (gradient 0), so a loss over it differentiates as the whole sequence's does.
@@ -301,10 +307,13 @@ def _merge(torch: Any, outs: list, lses: list, acc: Any) -> tuple:
     return out.to(outs[0].dtype), lse
 
 
-def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
+def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> tuple:
     """Checks ``query``'s heads against ``cp``'s plan as :func:`compilemask.attention` does
-    (and its sinks: present, of the plan's shape, finite or ``-inf``); returns the sink tensor
-    ``score_tensors`` gives, or None for a plan without sinks."""
+    (and its sinks: present, of the plan's shape, finite or ``-inf``); returns what the merge
+    adds after the parts: the sink tensor ``score_tensors`` gives (None for a plan without
+    sinks) and each query head's constant bias ``slopes[h] * offset`` (``[heads]`` float32,
+    formed as the kernels form it; None without one). The shard plan refuses biases that read
+    positions, so a linear bias here is a constant."""
     torch = require_torch("compilemask.distributed")
     from ._torch import (_broadcast_dim, _check_score_heads, _no_score_tensors, _score_inputs,
                          _score_tensors)
@@ -314,8 +323,13 @@ def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
     score = _score_tensors(torch, cp.plan, query.device)
     if score is None:
         _no_score_tensors(score_tensors)
-        return None
+        return None, None
     _check_score_heads(score, cp.plan.num_heads, heads)
+    shift = None
+    if score.slopes is not None:
+        offset = torch.tensor(score.linear[2], dtype=torch.float32, device=query.device)
+        shift = (score.slopes * offset).expand(heads) if score.slopes.numel() == 1 \
+            else score.slopes * offset
     _, sink = _score_inputs(torch, score, score_tensors, query.device)
     if sink is not None:
         # As the kernels and the CPU reference refuse them: a NaN or +inf sink has no softmax.
@@ -327,7 +341,7 @@ def _cp_checks(cp: ContextParallel, query: Any, score_tensors: Any) -> Any:
                 f"{score.sink}[{i}] of [num_heads] is {shown}; a sink must be finite, or -inf "
                 "for no sink"
             )
-    return sink
+    return sink, shift
 
 
 def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
@@ -343,13 +357,13 @@ def simulate(query: Any, key: Any, value: Any, cp: ContextParallel, *,
     _check_lengths((query, key, value), cp.plan.q_len, "the plan's sequence")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    sink = _cp_checks(cp, query, score_tensors)
+    merged = _cp_checks(cp, query, score_tensors)
     shards = [(cp.shard(query, r), cp.shard(key, r), cp.shard(value, r)) for r in range(cp.ranks)]
     outs, lses = [], []
     for r in range(cp.ranks):
         fetched = [cp._part_keys(r, s, shards[s][1], shards[s][2]) for s in range(cp.ranks)]
         out, lse = _rank_attention(cp, r, shards[r][0], fetched, value.shape[-1], float(scale),
-                                   enable_gqa, deterministic, sink)
+                                   enable_gqa, deterministic, merged)
         outs.append(out)
         lses.append(lse)
     # Keys and values stay in the graph (gradient 0) when no row reads any: as
@@ -382,7 +396,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     _check_lengths((query, key, value), cp.shard_len(rank), f"rank {rank}'s shard")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    sink = _cp_checks(cp, query, score_tensors)
+    merged = _cp_checks(cp, query, score_tensors)
     pending: list = []
     anchor, *pieces = _Fetch.apply(key, value, cp, rank, group, pending)
     fetched = []
@@ -395,7 +409,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
         else:
             fetched.append(None)
     out, lse = _rank_attention(cp, rank, query, fetched, value.shape[-1], float(scale),
-                               enable_gqa, deterministic, sink,
+                               enable_gqa, deterministic, merged,
                                ready=lambda: [w.wait() for w in pending])
     out = out + anchor.to(out.dtype)
     return (out, lse) if return_lse else out
