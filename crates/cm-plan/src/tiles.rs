@@ -1224,18 +1224,22 @@ mod tests {
     use super::{DivU32, TileDescriptor, TileShape, Touched};
     use crate::rows::RowIntervals;
 
-    /// The banded transpose lists every column's entries with their rows ascending and their
-    /// input ids, as sorting the (column, row) pairs does, on lists sparse (one pass) and
-    /// dense (many bands, last band wider), with empty rows and columns.
-    #[test]
-    fn transposed_lists_are_the_sorted_pairs() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |m: u64| {
+    /// A xorshift generator of values below its argument, for repeatable random cases.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |m| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             x % m
-        };
+        }
+    }
+
+    /// The staged transpose lists every column's entries with their rows ascending and their
+    /// input ids, as sorting the (column, row) pairs does, on lists sparse (one pass) and
+    /// dense (many bands, last band wider), with empty rows and columns.
+    #[test]
+    fn transposed_lists_are_the_sorted_pairs() {
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for case in 0..60 {
             let num_rows = 1 + next(300) as usize;
             let num_cols = [1, 5, 255, 256, 257, 700, 2000][case % 7];
@@ -1271,13 +1275,8 @@ mod tests {
     /// adjacent, across and at 64-tile word edges, some added before the pending list.
     #[test]
     fn settled_ranges_are_the_marked_tiles() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |m: u32| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % u64::from(m)) as u32
-        };
+        let mut next64 = xorshift(0x2545_f491_4f6c_dd1d);
+        let mut next = |m: u32| next64(u64::from(m)) as u32;
         for case in 0..400 {
             let num_n = [1, 2, 63, 64, 65, 127, 128, 129, 200, 5000][case % 10];
             let count = 1 + next(if case % 3 == 0 { 8 } else { 200 });
