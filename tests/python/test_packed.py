@@ -260,6 +260,14 @@ def test_varlen_validation(torch):
         cm.attention(q[:11], k, v, plan)
     with pytest.raises(ValueError, match="must be 4-D"):
         cm.attention(q[0], k[0], v[0], plan)
+    # A batch of packed rows is refused, whether or not the mask reads `b` (the sample
+    # index): it was broadcast without `b` and told to re-plan with batch= (which packed
+    # plans do not take) with it.
+    four = [t.detach().transpose(0, 1).unsqueeze(0).expand(2, -1, -1, -1) for t in (q, k, v)]
+    for program in (cm.builtin("causal"), cm.compile("mask = k <= q + b;")):
+        with pytest.raises(ValueError, match="a packed plan is one batch of .* 12 packed rows, "
+                                             "but the tensors have batch 2"):
+            cm.attention(*four, program.plan(cu_seqlens_q=[0, 5, 12]))
 
 
 def test_varlen_under_torch_compile(torch):

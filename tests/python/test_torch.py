@@ -381,6 +381,20 @@ def test_compiled_flex_attention_with_our_block_mask(name, program, n, plan_args
     assert err <= 1e-4 if device == "cpu" else err <= 2e-2, err
 
 
+def test_score_mod_forms_the_bias_in_the_score_dtype():
+    """The linear bias's slope is an f32 value (what the kernels take); score_mod multiplies it
+    by the positions in the score's dtype, so float64 Flex matches float64 compilemask.attention
+    (it was formed in float32: 3e-7 off at q - k = 999), and float32 is as before."""
+    plan = cm.compile("mask = k <= q;\nscore = score + 0.3 * (k - q);").plan(1000, num_heads=2)
+    mod = plan.score_mod()
+    slope = float(torch.tensor(0.3, dtype=torch.float32))
+    q_idx, kv_idx = torch.tensor(999), torch.tensor(0)
+    got = mod(torch.zeros((), dtype=torch.float64), 0, 1, q_idx, kv_idx)
+    assert got.dtype == torch.float64 and got.item() == slope * -999
+    got32 = mod(torch.zeros((), dtype=torch.float32), 0, 1, q_idx, kv_idx)
+    assert got32.item() == (torch.tensor(slope, dtype=torch.float32) * -999).item()
+
+
 def test_block_mask_per_head():
     program = cm.compile("param w: [int] = [3, 40];\nmask = q - w[h % 2] < k <= q;")
     plan = program.plan(100, num_heads=2, block_size=16)

@@ -269,13 +269,17 @@ def make_score_mod(plan: Plan, score_tensors: Any = None, device: Any = None) ->
     cap = score.softcap
     qc, kc, off = score.linear
     slopes, bucket, kv_len = score.slopes, score.bucket, pt.kv_len
+    # The slopes are f32 values (what the kernels take); float64 scores form the bias in
+    # float64 from them, as the CPU reference does, not in float32.
+    slopes64 = None if slopes is None else slopes.double()
     per_head = table is not None and table.dim() == 2
 
     def score_mod(s, b, h, q_idx, kv_idx):
         if cap > 0:
             s = cap * torch.tanh(s / cap)
         if slopes is not None:
-            s = s + slopes[h if score.per_head else 0] * (qc * q_idx + kc * kv_idx + off)
+            slope = (slopes64 if s.dtype == torch.float64 else slopes)[h if score.per_head else 0]
+            s = s + slope * (qc * q_idx + kc * kv_idx + off)
         if table is not None:
             i = bucket[q_idx - kv_idx + kv_len - 1]
             s = s + (table[h, i] if per_head else table[i])
@@ -593,7 +597,7 @@ def attention(
     head_dim_v]``. They are viewed as batch 1 (``[1, heads, total, head_dim]``, no copy);
     ``out`` comes back as ``[total_q, num_heads, head_dim_v]`` (contiguous) and ``lse`` as
     ``[num_heads, total_q]``. (3-D inputs work with any plan of batch 1; 4-D inputs of batch 1
-    work with a packed plan.)
+    work with a packed plan, other batches raise ``ValueError``.)
 
     On CPU tensors this runs the CPU reference (float32 / float64; float16 and bfloat16 are
     computed in float32). On CUDA tensors it runs the CompileMask kernels (Hopper, compute
@@ -702,6 +706,14 @@ def attention(
         raise ValueError(
             f"the packed plan holds cu_seqlens_q[-1] = {pt.q_len} query rows and "
             f"cu_seqlens_k[-1] = {pt.kv_len} keys, but the tensors have {lq} and {lk}"
+        )
+    if b != 1 and isinstance(plan, Plan) and plan.is_packed:
+        # Its samples are one batch of packed rows (`b` reads the sample index), so a batch
+        # of them is not a broadcast of the plan: each would need its own packing.
+        raise ValueError(
+            f"a packed plan is one batch of cu_seqlens_q[-1] = {pt.q_len} packed rows, but "
+            f"the tensors have batch {b}: pass 4-D tensors of batch 1 or the 3-D varlen "
+            "layout [total, heads, head_dim]"
         )
     if pt.q_len != lq or pt.kv_len != lk:
         raise ValueError(
