@@ -49,9 +49,11 @@ pub struct Diagnostic {
 }
 
 impl Diagnostic {
-    pub fn new(d: &compilemask::Diagnostic, source: &str) -> Diagnostic {
-        let (line, column) = compilemask::line_col(source, d.span.start);
-        let (end_line, end_column) = compilemask::line_col(source, d.span.end);
+    /// `lines`: the index of the diagnostic's source, built once for all its diagnostics
+    /// (a position per diagnostic scanned from the start made thousands of them quadratic).
+    pub fn new(d: &compilemask::Diagnostic, lines: &compilemask::LineIndex) -> Diagnostic {
+        let (line, column) = lines.line_col(d.span.start);
+        let (end_line, end_column) = lines.line_col(d.span.end);
         Diagnostic {
             code: d.code.to_string(),
             severity: match d.severity {
@@ -124,10 +126,11 @@ fn with_attrs(py: Python<'_>, err: PyErr, attrs: &[(&str, Py<PyAny>)]) -> PyErr 
 
 /// `MaskSyntaxError` for a failed compile.
 pub fn compile_error(py: Python<'_>, e: &compilemask::CompileError, source: &str) -> PyErr {
+    let lines = compilemask::LineIndex::new(source);
     let diagnostics: Vec<Diagnostic> = e
         .diagnostics
         .iter()
-        .map(|d| Diagnostic::new(d, source))
+        .map(|d| Diagnostic::new(d, &lines))
         .collect();
     let rendered = e.rendered.trim_end().to_string();
     let err = MaskSyntaxError::new_err(rendered.clone());
@@ -150,7 +153,7 @@ pub fn plan_error(
         None => (compilemask::render_error("", "", e), ""),
     };
     let rendered = rendered.trim_end().to_string();
-    let diagnostic = Diagnostic::new(&e.to_diagnostic(), source);
+    let diagnostic = Diagnostic::new(&e.to_diagnostic(), &compilemask::LineIndex::new(source));
     let err = PlanError::new_err(rendered.clone());
     let attrs = [
         ("code", into_py(py, e.code.as_str())),

@@ -69,12 +69,13 @@ impl Plan {
         compile_ms: f64,
     ) -> Plan {
         let (uses_batch, uses_head) = program.depends_on_batch_head();
+        let lines = compilemask::LineIndex::new(program.source());
         let warnings = program
             .plan_warnings(options, &plan)
             .iter()
             .map(|d| {
                 (
-                    crate::errors::Diagnostic::new(d, program.source()),
+                    crate::errors::Diagnostic::new(d, &lines),
                     compilemask::render(program.source(), program.name(), std::slice::from_ref(d)),
                 )
             })

@@ -119,10 +119,11 @@ impl Program {
 
     #[getter]
     fn warnings(&self) -> Vec<Diagnostic> {
+        let lines = compilemask::LineIndex::new(self.inner.source());
         self.inner
             .warnings()
             .iter()
-            .map(|d| Diagnostic::new(d, self.inner.source()))
+            .map(|d| Diagnostic::new(d, &lines))
             .collect()
     }
 

@@ -2,7 +2,7 @@
 //! decoded lossily by the caller, lexes to a token list ending in `Eof`, plus diagnostics.
 
 use crate::ast::FloatBits;
-use crate::diag::{Diagnostic, Span};
+use crate::diag::{is_line_break, too_many_errors, Diagnostic, Span, MAX_DIAGNOSTICS};
 use crate::Code;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -261,10 +261,15 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             continue;
         }
         if c == '#' {
-            while i < chars.len() && chars[i].1 != '\n' {
+            // A comment ends where the line does (`LineIndex`'s breaks: `\r` endings too).
+            while i < chars.len() && !is_line_break(chars[i].1) {
                 i += 1;
             }
             continue;
+        }
+        if diags.len() >= MAX_DIAGNOSTICS {
+            diags.push(too_many_errors(start));
+            break;
         }
         if c.is_ascii_digit() {
             let mut j = i;
@@ -511,9 +516,14 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
         });
         i += n;
     }
+    // After too many errors the rest is not read: it ends where reading stopped.
+    let eof = diags
+        .last()
+        .filter(|d| d.code == Code::TooManyErrors)
+        .map_or(src.len(), |d| d.span.start as usize);
     toks.push(Token {
         tok: Tok::Eof,
-        span: Span::new(src.len(), src.len()),
+        span: Span::new(eof, eof),
     });
     (toks, diags)
 }

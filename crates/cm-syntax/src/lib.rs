@@ -12,5 +12,5 @@ pub mod parser;
 
 pub use ast::*;
 pub use code::Code;
-pub use diag::{line_col, Diagnostic, Severity, Span};
+pub use diag::{is_line_break, line_col, Diagnostic, LineIndex, Severity, Span};
 pub use parser::{parse, parse_expr};

@@ -4,7 +4,7 @@
 //! statement with a lexical error reports only that error.
 
 use crate::ast::*;
-use crate::diag::{Diagnostic, Span};
+use crate::diag::{too_many_errors, Diagnostic, Span, MAX_DIAGNOSTICS};
 use crate::lexer::{integer_too_large, lex, Tok, Token};
 use crate::Code;
 
@@ -45,6 +45,14 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
     let mut p = Parser::new(toks);
     let mut items = Vec::new();
     while !p.at(&Tok::Eof) {
+        if lexical.len() + p.diags.len() >= MAX_DIAGNOSTICS {
+            // Unless the lexer stopped first (its stop already says where).
+            if lexical.last().is_none_or(|d| d.code != Code::TooManyErrors) {
+                let at = p.peek().span.start as usize;
+                p.diags.push(too_many_errors(at));
+            }
+            break;
+        }
         let before = p.pos;
         let (start, reported) = (p.prev_end(), p.diags.len());
         p.skipping = false;

@@ -45,7 +45,7 @@ pub use cm_serve::{
 pub use cm_shard::{default_chunk, shard, shard_plan, Part, ShardError, Sharding};
 pub use cm_stdlib::{Builtin, BUILTINS};
 pub use cm_syntax::ast::show_float;
-pub use cm_syntax::{line_col, Code, Diagnostic, Severity, Span};
+pub use cm_syntax::{line_col, Code, Diagnostic, LineIndex, Severity, Span};
 
 /// A program failed to parse or check.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -766,15 +766,49 @@ const LINE_CONTEXT: usize = 80;
 /// every label sits on one line longer than [`MAX_SHOWN_LINE`], that is a stand-in: the line's
 /// window around the labels (`...` where cut) at the same line number, so a one-line program of
 /// megabytes does not print megabytes per diagnostic.
+///
+/// Control characters other than tabs and line breaks are drawn as `?` (`??` for the
+/// two-byte C1 controls, so every byte offset stays), never written raw: an escape sequence in
+/// a source would otherwise reach the terminal.
 fn excerpt<'s>(
+    source: &'s str,
+    spans: &[std::ops::Range<usize>],
+) -> (std::borrow::Cow<'s, str>, Vec<std::ops::Range<usize>>) {
+    let (shown, spans) = window(source, spans);
+    if !shown.chars().any(masked_control) {
+        return (shown, spans);
+    }
+    let masked = shown
+        .chars()
+        .map(|c| match c {
+            c if !masked_control(c) => c.to_string(),
+            c => "?".repeat(c.len_utf8()),
+        })
+        .collect();
+    (std::borrow::Cow::Owned(masked), spans)
+}
+
+/// A control character that [`excerpt`] does not draw as itself.
+fn masked_control(c: char) -> bool {
+    c.is_control() && c != '\t' && !cm_syntax::is_line_break(c)
+}
+
+/// [`excerpt`]'s source and ranges before control characters are masked.
+fn window<'s>(
     source: &'s str,
     spans: &[std::ops::Range<usize>],
 ) -> (std::borrow::Cow<'s, str>, Vec<std::ops::Range<usize>>) {
     let whole = (std::borrow::Cow::Borrowed(source), spans.to_vec());
     let lo = spans.iter().map(|r| r.start).min().unwrap_or(0);
     let hi = spans.iter().map(|r| r.end).max().unwrap_or(0);
-    let line_start = source[..lo].rfind('\n').map_or(0, |i| i + 1);
-    let line_end = source[lo..].find('\n').map_or(source.len(), |i| lo + i);
+    let line_start = source[..lo]
+        .char_indices()
+        .rev()
+        .find(|&(_, c)| cm_syntax::is_line_break(c))
+        .map_or(0, |(i, c)| i + c.len_utf8());
+    let line_end = source[lo..]
+        .find(cm_syntax::is_line_break)
+        .map_or(source.len(), |i| lo + i);
     if line_end - line_start <= MAX_SHOWN_LINE || hi > line_end {
         return whole;
     }
@@ -783,7 +817,8 @@ fn excerpt<'s>(
         source,
         (hi + LINE_CONTEXT).min(line_end).min(lo + MAX_SHOWN_LINE),
     );
-    let mut text = "\n".repeat(source[..line_start].matches('\n').count());
+    let line = LineIndex::new(source).line_col(line_start as u32).0;
+    let mut text = "\n".repeat(line - 1);
     if win_lo > line_start {
         text.push_str("...");
     }
@@ -821,6 +856,7 @@ pub fn render_error(source: &str, name: &str, e: &PlanError) -> String {
 pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
     use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
     let mut out = Vec::new();
+    let lines = LineIndex::new(source);
     for d in diagnostics {
         let kind = if d.is_error() {
             ReportKind::Error
@@ -850,7 +886,7 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         if let Some(h) = &d.hint {
             report = report.with_help(h);
         }
-        let (line, col) = line_col(source, d.span.start);
+        let (line, col) = lines.line_col(d.span.start);
         report = report.with_note(format!("at {name}:{line}:{col}"));
         if report
             .finish()

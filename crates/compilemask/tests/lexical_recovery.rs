@@ -133,3 +133,67 @@ fn faults_in_two_statements_are_two_diagnostics() {
         assert_eq!(reported(src), *want, "{src}");
     }
 }
+
+/// Reading stops after 1000 errors with one `CM0107` where it stopped, for syntax errors (a
+/// file of stray `;`) and lexical ones (stray characters between spaces), whatever follows.
+#[test]
+fn reading_stops_after_a_thousand_errors() {
+    let semis = format!("mask = k <= q;\n{}", ";\n".repeat(5000));
+    let spaced = format!("mask = k <= q;\n{}", "@ ".repeat(5000));
+    for (src, stop_at) in [
+        (&semis, "mask = k <= q;\n".len() + 2 * 1000),
+        (&spaced, "mask = k <= q;\n".len() + 2 * 1000),
+    ] {
+        let diags = compile(src).unwrap_err().diagnostics;
+        assert_eq!(diags.len(), 1001, "{}", &src[..20]);
+        let stop = diags.last().unwrap();
+        assert_eq!(stop.code.as_str(), "CM0107");
+        assert_eq!(stop.span.start as usize, stop_at);
+        assert!(diags[..1000].iter().all(|d| d.code.as_str() != "CM0107"));
+    }
+    // 999 errors are all reported, with no stop.
+    let src = format!("mask = k <= q;\n{}", ";".repeat(999));
+    let diags = compile(&src).unwrap_err().diagnostics;
+    assert_eq!(diags.len(), 999);
+    assert!(diags.iter().all(|d| d.code.as_str() == "CM0106"));
+}
+
+/// Every line break ariadne draws (`\n`, `\r\n`, a lone `\r`, VT, FF, NEL, LS, PS) gives the
+/// same `line:column` in the rendered header as in its `at FILE:LINE:COL` note, and ends a
+/// `#` comment: a file with `\r` line endings was one line for the note and, after a
+/// comment, for the lexer.
+#[test]
+fn line_breaks_agree_with_the_rendered_excerpt() {
+    for br in [
+        "\n", "\r\n", "\r", "\u{0B}", "\u{0C}", "\u{85}", "\u{2028}", "\u{2029}",
+    ] {
+        let src = format!("# a comment{br}param w: int = 4;{br}mask = q - w < k <= qq;{br}");
+        let e = compile(&src).unwrap_err();
+        assert_eq!(e.diagnostics.len(), 1, "{br:?}: {:?}", e.diagnostics);
+        assert_eq!(e.diagnostics[0].code.as_str(), "CM0201", "{br:?}");
+        let text = compilemask::render(&src, "m.cmask", &e.diagnostics);
+        assert!(text.contains("m.cmask:3:21"), "{br:?}: {text}");
+        assert!(text.contains("at m.cmask:3:21"), "{br:?}: {text}");
+        assert_eq!(
+            compilemask::line_col(&src, e.diagnostics[0].span.start),
+            (3, 21)
+        );
+    }
+}
+
+/// Control characters in a source are drawn as `?` in the excerpt, never written raw (an
+/// escape sequence would reach the terminal), and the positions stay those of the source.
+#[test]
+fn control_characters_are_not_written_raw() {
+    for ctl in ["\u{1b}", "\u{7}", "\u{7f}", "\u{9b}"] {
+        let src = format!("mask = k <= q;\n{ctl}[31mred\n");
+        let e = compile(&src).unwrap_err();
+        let text = compilemask::render(&src, "a.cmask", &e.diagnostics);
+        assert!(!text.contains(ctl), "{ctl:?}: {text}");
+        assert!(text.contains("a.cmask:2:1"), "{ctl:?}: {text}");
+        assert!(
+            text.contains(&format!("{}[31mred", "?".repeat(ctl.len()))),
+            "{text}"
+        );
+    }
+}
