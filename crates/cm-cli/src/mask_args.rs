@@ -21,7 +21,9 @@ pub struct MaskArgs {
     #[arg(
         long,
         allow_negative_numbers = true,
-        required_unless_present = "cu_seqlens_q",
+        // --cu-seqlens-k alone reaches `packed`, whose message says what it needs (clap's
+        // named --q-len and --cu-seqlens-q both, which cannot go together).
+        required_unless_present_any = ["cu_seqlens_q", "cu_seqlens_k"],
         conflicts_with = "cu_seqlens_q"
     )]
     pub q_len: Option<i64>,
@@ -36,12 +38,7 @@ pub struct MaskArgs {
     #[arg(long, value_name = "OFFSETS", allow_negative_numbers = true)]
     pub cu_seqlens_q: Option<OsString>,
     /// The prefix sums of the samples' key lengths (default: --cu-seqlens-q).
-    #[arg(
-        long,
-        value_name = "OFFSETS",
-        allow_negative_numbers = true,
-        requires = "cu_seqlens_q"
-    )]
+    #[arg(long, value_name = "OFFSETS", allow_negative_numbers = true)]
     pub cu_seqlens_k: Option<OsString>,
     /// Set a parameter: NAME=INT, NAME=A,B,C (an integer array) or NAME=@FILE (integers
     /// separated by commas or whitespace).
@@ -310,6 +307,11 @@ impl MaskArgs {
     }
 
     pub fn options(&self) -> Result<PlanOptions> {
+        if self.q_len.is_none() {
+            // Without --q-len clap has checked for a packing: refuse --cu-seqlens-k alone
+            // here too, whichever a command reads first.
+            self.packed()?;
+        }
         let mut o = PlanOptions::new(self.q_len.unwrap_or(1));
         o.kv_len = self.kv_len;
         o.batch = self.batch;

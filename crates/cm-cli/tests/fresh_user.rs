@@ -40,6 +40,18 @@ fn cu_seqlens_k_needs_cu_seqlens_q() {
         &[&["export"][..], &base, &["--format", "cudnn"]].concat(),
         &needles,
     );
+    // Without --q-len too: clap asked for both --q-len and --cu-seqlens-q, which cannot go
+    // together.
+    for extra in [&[][..], &["--ranks", "2"]] {
+        let command = if extra.is_empty() { "plan" } else { "shard" };
+        let args = [
+            &[command, "--builtin", "causal", "--cu-seqlens-k", "0,5"][..],
+            extra,
+        ]
+        .concat();
+        let e = fails(&args, &needles[1..]);
+        assert!(!e.contains("--q-len <Q_LEN>"), "{e}");
+    }
     // Both together still plan.
     ok(&[
         "plan",

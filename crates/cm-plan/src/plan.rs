@@ -59,7 +59,7 @@ pub(crate) fn too_many_tile_entries(tile: TileShape) -> PlanError {
         )
     } else {
         "it holds one entry per non-empty tile plus one per row of each partial tile: use \
-         larger tiles or shorter sequences (a causal mask fits about 1.4M rows at 128x128 tiles)"
+         larger tiles or shorter sequences (for scale: a causal mask fits about 1.4M rows at 128x128 tiles)"
             .to_string()
     })
 }
