@@ -772,9 +772,10 @@ const LINE_CONTEXT: usize = 80;
 /// a source would otherwise reach the terminal.
 fn excerpt<'s>(
     source: &'s str,
+    lines: &LineIndex,
     spans: &[std::ops::Range<usize>],
 ) -> (std::borrow::Cow<'s, str>, Vec<std::ops::Range<usize>>) {
-    let (shown, spans) = window(source, spans);
+    let (shown, spans) = window(source, lines, spans);
     if !shown.chars().any(masked_control) {
         return (shown, spans);
     }
@@ -793,9 +794,11 @@ fn masked_control(c: char) -> bool {
     c.is_control() && c != '\t' && !cm_syntax::is_line_break(c)
 }
 
-/// [`excerpt`]'s source and ranges before control characters are masked.
+/// [`excerpt`]'s source and ranges before control characters are masked (`lines`: the index of
+/// `source`, which [`render`] builds once).
 fn window<'s>(
     source: &'s str,
+    lines: &LineIndex,
     spans: &[std::ops::Range<usize>],
 ) -> (std::borrow::Cow<'s, str>, Vec<std::ops::Range<usize>>) {
     let whole = (std::borrow::Cow::Borrowed(source), spans.to_vec());
@@ -817,7 +820,7 @@ fn window<'s>(
         source,
         (hi + LINE_CONTEXT).min(line_end).min(lo + MAX_SHOWN_LINE),
     );
-    let line = LineIndex::new(source).line_col(line_start as u32).0;
+    let line = lines.line_col(line_start as u32).0;
     let mut text = "\n".repeat(line - 1);
     if win_lo > line_start {
         text.push_str("...");
@@ -870,7 +873,7 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
         let spans: Vec<_> = std::iter::once(span(&d.span))
             .chain(d.related.iter().map(|(sp, _)| span(sp)))
             .collect();
-        let (shown, spans) = excerpt(source, &spans);
+        let (shown, spans) = excerpt(source, &lines, &spans);
         let mut report = Report::build(kind, (name, spans[0].clone()))
             .with_config(
                 Config::default()
