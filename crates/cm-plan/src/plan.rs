@@ -228,9 +228,19 @@ pub enum OrderRequest {
 }
 
 impl Plan {
-    /// The mask used by batch `b`, head `h`.
+    /// The mask used by batch `b`, head `h` (0-based).
+    ///
+    /// # Panics
+    /// If `b >= batch` or `h >= num_heads`, as slice indexing does (the message names both).
     pub fn mask(&self, b: u32, h: u32) -> &MaskPlan {
-        &self.masks[self.mask_index[(b * self.num_heads + h) as usize] as usize]
+        assert!(
+            b < self.batch && h < self.num_heads,
+            "mask(b = {b}, h = {h}) of a plan of batch {} and num_heads {}",
+            self.batch,
+            self.num_heads
+        );
+        let at = b as usize * self.num_heads as usize + h as usize;
+        &self.masks[self.mask_index[at] as usize]
     }
 
     /// `f` of each (batch, head)'s mask, summed; `f` runs once per distinct mask, so the

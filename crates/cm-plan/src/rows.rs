@@ -544,8 +544,12 @@ impl RowIntervals {
             .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
     }
 
-    /// Is key `kv_idx` visible from row `q_idx`? O(log intervals).
+    /// Is key `kv_idx` visible from row `q_idx`? O(log intervals). Rows and keys out of
+    /// range are not.
     pub fn is_visible(&self, q_idx: u32, kv_idx: u32) -> bool {
+        if q_idx >= self.q_len() {
+            return false;
+        }
         let row = self.row_runs(q_idx);
         let i = row.partition_point(|iv| iv.end <= kv_idx);
         if i >= row.len() || row[i].start > kv_idx {

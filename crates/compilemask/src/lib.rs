@@ -315,18 +315,10 @@ impl Program {
     ) -> Result<RowIntervals, PlanError> {
         let shape = options.shape();
         let bound = self.bind(shape, &options.params)?;
-        for (what, value, len) in [
-            ("batch index b", b, shape.batch),
-            ("head index h", h, shape.num_heads),
-        ] {
-            if i64::from(value) >= len {
-                return Err(PlanError::new(
-                    Code::LengthOutOfRange,
-                    None,
-                    format!("{what} = {value} is outside the shape's 0 .. {len}"),
-                ));
-            }
-        }
+        check_indices(&[
+            ("batch index b", i64::from(b), shape.batch),
+            ("head index h", i64::from(h), shape.num_heads),
+        ])?;
         let at = bound.at_batch(i64::from(b))?;
         let solver = cm_plan::symbolic::Solver::new(&at);
         let rows = i64::from(rows.start)..i64::from(rows.end);
@@ -393,7 +385,9 @@ impl Program {
     /// every key of `[0, kv_len)` is tested (O(kv_len); for tests and spot checks).
     ///
     /// # Errors
-    /// As [`Program::plan`] for binding; then the first error the reference meets on the row.
+    /// As [`Program::plan`] for binding; `CM0402` for `q`, `b` or `h` outside the shape
+    /// (`0 .. q_len`, `0 .. batch`, `0 .. num_heads`); then the first error the reference
+    /// meets on the row.
     pub fn brute_force_row(
         &self,
         options: &PlanOptions,
@@ -401,7 +395,13 @@ impl Program {
         b: i64,
         h: i64,
     ) -> Result<Vec<(u32, u32)>, PlanError> {
-        let bound = self.bind(options.shape(), &options.params)?;
+        let shape = options.shape();
+        let bound = self.bind(shape, &options.params)?;
+        check_indices(&[
+            ("row q", q, shape.q_len),
+            ("batch index b", b, shape.batch),
+            ("head index h", h, shape.num_heads),
+        ])?;
         bound
             .brute_force_row(q, b, h)
             .map_err(|e| self.name_param_values(&bound.params, e))
@@ -481,7 +481,8 @@ impl Program {
     }
 
     /// The token order that visits the program's first grid patch by patch (`patch` is
-    /// frames, rows, columns), other tokens keeping their places. Plan in it with
+    /// frames, rows, columns, each side clipped to `[1, the grid's extent]`: 0 reads as 1,
+    /// `u32::MAX` as the whole extent), other tokens keeping their places. Plan in it with
     /// `PlanOptions::order = OrderRequest::Explicit(order.order)`.
     ///
     /// # Errors
@@ -958,6 +959,8 @@ pub enum AttentionError {
     },
     #[error("score tensor `{name}` is not one the plan's score reads; it reads {expected}")]
     UnknownScoreTensor { name: String, expected: String },
+    #[error("score tensor `{name}` is given twice; give each tensor once")]
+    DuplicateScoreTensor { name: String },
     #[error(transparent)]
     Reference(#[from] ReferenceError),
     /// `CM0412`: a mask's strided runs expand past the reference's limit of unit intervals;
@@ -1012,7 +1015,7 @@ pub fn attention<T: Float>(
 ///
 /// # Errors
 /// As [`attention`]; [`AttentionError::UnknownScoreTensor`] for a name the score does not
-/// read, [`AttentionError::PlanMismatch`] for another `num_heads` than the plan's when the
+/// read, [`AttentionError::DuplicateScoreTensor`] for a name given twice, [`AttentionError::PlanMismatch`] for another `num_heads` than the plan's when the
 /// plan has score terms that differ between heads (`ScoreTerms::per_head`), and
 /// [`AttentionError::Reference`] for a tensor missing, of the wrong length or not finite.
 pub fn attention_with_scores<T: Float>(
@@ -1025,14 +1028,13 @@ pub fn attention_with_scores<T: Float>(
     tensors: &[(&str, &[T])],
 ) -> Result<ForwardOutput<T>, AttentionError> {
     let (expanded, index) = plan_masks(shape, plan)?;
-    let masks: Vec<&RowIntervals> = expanded.iter().map(|m| m.as_ref()).collect();
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_forward_scored(
         shape,
         q,
         k,
         v,
-        &Masks::indexed(&masks, &index),
+        &reference_masks(&expanded, index.as_deref()),
         softmax_scale,
         score.as_ref(),
     )?)
@@ -1059,7 +1061,6 @@ pub fn attention_backward_with_scores<T: Float>(
     tensors: &[(&str, &[T])],
 ) -> Result<ScoreGradients<T>, AttentionError> {
     let (expanded, index) = plan_masks(shape, plan)?;
-    let masks: Vec<&RowIntervals> = expanded.iter().map(|m| m.as_ref()).collect();
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_backward_scored(
         shape,
@@ -1068,7 +1069,7 @@ pub fn attention_backward_with_scores<T: Float>(
         v,
         dout,
         dlse,
-        &Masks::indexed(&masks, &index),
+        &reference_masks(&expanded, index.as_deref()),
         softmax_scale,
         score.as_ref(),
     )?)
@@ -1098,7 +1099,12 @@ fn score_of<'a, T>(
     }
     let table_name = terms.table.as_ref().map(|t| t.tensor.as_str());
     let sink_name = terms.sink.as_deref();
-    for (name, _) in tensors {
+    for (i, (name, _)) in tensors.iter().enumerate() {
+        if tensors[..i].iter().any(|(earlier, _)| earlier == name) {
+            return Err(AttentionError::DuplicateScoreTensor {
+                name: name.to_string(),
+            });
+        }
         if Some(*name) != table_name && Some(*name) != sink_name {
             let known: Vec<String> = [table_name, sink_name]
                 .into_iter()
@@ -1124,12 +1130,30 @@ fn score_of<'a, T>(
     }))
 }
 
+/// `CM0402` for the first `(what, value, len)` with `value` outside `0 .. len`.
+fn check_indices(indices: &[(&str, i64, i64)]) -> Result<(), PlanError> {
+    match indices
+        .iter()
+        .find(|(_, value, len)| !(0..*len).contains(value))
+    {
+        Some((what, value, len)) => Err(PlanError::new(
+            Code::LengthOutOfRange,
+            None,
+            format!("{what} = {value} is outside the shape's 0 .. {len}"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The plan's masks (strided runs expanded, with their limit: the reference reads plain
-/// intervals) and the `[batch, num_heads]` index for these tensors.
+/// intervals) and the `[batch, num_heads]` index for these tensors, `None` when one mask
+/// serves every (batch, head): no index is built from the shape before the reference has
+/// checked the tensors against it (a `batch` of 2^36 allocated it and aborted).
+#[allow(clippy::type_complexity)]
 fn plan_masks<'p>(
     shape: &AttentionShape,
     plan: &'p Plan,
-) -> Result<(Vec<std::borrow::Cow<'p, RowIntervals>>, Vec<usize>), AttentionError> {
+) -> Result<(Vec<std::borrow::Cow<'p, RowIntervals>>, Option<Vec<usize>>), AttentionError> {
     let check = |what: &'static str, planned: u32, given: usize| {
         if planned as usize == given {
             Ok(())
@@ -1151,12 +1175,24 @@ fn plan_masks<'p>(
         .map_err(AttentionError::Strides)?;
     // One distinct mask applies to every (batch, head); otherwise the plan's
     // `[batch, num_heads]` index must describe exactly these tensors.
-    let index: Vec<usize> = if plan.masks.len() == 1 {
-        vec![0; shape.batch * shape.num_heads]
+    let index = if plan.masks.len() == 1 {
+        None
     } else {
         check("batch", plan.batch, shape.batch)?;
         check("num_heads", plan.num_heads, shape.num_heads)?;
-        plan.mask_index.iter().map(|&i| i as usize).collect()
+        Some(plan.mask_index.iter().map(|&i| i as usize).collect())
     };
     Ok((masks, index))
+}
+
+/// The reference's view of [`plan_masks`]'s result.
+fn reference_masks<'a>(
+    masks: &'a [std::borrow::Cow<'_, RowIntervals>],
+    index: Option<&[usize]>,
+) -> Masks<'a> {
+    let rows: Vec<&RowIntervals> = masks.iter().map(|m| m.as_ref()).collect();
+    match index {
+        Some(index) => Masks::indexed(&rows, index),
+        None => Masks::shared(rows[0]),
+    }
 }
