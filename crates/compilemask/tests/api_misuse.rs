@@ -17,14 +17,18 @@ fn shape(batch: usize, num_heads: usize) -> AttentionShape {
     }
 }
 
+fn causal(n: i64) -> compilemask::Plan {
+    builtin("causal")
+        .unwrap()
+        .plan(&PlanOptions::new(n))
+        .unwrap()
+}
+
 /// A huge or overflowing batch is a shape error before anything of its size is allocated
 /// (2^36 allocated a [batch, num_heads] index and aborted; 2^40 x 2^30 overflowed in debug).
 #[test]
 fn huge_batches_are_errors_not_aborts() {
-    let plan = builtin("causal")
-        .unwrap()
-        .plan(&PlanOptions::new(2))
-        .unwrap();
+    let plan = causal(2);
     let x = [0.0f64; 2];
     for (batch, heads) in [(1usize << 36, 1), (1 << 40, 1 << 30), (usize::MAX, 2)] {
         let e = attention(&shape(batch, heads), &x, &x, &x, &plan, 1.0).unwrap_err();
@@ -68,10 +72,7 @@ fn brute_force_rows_outside_the_shape_are_errors() {
 /// A row past `q_len` sees nothing, as a key past `kv_len` does (it panicked).
 #[test]
 fn rows_out_of_range_are_not_visible() {
-    let plan = builtin("causal")
-        .unwrap()
-        .plan(&PlanOptions::new(2))
-        .unwrap();
+    let plan = causal(2);
     let rows = &plan.mask(0, 0).rows;
     assert!(rows.is_visible(1, 0) && !rows.is_visible(0, 1));
     assert!(!rows.is_visible(2, 0) && !rows.is_visible(10, 0) && !rows.is_visible(0, 10));
