@@ -45,12 +45,12 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
     let mut p = Parser::new(toks);
     let mut items = Vec::new();
     while !p.at(&Tok::Eof) {
-        if lexical.len() + p.diags.len() >= MAX_DIAGNOSTICS {
-            // Unless the lexer stopped first (its stop already says where).
-            if lexical.last().is_none_or(|d| d.code != Code::TooManyErrors) {
-                let at = p.peek().span.start as usize;
-                p.diags.push(too_many_errors(at));
-            }
+        // The errors so far: the parser's and the lexer's before this statement (the lexer
+        // stops by itself at its own limit, and the tokens end where it stopped).
+        let at = p.peek().span.start;
+        let lexical_before = lexical.partition_point(|d| d.span.start < at);
+        if lexical_before + p.diags.len() >= MAX_DIAGNOSTICS {
+            p.diags.push(too_many_errors(at as usize));
             break;
         }
         let before = p.pos;
@@ -74,6 +74,23 @@ pub fn parse(src: &str) -> (Program, Vec<Diagnostic>) {
     }
     let mut diags = lexical;
     diags.append(&mut p.diags);
+    // The lexer and the parser may each have stopped: the first stop is where reading
+    // ended, so what lies past it is not reported, and it is reported once.
+    let stop = diags
+        .iter()
+        .filter(|d| d.code == Code::TooManyErrors)
+        .map(|d| d.span.start)
+        .min();
+    if let Some(stop) = stop {
+        let mut kept_stop = false;
+        diags.retain(|d| {
+            if d.code == Code::TooManyErrors && d.span.start == stop && !kept_stop {
+                kept_stop = true;
+                return true;
+            }
+            d.span.start < stop && d.code != Code::TooManyErrors
+        });
+    }
     (Program { items }, diags)
 }
 

@@ -151,6 +151,20 @@ fn reading_stops_after_a_thousand_errors() {
         assert_eq!(stop.span.start as usize, stop_at);
         assert!(diags[..1000].iter().all(|d| d.code.as_str() != "CM0107"));
     }
+    // Lexical and syntax errors together: one stop, the first, and nothing past it.
+    for n in [990, 999, 1000, 1001] {
+        let src = format!("mask = k <= q;\n{}{}", ";\n".repeat(30), "@ ;\n".repeat(n));
+        let diags = compile(&src).unwrap_err().diagnostics;
+        let stops: Vec<_> = diags
+            .iter()
+            .filter(|d| d.code.as_str() == "CM0107")
+            .collect();
+        assert!(diags.len() <= 1001, "{n}: {}", diags.len());
+        assert_eq!(stops.len(), usize::from(n + 30 >= 1000), "{n}");
+        if let Some(stop) = stops.first() {
+            assert!(diags.iter().all(|d| d.span.start <= stop.span.start), "{n}");
+        }
+    }
     // 999 errors are all reported, with no stop.
     let src = format!("mask = k <= q;\n{}", ";".repeat(999));
     let diags = compile(&src).unwrap_err().diagnostics;
