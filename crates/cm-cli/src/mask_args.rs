@@ -307,9 +307,9 @@ impl MaskArgs {
     }
 
     pub fn options(&self) -> Result<PlanOptions> {
-        if self.q_len.is_none() {
-            // Without --q-len clap has checked for a packing: refuse --cu-seqlens-k alone
-            // here too, whichever a command reads first.
+        if self.q_len.is_none() && self.cu_seqlens_q.is_none() {
+            // Only --cu-seqlens-k let clap through: `packed` refuses it (without reading any
+            // offsets; with --cu-seqlens-q they are read where the packing is used).
             self.packed()?;
         }
         let mut o = PlanOptions::new(self.q_len.unwrap_or(1));

@@ -416,12 +416,13 @@ pub fn shard_plan(plan: &Plan, ranks: u32, chunk: u32) -> Result<Sharding, Shard
         // that reads no position adds one constant to every logit of a head, which moves
         // only that head's lse, so the merge adds it too (the caller reads it from the plan).
         let mut why = Vec::new();
-        if let Some(l) = &t.linear {
-            if l.q_coef != 0 || l.k_coef != 0 {
-                why.push(
-                    "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
-                );
-            }
+        if t.linear
+            .as_ref()
+            .is_some_and(|l| l.q_coef != 0 || l.k_coef != 0)
+        {
+            why.push(
+                "the linear bias reads the positions q and k, which a part renumbers (its rows and fetched keys are compacted)",
+            );
         }
         if t.table.is_some() {
             why.push("the bias table reads the distance q - k, which a part renumbers (its rows and fetched keys are compacted)");

@@ -780,13 +780,14 @@ fn excerpt<'s>(
     if !shown.chars().any(masked_control) {
         return (shown, spans);
     }
-    let masked = shown
-        .chars()
-        .map(|c| match c {
-            c if !masked_control(c) => c.to_string(),
-            c => "?".repeat(c.len_utf8()),
-        })
-        .collect();
+    let mut masked = String::with_capacity(shown.len());
+    for c in shown.chars() {
+        if masked_control(c) {
+            masked.extend(std::iter::repeat_n('?', c.len_utf8()));
+        } else {
+            masked.push(c);
+        }
+    }
     (std::borrow::Cow::Owned(masked), spans)
 }
 
