@@ -433,6 +433,11 @@ def test_paged_attention_bad_inputs(torch):
         cm.paged_attention(q, kc, vc, table, [0, 1])
     with pytest.raises(ValueError, match="kernel must be 'auto', 'decode' or 'prefill', got 'fast'"):
         cm.paged_attention(q, kc, vc, table, step, kernel="fast")
+    # Each zero size is named with where it comes from (one message listed all five).
+    for args, name in [((q, kc, vc[..., :0]), r"head_dim_v \(v_cache.shape\[3\]\)"),
+                       ((q, kc[:, :0], vc[:, :0]), r"page_size \(k_cache.shape\[1\]\)")]:
+        with pytest.raises(ValueError, match=name + " = 0; it must be at least 1"):
+            cm.paged_attention(*args, table, step)
     # Hand-made StepTensors: each array an int32 tensor, named otherwise.
     tensors = step.to_tensors()
     for name, value in [("kv_len", None), ("kv_len", tensors.kv_len.float()),

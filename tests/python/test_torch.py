@@ -149,6 +149,21 @@ def test_plan_tensors_and_plan_give_the_same_result():
     assert torch.equal(cm.attention(q, k, v, plan), cm.attention(q, k, v, pt))
 
 
+@pytest.mark.parametrize("interval,match", [
+    ([-5, 2], r"row 3: interval 0 is \[-5, 2\), expected ends in \[0, kv_len = 64\]"),
+    ([0, -3], r"row 3: interval 0 is \[0, -3\)"),
+])
+def test_plan_tensors_with_negative_interval_ends_are_refused(interval, match):
+    # A negative start was clamped to 0 and ran as [0, 2); [0, -3) was reported as [0, 0).
+    pt = cm.builtin("causal").plan(64).to_tensors()
+    pt = pt._replace(intervals=pt.intervals.clone())
+    row3 = int(pt.row_ptr[0, 3])
+    pt.intervals[row3] = torch.tensor(interval, dtype=torch.int32)
+    q = torch.randn(1, 1, 64, 8)
+    with pytest.raises(ValueError, match=match):
+        cm.attention(q, q, q, pt)
+
+
 # ------------------------------------------------------------------ validation
 
 def _ok():
@@ -190,6 +205,11 @@ def test_zero_heads_are_named():
         cm.attention(q[:, :0], k, v, plan, enable_gqa=True)
     with pytest.raises(ValueError, match="num_kv_heads = 0 .* must be at least 1"):
         cm.attention(q, k[:, :0], v[:, :0], plan, enable_gqa=True)
+    # The zero dimension is named (a value without columns was called head_dim).
+    with pytest.raises(ValueError, match=r"head_dim_v \(value.shape\[3\]\) = 0; it must"):
+        cm.attention(q, k, v[..., :0], plan)
+    with pytest.raises(ValueError, match=r"head_dim \(query.shape\[3\]\) = 0; it must"):
+        cm.attention(q[..., :0], k[..., :0], v, plan)
 
 
 @pytest.mark.parametrize("flag", ["enable_gqa", "return_lse", "deterministic"])
@@ -405,6 +425,37 @@ def test_block_mask_per_head():
     assert torch.equal(bm.to_dense(), theirs.to_dense())
     assert torch.equal(flex.create_mask(bm.mask_mod, 1, 2, 100, 100, device="cpu"),
                        plan.to_dense(format="torch"))
+
+
+def test_mask_mod_broadcasts_as_attention_does():
+    # A per-head plan of batch 1 (its mask does not read b) serves Flex's batch 2, and a
+    # per-batch plan of one head serves 3 heads: mask_mod indexed its [batch, num_heads]
+    # table with Flex's b and h and raised IndexError.
+    cases = [("param w: [int] = [2, 5, 9, 30];\nmask = q - w[h] < k <= q;",
+              dict(num_heads=4), (2, 4)),
+             ("param w: [int] = [2, 30];\nmask = q - w[b] < k <= q;", dict(batch=2), (2, 3))]
+    for source, planned, (b, h) in cases:
+        program = cm.compile(source)
+        plan = program.plan(70, **planned)
+        full = program.plan(70, batch=b, num_heads=h)
+        want = full.to_dense(format="torch")
+        assert torch.equal(flex.create_mask(plan.mask_mod(), b, h, 70, 70, device="cpu"), want)
+        bm = plan.to_block_mask()
+        q = torch.randn(b, h, 70, 16, dtype=torch.float64)
+        out = flex.flex_attention(q, q, q, block_mask=bm)
+        assert torch.allclose(out, cm.attention(q, q, q, plan), atol=1e-12)
+
+
+def test_mask_mod_is_false_outside_the_lengths():
+    # Negative rows read row 0 through the clamp and answered for it.
+    plan = cm.builtin("causal").plan(10, 12)
+    mm = plan.mask_mod()
+    t = torch.tensor
+    q_idx = t([-11, -10, -1, 0, 9, 10, 11, 0, 0, 0, 5])
+    kv_idx = t([0, 0, 0, -1, 0, 0, 0, 12, 13, 0, 5])
+    got = mm(t(0), t(0), q_idx, kv_idx)
+    assert got.tolist() == [False, False, False, False, True, False, False, False, False,
+                            True, True]
 
 
 @pytest.mark.parametrize("device", DEVICES)

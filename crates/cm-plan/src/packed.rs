@@ -367,6 +367,8 @@ pub fn plan_packed_with(
         tile,
         masks,
         mask_index,
+        uses_batch: program.uses_b,
+        uses_head: program.uses_h,
         elementwise_pairs,
         pieces,
         order: None,

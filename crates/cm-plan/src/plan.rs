@@ -91,6 +91,12 @@ pub struct Plan {
     pub masks: Vec<MaskPlan>,
     /// `[batch, num_heads]` row-major: index into `masks`.
     pub mask_index: Vec<u32>,
+    /// Whether the masks read the batch index `b` / the head index `h`. A plan of batch 1
+    /// (num_heads 1) whose masks do not read that index applies to every batch (head) of
+    /// the tensors, as PyTorch broadcasts a size-1 dimension; one that reads it only to the
+    /// batch (heads) it was planned for.
+    pub uses_batch: bool,
+    pub uses_head: bool,
     /// (q, k) pairs evaluated one by one in `elementwise(...)` regions (0 when the whole
     /// mask was solved analytically).
     pub elementwise_pairs: u64,
@@ -1087,6 +1093,8 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         tile,
         masks,
         mask_index,
+        uses_batch: program.uses_b,
+        uses_head: program.uses_h,
         elementwise_pairs,
         pieces,
         order,

@@ -68,9 +68,18 @@ impl IndexedMasks {
                         "plan row_ptr of mask {m}, row {q} is [{a}, {b}), outside the {total} intervals"
                     )));
                 }
-                let row: Vec<(u32, u32)> = (a as usize..b as usize)
-                    .map(|i| (flat[2 * i].max(0) as u32, flat[2 * i + 1].max(0) as u32))
-                    .collect();
+                let mut row = Vec::with_capacity((b - a) as usize);
+                for (j, i) in (a as usize..b as usize).enumerate() {
+                    let (start, end) = (flat[2 * i], flat[2 * i + 1]);
+                    match (u32::try_from(start), u32::try_from(end)) {
+                        (Ok(start), Ok(end)) => row.push((start, end)),
+                        _ => {
+                            return Err(value_error(format!(
+                                "plan mask {m}, row {q}: interval {j} is [{start}, {end}), expected ends in [0, kv_len = {kv_len}]"
+                            )))
+                        }
+                    }
+                }
                 rows.push(row);
             }
             let r = RowIntervals::from_rows(kv_len, &rows)

@@ -256,6 +256,8 @@ impl Sharding {
             raster_computed_pairs: tiles.computed_pairs,
             masks: vec![MaskPlan { rows, tiles }],
             mask_index: vec![0],
+            uses_batch: false,
+            uses_head: false,
             elementwise_pairs: 0,
             pieces: 0,
             order: None,

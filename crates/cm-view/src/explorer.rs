@@ -327,8 +327,15 @@ pub fn explorer(
         "tiles": base64_ints(&tiles),
         "structure": structure,
     });
-    // `</` inside a script element would end it; `<\/` is the same JSON string.
-    let data = data.to_string().replace("</", "<\\/");
+    // Inside a script element `</script` ends it and `<!--` followed by `<script` changes
+    // how the HTML parser finds its end, whatever the element's type, so no `<` (nor `>`
+    // or `&`) is left as itself: JSON has them inside strings only, where `\u003c` is the
+    // same string.
+    let data = data
+        .to_string()
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026");
     let title = crate::svg::esc(&format!(
         "{} · q_len {} × kv_len {} · CompileMask explorer",
         subject.name, plan.q_len, plan.kv_len

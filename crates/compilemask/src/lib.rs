@@ -980,7 +980,8 @@ pub enum AttentionError {
 /// # Errors
 /// [`AttentionError::PlanMismatch`] when the plan was made for other lengths, or (for a
 /// mask that differs per batch or head, or a plan with score terms that differ between
-/// heads) another batch size or head count; [`AttentionError::Reference`] when the tensor shapes disagree with each
+/// heads) another batch size or head count, except that a plan of batch 1 (one head) whose
+/// masks do not read `b` (`h`) serves any batch (head count) and a packed plan batch 1 only; [`AttentionError::Reference`] when the tensor shapes disagree with each
 /// other or the score reads a tensor; [`AttentionError::Strides`] (`CM0412`) for strided
 /// rows past [`cm_plan::MAX_EXPANDED_INTERVALS`].
 pub fn attention<T: Float>(
@@ -1028,14 +1029,14 @@ pub fn attention_with_scores<T: Float>(
     softmax_scale: T,
     tensors: &[(&str, &[T])],
 ) -> Result<ForwardOutput<T>, AttentionError> {
-    let (expanded, index) = plan_masks(shape, plan)?;
+    let (expanded, selection) = plan_masks(shape, plan)?;
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_forward_scored(
         shape,
         q,
         k,
         v,
-        &reference_masks(&expanded, index.as_deref()),
+        &reference_masks(&expanded, &selection),
         softmax_scale,
         score.as_ref(),
     )?)
@@ -1061,7 +1062,7 @@ pub fn attention_backward_with_scores<T: Float>(
     softmax_scale: T,
     tensors: &[(&str, &[T])],
 ) -> Result<ScoreGradients<T>, AttentionError> {
-    let (expanded, index) = plan_masks(shape, plan)?;
+    let (expanded, selection) = plan_masks(shape, plan)?;
     let score = score_of(shape, plan, tensors)?;
     Ok(cm_reference::attention_backward_scored(
         shape,
@@ -1070,7 +1071,7 @@ pub fn attention_backward_with_scores<T: Float>(
         v,
         dout,
         dlse,
-        &reference_masks(&expanded, index.as_deref()),
+        &reference_masks(&expanded, &selection),
         softmax_scale,
         score.as_ref(),
     )?)
@@ -1146,15 +1147,31 @@ fn check_indices(indices: &[(&str, i64, i64)]) -> Result<(), PlanError> {
     }
 }
 
+/// Which of the plan's masks each (batch, head) of the tensors reads, in the reference's
+/// terms: no index is built from the tensors' shape before the reference has checked the
+/// tensors against it (a `batch` of 2^36 allocated it and aborted), so a broadcast plan
+/// names its masks per head or per batch of the plan instead.
+enum Selection {
+    /// One mask serves every (batch, head).
+    Shared,
+    /// `[batch, num_heads]` row-major, the plan's own shape.
+    Indexed(Vec<usize>),
+    /// A batch-1 plan whose masks do not read `b`: entry `h` for head `h` of every batch.
+    PerHead(Vec<usize>),
+    /// A one-head plan whose masks do not read `h`: entry `b` for every head of batch `b`.
+    PerBatch(Vec<usize>),
+}
+
 /// The plan's masks (strided runs expanded, with their limit: the reference reads plain
-/// intervals) and the `[batch, num_heads]` index for these tensors, `None` when one mask
-/// serves every (batch, head): no index is built from the shape before the reference has
-/// checked the tensors against it (a `batch` of 2^36 allocated it and aborted).
+/// intervals) and which one each (batch, head) of these tensors reads. A plan of batch 1
+/// (num_heads 1) whose masks do not read `b` (`h`) broadcasts over the tensors' batch
+/// (heads), as `compilemask.attention` does in Python; a packed plan's batch never does
+/// (its `b` is the sample).
 #[allow(clippy::type_complexity)]
 fn plan_masks<'p>(
     shape: &AttentionShape,
     plan: &'p Plan,
-) -> Result<(Vec<std::borrow::Cow<'p, RowIntervals>>, Option<Vec<usize>>), AttentionError> {
+) -> Result<(Vec<std::borrow::Cow<'p, RowIntervals>>, Selection), AttentionError> {
     let check = |what: &'static str, planned: u32, given: usize| {
         if planned as usize == given {
             Ok(())
@@ -1174,26 +1191,40 @@ fn plan_masks<'p>(
         .map(|m| m.rows.expanded())
         .collect::<Result<Vec<_>, _>>()
         .map_err(AttentionError::Strides)?;
-    // One distinct mask applies to every (batch, head); otherwise the plan's
-    // `[batch, num_heads]` index must describe exactly these tensors.
-    let index = if plan.masks.len() == 1 {
-        None
-    } else {
+    if plan.masks.len() == 1 {
+        return Ok((masks, Selection::Shared));
+    }
+    let batch_broadcasts = plan.batch == 1 && !plan.uses_batch && plan.packing.is_none();
+    let heads_broadcast = plan.num_heads == 1 && !plan.uses_head;
+    if !batch_broadcasts {
         check("batch", plan.batch, shape.batch)?;
+    }
+    if !heads_broadcast {
         check("num_heads", plan.num_heads, shape.num_heads)?;
-        Some(plan.mask_index.iter().map(|&i| i as usize).collect())
+    }
+    let index: Vec<usize> = plan.mask_index.iter().map(|&i| i as usize).collect();
+    // Both broadcast only for a 1 x 1 plan, which has one mask.
+    let selection = if batch_broadcasts && shape.batch != 1 {
+        Selection::PerHead(index)
+    } else if heads_broadcast && shape.num_heads != 1 {
+        Selection::PerBatch(index)
+    } else {
+        Selection::Indexed(index)
     };
-    Ok((masks, index))
+    Ok((masks, selection))
 }
 
 /// The reference's view of [`plan_masks`]'s result.
 fn reference_masks<'a>(
     masks: &'a [std::borrow::Cow<'_, RowIntervals>],
-    index: Option<&[usize]>,
+    selection: &Selection,
 ) -> Masks<'a> {
     let rows: Vec<&RowIntervals> = masks.iter().map(|m| m.as_ref()).collect();
-    match index {
-        Some(index) => Masks::indexed(&rows, index),
-        None => Masks::shared(rows[0]),
+    let pick = |index: &[usize]| index.iter().map(|&i| rows[i]).collect::<Vec<_>>();
+    match selection {
+        Selection::Shared => Masks::shared(rows[0]),
+        Selection::Indexed(index) => Masks::indexed(&rows, index),
+        Selection::PerHead(index) => Masks::per_head(&pick(index)),
+        Selection::PerBatch(index) => Masks::per_batch(&pick(index)),
     }
 }

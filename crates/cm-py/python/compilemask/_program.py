@@ -1032,7 +1032,10 @@ class Plan:
     def mask_mod(self, device: Any = None) -> Any:
         """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` that evaluates this plan's row
         intervals from tensors on ``device`` (so ``create_block_mask(plan.mask_mod(), ...)``
-        and :meth:`to_block_mask` agree)."""
+        and :meth:`to_block_mask` agree). Pairs with ``q_idx`` outside ``[0, q_len)`` or
+        ``kv_idx`` outside ``[0, kv_len)`` are False. A plan of batch 1 (one head) whose mask
+        does not read ``b`` (``h``) answers for every ``b`` (``h``), as :func:`attention`
+        broadcasts it."""
         from ._torch import make_mask_mod
 
         return make_mask_mod(self, device)

@@ -399,9 +399,12 @@ def paged_attention(
             f"[num_pages, page_size, num_kv_heads] = {(num_pages, page_size, hk)}")
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k_cache {dk}")
-    if min(d, v_cache.shape[3], page_size, hq, hk) == 0:
-        raise ValueError("head_dim, head_dim_v, page_size, num_heads and num_kv_heads must be "
-                         "at least 1")
+    sizes = {"head_dim (q.shape[2])": d, "head_dim_v (v_cache.shape[3])": v_cache.shape[3],
+             "page_size (k_cache.shape[1])": page_size, "num_heads (q.shape[1])": hq,
+             "num_kv_heads (k_cache.shape[2])": hk}
+    for name, n in sizes.items():
+        if n == 0:
+            raise ValueError(f"{name} = 0; it must be at least 1")
     if hq % hk != 0:
         raise ValueError(f"num_heads = {hq} must be a multiple of num_kv_heads = {hk}")
     if kernel not in ("auto", "decode", "prefill"):

@@ -396,14 +396,23 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     # and then sliced by column, and right ones for this form (tests/python/test_torch.py).
     starts_flat, ends_flat = starts.reshape(-1), ends.reshape(-1)
 
+    # A dimension the plan has once (its masks do not read that index) serves every index
+    # there, as attention() broadcasts it; Flex calls with its own batch and heads.
+    per_batch, per_head = plan.batch > 1, plan.num_heads > 1
+
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        q = q_idx.clamp(0, q_len - 1)  # padded rows of the last block read row q_len - 1
-        row = q if single else mask_index[b, h] * q_len + q
+        # Rows outside 0 .. q_len (Flex's padded last block) read a row in range, and the
+        # result is then masked: they see nothing.
+        q = q_idx.clamp(0, q_len - 1)
+        if single:
+            row = q
+        else:
+            row = mask_index[b if per_batch else 0, h if per_head else 0] * q_len + q
         at = row * width
         visible = (kv_idx >= starts_flat[at]) & (kv_idx < ends_flat[at])
         for j in range(1, width):
             visible = visible | ((kv_idx >= starts_flat[at + j]) & (kv_idx < ends_flat[at + j]))
-        return visible & (q_idx < q_len) & (kv_idx < kv_len)
+        return visible & (q_idx >= 0) & (q_idx < q_len) & (kv_idx >= 0) & (kv_idx < kv_len)
 
     mask_mod.__name__ = f"compilemask_{plan.program.name.strip('<>').replace(' ', '_')}"
     return mask_mod
@@ -692,8 +701,9 @@ def attention(
         raise ValueError(
             f"query has {hq} heads and key/value {hk}; pass enable_gqa=True for GQA / MQA"
         )
-    if d == 0 or value.shape[3] == 0:
-        raise ValueError("head_dim must be at least 1")
+    for name, n in (("head_dim (query.shape[3])", d), ("head_dim_v (value.shape[3])", value.shape[3])):
+        if n == 0:
+            raise ValueError(f"{name} = 0; it must be at least 1")
     if isinstance(plan, Plan):
         pt = plan.to_tensors(query.device)
     elif isinstance(plan, PlanTensors):
