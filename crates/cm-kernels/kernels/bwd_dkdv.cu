@@ -23,15 +23,18 @@
 // Without a dQ accumulator (the deterministic mode with score terms, or with query heads of
 // one kv head under different masks) dV's and dK's products read P^T and dS^T from registers,
 // the consumers never synchronise with each other and dQ is left to bwd_dq. With one in the
-// workspace, after FlashAttention-3's order: both consumers
-// write dS^T to a shared tile and meet on a named barrier; each issues half of the tile's
+// workspace, after FlashAttention-3's and -4's order: both consumers
+// write dS^T to a shared tile (two buffers, alternating by step, at one tile a step without
+// score terms: DS_STAGES) and meet on a named barrier; each issues half of the tile's
 // dQ = dS K (split along head_dim, or with two tiles a step each consumer one tile's; dS read
-// MN-major from the dS^T tile, K read MN-major), then
-// dK's product with dS^T read from its own rows of that tile (so no fragment is live beside
-// dQ's accumulator); while dK's product runs it stores dQ to shared memory in the
+// MN-major from the dS^T tile, K read MN-major), then dK's product with dS^T from its own
+// registers (DK_RS; with score terms read from its rows of the shared tile, so that no
+// fragment is live beside dQ's accumulator and the score terms' registers); while dK's
+// product runs it stores dQ to shared memory in the
 // accumulator's fragment-ordered layout (conflict-free; bwd_post reads it back into row
 // order) and hands the tile to the reducer warp (warp 1 of the producer warpgroup) on a named
-// barrier. The reducer adds the whole 64 x head_dim tile into the fp32 accumulator with a
+// barrier. With two dS^T buffers the consumers wait for the reducer to have read the previous
+// tile's dQ only there, behind the products, not before writing dS^T. The reducer adds the whole 64 x head_dim tile into the fp32 accumulator with a
 // bulk asynchronous reduction per tile (cp.reduce.async.bulk .add.f32), which overlaps the next
 // tile, and hands the tile back once the reduction has read it: the consumers never wait for
 // each other's dQ, only (a tile later) for that read. In both modes each consumer waits for
@@ -61,6 +64,17 @@ static_assert(HEAD_DIM <= 128 && HEAD_DIM_V == HEAD_DIM, "wider shapes are bwd_d
 CM_CHECK_SHAPE(BLOCK_M, KEY_BLOCK, STAGES, DKDV_THREADS);
 static_assert(STAGES == 2 || STAGES == 3, "two or three stages");
 #define Q_TILES CM_Q_TILES
+// Buffers of the shared dS^T tile (cm_kernels::Variant::ds_stages): with two, step it writes
+// buffer it % 2, whose last readers (the other consumer's dQ product two steps back) are done
+// once both consumers have met on NAMED_DS one step back.
+#define DS_STAGES CM_DS_STAGES
+static_assert(DS_STAGES == 1 || DS_STAGES == 2 && Q_TILES == 1 && !CM_SCORE,
+              "two dS^T buffers at one tile a step without score terms");
+// The fast mode's dK product reads dS^T from registers (FlashAttention-4's SM90 choice at
+// head_dim 128), which saves each consumer 8 KB of shared-memory reads a tile, the busiest
+// unit (BENCHMARKS.md); the score variant keeps the shared tile's rows (its registers are
+// short already, and its change is unmeasured).
+#define DK_RS (!CM_SCORE)
 static_assert(Q_TILES == 1 || Q_TILES == 2 && HEAD_DIM == 64 && !CM_SCORE,
               "two tiles a step only at head_dim 64 without score terms");
 // Queries of a step: its tiles' rows, tile h at rows 64 h .. of the step's Q and dO.
@@ -85,7 +99,7 @@ static_assert(Q_TILES == 1 || Q_TILES == 2 && HEAD_DIM == 64 && !CM_SCORE,
 #define OFF_Q (2 * KV_BYTES)
 #define OFF_DO (OFF_Q + STAGES * STEP_BYTES)
 #define OFF_DS (OFF_DO + STAGES * STEP_BYTES)
-#define OFF_DQ (OFF_DS + DS_BYTES)
+#define OFF_DQ (OFF_DS + DS_STAGES * DS_BYTES)
 #define OFF_STATS (OFF_DQ + Q_TILES * DQ_BYTES)
 #define OFF_MASK (OFF_STATS + STAGES * STATS_BYTES)
 #define OFF_BARS (OFF_MASK + STAGES * Q_TILES * MASK_BYTES)
@@ -409,7 +423,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             const u32 sQ = base + OFF_Q + s * STEP_BYTES;
             const u32 sdO = base + OFF_DO + s * STEP_BYTES;
             // Formed per tile (not hoisted with its descriptors out of the loop, which spills).
-            const u32 sDS = cm_opaque(base + OFF_DS);
+            const u32 sDS = cm_opaque(base + OFF_DS + (DS_STAGES == 2 ? (it & 1) * DS_BYTES : 0));
             cm_mbar_wait(bar(BAR_FULL(s)), (it / STAGES) & 1);
 
             // S^T and dP^T: this consumer's 64 keys x the step's queries, contraction over
@@ -525,8 +539,10 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 // dS^T into the shared tile. Its readers of the previous tile are done: this
                 // consumer's dK product retired at the end of that tile, and both consumers' dQ
                 // products before they handed the previous tile's dQ to the reducer, which has
-                // read it (so the dQ tile is free as well).
-                cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+                // read it (so the dQ tile is free as well). With two buffers the readers of this
+                // one, two steps back, are done already (DS_STAGES), and the dQ tile is waited
+                // for behind the products.
+                if constexpr (DS_STAGES == 1) cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
     #pragma unroll
                 for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
     #pragma unroll
@@ -560,15 +576,20 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                                       cm_wgmma_desc(sK_cols + kk * 2048, KEY_BLOCK * 128, 1024), kk > 0);
                 }
                 cm_wgmma_commit();
-                // dK += dS^T Q: contraction over the step's queries, dS^T read from this
-                // consumer's rows of the shared tile (K-major) rather than from registers, so that
-                // dsa is dead before dQ's accumulator is read out. Q read MN-major.
+                // dK += dS^T Q: contraction over the step's queries, dS^T from registers (DK_RS)
+                // or from this consumer's rows of the shared tile (K-major). Q read MN-major.
+                if constexpr (DK_RS) {
     #pragma unroll
-                for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
-                    cm_wgmma_ss<0, 1>(acc_dk,
-                                      cm_wgmma_desc(sDS + (kk >> 2) * KEY_BLOCK * 128 + c * 64 * 128 + (kk & 3) * 32,
-                                                    16, 1024),
-                                      cm_desc_mn_major(sQ, Q_ROWS, kk), 1);
+                    for (int kk = 0; kk < Q_ROWS / 16; ++kk)
+                        cm_wgmma_rs<1>(acc_dk, dsa[kk], cm_desc_mn_major(sQ, Q_ROWS, kk), 1);
+                } else {
+    #pragma unroll
+                    for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
+                        cm_wgmma_ss<0, 1>(
+                            acc_dk,
+                            cm_wgmma_desc(sDS + (kk >> 2) * KEY_BLOCK * 128 + c * 64 * 128 + (kk & 3) * 32, 16, 1024),
+                            cm_desc_mn_major(sQ, Q_ROWS, kk), 1);
+                    }
                 }
                 cm_wgmma_commit();
                 const u32 sDQ_at = sDQ + (Q_TILES == 2 ? c * DQ_BYTES + 4 * cm_dq_offset(0, warp, lane)
@@ -578,6 +599,8 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 cm_wgmma_wait<1>();
                 cm_fence_acc(acc_dq);
                 cm_fence_frag(pa);
+                // The reducer has read the previous step's dQ tile.
+                if constexpr (DS_STAGES == 2) cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
     #pragma unroll
                 for (int j = 0; j < DQ_COLS / 8; ++j) {
                     // Chunk j of this consumer's columns; chunks are 2 KB apart (cm_dq_offset).
@@ -601,7 +624,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             cm_fence_acc(acc_dv);
             cm_fence_acc(acc_dk);
             cm_fence_frag(pa);
-            if constexpr (!ATOMIC_DQ) cm_fence_frag(dsa);
+            if constexpr (!ATOMIC_DQ || DK_RS) cm_fence_frag(dsa);
             // Q, dO, the statistics and the bits of stage s are no longer read.
             __syncwarp();
             if (lane == 0) cm_mbar_arrive(bar(BAR_EMPTY(s)));

@@ -267,6 +267,24 @@ impl Variant {
         }
     }
 
+    /// Buffers of [`KernelKind::BwdDkDv`]'s shared dS^T tile: two at one query tile a step
+    /// without score terms, so that a consumer writes a step's dS^T without waiting for the
+    /// other consumer's dQ product of the step before (FlashAttention-3's and -4's
+    /// double-buffered dS) and waits for the dQ hand-off behind the step's dQ and dK products
+    /// instead; one at two tiles a step (two 128 x 128 dS^T tiles do not fit beside the
+    /// three-stage ring, and two stages with two buffers measured no faster there) and in the
+    /// score variants (unmeasured). 1 for every other kernel.
+    pub const fn ds_stages(&self) -> u32 {
+        match self.kernel {
+            KernelKind::BwdDkDv
+                if self.head_dim <= 128 && self.q_tiles_per_step() == 1 && !self.score =>
+            {
+                2
+            }
+            _ => 1,
+        }
+    }
+
     /// Keys per pipeline stage of [`KernelKind::FwdWs`]: the descriptor's 128-key tile, or at
     /// head_dim above 192 half of it (two stages of 128 keys x 256 columns of K and V beside a
     /// 128 x 256 Q tile exceed the SM's 227 KB of shared memory; the 64-key halves of one tile
@@ -305,6 +323,7 @@ impl Variant {
         ];
         if self.kernel == KernelKind::BwdDkDv {
             defines.push(format!("-DCM_Q_TILES={}", self.q_tiles_per_step()));
+            defines.push(format!("-DCM_DS_STAGES={}", self.ds_stages()));
         }
         if matches!(self.kernel, KernelKind::FwdWs | KernelKind::FwdWsPaged) {
             defines.push(format!("-DCM_WS_KEY_STEP={}", self.key_step()));
@@ -337,15 +356,15 @@ impl Variant {
             }
             // K and V (128 x head_dim each), `stages` stages of Q and dO, of lse and delta (64
             // f32 each) and of the key visibility (128 u64), each per query tile of a step
-            // (`q_tiles_per_step`); one dS^T (128 keys x the step's queries), the fp32 dQ tiles
-            // (64 x head_dim each), 64 bytes of mbarriers, and 1 KB to align the start to a
-            // swizzle atom.
+            // (`q_tiles_per_step`); `ds_stages` dS^T tiles (128 keys x the step's queries), the
+            // fp32 dQ tiles (64 x head_dim each), 64 bytes of mbarriers, and 1 KB to align the
+            // start to a swizzle atom.
             KernelKind::BwdDkDv => {
                 let stages = self.stages;
                 let q_tiles = self.q_tiles_per_step();
                 2 * 2 * tile
                     + stages * q_tiles * (2 * tile + 2 * 64 * 4 + 128 * 8)
-                    + 128 * 64 * 2 * q_tiles
+                    + self.ds_stages() * 128 * 64 * 2 * q_tiles
                     + q_tiles * 64 * self.head_dim * 4
                     + 64
                     + 1024
