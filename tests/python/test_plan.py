@@ -275,3 +275,39 @@ def test_index_errors():
         plan.rows(5, 11)
     with pytest.raises(IndexError):
         cm.builtin("causal").brute_force_row(10, 10)
+
+
+def _same_plan(a, b):
+    assert (a.q_len, a.kv_len, a.batch, a.num_heads, a.block_size, a.cu_seqlens_q) == (
+        b.q_len, b.kv_len, b.batch, b.num_heads, b.block_size, b.cu_seqlens_q)
+    assert a.interval_arrays() == b.interval_arrays()
+    assert a.mask_index == b.mask_index
+    assert a.tiles == b.tiles
+
+
+def test_programs_and_plans_pickle():
+    # Both raised "cannot pickle 'compilemask._native...'", which rules out DataLoader
+    # workers and multiprocessing. A program pickles as its source, name and bound
+    # parameters; a plan as its program and plan arguments, planned again when loaded.
+    import copy
+    import pickle
+
+    program = cm.compile("param w: [int] = [2, 5, 9];\nmask = q - w[h] < k <= q & k >= b;",
+                         name="windows")
+    for original in (program, program.with_params(w=[1, 2, 3]), cm.builtin("causal"),
+                     cm.builtin("document_causal", lengths=[3, 4])):
+        loaded = pickle.loads(pickle.dumps(original))
+        assert (loaded.source, loaded.name, loaded.defaults) == (
+            original.source, original.name, original.defaults)
+        _same_plan(loaded.plan(7, num_heads=3), original.plan(7, num_heads=3))
+        assert copy.deepcopy(original) is original
+    plans = [program.plan(9, 11, batch=2, num_heads=3, block_size=(4, 8), w=[1, 3, 4]),
+             cm.builtin("clear", text=3, grid=4, radius=1).plan(19, order="auto",
+                                                                block_size=16),
+             program.plan(cu_seqlens_q=[0, 3, 8], cu_seqlens_k=[0, 4, 9], num_heads=3)]
+    for plan in plans:
+        loaded = pickle.loads(pickle.dumps(plan))
+        _same_plan(loaded, plan)
+        orders = [None if p.order is None else [int(i) for i in p.order] for p in (loaded, plan)]
+        assert orders[0] == orders[1]
+        assert copy.deepcopy(plan) is plan

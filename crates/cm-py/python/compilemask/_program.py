@@ -381,11 +381,21 @@ def builtins() -> list[tuple[str, str]]:
     return list(_native.builtins())
 
 
+def _unpickle_program(source: str, name: str, defaults: dict[str, Any]) -> Program:
+    program = compile(source, name=name)
+    return Program(program._native, defaults) if defaults else program
+
+
+def _unpickle_plan(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    return program.plan(*args, **kwargs)
+
+
 class Program:
     """A checked mask program, ready to plan for any lengths and parameters.
 
     Made by :func:`compile` or :func:`builtin`; planning it again with new lengths or
-    parameters re-parses nothing.
+    parameters re-parses nothing. Programs pickle (as their source, name and bound
+    parameters, compiled again when loaded).
     """
 
     __slots__ = ("_native", "_defaults")
@@ -393,6 +403,17 @@ class Program:
     def __init__(self, native: _native.Program, defaults: Mapping[str, ParamValue] | None = None):
         self._native = native
         self._defaults = {k: _param_value(k, v) for k, v in (defaults or {}).items()}
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, dict[str, Any]]]:
+        # Pickled as its source, name and bound parameters, and compiled again on loading
+        # (DataLoader workers, multiprocessing): compiling is deterministic.
+        return (_unpickle_program, (self.source, self.name, self.defaults))
+
+    def __copy__(self) -> Program:
+        return self  # immutable: with_params makes a new one
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Program:
+        return self
 
     @property
     def source(self) -> str:
@@ -541,7 +562,9 @@ class Program:
                 _order_value(order, cu_q[-1] if cu_q else 0),
             )
             _warn(native)
-            return Plan(native, self)
+            return Plan(native, self, ((), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                num_heads=num_heads, block_size=(bm, bn),
+                                                order=order, **params)))
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
         rows = _length("q_len", q_len)
@@ -556,7 +579,8 @@ class Program:
             _order_value(order, rows),
         )
         _warn(native)
-        return Plan(native, self)
+        return Plan(native, self, ((q_len, kv_len, batch, num_heads),
+                                   dict(block_size=(bm, bn), order=order, **params)))
 
     def plan_step(
         self,
@@ -640,15 +664,37 @@ class Plan:
     """A planned mask: the exact row intervals of every distinct (batch, head) mask, the
     tile descriptor at ``block_size``, statistics and exports.
 
-    Statistics sum over every (b, h) of the plan, as the CLI's ``plan --json`` does.
+    Statistics sum over every (b, h) of the plan, as the CLI's ``plan --json`` does. A plan
+    made by :meth:`Program.plan` pickles as its program and plan arguments and is planned
+    again when loaded; its :class:`PlanTensors` pickle as tensors.
     """
 
-    __slots__ = ("_native", "_program", "_cache", "__weakref__")
+    __slots__ = ("_native", "_program", "_cache", "_recipe", "__weakref__")
 
-    def __init__(self, native: _native.Plan, program: Program):
+    def __init__(self, native: _native.Plan, program: Program,
+                 recipe: tuple[tuple[Any, ...], dict[str, Any]] | None = None):
         self._native = native
         self._program = program
         self._cache: dict[Any, Any] = {}
+        # The arguments of Program.plan that made it (None for a plan made otherwise: a
+        # context-parallel part), from which pickling re-plans.
+        self._recipe = recipe
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as its program and the arguments that planned it, and planned again on
+        # loading (planning is deterministic): the native plan itself has no byte form.
+        if self._recipe is None:
+            raise TypeError(
+                f"this plan of {self._program.name!r} was not made by Program.plan (a "
+                "context-parallel part), so it cannot be planned again from a pickle; pickle "
+                "its PlanTensors (plan.to_tensors()) or what made it")
+        return (_unpickle_plan, (self._program, *self._recipe))
+
+    def __copy__(self) -> Plan:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Plan:
+        return self
 
     # ------------------------------------------------------------------ statistics
     @property
