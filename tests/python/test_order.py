@@ -187,6 +187,14 @@ def test_order_tensor_and_permute_helpers(torch):
     assert torch.equal(cm.unpermute(cm.permute(y, auto, dim=1), auto, dim=1), y)
     raster = clear()
     assert cm.permute(x, raster) is x and cm.unpermute(x, raster) is x
+    # An auto order that found raster order best, and an explicit identity, are raster
+    # plans: order None (it was an identity tensor, and permute copied).
+    small = cm.builtin("clear", text=5, grid=9, radius=2)
+    for kept in (small.plan(86, order="auto", block_size=16),
+                 small.plan(86, order=list(range(86)), block_size=16)):
+        assert kept.order is None and kept.order_info() is None
+        z = torch.randn(1, 1, 86, 2)
+        assert cm.permute(z, kept) is z
     with pytest.raises(ValueError, match="q_len"):
         cm.permute(x[:, :, :-1], auto)
     with pytest.raises(ValueError, match="dim"):

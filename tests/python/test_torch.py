@@ -178,6 +178,8 @@ def _ok():
     (lambda p, q, k, v: (p, q.int(), k.int(), v.int()), "dtype"),
     (lambda p, q, k, v: (p, q, k[:, :, :5], v[:, :, :5]), "kv_len = 8"),
     (lambda p, q, k, v: (p, q[:, :, :5], k, v), "q_len = 8"),
+    # An empty sequence is not told to plan for length 0 (CM0402 itself).
+    (lambda p, q, k, v: (p, q[:, :, :0], k, v), "needs at least one query row and one key"),
     (lambda p, q, k, v: (p, q, k, v[:, :, :5]), "seq_len"),
     (lambda p, q, k, v: (p, q, k[..., :3], v), "head_dim"),
     (lambda p, q, k, v: (p, q, k[:, :1], v[:, :1]), "enable_gqa"),

@@ -69,13 +69,25 @@ pub const WORKLOADS: [(&str, &str); 8] = [
 /// A count argument: an integer from 1, the error naming the accepted range (clap's own
 /// parser says "invalid digit" of `-1`).
 fn parse_count(s: &str) -> Result<usize, String> {
+    parse_bounded(s, usize::MAX)
+}
+
+fn parse_bounded(s: &str, max: usize) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
-        Ok(v) if v >= 1 => Ok(v),
+        Ok(v) if (1..=max).contains(&v) => Ok(v),
         _ => Err(format!(
-            "`{s}` is not a count; expected an integer in 1..={}",
-            usize::MAX
+            "`{s}` is not a count; expected an integer in 1..={max}"
         )),
     }
+}
+
+/// A head count within what a plan indexes (`compilemask::LENGTH_LIMITS`).
+fn parse_heads(s: &str) -> Result<usize, String> {
+    let max = compilemask::LENGTH_LIMITS
+        .iter()
+        .find(|(name, _)| *name == "num_heads")
+        .map_or(usize::MAX, |&(_, max)| max as usize);
+    parse_bounded(s, max)
 }
 
 /// Longest sequence accepted: the inputs alone take `6 * heads * head_dim * S` bytes.
@@ -90,10 +102,10 @@ pub struct BenchArgs {
           allow_negative_numbers = true)]
     sizes: Vec<u32>,
     /// Query heads.
-    #[arg(long, default_value_t = 16, value_parser = parse_count)]
+    #[arg(long, default_value_t = 16, value_parser = parse_heads)]
     heads: usize,
     /// Key / value heads (default: --heads); must divide --heads (GQA, MQA).
-    #[arg(long, value_parser = parse_count)]
+    #[arg(long, value_parser = parse_heads)]
     kv_heads: Option<usize>,
     /// Columns of Q and K per head.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]

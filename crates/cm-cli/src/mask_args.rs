@@ -354,6 +354,11 @@ impl MaskArgs {
             let name = std::str::from_utf8(&bytes[..eq])
                 .map_err(|_| anyhow!("--set `{shown}`: the parameter name is not valid UTF-8"))?
                 .trim();
+            if name.is_empty() {
+                bail!(
+                    "--set `{shown}`: the parameter name before `=` is empty; expected NAME=VALUE"
+                );
+            }
             let value = &bytes[eq + 1..];
             let what = format!("--set {name}");
             let v: Value = if let Some(path) = value.strip_prefix(b"@") {

@@ -273,6 +273,19 @@ fn unknown_or_ill_typed_parameters() {
         ],
         &["expected NAME=VALUE"],
     );
+    // An empty name was reported as "unknown parameter ``".
+    fails(
+        &[
+            "plan",
+            "--builtin",
+            "document_causal",
+            "--q-len",
+            "8",
+            "--set",
+            "=3",
+        ],
+        &["--set `=3`: the parameter name before `=` is empty"],
+    );
     fails(
         &[
             "plan",

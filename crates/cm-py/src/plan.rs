@@ -239,10 +239,21 @@ impl Plan {
     }
 
     /// The token order the masks are planned in (`order[new] = original`) as uint32 bytes,
-    /// or `None` for the program's own positions.
+    /// or `None` for the program's own positions, which is also what an `order="auto"` that
+    /// chose raster order (the identity) gives: the plan is then a raster plan, and
+    /// `permute` copies nothing.
     #[getter]
     fn order<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        self.inner.order.as_ref().map(|o| py_bytes(py, &o.order))
+        self.inner
+            .order
+            .as_ref()
+            .filter(|o| {
+                !o.order
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &t)| i as u64 == u64::from(t))
+            })
+            .map(|o| py_bytes(py, &o.order))
     }
 
     /// `(frames, rows, columns)` of the chosen patch order (`None` for a whole extent), or

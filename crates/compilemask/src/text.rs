@@ -137,7 +137,7 @@ pub fn parse_value(text: &str) -> Result<Value, PlanError> {
             }
             (None, _) => {
                 return Err(bad(format!(
-                    "`{text}` is not an integer or a list of integers"
+                    "`{text}` is not an integer or a list of integers (an empty list is `[]`)"
                 )))
             }
             (Some(_), Some(_)) => {}
@@ -300,6 +300,9 @@ mod tests {
         assert_eq!(e.code, Code::BadParamValue);
         assert!(e.message.starts_with("empty entry at position 1 "), "{e}");
         let e = parse_value("").unwrap_err();
-        assert_eq!(e.message, "`` is not an integer or a list of integers");
+        assert_eq!(
+            e.message,
+            "`` is not an integer or a list of integers (an empty list is `[]`)"
+        );
     }
 }

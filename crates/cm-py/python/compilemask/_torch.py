@@ -726,9 +726,12 @@ def attention(
             "layout [total, heads, head_dim]"
         )
     if pt.q_len != lq or pt.kv_len != lk:
+        # A plan has at least one row and one key, so empty sequences have no plan to name.
+        again = (f"plan again with program.plan({lq}, {lk}, ...)" if lq and lk else
+                 "a plan (and attention) needs at least one query row and one key")
         raise ValueError(
             f"the plan was built for q_len = {pt.q_len}, kv_len = {pt.kv_len}, but query has "
-            f"seq_len {lq} and key {lk}; plan again with program.plan({lq}, {lk}, ...)"
+            f"seq_len {lq} and key {lk}; {again}"
         )
     _broadcast_dim(pt.batch, b, pt.uses_batch, "batch", "b")
     _broadcast_dim(pt.num_heads, hq, pt.uses_head, "num_heads", "h")
