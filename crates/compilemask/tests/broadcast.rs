@@ -91,37 +91,38 @@ fn per_batch_masks_broadcast_over_the_heads() {
     );
 }
 
+/// `attention` on `shape` refuses `plan` with `PlanMismatch` naming `what`, planned and given.
+fn assert_mismatch(
+    plan: &compilemask::Plan,
+    sh: AttentionShape,
+    what: &str,
+    planned: usize,
+    given: usize,
+) {
+    let x = vec![0.0f64; sh.batch * sh.num_heads * N * 2];
+    match attention(&sh, &x, &x, &x, plan, 1.0) {
+        Err(AttentionError::PlanMismatch {
+            what: w,
+            planned: p,
+            given: g,
+        }) => {
+            assert_eq!((w, p, g), (what, planned, given))
+        }
+        other => panic!(
+            "{what}: expected PlanMismatch, got {:?}",
+            other.map(|o| o.lse.len())
+        ),
+    }
+}
+
 #[test]
 fn masks_that_read_the_index_do_not_broadcast() {
-    let x = vec![0.0f64; 2 * 3 * N * 2];
     // Planned for one batch index while the mask reads `b`: batch 2 is not that plan.
     let reads_b = plan("mask = k <= q - b & k >= q - 1 - h;", 1, 3);
-    let e = attention(&shape(2, 3), &x, &x, &x, &reads_b, 1.0).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            AttentionError::PlanMismatch {
-                what: "batch",
-                planned: 1,
-                given: 2
-            }
-        ),
-        "{e}"
-    );
+    assert_mismatch(&reads_b, shape(2, 3), "batch", 1, 2);
     // Planned for one head while the mask reads `h`.
     let reads_h = plan("mask = k <= q - h & k >= q - 1 - b;", 2, 1);
-    let e = attention(&shape(2, 3), &x, &x, &x, &reads_h, 1.0).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            AttentionError::PlanMismatch {
-                what: "num_heads",
-                planned: 1,
-                given: 3
-            }
-        ),
-        "{e}"
-    );
+    assert_mismatch(&reads_h, shape(2, 3), "num_heads", 1, 3);
 }
 
 #[test]
@@ -135,26 +136,7 @@ fn a_packed_plan_serves_batch_one_only() {
         num_heads: 2,
     };
     let plan = program.plan_packed(&packed, &options).unwrap();
-    let x = vec![0.0f64; 2 * 2 * N * 2];
-    let e = attention(&shape(2, 2), &x, &x, &x, &plan, 1.0).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            AttentionError::PlanMismatch {
-                what: "batch",
-                planned: 1,
-                given: 2
-            }
-        ),
-        "{e}"
-    );
-    assert!(attention(
-        &shape(1, 2),
-        &x[..2 * N * 2],
-        &x[..2 * N * 2],
-        &x[..2 * N * 2],
-        &plan,
-        1.0
-    )
-    .is_ok());
+    assert_mismatch(&plan, shape(2, 2), "batch", 1, 2);
+    let x = vec![0.0f64; 2 * N * 2];
+    assert!(attention(&shape(1, 2), &x, &x, &x, &plan, 1.0).is_ok());
 }
