@@ -380,15 +380,19 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
         ));
     }
 
-    // Geometry.
+    // Geometry. The query axis's label runs along the plot's left side, centred on it; a
+    // plot shorter than the label (a few rows) gets room above and below, or the label ran
+    // into the subtitle and the legend.
+    let (pwf, phf) = (f64::from(pw), f64::from(ph));
+    let row_label = format!("query q  ({row_note})");
+    let label_pad = ((text_width(&row_label, 12.0) + 8.0 - phf) / 2.0).max(0.0);
     let top_text = 30.0 + 17.0 * lines.len() as f64;
-    let top = top_text + 44.0;
+    let top = top_text + 44.0 + label_pad;
     let lanes_w = if lanes.is_empty() {
         16.0
     } else {
         12.0 + lanes.len() as f64 * (LANE_W + LANE_GAP)
     };
-    let (pwf, phf) = (f64::from(pw), f64::from(ph));
     let title_w = text_width(&title, 16.0).max(
         lines
             .iter()
@@ -434,7 +438,7 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
         legend_rows.last_mut().expect("one row").push((x, i));
         x += w;
     }
-    let legend_top = top + phf + 22.0;
+    let legend_top = top + phf + 22.0 + label_pad;
     let notes_top = legend_top + 20.0 * legend_rows.len() as f64 + 4.0;
     let height = (notes_top + 18.0 * notes.len() as f64 + 8.0).ceil();
 
@@ -623,7 +627,7 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
     );
     let _ = writeln!(
         o,
-        "<text transform=\"translate({:.1},{:.1}) rotate(-90)\" text-anchor=\"middle\" font-size=\"12\" fill=\"#222\">query q  ({row_note})</text>",
+        "<text transform=\"translate({:.1},{:.1}) rotate(-90)\" text-anchor=\"middle\" font-size=\"12\" fill=\"#222\">{row_label}</text>",
         16.0,
         py0 + phf / 2.0
     );

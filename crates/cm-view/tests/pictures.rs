@@ -387,3 +387,46 @@ fn a_million_rows_draw_without_a_dense_array() {
     let (x, y) = p.pixel_of(10_000, 900_000).unwrap();
     assert_eq!(pixel(&img, x, y), EMPTY_LIGHT);
 }
+
+/// The query axis's label, centred on the plot's left side, stays between the subtitle and
+/// the legend however few rows the plot has (one row drew it across both).
+#[test]
+fn the_row_label_fits_beside_short_plots() {
+    let number = |svg: &str, before: &str, after: &str| -> f64 {
+        let start = svg
+            .find(before)
+            .unwrap_or_else(|| panic!("{before} missing"))
+            + before.len();
+        let end = start + svg[start..].find(after).unwrap();
+        svg[start..end].parse().unwrap()
+    };
+    for options in [
+        PlanOptions::new(1),
+        PlanOptions::new(3).kv_len(100_000),
+        PlanOptions::new(10),
+    ] {
+        let c = builtin("causal", options);
+        let svg = draw(&c, &View::default()).0.svg().unwrap();
+        let label_at = svg
+            .find("rotate(-90)\" text-anchor=\"middle\" font-size=\"12\"")
+            .unwrap();
+        let translate = svg[..label_at].rfind("translate(16.0,").unwrap();
+        let centre = number(&svg[translate..], "translate(16.0,", ")");
+        let text_start = label_at + svg[label_at..].find('>').unwrap() + 1;
+        let text = &svg[text_start..text_start + svg[text_start..].find('<').unwrap()];
+        assert!(text.starts_with("query q"), "{text}");
+        // At most 0.62 em a character (DejaVu Sans averages less).
+        let half = text.chars().count() as f64 * 12.0 * 0.62 / 2.0;
+        let sub_at = svg.find("fill=\"#444\">visible").unwrap();
+        let subtitle = number(&svg[svg[..sub_at].rfind("<text").unwrap()..], "y=\"", "\"");
+        let legend = number(&svg, "<rect x=\"12.0\" y=\"", "\" width=\"14\"");
+        assert!(
+            centre - half > subtitle + 4.0,
+            "{text}: {centre} - {half} vs subtitle {subtitle}"
+        );
+        assert!(
+            centre + half < legend,
+            "{text}: {centre} + {half} vs legend {legend}"
+        );
+    }
+}
