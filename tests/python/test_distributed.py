@@ -493,3 +493,15 @@ def test_softcaps_and_sinks_across_ranks_on_the_gpu():
     assert (lse.double().cpu()[finite] - exact_lse[finite]).abs().max().item() <= 1e-3
     loss = (out.double() * torch.randn(out.shape, device="cuda", dtype=torch.float64)).sum()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, (q, k, v, sinks)))
+
+
+def test_context_parallel_pickles_and_a_step_says_what_to_send():
+    import pickle
+
+    cp = ContextParallel(cm.builtin("causal").plan(301), ranks=3)
+    loaded = pickle.loads(pickle.dumps(cp))
+    assert (loaded.ranks, loaded.chunk, loaded.offsets) == (cp.ranks, cp.chunk, cp.offsets)
+    assert loaded.work == cp.work
+    step = cm.builtin("causal").plan_step([1, 2], [20, 5])
+    with pytest.raises(TypeError, match=r"send its StepTensors \(step.to_tensors\(\)"):
+        pickle.dumps(step)

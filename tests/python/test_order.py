@@ -199,6 +199,8 @@ def test_order_tensor_and_permute_helpers(torch):
         cm.permute(x[:, :, :-1], auto)
     with pytest.raises(ValueError, match="dim"):
         cm.permute(x, auto, dim=4)
+    with pytest.raises(TypeError, match="dim must be an int, got float 1.0"):
+        cm.permute(x, auto, dim=1.0)
     with pytest.raises(TypeError, match="Plan"):
         cm.permute(x, auto.to_tensors())  # type: ignore[arg-type]
 

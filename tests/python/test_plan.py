@@ -311,3 +311,28 @@ def test_programs_and_plans_pickle():
         orders = [None if p.order is None else [int(i) for i in p.order] for p in (loaded, plan)]
         assert orders[0] == orders[1]
         assert copy.deepcopy(plan) is plan
+
+
+def test_a_pickled_plan_is_the_plan_made_not_the_arguments_now():
+    # The plan kept the caller's objects: a lengths list changed after planning, or an
+    # iterator already used up, gave another plan (or an error) when loaded.
+    import pickle
+    import warnings
+
+    lengths = [40, 56]
+    plan = cm.builtin("document_causal").plan(96, lengths=lengths, block_size=16)
+    lengths[:] = [10, 86]
+    assert pickle.loads(pickle.dumps(plan)).intervals(50) == plan.intervals(50) == [(40, 51)]
+    order = list(range(20))[::-1]
+    plan = cm.builtin("causal").plan(20, order=order)
+    order.reverse()
+    assert list(pickle.loads(pickle.dumps(plan)).order) == list(range(20))[::-1]
+    plan = cm.builtin("document_causal").plan(96, lengths=iter([40, 56]))
+    assert pickle.loads(pickle.dumps(plan)).intervals(50) == [(40, 51)]
+    # Warnings were shown where it was planned; a worker that makes them errors loads it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warned = cm.compile("mask = k <= q + h;").plan(21)  # CM0262: reads h, one head
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cm.CompileMaskWarning)
+        assert pickle.loads(pickle.dumps(warned)).intervals(3) == warned.intervals(3)

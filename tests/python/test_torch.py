@@ -448,6 +448,23 @@ def test_mask_mod_broadcasts_as_attention_does():
         assert torch.allclose(out, cm.attention(q, q, q, plan), atol=1e-12)
 
 
+def test_mask_mod_does_not_broadcast_what_the_mask_reads():
+    # A mask that reads h planned with one head (CM0262), or a packed plan's batch, served
+    # Flex's other heads / batches with head 0's / batch 0's mask; attention() refuses them.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cm.CompileMaskWarning)
+        reads_h = cm.compile("mask = k <= q + h;").plan(21)
+        packed = cm.compile("mask = k <= q + b;").plan(cu_seqlens_q=[0, 5, 12])
+    assert torch.equal(flex.create_mask(reads_h.mask_mod(), 1, 1, 21, 21, device="cpu"),
+                       reads_h.to_dense(format="torch"))
+    with pytest.raises((IndexError, RuntimeError)):
+        flex.create_mask(reads_h.mask_mod(), 1, 4, 21, 21, device="cpu")
+    with pytest.raises((IndexError, RuntimeError)):
+        flex.create_mask(packed.mask_mod(), 2, 1, 12, 12, device="cpu")
+
+
 def test_mask_mod_is_false_outside_the_lengths():
     # Negative rows read row 0 through the clamp and answered for it.
     plan = cm.builtin("causal").plan(10, 12)

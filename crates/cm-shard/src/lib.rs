@@ -5,8 +5,9 @@
 //! A plain split by positions gives the ranks very different work: under a causal mask the
 //! last of two shards computes three times the pairs of the first. Here the sequence is cut
 //! into chunks of `chunk` tokens, and the chunks are dealt to the ranks so that each holds
-//! about the same number of visible pairs (query rows times their visible keys) with the same
-//! number of chunks (so the same number of tokens, give or take one short last chunk): a
+//! about the same number of visible pairs (query rows times their visible keys) with chunk
+//! counts that differ by at most one (`num_chunks / ranks`, one more for the first
+//! `num_chunks % ranks` ranks; the same number of tokens when the ranks divide the count): a
 //! longest-first greedy deal with capacities, then swaps between the heaviest and the
 //! lightest rank while they shrink the gap (MagiAttention's dispatch by mask area and
 //! FlashMask's context-parallel balancing both balance the same quantity). Rank `r` holds its

@@ -387,7 +387,11 @@ def _unpickle_program(source: str, name: str, defaults: dict[str, Any]) -> Progr
 
 
 def _unpickle_plan(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-    return program.plan(*args, **kwargs)
+    # Its warnings were shown where it was first planned; a worker that turns them into
+    # errors must still be able to load it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileMaskWarning)
+        return program.plan(*args, **kwargs)
 
 
 class Program:
@@ -467,11 +471,13 @@ class Program:
                     f"its parameters: {listed}",
                 )
 
-    def _params(self, params: Mapping[str, Any]) -> dict[str, int | list[int]]:
+    def _given(self, params: Mapping[str, Any]) -> dict[str, int | list[int]]:
+        """The given parameters, checked and read once into ints and lists of ints."""
         self._check_names(params)
-        merged = dict(self._defaults)
-        merged.update({k: _param_value(k, v) for k, v in params.items()})
-        return merged
+        return {k: _param_value(k, v) for k, v in params.items()}
+
+    def _params(self, params: Mapping[str, Any]) -> dict[str, int | list[int]]:
+        return {**self._defaults, **self._given(params)}
 
     def with_params(self, params: Mapping[str, ParamValue] | None = None, /,
                     **kwargs: ParamValue) -> Program:
@@ -552,35 +558,28 @@ class Program:
                 )
             cu_q = _offsets("cu_seqlens_q", cu_seqlens_q)
             cu_k = cu_q if cu_seqlens_k is None else _offsets("cu_seqlens_k", cu_seqlens_k)
-            native = self._native.plan_packed(
-                cu_q,
-                cu_k,
-                1 if num_heads is None else _length("num_heads", num_heads),
-                bm,
-                bn,
-                self._params(params),
-                _order_value(order, cu_q[-1] if cu_q else 0),
-            )
+            heads = 1 if num_heads is None else _length("num_heads", num_heads)
+            given = self._given(params)
+            order_v = _order_value(order, cu_q[-1] if cu_q else 0)
+            native = self._native.plan_packed(cu_q, cu_k, heads, bm, bn,
+                                              {**self._defaults, **given}, order_v)
             _warn(native)
+            # Pickling re-plans from the values planned with, read once here (an iterator
+            # is used up, and a list may change after this call).
             return Plan(native, self, ((), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                num_heads=num_heads, block_size=(bm, bn),
-                                                order=order, **params)))
+                                                num_heads=heads, block_size=(bm, bn),
+                                                order=order_v, **given)))
         if q_len is None:
             raise TypeError("plan() needs q_len (or cu_seqlens_q for packed samples)")
         rows = _length("q_len", q_len)
-        native = self._native.plan(
-            rows,
-            None if kv_len is None else _length("kv_len", kv_len),
-            1 if batch is None else _length("batch", batch),
-            1 if num_heads is None else _length("num_heads", num_heads),
-            bm,
-            bn,
-            self._params(params),
-            _order_value(order, rows),
-        )
+        lengths = (rows, None if kv_len is None else _length("kv_len", kv_len),
+                   1 if batch is None else _length("batch", batch),
+                   1 if num_heads is None else _length("num_heads", num_heads))
+        given = self._given(params)
+        order_v = _order_value(order, rows)
+        native = self._native.plan(*lengths, bm, bn, {**self._defaults, **given}, order_v)
         _warn(native)
-        return Plan(native, self, ((q_len, kv_len, batch, num_heads),
-                                   dict(block_size=(bm, bn), order=order, **params)))
+        return Plan(native, self, (lengths, dict(block_size=(bm, bn), order=order_v, **given)))
 
     def plan_step(
         self,

@@ -166,6 +166,12 @@ class Step:
         # after an append has cleared the cache).
         self._lock = threading.RLock()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a compilemask.Step holds the serving planner's state (its appended steps) and is "
+            "not pickled; send its StepTensors (step.to_tensors(), tensors that pickle) or "
+            "plan the step again where it is used")
+
     @property
     def program(self) -> Program:
         return self._program

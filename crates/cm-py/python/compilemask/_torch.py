@@ -396,9 +396,14 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     # and then sliced by column, and right ones for this form (tests/python/test_torch.py).
     starts_flat, ends_flat = starts.reshape(-1), ends.reshape(-1)
 
-    # A dimension the plan has once (its masks do not read that index) serves every index
-    # there, as attention() broadcasts it; Flex calls with its own batch and heads.
-    per_batch, per_head = plan.batch > 1, plan.num_heads > 1
+    # A dimension the plan has once and its mask does not read serves every index there, as
+    # attention() broadcasts it (Flex calls with its own batch and heads). A dimension the
+    # mask reads is indexed as given, so a Flex batch or head count the plan was not made
+    # for fails (IndexError) instead of reading another (b, h)'s mask; a packed plan's
+    # batch is its samples, one Flex batch.
+    per_batch = plan.batch > 1 or plan.uses_batch or plan.is_packed
+    per_head = plan.num_heads > 1 or plan.uses_head
+    single = single and not (per_batch or per_head)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         # Rows outside 0 .. q_len (Flex's padded last block) read a row in range, and the
@@ -508,6 +513,8 @@ def _reorder(x: Any, plan: Plan, dim: int, inverse: bool, what: str) -> Any:
         raise TypeError(f"plan must be a compilemask.Plan, got {type(plan).__name__}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim = {dim} is out of range for a {x.dim()}-D tensor")
     if x.shape[dim] != plan.q_len:

@@ -106,6 +106,11 @@ class ContextParallel:
         self._plans: dict = {}
         self._index: dict = {}
 
+    def __reduce__(self) -> tuple[Any, tuple[Plan, int, int]]:
+        # Dealt again from its plan (which pickles as its planning arguments): the deal is
+        # deterministic.
+        return (ContextParallel, (self.plan, self.ranks, self.chunk))
+
     @property
     def ranks(self) -> int:
         return self._native.ranks
