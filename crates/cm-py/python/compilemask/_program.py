@@ -1080,7 +1080,8 @@ class Plan:
         and :meth:`to_block_mask` agree). Pairs with ``q_idx`` outside ``[0, q_len)`` or
         ``kv_idx`` outside ``[0, kv_len)`` are False. A plan of batch 1 (one head) whose mask
         does not read ``b`` (``h``) answers for every ``b`` (``h``), as :func:`attention`
-        broadcasts it."""
+        broadcasts it; an index the mask reads (and a packed plan's ``b``) outside the plan's
+        batch (heads) fails with torch's ``IndexError``."""
         from ._torch import make_mask_mod
 
         return make_mask_mod(self, device)
