@@ -77,13 +77,10 @@ pub fn write(
     (path, format): (&Path, Format),
     plan_ms: f64,
 ) -> Result<Written> {
-    let (uses_batch, uses_head) = program.depends_on_batch_head();
     let subject = cm_view::Subject {
         plan,
         name: cm_view::display_name(program.name()),
         structure,
-        uses_batch,
-        uses_head,
     };
     let (bytes, written) = match format {
         Format::Html => {

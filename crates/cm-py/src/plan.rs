@@ -14,8 +14,6 @@ use crate::errors::plan_error;
 #[pyclass(frozen, module = "compilemask._native", name = "Plan")]
 pub struct Plan {
     pub inner: Arc<compilemask::Plan>,
-    pub uses_batch: bool,
-    pub uses_head: bool,
     pub compile_ms: f64,
     /// The program's name and named structure, for pictures.
     pub name: String,
@@ -68,7 +66,6 @@ impl Plan {
         options: &compilemask::PlanOptions,
         compile_ms: f64,
     ) -> Plan {
-        let (uses_batch, uses_head) = program.depends_on_batch_head();
         let lines = compilemask::LineIndex::new(program.source());
         let warnings = program
             .plan_warnings(options, &plan)
@@ -83,8 +80,6 @@ impl Plan {
         Plan {
             warnings,
             inner: Arc::new(plan),
-            uses_batch,
-            uses_head,
             compile_ms,
             name: cm_view::display_name(program.name()).to_string(),
             structure,
@@ -225,12 +220,12 @@ impl Plan {
 
     #[getter]
     fn uses_batch(&self) -> bool {
-        self.uses_batch
+        self.inner.uses_batch
     }
 
     #[getter]
     fn uses_head(&self) -> bool {
-        self.uses_head
+        self.inner.uses_head
     }
 
     #[getter]
@@ -435,8 +430,6 @@ impl Plan {
             plan: &self.inner,
             name: &self.name,
             structure: self.structure.as_ref(),
-            uses_batch: self.uses_batch,
-            uses_head: self.uses_head,
         };
         let picture =
             cm_view::figure(&subject, &view).map_err(|e| PyIndexError::new_err(e.to_string()))?;

@@ -105,8 +105,6 @@ impl Sharding {
         let (r, s) = (self.check(r, "rank")?, self.check(s, "source")?);
         Ok(Plan {
             inner: Arc::new(self.inner.part_plan(r, s, self.tile)),
-            uses_batch: false,
-            uses_head: false,
             compile_ms: 0.0,
             name: format!("{} (rank {r} from rank {s})", self.name),
             structure: None,

@@ -269,10 +269,10 @@ pub fn explorer(
         });
     }
     let mut notes = Vec::new();
-    if subject.uses_head && plan.num_heads == 1 {
+    if plan.uses_head && plan.num_heads == 1 {
         notes.push("the mask reads the head index h but was planned with num_heads = 1; this is h = 0 only".to_string());
     }
-    if subject.uses_batch && plan.batch == 1 && plan.packing.is_none() {
+    if plan.uses_batch && plan.batch == 1 && plan.packing.is_none() {
         notes.push(
             "the mask reads the batch index b but was planned with batch = 1; this is b = 0 only"
                 .to_string(),

@@ -28,10 +28,6 @@ pub struct Subject<'a> {
     /// Named spans to draw beside and across the mask ([`compilemask::Program::structure`],
     /// or [`Structure::packed`] for a packed plan); `None` draws none.
     pub structure: Option<&'a Structure>,
-    /// Whether the mask reads the batch index `b` / the head index `h`
-    /// ([`compilemask::Program::depends_on_batch_head`]): the title then names them.
-    pub uses_batch: bool,
-    pub uses_head: bool,
 }
 
 /// Which part of the plan to draw: the mask of batch `b`, head `h`, rows `rows.0 ..

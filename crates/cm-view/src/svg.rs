@@ -310,10 +310,10 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
         "{}  ·  q_len {} × kv_len {}",
         s.name, plan.q_len, plan.kv_len
     );
-    if s.uses_batch || plan.batch > 1 {
+    if plan.uses_batch || plan.batch > 1 {
         let _ = write!(title, "  ·  b {} of {}", view.b, plan.batch);
     }
-    if s.uses_head || plan.num_heads > 1 {
+    if plan.uses_head || plan.num_heads > 1 {
         let _ = write!(title, "  ·  h {} of {}", view.h, plan.num_heads);
     }
     let counts = mask.tiles.counts();
@@ -362,10 +362,10 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
 
     // Notes below the legend.
     let mut notes: Vec<String> = Vec::new();
-    if s.uses_head && plan.num_heads == 1 {
+    if plan.uses_head && plan.num_heads == 1 {
         notes.push("note: the mask reads the head index h but was planned with num_heads = 1; this is h = 0 only".into());
     }
-    if s.uses_batch && plan.batch == 1 && plan.packing.is_none() {
+    if plan.uses_batch && plan.batch == 1 && plan.packing.is_none() {
         notes.push("note: the mask reads the batch index b but was planned with batch = 1; this is b = 0 only".into());
     }
     if plan.order.is_some() {

@@ -183,8 +183,6 @@ fn subject(p: &Plan) -> Subject<'_> {
         plan: p,
         name: "a</script><!--<script>&b",
         structure: None,
-        uses_batch: false,
-        uses_head: false,
     }
 }
 

@@ -34,13 +34,10 @@ fn builtin(name: &str, options: PlanOptions) -> Case {
 
 fn draw(c: &Case, view: &View) -> (Picture, Vec<u8>) {
     let structure = c.program.structure(&c.options).unwrap();
-    let (uses_batch, uses_head) = c.program.depends_on_batch_head();
     let subject = Subject {
         plan: &c.plan,
         name: "test mask",
         structure: Some(&structure),
-        uses_batch,
-        uses_head,
     };
     let picture = figure(&subject, view).unwrap();
     let png = picture.png().unwrap();
@@ -218,8 +215,6 @@ fn head_and_batch_views() {
         plan: &c.plan,
         name: "m",
         structure: None,
-        uses_batch: true,
-        uses_head: true,
     };
     assert_eq!(
         figure(

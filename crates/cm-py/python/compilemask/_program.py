@@ -801,11 +801,13 @@ class Plan:
         ``order[i]``. An int64 tensor of ``q_len`` entries when torch is installed (a list of
         ints without it); ``None`` when the plan is in the program's own positions (raster).
         See :func:`compilemask.permute`."""
+        # Read from the native plan once (it copies the order and checks it against the
+        # identity each time): permute and unpermute ask on every call.
+        if "order" in self._cache:
+            return self._cache["order"]
         raw = self._native.order
-        if raw is None:
-            return None
-        cached = self._cache.get("order")
-        if cached is None:
+        cached = None
+        if raw is not None:
             from ._torch import torch_or_none
 
             torch = torch_or_none()
@@ -816,7 +818,7 @@ class Plan:
             else:
                 cached = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) \
                     if raw else torch.zeros(0, dtype=torch.int64)
-            self._cache["order"] = cached
+        self._cache["order"] = cached
         return cached
 
     @property
@@ -850,7 +852,7 @@ class Plan:
         (``None`` for an explicit permutation), ``raster_computed_pairs``,
         ``tile_density_before`` (raster) and ``tile_density_after`` (this order) of the (0, 0)
         mask, and ``candidates`` (:attr:`order_candidates`). ``None`` for a raster plan."""
-        if self._native.order is None:
+        if self.order is None:
             return None
         visible, computed = self._native.pairs_00
         return {

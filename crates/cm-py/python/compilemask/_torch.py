@@ -387,7 +387,6 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     starts, ends = _interval_table(plan, device)
     width = starts.shape[-1]
     q_len, kv_len = plan.q_len, plan.kv_len
-    single = plan.num_masks == 1
     dev = starts.device
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int64, device=dev).view(
         plan.batch, plan.num_heads)
@@ -403,7 +402,7 @@ def make_mask_mod(plan: Plan, device: Any = None) -> Any:
     # batch is its samples, one Flex batch.
     per_batch = plan.batch > 1 or plan.uses_batch or plan.is_packed
     per_head = plan.num_heads > 1 or plan.uses_head
-    single = single and not (per_batch or per_head)
+    single = plan.num_masks == 1 and not (per_batch or per_head)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         # Rows outside 0 .. q_len (Flex's padded last block) read a row in range, and the
@@ -522,7 +521,7 @@ def _reorder(x: Any, plan: Plan, dim: int, inverse: bool, what: str) -> Any:
             f"x has {x.shape[dim]} tokens along dim {dim}, but the plan was built for "
             f"q_len = {plan.q_len}"
         )
-    if plan._native.order is None:
+    if plan.order is None:
         return x
     return x.index_select(dim, _order_index(plan, x.device, inverse))
 
