@@ -188,13 +188,22 @@ def test_order_tensor_and_permute_helpers(torch):
     raster = clear()
     assert cm.permute(x, raster) is x and cm.unpermute(x, raster) is x
     # An auto order that found raster order best, and an explicit identity, are raster
-    # plans: order None (it was an identity tensor, and permute copied).
+    # plans: order None (it was an identity tensor, and permute copied). Their reports
+    # still say what was chosen, as `compilemask plan --json` does: auto's raster as the
+    # patch (1, 1, width) row-major among its candidates, the identity as a permutation.
     small = cm.builtin("clear", text=5, grid=9, radius=2)
-    for kept in (small.plan(86, order="auto", block_size=16),
-                 small.plan(86, order=list(range(86)), block_size=16)):
-        assert kept.order is None and kept.order_info() is None
+    auto_raster = small.plan(86, order="auto", block_size=16)
+    identity = small.plan(86, order=list(range(86)), block_size=16)
+    for kept in (auto_raster, identity):
+        assert kept.order is None
+        info = kept.order_info()
+        assert info["tile_density_before"] == info["tile_density_after"] == pytest.approx(kept.tile_density)
+        assert kept.stats()["order"] == info
         z = torch.randn(1, 1, 86, 2)
         assert cm.permute(z, kept) is z
+    assert (auto_raster.order_info()["patch"], auto_raster.order_info()["traversal"]) == ((1, 1, 9), "rowmajor")
+    assert auto_raster.order_info()["candidates"][0]["computed_pairs"] == auto_raster.computed_pairs
+    assert identity.order_info()["traversal"] is None and identity.order_info()["candidates"] == []
     with pytest.raises(ValueError, match="q_len"):
         cm.permute(x[:, :, :-1], auto)
     with pytest.raises(ValueError, match="dim"):

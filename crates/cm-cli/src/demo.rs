@@ -33,6 +33,12 @@ macro_rules! say {
 }
 
 pub fn run(out_dir: &std::path::Path) -> Result<()> {
+    if out_dir.exists() && !out_dir.is_dir() {
+        return Err(anyhow!(
+            "--out `{}` is a file; expected a directory (it is created if missing) for the demo's pictures",
+            out_dir.display()
+        ));
+    }
     std::fs::create_dir_all(out_dir)
         .map_err(|e| anyhow!("cannot create `{}`: {e}", out_dir.display()))?;
     say!("CompileMask demo: the eight workloads of docs/workloads.md, tile 128x128, planned on one core\n");

@@ -251,6 +251,13 @@ impl Plan {
             .map(|o| py_bytes(py, &o.order))
     }
 
+    /// Whether the plan was planned in a token order at all: also for an `order="auto"` that
+    /// chose raster order, or an explicit identity, which `order` gives as `None`.
+    #[getter]
+    fn in_order(&self) -> bool {
+        self.inner.order.is_some()
+    }
+
     /// `(frames, rows, columns)` of the chosen patch order (`None` for a whole extent), or
     /// `None` for raster planning and explicit permutations.
     #[getter]
@@ -319,7 +326,7 @@ impl Plan {
         let q_len = i64::from(self.inner.q_len);
         if !(0 <= start && start <= stop && stop <= q_len) {
             return Err(PyIndexError::new_err(format!(
-                "rows {start}:{stop} are out of range; the plan has q_len = {q_len} rows"
+                "rows {start}:{stop} are out of range; expected start:stop with 0 <= start <= stop <= {q_len} (the plan's q_len; 0-based, half-open)"
             )));
         }
         Ok((start as u32..stop as u32)

@@ -957,7 +957,11 @@ impl Parser {
                 }
             }
             _ => {
+                // The token is left for the statement's recovery; every rule around this one
+                // would report it again (a missing `)`, `]` or `;`), so the rest of the
+                // statement is skipped quietly: one fault, one diagnostic.
                 self.error_here("an expression");
+                self.skipping = true;
                 self.error_expr(t.span)
             }
         }

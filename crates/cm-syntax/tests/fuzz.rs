@@ -352,3 +352,42 @@ fn the_smallest_integer_is_written_with_its_minus_sign() {
         parse_checked(src);
     }
 }
+
+/// One fault gives one diagnostic: a token that cannot start an expression, wherever an
+/// expression is due (an operand, a call's argument, an array item, inside parentheses, a
+/// condition, a range's end), is reported once, not again by each rule around it as a
+/// missing `)`, `]`, `then` or `;`.
+#[test]
+fn a_token_that_cannot_start_an_expression_is_reported_once() {
+    let contexts = [
+        "mask = k <= @;",
+        "mask = k <= q + @;",
+        "mask = max(1, @) <= k;",
+        "mask = k <= min(@, q);",
+        "mask = k <= [1, @][0];",
+        "mask = k <= (q + (@));",
+        "mask = if @ then k <= q else k < q;",
+        "mask = if q > 1 then k <= @ else k < q;",
+        "mask = any i in 0 .. @: k == i;",
+        "let a = (1 + @;\nmask = k <= q;",
+        "param w: int = @;\nmask = k <= q;",
+    ];
+    let bad = ["\"hi\"", ")", "]", "else", ",", ":", "then", "*", "==", "=", "in"];
+    for context in contexts {
+        for token in bad {
+            let src = context.replace('@', token);
+            let (_, diags) = parse(&src);
+            check_diags(&src, &diags);
+            assert_eq!(
+                diags.len(),
+                1,
+                "{src:?} gave {} diagnostics: {:#?}",
+                diags.len(),
+                diags.iter().map(|d| &d.message).collect::<Vec<_>>()
+            );
+            // `max(1, ))` closes the call after a trailing comma: its one fault is the
+            // second `)`.
+            assert_eq!(diags[0].code.to_string(), "CM0104", "{src:?}: {}", diags[0].message);
+        }
+    }
+}

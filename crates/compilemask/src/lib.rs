@@ -854,13 +854,13 @@ pub fn render_error(source: &str, name: &str, e: &PlanError) -> String {
 }
 
 /// Renders diagnostics against their source, without colour (ariadne). Lines longer than
-/// [`MAX_SHOWN_LINE`] bytes are cut to a window around the labels (the header's column then
-/// counts within the window); the `at FILE:LINE:COL` note always gives the true position.
+/// [`MAX_SHOWN_LINE`] bytes are cut to a window around the labels; the header and the `at
+/// FILE:LINE:COL` note give the true position either way.
 /// Each diagnostic's first line is its [`Display`](std::fmt::Display) header, `[CODE]
 /// Error: message`.
 pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
     use ariadne::{Config, IndexType, Label, Report, ReportKind, Source};
-    let mut out = Vec::new();
+    let mut out = String::new();
     let lines = LineIndex::new(source);
     for d in diagnostics {
         let kind = if d.is_error() {
@@ -892,16 +892,35 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
             report = report.with_help(h);
         }
         let (line, col) = lines.line_col(d.span.start);
-        report = report.with_note(format!("at {name}:{line}:{col}"));
+        let at = format!("{name}:{line}:{col}");
+        report = report.with_note(format!("at {at}"));
+        let mut one = Vec::new();
         if report
             .finish()
-            .write((name, Source::from(shown.as_ref())), &mut out)
+            .write((name, Source::from(shown.as_ref())), &mut one)
             .is_err()
         {
-            out.extend_from_slice(format!("{d}\n").as_bytes());
+            one = format!("{d}\n").into_bytes();
         }
+        let mut text = String::from_utf8_lossy(&one).into_owned();
+        true_header(&mut text, &at);
+        out.push_str(&text);
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
+}
+
+/// Puts `at` (`FILE:LINE:COL`) into a report's `╭─[ ... ]` header: on a line that [`window`]
+/// cut, ariadne counts the column within the window.
+fn true_header(report: &mut String, at: &str) {
+    const OPEN: &str = "╭─[ ";
+    let Some(open) = report.find(OPEN) else {
+        return;
+    };
+    let from = open + OPEN.len();
+    let line_end = report[from..].find('\n').map_or(report.len(), |i| from + i);
+    if let Some(close) = report[from..line_end].rfind(" ]") {
+        report.replace_range(from..from + close, at);
+    }
 }
 
 /// How many diagnostics [`CompileError::rendered`] and the CLI render before one line

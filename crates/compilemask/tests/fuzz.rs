@@ -62,6 +62,38 @@ const TOKENS: &[&str] = &[
     "#",
 ];
 
+/// The `FILE:LINE:COL` of every report's `╭─[ ... ]` header and of its `Note: at ...` line.
+fn locations(rendered: &str) -> (Vec<&str>, Vec<&str>) {
+    let headers = rendered
+        .lines()
+        .filter_map(|l| l.split_once("╭─[ ").and_then(|(_, r)| r.rsplit_once(" ]")).map(|(at, _)| at))
+        .collect();
+    let notes = rendered
+        .lines()
+        .filter_map(|l| l.split_once("Note: at ").map(|(_, at)| at.trim_end()))
+        .collect();
+    (headers, notes)
+}
+
+/// A diagnostic on a line too long to draw whole (cut to a window around it) names its true
+/// column in the header, as in the note and the diagnostic itself.
+#[test]
+fn the_header_of_a_cut_line_gives_the_true_column() {
+    for lines_before in [0, 3] {
+        for terms in [0, 10, 60, 100] {
+            let src = format!("{}mask = k <= q{} + qq;", "\n".repeat(lines_before), " + 0".repeat(terms));
+            let e = compile(&src).unwrap_err();
+            let d = &e.diagnostics[0];
+            let (line, col) = cm_syntax::line_col(&src, d.span.start);
+            assert_eq!(col, 13 + 4 * terms + 4, "{src}");
+            let rendered = compilemask::render(&src, "f", &e.diagnostics);
+            let at = format!("f:{line}:{col}");
+            let (headers, notes) = locations(&rendered);
+            assert_eq!((headers, notes), (vec![at.as_str()], vec![at.as_str()]), "{rendered}");
+        }
+    }
+}
+
 fn source() -> impl Strategy<Value = String> {
     prop_oneof![
         lossy_bytes(300),
@@ -90,6 +122,8 @@ proptest! {
                 }
                 let again = compilemask::render(&src, "fuzz", &e.diagnostics);
                 prop_assert!(!again.is_empty());
+                let (headers, notes) = locations(&again);
+                prop_assert_eq!(headers, notes);
             }
             Ok(program) => {
                 let mut opts = PlanOptions::new(q_len).kv_len(q_len + 1).tile(5, 7);

@@ -851,8 +851,12 @@ class Plan:
         """The ``order`` object of ``compilemask plan --json``: ``patch``, ``traversal``
         (``None`` for an explicit permutation), ``raster_computed_pairs``,
         ``tile_density_before`` (raster) and ``tile_density_after`` (this order) of the (0, 0)
-        mask, and ``candidates`` (:attr:`order_candidates`). ``None`` for a raster plan."""
-        if self.order is None:
+        mask, and ``candidates`` (:attr:`order_candidates`). ``None`` for a plan made without
+        ``order``. An ``order="auto"`` that chose raster order reports it (patch ``(1, 1,
+        width)``, row-major, with the candidates it beat), as does an explicit identity
+        (``traversal`` ``None``), although :attr:`order` is ``None`` for both: the plan is a
+        raster plan."""
+        if not self._native.in_order:
             return None
         visible, computed = self._native.pairs_00
         return {
