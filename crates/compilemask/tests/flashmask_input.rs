@@ -125,32 +125,44 @@ fn the_causal_form_masks_the_upper_triangle() {
 #[test]
 fn bad_column_forms_are_named() {
     let flashmask = compilemask::builtin("flashmask").unwrap();
+    let eight = |v: i64| arr(&[v; 8]);
     let cases = [
         (
             PlanOptions::new(8).param("causal", Value::Int(2)),
-            "causal must be 0 or 1, got 2",
+            "causal must be 0 or 1, got 2".to_string(),
         ),
         (
             PlanOptions::new(8)
                 .param("causal", Value::Int(1))
-                .param("uts", arr(&[0, 0]))
-                .param("ute", arr(&[0, 1])),
-            "give lts (and lte) only, got 2 uts",
+                .param("uts", eight(0))
+                .param("ute", eight(1)),
+            "give lts (and lte) only, got 8 uts".to_string(),
         ),
         (
             PlanOptions::new(8)
-                .param("lts", arr(&[3, 4]))
+                .param("lts", eight(3))
                 .param("lte", arr(&[5])),
-            "got 2 lts and 1 lte",
+            "got 8 lts and 1 lte".to_string(),
         ),
         (
-            PlanOptions::new(8).param("uts", arr(&[3, 4])),
-            "uts and ute need equal lengths, got 2 and 0",
+            PlanOptions::new(8).param("uts", eight(3)),
+            "uts and ute need equal lengths, got 8 and 0".to_string(),
         ),
-    ];
+    ]
+    .into_iter()
+    // An array of another length than kv_len (and not empty) would leave keys unmasked.
+    .chain([(2, "uts", 8), (9, "uts", 8), (7, "lts", 8), (1, "lts", 4)].map(|(n, name, kv_len)| {
+        let other = if name == "uts" { "ute" } else { "lte" };
+        (
+            PlanOptions::new(kv_len)
+                .param(name, arr(&vec![0; n]))
+                .param(other, arr(&vec![0; n])),
+            format!("{name} holds one entry per key (kv_len = {kv_len}) or none, got {n}"),
+        )
+    }));
     for (options, message) in cases {
         let err = flashmask.plan(&options).unwrap_err();
         let text = flashmask.render_error(&err);
-        assert!(text.contains(message), "{text}");
+        assert!(text.contains(&message), "{text}");
     }
 }

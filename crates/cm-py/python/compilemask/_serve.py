@@ -104,7 +104,7 @@ def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
     out = [_int(f"{name}[{i}]", x) for i, x in _bounded(name, value, _MAX_SEQS, _MAX_SEQS_WHY)]
     for i, x in enumerate(out):
         if not -(1 << 63) <= x < (1 << 63):
-            raise ValueError(f"{name}[{i}] = {x} is out of range")
+            raise ValueError(f"{name}[{i}] = {x} is out of range; expected a signed 64-bit integer")
     return out
 
 
