@@ -1079,3 +1079,17 @@ fn counts_are_pluralised() {
     let o = ok(&["check", "--builtin", "causal"]);
     assert!(o.contains("(0 warnings; parameters: none)"), "{o}");
 }
+
+/// `demo --out` naming a file (not a directory) says so, before anything is written.
+#[test]
+fn demo_out_must_be_a_directory() {
+    let dir = scratch("demo_out_file");
+    let file = dir.join("taken");
+    std::fs::write(&file, "mine").unwrap();
+    let path = file.to_str().unwrap();
+    fails(
+        &["demo", "--out", path],
+        &[&format!("--out `{path}` is a file"), "expected a directory"],
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+}
