@@ -285,6 +285,26 @@ def test_paged_attention_equals_dense(torch, name, params, heads, page_size):
     torch.testing.assert_close(out32.double(), want32, rtol=0, atol=1e-5)
 
 
+def test_a_mask_reading_num_heads_runs_with_the_heads_it_was_planned_for(torch):
+    # A window of num_heads keys: one mask for every head, bound with the step's num_heads.
+    program = cm.compile("mask = q - num_heads < k <= q;")
+    with pytest.raises(ValueError, match="reads num_heads.*pass num_heads="):
+        program.plan_step(1, [10])
+    kv_len = [10, 3]
+    step = program.plan_step(1, kv_len, num_heads=4)
+    assert [step.row(r) for r in range(2)] == [[(6, 10)], [(0, 3)]]
+    kc, vc, table = make_cache(torch, kv_len, 4, 2, 8, 8, [None, None], 1)
+    q = torch.randn(step.total_q, 4, 8, dtype=torch.float64)
+    out = cm.paged_attention(q, kc, vc, table, step)
+    want, _ = dense_reference(torch, q, kc, vc, table, step, 1 / math.sqrt(8))
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="planned with num_heads = 4.*q has num_heads = 2"):
+        cm.paged_attention(q[:, :2], kc, vc, table, step)
+    # A mask that does not read it runs with any heads, whatever the step was given.
+    causal = cm.builtin("causal").plan_step(1, kv_len, num_heads=3)
+    cm.paged_attention(q[:, :2], kc, vc, table, causal)
+
+
 def test_shared_prompt_pages_and_trees(torch):
     trees = [[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 1, 2], [-1] + [i // 3 for i in range(63)]]
     kv_len = [256 + 40 + 7, 256 + 4, 256 + 1 + 64]

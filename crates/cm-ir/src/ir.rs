@@ -568,4 +568,7 @@ pub struct Program {
     /// visibility, the lengths only bounding the keys (what `cm-serve` relies on to reuse
     /// one binding across sequence lengths).
     pub reads_lengths: bool,
+    /// Whether anything the program holds reads `num_heads` (set where `reads_lengths` is):
+    /// a serving step binds it from the planner, not from the tensors it later runs on.
+    pub reads_num_heads: bool,
 }

@@ -147,6 +147,11 @@ impl Program {
     }
 
     #[getter]
+    fn reads_num_heads(&self) -> bool {
+        self.inner.reads_num_heads()
+    }
+
+    #[getter]
     fn uses_elementwise(&self) -> bool {
         self.inner.uses_elementwise()
     }

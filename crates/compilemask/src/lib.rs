@@ -480,6 +480,13 @@ impl Program {
         (self.ir.uses_b, self.ir.uses_h)
     }
 
+    /// Whether the program reads `num_heads` (anywhere: the mask, a parameter default, a
+    /// requirement). A serving step binds it from its planner ([`Program::plan_step`]'s
+    /// `num_heads`), which must then be the query heads the step runs with.
+    pub fn reads_num_heads(&self) -> bool {
+        self.ir.reads_num_heads
+    }
+
     /// The token order that visits the program's first grid patch by patch (`patch` is
     /// frames, rows, columns, each side clipped to `[1, the grid's extent]`: 0 reads as 1,
     /// `u32::MAX` as the whole extent), other tokens keeping their places. Plan in it with

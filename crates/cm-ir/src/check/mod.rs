@@ -121,6 +121,8 @@ struct Checker<'a> {
     score_h: Option<Span>,
     /// Whether some expression read a length (see `Program::reads_lengths`).
     reads_lengths: bool,
+    /// Whether some expression read `num_heads` (see `Program::reads_num_heads`).
+    reads_num_heads: bool,
     /// Whether each parameter is read.
     params_read: Vec<bool>,
     /// Each `let`'s expression depth and size with the `let`s it uses inlined (see [`lets`]).
@@ -209,6 +211,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         uses_h: None,
         score_h: None,
         reads_lengths: false,
+        reads_num_heads: false,
         params_read: Vec::new(),
         let_shapes: Vec::new(),
         declared_at: HashMap::new(),
@@ -319,6 +322,7 @@ impl<'a> Checker<'a> {
             h_span: self.uses_h,
             score_h_span: self.score_h,
             reads_lengths: self.reads_lengths,
+            reads_num_heads: self.reads_num_heads,
         };
         (Some(program), self.diags)
     }

@@ -189,6 +189,7 @@ impl Checker<'_> {
             }
             "q_len" | "kv_len" | "batch" | "num_heads" => {
                 self.reads_lengths = true;
+                self.reads_num_heads |= n == "num_heads";
                 Some(match n {
                     "q_len" => IntKind::QLen,
                     "kv_len" => IntKind::KvLen,

@@ -601,7 +601,9 @@ class Program:
         ``params[s]`` (a list of dicts, one per sequence) to sequence ``s`` over them, e.g.
         each sequence's speculative tree (``builtin("tree_decode")``'s ``parents``).
         ``num_heads`` is only what a program reading ``num_heads`` sees: one mask serves every
-        head (a mask that reads ``h`` is refused, as is one with a ``score`` or ``sink``).
+        head (a mask that reads ``h`` is refused, as is one with a ``score`` or ``sink``). A
+        program that reads it needs it given (``ValueError`` without), and
+        :func:`compilemask.paged_attention` refuses a ``q`` of other heads with the step.
 
         Returns a :class:`Step`; :meth:`Step.append` plans the next decode step and
         :func:`compilemask.paged_attention` runs it. Raises :class:`PlanError` for a

@@ -141,7 +141,13 @@ def plan_step(program: Program, q_len: Any, kv_len: Any, num_heads: Any, params:
     heads = 1 if num_heads is None else _length("num_heads", num_heads)
     native = program._native.plan_step(q, kv, heads, program._params(shared),
                                        _seq_params(program, params))
-    return Step(native, program)
+    # After the native checks, which name what a step cannot serve at all (h, score terms).
+    reads = program._native.reads_num_heads
+    if num_heads is None and reads:
+        raise ValueError(
+            "this mask reads num_heads, which a step binds when it is planned: pass num_heads= "
+            "(the query heads of the q that paged_attention will run it with)")
+    return Step(native, program, heads if reads else None)
 
 
 class Step:
@@ -155,11 +161,14 @@ class Step:
     kv_len[s]`` with batch index ``b = s``. One mask serves every head.
     """
 
-    __slots__ = ("_native", "_program", "_tensors", "_lock")
+    __slots__ = ("_native", "_program", "_num_heads", "_tensors", "_lock")
 
-    def __init__(self, native: _native.Step, program: Program):
+    def __init__(self, native: _native.Step, program: Program, num_heads: int | None):
         self._native = native
         self._program = program
+        # The num_heads the program read when planned (None: it reads none), which the q a
+        # step runs with must have.
+        self._num_heads = num_heads
         self._tensors: dict[str, StepTensors | PrefillTensors] = {}
         # The native step serialises its own calls; this keeps the tensor cache in step
         # with it when threads share a Step (tensors of an old step must not be stored
@@ -416,6 +425,10 @@ def paged_attention(
     if kernel not in ("auto", "decode", "prefill"):
         raise ValueError(f"kernel must be 'auto', 'decode' or 'prefill', got {kernel!r}")
     return_lse = _flag("return_lse", return_lse)
+    if isinstance(step, Step) and step._num_heads not in (None, hq):
+        raise ValueError(
+            f"the step was planned with num_heads = {step._num_heads}, which its mask reads, but q "
+            f"has num_heads = {hq} (q.shape[1]); plan the step with num_heads={hq}")
     if isinstance(step, Step):
         tensors = step.to_tensors(q.device)
     elif isinstance(step, StepTensors):
