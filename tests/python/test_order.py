@@ -206,8 +206,10 @@ def test_order_tensor_and_permute_helpers(torch):
     assert identity.order_info()["traversal"] is None and identity.order_info()["candidates"] == []
     with pytest.raises(ValueError, match="q_len"):
         cm.permute(x[:, :, :-1], auto)
-    with pytest.raises(ValueError, match="dim"):
+    with pytest.raises(IndexError, match=r"dim = 4 is out of range for a 4-D tensor; expected -4 \.\.= 3"):
         cm.permute(x, auto, dim=4)
+    with pytest.raises(IndexError, match="dim = -5"):
+        cm.unpermute(x, auto, dim=-5)
     with pytest.raises(TypeError, match="dim must be an int, got float 1.0"):
         cm.permute(x, auto, dim=1.0)
     with pytest.raises(TypeError, match="Plan"):

@@ -515,7 +515,9 @@ def _reorder(x: Any, plan: Plan, dim: int, inverse: bool, what: str) -> Any:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim = {dim} is out of range for a {x.dim()}-D tensor")
+        # IndexError, as torch and compilemask.distributed name a dimension out of range.
+        raise IndexError(f"dim = {dim} is out of range for a {x.dim()}-D tensor; expected "
+                         f"{-x.dim()} ..= {x.dim() - 1}")
     if x.shape[dim] != plan.q_len:
         raise ValueError(
             f"x has {x.shape[dim]} tokens along dim {dim}, but the plan was built for "
