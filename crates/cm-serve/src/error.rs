@@ -150,6 +150,15 @@ pub enum StepError {
     )]
     PerHeadMask,
 
+    /// The program reads `num_heads`, which a step binds when it is planned, and none was
+    /// given ([`crate::StepPlanner::with_num_heads`]).
+    #[error(
+        "the program reads `num_heads`, which a serving step binds when it is planned: give the \
+         query heads the step will run with (StepPlanner::with_num_heads; Python: \
+         plan_step(..., num_heads=H))"
+    )]
+    NumHeadsNeeded,
+
     /// The program has score terms, which the step's rows cannot carry.
     #[error(
         "the program has a `score` or `sink` statement, but a serving step carries key \

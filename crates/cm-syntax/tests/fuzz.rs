@@ -372,7 +372,9 @@ fn a_token_that_cannot_start_an_expression_is_reported_once() {
         "let a = (1 + @;\nmask = k <= q;",
         "param w: int = @;\nmask = k <= q;",
     ];
-    let bad = ["\"hi\"", ")", "]", "else", ",", ":", "then", "*", "==", "=", "in"];
+    let bad = [
+        "\"hi\"", ")", "]", "else", ",", ":", "then", "*", "==", "=", "in",
+    ];
     for context in contexts {
         for token in bad {
             let src = context.replace('@', token);
@@ -387,7 +389,12 @@ fn a_token_that_cannot_start_an_expression_is_reported_once() {
             );
             // `max(1, ))` closes the call after a trailing comma: its one fault is the
             // second `)`.
-            assert_eq!(diags[0].code.to_string(), "CM0104", "{src:?}: {}", diags[0].message);
+            assert_eq!(
+                diags[0].code.to_string(),
+                "CM0104",
+                "{src:?}: {}",
+                diags[0].message
+            );
         }
     }
 }

@@ -433,7 +433,9 @@ impl Program {
     /// ```
     ///
     /// # Errors
-    /// As [`Program::step_planner`] and [`StepPlanner::plan_each`]; render a
+    /// As [`Program::step_planner`] and [`StepPlanner::plan_each`];
+    /// [`StepError::NumHeadsNeeded`] for a program that reads `num_heads` (plan it with
+    /// `step_planner(params)?.with_num_heads(h)` and [`Step::new`]); render a
     /// [`StepError::Plan`] with [`Program::render_error`].
     pub fn plan_step(
         &self,
@@ -442,7 +444,11 @@ impl Program {
         params: &BTreeMap<String, Value>,
         seq_params: Option<Vec<BTreeMap<String, Value>>>,
     ) -> Result<Step, StepError> {
-        Step::new(self.step_planner(params)?, q_len, kv_len, seq_params)
+        let planner = self.step_planner(params)?;
+        if self.reads_num_heads() {
+            return Err(StepError::NumHeadsNeeded);
+        }
+        Step::new(planner, q_len, kv_len, seq_params)
     }
 
     /// The declared parameters: name, whether it is an integer array, whether it has a

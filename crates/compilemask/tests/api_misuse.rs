@@ -102,3 +102,32 @@ fn a_score_tensor_given_twice_is_an_error() {
         "score tensor `sinks` is given twice; give each tensor once"
     );
 }
+
+/// A serving step binds `num_heads` when it is planned: `plan_step` (which has no head count)
+/// refuses a program that reads it, where it bound 1 silently; a planner given the heads
+/// plans it at them.
+#[test]
+fn a_step_of_a_mask_reading_num_heads_needs_them() {
+    use compilemask::{Step, StepError};
+    let window = compile("mask = q - num_heads < k <= q;").unwrap();
+    assert!(window.reads_num_heads());
+    assert!(!builtin("causal").unwrap().reads_num_heads());
+    let none = Default::default();
+    assert_eq!(
+        window.plan_step(&[1], &[10], &none, None).unwrap_err(),
+        StepError::NumHeadsNeeded
+    );
+    let planner = window
+        .step_planner(&none)
+        .unwrap()
+        .with_num_heads(4)
+        .unwrap();
+    let step = Step::new(planner, &[1, 1], &[10, 3], None).unwrap();
+    let rows: Vec<Vec<(u32, u32)>> = (0..2).map(|r| step.plan().row(r).collect()).collect();
+    assert_eq!(rows, [vec![(6, 10)], vec![(0, 3)]]);
+    // A mask that reads only lengths the step binds itself plans as before.
+    assert!(compile("mask = k <= q & k >= kv_len - 4;")
+        .unwrap()
+        .plan_step(&[1], &[10], &none, None)
+        .is_ok());
+}

@@ -151,15 +151,17 @@ fn bad_column_forms_are_named() {
     ]
     .into_iter()
     // An array of another length than kv_len (and not empty) would leave keys unmasked.
-    .chain([(2, "uts", 8), (9, "uts", 8), (7, "lts", 8), (1, "lts", 4)].map(|(n, name, kv_len)| {
-        let other = if name == "uts" { "ute" } else { "lte" };
-        (
-            PlanOptions::new(kv_len)
-                .param(name, arr(&vec![0; n]))
-                .param(other, arr(&vec![0; n])),
-            format!("{name} holds one entry per key (kv_len = {kv_len}) or none, got {n}"),
-        )
-    }));
+    .chain(
+        [(2, "uts", 8), (9, "uts", 8), (7, "lts", 8), (1, "lts", 4)].map(|(n, name, kv_len)| {
+            let other = if name == "uts" { "ute" } else { "lte" };
+            (
+                PlanOptions::new(kv_len)
+                    .param(name, arr(&vec![0; n]))
+                    .param(other, arr(&vec![0; n])),
+                format!("{name} holds one entry per key (kv_len = {kv_len}) or none, got {n}"),
+            )
+        }),
+    );
     for (options, message) in cases {
         let err = flashmask.plan(&options).unwrap_err();
         let text = flashmask.render_error(&err);

@@ -66,7 +66,11 @@ const TOKENS: &[&str] = &[
 fn locations(rendered: &str) -> (Vec<&str>, Vec<&str>) {
     let headers = rendered
         .lines()
-        .filter_map(|l| l.split_once("╭─[ ").and_then(|(_, r)| r.rsplit_once(" ]")).map(|(at, _)| at))
+        .filter_map(|l| {
+            l.split_once("╭─[ ")
+                .and_then(|(_, r)| r.rsplit_once(" ]"))
+                .map(|(at, _)| at)
+        })
         .collect();
     let notes = rendered
         .lines()
@@ -81,7 +85,11 @@ fn locations(rendered: &str) -> (Vec<&str>, Vec<&str>) {
 fn the_header_of_a_cut_line_gives_the_true_column() {
     for lines_before in [0, 3] {
         for terms in [0, 10, 60, 100] {
-            let src = format!("{}mask = k <= q{} + qq;", "\n".repeat(lines_before), " + 0".repeat(terms));
+            let src = format!(
+                "{}mask = k <= q{} + qq;",
+                "\n".repeat(lines_before),
+                " + 0".repeat(terms)
+            );
             let e = compile(&src).unwrap_err();
             let d = &e.diagnostics[0];
             let (line, col) = cm_syntax::line_col(&src, d.span.start);
@@ -89,7 +97,11 @@ fn the_header_of_a_cut_line_gives_the_true_column() {
             let rendered = compilemask::render(&src, "f", &e.diagnostics);
             let at = format!("f:{line}:{col}");
             let (headers, notes) = locations(&rendered);
-            assert_eq!((headers, notes), (vec![at.as_str()], vec![at.as_str()]), "{rendered}");
+            assert_eq!(
+                (headers, notes),
+                (vec![at.as_str()], vec![at.as_str()]),
+                "{rendered}"
+            );
         }
     }
 }
