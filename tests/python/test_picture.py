@@ -105,7 +105,7 @@ def test_show_saves_and_displays(tmp_path):
         img.save(tmp_path / "m.jpg")
     # Planned with one head, the picture says the mask reads h.
     one = cm.compile("mask = k <= q - h;").plan(16)
-    assert "reads the head index h" in one.to_image("svg").decode()
+    assert "depends on the head (reads h or num_heads)" in one.to_image("svg").decode()
 
 
 def test_bad_views_are_refused():

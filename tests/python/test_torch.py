@@ -130,6 +130,43 @@ def test_broadcast_plan_over_batch_and_heads():
     _check(plan, q, k, v, atol_out=1e-10, atol_grad=1e-9)
 
 
+def test_plans_that_depend_on_the_batch_or_heads_do_not_broadcast():
+    q = torch.randn(3, 4, 10, 8, dtype=torch.float64)
+    # The lengths bind at the plan's values: a plan for one head is not the mask of four.
+    for source, what in (("mask = k <= q - num_heads;", "num_heads"),
+                         ("mask = k <= q - batch;", "batch")):
+        plan = cm.compile(source).plan(10)
+        assert (plan.uses_head, plan.uses_batch) == (what == "num_heads", what == "batch")
+        for p in (plan, plan.to_tensors()):
+            with pytest.raises(ValueError, match=f"depends on the {what}.*{what} = "):
+                cm.attention(q, q, q, p)
+        fit = cm.compile(source).plan(10, batch=3, num_heads=4)
+        ref, _, _ = dense_attention(q, q, q, fit.to_dense(format="torch"), 8 ** -0.5)
+        torch.testing.assert_close(cm.attention(q, q, q, fit), ref.to(q.dtype), rtol=0,
+                                   atol=1e-12)
+    # A packed plan is one batch of its samples, as a Plan or as its PlanTensors.
+    packed = cm.builtin("causal").plan(cu_seqlens_q=[0, 4, 10])
+    for p in (packed, packed.to_tensors()):
+        with pytest.raises(ValueError, match="batch"):
+            cm.attention(q[:2, :1], q[:2, :1], q[:2, :1], p)
+    cm.attention(q[:1, :1], q[:1, :1], q[:1, :1], packed.to_tensors())
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_second_order_gradients_are_refused(scored):
+    # The first-order gradients come from a fused backward; a double backward through it
+    # raised torch's generic message (plain) or silently dropped the second-order term (with
+    # score terms).
+    source = "mask = k <= q;" + ("\ntensor sinks: [num_heads];\nsink = sinks[h];" if scored else "")
+    plan = cm.compile(source).plan(7, num_heads=2)
+    q, k, v = (torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kw = {"score_tensors": {"sinks": torch.randn(2, dtype=torch.float64)}} if scored else {}
+    out = cm.attention(q, k, v, plan, **kw)
+    g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order|differentiate twice"):
+        (out.sum() + g.pow(2).sum()).backward()
+
+
 def test_non_contiguous_inputs():
     plan = cm.builtin("sliding_window", window=4).plan(20)
     q, k, v = _inputs(2, 20, 20, 3, 3, 8, 8, torch.float64)  # [b, seq, heads, d]

@@ -226,6 +226,30 @@ def test_left_padded_batch_matches_sdpa(name, device, dtype):
     within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, "padded logits")
 
 
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_static_cache_matches_sdpa(name, device, dtype):
+    # A static cache holds slots for max_cache_len keys, of which a step has written only
+    # those up to its last position: the rest are no row's keys, and the causal rows end at
+    # the last written slot (they were aligned at the cache's end, and saw the empty slots).
+    from transformers import StaticCache
+
+    ours, sdpa, ref = models(name, device, dtype)
+    ids = tokens(device, 2, 30, seed=5)
+    with torch.no_grad():
+        out = [m(ids, past_key_values=StaticCache(config=m.config, max_cache_len=64),
+                 use_cache=True).logits for m in (ours, sdpa, ref)]
+    assert ran()
+    within_rule(out[0], out[1], out[2], dtype, "static-cache logits")
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    a, b = ours.generate(ids, **kw), sdpa.generate(ids, **kw)
+    if dtype == torch.float32:
+        assert torch.equal(a, b)
+
+
 def dense_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                     **kwargs):
     """A float64 masked softmax with the plan's dense mask: the reference attention for a

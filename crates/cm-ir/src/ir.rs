@@ -568,7 +568,11 @@ pub struct Program {
     /// visibility, the lengths only bounding the keys (what `cm-serve` relies on to reuse
     /// one binding across sequence lengths).
     pub reads_lengths: bool,
-    /// Whether anything the program holds reads `num_heads` (set where `reads_lengths` is):
-    /// a serving step binds it from the planner, not from the tensors it later runs on.
+    /// Whether the program outside its score part (`tensor`, `score`, `sink`) reads
+    /// `num_heads`, a used `let` included: its masks may then differ with the head count, so
+    /// a plan holds only for the heads it was bound with (a serving step binds it from the
+    /// planner, not from the tensors).
     pub reads_num_heads: bool,
+    /// The same for `batch`.
+    pub reads_batch: bool,
 }

@@ -91,10 +91,11 @@ pub struct Plan {
     pub masks: Vec<MaskPlan>,
     /// `[batch, num_heads]` row-major: index into `masks`.
     pub mask_index: Vec<u32>,
-    /// Whether the masks read the batch index `b` / the head index `h`. A plan of batch 1
-    /// (num_heads 1) whose masks do not read that index applies to every batch (head) of
-    /// the tensors, as PyTorch broadcasts a size-1 dimension; one that reads it only to the
-    /// batch (heads) it was planned for.
+    /// Whether the masks depend on the batch / the heads: read the index `b` (`h`) or the
+    /// length `batch` (`num_heads`). A plan of batch 1 (num_heads 1) whose masks do not
+    /// applies to every batch (head) of the tensors, as PyTorch broadcasts a size-1
+    /// dimension; one whose masks do, only to the batch (heads) it was planned for, even
+    /// when all of them have one mask.
     pub uses_batch: bool,
     pub uses_head: bool,
     /// (q, k) pairs evaluated one by one in `elementwise(...)` regions (0 when the whole
@@ -1093,8 +1094,8 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         tile,
         masks,
         mask_index,
-        uses_batch: program.uses_b,
-        uses_head: program.uses_h,
+        uses_batch: program.uses_b || program.reads_batch,
+        uses_head: program.uses_h || program.reads_num_heads,
         elementwise_pairs,
         pieces,
         order,

@@ -152,6 +152,11 @@ impl Program {
     }
 
     #[getter]
+    fn reads_batch(&self) -> bool {
+        self.inner.reads_batch()
+    }
+
+    #[getter]
     fn uses_elementwise(&self) -> bool {
         self.inner.uses_elementwise()
     }

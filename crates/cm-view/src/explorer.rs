@@ -270,11 +270,11 @@ pub fn explorer(
     }
     let mut notes = Vec::new();
     if plan.uses_head && plan.num_heads == 1 {
-        notes.push("the mask reads the head index h but was planned with num_heads = 1; this is h = 0 only".to_string());
+        notes.push("the mask depends on the head (reads h or num_heads) but was planned with num_heads = 1; this is h = 0 only".to_string());
     }
     if plan.uses_batch && plan.batch == 1 && plan.packing.is_none() {
         notes.push(
-            "the mask reads the batch index b but was planned with batch = 1; this is b = 0 only"
+            "the mask depends on the batch (reads b or batch) but was planned with batch = 1; this is b = 0 only"
                 .to_string(),
         );
     }

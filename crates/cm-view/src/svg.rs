@@ -363,10 +363,10 @@ pub fn layout(s: &Subject<'_>, view: &View, rows: (u32, u32), cols: (u32, u32)) 
     // Notes below the legend.
     let mut notes: Vec<String> = Vec::new();
     if plan.uses_head && plan.num_heads == 1 {
-        notes.push("note: the mask reads the head index h but was planned with num_heads = 1; this is h = 0 only".into());
+        notes.push("note: the mask depends on the head (reads h or num_heads) but was planned with num_heads = 1; this is h = 0 only".into());
     }
     if plan.uses_batch && plan.batch == 1 && plan.packing.is_none() {
-        notes.push("note: the mask reads the batch index b but was planned with batch = 1; this is b = 0 only".into());
+        notes.push("note: the mask depends on the batch (reads b or batch) but was planned with batch = 1; this is b = 0 only".into());
     }
     if plan.order.is_some() {
         notes.push(

@@ -250,7 +250,7 @@ fn head_and_batch_views() {
     assert!(p
         .svg()
         .unwrap()
-        .contains("reads the head index h but was planned with num_heads = 1"));
+        .contains("depends on the head (reads h or num_heads) but was planned with num_heads = 1"));
 }
 
 #[test]

@@ -486,11 +486,17 @@ impl Program {
         (self.ir.uses_b, self.ir.uses_h)
     }
 
-    /// Whether the program reads `num_heads` (anywhere: the mask, a parameter default, a
-    /// requirement). A serving step binds it from its planner ([`Program::plan_step`]'s
-    /// `num_heads`), which must then be the query heads the step runs with.
+    /// Whether the program reads `num_heads` outside its score part (the mask, a parameter
+    /// default, a requirement). A serving step binds it from its planner ([`Program::plan_step`]'s
+    /// `num_heads`), which must then be the query heads the step runs with; a plan holds
+    /// only for the heads it was made for ([`Plan::uses_head`]).
     pub fn reads_num_heads(&self) -> bool {
         self.ir.reads_num_heads
+    }
+
+    /// The same for the length `batch`.
+    pub fn reads_batch(&self) -> bool {
+        self.ir.reads_batch
     }
 
     /// The token order that visits the program's first grid patch by patch (`patch` is
@@ -867,7 +873,7 @@ pub fn render_error(source: &str, name: &str, e: &PlanError) -> String {
 }
 
 /// Renders diagnostics against their source, without colour (ariadne). Lines longer than
-/// [`MAX_SHOWN_LINE`] bytes are cut to a window around the labels; the header and the `at
+/// 240 bytes are cut to a window around the labels; the header and the `at
 /// FILE:LINE:COL` note give the true position either way.
 /// Each diagnostic's first line is its [`Display`](std::fmt::Display) header, `[CODE]
 /// Error: message`.
@@ -1223,6 +1229,14 @@ fn plan_masks<'p>(
         .map(|m| m.rows.expanded())
         .collect::<Result<Vec<_>, _>>()
         .map_err(AttentionError::Strides)?;
+    // Masks that depend on the batch (heads), or a packed plan's batch (its samples), hold
+    // only for the batch (heads) they were planned for, even as one distinct mask.
+    if plan.uses_batch || plan.packing.is_some() {
+        check("batch", plan.batch, shape.batch)?;
+    }
+    if plan.uses_head {
+        check("num_heads", plan.num_heads, shape.num_heads)?;
+    }
     if plan.masks.len() == 1 {
         return Ok((masks, Selection::Shared));
     }

@@ -1,6 +1,7 @@
-//! A plan of batch 1 (one head) whose masks do not read `b` (`h`) serves tensors of any
-//! batch (head count), as `compilemask.attention` broadcasts it in Python, with and without
-//! score terms; a plan whose masks read the index, and a packed plan's batch, do not.
+//! A plan of batch 1 (one head) whose masks do not depend on the batch (heads), reading
+//! neither `b` nor `batch` (`h`, `num_heads`), serves tensors of any batch (head count), as
+//! `compilemask.attention` broadcasts it in Python, with and without score terms; a plan
+//! whose masks do, and a packed plan's batch, do not.
 //! Reference: the same attention planned at the tensors' own batch and heads.
 
 use compilemask::{
@@ -139,4 +140,38 @@ fn a_packed_plan_serves_batch_one_only() {
     assert_mismatch(&plan, shape(2, 2), "batch", 1, 2);
     let x = vec![0.0f64; 2 * N * 2];
     assert!(attention(&shape(1, 2), &x, &x, &x, &plan, 1.0).is_ok());
+}
+
+/// The class of the two above with a single distinct mask (which took a shortcut past the
+/// checks): masks that depend on the batch or the heads through the lengths `batch` /
+/// `num_heads` (bound at the plan's), or through an index whose masks happen to be one, and
+/// a packed plan of one mask, hold only for the batch / heads they were planned for.
+#[test]
+fn one_mask_that_depends_on_the_batch_or_heads_does_not_broadcast() {
+    let reads_num_heads = plan("mask = k <= q - num_heads;", 1, 1);
+    assert_eq!(reads_num_heads.masks.len(), 1);
+    assert_mismatch(&reads_num_heads, shape(1, 4), "num_heads", 1, 4);
+    let reads_batch = plan("mask = k <= q - batch;", 1, 1);
+    assert_mismatch(&reads_batch, shape(3, 1), "batch", 1, 3);
+    // `b` read, one mask for batch 1: batch index 1 would read past `w`.
+    let reads_b = plan("param w: [int] = [2];\nmask = q - w[b] < k <= q;", 1, 1);
+    assert_eq!(reads_b.masks.len(), 1);
+    assert_mismatch(&reads_b, shape(2, 1), "batch", 1, 2);
+    // Masks that read none of them still broadcast.
+    let x = vec![0.0f64; 2 * 3 * N * 2];
+    assert!(attention(&shape(2, 3), &x, &x, &x, &plan("mask = k <= q;", 1, 1), 1.0).is_ok());
+    // A packed plan of one mask.
+    let mut options = PlanOptions::new(N as i64);
+    options.num_heads = 1;
+    let packed = PackedShape {
+        cu_seqlens_q: vec![0, 2, N as i64],
+        cu_seqlens_k: vec![0, 2, N as i64],
+        num_heads: 1,
+    };
+    let one = compile("mask = k <= q;")
+        .unwrap()
+        .plan_packed(&packed, &options)
+        .unwrap();
+    assert_eq!(one.masks.len(), 1);
+    assert_mismatch(&one, shape(2, 1), "batch", 1, 2);
 }

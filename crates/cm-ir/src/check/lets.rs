@@ -161,11 +161,16 @@ impl Checker<'_> {
     }
 
     /// Checks every `let` that no use has inlined, as if it were used in the mask, so its
-    /// errors show. What they read does not count as the mask reading `b` or `h`. Last
-    /// first: checking a `let` checks (and marks used) the earlier ones it names, so a chain
-    /// of unused `let`s is checked once, not once per link.
+    /// errors show. What they read does not count as the mask reading `b`, `h`, `batch` or
+    /// `num_heads`. Last first: checking a `let` checks (and marks used) the earlier ones it
+    /// names, so a chain of unused `let`s is checked once, not once per link.
     pub(super) fn check_unused_lets(&mut self) {
-        let (uses_b, uses_h) = (self.uses_b, self.uses_h);
+        let reads = (
+            self.uses_b,
+            self.uses_h,
+            self.reads_num_heads,
+            self.reads_batch,
+        );
         for id in (0..self.lets.len()).rev() {
             let (body, used, idx) = self.lets[id];
             if !used {
@@ -173,7 +178,12 @@ impl Checker<'_> {
                 let _ = self.lower(body, Ctx::Mask);
             }
         }
-        (self.uses_b, self.uses_h) = (uses_b, uses_h);
+        (
+            self.uses_b,
+            self.uses_h,
+            self.reads_num_heads,
+            self.reads_batch,
+        ) = reads;
     }
 
     /// `CM0250` for every `let` of `program` that is never used.

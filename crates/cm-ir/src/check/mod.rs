@@ -123,6 +123,8 @@ struct Checker<'a> {
     reads_lengths: bool,
     /// Whether some expression read `num_heads` (see `Program::reads_num_heads`).
     reads_num_heads: bool,
+    /// Whether some expression read `batch` (see `Program::reads_batch`).
+    reads_batch: bool,
     /// Whether each parameter is read.
     params_read: Vec<bool>,
     /// Each `let`'s expression depth and size with the `let`s it uses inlined (see [`lets`]).
@@ -212,6 +214,7 @@ pub fn check(program: &ast::Program, arrays: &[NamedArray]) -> (Option<Program>,
         score_h: None,
         reads_lengths: false,
         reads_num_heads: false,
+        reads_batch: false,
         params_read: Vec::new(),
         let_shapes: Vec::new(),
         declared_at: HashMap::new(),
@@ -272,10 +275,21 @@ impl<'a> Checker<'a> {
             } => self.tree_item(name, parents, at.as_ref(), *span),
             Item::Require { cond, message, .. } => self.require_item(cond, message),
             Item::Mask { value, span } => self.mask_item(value, *span),
-            Item::Tensor { name, dims, span } => self.tensor_item(name, dims, *span),
-            Item::Score { value, span } => self.score_item(value, *span),
-            Item::Sink { value, span } => self.sink_item(value, *span),
+            Item::Tensor { name, dims, span } => {
+                self.score_part(|c| c.tensor_item(name, dims, *span))
+            }
+            Item::Score { value, span } => self.score_part(|c| c.score_item(value, *span)),
+            Item::Sink { value, span } => self.score_part(|c| c.sink_item(value, *span)),
         }
+    }
+
+    /// Checks an item of the score part: its reads of `num_heads` and `batch` do not make the
+    /// masks depend on the heads or the batch (the score terms are bound and checked on their
+    /// own).
+    fn score_part(&mut self, check: impl FnOnce(&mut Self)) {
+        let reads = (self.reads_num_heads, self.reads_batch);
+        check(self);
+        (self.reads_num_heads, self.reads_batch) = reads;
     }
 
     /// After the last item: unused `let`s, the missing-mask error, and the program when
@@ -323,6 +337,7 @@ impl<'a> Checker<'a> {
             score_h_span: self.score_h,
             reads_lengths: self.reads_lengths,
             reads_num_heads: self.reads_num_heads,
+            reads_batch: self.reads_batch,
         };
         (Some(program), self.diags)
     }

@@ -190,6 +190,7 @@ impl Checker<'_> {
             "q_len" | "kv_len" | "batch" | "num_heads" => {
                 self.reads_lengths = true;
                 self.reads_num_heads |= n == "num_heads";
+                self.reads_batch |= n == "batch";
                 Some(match n {
                     "q_len" => IntKind::QLen,
                     "kv_len" => IntKind::KvLen,

@@ -488,6 +488,23 @@ def _table_backward(ctx: Any, grad: Tensor) -> tuple:
 table_gather.register_autograd(_table_backward, setup_context=_setup_table_context)
 
 
+def _no_second_order(ctx: Any, *grads: Any) -> tuple:
+    raise RuntimeError(
+        "compilemask.attention has no second-order gradients (a double backward, such as a "
+        "gradient penalty through the attention, or gradgradcheck): its gradients come from "
+        "a fused backward that is not itself differentiable")
+
+
+def _no_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    pass
+
+
+# The backward ops are not differentiable: a double backward through them raises the message
+# above instead of torch's (which asks for a formula only this package could register).
+for _op in (attention_backward, attention_backward_score, table_gather_backward):
+    _op.register_autograd(_no_second_order, setup_context=_no_context)
+
+
 def distance_runs(bucket: Tensor) -> tuple[Tensor, list]:
     """For ``bucket`` (int64 ``[q_len + kv_len - 1]``, the bucket of distance ``q - k`` at
     index ``q - k + kv_len - 1``): the kernels' ``dist_run_end`` (int32, the last index of

@@ -446,13 +446,26 @@ class Program:
 
     @property
     def uses_batch(self) -> bool:
-        """Whether the mask reads the batch index ``b``."""
+        """Whether the mask reads the batch index ``b`` (see :attr:`reads_batch`)."""
         return self._native.uses_batch
 
     @property
     def uses_head(self) -> bool:
-        """Whether the mask reads the head index ``h``."""
+        """Whether the mask reads the head index ``h`` (see :attr:`reads_num_heads`)."""
         return self._native.uses_head
+
+    @property
+    def reads_batch(self) -> bool:
+        """Whether the program reads the length ``batch``: its plans then hold only for the
+        batch they were made for (:attr:`Plan.uses_batch`)."""
+        return self._native.reads_batch
+
+    @property
+    def reads_num_heads(self) -> bool:
+        """Whether the program reads the length ``num_heads``: its plans then hold only for
+        the heads they were made for (:attr:`Plan.uses_head`), and a serving step needs
+        ``plan_step(..., num_heads=)``."""
+        return self._native.reads_num_heads
 
     @property
     def uses_elementwise(self) -> bool:
@@ -785,10 +798,14 @@ class Plan:
 
     @property
     def uses_batch(self) -> bool:
+        """Whether the masks depend on the batch (read ``b`` or ``batch``): a plan of batch 1
+        that does not applies to every batch of the tensors."""
         return self._native.uses_batch
 
     @property
     def uses_head(self) -> bool:
+        """Whether the masks depend on the heads (read ``h`` or ``num_heads``): a plan of one
+        head that does not applies to every head."""
         return self._native.uses_head
 
     @property

@@ -142,7 +142,7 @@ def plan_step(program: Program, q_len: Any, kv_len: Any, num_heads: Any, params:
     native = program._native.plan_step(q, kv, heads, program._params(shared),
                                        _seq_params(program, params))
     # After the native checks, which name what a step cannot serve at all (h, score terms).
-    reads = program._native.reads_num_heads
+    reads = program.reads_num_heads
     if num_heads is None and reads:
         raise ValueError(
             "this mask reads num_heads, which a step binds when it is planned: pass num_heads= "

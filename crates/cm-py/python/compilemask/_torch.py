@@ -139,7 +139,7 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
         kernel = _kernel_tensors(torch, arrays, dev)
         ws_order, dq_turns = _launch_choices(arrays)
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
-                      plan.num_heads, plan.uses_batch, plan.uses_head, kernel,
+                      plan.num_heads, plan.uses_batch or plan.is_packed, plan.uses_head, kernel,
                       _score_tensors(torch, plan, dev), ws_order, dq_turns)
     plan._cache[key] = out
     return out
@@ -338,6 +338,7 @@ def _scored_reference(torch: Any) -> Any:
             return out, lse
 
         @staticmethod
+        @torch.autograd.function.once_differentiable
         def backward(ctx, dout, dlse):
             q, k, v, table, sink = ctx.saved_tensors
             score = ctx.score
@@ -561,9 +562,9 @@ def _broadcast_dim(plan_n: int, n: int, uses: bool, what: str, index_name: str) 
         return
     if plan_n == 1:
         raise ValueError(
-            f"the mask reads the {what} index `{index_name}`, so the plan must be built for "
-            f"the tensors' {what} = {n} (program.plan(..., {'batch' if what == 'batch' else 'num_heads'}={n})); "
-            f"it was built for {plan_n}"
+            f"the mask depends on the {what} (it reads `{index_name}` or `{what}`, or the plan "
+            f"is packed), so the plan must be built for the tensors' {what} = {n} "
+            f"(program.plan(..., {what}={n})); it was built for {plan_n}"
         )
     raise ValueError(
         f"the plan was built for {what} = {plan_n}, but the query has {what} = {n}"
@@ -587,7 +588,8 @@ def attention(
     kv_len, head_dim]``, ``value`` ``[batch, num_kv_heads, kv_len, head_dim_v]``; ``plan``
     a :class:`Plan` for exactly these ``q_len`` / ``kv_len`` (or its :meth:`Plan.to_tensors`,
     the form to use under ``torch.compile``). A plan built with batch = num_heads = 1 for a
-    mask that reads neither ``b`` nor ``h`` applies to every (batch, head).
+    mask that reads neither ``b`` nor ``h`` (nor ``batch`` / ``num_heads``) applies to every
+    (batch, head).
 
     ``scale`` defaults to ``1 / sqrt(head_dim)``. ``enable_gqa`` allows ``num_heads`` to be
     a multiple of ``num_kv_heads`` (GQA / MQA), as in SDPA and Flex. Returns ``out``

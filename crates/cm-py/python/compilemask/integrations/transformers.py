@@ -58,12 +58,15 @@ param window: int = 0;
 let qk = q + kv_len - q_len;
 mask = k <= qk & (window == 0 | k > qk - window);
 """
-# The same, with row b's keys limited to [start[b], end[b]) (a padded batch).
+# The same, with row b's keys limited to [start[b], end[b]) (a padded batch), the q_len new
+# rows the last of the `filled` key slots: kv_len, or in a static cache (slots for
+# max_cache_len keys, filled from slot 0) the slots written so far.
 _CAUSAL_PADDED = """
 param window: int = 0;
 param start: [int] = [0];
 param end: [int] = [kv_len];
-let qk = q + kv_len - q_len;
+param filled: int = kv_len;
+let qk = q + filled - q_len;
 mask = k <= qk & (window == 0 | k > qk - window) & k >= start[b] & k < end[b];
 """
 _FULL = "mask = k < kv_len;\n"
@@ -275,8 +278,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             )
         program = backend.program
         params = dict(backend.user_params(q_len, kv_len))
-        heads = hq if program.uses_head else 1
-        batch = b if program.uses_batch and packed is None else 1
+        heads = hq if program.uses_head or program.reads_num_heads else 1
+        batch = b if (program.uses_batch or program.reads_batch) and packed is None else 1
     else:
         source = (_CAUSAL_PADDED if runs else _CAUSAL) if causal else (
             _FULL_PADDED if runs else _FULL)
@@ -285,6 +288,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         params = {"window": int(window)} if causal else {}
         if runs is not None:
             params.update(start=runs[0], end=runs[1])
+            if causal:
+                # A static cache's slots past the step's last key are no row's keys
+                # (mask_function marks them), so the last row sits at the last valid slot;
+                # right padding leaves the longest row ending at kv_len.
+                params["filled"] = max(runs[1])
         # Score terms are bound per query head (the masks stay one, deduplicated).
         heads, batch = (hq if score else 1), (b if runs is not None else 1)
 
@@ -311,12 +319,40 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
 
 def mask_function(*args: Any, attention_mask: Any = None, kv_length: int | None = None,
+                  cache_position: Any = None, q_length: int | None = None, q_offset: int = 0,
+                  kv_offset: int = 0, batch_size: int | None = None, device: Any = None,
                   **kwargs: Any) -> Any:
     """The mask function transformers calls while building a model's masks: the 2-D padding
     mask (its last ``kv_length`` keys), or ``None`` when nothing is padded. The attention
-    function builds the compiled mask itself, so no dense mask is ever made."""
-    if attention_mask is None or attention_mask.dim() != 2:
+    function builds the compiled mask itself, so no dense mask is ever made.
+
+    A static cache (``StaticCache``, ``cache_implementation="static"``) holds slots for
+    ``kv_length`` keys of which only those up to the step's last position (``q_offset +
+    q_length``, or ``cache_position`` before transformers 5) are written: the slots past it are marked padding (zeros, as transformers pads a short
+    mask), so no row sees them and the causal rows end at the last written slot. The slots
+    hold consecutive positions from ``kv_offset`` (a sliding-window layer keeps only its last
+    keys)."""
+    if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask
+    end = None  # one past the step's last position
+    if q_length is not None:
+        end = int(q_offset) + int(q_length)
+    elif cache_position is not None and cache_position.numel():
+        end, device = int(cache_position[-1]) + 1, cache_position.device
+    filled = None
+    if kv_length is not None and end is not None and end - int(kv_offset) < kv_length:
+        filled = end - int(kv_offset)
+    if filled is not None:
+        torch = require_torch("compilemask.integrations.transformers")
+        if attention_mask is None:
+            rows = batch_size if batch_size is not None else 1
+            attention_mask = torch.ones(rows, filled, dtype=torch.bool, device=device)
+        valid = attention_mask[:, :filled].bool()
+        pad = torch.zeros(valid.shape[0], kv_length - valid.shape[1], dtype=torch.bool,
+                          device=valid.device)
+        return torch.cat([valid, pad], dim=1)
+    if attention_mask is None:
+        return None
     if kv_length is not None:
         attention_mask = attention_mask[:, -kv_length:]
     return None if bool(attention_mask.all()) else attention_mask
