@@ -20,6 +20,9 @@ Every attention call then runs :func:`compilemask.attention` with a compiled pla
 - padded batches (a 2-D ``attention_mask`` whose ones are one run per row, left or right
   padding): each row's keys are limited to its run (the outputs of query rows that are
   themselves padding are unspecified; transformers ignores them);
+- KV caches: the dynamic cache, and a static one (``StaticCache``,
+  ``cache_implementation="static"``), whose slots past the step's last position are no
+  row's keys (:func:`mask_function` marks them);
 - or any program: :func:`register` another name with ``program=`` (and its ``params``),
   planned at each call's lengths (per document when packed; ``h`` is the query head).
 
