@@ -250,6 +250,23 @@ def test_a_static_cache_matches_sdpa(name, device, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_right_padded_batch_matches_sdpa(name, device, dtype):
+    # No row reaches the batch's length (a batch padded to a multiple): the rows stay where
+    # they are (a static cache's alignment moved them up by the common padding).
+    ours, sdpa, ref = models(name, device, dtype)
+    ids = tokens(device, 2, 40, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, 33:] = 0
+    mask[1, 21:] = 0
+    with torch.no_grad():
+        out = [m(ids, attention_mask=mask).logits for m in (ours, sdpa, ref)]
+    assert ran()
+    valid = mask.bool()
+    within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, "right-padded logits")
+
+
 def dense_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                     **kwargs):
     """A float64 masked softmax with the plan's dense mask: the reference attention for a

@@ -932,8 +932,19 @@ pub fn render(source: &str, name: &str, diagnostics: &[Diagnostic]) -> String {
 /// cut, ariadne counts the column within the window.
 fn true_header(report: &mut String, at: &str) {
     const OPEN: &str = "╭─[ ";
-    let Some(open) = report.find(OPEN) else {
-        return;
+    // The header is the first line that is the box's corner after indentation (a message
+    // or label may hold the same characters).
+    let mut start = 0;
+    let open = loop {
+        let line = report[start..].lines().next().unwrap_or("");
+        let body = line.trim_start_matches(' ');
+        if body.len() < line.len() && body.starts_with(OPEN) {
+            break start + (line.len() - body.len());
+        }
+        match report[start..].find('\n') {
+            Some(i) => start += i + 1,
+            None => return,
+        }
     };
     let from = open + OPEN.len();
     let line_end = report[from..].find('\n').map_or(report.len(), |i| from + i);

@@ -186,3 +186,20 @@ fn render_clamps_spans() {
         assert!(!compilemask::render(src, "t", &[d]).is_empty());
     }
 }
+
+/// A message holding the header's own characters is left as written; the box's header line
+/// gets the true position.
+#[test]
+fn a_message_that_looks_like_a_header_is_left_alone() {
+    let src = "require 1 == 2 else \"╭─[ boom ]\";\nmask = k <= q;";
+    let program = compile(src).unwrap();
+    let e = program.plan(&PlanOptions::new(8)).unwrap_err();
+    let rendered = program.render_error(&e);
+    assert!(rendered.contains("Error: ╭─[ boom ]"), "{rendered}");
+    let header = rendered
+        .lines()
+        .find(|l| l.starts_with(' ') && l.trim_start().starts_with("╭─["))
+        .unwrap();
+    let (line, col) = cm_syntax::line_col(src, e.span.unwrap().start);
+    assert!(header.ends_with(&format!(":{line}:{col} ]")), "{rendered}");
+}

@@ -338,8 +338,13 @@ def _scored_reference(torch: Any) -> Any:
             return out, lse
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx, dout, dlse):
+            if torch.is_grad_enabled():
+                # create_graph: the gradients below come from numpy and would carry no graph,
+                # so a second-order term would be dropped silently.
+                from ._ops import _no_second_order
+
+                _no_second_order(ctx)
             q, k, v, table, sink = ctx.saved_tensors
             score = ctx.score
             if dout is None:

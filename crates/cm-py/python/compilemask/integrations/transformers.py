@@ -291,10 +291,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         params = {"window": int(window)} if causal else {}
         if runs is not None:
             params.update(start=runs[0], end=runs[1])
-            if causal:
-                # A static cache's slots past the step's last key are no row's keys
-                # (mask_function marks them), so the last row sits at the last valid slot;
-                # right padding leaves the longest row ending at kv_len.
+            if causal and attention_mask.dtype == torch.uint8:
+                # A static cache's padding mask (mask_function's uint8 form): its slots past
+                # the step's last key are no row's keys, so the last row sits at the last
+                # written slot. Right padding instead keeps the rows where they are, even
+                # when no row reaches kv_len (a batch padded to a multiple).
                 params["filled"] = max(runs[1])
         # Score terms are bound per query head (the masks stay one, deduplicated).
         heads, batch = (hq if score else 1), (b if runs is not None else 1)
@@ -331,10 +332,11 @@ def mask_function(*args: Any, attention_mask: Any = None, kv_length: int | None 
 
     A static cache (``StaticCache``, ``cache_implementation="static"``) holds slots for
     ``kv_length`` keys of which only those up to the step's last position (``q_offset +
-    q_length``, or ``cache_position`` before transformers 5) are written: the slots past it are marked padding (zeros, as transformers pads a short
-    mask), so no row sees them and the causal rows end at the last written slot. The slots
-    hold consecutive positions from ``kv_offset`` (a sliding-window layer keeps only its last
-    keys)."""
+    q_length``, or ``cache_position`` before transformers 5) are written: the slots past it
+    are marked padding (zeros, as transformers pads a short mask), so no row sees them, and
+    the mask comes back as ``uint8`` (a padding mask is ``bool``), so that the causal rows end
+    at the last written slot. The slots hold consecutive positions from ``kv_offset`` (a
+    sliding-window layer keeps only its last keys)."""
     if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask
     end = None  # one past the step's last position
@@ -353,7 +355,9 @@ def mask_function(*args: Any, attention_mask: Any = None, kv_length: int | None 
         valid = attention_mask[:, :filled].bool()
         pad = torch.zeros(valid.shape[0], kv_length - valid.shape[1], dtype=torch.bool,
                           device=valid.device)
-        return torch.cat([valid, pad], dim=1)
+        # uint8, not bool: tells the attention function that the zeros past the last valid
+        # key are unwritten slots (the rows end there), not right padding.
+        return torch.cat([valid, pad], dim=1).to(torch.uint8)
     if attention_mask is None:
         return None
     if kv_length is not None:
