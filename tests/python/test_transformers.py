@@ -211,19 +211,27 @@ def test_packed_documents_equal_each_document_alone(name, how, device, dtype):
     within_rule(got, torch.cat(alone[0]), torch.cat(alone[1]), dtype, "packed logits")
 
 
+# Left padding; and right padding in which no row reaches the batch's length (a batch padded
+# to a multiple), whose rows stay where they are (a static cache's alignment once moved them
+# up by the common padding).
+PADDING = {"left": [(1, slice(0, 9)), (2, slice(0, 25))],
+           "right": [(0, slice(33, None)), (1, slice(21, None)), (2, slice(38, None))]}
+
+
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("side", PADDING)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_left_padded_batch_matches_sdpa(name, device, dtype):
+def test_padded_batch_matches_sdpa(name, side, device, dtype):
     ours, sdpa, ref = models(name, device, dtype)
     ids = tokens(device, 3, 40, seed=4)
     mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    mask[2, :25] = 0
+    for row, cols in PADDING[side]:
+        mask[row, cols] = 0
     with torch.no_grad():
         out = [m(ids, attention_mask=mask).logits for m in (ours, sdpa, ref)]
     assert ran()
     valid = mask.bool()
-    within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, "padded logits")
+    within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, f"{side}-padded logits")
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
@@ -248,23 +256,6 @@ def test_a_static_cache_matches_sdpa(name, device, dtype):
     a, b = ours.generate(ids, **kw), sdpa.generate(ids, **kw)
     if dtype == torch.float32:
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("device,dtype", TARGETS)
-@pytest.mark.parametrize("name", CONFIGS)
-def test_a_right_padded_batch_matches_sdpa(name, device, dtype):
-    # No row reaches the batch's length (a batch padded to a multiple): the rows stay where
-    # they are (a static cache's alignment moved them up by the common padding).
-    ours, sdpa, ref = models(name, device, dtype)
-    ids = tokens(device, 2, 40, seed=6)
-    mask = torch.ones_like(ids)
-    mask[0, 33:] = 0
-    mask[1, 21:] = 0
-    with torch.no_grad():
-        out = [m(ids, attention_mask=mask).logits for m in (ours, sdpa, ref)]
-    assert ran()
-    valid = mask.bool()
-    within_rule(out[0][valid], out[1][valid], out[2][valid], dtype, "right-padded logits")
 
 
 def dense_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -126,17 +126,24 @@ fn masks_that_read_the_index_do_not_broadcast() {
     assert_mismatch(&reads_h, shape(2, 3), "num_heads", 1, 3);
 }
 
-#[test]
-fn a_packed_plan_serves_batch_one_only() {
-    let program = compile("param w: [int] = [1, 2];\nmask = q - w[h] < k <= q;").unwrap();
+/// `source` planned packed as samples of 2 and N - 2 tokens, with `num_heads` heads.
+fn packed_plan(source: &str, num_heads: i64) -> compilemask::Plan {
     let mut options = PlanOptions::new(N as i64);
-    options.num_heads = 2;
+    options.num_heads = num_heads;
     let packed = PackedShape {
         cu_seqlens_q: vec![0, 2, N as i64],
         cu_seqlens_k: vec![0, 2, N as i64],
-        num_heads: 2,
+        num_heads,
     };
-    let plan = program.plan_packed(&packed, &options).unwrap();
+    compile(source)
+        .unwrap()
+        .plan_packed(&packed, &options)
+        .unwrap()
+}
+
+#[test]
+fn a_packed_plan_serves_batch_one_only() {
+    let plan = packed_plan("param w: [int] = [1, 2];\nmask = q - w[h] < k <= q;", 2);
     assert_mismatch(&plan, shape(2, 2), "batch", 1, 2);
     let x = vec![0.0f64; 2 * N * 2];
     assert!(attention(&shape(1, 2), &x, &x, &x, &plan, 1.0).is_ok());
@@ -161,17 +168,7 @@ fn one_mask_that_depends_on_the_batch_or_heads_does_not_broadcast() {
     let x = vec![0.0f64; 2 * 3 * N * 2];
     assert!(attention(&shape(2, 3), &x, &x, &x, &plan("mask = k <= q;", 1, 1), 1.0).is_ok());
     // A packed plan of one mask.
-    let mut options = PlanOptions::new(N as i64);
-    options.num_heads = 1;
-    let packed = PackedShape {
-        cu_seqlens_q: vec![0, 2, N as i64],
-        cu_seqlens_k: vec![0, 2, N as i64],
-        num_heads: 1,
-    };
-    let one = compile("mask = k <= q;")
-        .unwrap()
-        .plan_packed(&packed, &options)
-        .unwrap();
+    let one = packed_plan("mask = k <= q;", 1);
     assert_eq!(one.masks.len(), 1);
     assert_mismatch(&one, shape(2, 1), "batch", 1, 2);
 }
