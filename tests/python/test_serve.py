@@ -142,6 +142,12 @@ def test_bad_steps_raise():
         step.append(1.5)
     with pytest.raises(TypeError, match=r"new_tokens\[1\] must be an int, got float 2.5"):
         step.append([1, 2.5])
+    with pytest.raises(TypeError, match=r"new_tokens\[0\] must be an int, got bool True"):
+        step.append([True, 1])
+    with pytest.raises(ValueError, match=f"new_tokens = {2 ** 63} is out of range"):
+        step.append(2 ** 63)
+    with pytest.raises(ValueError, match=fr"new_tokens\[1\] = {-2 ** 63 - 1} is out of range"):
+        step.append([1, -2 ** 63 - 1])
     with pytest.raises(TypeError, match=r"q_len must be an int \(the same for every sequence\)"):
         causal.plan_step(1.5, [4])
     assert step.kv_len == [4, 9]
@@ -568,6 +574,45 @@ def test_cuda_prefill_compiles_and_refuses_what_it_lacks(torch):
     # "auto" takes the decode kernel where the paged forward cannot run.
     out = cm.paged_attention(q[:100], kc12, kc12, t12, odd)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_cuda_steps_queued_behind_other_work(torch):
+    """A decode loop whose steps are laid out and copied while earlier kernels still run
+    (the copies are queued on the stream, not waited for): each step, through both kernels,
+    equals the float64 reference. Under CUDA graph capture a step laid out before it is
+    captured (and replays right), one first laid out inside it is refused, not captured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kv_len = [100, 37, 600]
+    step = cm.builtin("sliding_window", window=50).plan_step([65, 70, 64], kv_len)
+    kc, vc, table = make_cache(torch, [kv + 3 for kv in kv_len], 16, 2, 64, 64, [None] * 3, 6)
+    bf = torch.bfloat16
+    kc, vc = kc.to(bf).double(), vc.to(bf).double()
+    on_dev = [x.to(dev) for x in (kc.to(bf), vc.to(bf), table)]
+    busy = torch.randn(2048, 2048, device=dev)
+    for i, kernel in enumerate(("prefill", "decode", "decode")):
+        if i:
+            step.append(1)
+        for _ in range(30):
+            busy = torch.tanh(busy @ busy)
+        q = torch.randn(step.total_q, 8, 64, dtype=torch.float64).to(bf).double()
+        want, _ = dense_reference(torch, q, kc, vc, table, step, 0.125)
+        out = cm.paged_attention(q.to(bf).to(dev), *on_dev, step, scale=0.125, kernel=kernel)
+        assert (out.double().cpu() - want).abs().max().item() <= 2e-2, (i, kernel)
+    q = torch.randn(step.total_q, 8, 64, dtype=torch.float64).to(bf).double()
+    want, _ = dense_reference(torch, q, kc, vc, table, step, 0.125)
+    q_dev = q.to(bf).to(dev)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
+    graph.replay()
+    assert (static.double().cpu() - want).abs().max().item() <= 2e-2
+    step.append(1)
+    with pytest.raises(RuntimeError, match="make them before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
 
 
 def test_cuda_refuses_what_the_kernel_lacks(torch):

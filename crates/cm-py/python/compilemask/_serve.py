@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import math
+import operator
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -77,6 +78,13 @@ PREFILL_MIN_ROWS_PER_SEQ = 64
 MAX_ROW_GROUP = 256
 
 
+def _host_int32(torch: Any, raw: bytes) -> torch.Tensor:
+    """Native-endian int32 bytes as a 1-D CPU tensor of its own memory."""
+    if not raw:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
+
+
 def _ints(raw: bytes) -> list[int]:
     a = array.array("i")
     a.frombytes(raw)
@@ -95,6 +103,10 @@ _SEQUENCE = "a sequence of ints, one per sequence"
 def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
     """A list of ints from a sequence, an iterator, a numpy array or an integer tensor;
     ``what`` says what ``name`` takes in a ``TypeError``."""
+    if _plain_ints(value):
+        # The serving loop's case (a list of plain ints each step): checked as a whole, since
+        # naming every element for its possible error cost more than the native step itself.
+        return list(value)
     given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
@@ -108,13 +120,24 @@ def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
     return out
 
 
+def _plain_ints(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple of at most ``_MAX_SEQS`` plain ints (no bools, no
+    subclasses), each a signed 64-bit integer: what :func:`_int_list` would accept unchanged."""
+    return (type(value) in (list, tuple) and len(value) <= _MAX_SEQS
+            and all(type(x) is int for x in value)
+            and (not value or (-(1 << 63) <= min(value) and max(value) < (1 << 63))))
+
+
 def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
     """One int per sequence: an int (the same for every sequence; a numpy or torch scalar
     too) or a sequence of ints."""
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # numpy / torch: scalars become int, arrays lists
     if isinstance(value, int) and not isinstance(value, bool):
-        return _int_list(name, [value] * num_seqs)
+        value = operator.index(value)
+        if not -(1 << 63) <= value < (1 << 63):
+            raise ValueError(f"{name} = {value} is out of range; expected a signed 64-bit integer")
+        return [value] * num_seqs
     return _int_list(name, value, f"an int (the same for every sequence) or {_SEQUENCE}")
 
 
@@ -268,8 +291,11 @@ class Step:
 
     def to_tensors(self, device: Any = None) -> StepTensors:
         """The step's arrays as int32 tensors on ``device`` (default CPU), cached until the
-        next :meth:`append`."""
-        from ._torch import _cache_key, _int32, require_torch
+        next :meth:`append`. On CUDA they come in one copy that is queued on the current stream
+        without waiting for the work before it (use them on another stream only once that
+        stream waits for this one); ``RuntimeError`` while a CUDA graph is being captured:
+        make them before capturing."""
+        from ._torch import _cache_key, _queued_copy, require_torch
 
         torch = require_torch("Step.to_tensors")
         key = _cache_key(torch, device)
@@ -277,14 +303,12 @@ class Step:
             cached = self._tensors.get(key)
             if cached is not None:
                 return cached
-            dev = torch.device(key)
-            cu, kv, rp, iv = self._arrays()
-            n, t = self.num_seqs, self.total_q
-            offsets = _ints(cu)
-            max_q = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-            out = StepTensors(_int32(torch, cu, (n + 1,), dev), _int32(torch, kv, (n,), dev),
-                              _int32(torch, rp, (t + 1,), dev),
-                              _int32(torch, iv, (len(iv) // 4,), dev), n, t, max_q)
+            arrays = self._arrays()
+            flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)), torch.device(key))
+            cu, kv, rp, iv = torch.split(flat, [len(a) // 4 for a in arrays])
+            offsets = _ints(arrays[0])
+            max_q = max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
+            out = StepTensors(cu, kv, rp, iv, len(offsets) - 1, len(arrays[2]) // 4 - 1, max_q)
             self._tensors[key] = out
         return out
 
@@ -292,8 +316,9 @@ class Step:
         """The step laid out for the paged forward on ``device`` (CUDA for the kernel; ``None``
         is the CPU), each row ``row_group`` times (``num_heads // num_kv_heads`` packs the
         query heads of a kv head as rows; an int in ``[1, MAX_ROW_GROUP]``), cached until the
-        next :meth:`append` (``ValueError`` when the layout is too large)."""
-        from ._torch import _cache_key, _int32, _kernel_tensors, require_torch
+        next :meth:`append` (``ValueError`` when the layout is too large). Copied to CUDA as
+        :meth:`to_tensors` is."""
+        from ._torch import _cache_key, _kernel_tensors, _queued_copy, require_torch
 
         if isinstance(row_group, bool) or not isinstance(row_group, int):
             raise TypeError(f"row_group must be an int, got {_type_name(row_group)}")
@@ -308,9 +333,10 @@ class Step:
                 return cached
             dev = torch.device("cpu") if device is None else torch.device(device)
             arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
-            kernel = _kernel_tensors(torch, arrays, dev)
-            out = PrefillTensors(kernel, _int32(torch, blocks, (len(blocks) // 16, 4), dev),
-                                 _int32(torch, row_index, (len(row_index) // 4,), dev).long(),
+            kernel = _kernel_tensors(torch, arrays, dev, queued=True)
+            blocks_t = _queued_copy(torch, _host_int32(torch, blocks), dev)
+            rows_t = _queued_copy(torch, _host_int32(torch, row_index).long(), dev)
+            out = PrefillTensors(kernel, blocks_t.reshape(len(blocks) // 16, 4), rows_t,
                                  kv_len, q_rows, row_group)
             self._tensors[key] = out
         return out

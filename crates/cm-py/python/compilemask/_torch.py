@@ -51,8 +51,31 @@ def _int32(torch: Any, raw: bytes, shape: tuple[int, ...], device: Any) -> torch
     return t.to(device) if device is not None else t.clone()
 
 
+def _queued_copy(torch: Any, host: torch.Tensor, dev: Any) -> torch.Tensor:
+    """``host``, a CPU tensor that nothing else holds, on ``dev``. To CUDA by a non-blocking
+    copy from pinned memory, queued on the current stream like a kernel (as vLLM and
+    FlashInfer copy their step metadata): torch's blocking copy synchronises the stream, so
+    the host would wait for every kernel queued before it (a serving loop's previous step).
+    torch keeps the pinned buffer until the copy has read it. ``RuntimeError`` while the stream
+    is being captured into a CUDA graph, whose replays would read that buffer after it is
+    freed."""
+    if dev.type != "cuda":
+        return host.to(dev)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "compilemask: a step's tensors are made on the host and copied to the GPU, which a "
+            "CUDA graph cannot capture; make them before capturing (step.to_tensors(device), "
+            "then pass those StepTensors and rewrite them in place between replays)")
+    return host.pin_memory().to(dev, non_blocking=True)
+
+
 def _cache_key(torch: Any, device: Any) -> str:
-    return str(torch.device("cpu") if device is None else torch.device(device))
+    """The device as tensors cached per device are keyed: ``"cuda"`` is the current CUDA
+    device by its index, so both spellings find one copy."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
 
 
 def _pow2(n: int) -> int:
@@ -61,11 +84,11 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
+def _kernel_tensors(torch: Any, arrays: list, dev: Any, queued: bool = False) -> tuple:
     """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
     distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``.
     The arrays are views of one tensor, filled on the host and copied to ``dev`` in one
-    transfer."""
+    transfer (with ``queued``, by :func:`_queued_copy`)."""
     lens = [len(raw) // 4 for raw in arrays]
     # At least 4: keeps every array's loads aligned (16-byte rows of the
     # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`), as every capacity, a
@@ -82,7 +105,7 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any) -> tuple:
             flat[at + n:at + cap] = 0
             parts.append((at, cap))
             at += cap
-    flat = flat.to(dev)
+    flat = _queued_copy(torch, flat, dev) if queued else flat.to(dev)
     return tuple(flat[a:a + cap] for a, cap in parts)
 
 
