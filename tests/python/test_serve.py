@@ -584,7 +584,7 @@ def test_cuda_steps_queued_behind_other_work(torch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dev = torch.device("cuda", torch.cuda.current_device())
-    kv_len = [100, 37, 600]
+    kv_len = [100, 137, 600]
     step = cm.builtin("sliding_window", window=50).plan_step([65, 70, 64], kv_len)
     kc, vc, table = make_cache(torch, [kv + 3 for kv in kv_len], 16, 2, 64, 64, [None] * 3, 6)
     bf = torch.bfloat16
@@ -613,6 +613,30 @@ def test_cuda_steps_queued_behind_other_work(torch):
     with pytest.raises(RuntimeError, match="make them before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
+
+
+def test_cuda_calls_with_and_without_the_dispatcher_agree(torch):
+    """An eager call runs the op's function directly; under a torch-function mode (here
+    `with torch.device`), the profiler or with a gradient asked for it goes through the
+    custom op: the same bits either way, and the profiler names the op."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    step = cm.builtin("causal").plan_step([1, 3, 70], [40, 300, 700])
+    kc, vc, table = make_cache(torch, [40, 300, 700], 16, 2, 128, 128, [None] * 3, 8)
+    args = [x.to(dev) for x in (kc.half(), vc.half(), table)]
+    q = torch.randn(step.total_q, 4, 128, device=dev, dtype=torch.float16)
+    for kernel in ("decode", "prefill"):
+        plain = cm.paged_attention(q, *args, step, kernel=kernel)
+        with torch.device(dev):
+            assert torch.equal(cm.paged_attention(q, *args, step, kernel=kernel), plain)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert torch.equal(cm.paged_attention(q, *args, step, kernel=kernel), plain)
+        op = "compilemask::paged_prefill" if kernel == "prefill" else "compilemask::paged_attention"
+        assert any(e.name == op for e in prof.events()), kernel
+        assert torch.equal(cm.paged_attention(q.requires_grad_(), *args, step, kernel=kernel),
+                           plain)
+        q = q.detach()
 
 
 def test_cuda_refuses_what_the_kernel_lacks(torch):

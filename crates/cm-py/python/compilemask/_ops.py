@@ -534,8 +534,7 @@ def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
 
 # Serving: one step's new rows against a paged KV cache (the decode kernel of cm-cuda).
 
-@torch.library.custom_op("compilemask::paged_attention", mutates_args=())
-def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+def _paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                        cu_q: Tensor, kv_len: Tensor, row_ptr: Tensor, intervals: Tensor,
                        max_q_len: int, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
@@ -559,12 +558,17 @@ def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table:
     lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     ws_len = _native.cuda_decode_workspace_len(splits, total_q, num_heads, head_dim)
     workspace = torch.empty(ws_len, dtype=torch.float32, device=q.device) if ws_len else None
-    step = tuple(_raw(t.reshape(-1)) for t in (cu_q, kv_len, row_ptr, intervals))
+    step = tuple(_raw(t if t.dim() == 1 else t.reshape(-1))
+                 for t in (cu_q, kv_len, row_ptr, intervals))
     with torch.cuda.device(q.device):
         _native.cuda_paged_attention(
             _stream(q.device), _raw(q), _raw(k_cache), _raw(v_cache), _raw(out), _raw(lse),
             _raw(block_table), step, max_q_len, splits, _opt_raw(workspace), scale)
     return out, lse
+
+
+paged_attention_op = torch.library.custom_op("compilemask::paged_attention",
+                                             mutates_args=())(_paged_attention)
 
 
 @paged_attention_op.register_fake
@@ -574,8 +578,7 @@ def _(q, k_cache, v_cache, block_table, cu_q, kv_len, row_ptr, intervals, max_q_
             q.new_empty((total_q, num_heads), dtype=torch.float32))
 
 
-@torch.library.custom_op("compilemask::paged_prefill", mutates_args=())
-def paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+def _paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                      key_blocks: Tensor, row_index: Tensor, kernel: list[Tensor],
                      plan_dims: list[int], scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
@@ -630,11 +633,44 @@ def from_virtual_rows(out: Tensor, lse: Tensor, row_index: Tensor,
     return out.contiguous(), lse.contiguous()
 
 
+paged_prefill_op = torch.library.custom_op("compilemask::paged_prefill",
+                                           mutates_args=())(_paged_prefill)
+
+
 @paged_prefill_op.register_fake
 def _(q, k_cache, v_cache, block_table, key_blocks, row_index, kernel, plan_dims, scale):
     total_q, num_heads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((total_q, num_heads), dtype=torch.float32))
+
+
+def _dispatch_guards() -> Optional[tuple]:
+    """torch's switches that anything recording, transforming or tracing ops turns on: a
+    torch-function mode (``with torch.device(...)`` too), a dispatch mode (FakeTensorMode,
+    FlopCounterMode, make_fx), a functorch transform, the profiler. None where this torch
+    lacks one of them (every call then goes through the dispatcher)."""
+    try:
+        return (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+                torch._C._are_functorch_transforms_active, torch._C._autograd._profiler_enabled)
+    except AttributeError:
+        return None
+
+
+_DISPATCH_GUARDS = _dispatch_guards()
+
+
+def _bypasses_dispatcher(*tensors: Tensor) -> bool:
+    """Whether an inference op may run as the function it wraps instead of through torch's
+    dispatcher, whose ~12 us a call is as much as the rest of a decode step's Python: only
+    where nothing could tell the difference (no torch.compile tracing, none of
+    :func:`_dispatch_guards`' switches on, plain tensors, no gradient asked for; a custom op
+    without an autograd formula refuses a backward, which a plain call would not)."""
+    if _DISPATCH_GUARDS is None or torch.compiler.is_compiling():
+        return False
+    if any(on() for on in _DISPATCH_GUARDS):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) is Tensor and not (grad and t.requires_grad) for t in tensors)
 
 
 def check_paged_cuda(q: Tensor, v_cache: Tensor) -> None:
@@ -655,12 +691,14 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     ``compilemask._serve.PrefillTensors``) the step runs through the paged forward instead
     of the decode kernel."""
     check_paged_cuda(q, v_cache)
+    plain = _bypasses_dispatcher(q, k_cache, v_cache, block_table)
     if prefill is not None:
-        out, lse = paged_prefill_op(q, k_cache, v_cache, block_table, prefill.key_blocks,
-                                    prefill.row_index, list(prefill.kernel),
-                                    prefill.plan_dims(), float(scale))
+        op = _paged_prefill if plain else paged_prefill_op
+        out, lse = op(q, k_cache, v_cache, block_table, prefill.key_blocks, prefill.row_index,
+                      list(prefill.kernel), prefill.plan_dims(), float(scale))
     else:
-        out, lse = paged_attention_op(
+        op = _paged_attention if plain else paged_attention_op
+        out, lse = op(
             q, k_cache, v_cache, block_table,
             tensors.cu_q, tensors.kv_len, tensors.row_ptr, tensors.intervals,
             int(tensors.max_q_len), float(scale))

@@ -58,8 +58,8 @@ def _queued_copy(torch: Any, host: torch.Tensor, dev: Any) -> torch.Tensor:
     the host would wait for every kernel queued before it (a serving loop's previous step).
     torch keeps the pinned buffer until the copy has read it. ``RuntimeError`` while the stream
     is being captured into a CUDA graph, whose replays would read that buffer after it is
-    freed."""
-    if dev.type != "cuda":
+    freed. Traced by torch.compile, a plain copy (fake tensors have no pinned memory)."""
+    if dev.type != "cuda" or torch.compiler.is_compiling():
         return host.to(dev)
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
