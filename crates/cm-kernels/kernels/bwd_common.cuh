@@ -146,6 +146,15 @@ template <int ID, int THREADS>
 __device__ __forceinline__ void cm_named_arrive() {
     asm volatile("bar.arrive %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
 }
+// The same with an ID known at run time (one barrier per consumer warpgroup).
+template <int THREADS>
+__device__ __forceinline__ void cm_named_sync_at(u32 id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void cm_named_arrive_at(u32 id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
 
 // The mbarriers of bwd_dkdv's and bwd_dkdv_wide's ring, 8 bytes apart from the first: K and
 // V, loaded once (one producer arrival plus the bytes), then per stage of Q and dO a "full"

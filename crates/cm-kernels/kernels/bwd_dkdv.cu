@@ -114,11 +114,21 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 // Named barrier of the 256 consumer threads (0 is __syncthreads, 3 + c each consumer's own in
 // score_term_grads).
 #define NAMED_DS 1
-// The fast mode's dQ tile from the consumers (256 threads arrive) to the reducer warp (32
-// threads sync), and back once the reduction has read it (the reducer arrives, consumers sync).
-#define NAMED_DQ_FULL 2
-#define NAMED_DQ_EMPTY 5
-#define DQ_HANDOFF_THREADS 288
+// The fast mode's dQ goes to the reducer warp in DQ_PARTS parts, each from the consumer
+// threads that store it (they arrive) to the reducer's 32 (they sync), and back once its
+// reduction has read it (the reducer arrives, the consumers sync). With two dS^T buffers a
+// part per consumer, as FlashAttention-4's SM90 backward has: neither consumer waits for the
+// other's dQ, and the reducer adds one part while the other is being stored (+0.7% at
+// head_dim 128, BENCHMARKS.md). With one buffer the reducer gives dQ back only once both
+// consumers' products are done (they read all of dS^T), so one part for both (per-consumer
+// parts measured 0.5% slower at head_dim 64).
+#define DQ_PARTS (DS_STAGES == 2 ? 2 : 1)
+#define NAMED_DQ_FULL(part) (6 + (part))
+#define NAMED_DQ_EMPTY(part) (8 + (part))
+#define DQ_HANDOFF_THREADS (256 / DQ_PARTS + 32)
+// A part of the step's dQ tiles, contiguous in the fragment-ordered layout (cm_dq_offset),
+// where consumer c's columns (or with two tiles a step, its tile) are its half.
+#define DQ_PART_BYTES (Q_TILES * DQ_BYTES / DQ_PARTS)
 
 // P^T of one step in place of S^T. Element [j][e] is key 16 warp + g + 8 (e >> 1) of this
 // consumer, query 8 j + 2 t + (e & 1) of the step (tile j / 8); bits[h][r] are tile h's
@@ -364,6 +374,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
     __shared__ unsigned long long dist_buf[2][DIST_SPAN];
 #endif
     const u32 c = warpgroup - 1;  // this consumer's keys: 64 c .. 64 c + 63 of the block
+    const u32 dq_part = c * DQ_PARTS / 2;  // the part of the step's dQ it stores
     const int warp = (threadIdx.x >> 5) & 3;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
@@ -538,11 +549,12 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
             if constexpr (ATOMIC_DQ) {
                 // dS^T into the shared tile. Its readers of the previous tile are done: this
                 // consumer's dK product retired at the end of that tile, and both consumers' dQ
-                // products before they handed the previous tile's dQ to the reducer, which has
-                // read it (so the dQ tile is free as well). With two buffers the readers of this
-                // one, two steps back, are done already (DS_STAGES), and the dQ tile is waited
-                // for behind the products.
-                if constexpr (DS_STAGES == 1) cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+                // products before they handed their parts of the previous tile's dQ to the
+                // reducer, which with one buffer gives either part back only once it has read
+                // both (so this consumer's part of the dQ tile is free as well). With two
+                // buffers the readers of this one, two steps back, are done already
+                // (DS_STAGES), and the dQ part is waited for behind the products.
+                if constexpr (DS_STAGES == 1) cm_named_sync_at<DQ_HANDOFF_THREADS>(NAMED_DQ_EMPTY(dq_part));
     #pragma unroll
                 for (int kk = 0; kk < Q_ROWS / 16; ++kk) {
     #pragma unroll
@@ -600,7 +612,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                 cm_fence_acc(acc_dq);
                 cm_fence_frag(pa);
                 // The reducer has read the previous step's dQ tile.
-                if constexpr (DS_STAGES == 2) cm_named_sync<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+                if constexpr (DS_STAGES == 2) cm_named_sync_at<DQ_HANDOFF_THREADS>(NAMED_DQ_EMPTY(dq_part));
     #pragma unroll
                 for (int j = 0; j < DQ_COLS / 8; ++j) {
                     // Chunk j of this consumer's columns; chunks are 2 KB apart (cm_dq_offset).
@@ -609,7 +621,7 @@ __device__ __forceinline__ void dkdv_consumers(const CmBwdParams& p, const CmDkd
                                  : "memory");
                 }
                 cm_fence_proxy_async();
-                cm_named_arrive<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
+                cm_named_arrive_at<DQ_HANDOFF_THREADS>(NAMED_DQ_FULL(dq_part));
             } else {
                 // dK += dS^T Q: contraction over the step's queries, Q read MN-major.
                 cm_wgmma_fence();
@@ -741,9 +753,10 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                 dkdv_for_each_step(p, blk, produce);
             }
         } else if (threadIdx.x / 32 == 1 && total > 0 && p.dq_accum != nullptr) {
-            // The reducer warp: adds each tile's dQ, once the consumers have stored the step's,
-            // into the fp32 accumulator with one bulk asynchronous reduction per tile, and
-            // gives the tiles back once the reductions have read them. It walks the same steps
+            // The reducer warp: adds each consumer's part of the step's dQ, once that consumer
+            // has stored it, into the fp32 accumulator with one bulk asynchronous reduction
+            // (a group each), and gives each part back once its reduction has read it (with
+            // one dS^T buffer, once both have been read: see the consumers). It walks the same steps
             // as the consumers, so every barrier phase is matched. In the deterministic mode
             // each reduction waits for its turn (the tile's count of additions reaching this
             // key block's rank among the tile's visitors), and the count goes up once the
@@ -754,19 +767,21 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
             // next step waits for a turn otherwise (a later visitor never waits on a step that
             // waits itself).
             const u32 sDQ = base + OFF_DQ;
-            // The first step finds the dQ tiles free.
-            cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+            // The first step finds the dQ parts free.
+#pragma unroll
+            for (int part = 0; part < DQ_PARTS; ++part) cm_named_arrive_at<DQ_HANDOFF_THREADS>(NAMED_DQ_EMPTY(part));
             const u32 steps = dkdv_steps(blk);
             const bool leader = (threadIdx.x & 31) == 0;
             // The turn counters of the last reduced step, not yet released (leader only).
             u32* pending[Q_TILES] = {};
-            // Once every committed group is complete (all), or every one but the newest.
+            // Once every committed group is complete (all), or every one but the newest step's
+            // DQ_PARTS.
             auto release_pending = [&](bool all) {
                 if (pending[0] == nullptr) return;
                 if (all) {
                     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
                 } else {
-                    asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(DQ_PARTS) : "memory");
                 }
                 cm_fence_proxy_async_global();
     #pragma unroll
@@ -790,37 +805,57 @@ extern "C" __global__ void __launch_bounds__(DKDV_THREADS, 1)
                     turn[q] = ordered ? cm_dq_turn(p, batch, st.head(q), tl.row0) : nullptr;
                     my_turn[q] = ordered ? (tl.partial ? p.bwd_q_ranks : p.bwd_full_q_ranks)[tl.index] : 0;
                 }
-                cm_named_sync<NAMED_DQ_FULL, DQ_HANDOFF_THREADS>();
-                if (leader) {
-                    if (ordered) {
-                        bool ready = true;
+                // Part `part` covers bytes [part, part + 1) x DQ_PART_BYTES of the step's dQ tiles
+                // in shared memory; each tile's share of it goes to the same bytes of the tile's
+                // fragment-ordered rows in the accumulator, one group per part.
+#pragma unroll
+                for (int part = 0; part < DQ_PARTS; ++part) {
+                    cm_named_sync_at<DQ_HANDOFF_THREADS>(NAMED_DQ_FULL(part));
+                    if (leader) {
+                        if (ordered && part == 0) {
+                            bool ready = true;
+    #pragma unroll
+                            for (int q = 0; q < Q_TILES; ++q) {
+                                if (dst[q] != nullptr) ready = ready && cm_ld_acquire(turn[q]) == my_turn[q];
+                            }
+                            if (!ready) release_pending(true);
+                        }
     #pragma unroll
                         for (int q = 0; q < Q_TILES; ++q) {
-                            if (dst[q] != nullptr) ready = ready && cm_ld_acquire(turn[q]) == my_turn[q];
+                            const u32 lo = max(q * DQ_BYTES, part * DQ_PART_BYTES);
+                            const u32 hi = min((q + 1) * DQ_BYTES, (part + 1) * DQ_PART_BYTES);
+                            if (lo >= hi || dst[q] == nullptr) continue;
+                            if (ordered && lo == q * DQ_BYTES) {
+                                while (cm_ld_acquire(turn[q]) != my_turn[q]) __nanosleep(128);
+                                // The earlier additions (async proxy, released by their CTAs)
+                                // come before this one.
+                                cm_fence_proxy_async_global();
+                            }
+                            asm volatile(
+                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                                    dst[q] + (lo - q * DQ_BYTES) / 4),
+                                "r"(sDQ + lo), "r"(hi - lo)
+                                : "memory");
                         }
-                        if (!ready) release_pending(true);
+                        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                     }
-    #pragma unroll
-                    for (int q = 0; q < Q_TILES; ++q) {
-                        if (dst[q] == nullptr) break;
-                        if (ordered) {
-                            while (cm_ld_acquire(turn[q]) != my_turn[q]) __nanosleep(128);
-                            // The earlier additions (async proxy, released by their CTAs) come
-                            // before this one.
-                            cm_fence_proxy_async_global();
-                        }
-                        asm volatile(
-                            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst[q]),
-                            "r"(sDQ + q * DQ_BYTES), "n"(DQ_BYTES)
-                            : "memory");
-                    }
-                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                    __syncwarp();
                 }
-                __syncwarp();
-                // The last step's dQ tiles are not written again (the consumers sync EMPTY
-                // once per step).
-                if (it + 1 < steps) cm_named_arrive<NAMED_DQ_EMPTY, DQ_HANDOFF_THREADS>();
+                // Each part back once its reduction has read it (with one dS^T buffer, once all
+                // have been read: see DQ_PARTS); the last step's are not written again (the
+                // consumers sync EMPTY once per step).
+#pragma unroll
+                for (int part = 0; part < DQ_PARTS; ++part) {
+                    if (leader) {
+                        if (DS_STAGES == 2 && part + 1 < DQ_PARTS) {
+                            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                        } else {
+                            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                        }
+                    }
+                    __syncwarp();
+                    if (it + 1 < steps) cm_named_arrive_at<DQ_HANDOFF_THREADS>(NAMED_DQ_EMPTY(part));
+                }
                 if (ordered && leader) {
                     // The previous step's turns pass on once its group is complete; this
                     // step's group may still be in flight.
