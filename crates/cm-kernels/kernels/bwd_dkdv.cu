@@ -118,7 +118,7 @@ static_assert(SMEM_BYTES == CM_DYNAMIC_SMEM_BYTES, "cm_kernels::Variant::dynamic
 // threads that store it (they arrive) to the reducer's 32 (they sync), and back once its
 // reduction has read it (the reducer arrives, the consumers sync). With two dS^T buffers a
 // part per consumer, as FlashAttention-4's SM90 backward has: neither consumer waits for the
-// other's dQ, and the reducer adds one part while the other is being stored (+0.7% at
+// other's dQ, and the reducer adds one part while the other is being stored (+1.3% at
 // head_dim 128, BENCHMARKS.md). With one buffer the reducer gives dQ back only once both
 // consumers' products are done (they read all of dS^T), so one part for both (per-consumer
 // parts measured 0.5% slower at head_dim 64).
