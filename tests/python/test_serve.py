@@ -387,6 +387,55 @@ def test_step_tensors(torch):
     assert step.to_tensors() is not t and step.to_tensors().kv_len.tolist() == [13, 4]
 
 
+def test_step_tensors_with_room_are_rewritten_in_place(torch):
+    """to_tensors(max_intervals=N) pads intervals with zero pairs; write_tensors puts each
+    later step of the same shape into those very tensors (one buffer, or four separate
+    ones), equal to that step's own tensors and giving paged_attention its results; what
+    does not fit is refused, naming it."""
+    step = cm.builtin("dilated_window", window=9, dilation=2).plan_step(1, [12, 3, 40])
+    t = step.to_tensors(max_intervals=20)
+    assert t.intervals.shape == (40,) and t.intervals[2 * step.num_intervals:].eq(0).all()
+    assert step.to_tensors(max_intervals=20) is t and step.to_tensors() is not t
+    own = step.to_tensors()
+    hand = cm.StepTensors(*(x.clone() for x in t[:4]), *t[4:])
+    addresses = [x.data_ptr() for x in t[:4] + hand[:4]]
+    kc = torch.randn(10, 16, 2, 8, dtype=torch.float64)
+    vc = torch.randn_like(kc)
+    table = torch.arange(9, dtype=torch.int32).reshape(3, 3)
+    for _ in range(3):
+        step.append(1)
+        assert step.write_tensors(t) is t and step.write_tensors(hand) is hand
+        assert [x.data_ptr() for x in t[:4] + hand[:4]] == addresses
+        own = step.to_tensors()
+        n = 2 * step.num_intervals
+        for got in (t, hand):
+            assert all(torch.equal(a, b) for a, b in zip(got[:3], own[:3]))
+            assert torch.equal(got.intervals[:n], own.intervals)
+        q = torch.randn(3, 4, 8, dtype=torch.float64)
+        want = cm.paged_attention(q, kc, vc, table, step)
+        assert torch.equal(cm.paged_attention(q, kc, vc, table, t), want)
+    with pytest.raises(ValueError, match=r"max_intervals = 3 is out of range; expected \d+ "
+                                         r"\(the step's num_intervals\)"):
+        step.to_tensors(max_intervals=3)
+    with pytest.raises(TypeError, match="max_intervals must be an int, got bool"):
+        step.to_tensors(max_intervals=True)
+    n = step.num_intervals
+    with pytest.raises(ValueError, match=f"this step has {n} intervals but tensors.intervals "
+                                         f"has room for {n - 1}"):
+        step.write_tensors(own._replace(intervals=torch.zeros(2 * n - 2, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="tensors hold a step of num_seqs = 2, but this step "
+                                         "has 3"):
+        step.write_tensors(cm.builtin("causal").plan_step(1, [4, 5]).to_tensors())
+    step.append([1, 2, 1])
+    with pytest.raises(ValueError, match="total_q = 3, but this step has 4"):
+        step.write_tensors(t)
+    with pytest.raises(TypeError, match="must be the StepTensors of Step.to_tensors, got tuple"):
+        step.write_tensors(tuple(t))
+    with pytest.raises(TypeError, match=r"tensors.kv_len must be a 1-D int32 tensor, got "
+                                        r"torch.int64 tensor"):
+        step.write_tensors(t._replace(kv_len=t.kv_len.long()))
+
+
 @pytest.mark.parametrize("q_len,kv_len,heads", [
     ([3, 130, 1], [40, 300, 9], (8, 2)),
     ([128, 128], [128, 256], (4, 4)),
@@ -637,6 +686,36 @@ def test_cuda_calls_with_and_without_the_dispatcher_agree(torch):
         assert torch.equal(cm.paged_attention(q.requires_grad_(), *args, step, kernel=kernel),
                            plain)
         q = q.detach()
+
+
+def test_cuda_graph_replays_steps_written_in_place(torch):
+    """The serving loop of a captured CUDA graph: tensors with room for intervals, captured
+    once; each later step (rows of several intervals, their number changing) is appended,
+    written into them and replayed, and equals the float64 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kv_len = [70, 300, 129]
+    step = cm.builtin("dilated_window", window=40, dilation=3).plan_step(1, kv_len)
+    kc, vc, table = make_cache(torch, [kv + 4 for kv in kv_len], 16, 2, 128, 128, [None] * 3, 9)
+    bf = torch.bfloat16
+    kc, vc = kc.to(bf).double(), vc.to(bf).double()
+    on_dev = [x.to(dev) for x in (kc.to(bf), vc.to(bf), table)]
+    tensors = step.to_tensors(dev, max_intervals=4 * step.num_intervals)
+    q = torch.zeros(step.total_q, 8, 128, device=dev, dtype=bf)
+    cm.paged_attention(q, *on_dev, tensors, scale=0.1)  # loads the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = cm.paged_attention(q, *on_dev, tensors, scale=0.1)
+    for _ in range(4):
+        step.append(1)
+        step.write_tensors(tensors)
+        q_host = torch.randn(step.total_q, 8, 128, dtype=torch.float64).to(bf).double()
+        q.copy_(q_host.to(bf))
+        graph.replay()
+        want, _ = dense_reference(torch, q_host, kc, vc, table, step, 0.1)
+        assert (static.double().cpu() - want).abs().max().item() <= 2e-2
 
 
 def test_cuda_refuses_what_the_kernel_lacks(torch):

@@ -85,6 +85,37 @@ def _host_int32(torch: Any, raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.int32)
 
 
+def _room(max_intervals: Any, num_intervals: int) -> int:
+    """``max_intervals`` of :meth:`Step.to_tensors`: an int of at least the step's
+    ``num_intervals``."""
+    room = _int("max_intervals", max_intervals)
+    if not num_intervals <= room <= _MAX_INTERVALS:
+        raise ValueError(f"max_intervals = {room} is out of range; expected {num_intervals} "
+                         f"(the step's num_intervals) ..= {_MAX_INTERVALS}")
+    return room
+
+
+def _max_q_len(cu_q: bytes) -> int:
+    """The most new rows of any sequence, from ``cu_q``'s bytes."""
+    offsets = _ints(cu_q)
+    return max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
+
+
+def _consecutive(torch: Any, parts: Any, total: int) -> Any:
+    """The one 1-D tensor of ``total`` int32 that ``parts`` lie in one after the other (as
+    :meth:`Step.to_tensors` makes them), or None when they do not."""
+    first = parts[0]
+    at = first.storage_offset()
+    for t in parts:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != at or (t.numel() > 1 and t.stride(0) != 1)):
+            return None
+        at += t.numel()
+    if at - first.storage_offset() < total:
+        return None
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
 def _ints(raw: bytes) -> list[int]:
     a = array.array("i")
     a.frombytes(raw)
@@ -98,6 +129,9 @@ _MAX_SEQS_WHY = "one per sequence, at most 2^20 sequences"
 
 
 _SEQUENCE = "a sequence of ints, one per sequence"
+
+# Most intervals a step's tensors hold: row_ptr's int32 offsets count them.
+_MAX_INTERVALS = (1 << 31) - 1
 
 
 def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
@@ -224,6 +258,13 @@ class Step:
     def _arrays(self) -> tuple[bytes, bytes, bytes, bytes]:
         return self._native.arrays()
 
+    def _padded_arrays(self, max_intervals: int | None) -> tuple[bytes, bytes, bytes, bytes]:
+        """:meth:`_arrays` with ``intervals`` zero-padded to ``max_intervals`` pairs."""
+        cu, kv, rp, iv = self._arrays()
+        if max_intervals is not None:
+            iv += bytes(8 * max_intervals - len(iv))
+        return cu, kv, rp, iv
+
     @property
     def cu_q(self) -> list[int]:
         """``[num_seqs + 1]`` row offsets."""
@@ -289,28 +330,95 @@ class Step:
             self._tensors.clear()
         return self
 
-    def to_tensors(self, device: Any = None) -> StepTensors:
+    def to_tensors(self, device: Any = None, *, max_intervals: int | None = None) -> StepTensors:
         """The step's arrays as int32 tensors on ``device`` (default CPU), cached until the
         next :meth:`append`. On CUDA they come in one copy that is queued on the current stream
         without waiting for the work before it (use them on another stream only once that
         stream waits for this one); ``RuntimeError`` while a CUDA graph is being captured:
-        make them before capturing."""
+        make them before capturing.
+
+        ``max_intervals`` (at least the step's ``num_intervals``) leaves room for that many
+        intervals: ``intervals`` then has ``2 * max_intervals`` entries, the pairs past the
+        step's zero and never read (``row_ptr`` bounds every row), so that the later steps of
+        a CUDA graph captured with these tensors fit them (:meth:`write_tensors`)."""
         from ._torch import _cache_key, _queued_copy, require_torch
 
         torch = require_torch("Step.to_tensors")
         key = _cache_key(torch, device)
         with self._lock:
+            if max_intervals is not None:
+                max_intervals = _room(max_intervals, self.num_intervals)
+                key = f"{key} room {max_intervals}"
             cached = self._tensors.get(key)
             if cached is not None:
                 return cached
-            arrays = self._arrays()
-            flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)), torch.device(key))
+            arrays = self._padded_arrays(max_intervals)
+            flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)),
+                                torch.device(key.split(" ")[0]))
             cu, kv, rp, iv = torch.split(flat, [len(a) // 4 for a in arrays])
-            offsets = _ints(arrays[0])
-            max_q = max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
-            out = StepTensors(cu, kv, rp, iv, len(offsets) - 1, len(arrays[2]) // 4 - 1, max_q)
+            out = StepTensors(cu, kv, rp, iv, len(arrays[1]) // 4, len(arrays[2]) // 4 - 1,
+                              _max_q_len(arrays[0]))
             self._tensors[key] = out
         return out
+
+    def write_tensors(self, tensors: StepTensors) -> StepTensors:
+        """Writes this step's arrays into ``tensors`` (made by :meth:`to_tensors`, usually of
+        an earlier step, with ``max_intervals`` room) in place and returns them: the serving
+        loop of a CUDA graph captured with those tensors, ``step.append(1)``,
+        ``step.write_tensors(tensors)``, ``graph.replay()``. The step must have their
+        ``num_seqs`` and ``total_q`` (the shapes the graph holds) and at most as many
+        intervals as ``tensors.intervals`` has room for; its ``max_q_len`` may pass theirs
+        (the graph's kernel then gives each CTA more rows; still exact). On CUDA one copy
+        queued on the current stream, as :meth:`to_tensors`; ``RuntimeError`` during capture.
+        ``ValueError`` naming what does not fit, ``TypeError`` for anything but
+        :class:`StepTensors` of int32 tensors."""
+        from ._torch import _queued_copy, require_torch
+
+        torch = require_torch("Step.write_tensors")
+        if not isinstance(tensors, StepTensors):
+            raise TypeError(f"tensors must be the StepTensors of Step.to_tensors, got "
+                            f"{_type_name(tensors)}")
+        parts = tensors[:4]
+        names = ("cu_q", "kv_len", "row_ptr", "intervals")
+        for name, t in zip(names, parts):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                got = (f"{t.dtype} tensor of shape {tuple(t.shape)}"
+                       if isinstance(t, torch.Tensor) else _type_name(t))
+                raise TypeError(f"tensors.{name} must be a 1-D int32 tensor, got {got}")
+            if t.device != parts[0].device:
+                raise ValueError(f"tensors.{name} is on {t.device} but tensors.cu_q on "
+                                 f"{parts[0].device}")
+        with self._lock:
+            n, t_q, have = self.num_seqs, self.total_q, self.num_intervals
+            room = parts[3].numel() // 2
+            for name, got, want in (("num_seqs", tensors.num_seqs, n),
+                                    ("total_q", tensors.total_q, t_q)):
+                if got != want:
+                    raise ValueError(
+                        f"the tensors hold a step of {name} = {got}, but this step has {want}: "
+                        f"a captured graph's shapes do not change; make new tensors "
+                        f"(step.to_tensors) and capture again")
+            sizes = [parts[0].numel(), parts[1].numel(), parts[2].numel()]
+            if sizes != [n + 1, n, t_q + 1]:
+                raise ValueError(
+                    f"the tensors' cu_q, kv_len and row_ptr have {sizes[0]}, {sizes[1]} and "
+                    f"{sizes[2]} entries; expected num_seqs + 1 = {n + 1}, num_seqs = {n} and "
+                    f"total_q + 1 = {t_q + 1}")
+            if have > room:
+                raise ValueError(
+                    f"this step has {have} intervals but tensors.intervals has room for "
+                    f"{room}: make the tensors with step.to_tensors(device, max_intervals=N), N "
+                    f"at least the largest step's num_intervals, and capture again")
+            host = _host_int32(torch, b"".join(self._arrays()))
+            dst = _consecutive(torch, parts, host.numel())
+            if dst is not None:
+                dst.copy_(_queued_copy(torch, host, dst.device))
+            else:
+                done = 0
+                for t, m in zip(parts, sizes + [2 * have]):
+                    t[:m].copy_(_queued_copy(torch, host[done:done + m], t.device))
+                    done += m
+        return tensors
 
     def prefill_tensors(self, device: Any, row_group: int = 1) -> PrefillTensors:
         """The step laid out for the paged forward on ``device`` (CUDA for the kernel; ``None``
@@ -381,7 +489,7 @@ def paged_attention(
 
     - ``"decode"``: the decode kernel (the query heads of a kv head packed into each tile,
       split-KV): any step, any page size, and :class:`StepTensors` rewritten in place for a
-      captured CUDA graph;
+      captured CUDA graph (:meth:`Step.write_tensors`);
     - ``"prefill"``: the paged forward (the training forward's warp-specialised kernel with K
       and V read through the block table, 128 x 128 tiles over every sequence's keys padded to
       whole 128-key blocks): a :class:`Step` (its rows are laid out on the host), page sizes
@@ -544,9 +652,12 @@ def _paged_cpu(torch: Any, q: Any, k_cache: Any, v_cache: Any, block_table: Any,
     num_pages, page_size, hk, _ = k_cache.shape
     dv = v_cache.shape[3]
     dims = (hq, hk, d, dv, num_pages, page_size, block_table.shape[1])
-    arrays = tuple(_host(t, torch.int32) for t in tensors[:4])
+    arrays = [_host(t, torch.int32) for t in tensors[:4]]
+    # Room past the step's intervals (Step.to_tensors' max_intervals) is never read.
+    if len(arrays[2]) and int(arrays[2][-1]) >= 0:
+        arrays[3] = arrays[3][:2 * int(arrays[2][-1])]
     out, lse = _native.paged_reference(
         dims, _host(q, cd), _host(k_cache, cd), _host(v_cache, cd),
-        _host(block_table, torch.int32), arrays, scale, cd == torch.float64)
+        _host(block_table, torch.int32), tuple(arrays), scale, cd == torch.float64)
     return (_from_bytes(out, cd, (total_q, hq, dv)).to(q.dtype),
             _from_bytes(lse, cd, (total_q, hq)).to(_lse_dtype(q.dtype)))
