@@ -365,6 +365,38 @@ def test_paged_attention_under_torch_compile_on_cpu(torch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_eager_paged_calls_skip_the_dispatcher_only_where_nothing_records_ops(torch):
+    """`_ops._bypasses_dispatcher` (CPU-checkable): a plain eager call may run the op's
+    function directly; torch.jit.trace, a torch-function or dispatch mode, a functorch
+    transform, the profiler or a gradient asked for send it through the custom op (the
+    tracer records ops at the dispatcher: a direct call would trace only the empty outputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask import _ops
+
+    x = torch.ones(3)
+    assert _ops._bypasses_dispatcher(x)
+    seen = []
+
+    def traced(t):
+        seen.append(_ops._bypasses_dispatcher(t))
+        return t * 2
+
+    torch.jit.trace(traced, (x,), check_trace=False)
+    assert seen == [False]
+    with torch.device("cpu"):
+        assert not _ops._bypasses_dispatcher(x)
+    with FakeTensorMode():
+        assert not _ops._bypasses_dispatcher(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not _ops._bypasses_dispatcher(x)
+    torch.func.vmap(lambda t: seen.append(_ops._bypasses_dispatcher(t)) or t)(torch.ones(2, 3))
+    assert seen == [False, False]
+    assert not _ops._bypasses_dispatcher(x.clone().requires_grad_())
+    with torch.no_grad():
+        assert _ops._bypasses_dispatcher(x.clone().requires_grad_())
+
+
 def test_empty_rows_are_zero_and_minus_inf(torch):
     step = cm.compile("mask = k < q - 200;").plan_step([3, 1], [150, 300])
     kc, vc, table = make_cache(torch, [150, 300], 16, 1, 4, 4, [None, None], 2)

@@ -668,11 +668,14 @@ def _(q, k_cache, v_cache, block_table, key_blocks, row_index, kernel, plan_dims
 def _dispatch_guards() -> Optional[tuple]:
     """torch's switches that anything recording, transforming or tracing ops turns on: a
     torch-function mode (``with torch.device(...)`` too), a dispatch mode (FakeTensorMode,
-    FlopCounterMode, make_fx), a functorch transform, the profiler. None where this torch
-    lacks one of them (every call then goes through the dispatcher)."""
+    FlopCounterMode, make_fx), a functorch transform, the profiler, ``torch.jit.trace`` (whose
+    tracer records ops at the dispatcher: a plain call would leave the launch out of the
+    trace, whose replays would return the empty outputs). None where this torch lacks one of
+    them (every call then goes through the dispatcher)."""
     try:
         return (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
-                torch._C._are_functorch_transforms_active, torch._C._autograd._profiler_enabled)
+                torch._C._are_functorch_transforms_active, torch._C._autograd._profiler_enabled,
+                torch._C._get_tracing_state)
     except AttributeError:
         return None
 
