@@ -421,8 +421,8 @@ def test_step_tensors(torch):
 
 def test_step_tensors_with_room_are_rewritten_in_place(torch):
     """to_tensors(max_intervals=N) pads intervals with zero pairs; write_tensors puts each
-    later step of the same shape into those very tensors (one buffer, or four separate
-    ones), equal to that step's own tensors and giving paged_attention its results; what
+    later step of the same shape into those very tensors (on CUDA one copy into the buffer
+    they share: the GPU test of the captured loop), equal to that step's own tensors and giving paged_attention its results; what
     does not fit is refused, naming it."""
     step = cm.builtin("dilated_window", window=9, dilation=2).plan_step(1, [12, 3, 40])
     t = step.to_tensors(max_intervals=20)
@@ -466,6 +466,21 @@ def test_step_tensors_with_room_are_rewritten_in_place(torch):
     with pytest.raises(TypeError, match=r"tensors.kv_len must be a 1-D int32 tensor, got "
                                         r"torch.int64 tensor"):
         step.write_tensors(t._replace(kv_len=t.kv_len.long()))
+
+
+def test_cpu_step_tensors_pickle_alone(torch):
+    """CPU StepTensors are four tensors of their own (what Step's pickling error tells users
+    to send): each pickles, and holds once loaded, its own array, not all four."""
+    import pickle
+
+    step = cm.builtin("sliding_window", window=50).plan_step([64] * 16, [4096] * 16)
+    t = step.to_tensors()
+    arrays = t[:4]
+    assert [x.untyped_storage().nbytes() for x in arrays] == [4 * x.numel() for x in arrays]
+    loaded = pickle.loads(pickle.dumps(t))
+    assert all(torch.equal(a, b) for a, b in zip(arrays, loaded[:4]))
+    assert [x.untyped_storage().nbytes() for x in loaded[:4]] == [4 * x.numel() for x in arrays]
+    assert len(pickle.dumps(t)) < 2 * 4 * sum(x.numel() for x in arrays)
 
 
 @pytest.mark.parametrize("q_len,kv_len,heads", [

@@ -353,9 +353,15 @@ class Step:
             if cached is not None:
                 return cached
             arrays = self._padded_arrays(max_intervals)
-            flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)),
-                                torch.device(key.split(" ")[0]))
-            cu, kv, rp, iv = torch.split(flat, [len(a) // 4 for a in arrays])
+            dev = torch.device(key.split(" ")[0])
+            if dev.type == "cuda":
+                # One transfer, split into views of it.
+                flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)), dev)
+                cu, kv, rp, iv = torch.split(flat, [len(a) // 4 for a in arrays])
+            else:
+                # Tensors of their own: views of one buffer would each pickle (and hold once
+                # loaded) all four arrays.
+                cu, kv, rp, iv = (_host_int32(torch, a).to(dev) for a in arrays)
             out = StepTensors(cu, kv, rp, iv, len(arrays[1]) // 4, len(arrays[2]) // 4 - 1,
                               _max_q_len(arrays[0]))
             self._tensors[key] = out
