@@ -150,6 +150,22 @@ def test_bad_steps_raise():
         step.append([1, -2 ** 63 - 1])
     with pytest.raises(TypeError, match=r"q_len must be an int \(the same for every sequence\)"):
         causal.plan_step(1.5, [4])
+    # A value that is neither form is named with its value, also a numpy / torch scalar
+    # (as the caller gave it) or a bool.
+    for bad, text in ((1.5, "float 1.5"), (True, "bool True"), (None, "NoneType None"),
+                      ("2", "str '2'")):
+        with pytest.raises(TypeError, match=f"new_tokens must be an int .*, got {text}$"):
+            step.append(bad)
+        with pytest.raises(TypeError, match=f"kv_len must be a sequence of ints, one per "
+                                            f"sequence, got {text}$"):
+            causal.plan_step(1, bad)
+    # Integers too long for Python to print are named by their size, not lost to str()'s
+    # digit limit.
+    huge = 10 ** 5000
+    with pytest.raises(ValueError, match=r"new_tokens = \(an int of 16610 bits\) is out of range"):
+        step.append(huge)
+    with pytest.raises(ValueError, match=r"kv_len\[1\] = \(an int of 16610 bits\) is out"):
+        causal.plan_step(1, [4, huge])
     assert step.kv_len == [4, 9]
     with pytest.raises(IndexError, match="row 2 is out of range"):
         step.row(2)
@@ -422,8 +438,8 @@ def test_step_tensors(torch):
 def test_step_tensors_with_room_are_rewritten_in_place(torch):
     """to_tensors(max_intervals=N) pads intervals with zero pairs; write_tensors puts each
     later step of the same shape into those very tensors (on CUDA one copy into the buffer
-    they share: the GPU test of the captured loop), equal to that step's own tensors and giving paged_attention its results; what
-    does not fit is refused, naming it."""
+    they share: the GPU test of the captured loop), equal to that step's own tensors and
+    giving paged_attention its results; what does not fit is refused, naming it."""
     step = cm.builtin("dilated_window", window=9, dilation=2).plan_step(1, [12, 3, 40])
     t = step.to_tensors(max_intervals=20)
     assert t.intervals.shape == (40,) and t.intervals[2 * step.num_intervals:].eq(0).all()
@@ -466,6 +482,16 @@ def test_step_tensors_with_room_are_rewritten_in_place(torch):
     with pytest.raises(TypeError, match=r"tensors.kv_len must be a 1-D int32 tensor, got "
                                         r"torch.int64 tensor"):
         step.write_tensors(t._replace(kv_len=t.kv_len.long()))
+
+
+def test_bad_tensor_scalars_are_named_as_given(torch):
+    step = cm.builtin("causal").plan_step(1, [4, 9])
+    with pytest.raises(TypeError, match=r"new_tokens must be an int .*, got Tensor "
+                                        r"tensor\(1.5000\)$"):
+        step.append(torch.tensor(1.5))
+    with pytest.raises(TypeError, match=r"q_len must be an int .*, got Tensor tensor\(True\)$"):
+        cm.builtin("causal").plan_step(torch.tensor(True), [4])
+    assert step.append(torch.tensor(2)).q_len == [2, 2]
 
 
 def test_cpu_step_tensors_pickle_alone(torch):

@@ -11,7 +11,7 @@ import array
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _native
@@ -134,6 +134,18 @@ _SEQUENCE = "a sequence of ints, one per sequence"
 _MAX_INTERVALS = (1 << 31) - 1
 
 
+def _value_text(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short; an int too long for Python to print
+    (past ``sys.get_int_max_str_digits()``) by its size."""
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"(an int of {value.bit_length()} bits)"
+        return "(too large to print)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
     """A list of ints from a sequence, an iterator, a numpy array or an integer tensor;
     ``what`` says what ``name`` takes in a ``TypeError``."""
@@ -145,12 +157,15 @@ def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
         if not isinstance(value, list):  # a scalar, named as the caller gave it
-            raise TypeError(f"{name} must be {what}, got {_type_name(given)}")
+            raise TypeError(f"{name} must be {what}, got {_type_name(given)} {_value_text(given)}")
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"{name} must be {what}, got {_type_name(value)} {_value_text(value)}")
     value = _ordered(name, value, what)
     out = [_int(f"{name}[{i}]", x) for i, x in _bounded(name, value, _MAX_SEQS, _MAX_SEQS_WHY)]
     for i, x in enumerate(out):
         if not -(1 << 63) <= x < (1 << 63):
-            raise ValueError(f"{name}[{i}] = {x} is out of range; expected a signed 64-bit integer")
+            raise ValueError(f"{name}[{i}] = {_value_text(x)} is out of range; expected a signed "
+                             "64-bit integer")
     return out
 
 
@@ -165,14 +180,20 @@ def _plain_ints(value: Any) -> bool:
 def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
     """One int per sequence: an int (the same for every sequence; a numpy or torch scalar
     too) or a sequence of ints."""
+    given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # numpy / torch: scalars become int, arrays lists
     if isinstance(value, int) and not isinstance(value, bool):
         value = operator.index(value)
         if not -(1 << 63) <= value < (1 << 63):
-            raise ValueError(f"{name} = {value} is out of range; expected a signed 64-bit integer")
+            raise ValueError(f"{name} = {_value_text(value)} is out of range; expected a signed "
+                             "64-bit integer")
         return [value] * num_seqs
-    return _int_list(name, value, f"an int (the same for every sequence) or {_SEQUENCE}")
+    what = f"an int (the same for every sequence) or {_SEQUENCE}"
+    if value is not given and not isinstance(value, list):
+        # A numpy or torch scalar of another type, named as the caller gave it.
+        raise TypeError(f"{name} must be {what}, got {_type_name(given)} {_value_text(given)}")
+    return _int_list(name, value, what)
 
 
 def _seq_params(program: Program, params: Any) -> list[dict[str, Any]] | None:
