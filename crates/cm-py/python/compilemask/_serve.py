@@ -533,6 +533,13 @@ def paged_attention(
     differentiable (serving is inference). Wrong shapes, dtypes or devices raise
     ``ValueError``; CUDA dtypes and head dims the kernels lack raise ``NotImplementedError``.
 
+    With a :class:`Step` on CUDA, the first call after each :meth:`Step.append` copies the
+    step's arrays to the GPU queued on torch's current stream, and later calls reuse them
+    (:meth:`Step.to_tensors`): a call on another stream (layers split across streams) must
+    first make that stream wait for the first one (``torch.cuda.Stream.wait_stream``), or
+    its kernel may read the arrays before they arrive. Under CUDA graph capture the step's
+    tensors must already exist (a call before capturing makes them).
+
     The prefill path lays out the step's rows on the host each time a step changes
     (:meth:`Step.prefill_tensors`, cached until :meth:`Step.append`): each sequence's rows,
     the query heads of a kv head packed as rows and padded to whole 128-row tiles, over its
