@@ -701,8 +701,8 @@ def test_cuda_prefill_compiles_and_refuses_what_it_lacks(torch):
 def test_cuda_steps_queued_behind_other_work(torch):
     """A decode loop whose steps are laid out and copied while earlier kernels still run
     (the copies are queued on the stream, not waited for): each step, through both kernels,
-    equals the float64 reference. Under CUDA graph capture a step laid out before it is
-    captured (and replays right), one first laid out inside it is refused, not captured."""
+    equals the float64 reference. Under CUDA graph capture StepTensors made before it are
+    captured (and replay right); a Step is refused, and so are tensors first made inside."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -725,16 +725,20 @@ def test_cuda_steps_queued_behind_other_work(torch):
     q = torch.randn(step.total_q, 8, 64, dtype=torch.float64).to(bf).double()
     want, _ = dense_reference(torch, q, kc, vc, table, step, 0.125)
     q_dev = q.to(bf).to(dev)
+    tensors = step.to_tensors(dev)
     torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="a Step cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
+        static = cm.paged_attention(q_dev, *on_dev, tensors, scale=0.125, kernel="decode")
     graph.replay()
     assert (static.double().cpu() - want).abs().max().item() <= 2e-2
     step.append(1)
     with pytest.raises(RuntimeError, match="make them before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            cm.paged_attention(q_dev, *on_dev, step, scale=0.125, kernel="decode")
+            step.to_tensors(dev)
 
 
 def test_cuda_calls_with_and_without_the_dispatcher_agree(torch):

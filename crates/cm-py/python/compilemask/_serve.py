@@ -537,8 +537,9 @@ def paged_attention(
     step's arrays to the GPU queued on torch's current stream, and later calls reuse them
     (:meth:`Step.to_tensors`): a call on another stream (layers split across streams) must
     first make that stream wait for the first one (``torch.cuda.Stream.wait_stream``), or
-    its kernel may read the arrays before they arrive. Under CUDA graph capture the step's
-    tensors must already exist (a call before capturing makes them).
+    its kernel may read the arrays before they arrive. Under CUDA graph capture pass
+    :class:`StepTensors` (a :class:`Step` raises ``RuntimeError``: its tensors are replaced
+    at each append), written for each later step by :meth:`Step.write_tensors`.
 
     The prefill path lays out the step's rows on the host each time a step changes
     (:meth:`Step.prefill_tensors`, cached until :meth:`Step.append`): each sequence's rows,
@@ -598,6 +599,12 @@ def paged_attention(
             f"the step was planned with num_heads = {step._num_heads}, which its mask reads, but q "
             f"has num_heads = {hq} (q.shape[1]); plan the step with num_heads={hq}")
     if isinstance(step, Step):
+        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "compilemask.paged_attention: a Step cannot be captured in a CUDA graph: its "
+                "tensors are replaced at each append, so the graph would read freed memory. "
+                "Capture with tensors = step.to_tensors(device, max_intervals=N) and write each "
+                "later step into them with step.write_tensors(tensors) (the decode kernel)")
         tensors = step.to_tensors(q.device)
     elif isinstance(step, StepTensors):
         tensors = step

@@ -64,10 +64,9 @@ def _queued_copy(torch: Any, host: torch.Tensor, dev: Any) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "compilemask: a step's tensors are made on the host and copied to the GPU, which a "
-            "CUDA graph cannot capture; make them before capturing (run the step once, or "
-            "step.to_tensors(device) and for the prefill kernel step.prefill_tensors(device, "
-            "row_group)); to replay decode steps of new lengths, capture with StepTensors "
-            "and rewrite them in place between replays")
+            "CUDA graph cannot capture; make them before capturing "
+            "(step.to_tensors(device, max_intervals=N)), pass those StepTensors and write each "
+            "later step into them with step.write_tensors between replays")
     return host.pin_memory().to(dev, non_blocking=True)
 
 
