@@ -46,6 +46,22 @@ pub enum StepError {
         new_tokens: i64,
     },
 
+    /// [`crate::Step::append`] of more tokens than a sequence can grow by.
+    #[error(
+        "new_tokens[{seq}] = {new_tokens} would take kv_len[{seq}] = {kv_len} past the \
+         longest supported sequence, {max} keys"
+    )]
+    AppendPastMax {
+        /// The sequence.
+        seq: usize,
+        /// Its count.
+        new_tokens: i64,
+        /// Its `kv_len` before the append.
+        kv_len: i64,
+        /// The longest supported sequence (`cm_ir::bind::MAX_LEN`).
+        max: i64,
+    },
+
     /// More new rows than keys: `kv_len` counts the new tokens too.
     #[error(
         "q_len[{seq}] = {q_len} is more than kv_len[{seq}] = {kv_len}: kv_len counts the \

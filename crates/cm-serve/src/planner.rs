@@ -260,7 +260,16 @@ impl StepPlanner {
 /// Checks the lengths of a step and returns its `total_q`.
 fn check_lengths(q_len: &[i64], kv_len: &[i64]) -> Result<usize, StepError> {
     if q_len.is_empty() {
-        return Err(StepError::NoSequences);
+        // With keys given, the rows are what is missing.
+        return Err(if kv_len.is_empty() {
+            StepError::NoSequences
+        } else {
+            StepError::CountMismatch {
+                what: "q_len",
+                given: 0,
+                num_seqs: kv_len.len(),
+            }
+        });
     }
     if kv_len.len() != q_len.len() {
         return Err(StepError::CountMismatch {
@@ -460,7 +469,8 @@ impl Step {
     ///
     /// # Errors
     /// [`StepError::CountMismatch`] unless there is one count per sequence,
-    /// [`StepError::NoNewTokens`] for a count below 1; as [`StepPlanner::plan`] for the new
+    /// [`StepError::NoNewTokens`] for a count below 1, [`StepError::AppendPastMax`] for one
+    /// that takes a sequence past `MAX_LEN` keys; as [`StepPlanner::plan`] for the new
     /// lengths (`KvLenOutOfRange` past `2^26` keys).
     pub fn append(&mut self, new_tokens: &[i64]) -> Result<(), StepError> {
         let num_seqs = self.plan.num_seqs();
@@ -473,6 +483,19 @@ impl Step {
         }
         if let Some((seq, &n)) = new_tokens.iter().enumerate().find(|(_, &n)| n < 1) {
             return Err(StepError::NoNewTokens { seq, new_tokens: n });
+        }
+        let kv = self.plan.kv_len();
+        if let Some((seq, &n)) = new_tokens
+            .iter()
+            .enumerate()
+            .find(|&(s, &n)| n > MAX_LEN - i64::from(kv[s]))
+        {
+            return Err(StepError::AppendPastMax {
+                seq,
+                new_tokens: n,
+                kv_len: i64::from(kv[seq]),
+                max: MAX_LEN,
+            });
         }
         self.q_len.clear();
         self.kv_len.clear();

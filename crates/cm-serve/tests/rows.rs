@@ -417,6 +417,32 @@ fn bad_steps_are_errors() {
         "new_tokens[1] = 0: every sequence gains at least one new token (new_tokens >= 1), which is its new row"
     );
     assert_eq!(step.plan(), &before);
+    // A step without rows but with keys names the rows as what is missing.
+    assert_eq!(
+        Step::new(causal(), &[], &[4, 8], None)
+            .unwrap_err()
+            .to_string(),
+        "q_len has 0 entries for 2 sequences; give one per sequence"
+    );
+    // So does one past the longest sequence, at the limit's edge and far past it.
+    let max = cm_ir::bind::MAX_LEN;
+    assert!(matches!(
+        step.append(&[1, max - 9 + 1]),
+        Err(StepError::AppendPastMax {
+            seq: 1,
+            kv_len: 9,
+            ..
+        })
+    ));
+    assert_eq!(
+        step.append(&[i64::MAX, 1]).unwrap_err().to_string(),
+        format!(
+            "new_tokens[0] = {} would take kv_len[0] = 5 past the longest supported \
+             sequence, {max} keys",
+            i64::MAX
+        )
+    );
+    assert_eq!(step.plan(), &before);
     assert!(matches!(
         Step::new(causal(), &[1], &[1], Some(vec![])),
         Err(StepError::CountMismatch { what: "params", .. })
