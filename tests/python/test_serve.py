@@ -103,6 +103,11 @@ def test_bad_steps_raise():
         causal.plan_step([1, 1], [4])
     with pytest.raises(ValueError, match="a step needs at least one sequence"):
         causal.plan_step([], [])
+    with pytest.raises(ValueError, match="q_len has 0 entries for 2 sequences"):
+        causal.plan_step([], [4, 8])
+    with pytest.raises(ValueError, match=r"new_tokens\[1\] = 1099511627776 would take "
+                                         r"kv_len\[1\] = 8 past the longest supported"):
+        causal.plan_step(1, [4, 8]).append([1, 2 ** 40])
     with pytest.raises(TypeError, match="kv_len must be a sequence of ints"):
         causal.plan_step(1, {3, 4})
     with pytest.raises(ValueError, match="one mask for every head"):
