@@ -489,6 +489,71 @@ def test_step_tensors_with_room_are_rewritten_in_place(torch):
         step.write_tensors(t._replace(kv_len=t.kv_len.long()))
 
 
+def test_write_tensors_refuses_before_writing_and_leaves_other_steps_alone(torch):
+    """write_tensors checks what a write could fill only in part before it writes anything (a
+    mixed inference tensor, an expand, overlapping tensors: the tensors stay unchanged), names
+    a hand-made StepTensors' non-int shapes, and writing another Step's cached tensors takes
+    them out of that Step's cache instead of changing what it computes; max_intervals stops
+    at the most intervals a step holds (2^31 took 16 GiB of host memory to pad)."""
+    causal = cm.builtin("causal")
+    step = causal.plan_step([2, 1, 1], [6, 18, 34])
+    t = causal.plan_step([1, 1, 2], [5, 17, 33]).to_tensors(max_intervals=10)
+    before = [x.clone() for x in t[:4]]
+    with torch.inference_mode():
+        frozen = torch.zeros(20, dtype=torch.int32)
+    with pytest.raises(ValueError, match="tensors.intervals is an inference tensor"):
+        step.write_tensors(t._replace(intervals=frozen))
+    with pytest.raises(ValueError, match=r"tensors.kv_len has elements that share memory"):
+        step.write_tensors(t._replace(kv_len=torch.zeros(1, dtype=torch.int32).expand(3)))
+    buf = torch.zeros(40, dtype=torch.int32)
+    with pytest.raises(ValueError, match="tensors.cu_q and tensors.row_ptr overlap in memory"):
+        step.write_tensors(cm.StepTensors(buf[0:4], buf[4:7], buf[1:6], buf[10:30], 3, 4, 2))
+    assert all(torch.equal(a, b) for a, b in zip(before, t[:4])) and buf.eq(0).all()
+    with pytest.raises(TypeError, match=r"tensors.num_seqs must be an int, got str '3'"):
+        step.write_tensors(t._replace(num_seqs="3"))
+    with torch.inference_mode():  # inside inference mode, inference tensors are written
+        own = step.to_tensors(max_intervals=10)
+        assert step.write_tensors(own) is own
+
+    # Another step's cached tensors: written, they leave its cache.
+    kc = torch.randn(40, 4, 1, 8, dtype=torch.float64)
+    vc = torch.randn_like(kc)
+    table = torch.arange(36, dtype=torch.int32).reshape(3, 12)
+    q = torch.randn(3, 2, 8, dtype=torch.float64)
+    first = causal.plan_step(1, [5, 17, 33])
+    want = cm.paged_attention(q, kc, vc, table, first)
+    cached = first.to_tensors()
+    causal.plan_step(1, [6, 18, 34]).write_tensors(cached)
+    assert cached.kv_len.tolist() == [6, 18, 34]
+    assert first.to_tensors() is not cached and first.to_tensors().kv_len.tolist() == [5, 17, 33]
+    assert torch.equal(cm.paged_attention(q, kc, vc, table, first), want)
+
+    with pytest.raises(ValueError, match=r"max_intervals = 134217729 is out of range; expected "
+                                         r"3 \(the step's num_intervals\) ..= 134217728"):
+        first.to_tensors(max_intervals=(1 << 27) + 1)
+    with pytest.raises(ValueError, match=r"max_intervals = \(an int of 16610 bits\) is out"):
+        first.to_tensors(max_intervals=10**5000)
+
+
+def test_paged_attention_names_a_bad_hand_made_step_tensors(torch):
+    step = cm.builtin("causal").plan_step(1, [5, 17, 33])
+    st = step.to_tensors()
+    kc = torch.randn(40, 4, 1, 8)
+    args = (torch.randn(3, 2, 8), kc, torch.randn_like(kc),
+            torch.arange(36, dtype=torch.int32).reshape(3, 12))
+    with pytest.raises(ValueError, match=r"step.cu_q has shape \(3,\); expected "
+                                         r"\[num_seqs \+ 1\] = \[4\]"):
+        cm.paged_attention(*args, st._replace(cu_q=st.cu_q[:3]))
+    with pytest.raises(TypeError, match="step.num_seqs must be an int, got float 3.0"):
+        cm.paged_attention(*args, st._replace(num_seqs=3.0))
+    with pytest.raises(TypeError, match="step.max_q_len must be an int, got str 'x'"):
+        cm.paged_attention(*args, st._replace(max_q_len="x"))
+    with pytest.raises(ValueError, match="step.max_q_len = 0; it must be at least 1"):
+        cm.paged_attention(*args, st._replace(max_q_len=0))
+    with pytest.raises(ValueError, match="step.kv_len is on meta but q is on cpu"):
+        cm.paged_attention(*args, st._replace(kv_len=st.kv_len.to("meta")))
+
+
 def test_bad_tensor_scalars_are_named_as_given(torch):
     step = cm.builtin("causal").plan_step(1, [4, 9])
     with pytest.raises(TypeError, match=r"new_tokens must be an int .*, got Tensor "

@@ -11,6 +11,7 @@ import array
 import math
 import operator
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -85,13 +86,24 @@ def _host_int32(torch: Any, raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.int32)
 
 
+def _padded(torch: Any, raw: bytes, size: int) -> torch.Tensor:
+    """:func:`_host_int32` zero-padded to ``size`` entries (one allocation of that size)."""
+    if len(raw) // 4 >= size:
+        return _host_int32(torch, raw)
+    out = torch.zeros(size, dtype=torch.int32)
+    if raw:
+        out[:len(raw) // 4] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    return out
+
+
 def _room(max_intervals: Any, num_intervals: int) -> int:
     """``max_intervals`` of :meth:`Step.to_tensors`: an int of at least the step's
     ``num_intervals``."""
     room = _int("max_intervals", max_intervals)
     if not num_intervals <= room <= _MAX_INTERVALS:
-        raise ValueError(f"max_intervals = {room} is out of range; expected {num_intervals} "
-                         f"(the step's num_intervals) ..= {_MAX_INTERVALS}")
+        raise ValueError(f"max_intervals = {_value_text(room)} is out of range; expected "
+                         f"{num_intervals} (the step's num_intervals) ..= {_MAX_INTERVALS} (the "
+                         "most intervals a step holds)")
     return room
 
 
@@ -130,8 +142,9 @@ _MAX_SEQS_WHY = "one per sequence, at most 2^20 sequences"
 
 _SEQUENCE = "a sequence of ints, one per sequence"
 
-# Most intervals a step's tensors hold: row_ptr's int32 offsets count them.
-_MAX_INTERVALS = (1 << 31) - 1
+# Most intervals a step holds (cm_serve::MAX_STEP_INTERVALS; the planner refuses more): room
+# past it would never be used, and 2^31 pairs took 16 GiB of host memory to pad.
+_MAX_INTERVALS = 1 << 27
 
 
 def _value_text(value: Any) -> str:
@@ -212,6 +225,12 @@ def _seq_params(program: Program, params: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+# The Step whose to_tensors cache holds each cached StepTensors, by id of its cu_q tensor:
+# write_tensors of another step into those tensors takes them out of that cache, which would
+# otherwise hand them on (to_tensors, paged_attention with that Step) as its own step's.
+_CACHED_BY: weakref.WeakValueDictionary[int, Step] = weakref.WeakValueDictionary()
+
+
 def plan_step(program: Program, q_len: Any, kv_len: Any, num_heads: Any, params: Any,
               shared: Mapping[str, Any]) -> Step:
     kv = _int_list("kv_len", kv_len)
@@ -239,7 +258,7 @@ class Step:
     kv_len[s]`` with batch index ``b = s``. One mask serves every head.
     """
 
-    __slots__ = ("_native", "_program", "_num_heads", "_tensors", "_lock")
+    __slots__ = ("_native", "_program", "_num_heads", "_tensors", "_lock", "__weakref__")
 
     def __init__(self, native: _native.Step, program: Program, num_heads: int | None):
         self._native = native
@@ -278,13 +297,6 @@ class Step:
 
     def _arrays(self) -> tuple[bytes, bytes, bytes, bytes]:
         return self._native.arrays()
-
-    def _padded_arrays(self, max_intervals: int | None) -> tuple[bytes, bytes, bytes, bytes]:
-        """:meth:`_arrays` with ``intervals`` zero-padded to ``max_intervals`` pairs."""
-        cu, kv, rp, iv = self._arrays()
-        if max_intervals is not None:
-            iv += bytes(8 * max_intervals - len(iv))
-        return cu, kv, rp, iv
 
     @property
     def cu_q(self) -> list[int]:
@@ -337,8 +349,25 @@ class Step:
         On an error (``ValueError``) the step is unchanged."""
         with self._lock:
             self._native.append(_counts("new_tokens", new_tokens, self.num_seqs))
-            self._tensors.clear()
+            self._clear_tensors()
         return self
+
+    def _clear_tensors(self) -> None:
+        """Empties the tensor cache (the step changed); call with the lock held."""
+        for t in self._tensors.values():
+            if isinstance(t, StepTensors) and _CACHED_BY.get(id(t.cu_q)) is self:
+                del _CACHED_BY[id(t.cu_q)]
+        self._tensors.clear()
+
+    def _forget(self, cu_q: Any) -> None:
+        """Takes the cached StepTensors whose ``cu_q`` is ``cu_q`` out of the cache (another
+        step is writing its arrays into them)."""
+        with self._lock:
+            for key, t in list(self._tensors.items()):
+                if isinstance(t, StepTensors) and t.cu_q is cu_q:
+                    del self._tensors[key]
+            if _CACHED_BY.get(id(cu_q)) is self:
+                del _CACHED_BY[id(cu_q)]
 
     def replan(self, q_len: Any, kv_len: Any, params: Any = None) -> Step:
         """A step of other sequences (the batch changed), in place, with the same program,
@@ -348,7 +377,7 @@ class Step:
         own = _seq_params(self._program, params)
         with self._lock:
             self._native.replan(q, kv, own)
-            self._tensors.clear()
+            self._clear_tensors()
         return self
 
     def to_tensors(self, device: Any = None, *, max_intervals: int | None = None) -> StepTensors:
@@ -358,7 +387,8 @@ class Step:
         stream waits for this one); ``RuntimeError`` while a CUDA graph is being captured:
         make them before capturing.
 
-        ``max_intervals`` (at least the step's ``num_intervals``) leaves room for that many
+        ``max_intervals`` (at least the step's ``num_intervals``, at most ``2**27``, the most a
+        step holds) leaves room for that many
         intervals: ``intervals`` then has ``2 * max_intervals`` entries, the pairs past the
         step's zero and never read (``row_ptr`` bounds every row), so that the later steps of
         a CUDA graph captured with these tensors fit them (:meth:`write_tensors`)."""
@@ -373,19 +403,22 @@ class Step:
             cached = self._tensors.get(key)
             if cached is not None:
                 return cached
-            arrays = self._padded_arrays(max_intervals)
+            arrays = self._arrays()
+            sizes = [len(a) // 4 for a in arrays]
+            if max_intervals is not None:
+                sizes[3] = 2 * max_intervals  # the pairs past the step's stay zero
             dev = torch.device(key.split(" ")[0])
             if dev.type == "cuda":
                 # One transfer, split into views of it.
-                flat = _queued_copy(torch, _host_int32(torch, b"".join(arrays)), dev)
-                cu, kv, rp, iv = torch.split(flat, [len(a) // 4 for a in arrays])
+                flat = _queued_copy(torch, _padded(torch, b"".join(arrays), sum(sizes)), dev)
+                cu, kv, rp, iv = torch.split(flat, sizes)
             else:
                 # Tensors of their own: views of one buffer would each pickle (and hold once
                 # loaded) all four arrays.
-                cu, kv, rp, iv = (_host_int32(torch, a).to(dev) for a in arrays)
-            out = StepTensors(cu, kv, rp, iv, len(arrays[1]) // 4, len(arrays[2]) // 4 - 1,
-                              _max_q_len(arrays[0]))
+                cu, kv, rp, iv = (_padded(torch, a, n).to(dev) for a, n in zip(arrays, sizes))
+            out = StepTensors(cu, kv, rp, iv, sizes[1], sizes[2] - 1, _max_q_len(arrays[0]))
             self._tensors[key] = out
+            _CACHED_BY[id(cu)] = self
         return out
 
     def write_tensors(self, tensors: StepTensors) -> StepTensors:
@@ -397,8 +430,13 @@ class Step:
         intervals as ``tensors.intervals`` has room for; its ``max_q_len`` may pass theirs
         (the graph's kernel then gives each CTA more rows; still exact). On CUDA one copy
         queued on the current stream, as :meth:`to_tensors`; ``RuntimeError`` during capture.
-        ``ValueError`` naming what does not fit, ``TypeError`` for anything but
-        :class:`StepTensors` of int32 tensors."""
+        ``ValueError`` naming what does not fit (or tensors a write could fill only in part:
+        inference tensors outside inference mode, ``expand``-ed or overlapping tensors),
+        ``TypeError`` for anything but :class:`StepTensors` of int32 tensors; on an error the
+        tensors are unchanged. Tensors that another step's :meth:`to_tensors` cached leave that
+        cache (they no longer hold its step). Nothing here checks the block table: a sequence
+        whose ``kv_len`` outgrows its block-table row has the keys past it left out on CUDA,
+        so grow the table (in place, under a graph) before the step needs it."""
         from ._torch import _queued_copy, require_torch
 
         torch = require_torch("Step.write_tensors")
@@ -415,11 +453,19 @@ class Step:
             if t.device != parts[0].device:
                 raise ValueError(f"tensors.{name} is on {t.device} but tensors.cu_q on "
                                  f"{parts[0].device}")
+        _check_writable(torch, names, parts)
+        owner = _CACHED_BY.get(id(parts[0]))
+        if owner is not None and owner is not self:
+            # Another step's cached tensors: after this write they no longer hold its step.
+            owner._forget(parts[0])
         with self._lock:
             n, t_q, have = self.num_seqs, self.total_q, self.num_intervals
             room = parts[3].numel() // 2
             for name, got, want in (("num_seqs", tensors.num_seqs, n),
                                     ("total_q", tensors.total_q, t_q)):
+                if isinstance(got, bool) or not isinstance(got, int):
+                    raise TypeError(f"tensors.{name} must be an int, got {_type_name(got)} "
+                                    f"{_value_text(got)}")
                 if got != want:
                     raise ValueError(
                         f"the tensors hold a step of {name} = {got}, but this step has {want}: "
@@ -479,6 +525,30 @@ class Step:
     def __repr__(self) -> str:
         return (f"Step({self._program.name!r}, num_seqs={self.num_seqs}, "
                 f"total_q={self.total_q}, num_intervals={self.num_intervals})")
+
+
+def _check_writable(torch: Any, names: tuple, parts: Any) -> None:
+    """``ValueError`` for step tensors that a write could only partly fill, checked before
+    any is written: an inference tensor outside inference mode, elements that share memory
+    (an ``expand``), or two of the four tensors over the same memory."""
+    spans = []
+    for name, t in zip(names, parts):
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"tensors.{name} is an inference tensor (made under torch.inference_mode), "
+                "which cannot be written outside inference mode: make the tensors outside it, "
+                "or write them inside it")
+        if t.numel() > 1 and t.stride(0) == 0:
+            raise ValueError(f"tensors.{name} has elements that share memory (stride 0, as "
+                             "from expand); it must have memory of its own per element")
+        if t.numel() and t.device.type != "meta":
+            start = t.data_ptr()
+            spans.append((start, start + ((t.numel() - 1) * t.stride(0) + 1) * 4, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"tensors.{a} and tensors.{b} overlap in memory; the four tensors "
+                             "must be apart (as Step.to_tensors makes them)")
 
 
 def paged_attention(
@@ -608,6 +678,14 @@ def paged_attention(
         tensors = step.to_tensors(q.device)
     elif isinstance(step, StepTensors):
         tensors = step
+        for name in ("num_seqs", "total_q", "max_q_len"):
+            v = getattr(step, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"step.{name} must be an int, got {_type_name(v)} "
+                                f"{_value_text(v)}")
+        if step.max_q_len < 1:
+            raise ValueError(f"step.max_q_len = {step.max_q_len}; it must be at least 1 (the "
+                             "most new rows of any sequence)")
     else:
         raise TypeError(f"step must be a compilemask.Step or StepTensors, got {_type_name(step)}")
     for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
@@ -620,9 +698,20 @@ def paged_attention(
     if tensors.num_seqs != block_table.shape[0]:
         raise ValueError(f"the step has num_seqs = {tensors.num_seqs} sequences, but "
                          f"block_table has {block_table.shape[0]} rows")
-    if tensors.cu_q.device != q.device:
-        raise ValueError(f"the step tensors are on {tensors.cu_q.device} but q is on "
-                         f"{q.device}; use step.to_tensors({str(q.device)!r})")
+    if isinstance(step, StepTensors):
+        for name, want, what in (("cu_q", step.num_seqs + 1, "num_seqs + 1"),
+                                 ("kv_len", step.num_seqs, "num_seqs"),
+                                 ("row_ptr", step.total_q + 1, "total_q + 1")):
+            got = getattr(step, name)
+            if got.dim() != 1 or got.numel() != want:
+                raise ValueError(f"step.{name} has shape {tuple(got.shape)}; expected [{what}] "
+                                 f"= [{want}] (the StepTensors' num_seqs = {step.num_seqs}, "
+                                 f"total_q = {step.total_q})")
+    for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
+        t = getattr(tensors, name)
+        if t.device != q.device:
+            raise ValueError(f"step.{name} is on {t.device} but q is on {q.device}; use "
+                             f"step.to_tensors({str(q.device)!r})")
     scale = _checked_scale(scale, d)
     if q.device.type == "cuda":
         from . import _ops
