@@ -79,20 +79,15 @@ PREFILL_MIN_ROWS_PER_SEQ = 64
 MAX_ROW_GROUP = 256
 
 
-def _host_int32(torch: Any, raw: bytes) -> torch.Tensor:
-    """Native-endian int32 bytes as a 1-D CPU tensor of its own memory."""
-    if not raw:
-        return torch.zeros(0, dtype=torch.int32)
-    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
-
-
 def _padded(torch: Any, raw: bytes, size: int) -> torch.Tensor:
-    """:func:`_host_int32` zero-padded to ``size`` entries (one allocation of that size)."""
+    """:func:`compilemask._torch._host_int32` zero-padded to ``size`` entries (one
+    allocation of that size)."""
+    from ._torch import _host_int32
+
     if len(raw) // 4 >= size:
         return _host_int32(torch, raw)
     out = torch.zeros(size, dtype=torch.int32)
-    if raw:
-        out[:len(raw) // 4] = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    out[:len(raw) // 4] = _host_int32(torch, raw)
     return out
 
 
@@ -395,7 +390,8 @@ class Step:
         from ._torch import _cache_key, _queued_copy, require_torch
 
         torch = require_torch("Step.to_tensors")
-        key = _cache_key(torch, device)
+        dev = torch.device(_cache_key(torch, device))
+        key = str(dev)
         with self._lock:
             if max_intervals is not None:
                 max_intervals = _room(max_intervals, self.num_intervals)
@@ -407,7 +403,6 @@ class Step:
             sizes = [len(a) // 4 for a in arrays]
             if max_intervals is not None:
                 sizes[3] = 2 * max_intervals  # the pairs past the step's stay zero
-            dev = torch.device(key.split(" ")[0])
             if dev.type == "cuda":
                 # One transfer, split into views of it.
                 flat = _queued_copy(torch, _padded(torch, b"".join(arrays), sum(sizes)), dev)
@@ -437,7 +432,7 @@ class Step:
         cache (they no longer hold its step). Nothing here checks the block table: a sequence
         whose ``kv_len`` outgrows its block-table row has the keys past it left out on CUDA,
         so grow the table (in place, under a graph) before the step needs it."""
-        from ._torch import _queued_copy, require_torch
+        from ._torch import _host_int32, _queued_copy, require_torch
 
         torch = require_torch("Step.write_tensors")
         if not isinstance(tensors, StepTensors):
@@ -499,7 +494,7 @@ class Step:
         query heads of a kv head as rows; an int in ``[1, MAX_ROW_GROUP]``), cached until the
         next :meth:`append` (``ValueError`` when the layout is too large). Copied to CUDA as
         :meth:`to_tensors` is."""
-        from ._torch import _cache_key, _kernel_tensors, _queued_copy, require_torch
+        from ._torch import _cache_key, _host_int32, _kernel_tensors, _queued_copy, require_torch
 
         if isinstance(row_group, bool) or not isinstance(row_group, int):
             raise TypeError(f"row_group must be an int, got {_type_name(row_group)}")

@@ -44,11 +44,18 @@ def require_torch(what: str) -> Any:
 # --------------------------------------------------------------------------- plan tensors
 
 
+def _host_int32(torch: Any, raw: bytes) -> torch.Tensor:
+    """Native-endian int32 bytes as a 1-D CPU tensor of its own memory."""
+    if not raw:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
+
+
 def _int32(torch: Any, raw: bytes, shape: tuple[int, ...], device: Any) -> torch.Tensor:
     if len(raw) == 0:
         return torch.zeros(shape, dtype=torch.int32, device=device)
-    t = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(shape)
-    return t.to(device) if device is not None else t.clone()
+    t = _host_int32(torch, raw).reshape(shape)
+    return t.to(device) if device is not None else t
 
 
 def _queued_copy(torch: Any, host: torch.Tensor, dev: Any) -> torch.Tensor:
