@@ -62,6 +62,7 @@ def host_us(fn, calls: int = 50) -> float:
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6
 from cuda_timing import median_ms
+from decode_inputs import full_rows, interleaved_table
 
 
 def reference(q, k4, v4, scale, chunk=8):
@@ -296,13 +297,8 @@ def main() -> None:
             kc = kc.reshape(pages * batch, ps, h_kv, d).contiguous()
             vc = v4.permute(0, 2, 1, 3).reshape(batch, pages, ps, h_kv, d).transpose(0, 1)
             vc = vc.reshape(pages * batch, ps, h_kv, d).contiguous()
-            table = (torch.arange(pages, device=dev, dtype=torch.int32)[None, :] * batch
-                     + torch.arange(batch, device=dev, dtype=torch.int32)[:, None]).contiguous()
-            i32 = dict(dtype=torch.int32, device=dev)
-            tensors = SimpleNamespace(
-                cu_q=torch.arange(batch + 1, **i32), kv_len=torch.full((batch,), kv, **i32),
-                row_ptr=torch.arange(batch + 1, **i32),
-                intervals=torch.tensor([[0, kv]] * batch, **i32), max_q_len=1)
+            table = interleaved_table(batch, pages, dev)
+            tensors = full_rows(batch, kv, dev)
 
             def ours():
                 return _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)

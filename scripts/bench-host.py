@@ -17,9 +17,8 @@ import cProfile
 import pstats
 import sys
 import time
-from types import SimpleNamespace
-
 import torch
+from decode_inputs import full_rows, interleaved_table
 
 import compilemask as cm
 from compilemask import _ops
@@ -58,13 +57,8 @@ def main() -> None:
     q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
     kc = torch.randn(pages * batch, ps, h_kv, d, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    table = (torch.arange(pages, device=dev, dtype=torch.int32)[None, :] * batch
-             + torch.arange(batch, device=dev, dtype=torch.int32)[:, None]).contiguous()
-    i32 = dict(dtype=torch.int32, device=dev)
-    tensors = SimpleNamespace(
-        cu_q=torch.arange(batch + 1, **i32), kv_len=torch.full((batch,), kv, **i32),
-        row_ptr=torch.arange(batch + 1, **i32),
-        intervals=torch.tensor([[0, kv]] * batch, **i32), max_q_len=1)
+    table = interleaved_table(batch, pages, dev)
+    tensors = full_rows(batch, kv, dev)
     scale = d ** -0.5
     # Room for every append below: 8192 - 512 keys, one more per step.
     step = cm.builtin("causal").plan_step(1, [kv - 512] * batch)
