@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import traceback
 from types import SimpleNamespace
 
@@ -51,17 +50,7 @@ from compilemask import _ops
 CALLS = 10
 
 
-def host_us(fn, calls: int = 50) -> float:
-    """Microseconds of host time per call of `fn` (Python, checks, launch), without waiting
-    for the GPU (the launches queue behind each other)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-from cuda_timing import median_ms
+from cuda_timing import host_us, median_ms
 from decode_inputs import full_rows, interleaved_table
 
 
@@ -299,6 +288,7 @@ def main() -> None:
             vc = vc.reshape(pages * batch, ps, h_kv, d).contiguous()
             table = interleaved_table(batch, pages, dev)
             tensors = full_rows(batch, kv, dev)
+            i32 = dict(dtype=torch.int32, device=dev)
 
             def ours():
                 return _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False)

@@ -16,24 +16,17 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
+
 import torch
-from decode_inputs import full_rows, interleaved_table
 
 import compilemask as cm
 from compilemask import _ops
+from cuda_timing import host_us
+from decode_inputs import full_rows, interleaved_table
 
 
-def host_us(name: str, fn, calls: int) -> None:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    print(f"{name:58s} {(t1 - t0) / calls * 1e6:8.1f} us", flush=True)
+def report(name: str, fn, calls: int) -> None:
+    print(f"{name:58s} {host_us(fn, calls, warmup=10):8.1f} us", flush=True)
 
 
 def profile(name: str, fn, calls: int) -> None:
@@ -68,14 +61,14 @@ def main() -> None:
         return cm.paged_attention(q, kc, vc, table, step, scale=scale, kernel="decode")
 
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
-    host_us("_ops.paged_attention_cuda (StepTensors given)",
+    report("_ops.paged_attention_cuda (StepTensors given)",
             lambda: _ops.paged_attention_cuda(q, kc, vc, table, tensors, scale, False), 200)
-    host_us("cm.paged_attention(..., step), tensors cached",
+    report("cm.paged_attention(..., step), tensors cached",
             lambda: cm.paged_attention(q, kc, vc, table, step, scale=scale, kernel="decode"), 200)
-    host_us("step.append(1)", lambda: step.append(1), 50)
-    host_us("step.append(1) + step.to_tensors(device)",
+    report("step.append(1)", lambda: step.append(1), 50)
+    report("step.append(1) + step.to_tensors(device)",
             lambda: (step.append(1), step.to_tensors(dev)), 50)
-    host_us("decode step: step.append(1) + cm.paged_attention(..., step)", decode_step, 50)
+    report("decode step: step.append(1) + cm.paged_attention(..., step)", decode_step, 50)
     if a.profile:
         profile("decode step", decode_step, 40)
 
@@ -83,9 +76,9 @@ def main() -> None:
     pt = plan.to_tensors(dev)
     x = torch.randn(1, 16, 1024, 128, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
-        host_us("cm.attention forward, q_len 1024, no grad", lambda: cm.attention(x, x, x, pt), 200)
+        report("cm.attention forward, q_len 1024, no grad", lambda: cm.attention(x, x, x, pt), 200)
     xg = x.clone().requires_grad_()
-    host_us("cm.attention forward, q_len 1024, q requires grad",
+    report("cm.attention forward, q_len 1024, q requires grad",
             lambda: cm.attention(xg, x, x, pt), 200)
     if a.profile:
         with torch.no_grad():

@@ -1,7 +1,9 @@
-"""The GPU benchmark scripts' one timer (scripts/bench-*.py import it: a script's own folder
+"""The GPU benchmark scripts' timers (scripts/bench-*.py import it: a script's own folder
 is on sys.path when it runs)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -25,3 +27,18 @@ def median_ms(fn, runs: int, warmup: int = 3, calls: int = 1) -> float:
         times.append(start.elapsed_time(end) / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+def host_us(fn, calls: int = 50, warmup: int = 0) -> float:
+    """Microseconds of host time per call of `fn` (Python, checks, launch) over `calls`
+    back-to-back calls after `warmup` untimed ones, without waiting for the GPU in between
+    (the launches queue behind each other); synchronised before and after."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
