@@ -191,6 +191,10 @@ impl Parser {
             )
             .with_label(format!("expected {expected}")),
         );
+        // The statement is skipped from here: a rule around this one that then misses its
+        // own token (the `;` after a missing `)` or `]`, at the same token) would report the
+        // same fault again.
+        self.skipping = true;
     }
 
     fn expect(&mut self, t: Tok, what: &str) -> bool {

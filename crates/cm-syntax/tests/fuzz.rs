@@ -353,6 +353,33 @@ fn the_smallest_integer_is_written_with_its_minus_sign() {
     }
 }
 
+/// One fault gives one diagnostic: a missing `)`, `]` or `,` (before another token or at
+/// the end of the source) is reported once, not again as a missing `;` at the same token.
+#[test]
+fn a_missing_closer_is_reported_once() {
+    for src in [
+        "mask = (k <= q",
+        "mask = (k <= q k;",
+        "mask = min(k, q",
+        "mask = min(k q);",
+        "mask = k <= [1, 2",
+        "mask = k <= [1, 2 3][0];",
+        "param a: [int] = [1, 2",
+        "let a = (1 + 2 3;\nmask = k <= q;",
+    ] {
+        let (_, diags) = parse(src);
+        check_diags(src, &diags);
+        assert_eq!(
+            diags.len(),
+            1,
+            "{src:?} gave {} diagnostics: {:#?}",
+            diags.len(),
+            diags.iter().map(|d| &d.message).collect::<Vec<_>>()
+        );
+        assert_eq!(diags[0].code.to_string(), "CM0104", "{src:?}");
+    }
+}
+
 /// One fault gives one diagnostic: a token that cannot start an expression, wherever an
 /// expression is due (an operand, a call's argument, an array item, inside parentheses, a
 /// condition, a range's end), is reported once, not again by each rule around it as a
