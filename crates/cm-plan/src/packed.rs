@@ -16,7 +16,7 @@
 //! bound, so the mask's `require`s are not checked for them.
 
 use crate::plan::{
-    row_intervals, too_many_tile_entries, MaskPlan, Plan, TreeOverhangs, MAX_INTERVALS,
+    row_intervals, too_many_tile_entries, MaskPlan, Plan, RowBudget, TreeOverhangs, MAX_INTERVALS,
     MAX_TILE_ENTRIES,
 };
 use crate::rows::{KeyInterval, RowIntervals};
@@ -264,6 +264,7 @@ pub fn plan_packed_with(
     let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
     let mut local = Vec::with_capacity(hs as usize);
     let mut overhangs = TreeOverhangs::default();
+    let mut budget = RowBudget::default();
     // One head's packed rows at a time, deduplicated as soon as they are complete.
     for h in 0..hs {
         let mut rows = RowIntervals::with_capacity(total_q, total_k, total_q as usize);
@@ -341,6 +342,7 @@ pub fn plan_packed_with(
         let id = match seen.get(&rows) {
             Some(&id) => id,
             None => {
+                budget.take(&rows)?;
                 let id = masks.len() as u32;
                 let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES)
                     .map_err(|_| too_many_tile_entries(tile))?;

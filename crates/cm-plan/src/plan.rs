@@ -27,6 +27,41 @@ pub(crate) fn too_many_intervals() -> PlanError {
     )
 }
 
+/// Most bytes the row arrays (4 per row offset, 8 per interval, 4 per stride) of a plan's
+/// distinct masks may hold together, 2 GiB: more than one mask holds at its own limits
+/// (`2^26 + 1` row offsets, [`MAX_INTERVALS`] intervals and their strides, 1.75 GiB), so it
+/// bounds plans of many distinct masks (a mask that reads `h` or `b` is planned once per
+/// distinct (batch, head)), which fail with CM0404 instead of exhausting memory.
+pub const MAX_PLAN_ROW_BYTES: usize = 1 << 31;
+
+/// The running total of [`MAX_PLAN_ROW_BYTES`] over a plan's distinct masks.
+#[derive(Default)]
+pub(crate) struct RowBudget {
+    bytes: usize,
+    masks: usize,
+}
+
+impl RowBudget {
+    /// Counts one more distinct mask's rows; CM0404 past [`MAX_PLAN_ROW_BYTES`].
+    pub(crate) fn take(&mut self, rows: &RowIntervals) -> PResult<()> {
+        self.bytes = self.bytes.saturating_add(rows.bytes());
+        self.masks += 1;
+        if self.bytes > MAX_PLAN_ROW_BYTES {
+            return Err(PlanError::new(
+                Code::TooLargeToPlan,
+                None,
+                format!(
+                    "the plan's distinct masks need more than {MAX_PLAN_ROW_BYTES} bytes of row intervals in all ({} distinct masks so far, {} rows each)",
+                    self.masks,
+                    rows.q_len()
+                ),
+            )
+            .with_hint("a mask that reads `h` or `b` is planned once per distinct (batch, head) mask: plan fewer heads or batch indices, or shorter sequences"));
+        }
+        Ok(())
+    }
+}
+
 /// Most forward tile-list entries (plus per-row data of partial tiles) one mask may need,
 /// so tiny tiles on long sequences fail clearly instead of exhausting memory.
 pub const MAX_TILE_ENTRIES: usize = 1 << 26;
@@ -981,6 +1016,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     // built them.
     let mut permuted: Option<(RowIntervals, TileDescriptor)> = None;
     let mut overhangs = TreeOverhangs::default();
+    let mut budget = RowBudget::default();
     for b in 0..bs {
         // Segmentations that read `b` laid out for this batch index; the count of pairs
         // evaluated one by one (and its limit) runs over the whole plan.
@@ -1053,6 +1089,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
             let id = match seen.get(&rows) {
                 Some(&id) => id,
                 None => {
+                    budget.take(&rows)?;
                     let id = masks.len() as u32;
                     // The solver's pieces are affine runs of the program's own rows; rows
                     // in another order are searched for runs.

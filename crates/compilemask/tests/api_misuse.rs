@@ -131,3 +131,19 @@ fn a_step_of_a_mask_reading_num_heads_needs_them() {
         .plan_step(&[1], &[10], &none, None)
         .is_ok());
 }
+
+/// A plan of many distinct masks is bounded as a whole, not only mask by mask: `q == h & k ==
+/// 0` at 2^26 rows over 64 heads is 64 distinct masks of 256 MiB of row offsets each (16 GiB;
+/// 2^16 heads aborted the process on a failed allocation). It stops with CM0404 once their
+/// rows pass `MAX_PLAN_ROW_BYTES` (2 GiB), naming the count. Ignored by default: it allocates
+/// about 4 GiB before the limit (`cargo test -p compilemask --test api_misuse -- --ignored`).
+#[test]
+#[ignore = "allocates about 4 GiB before the plan-wide limit"]
+fn many_distinct_masks_are_bounded_as_a_plan() {
+    let program = compile("mask = q == h & k == 0;").unwrap();
+    let mut options = PlanOptions::new(1 << 26);
+    options.num_heads = 64;
+    let e = program.plan(&options).unwrap_err();
+    assert_eq!(e.code.as_str(), "CM0404", "{}", e.message);
+    assert!(e.message.contains("distinct masks"), "{}", e.message);
+}

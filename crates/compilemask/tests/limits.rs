@@ -32,7 +32,7 @@ fn every_public_limit_is_documented_with_its_value() {
         MAX_SEGMENTS,
     };
     use cm_ir::tree::MAX_TREE_INTERVALS;
-    use cm_plan::plan::{MAX_INTERVALS, MAX_TILE_ENTRIES};
+    use cm_plan::plan::{MAX_INTERVALS, MAX_PLAN_ROW_BYTES, MAX_TILE_ENTRIES};
     use cm_plan::symbolic::{MAX_ELEMENTWISE_PAIRS, MAX_QUANT_EVALS};
     for (row, value) in [
         ("`q_len`, `kv_len`", MAX_LEN as u64),
@@ -43,6 +43,10 @@ fn every_public_limit_is_documented_with_its_value() {
         ("pairs evaluated one by one", MAX_ELEMENTWISE_PAIRS),
         ("intervals of one mask", MAX_INTERVALS as u64),
         ("tile-descriptor entries", MAX_TILE_ENTRIES as u64),
+        (
+            "row arrays of a plan's distinct masks",
+            MAX_PLAN_ROW_BYTES as u64,
+        ),
         (
             "unit intervals of one mask's strided runs",
             compilemask::MAX_EXPANDED_INTERVALS as u64,
