@@ -34,24 +34,36 @@ pub(crate) fn too_many_intervals() -> PlanError {
 /// distinct (batch, head)), which fail with CM0404 instead of exhausting memory.
 pub const MAX_PLAN_ROW_BYTES: usize = 1 << 31;
 
-/// The running total of [`MAX_PLAN_ROW_BYTES`] over a plan's distinct masks.
-#[derive(Default)]
+/// The running total of a plan's distinct masks' row bytes against a limit
+/// ([`MAX_PLAN_ROW_BYTES`] by default).
 pub(crate) struct RowBudget {
     bytes: usize,
     masks: usize,
+    limit: usize,
+}
+
+impl Default for RowBudget {
+    fn default() -> Self {
+        RowBudget {
+            bytes: 0,
+            masks: 0,
+            limit: MAX_PLAN_ROW_BYTES,
+        }
+    }
 }
 
 impl RowBudget {
-    /// Counts one more distinct mask's rows; CM0404 past [`MAX_PLAN_ROW_BYTES`].
+    /// Counts one more distinct mask's rows; CM0404 past the limit.
     pub(crate) fn take(&mut self, rows: &RowIntervals) -> PResult<()> {
         self.bytes = self.bytes.saturating_add(rows.bytes());
         self.masks += 1;
-        if self.bytes > MAX_PLAN_ROW_BYTES {
+        if self.bytes > self.limit {
             return Err(PlanError::new(
                 Code::TooLargeToPlan,
                 None,
                 format!(
-                    "the plan's distinct masks need more than {MAX_PLAN_ROW_BYTES} bytes of row intervals in all ({} distinct masks so far, {} rows each)",
+                    "the plan's distinct masks need more than {} bytes of row intervals in all ({} distinct masks so far, {} rows each)",
+                    self.limit,
                     self.masks,
                     rows.q_len()
                 ),
@@ -1142,4 +1154,31 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
         score: bound.score.clone(),
         tree_overhangs: overhangs.finish(),
     })
+}
+
+#[cfg(test)]
+mod row_budget_tests {
+    use super::*;
+
+    #[test]
+    fn distinct_masks_are_counted_together_up_to_the_limit() {
+        // Two rows of one interval each: 3 row offsets (12 bytes) + 2 intervals (16 bytes).
+        let rows = RowIntervals::from_rows(8, &[vec![(0, 1)], vec![(0, 2)]]).unwrap();
+        assert_eq!(rows.bytes(), 28);
+        let mut budget = RowBudget {
+            limit: 3 * 28,
+            ..RowBudget::default()
+        };
+        for _ in 0..3 {
+            budget.take(&rows).unwrap();
+        }
+        let e = budget.take(&rows).unwrap_err();
+        assert_eq!(e.code, Code::TooLargeToPlan);
+        assert!(
+            e.message.contains("4 distinct masks so far, 2 rows each"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("more than 84 bytes"), "{}", e.message);
+    }
 }
