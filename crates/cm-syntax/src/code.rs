@@ -45,6 +45,7 @@ codes! {
     TooDeep = "CM0105", "expression nesting too deep (128 levels, or an operator chain of 128), or a `let` deeper than 8192 levels with the `let`s it uses inlined";
     ExpectedStatement = "CM0106", "expected a statement";
     TooManyErrors = "CM0107", "too many errors: reading stopped after 1000";
+    NameTooLong = "CM0108", "a name longer than 256 bytes";
     UnknownName = "CM0201", "unknown name (with a suggestion)";
     DuplicateName = "CM0202", "duplicate or reserved name";
     TypeMismatch = "CM0203", "type mismatch";

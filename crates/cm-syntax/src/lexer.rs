@@ -152,6 +152,22 @@ pub(crate) fn integer_too_large(span: Span, min_magnitude: bool) -> Diagnostic {
     .with_hint(hint)
 }
 
+/// Most bytes of one name: a longer one is CM0108, so that no message quotes a name of
+/// megabytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+fn name_too_long(span: Span) -> Diagnostic {
+    Diagnostic::error(
+        Code::NameTooLong,
+        span,
+        format!(
+            "a name of {} bytes; names are at most {MAX_NAME_BYTES}",
+            span.end - span.start
+        ),
+    )
+    .with_hint("shorten the name")
+}
+
 fn misplaced_underscore(span: Span) -> Diagnostic {
     Diagnostic::error(
         Code::BadIntegerLiteral,
@@ -400,9 +416,16 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
             while j < chars.len() && (chars[j].1.is_ascii_alphanumeric() || chars[j].1 == '_') {
                 j += 1;
             }
+            let span = Span::new(start, end_of(j));
+            let mut name = &src[start..end_of(j)];
+            if name.len() > MAX_NAME_BYTES {
+                diags.push(name_too_long(span));
+                // Names are ASCII, so any byte is a boundary; later messages quote this much.
+                name = &name[..MAX_NAME_BYTES];
+            }
             toks.push(Token {
-                tok: Tok::Ident(src[start..end_of(j)].to_string()),
-                span: Span::new(start, end_of(j)),
+                tok: Tok::Ident(name.to_string()),
+                span,
             });
             i = j;
             continue;

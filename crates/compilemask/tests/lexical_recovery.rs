@@ -211,3 +211,34 @@ fn control_characters_are_not_written_raw() {
         );
     }
 }
+
+/// A name is at most `MAX_NAME_BYTES` long: one byte more is one `CM0108` naming its length,
+/// wherever the name stands, and no message quotes a long name whole (a megabyte name made
+/// megabyte messages).
+#[test]
+fn a_name_past_the_limit_is_one_short_diagnostic() {
+    use cm_syntax::lexer::MAX_NAME_BYTES;
+    let name = |n: usize| "w".repeat(n);
+    let ok = name(MAX_NAME_BYTES);
+    compile(&format!("param {ok}: int = 1;\nmask = k <= q + {ok} - 1;")).unwrap();
+    for n in [MAX_NAME_BYTES + 1, 1 << 20] {
+        let long = name(n);
+        for src in [
+            format!("{long} = 3;\nmask = k <= q;"),
+            format!("mask = k <= q + {long};"),
+            format!("param {long}: int = 1;\nmask = k <= q;"),
+        ] {
+            let e = compile(&src).unwrap_err();
+            let diags = e.diagnostics;
+            assert_eq!(diags.len(), 1, "{n}: {diags:?}");
+            assert!(
+                e.rendered.len() < 4096,
+                "{n}: {} bytes rendered",
+                e.rendered.len()
+            );
+            assert_eq!(diags[0].code.as_str(), "CM0108");
+            assert!(diags[0].message.contains(&format!("{n} bytes")));
+            assert!(diags[0].message.len() < 100, "{}", diags[0].message);
+        }
+    }
+}

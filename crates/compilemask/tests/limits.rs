@@ -67,6 +67,7 @@ fn every_public_limit_is_documented_with_its_value() {
             "cases one comparison with `k` is split into",
             cm_ir::check::MAX_COMPARISON_CASES,
         ),
+        ("bytes of one name", cm_syntax::lexer::MAX_NAME_BYTES as u64),
     ] {
         let row = row.trim_end_matches(" |");
         let cell = documented(row);
