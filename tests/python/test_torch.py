@@ -597,3 +597,21 @@ def test_compile_module_with_inductor():
     assert torch.allclose(out, block(x, pt))
     out.sum().backward()
     assert block.proj.weight.grad is not None
+
+
+def test_meta_tensors_as_values_are_named():
+    # A meta tensor has a shape but no values: every argument read as values names itself
+    # (torch's own "Cannot copy out of meta tensor" named nothing).
+    meta = torch.tensor([5, 5], device="meta")
+    with pytest.raises(TypeError, match="parameter `lengths` is a tensor on the meta device"):
+        cm.builtin("document_causal", lengths=meta).plan(10)
+    with pytest.raises(TypeError, match="cu_seqlens_q is a tensor on the meta device"):
+        cm.builtin("causal").plan(cu_seqlens_q=torch.tensor([0, 5], device="meta"),
+                                  cu_seqlens_k=[0, 5])
+    with pytest.raises(TypeError, match="order is a tensor on the meta device"):
+        cm.builtin("causal").plan(4, order=torch.arange(4, device="meta"))
+    with pytest.raises(TypeError, match="kv_len is a tensor on the meta device"):
+        cm.builtin("causal").plan_step(1, meta)
+    step = cm.builtin("causal").plan_step(1, [5, 5])
+    with pytest.raises(TypeError, match="new_tokens is a tensor on the meta device"):
+        step.append(meta)

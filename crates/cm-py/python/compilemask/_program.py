@@ -235,6 +235,15 @@ def _source_text(name: str, text: Any) -> str:
     return text
 
 
+def _values(name: str, value: Any) -> Any:
+    """``value.tolist()`` of a numpy array or torch tensor; ``TypeError`` naming ``name`` for
+    a tensor on torch's meta device, which has shapes but no values."""
+    if getattr(value, "is_meta", False) is True:
+        raise TypeError(f"{name} is a tensor on the meta device, which holds no values; pass "
+                        "a tensor with data (or a list)")
+    return value.tolist()
+
+
 # Most entries an array parameter may hold (docs/language.md, Limits).
 _ARRAY_MAX = 1 << 24
 
@@ -242,7 +251,7 @@ _ARRAY_MAX = 1 << 24
 def _param_value(name: str, value: Any) -> int | list[int]:
     """An int or a list of ints from an int, a sequence, a numpy array or a torch tensor."""
     if not isinstance(value, (int, list, tuple)) and hasattr(value, "tolist"):
-        value = value.tolist()  # numpy / torch: scalars become int, arrays lists
+        value = _values(f"parameter `{name}`", value)  # scalars become int, arrays lists
     if isinstance(value, bool):
         raise TypeError(f"parameter `{name}`: expected an int or a list of ints, got bool")
     if isinstance(value, int):
@@ -269,7 +278,7 @@ def _order_value(order: Any, q_len: int) -> str | list[int] | None:
     if order is None or isinstance(order, str):
         return order
     if hasattr(order, "tolist"):
-        order = order.tolist()  # numpy / torch
+        order = _values("order", order)  # numpy / torch
     order = _ordered(
         "order", order, "'raster', 'auto' or a sequence of ints (a permutation of range(q_len))"
     )
@@ -308,7 +317,7 @@ def _offsets(name: str, value: Any) -> list[int]:
             raise ValueError(
                 f"{name} must be 1-D (batch + 1 offsets), got shape {tuple(value.shape)}"
             )
-        value = value.tolist()
+        value = _values(name, value)
     value = _ordered(name, value, "a sequence of ints (batch + 1 offsets)")
     out: list[int] = []
     for i, x in _bounded(name, value, _LENGTH_MAX["batch"] + 1,

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _native
-from ._program import _LENGTH_MAX, _bounded, _flag, _index, _int, _length, _ordered, _type_name
+from ._program import (_LENGTH_MAX, _bounded, _flag, _index, _int, _length, _ordered, _type_name,
+                       _values)
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +164,7 @@ def _int_list(name: str, value: Any, what: str = _SEQUENCE) -> list[int]:
         return list(value)
     given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-        value = value.tolist()
+        value = _values(name, value)
         if not isinstance(value, list):  # a scalar, named as the caller gave it
             raise TypeError(f"{name} must be {what}, got {_type_name(given)} {_value_text(given)}")
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray)):
@@ -190,7 +191,7 @@ def _counts(name: str, value: Any, num_seqs: int) -> list[int]:
     too) or a sequence of ints."""
     given = value
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-        value = value.tolist()  # numpy / torch: scalars become int, arrays lists
+        value = _values(name, value)  # numpy / torch: scalars become int, arrays lists
     if isinstance(value, int) and not isinstance(value, bool):
         value = operator.index(value)
         if not -(1 << 63) <= value < (1 << 63):
