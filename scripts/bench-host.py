@@ -5,8 +5,9 @@ whose GPU work is left queued (the GPU is waited for only around each timed loop
     PYTHONPATH=<installed wheel> python3 scripts/bench-host.py [--profile]
 
 Decode step: batch 64, one new row each, GQA 32/8, head_dim 128, bf16, kv_len 8192 - 512 and
-growing, page size 16, the decode kernel. Also the training forward at q_len 1024, H16, d128
-(small enough that the host's time matters). `--profile` adds cProfile's top entries of a
+growing, page size 16, the decode kernel, called eagerly and replayed as a CUDA graph
+(docs/python.md's loop). Also the training forward at q_len 1024, H16, d128 (small enough
+that the host's time matters). `--profile` adds cProfile's top entries of a
 decode step and of the forward.
 """
 
@@ -69,6 +70,24 @@ def main() -> None:
     report("step.append(1) + step.to_tensors(device)",
             lambda: (step.append(1), step.to_tensors(dev)), 50)
     report("decode step: step.append(1) + cm.paged_attention(..., step)", decode_step, 50)
+
+    # The CUDA graph loop of docs/python.md: the step's arrays written into captured tensors.
+    g_step = cm.builtin("causal").plan_step(1, [kv - 512] * batch)
+    g_tensors = g_step.to_tensors(dev, max_intervals=4 * g_step.num_intervals)
+    cm.paged_attention(q, kc, vc, table, g_tensors, scale=scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cm.paged_attention(q, kc, vc, table, g_tensors, scale=scale)
+
+    def graph_step():
+        g_step.append(1)
+        g_step.write_tensors(g_tensors)
+        graph.replay()
+
+    report("step.append(1) + step.write_tensors(tensors)",
+           lambda: (g_step.append(1), g_step.write_tensors(g_tensors)), 50)
+    report("graph step: append + write_tensors + graph.replay()", graph_step, 50)
     if a.profile:
         profile("decode step", decode_step, 40)
 

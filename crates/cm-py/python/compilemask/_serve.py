@@ -8,7 +8,6 @@ import torch when called.
 from __future__ import annotations
 
 import array
-import math
 import operator
 import threading
 import weakref
