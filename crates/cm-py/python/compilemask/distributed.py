@@ -390,7 +390,7 @@ def attention(query: Any, key: Any, value: Any, cp: ContextParallel, *, group: A
     ``score_tensors`` gives the plan's sink tensor as to :func:`compilemask.attention` (every
     rank its own copy; its gradient is this rank's rows' part).
     """
-    torch = require_torch("compilemask.distributed.attention")
+    require_torch("compilemask.distributed.attention")
     import torch.distributed as dist
 
     return_lse = _flag("return_lse", return_lse)
