@@ -185,7 +185,7 @@ def _check_against_dense(case, terms, deterministic, dtype, d, hq, hk, shift=0.0
              if use["sinks"] else None)
 
     out, lse = _ops.attention_forward_score(
-        q, k, v, list(pt.kernel), pt.plan_dims(), scale,
+        q, k, v, pt.kernel_flat, list(pt.kernel_lens), pt.plan_dims(), scale,
         deterministic, softcap, linear, slopes, dist_bias, run_end, sinks)
     ref_out, ref_lse = _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias, sinks)
     tol_out, tol_grad = TOL[dtype]

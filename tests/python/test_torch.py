@@ -547,8 +547,8 @@ def test_opcheck():
     pt = plan.to_tensors()
     q, k, v = _inputs(1, 2, 1, 9, 9, 4, 3, torch.float64)
     plan_dims = pt.plan_dims()
-    args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), [], plan_dims, 0.5,
-            False)
+    args = (q, k, v, pt.row_ptr, pt.intervals, pt.mask_index.expand(1, 2), pt.kernel_flat,
+            list(pt.kernel_lens), plan_dims, 0.5, False)
     torch.library.opcheck(_ops.attention_forward, args)
 
 

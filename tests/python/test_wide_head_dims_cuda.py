@@ -233,7 +233,7 @@ def test_wide_head_score_terms_forward(case, d, dv, terms):
     scale = 1.0 / math.sqrt(d)
     with torch.no_grad():
         out, lse = _ops.attention_forward_score(
-            q, k, v, list(pt.kernel), pt.plan_dims(), scale,
+            q, k, v, pt.kernel_flat, list(pt.kernel_lens), pt.plan_dims(), scale,
             False, softcap, linear, slopes, dist_bias, run_end, sinks)
     ref_out, ref_lse = _reference(q, k, v, mask, scale, softcap, linear, slopes, dist_bias,
                                   sinks)

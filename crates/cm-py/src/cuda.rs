@@ -107,16 +107,19 @@ pub fn cuda_workspace_len(
 /// strides in elements, `dtype` torch's name without `torch.` (`"bfloat16"`), `device` the
 /// CUDA ordinal (-1 for any other device).
 type TensorArg<const N: usize> = (u64, [usize; N], [i64; N], String, i64);
+/// A kernel descriptor's arrays as the Python side passes them: one contiguous int32 tensor
+/// holding every array back to back, and each array's length (padded) in
+/// `CUDA_PLAN_ARRAYS` order. One tensor instead of one per array: each tensor argument
+/// costs host time in torch's dispatcher and here.
+type ArraysArg = (TensorArg<1>, Vec<usize>);
 /// A plan's kernel descriptor as the Python side passes it: `(q_len, kv_len, num_masks,
-/// [mask_batch, mask_heads], [array; PLAN_ARRAY_COUNT], ws_order)`, each array a 1-D tensor
-/// (padded), `ws_order` the forward's tile sets best first as [`cuda_ws_order`] gave them for
-/// the unpadded arrays.
-type DescriptorArg = (u32, u32, u32, [u32; 2], Vec<TensorArg<1>>, Vec<usize>, bool);
+/// [mask_batch, mask_heads], arrays, ws_order, dq_turns)`, `ws_order` the forward's tile
+/// sets best first as [`cuda_ws_order`] gave them for the unpadded arrays.
+type DescriptorArg = (u32, u32, u32, [u32; 2], ArraysArg, Vec<usize>, bool);
 /// A prefill layout's kernel descriptor as the Python side passes it: `(q_rows, kv_len,
-/// [array; PLAN_ARRAY_COUNT])` (the layout's virtual rows and keys), the arrays of
-/// `Step.prefill_arrays` as 1-D tensors (padded; only those of `cm_cuda::prefill_lists` are
-/// read).
-type PrefillDescriptorArg = (u32, u32, Vec<TensorArg<1>>);
+/// arrays)` (the layout's virtual rows and keys), the arrays of `Step.prefill_arrays`
+/// (padded; only those of `cm_cuda::prefill_lists` are read).
+type PrefillDescriptorArg = (u32, u32, ArraysArg);
 
 /// A launch's score terms as the Python side passes them: `(softcap, slopes, (q_coef,
 /// k_coef, offset), dist_bias, dist_per_head, dist_run_end, sinks, dist_bias_grad)`, each
@@ -193,10 +196,44 @@ fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
     }
 }
 
+/// The arrays of an [`ArraysArg`] as tensors of their own: array `i` starts `lens[0] + ..
+/// + lens[i - 1]` elements into the flat tensor, which must be 1-D, contiguous and hold them
+/// all; dtype and device are checked with each array by `descriptor_layout`.
+fn split_arrays((flat, lens): ArraysArg) -> Result<Vec<ExternalTensor<1>>, Error> {
+    let flat = to_external(flat);
+    if flat.shape[0] > 1 && flat.strides[0] != 1 {
+        return Err(Error::invalid(format!(
+            "the kernel descriptor: stride {}, expected a contiguous tensor",
+            flat.strides[0]
+        )));
+    }
+    let total = lens.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+    if total.is_none_or(|t| t > flat.shape[0]) {
+        return Err(Error::invalid(format!(
+            "the kernel descriptor holds {} elements, fewer than its arrays' lengths add up to",
+            flat.shape[0]
+        )));
+    }
+    let mut at = 0u64;
+    let mut arrays = Vec::with_capacity(lens.len());
+    for n in lens {
+        arrays.push(ExternalTensor {
+            // In bounds of the flat tensor: the lengths add up to at most its length.
+            addr: flat.addr + 4 * at,
+            shape: [n],
+            strides: [1],
+            dtype: flat.dtype.clone(),
+            device: flat.device,
+        });
+        at += n as u64;
+    }
+    Ok(arrays)
+}
+
 /// The layout of the plan's descriptor arrays on `device`, checked
 /// (`cm_cuda::external::descriptor_layout`).
 fn plan_layout(device: usize, plan: DescriptorArg) -> Result<PlanLayout, Error> {
-    let arrays: Vec<ExternalTensor<1>> = plan.4.into_iter().map(to_external).collect();
+    let arrays = split_arrays(plan.4)?;
     external::descriptor_layout(
         device,
         plan.0,
@@ -710,7 +747,7 @@ pub fn cuda_paged_prefill(
         external::check_tensor("key_blocks", &kb.dtype, kb.device, "int32", device)?;
         let (kb_addr, kb_len) = kb.contiguous("key_blocks")?;
         let (q_rows, kv_len, arrays) = plan;
-        let arrays: Vec<ExternalTensor<1>> = arrays.into_iter().map(to_external).collect();
+        let arrays = split_arrays(arrays)?;
         let layout = external::descriptor_layout(
             device,
             q_rows,

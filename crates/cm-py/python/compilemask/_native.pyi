@@ -275,10 +275,13 @@ def cuda_workspace_len(
 # A tensor as the CUDA entry points take it: (data_ptr, shape, strides in elements, dtype name
 # without "torch.", CUDA ordinal or -1); every one is checked before a launch.
 _Tensor = tuple[int, tuple[int, ...], tuple[int, ...], str, int]
+# A descriptor's arrays: one contiguous int32 tensor holding them back to back, and each
+# array's length.
+_Arrays = tuple[_Tensor, list[int]]
 # A plan's descriptor: (q_len, kv_len, num_masks, (mask_batch, mask_heads), arrays,
 # the forward's tile sets best first as cuda_ws_order gave them, the deterministic backward's
 # dQ path as cuda_dq_turns gave it).
-_Descriptor = tuple[int, int, int, tuple[int, int], list[_Tensor], list[int], bool]
+_Descriptor = tuple[int, int, int, tuple[int, int], _Arrays, list[int], bool]
 # The score terms (softcap, slopes, (q_coef, k_coef, offset), dist_bias, dist_per_head,
 # dist_run_end, sinks, dist_bias_grad), as cm-py's `ScoreArg`.
 _Score = tuple[float, _Tensor | None, tuple[float, float, float], _Tensor | None, bool,
@@ -311,7 +314,7 @@ def cuda_paged_attention(
 ) -> None: ...
 def cuda_paged_prefill(
     stream: int,
-    plan: tuple[int, int, list[_Tensor]],
+    plan: tuple[int, int, _Arrays],
     q: _Tensor,
     k_cache: _Tensor,
     v_cache: _Tensor,

@@ -6,15 +6,20 @@ Imported on first use only (it imports torch). The plan travels as tensors (``ro
 work under ``torch.compile``:
 
 - ``compilemask::attention_forward(q, k, v, row_ptr, intervals, mask_index, kernel,
-  plan_dims, scale, deterministic) -> (out, lse)``
+  kernel_lens, plan_dims, scale, deterministic) -> (out, lse)``
 - ``compilemask::attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr,
-  intervals, mask_index, kernel, plan_dims, scale, deterministic) -> (dq, dk, dv)``
+  intervals, mask_index, kernel, kernel_lens, plan_dims, scale, deterministic) -> (dq, dk,
+  dv)``
 
-``plan_dims`` is ``[num_masks, batch, num_heads, kernel_dq_turns, *kernel_ws_order]`` of the
-plan (its mask index's sides, 1 applying to every batch or head, with which the CUDA kernels
-find each (batch, head)'s mask in ``kernel``: one launch, one backward sequence, serves the
-whole plan; then the deterministic backward's dQ path, ``PlanTensors.kernel_dq_turns``, and
-the forward's tile sets best first, ``PlanTensors.kernel_ws_order``).
+``kernel`` is the plan's CUDA descriptor as one int32 tensor (``PlanTensors.kernel_flat``:
+every array of ``PlanTensors.kernel`` back to back, of ``kernel_lens`` elements each; None
+off CUDA): one tensor argument instead of twenty, each of which costs host time in torch's
+dispatcher and the extension. ``plan_dims`` is ``[num_masks, batch, num_heads,
+kernel_dq_turns, *kernel_ws_order]`` of the plan (its mask index's sides, 1 applying to
+every batch or head, with which the CUDA kernels find each (batch, head)'s mask in
+``kernel``: one launch, one backward sequence, serves the whole plan; then the deterministic
+backward's dQ path, ``PlanTensors.kernel_dq_turns``, and the forward's tile sets best first,
+``PlanTensors.kernel_ws_order``).
 
 ``paged_attention_cuda`` is the CUDA path of :func:`compilemask.paged_attention` (serving
 steps over a paged KV cache).
@@ -159,13 +164,14 @@ def _kernel_ready(t: Tensor) -> Tensor:
     return t if ok else t.contiguous()
 
 
-def _plan_arg(kernel: list, plan_dims: list, q_len: int, kv_len: int) -> tuple:
+def _plan_arg(kernel: Tensor, kernel_lens: list, plan_dims: list, q_len: int,
+              kv_len: int) -> tuple:
     """The kernels' view of the plan: lengths, mask count and mask index sides, its
-    descriptor arrays, the forward's tile sets best first and the deterministic backward's
-    dQ path."""
+    descriptor arrays (one tensor holding them back to back, and their lengths), the
+    forward's tile sets best first and the deterministic backward's dQ path."""
     num_masks, batch, num_heads, dq_turns, *ws_order = plan_dims
-    return (q_len, kv_len, num_masks, (batch, num_heads), [_raw(t) for t in kernel], ws_order,
-            bool(dq_turns))
+    return (q_len, kv_len, num_masks, (batch, num_heads), (_raw(kernel), kernel_lens),
+            ws_order, bool(dq_turns))
 
 
 # The getter of torch.compile's generated code (about 8 us a call cheaper than
@@ -217,7 +223,7 @@ def _modifies_logits(score: Optional[tuple]) -> bool:
     return score is not None and (score[0] > 0 or score[2] is not None or score[3] is not None)
 
 
-def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
+def _cuda_forward(q, k, v, kernel, kernel_lens, plan_dims, scale, score=None):
     if _modifies_logits(score):
         _check_cuda_supported(q, v, CUDA_SCORE_HEAD_DIMS,
                               "compilemask.attention with a softcap or biases on CUDA")
@@ -229,13 +235,13 @@ def _cuda_forward(q, k, v, kernel, plan_dims, scale, score=None):
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     with _on_device(q.device):
         _native.cuda_forward(
-            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
-            _raw(v), _raw(out), _raw(lse), scale, _score_arg(score))
+            _stream(q.device), _plan_arg(kernel, kernel_lens, plan_dims, lq, lk), _raw(q),
+            _raw(k), _raw(v), _raw(out), _raw(lse), scale, _score_arg(score))
     return out, lse
 
 
-def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, deterministic,
-                       score=None, dist_bias_grad=None, grad_lse=None):
+def _cuda_backward_out(dout, q, k, v, out, lse, kernel, kernel_lens, plan_dims, scale,
+                       deterministic, score=None, dist_bias_grad=None, grad_lse=None):
     """dq, dk, dv of ``sum(out * dout) + sum(lse * grad_lse)`` by the backward kernels
     (``grad_lse`` enters the kernels' delta: d lse_i / d s_ij = P_ij), and that delta
     (``rowsum(dout * out) - grad_lse``, float32 ``[b, hq, lq]``, a view of the workspace)."""
@@ -248,8 +254,8 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
                             dtype=torch.float32, device=q.device)
     with _on_device(q.device):
         _native.cuda_backward(
-            _stream(q.device), _plan_arg(kernel, plan_dims, lq, lk), _raw(q), _raw(k),
-            _raw(v), _raw(out), _raw(dout), _raw(lse),
+            _stream(q.device), _plan_arg(kernel, kernel_lens, plan_dims, lq, lk), _raw(q),
+            _raw(k), _raw(v), _raw(out), _raw(dout), _raw(lse),
             None if grad_lse is None else _raw(grad_lse.float().contiguous()), _raw(dq),
             _raw(dk), _raw(dv), _raw(workspace), scale, deterministic,
             _score_arg(score, dist_bias_grad))
@@ -261,12 +267,12 @@ def _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale, determ
     return dq, dk, dv, delta
 
 
-def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale,
+def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, kernel_lens, plan_dims, scale,
                    deterministic):
     _check_cuda_supported(q, v, CUDA_BACKWARD_HEAD_DIMS,
                           "the backward of compilemask.attention on CUDA")
     dout = _kernel_ready(grad_out) if grad_out is not None else torch.zeros_like(out)
-    return _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
+    return _cuda_backward_out(dout, q, k, v, out, lse, kernel, kernel_lens, plan_dims, scale,
                               deterministic, grad_lse=grad_lse)[:3]
 
 
@@ -274,17 +280,19 @@ def _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, sca
 
 @torch.library.custom_op("compilemask::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor, intervals: Tensor,
-                      mask_index: Tensor, kernel: list[Tensor], plan_dims: list[int],
-                      scale: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+                      mask_index: Tensor, kernel: Optional[Tensor], kernel_lens: list[int],
+                      plan_dims: list[int], scale: float,
+                      deterministic: bool) -> tuple[Tensor, Tensor]:
     if q.device.type == "cuda":
-        return _cuda_forward(q, k, v, kernel, plan_dims, scale)
+        return _cuda_forward(q, k, v, kernel, kernel_lens, plan_dims, scale)
     if q.device.type != "cpu":
         raise NotImplementedError(f"compilemask.attention has no kernels for {q.device}")
     return _cpu_forward(q, k, v, row_ptr, intervals, mask_index, scale)
 
 
 @attention_forward.register_fake
-def _(q, k, v, row_ptr, intervals, mask_index, kernel, plan_dims, scale, deterministic):
+def _(q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens, plan_dims, scale,
+      deterministic):
     b, hq, lq, _ = q.shape
     return (q.new_empty((b, hq, lq, v.shape[-1])),
             q.new_empty((b, hq, lq), dtype=_lse_dtype(q.dtype)))
@@ -293,12 +301,12 @@ def _(q, k, v, row_ptr, intervals, mask_index, kernel, plan_dims, scale, determi
 @torch.library.custom_op("compilemask::attention_backward", mutates_args=())
 def attention_backward(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q: Tensor,
                        k: Tensor, v: Tensor, out: Tensor, lse: Tensor, row_ptr: Tensor,
-                       intervals: Tensor, mask_index: Tensor, kernel: list[Tensor],
-                       plan_dims: list[int], scale: float,
+                       intervals: Tensor, mask_index: Tensor, kernel: Optional[Tensor],
+                       kernel_lens: list[int], plan_dims: list[int], scale: float,
                        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
-        return _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims,
-                              scale, deterministic)
+        return _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel, kernel_lens,
+                              plan_dims, scale, deterministic)
     if q.device.type != "cpu":
         raise NotImplementedError(f"compilemask.attention has no kernels for {q.device}")
     if grad_out is None:
@@ -308,15 +316,16 @@ def attention_backward(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q
 
 @attention_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals, mask_index, kernel,
-      plan_dims, scale, deterministic):
+      kernel_lens, plan_dims, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    (q, k, v, row_ptr, intervals, mask_index, kernel, plan_dims, scale,
+    (q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens, plan_dims, scale,
      deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, row_ptr, intervals, mask_index, *kernel)
+    ctx.save_for_backward(q, k, v, out, lse, row_ptr, intervals, mask_index, kernel)
+    ctx.kernel_lens = kernel_lens
     ctx.plan_dims = plan_dims
     ctx.scale = scale
     ctx.deterministic = deterministic
@@ -326,14 +335,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 
 def _backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
-    q, k, v, out, lse, row_ptr, intervals, mask_index, *kernel = ctx.saved_tensors
+    q, k, v, out, lse, row_ptr, intervals, mask_index, kernel = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals,
-                                    mask_index, kernel, ctx.plan_dims, ctx.scale,
-                                    ctx.deterministic)
-    # torch.library matches the gradients' structure to the inputs': a list of tensors (or
-    # an empty list) takes a list of per-element gradients, a list of ints a single None.
-    return (dq, dk, dv, None, None, None, [None] * len(kernel),
-            None if ctx.plan_dims else [], None, None)
+                                    mask_index, kernel, ctx.kernel_lens, ctx.plan_dims,
+                                    ctx.scale, ctx.deterministic)
+    # One gradient per input: q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens,
+    # plan_dims, scale, deterministic.
+    return (dq, dk, dv, None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -363,20 +371,21 @@ def _sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("compilemask::attention_forward_score", mutates_args=())
-def attention_forward_score(q: Tensor, k: Tensor, v: Tensor, kernel: list[Tensor],
-                            plan_dims: list[int], scale: float, deterministic: bool,
+def attention_forward_score(q: Tensor, k: Tensor, v: Tensor, kernel: Tensor,
+                            kernel_lens: list[int], plan_dims: list[int], scale: float,
+                            deterministic: bool,
                             softcap: float, linear: list[float], slopes: Optional[Tensor],
                             dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                             sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     if q.device.type != "cuda":
         raise NotImplementedError("the score terms' kernels run on CUDA tensors")
     score = (softcap, linear, slopes, dist_bias, dist_run_end, sinks)
-    return _cuda_forward(q, k, v, kernel, plan_dims, scale, score)
+    return _cuda_forward(q, k, v, kernel, kernel_lens, plan_dims, scale, score)
 
 
 @attention_forward_score.register_fake
-def _(q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes, dist_bias,
-      dist_run_end, sinks):
+def _(q, k, v, kernel, kernel_lens, plan_dims, scale, deterministic, softcap, linear, slopes,
+      dist_bias, dist_run_end, sinks):
     b, hq, lq, _ = q.shape
     return (q.new_empty((b, hq, lq, v.shape[-1])), q.new_empty((b, hq, lq), dtype=torch.float32))
 
@@ -384,8 +393,9 @@ def _(q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes,
 @torch.library.custom_op("compilemask::attention_backward_score", mutates_args=())
 def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                              k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             kernel: list[Tensor], plan_dims: list[int], scale: float,
-                             deterministic: bool, softcap: float, linear: list[float],
+                             kernel: Tensor, kernel_lens: list[int], plan_dims: list[int],
+                             scale: float, deterministic: bool, softcap: float,
+                             linear: list[float],
                              slopes: Optional[Tensor],
                              dist_bias: Optional[Tensor], dist_run_end: Optional[Tensor],
                              sinks: Optional[Tensor], want_dist_grad: bool
@@ -406,8 +416,9 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
     ddist = (torch.zeros(dist_bias.shape, dtype=torch.int64 if deterministic else torch.float32,
                          device=dist_bias.device)
              if want_dist_grad and dist_bias is not None else None)
-    dq, dk, dv, delta = _cuda_backward_out(dout, q, k, v, out, lse, kernel, plan_dims, scale,
-                                           deterministic, score, ddist, grad_lse)
+    dq, dk, dv, delta = _cuda_backward_out(dout, q, k, v, out, lse, kernel, kernel_lens,
+                                           plan_dims, scale, deterministic, score, ddist,
+                                           grad_lse)
     if ddist is not None and deterministic:
         ddist = (ddist.double() * 2.0 ** -32).float()
     dsinks = (_sink_grad(sinks, lse, delta) if sinks is not None
@@ -416,8 +427,8 @@ def attention_backward_score(grad_out: Tensor, grad_lse: Optional[Tensor], q: Te
 
 
 @attention_backward_score.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale, deterministic, softcap,
-      linear, slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
+def _(grad_out, grad_lse, q, k, v, out, lse, kernel, kernel_lens, plan_dims, scale,
+      deterministic, softcap, linear, slopes, dist_bias, dist_run_end, sinks, want_dist_grad):
     ddist = (torch.empty(dist_bias.shape, dtype=torch.float32, device=dist_bias.device)
              if want_dist_grad and dist_bias is not None else q.new_empty((0,), dtype=torch.float32))
     dsinks = (torch.empty_like(sinks, dtype=torch.float32) if sinks is not None
@@ -426,17 +437,18 @@ def _(grad_out, grad_lse, q, k, v, out, lse, kernel, plan_dims, scale, determini
 
 
 def _setup_score_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    (q, k, v, kernel, plan_dims, scale, deterministic, softcap, linear, slopes, dist_bias,
-     dist_run_end, sinks) = inputs
+    (q, k, v, kernel, kernel_lens, plan_dims, scale, deterministic, softcap, linear, slopes,
+     dist_bias, dist_run_end, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, *kernel)
+    ctx.save_for_backward(q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, kernel)
+    ctx.kernel_lens = kernel_lens
     ctx.plan_dims, ctx.scale, ctx.softcap, ctx.linear = plan_dims, scale, softcap, linear
     ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)
 
 
 def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
-    q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, *kernel = ctx.saved_tensors
+    q, k, v, out, lse, slopes, dist_bias, dist_run_end, sinks, kernel = ctx.saved_tensors
     # Every table and sink present gets its gradient: what needs_input_grad says under
     # torch.compile's traced backward cannot be relied on here (a compiled step lost the
     # table's gradient with it), and the cost is one fp32 sum per tile.
@@ -444,12 +456,12 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
-        grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.plan_dims, ctx.scale,
-        ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks,
+        grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.kernel_lens, ctx.plan_dims,
+        ctx.scale, ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks,
         want_dist)
-    # One gradient per input: q, k, v, kernel (a list), plan_dims, scale, deterministic,
-    # softcap, linear, slopes, dist_bias, dist_run_end, sinks.
-    return (dq, dk, dv, [None] * len(kernel), None, None, None, None, None, None,
+    # One gradient per input: q, k, v, kernel, kernel_lens, plan_dims, scale,
+    # deterministic, softcap, linear, slopes, dist_bias, dist_run_end, sinks.
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
             ddist.to(dist_bias.dtype) if want_dist else None, None,
             dsinks.to(sinks.dtype) if sinks is not None else None)
 
@@ -600,11 +612,13 @@ def _(q, k_cache, v_cache, block_table, cu_q, kv_len, row_ptr, intervals, max_q_
 
 
 def _paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                     key_blocks: Tensor, row_index: Tensor, kernel: list[Tensor],
-                     plan_dims: list[int], scale: float) -> tuple[Tensor, Tensor]:
+                     key_blocks: Tensor, row_index: Tensor, kernel: Tensor,
+                     kernel_lens: list[int], plan_dims: list[int],
+                     scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of a step through the paged forward (``cm_cuda::prefill``): ``kernel`` is the descriptor of
-    the step's virtual rows over its virtual key blocks, ``key_blocks`` the blocks' ``(seq,
+    the step's virtual rows over its virtual key blocks (its arrays back to back, of
+    ``kernel_lens`` elements each), ``key_blocks`` the blocks' ``(seq,
     first_key, valid_keys, 0)`` entries and ``row_index`` (int64 ``[total_q * row_group]``)
     the virtual row of each (step row, query head of its kv head) (:meth:`compilemask.Step`
     builds them), ``plan_dims`` ``[kv_len, q_rows, row_group]`` (the virtual keys and rows,
@@ -614,7 +628,7 @@ def _paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
     q_virtual = to_virtual_rows(q, row_index, q_rows, row_group)
     out = torch.empty_like(q_virtual)
     lse = torch.empty((q_virtual.shape[1], q_rows), dtype=torch.float32, device=q.device)
-    plan = (q_rows, kv_len, [_raw(t) for t in kernel])
+    plan = (q_rows, kv_len, (_raw(kernel), kernel_lens))
     with _on_device(q.device):
         _native.cuda_paged_prefill(
             _stream(q.device), plan, _raw(q_virtual), _raw(k_cache), _raw(v_cache), _raw(out),
@@ -659,7 +673,8 @@ paged_prefill_op = torch.library.custom_op("compilemask::paged_prefill",
 
 
 @paged_prefill_op.register_fake
-def _(q, k_cache, v_cache, block_table, key_blocks, row_index, kernel, plan_dims, scale):
+def _(q, k_cache, v_cache, block_table, key_blocks, row_index, kernel, kernel_lens, plan_dims,
+      scale):
     total_q, num_heads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((total_q, num_heads), dtype=torch.float32))
@@ -719,7 +734,8 @@ def paged_attention_cuda(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     if prefill is not None:
         op = _paged_prefill if plain else paged_prefill_op
         out, lse = op(q, k_cache, v_cache, block_table, prefill.key_blocks, prefill.row_index,
-                      list(prefill.kernel), prefill.plan_dims(), float(scale))
+                      prefill.kernel_flat, list(prefill.kernel_lens), prefill.plan_dims(),
+                      float(scale))
     else:
         op = _paged_attention if plain else paged_attention_op
         out, lse = op(

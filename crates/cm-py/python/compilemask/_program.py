@@ -64,6 +64,10 @@ class PlanTensors(NamedTuple):
     # On CUDA, whether the deterministic backward adds dQ in turns for this plan
     # (``_native.cuda_dq_turns``; else a dQ kernel of its own).
     kernel_dq_turns: bool = True
+    # On CUDA, the one int32 tensor that ``kernel``'s arrays are views of, back to back, and
+    # their lengths: what a launch passes (one tensor argument instead of one per array).
+    kernel_flat: torch.Tensor | None = None
+    kernel_lens: tuple[int, ...] = ()
 
     def plan_dims(self) -> list[int]:
         """``[num_masks, batch, num_heads, kernel_dq_turns, *kernel_ws_order]``: how the CUDA

@@ -63,6 +63,9 @@ class PrefillTensors(NamedTuple):
     kv_len: int
     q_rows: int
     row_group: int
+    # The one tensor ``kernel``'s arrays are views of, back to back, and their lengths.
+    kernel_flat: torch.Tensor | None = None
+    kernel_lens: tuple[int, ...] = ()
 
     def plan_dims(self) -> list[int]:
         return [self.kv_len, self.q_rows, self.row_group]
@@ -509,11 +512,11 @@ class Step:
                 return cached
             dev = torch.device("cpu") if device is None else torch.device(device)
             arrays, blocks, kv_len, row_index, q_rows = self._native.prefill_arrays(row_group)
-            kernel = _kernel_tensors(torch, arrays, dev, queued=True)
+            kernel, flat, lens = _kernel_tensors(torch, arrays, dev, queued=True)
             blocks_t = _queued_copy(torch, _host_int32(torch, blocks), dev)
             rows_t = _queued_copy(torch, _host_int32(torch, row_index).long(), dev)
             out = PrefillTensors(kernel, blocks_t.reshape(len(blocks) // 16, 4), rows_t,
-                                 kv_len, q_rows, row_group)
+                                 kv_len, q_rows, row_group, flat, lens)
             self._tensors[key] = out
         return out
 

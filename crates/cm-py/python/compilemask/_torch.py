@@ -94,9 +94,10 @@ def _pow2(n: int) -> int:
 
 def _kernel_tensors(torch: Any, arrays: list, dev: Any, queued: bool = False) -> tuple:
     """The CUDA kernels' descriptor of a plan (``arrays``: its ``kernel_arrays()``, every
-    distinct mask and the mask index), one int32 ``[capacity]`` tensor per array on ``dev``.
-    The arrays are views of one tensor, filled on the host and copied to ``dev`` in one
-    transfer (with ``queued``, by :func:`_queued_copy`)."""
+    distinct mask and the mask index) on ``dev``: ``(views, flat, caps)``, one int32
+    ``[capacity]`` tensor per array, views of the one tensor ``flat`` that holds them back to
+    back, filled on the host and copied to ``dev`` in one transfer (with ``queued``, by
+    :func:`_queued_copy`), and the capacities."""
     lens = [len(raw) // 4 for raw in arrays]
     # At least 4: keeps every array's loads aligned (16-byte rows of the
     # `*partial_row_mask` arrays and tiles of `bwd_partial_key_mask`), as every capacity, a
@@ -114,7 +115,7 @@ def _kernel_tensors(torch: Any, arrays: list, dev: Any, queued: bool = False) ->
             parts.append((at, cap))
             at += cap
     flat = _queued_copy(torch, flat, dev) if queued else flat.to(dev)
-    return tuple(flat[a:a + cap] for a, cap in parts)
+    return tuple(flat[a:a + cap] for a, cap in parts), flat, tuple(caps)
 
 
 def _launch_choices(arrays: list) -> tuple[tuple[int, ...], bool]:
@@ -164,14 +165,14 @@ def plan_tensors(plan: Plan, device: Any = None) -> PlanTensors:
     mask_index = torch.tensor(plan.mask_index, dtype=torch.int32, device=dev).reshape(
         plan.batch, plan.num_heads
     )
-    kernel, ws_order, dq_turns = (), (), True
+    kernel, flat, lens, ws_order, dq_turns = (), None, (), (), True
     if dev.type == "cuda":
         arrays = plan._native.kernel_arrays()
-        kernel = _kernel_tensors(torch, arrays, dev)
+        kernel, flat, lens = _kernel_tensors(torch, arrays, dev)
         ws_order, dq_turns = _launch_choices(arrays)
     out = PlanTensors(row_ptr, intervals, mask_index, q_len, plan.kv_len, plan.batch,
                       plan.num_heads, plan.uses_batch or plan.is_packed, plan.uses_head, kernel,
-                      _score_tensors(torch, plan, dev), ws_order, dq_turns)
+                      _score_tensors(torch, plan, dev), ws_order, dq_turns, flat, lens)
     plan._cache[key] = out
     return out
 
@@ -339,7 +340,8 @@ def _scored_attention(torch: Any, query: Any, key: Any, value: Any, plan: Any, p
             if dist.dim() == 1:
                 dist = dist.unsqueeze(0)
         return _ops.attention_forward_score(
-            query, key, value, list(pt.kernel), plan_dims, scale, bool(deterministic),
+            query, key, value, pt.kernel_flat, list(pt.kernel_lens), plan_dims, scale,
+            bool(deterministic),
             score.softcap, list(score.linear), slopes, dist,
             score.run_end if dist is not None else None,
             None if sink is None else sink.float())
@@ -787,7 +789,7 @@ def attention(
             f"use plan.to_tensors({str(query.device)!r})"
         )
     scale = _checked_scale(scale, d)
-    if query.device.type == "cuda" and not pt.kernel:
+    if query.device.type == "cuda" and (not pt.kernel or pt.kernel_flat is None):
         raise ValueError(
             "the plan tensors hold no CUDA kernel descriptor; build them for the query's device "
             f"with plan.to_tensors({str(query.device)!r})"
@@ -810,5 +812,6 @@ def attention(
         return (out, lse) if return_lse else out
     _no_score_tensors(score_tensors)
     out, lse = _forward_op()(query, key, value, pt.row_ptr, pt.intervals, mask_index,
-                             list(pt.kernel), plan_dims, scale, bool(deterministic))
+                             pt.kernel_flat, list(pt.kernel_lens), plan_dims, scale,
+                             bool(deterministic))
     return (out, lse) if return_lse else out
