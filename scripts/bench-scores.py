@@ -173,7 +173,8 @@ def main() -> None:
         def scored(t):
             dist, ends = _ops.table_by_distance(t["table"], bucket) if "table" in t else (None, None)
             return _ops.attention_forward_score(
-                q, k, v, list(pt.kernel), dims, scale, False, t.get("softcap", 0.0),
+                q, k, v, pt.kernel_flat, list(pt.kernel_lens), dims, scale, False,
+                t.get("softcap", 0.0),
                 [-1.0, 1.0, 0.0], t.get("slopes"), dist, ends, t.get("sinks"))[0]
 
         row = {}

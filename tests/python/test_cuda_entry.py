@@ -21,14 +21,24 @@ def _tensor(shape, dtype="bfloat16", device=0, addr=0x1000_0000):
     return (addr, tuple(shape), tuple(strides), dtype, device)
 
 
-def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None, ws_order=None):
-    arrays = plan._native.kernel_arrays()[:count]
+def _arrays(plan, dtype="int32", device=0, count=None, addr=0x100_0000):
+    """A plan's descriptor arrays as the extension takes them: one int32 tensor holding them
+    back to back (each padded to a multiple of 4 elements, at least 4, so every array starts
+    16-byte aligned) and each array's length."""
+    raw = plan._native.kernel_arrays()[:count]
+    lens = [max(-(-len(a) // 16) * 4, 4) for a in raw]
+    return (addr, (sum(lens),), (1,), dtype, device), lens
+
+
+def _descriptor(plan, q_len=None, dtype="int32", device=0, count=None, ws_order=None,
+                arrays=None):
     lens = [len(a) // 4 for a in plan._native.kernel_arrays()]
     if ws_order is None:
         ws_order = _native.cuda_ws_order(lens)
-    return (plan.q_len if q_len is None else q_len, plan.kv_len, 1, (1, 1),
-            [(0x100_0000 * (i + 1), (max(len(a) // 4, 4),), (1,), dtype, device)
-             for i, a in enumerate(arrays)], ws_order, _native.cuda_dq_turns(lens))
+    if arrays is None:
+        arrays = _arrays(plan, dtype, device, count)
+    return (plan.q_len if q_len is None else q_len, plan.kv_len, 1, (1, 1), arrays, ws_order,
+            _native.cuda_dq_turns(lens))
 
 
 def _forward_args(**change):

@@ -552,6 +552,36 @@ def test_opcheck():
     torch.library.opcheck(_ops.attention_forward, args)
 
 
+def test_kernel_descriptor_is_one_flat_tensor_and_its_lengths():
+    """What a CUDA launch passes for the descriptor (``kernel_flat``, ``kernel_lens``) holds
+    exactly the arrays of ``kernel``, back to back: the extension refuses lengths that do
+    not add up to the flat tensor's. Built here on the CPU (a plan's and a prefill layout's
+    descriptor), as ``to_tensors`` and ``Step.prefill_tensors`` build it on CUDA."""
+    from compilemask import _native
+    from compilemask._torch import _kernel_tensors
+
+    plan = cm.builtin("document_causal", lengths=[70, 130]).plan(200)
+    arrays = plan._native.kernel_arrays()
+    layout = cm.builtin("causal").plan_step([5, 3], [40, 9]).prefill_tensors("cpu", 2)
+    for views, flat, lens, raw in [
+        (*_kernel_tensors(torch, arrays, torch.device("cpu")), arrays),
+        (layout.kernel, layout.kernel_flat, layout.kernel_lens, None),
+    ]:
+        assert flat.dtype == torch.int32 and flat.dim() == 1 and flat.is_contiguous()
+        assert len(lens) == len(views) == len(_native.CUDA_PLAN_ARRAYS)
+        assert sum(lens) == flat.numel()
+        at = 0
+        for i, (view, n) in enumerate(zip(views, lens)):
+            # Each array starts 16-byte aligned (the kernels' vector loads).
+            assert n >= 4 and n % 4 == 0
+            assert view.shape == (n,) and view.data_ptr() == flat.data_ptr() + 4 * at
+            if raw is not None:
+                want = list(memoryview(bytes(raw[i])).cast("i"))
+                assert view[:len(want)].tolist() == want
+                assert not view[len(want):].any()
+            at += n
+
+
 def test_compile_reuses_graph_for_new_plans():
     from torch._dynamo.testing import CompileCounter
 

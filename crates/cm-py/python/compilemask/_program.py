@@ -41,7 +41,8 @@ class PlanTensors(NamedTuple):
     tile descriptor of the whole plan (every distinct mask back to back, and the mask index),
     which one launch reads for every (b, h): one int32 ``[capacity]`` tensor per array of
     ``compilemask._native.CUDA_PLAN_ARRAYS``, each padded to a power of two (empty on other
-    devices). Build it with
+    devices), all views of the one tensor ``kernel_flat`` that holds them back to back, of
+    ``kernel_lens`` elements each: what a launch passes. Build them with
     :meth:`Plan.to_tensors`; the CUDA kernels trust its contents, so never assemble one from
     parts of different plans.
     """
