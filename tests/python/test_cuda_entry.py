@@ -130,7 +130,8 @@ def test_every_tensor_is_checked(change, message):
 def test_the_descriptor_is_checked_against_the_plan():
     plan, args = _forward_args()
     for desc, message in [
-        (_descriptor(plan, dtype="int64"), "plan array m_block_order: dtype int64, expected int32"),
+        (_descriptor(plan, dtype="int64"), "kernel descriptor: dtype int64, expected int32"),
+        (_descriptor(plan, dtype="uint8"), "kernel descriptor: dtype uint8, expected int32"),
         (_descriptor(plan, device=1), "plan array m_block_order is on cuda:1"),
         (_descriptor(plan, count=5),
          f"the plan has 5 kernel arrays, expected {len(_native.CUDA_PLAN_ARRAYS)}"),
@@ -141,6 +142,38 @@ def test_the_descriptor_is_checked_against_the_plan():
         args["plan"] = desc
         with pytest.raises(ValueError, match=message):
             _forward(args)
+
+
+def test_the_flat_descriptor_is_split_in_bounds():
+    """The descriptor's arrays arrive as one tensor and their lengths: lengths that add up
+    past the tensor (or overflow) or short of it (another plan's tensor: the arrays would be
+    read at the wrong offsets), a strided tensor, a wrong count of lengths, an array moved
+    off its alignment and a tensor whose end wraps the address space are refused before any
+    driver call; negative lengths never reach Rust."""
+    plan, args = _forward_args()
+    (addr, (n,), _, dtype, dev), lens = _arrays(plan)
+    flat = (addr, (n,), (1,), dtype, dev)
+    big = 2 ** 64 - 1
+    for arrays, message in [
+        ((flat, lens[:-1] + [lens[-1] + 4]), "kernel descriptor holds"),
+        (((addr, (n - 4,), (1,), dtype, dev), lens), "kernel descriptor holds"),
+        ((flat, [big] + lens[1:]), "kernel descriptor holds"),
+        ((flat, [big, 2] + lens[2:]), "kernel descriptor holds"),
+        (((addr, (n,), (2,), dtype, dev), lens), "kernel descriptor: stride 2"),
+        ((flat, lens[:5]), "kernel descriptor holds"),
+        ((flat, lens[:-1]), "kernel descriptor holds"),
+        ((flat, [*lens, 0]), f"the plan has {len(lens) + 1} kernel arrays"),
+        # A stale tensor: longer than this plan's arrays (a bigger plan's).
+        (((addr, (n + 64,), (1,), dtype, dev), lens), "kernel descriptor holds"),
+        (((2 ** 64 - 64, (n,), (1,), dtype, dev), lens), "overflows"),
+        ((flat, [lens[0] + 1, *lens[1:-1], lens[-1] - 1]), "not 16-byte aligned"),
+    ]:
+        args["plan"] = _descriptor(plan, arrays=arrays)
+        with pytest.raises(ValueError, match=message):
+            _forward(args)
+    args["plan"] = _descriptor(plan, arrays=(flat, [-4, 4 + lens[0], *lens[1:]]))
+    with pytest.raises(OverflowError):
+        _forward(args)
 
 
 def test_the_backward_checks_its_own_tensors():

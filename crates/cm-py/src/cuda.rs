@@ -2,8 +2,9 @@
 //! torch's current stream over torch's device memory.
 //!
 //! torch stays the owner of everything: the Python side passes each tensor as `(data_ptr,
-//! shape, strides)` ints, the plan as the device addresses of the descriptor arrays it keeps in
-//! tensors (`PlanTensors.kernel`), and the stream as `torch.cuda.current_stream().cuda_stream`.
+//! shape, strides)` ints, the plan as the one int32 tensor its descriptor arrays are kept in
+//! back to back (`PlanTensors.kernel_flat`) with each array's length, and the stream as
+//! `torch.cuda.current_stream().cuda_stream`.
 //! Nothing here allocates device memory or synchronises, so a launch is cheap, stream-ordered
 //! with torch's own work, and can be captured in a CUDA graph. The kernels of each device are
 //! loaded once per process (into the primary context, the one torch uses) and kept.
@@ -196,11 +197,21 @@ fn to_external<const N: usize>(t: TensorArg<N>) -> ExternalTensor<N> {
     }
 }
 
-/// The arrays of an [`ArraysArg`] as tensors of their own: array `i` starts `lens[0] + ..
-/// + lens[i - 1]` elements into the flat tensor, which must be 1-D, contiguous and hold them
-/// all; dtype and device are checked with each array by `descriptor_layout`.
+/// The arrays of an [`ArraysArg`] as tensors of their own: array `i` starts at the sum of
+/// `lens[..i]` elements into the flat tensor, which must be a contiguous int32 tensor of
+/// exactly `lens`' sum of elements (the lengths of another plan's descriptor rarely add up
+/// to this one's, so a stale tensor is refused rather than read at the wrong offsets); its
+/// device is checked with each array by `descriptor_layout`, and so are the arrays'
+/// alignment and lengths against the plan.
 fn split_arrays((flat, lens): ArraysArg) -> Result<Vec<ExternalTensor<1>>, Error> {
     let flat = to_external(flat);
+    // The offsets below are in 4-byte elements: check the dtype before computing any.
+    if flat.dtype != "int32" {
+        return Err(Error::invalid(format!(
+            "the kernel descriptor: dtype {}, expected int32",
+            flat.dtype
+        )));
+    }
     if flat.shape[0] > 1 && flat.strides[0] != 1 {
         return Err(Error::invalid(format!(
             "the kernel descriptor: stride {}, expected a contiguous tensor",
@@ -208,24 +219,38 @@ fn split_arrays((flat, lens): ArraysArg) -> Result<Vec<ExternalTensor<1>>, Error
         )));
     }
     let total = lens.iter().try_fold(0usize, |a, &n| a.checked_add(n));
-    if total.is_none_or(|t| t > flat.shape[0]) {
+    if total != Some(flat.shape[0]) {
+        let sum = total.map_or_else(|| "overflow".to_string(), |t| t.to_string());
         return Err(Error::invalid(format!(
-            "the kernel descriptor holds {} elements, fewer than its arrays' lengths add up to",
-            flat.shape[0]
+            "the kernel descriptor holds {} elements, but its {} arrays' lengths add up to {sum}: \
+             pass the kernel_flat and kernel_lens of one PlanTensors",
+            flat.shape[0],
+            lens.len()
         )));
     }
-    let mut at = 0u64;
+    // Every array's address is in bounds of the flat tensor, whose byte length must not wrap.
+    let end = u64::try_from(flat.shape[0])
+        .ok()
+        .and_then(|n| n.checked_mul(4))
+        .and_then(|bytes| flat.addr.checked_add(bytes));
+    if end.is_none() {
+        return Err(Error::invalid(format!(
+            "the kernel descriptor: address {:#x} with {} elements overflows",
+            flat.addr, flat.shape[0]
+        )));
+    }
+    let mut at = flat.addr;
     let mut arrays = Vec::with_capacity(lens.len());
     for n in lens {
         arrays.push(ExternalTensor {
-            // In bounds of the flat tensor: the lengths add up to at most its length.
-            addr: flat.addr + 4 * at,
+            addr: at,
             shape: [n],
             strides: [1],
             dtype: flat.dtype.clone(),
             device: flat.device,
         });
-        at += n as u64;
+        // At most `end`: the lengths add up to the flat tensor's.
+        at += 4 * n as u64;
     }
     Ok(arrays)
 }
@@ -321,12 +346,13 @@ fn forward_args(
 /// The runtime of `device` and a view of the plan's arrays in its context.
 fn plan_view(device: usize, layout: PlanLayout) -> Result<(Arc<Runtime>, PlanView), Error> {
     let rt = runtime(device)?;
-    // SAFETY: the Python side passes the data pointers of the `PlanTensors.kernel` tensors
-    // (checked to be int32 on `device`), made by `Plan.to_tensors` from
-    // `HostPlan::build_masks` at `kernel_tile()` for the plan's `num_masks` masks and
-    // `mask_index` dims, and held by the caller (and, through torch's stream-ordered
-    // allocator, until the launches that read them have run); their lengths are the tensors'
-    // own, which `PlanLayout::new` checked against the plan's lengths.
+    // SAFETY: the Python side passes the data pointer of the `PlanTensors.kernel_flat` tensor
+    // (checked to be int32 on `device`) and its arrays' lengths (`kernel_lens`), made by
+    // `Plan.to_tensors` from `HostPlan::build_masks` at `kernel_tile()` for the plan's
+    // `num_masks` masks and `mask_index` dims, and held by the caller (and, through torch's
+    // stream-ordered allocator, until the launches that read them have run); `split_arrays`
+    // checked that the lengths add up to the tensor's own, so every array lies inside it, and
+    // `PlanLayout::new` checked them against the plan's lengths.
     #[allow(unsafe_code)]
     let view = unsafe { PlanView::borrowed(rt.context().clone(), layout) };
     Ok((rt, view))
