@@ -6,6 +6,7 @@ torch.compile and CUDA graph capture."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -187,6 +188,41 @@ def test_deterministic_backward_repeats_its_bits():
     second = _check(plan, q, k, v, enable_gqa=True, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+class _Recorded(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing: with one active, `attention` goes through torch's
+    dispatcher (the custom op) instead of its eager path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_eager_path_equals_the_op(grad):
+    # Eager calls skip torch's dispatcher; the op (torch.compile, modes, transforms) must
+    # give the same bits, gradients included (deterministic backward), and refuse a double
+    # backward alike.
+    plan = cm.builtin("document_causal", lengths=[61, 70, 2]).plan(133)
+    q, k, v = _inputs(2, 4, 2, 133, 133, 64, torch.bfloat16, seed=21)
+    w = torch.randn(2, 4, 133, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for mode in (None, _Recorded()):
+        with mode or contextlib.nullcontext(), torch.set_grad_enabled(grad):
+            out, lse = cm.attention(q, k, v, plan, enable_gqa=True, return_lse=True,
+                                    deterministic=True)
+            got = [out, lse]
+            if grad:
+                got += torch.autograd.grad((out * w).float().sum() + lse.sum(), (q, k, v))
+        results.append(got)
+        assert out.requires_grad == grad
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    if grad:
+        out = cm.attention(q, k, v, plan, enable_gqa=True)
+        g, = torch.autograd.grad(out.float().pow(2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="no second-order gradients"):
+            torch.autograd.grad(g.float().pow(2).sum(), q)
 
 
 def test_per_batch_and_per_head_masks():

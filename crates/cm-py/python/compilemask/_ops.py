@@ -336,15 +336,54 @@ def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> tuple:
     q, k, v, out, lse, row_ptr, intervals, mask_index, kernel = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr, intervals,
-                                    mask_index, kernel, ctx.kernel_lens, ctx.plan_dims,
-                                    ctx.scale, ctx.deterministic)
+    grads = [g for g in (grad_out, grad_lse) if g is not None]
+    if q.is_cuda and _bypasses_dispatcher(q, k, v, out, *grads):
+        # Not under create_graph (whose double backward the op refuses) nor any tracing.
+        dq, dk, dv = _cuda_backward(grad_out, grad_lse, q, k, v, out, lse, kernel,
+                                    ctx.kernel_lens, ctx.plan_dims, ctx.scale,
+                                    ctx.deterministic)
+    else:
+        dq, dk, dv = attention_backward(grad_out, grad_lse, q, k, v, out, lse, row_ptr,
+                                        intervals, mask_index, kernel, ctx.kernel_lens,
+                                        ctx.plan_dims, ctx.scale, ctx.deterministic)
     # One gradient per input: q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens,
     # plan_dims, scale, deterministic.
     return (dq, dk, dv, None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``attention_forward`` on CUDA as an autograd function of its own, for eager calls that
+    torch's dispatcher would only slow down (:func:`attention_forward_eager`): the op's
+    forward, saved tensors and backward, without the two trips through the dispatcher
+    (and their conversions of every argument) that a custom op with autograd makes."""
+
+    @staticmethod
+    def forward(q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens, plan_dims, scale,
+                deterministic):
+        return _cuda_forward(q, k, v, kernel, kernel_lens, plan_dims, scale)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+
+def attention_forward_eager(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor,
+                            intervals: Tensor, mask_index: Tensor, kernel: Optional[Tensor],
+                            kernel_lens: list[int], plan_dims: list[int], scale: float,
+                            deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``attention_forward(...)``, called without torch's dispatcher where nothing could tell
+    (:func:`_plain_call_ok`: CUDA tensors, no tracing, mode or transform): the kernels
+    directly when no gradient is asked for, else :class:`_EagerAttention`. Elsewhere the
+    op itself, which torch.compile, fake tensors and functorch see."""
+    args = (q, k, v, row_ptr, intervals, mask_index, kernel, kernel_lens, plan_dims, scale,
+            deterministic)
+    if not (q.is_cuda and _plain_call_ok(q, k, v)):
+        return attention_forward(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args)
+    return _cuda_forward(q, k, v, kernel, kernel_lens, plan_dims, scale)
 
 
 # --------------------------------------------------------------------------- score terms
@@ -698,18 +737,25 @@ def _dispatch_guards() -> Optional[tuple]:
 _DISPATCH_GUARDS = _dispatch_guards()
 
 
-def _bypasses_dispatcher(*tensors: Tensor) -> bool:
-    """Whether an inference op may run as the function it wraps instead of through torch's
-    dispatcher, whose ~12 us a call is as much as the rest of a decode step's Python: only
-    where nothing could tell the difference (no torch.compile tracing, none of
-    :func:`_dispatch_guards`' switches on, plain tensors, no gradient asked for; a custom op
-    without an autograd formula refuses a backward, which a plain call would not)."""
+def _plain_call_ok(*tensors: Tensor) -> bool:
+    """Whether an op may run as the function it wraps instead of through torch's dispatcher,
+    whose ~12 us a call is as much as the rest of a decode step's Python: only where nothing
+    could tell the difference (no torch.compile tracing, none of :func:`_dispatch_guards`'
+    switches on, plain tensors). Gradients are the caller's to handle."""
     if _DISPATCH_GUARDS is None or torch.compiler.is_compiling():
         return False
     if any(on() for on in _DISPATCH_GUARDS):
         return False
-    grad = torch.is_grad_enabled()
-    return all(type(t) is Tensor and not (grad and t.requires_grad) for t in tensors)
+    return all(type(t) is Tensor for t in tensors)
+
+
+def _bypasses_dispatcher(*tensors: Tensor) -> bool:
+    """:func:`_plain_call_ok` for an op called without autograd: also no gradient asked for
+    (a custom op without an autograd formula refuses a backward, which a plain call would
+    not)."""
+    if not _plain_call_ok(*tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def check_paged_cuda(q: Tensor, v_cache: Tensor) -> None:

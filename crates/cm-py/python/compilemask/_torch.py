@@ -583,11 +583,12 @@ def unpermute(x: torch.Tensor, plan: Plan, dim: int = 2) -> torch.Tensor:
 # --------------------------------------------------------------------------- the custom op
 
 def _forward_op() -> Any:
-    """The forward custom op (registered on first use: importing ``_ops`` imports torch)."""
+    """The forward custom op (registered on first use: importing ``_ops`` imports torch),
+    called without torch's dispatcher where nothing could tell (``attention_forward_eager``)."""
     require_torch("compilemask.attention")
     from . import _ops
 
-    return _ops.attention_forward
+    return _ops.attention_forward_eager
 
 
 # --------------------------------------------------------------------------- attention
