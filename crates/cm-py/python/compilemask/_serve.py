@@ -435,7 +435,7 @@ class Step:
         cache (they no longer hold its step). Nothing here checks the block table: a sequence
         whose ``kv_len`` outgrows its block-table row has the keys past it left out on CUDA,
         so grow the table (in place, under a graph) before the step needs it."""
-        from ._torch import _host_int32, _queued_copy, require_torch
+        from ._torch import _host_int32, _queued_copy_into, require_torch
 
         torch = require_torch("Step.write_tensors")
         if not isinstance(tensors, StepTensors):
@@ -483,11 +483,11 @@ class Step:
             host = _host_int32(torch, b"".join(self._arrays()))
             dst = _consecutive(torch, parts, host.numel())
             if dst is not None:
-                dst.copy_(_queued_copy(torch, host, dst.device))
+                _queued_copy_into(torch, host, dst)
             else:
                 done = 0
                 for t, m in zip(parts, sizes + [2 * have]):
-                    t[:m].copy_(_queued_copy(torch, host[done:done + m], t.device))
+                    _queued_copy_into(torch, host[done:done + m], t[:m])
                     done += m
         return tensors
 

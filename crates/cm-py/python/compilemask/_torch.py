@@ -68,13 +68,31 @@ def _queued_copy(torch: Any, host: torch.Tensor, dev: Any) -> torch.Tensor:
     freed. Traced by torch.compile, a plain copy (fake tensors have no pinned memory)."""
     if dev.type != "cuda" or torch.compiler.is_compiling():
         return host.to(dev)
+    _refuse_capture(torch)
+    return host.pin_memory().to(dev, non_blocking=True)
+
+
+def _queued_copy_into(torch: Any, host: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies ``host`` (a CPU tensor that nothing else holds, of ``dst``'s size) into ``dst``
+    as :func:`_queued_copy` copies: on CUDA straight from pinned memory into ``dst``, queued
+    on the current stream (one copy, no device tensor in between)."""
+    if dst.device.type != "cuda" or torch.compiler.is_compiling():
+        dst.copy_(host)
+        return
+    _refuse_capture(torch)
+    dst.copy_(host.pin_memory(), non_blocking=True)
+
+
+def _refuse_capture(torch: Any) -> None:
+    """``RuntimeError`` while the current stream is being captured into a CUDA graph: a copy
+    from the host captured there would read its pinned buffer at every replay, after it is
+    freed."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "compilemask: a step's tensors are made on the host and copied to the GPU, which a "
             "CUDA graph cannot capture; make them before capturing "
             "(step.to_tensors(device, max_intervals=N)), pass those StepTensors and write each "
             "later step into them with step.write_tensors between replays")
-    return host.pin_memory().to(dev, non_blocking=True)
 
 
 def _cache_key(torch: Any, device: Any) -> str:
