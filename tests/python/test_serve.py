@@ -457,7 +457,9 @@ def test_step_tensors_with_room_are_rewritten_in_place(torch):
     table = torch.arange(9, dtype=torch.int32).reshape(3, 3)
     for _ in range(3):
         step.append(1)
+        # hand twice: the second write finds its layout checked by the first.
         assert step.write_tensors(t) is t and step.write_tensors(hand) is hand
+        assert step.write_tensors(hand) is hand
         assert [x.data_ptr() for x in t[:4] + hand[:4]] == addresses
         own = step.to_tensors()
         n = 2 * step.num_intervals
@@ -514,6 +516,9 @@ def test_write_tensors_refuses_before_writing_and_leaves_other_steps_alone(torch
     with torch.inference_mode():  # inside inference mode, inference tensors are written
         own = step.to_tensors(max_intervals=10)
         assert step.write_tensors(own) is own
+    # The same tensors again, their layout remembered: outside inference mode still refused.
+    with pytest.raises(ValueError, match="tensors.cu_q is an inference tensor"):
+        step.write_tensors(own)
 
     # Another step's cached tensors: written, they leave its cache.
     kc = torch.randn(40, 4, 1, 8, dtype=torch.float64)

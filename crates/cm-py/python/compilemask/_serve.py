@@ -256,7 +256,8 @@ class Step:
     kv_len[s]`` with batch index ``b = s``. One mask serves every head.
     """
 
-    __slots__ = ("_native", "_program", "_num_heads", "_tensors", "_lock", "__weakref__")
+    __slots__ = ("_native", "_program", "_num_heads", "_tensors", "_lock", "_written",
+                 "__weakref__")
 
     def __init__(self, native: _native.Step, program: Program, num_heads: int | None):
         self._native = native
@@ -269,6 +270,10 @@ class Step:
         # with it when threads share a Step (tensors of an old step must not be stored
         # after an append has cleared the cache).
         self._lock = threading.RLock()
+        # (tensors, their one span or None, whether any is an inference tensor) of the last
+        # write_tensors: a serving loop writes the same tensors every step, whose layout
+        # checks then need not run again (a tuple's tensors cannot be swapped).
+        self._written: tuple | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -431,7 +436,9 @@ class Step:
         ``ValueError`` naming what does not fit (or tensors a write could fill only in part:
         inference tensors outside inference mode, ``expand``-ed or overlapping tensors),
         ``TypeError`` for anything but :class:`StepTensors` of int32 tensors; on an error the
-        tensors are unchanged. Tensors that another step's :meth:`to_tensors` cached leave that
+        tensors are unchanged (the checks of the tensors themselves run when a step first
+        writes a ``StepTensors`` and are remembered while it writes that same one). Tensors
+        that another step's :meth:`to_tensors` cached leave that
         cache (they no longer hold its step). Nothing here checks the block table: a sequence
         whose ``kv_len`` outgrows its block-table row has the keys past it left out on CUDA,
         so grow the table (in place, under a graph) before the step needs it."""
@@ -442,16 +449,11 @@ class Step:
             raise TypeError(f"tensors must be the StepTensors of Step.to_tensors, got "
                             f"{_type_name(tensors)}")
         parts = tensors[:4]
-        names = ("cu_q", "kv_len", "row_ptr", "intervals")
-        for name, t in zip(names, parts):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                got = (f"{t.dtype} tensor of shape {tuple(t.shape)}"
-                       if isinstance(t, torch.Tensor) else _type_name(t))
-                raise TypeError(f"tensors.{name} must be a 1-D int32 tensor, got {got}")
-            if t.device != parts[0].device:
-                raise ValueError(f"tensors.{name} is on {t.device} but tensors.cu_q on "
-                                 f"{parts[0].device}")
-        _check_writable(torch, names, parts)
+        written = self._written
+        if written is None or written[0] is not tensors:
+            written = (tensors, *_write_layout(torch, parts))
+        elif written[2] and not torch.is_inference_mode_enabled():
+            _check_writable(torch, _STEP_ARRAYS, parts)  # names the inference tensor
         owner = _CACHED_BY.get(id(parts[0]))
         if owner is not None and owner is not self:
             # Another step's cached tensors: after this write they no longer hold its step.
@@ -481,9 +483,10 @@ class Step:
                     f"{room}: make the tensors with step.to_tensors(device, max_intervals=N), N "
                     f"at least the largest step's num_intervals, and capture again")
             host = _host_int32(torch, b"".join(self._arrays()))
-            dst = _consecutive(torch, parts, host.numel())
-            if dst is not None:
-                _queued_copy_into(torch, host, dst)
+            self._written = written
+            span = written[1]
+            if span is not None:
+                _queued_copy_into(torch, host, span[:host.numel()])
             else:
                 done = 0
                 for t, m in zip(parts, sizes + [2 * have]):
@@ -523,6 +526,27 @@ class Step:
     def __repr__(self) -> str:
         return (f"Step({self._program.name!r}, num_seqs={self.num_seqs}, "
                 f"total_q={self.total_q}, num_intervals={self.num_intervals})")
+
+
+_STEP_ARRAYS = ("cu_q", "kv_len", "row_ptr", "intervals")
+
+
+def _write_layout(torch: Any, parts: Any) -> tuple[Any, bool]:
+    """The checks of :meth:`Step.write_tensors` on the four tensors themselves (1-D int32 on
+    one device, each writable in full, apart in memory): ``TypeError`` / ``ValueError``
+    naming the one at fault; else the one tensor they lie in back to back (None when they do
+    not) and whether any is an inference tensor."""
+    for name, t in zip(_STEP_ARRAYS, parts):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            got = (f"{t.dtype} tensor of shape {tuple(t.shape)}"
+                   if isinstance(t, torch.Tensor) else _type_name(t))
+            raise TypeError(f"tensors.{name} must be a 1-D int32 tensor, got {got}")
+        if t.device != parts[0].device:
+            raise ValueError(f"tensors.{name} is on {t.device} but tensors.cu_q on "
+                             f"{parts[0].device}")
+    _check_writable(torch, _STEP_ARRAYS, parts)
+    span = _consecutive(torch, parts, sum(t.numel() for t in parts))
+    return span, any(t.is_inference() for t in parts)
 
 
 def _check_writable(torch: Any, names: tuple, parts: Any) -> None:
