@@ -225,6 +225,21 @@ def test_eager_path_equals_the_op(grad):
             torch.autograd.grad(g.float().pow(2).sum(), q)
 
 
+def test_batched_gradients_equal_one_by_one():
+    # is_grads_batched=True hands the backward legacy-vmap BatchedTensors (type Tensor, no
+    # storage): the eager path's direct backward must leave them to the op, which torch runs
+    # once per batch entry.
+    plan = cm.builtin("document_causal", lengths=[40, 27]).plan(67)
+    q, k, v = _inputs(1, 2, 2, 67, 67, 64, torch.bfloat16, seed=5)
+    out = cm.attention(q, k, v, plan, deterministic=True)
+    w = torch.randn((3,) + out.shape, device="cuda", dtype=out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), w, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        want = torch.autograd.grad(out, (q, k, v), w[i], retain_graph=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a[i], b)
+
+
 def test_per_batch_and_per_head_masks():
     program = cm.compile("param windows: [int] = [1, 30, 5];\nparam n: [int] = [40, 90];\n"
                          "mask = if q < n[b] then q - windows[h % count(windows)] < k <= q "

@@ -540,6 +540,46 @@ def test_flex_attention_with_our_block_mask(device, q_len):
 
 # ------------------------------------------------------------------ torch.library / compile
 
+def test_batched_gradients_go_through_the_op():
+    # torch.autograd.grad(..., is_grads_batched=True) (and jacobian(vectorize=True)) hands a
+    # backward torch's legacy vmap BatchedTensors: of type Tensor, with no storage. The CUDA
+    # backward called directly (the eager path's skip of the dispatcher) took their address
+    # and failed; through the op torch runs it once per batch entry.
+    from compilemask import _ops
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 1
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append((_ops._plain_call_ok(g), _ops._bypasses_dispatcher(g)))
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.grad(Probe.apply(x), x, torch.ones(2, 3), is_grads_batched=True)
+    torch.autograd.grad(Probe.apply(x), x, torch.ones(3))
+    assert seen == [(False, False), (True, True)]
+    # Batched gradients through the op equal the gradients one by one.
+    plan = cm.builtin("causal").plan(7, num_heads=2)
+    q, k, v = (torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = cm.attention(q, k, v, plan)
+    w = torch.randn((3,) + out.shape, dtype=out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), w, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        want = torch.autograd.grad(out, (q, k, v), w[i], retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[i], b, rtol=0, atol=1e-12)
+
+
 def test_opcheck():
     from compilemask import _ops
 

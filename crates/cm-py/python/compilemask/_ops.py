@@ -736,17 +736,28 @@ def _dispatch_guards() -> Optional[tuple]:
 
 _DISPATCH_GUARDS = _dispatch_guards()
 
+# Whether a tensor is one of torch's legacy vmap (``BatchedTensor``, of the ``Batched``
+# dispatch key; ``type`` says Tensor): ``torch.autograd.grad(..., is_grads_batched=True)`` and
+# ``torch.autograd.functional.jacobian(..., vectorize=True)`` pass the gradients of a
+# backward as these. Through the dispatcher a custom op runs once per batch entry (torch's
+# fallback for the key); the kernels called directly would take the address of a tensor
+# that has no storage. None where this torch lacks it (every call then goes through the
+# dispatcher).
+_IS_LEGACY_BATCHED = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor",
+                             None)
+
 
 def _plain_call_ok(*tensors: Tensor) -> bool:
     """Whether an op may run as the function it wraps instead of through torch's dispatcher,
     whose ~12 us a call is as much as the rest of a decode step's Python: only where nothing
     could tell the difference (no torch.compile tracing, none of :func:`_dispatch_guards`'
-    switches on, plain tensors). Gradients are the caller's to handle."""
-    if _DISPATCH_GUARDS is None or torch.compiler.is_compiling():
+    switches on, plain tensors, none of them batched by torch's legacy vmap). Gradients are
+    the caller's to handle."""
+    if _DISPATCH_GUARDS is None or torch.compiler.is_compiling() or _IS_LEGACY_BATCHED is None:
         return False
     if any(on() for on in _DISPATCH_GUARDS):
         return False
-    return all(type(t) is Tensor for t in tensors)
+    return all(type(t) is Tensor and not _IS_LEGACY_BATCHED(t) for t in tensors)
 
 
 def _bypasses_dispatcher(*tensors: Tensor) -> bool:
