@@ -16,8 +16,8 @@
 //! bound, so the mask's `require`s are not checked for them.
 
 use crate::plan::{
-    row_intervals, too_many_tile_entries, MaskPlan, Plan, RowBudget, TreeOverhangs, MAX_INTERVALS,
-    MAX_TILE_ENTRIES,
+    row_intervals, too_many_tile_entries, DistinctMasks, MaskPlan, Plan, RowBudget, TreeOverhangs,
+    MAX_INTERVALS, MAX_TILE_ENTRIES,
 };
 use crate::rows::{KeyInterval, RowIntervals};
 use crate::symbolic::Solver;
@@ -261,7 +261,7 @@ pub fn plan_packed_with(
     let mut pieces = 0u64;
     let mut elementwise_pairs = 0u64;
     let mut masks: Vec<MaskPlan> = Vec::new();
-    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
+    let mut seen = DistinctMasks::default();
     let mut local = Vec::with_capacity(hs as usize);
     let mut overhangs = TreeOverhangs::default();
     let mut budget = RowBudget::default();
@@ -339,15 +339,15 @@ pub fn plan_packed_with(
                 rows.finish_row();
             }
         }
-        let id = match seen.get(&rows) {
-            Some(&id) => id,
-            None => {
+        let id = match seen.find(&rows, &masks) {
+            Ok(id) => id,
+            Err(hash) => {
                 budget.take(&rows)?;
                 let id = masks.len() as u32;
                 let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES)
                     .map_err(|_| too_many_tile_entries(tile))?;
                 if hs > 1 {
-                    seen.insert(rows.clone(), id);
+                    seen.insert(hash, id);
                 }
                 masks.push(MaskPlan { rows, tiles });
                 id

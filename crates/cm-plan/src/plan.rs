@@ -12,6 +12,7 @@ use cm_ir::ir::Region;
 use cm_ir::{Bound, PResult, PlanError, ScoreTerms};
 use cm_syntax::{Code, Span};
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most intervals one plan may hold (8 bytes each), so a pathological mask fails with a
@@ -71,6 +72,39 @@ impl RowBudget {
             .with_hint("a mask that reads `h` or `b` is planned once per distinct (batch, head) mask: plan fewer heads or batch indices, or shorter sequences"));
         }
         Ok(())
+    }
+}
+
+/// The distinct masks a plan holds so far, found by their rows' hash and compared with the
+/// stored masks themselves, so that no mask's rows are held twice (a key of its own per mask
+/// doubled a plan's memory, past what [`RowBudget`] counts).
+#[derive(Default)]
+pub(crate) struct DistinctMasks {
+    by_hash: HashMap<u64, Vec<u32>>,
+}
+
+impl DistinctMasks {
+    /// The id of the mask in `masks` whose rows equal `rows`, or the hash to [`insert`] them
+    /// under.
+    ///
+    /// [`insert`]: DistinctMasks::insert
+    pub(crate) fn find(&self, rows: &RowIntervals, masks: &[MaskPlan]) -> Result<u32, u64> {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        rows.hash(&mut hasher);
+        let hash = hasher.finish();
+        self.by_hash
+            .get(&hash)
+            .and_then(|ids| {
+                ids.iter()
+                    .copied()
+                    .find(|&id| masks[id as usize].rows == *rows)
+            })
+            .ok_or(hash)
+    }
+
+    /// Records mask `id` under the `hash` that [`DistinctMasks::find`] gave for its rows.
+    pub(crate) fn insert(&mut self, hash: u64, id: u32) {
+        self.by_hash.entry(hash).or_default().push(id);
     }
 }
 
@@ -1017,7 +1051,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
     let bs = if program.uses_b { shape.batch } else { 1 };
     let hs = if program.uses_h { shape.num_heads } else { 1 };
     let mut masks: Vec<MaskPlan> = Vec::new();
-    let mut seen: HashMap<RowIntervals, u32> = HashMap::new();
+    let mut seen = DistinctMasks::default();
     let mut local = vec![0u32; (bs * hs) as usize];
     let mut pieces = 0u64;
     let mut order: Option<TokenOrder> = None;
@@ -1098,9 +1132,9 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     None => permute_rows(&rows, o),
                 };
             }
-            let id = match seen.get(&rows) {
-                Some(&id) => id,
-                None => {
+            let id = match seen.find(&rows, &masks) {
+                Ok(id) => id,
+                Err(hash) => {
                     budget.take(&rows)?;
                     let id = masks.len() as u32;
                     // The solver's pieces are affine runs of the program's own rows; rows
@@ -1114,7 +1148,7 @@ pub fn plan_in_order(bound: &Bound<'_>, tile: TileShape, request: &OrderRequest)
                     }
                     .map_err(|_| too_many_tile_entries(tile))?;
                     if bs * hs > 1 {
-                        seen.insert(rows.clone(), id);
+                        seen.insert(hash, id);
                     }
                     masks.push(MaskPlan { rows, tiles });
                     id
@@ -1180,5 +1214,39 @@ mod row_budget_tests {
             e.message
         );
         assert!(e.message.contains("more than 84 bytes"), "{}", e.message);
+    }
+}
+
+#[cfg(test)]
+mod distinct_masks_tests {
+    use super::*;
+
+    fn mask(rows: &[Vec<(u32, u32)>]) -> MaskPlan {
+        let rows = RowIntervals::from_rows(8, rows).unwrap();
+        let tile = TileShape {
+            block_m: 64,
+            block_n: 64,
+        };
+        let tiles = TileDescriptor::try_build(&rows, tile, MAX_TILE_ENTRIES).unwrap();
+        MaskPlan { rows, tiles }
+    }
+
+    #[test]
+    fn a_mask_is_found_by_its_rows_not_by_its_hash_alone() {
+        let a = mask(&[vec![(0, 1)], vec![(0, 2)]]);
+        let b = mask(&[vec![(0, 1)], vec![(1, 2)]]);
+        let mut seen = DistinctMasks::default();
+        let mut masks = Vec::new();
+        let hash_a = seen.find(&a.rows, &masks).unwrap_err();
+        // b stored under a's hash (as a collision would), then a itself.
+        seen.insert(hash_a, 0);
+        seen.insert(hash_a, 1);
+        masks.extend([b.clone(), a.clone()]);
+        assert_eq!(seen.find(&a.rows, &masks), Ok(1));
+        // b's own hash was never inserted, so b is not found: a mask is only ever matched by
+        // equal rows.
+        assert!(seen.find(&b.rows, &masks).is_err());
+        let c = mask(&[vec![(0, 3)], vec![(0, 2)]]);
+        assert!(seen.find(&c.rows, &masks).is_err());
     }
 }
