@@ -177,6 +177,20 @@ fn misplaced_underscore(span: Span) -> Diagnostic {
     .with_hint("write digit groups with single underscores, as in 1_000_000")
 }
 
+/// Most characters of the source one message quotes: a longer literal or run of characters
+/// is shown by its first ones and its length, so that no message holds megabytes of input.
+const MAX_QUOTED: usize = 48;
+
+/// `text` in backticks, or its first [`MAX_QUOTED`] characters and its length.
+fn quote(text: &str) -> String {
+    let n = text.chars().count();
+    if n <= MAX_QUOTED {
+        return format!("`{text}`");
+    }
+    let head: String = text.chars().take(MAX_QUOTED).collect();
+    format!("`{head}…` ({n} characters)")
+}
+
 /// `CM0103` for a number followed by letters (`written`, the whole run), `after` the first
 /// character past its valid part: an `e` that starts no exponent makes it a malformed float
 /// (`1e`, `1.5e`), as does anything after a fraction or exponent (`float`); else a malformed
@@ -185,17 +199,20 @@ fn malformed_number(written: &[(usize, char)], after: char, float: bool, span: S
     let text: String = written.iter().map(|c| c.1).collect();
     let (message, hint) = if matches!(after, 'e' | 'E') {
         (
-            format!("malformed float literal `{text}`: its exponent needs digits"),
+            format!(
+                "malformed float literal {}: its exponent needs digits",
+                quote(&text)
+            ),
             "floats are written 0.5, 1e-3, 2.5e4",
         )
     } else if float {
         (
-            format!("malformed float literal `{text}`"),
+            format!("malformed float literal {}", quote(&text)),
             "floats are written 0.5, 1e-3, 2.5e4",
         )
     } else {
         (
-            format!("malformed integer literal `{text}`"),
+            format!("malformed integer literal {}", quote(&text)),
             "integers are decimal digits, optionally separated by `_`",
         )
     };
@@ -239,11 +256,17 @@ fn unexpected_characters(chars: &[(usize, char)], span: Span) -> Diagnostic {
     let shown = if chars.iter().any(|c| c.1.is_control()) {
         let points: Vec<String> = chars
             .iter()
+            .take(MAX_QUOTED / 4)
             .map(|c| format!("U+{:04X}", c.1 as u32))
             .collect();
-        points.join(" ")
+        let more = chars.len() - points.len();
+        if more == 0 {
+            points.join(" ")
+        } else {
+            format!("{} … ({} characters)", points.join(" "), chars.len())
+        }
     } else {
-        format!("`{}`", chars.iter().map(|c| c.1).collect::<String>())
+        quote(&chars.iter().map(|c| c.1).collect::<String>())
     };
     let plural = if chars.len() == 1 { "" } else { "s" };
     let message = format!("unexpected character{plural} {shown}");
@@ -343,12 +366,12 @@ pub fn lex(src: &str) -> (Vec<Token>, Vec<Diagnostic>) {
                     parsed => {
                         let (message, hint) = if parsed.is_ok_and(|v| v == 0.0) {
                             (
-                                format!("float literal `{written}` is too small: a 64-bit float rounds it to 0"),
+                                format!("float literal {} is too small: a 64-bit float rounds it to 0", quote(&written)),
                                 "floats are 64-bit; the smallest nonzero magnitude is about 4.9e-324; write 0.0 for zero",
                             )
                         } else {
                             (
-                                format!("float literal `{written}` is too large"),
+                                format!("float literal {} is too large", quote(&written)),
                                 "floats are 64-bit; the largest is about 1.8e308",
                             )
                         };

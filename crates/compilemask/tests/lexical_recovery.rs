@@ -242,3 +242,31 @@ fn a_name_past_the_limit_is_one_short_diagnostic() {
         }
     }
 }
+
+/// No message quotes a megabyte of the source: a malformed literal or a run of unexpected
+/// characters is shown by its first characters and its length (a megabyte literal glued to
+/// letters was quoted whole).
+#[test]
+fn long_literals_and_runs_are_quoted_short() {
+    let mb = 1 << 20;
+    for (bad, code) in [
+        (format!("1{}", "a".repeat(mb)), "CM0103"),
+        (format!("0x{}", "f".repeat(mb)), "CM0103"),
+        (format!("1.5{}", "e".repeat(mb)), "CM0103"),
+        (format!("1e{}", "9".repeat(mb)), "CM0103"),
+        (format!("0.{}1", "0".repeat(mb)), "CM0103"),
+        ("$".repeat(mb), "CM0101"),
+        ("\u{7}".repeat(mb), "CM0101"),
+    ] {
+        let e = compile(&format!("mask = k <= q + {bad};")).unwrap_err();
+        let d = &e.diagnostics;
+        assert_eq!(d.len(), 1, "{code}: {d:?}");
+        assert_eq!(d[0].code.as_str(), code);
+        assert!(d[0].message.len() < 400, "{}", d[0].message);
+        assert!(
+            e.rendered.len() < 4096,
+            "{code}: {} bytes rendered",
+            e.rendered.len()
+        );
+    }
+}
