@@ -519,6 +519,12 @@ def test_write_tensors_refuses_before_writing_and_leaves_other_steps_alone(torch
     # The same tensors again, their layout remembered: outside inference mode still refused.
     with pytest.raises(ValueError, match="tensors.cu_q is an inference tensor"):
         step.write_tensors(own)
+    # Moved in place (set_) after a write: checked again, not written through the old layout.
+    mine = step.to_tensors(max_intervals=11)
+    step.write_tensors(mine)
+    mine.kv_len.set_(mine.cu_q.untyped_storage(), mine.cu_q.storage_offset(), (3,), (1,))
+    with pytest.raises(ValueError, match="tensors.kv_len and tensors.cu_q overlap in memory"):
+        step.write_tensors(mine)
 
     # Another step's cached tensors: written, they leave its cache.
     kc = torch.randn(40, 4, 1, 8, dtype=torch.float64)

@@ -685,3 +685,13 @@ def test_meta_tensors_as_values_are_named():
     step = cm.builtin("causal").plan_step(1, [5, 5])
     with pytest.raises(TypeError, match="new_tokens is a tensor on the meta device"):
         step.append(meta)
+    # One value: a 0-d meta tensor where an int goes, alone or in a list.
+    one = torch.tensor(64, device="meta")
+    with pytest.raises(TypeError, match="q_len must be an int, got Tensor"):
+        cm.builtin("causal").plan(one)
+    with pytest.raises(TypeError, match="num_heads must be an int, got Tensor"):
+        cm.builtin("causal").plan(64, num_heads=one)
+    with pytest.raises(TypeError, match="parameter `lengths`: expected ints, got Tensor"):
+        cm.builtin("hstu").plan(64, lengths=[one, 32])
+    with pytest.raises(TypeError, match="r must be an int, got Tensor"):
+        step.row(one)

@@ -148,12 +148,20 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _as_index(value: Any) -> int:
+    """``operator.index(value)``, with a ``TypeError`` for a tensor on torch's meta device
+    (whose ``__index__`` raises a ``RuntimeError``: it holds no value)."""
+    if getattr(value, "is_meta", False) is True:
+        raise TypeError("a tensor on the meta device holds no value")
+    return operator.index(value)
+
+
 def _int(name: str, value: Any) -> int:
     """An int argument (any ``__index__`` type, never a bool), or ``TypeError`` naming it."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool {value!r}")
     try:
-        return operator.index(value)
+        return _as_index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {_type_name(value)} {value!r}") from None
 
@@ -268,7 +276,7 @@ def _param_value(name: str, value: Any) -> int | list[int]:
         if isinstance(x, bool):
             raise TypeError(f"parameter `{name}`: expected ints, got bool {x!r}")
         try:
-            out.append(operator.index(x))
+            out.append(_as_index(x))
         except TypeError:
             raise TypeError(
                 f"parameter `{name}`: expected ints, got {type(x).__name__} {x!r}"
@@ -298,7 +306,7 @@ def _order_value(order: Any, q_len: int) -> str | list[int] | None:
         if isinstance(x, bool):
             raise TypeError(f"order[{i}]: expected an int, got bool")
         try:
-            out.append(operator.index(x))
+            out.append(_as_index(x))
         except TypeError:
             raise TypeError(f"order[{i}]: expected an int, got {type(x).__name__}") from None
         if not -_I64 <= out[-1] < _I64:
@@ -330,7 +338,7 @@ def _offsets(name: str, value: Any) -> list[int]:
         if isinstance(x, bool):
             raise TypeError(f"{name}[{i}]: expected an int, got bool")
         try:
-            x = operator.index(x)
+            x = _as_index(x)
         except TypeError:
             raise TypeError(f"{name}[{i}]: expected an int, got {type(x).__name__}") from None
         if not -(1 << 63) <= x < (1 << 63):
@@ -348,7 +356,7 @@ def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     def side(v: Any) -> int:
         if isinstance(v, bool):
             raise TypeError
-        v = operator.index(v)
+        v = _as_index(v)
         if not 0 <= v < (1 << 32):
             raise _plan_error("CM0401", f"block_size side {v} is not a valid tile side; "
                                         f"expected 1 ..= {(1 << 32) - 1}",

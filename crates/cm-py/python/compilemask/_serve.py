@@ -270,9 +270,9 @@ class Step:
         # with it when threads share a Step (tensors of an old step must not be stored
         # after an append has cleared the cache).
         self._lock = threading.RLock()
-        # (tensors, their one span or None, whether any is an inference tensor) of the last
-        # write_tensors: a serving loop writes the same tensors every step, whose layout
-        # checks then need not run again (a tuple's tensors cannot be swapped).
+        # (tensors, their one span or None, whether any is an inference tensor, where they
+        # are) of the last write_tensors: a serving loop writes the same tensors every step,
+        # whose layout checks then need not run again while the tensors stay where they were.
         self._written: tuple | None = None
 
     def __reduce__(self) -> Any:
@@ -437,7 +437,8 @@ class Step:
         inference tensors outside inference mode, ``expand``-ed or overlapping tensors),
         ``TypeError`` for anything but :class:`StepTensors` of int32 tensors; on an error the
         tensors are unchanged (the checks of the tensors themselves run when a step first
-        writes a ``StepTensors`` and are remembered while it writes that same one). Tensors
+        writes a ``StepTensors`` and are remembered while it writes that same one, its
+        tensors at the same addresses and sizes). Tensors
         that another step's :meth:`to_tensors` cached leave that
         cache (they no longer hold its step). Nothing here checks the block table: a sequence
         whose ``kv_len`` outgrows its block-table row has the keys past it left out on CUDA,
@@ -450,7 +451,7 @@ class Step:
                             f"{_type_name(tensors)}")
         parts = tensors[:4]
         written = self._written
-        if written is None or written[0] is not tensors:
+        if written is None or written[0] is not tensors or written[3] != _addresses(parts):
             written = (tensors, *_write_layout(torch, parts))
         elif written[2] and not torch.is_inference_mode_enabled():
             _check_writable(torch, _STEP_ARRAYS, parts)  # names the inference tensor
@@ -531,11 +532,17 @@ class Step:
 _STEP_ARRAYS = ("cu_q", "kv_len", "row_ptr", "intervals")
 
 
-def _write_layout(torch: Any, parts: Any) -> tuple[Any, bool]:
+def _addresses(parts: Any) -> tuple:
+    """Where the step tensors ``parts`` are: what ``set_``, ``resize_`` or ``.data =`` change,
+    after which their remembered checks no longer hold."""
+    return tuple((t.data_ptr(), t.numel()) for t in parts)
+
+
+def _write_layout(torch: Any, parts: Any) -> tuple[Any, bool, tuple]:
     """The checks of :meth:`Step.write_tensors` on the four tensors themselves (1-D int32 on
     one device, each writable in full, apart in memory): ``TypeError`` / ``ValueError``
     naming the one at fault; else the one tensor they lie in back to back (None when they do
-    not) and whether any is an inference tensor."""
+    not), whether any is an inference tensor, and their :func:`_addresses`."""
     for name, t in zip(_STEP_ARRAYS, parts):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             got = (f"{t.dtype} tensor of shape {tuple(t.shape)}"
@@ -546,7 +553,7 @@ def _write_layout(torch: Any, parts: Any) -> tuple[Any, bool]:
                              f"{parts[0].device}")
     _check_writable(torch, _STEP_ARRAYS, parts)
     span = _consecutive(torch, parts, sum(t.numel() for t in parts))
-    return span, any(t.is_inference() for t in parts)
+    return span, any(t.is_inference() for t in parts), _addresses(parts)
 
 
 def _check_writable(torch: Any, names: tuple, parts: Any) -> None:
