@@ -496,8 +496,8 @@ def _score_backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Ten
         grad_out = torch.zeros_like(out)
     dq, dk, dv, ddist, dsinks = attention_backward_score(
         grad_out, grad_lse, q, k, v, out, lse, kernel, ctx.kernel_lens, ctx.plan_dims,
-        ctx.scale, ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end, sinks,
-        want_dist)
+        ctx.scale, ctx.deterministic, ctx.softcap, ctx.linear, slopes, dist_bias, dist_run_end,
+        sinks, want_dist)
     # One gradient per input: q, k, v, kernel, kernel_lens, plan_dims, scale,
     # deterministic, softcap, linear, slopes, dist_bias, dist_run_end, sinks.
     return (dq, dk, dv, None, None, None, None, None, None, None, None,
@@ -607,8 +607,8 @@ def table_by_distance(table: Tensor, bucket: Tensor) -> tuple[Tensor, Tensor]:
 # Serving: one step's new rows against a paged KV cache (the decode kernel of cm-cuda).
 
 def _paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                       cu_q: Tensor, kv_len: Tensor, row_ptr: Tensor, intervals: Tensor,
-                       max_q_len: int, scale: float) -> tuple[Tensor, Tensor]:
+                     cu_q: Tensor, kv_len: Tensor, row_ptr: Tensor, intervals: Tensor,
+                     max_q_len: int, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of the step on CUDA. The split-KV count comes from capacities only (the shapes of q, the
     cache and the block table, and ``max_q_len``), so a CUDA graph captured once stays valid
@@ -651,9 +651,9 @@ def _(q, k_cache, v_cache, block_table, cu_q, kv_len, row_ptr, intervals, max_q_
 
 
 def _paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                     key_blocks: Tensor, row_index: Tensor, kernel: Tensor,
-                     kernel_lens: list[int], plan_dims: list[int],
-                     scale: float) -> tuple[Tensor, Tensor]:
+                   key_blocks: Tensor, row_index: Tensor, kernel: Tensor,
+                   kernel_lens: list[int], plan_dims: list[int],
+                   scale: float) -> tuple[Tensor, Tensor]:
     """``(out [total_q, num_heads, head_dim], lse [total_q, num_heads] float32, natural log)``
     of a step through the paged forward (``cm_cuda::prefill``): ``kernel`` is the descriptor of
     the step's virtual rows over its virtual key blocks (its arrays back to back, of

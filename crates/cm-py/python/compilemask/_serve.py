@@ -111,19 +111,18 @@ def _max_q_len(cu_q: bytes) -> int:
     return max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
 
 
-def _consecutive(torch: Any, parts: Any, total: int) -> Any:
-    """The one 1-D tensor of ``total`` int32 that ``parts`` lie in one after the other (as
+def _consecutive(parts: Any) -> Any:
+    """The one 1-D int32 tensor that ``parts`` lie in one after the other (as
     :meth:`Step.to_tensors` makes them), or None when they do not."""
     first = parts[0]
+    storage = first.untyped_storage().data_ptr()
     at = first.storage_offset()
     for t in parts:
-        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() != at or (t.numel() > 1 and t.stride(0) != 1)):
+        if (t.untyped_storage().data_ptr() != storage or t.storage_offset() != at
+                or (t.numel() > 1 and t.stride(0) != 1)):
             return None
         at += t.numel()
-    if at - first.storage_offset() < total:
-        return None
-    return first.as_strided((total,), (1,), first.storage_offset())
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _ints(raw: bytes) -> list[int]:
@@ -139,6 +138,9 @@ _MAX_SEQS_WHY = "one per sequence, at most 2^20 sequences"
 
 
 _SEQUENCE = "a sequence of ints, one per sequence"
+
+# The int32 arrays of a step, the first four fields of StepTensors.
+_STEP_ARRAYS = ("cu_q", "kv_len", "row_ptr", "intervals")
 
 # Most intervals a step holds (cm_serve::MAX_STEP_INTERVALS; the planner refuses more): room
 # past it would never be used, and 2^31 pairs took 16 GiB of host memory to pad.
@@ -529,9 +531,6 @@ class Step:
                 f"total_q={self.total_q}, num_intervals={self.num_intervals})")
 
 
-_STEP_ARRAYS = ("cu_q", "kv_len", "row_ptr", "intervals")
-
-
 def _addresses(parts: Any) -> tuple:
     """Where the step tensors ``parts`` are: what ``set_``, ``resize_`` or ``.data =`` change,
     after which their remembered checks no longer hold."""
@@ -552,7 +551,7 @@ def _write_layout(torch: Any, parts: Any) -> tuple[Any, bool, tuple]:
             raise ValueError(f"tensors.{name} is on {t.device} but tensors.cu_q on "
                              f"{parts[0].device}")
     _check_writable(torch, _STEP_ARRAYS, parts)
-    span = _consecutive(torch, parts, sum(t.numel() for t in parts))
+    span = _consecutive(parts)
     return span, any(t.is_inference() for t in parts), _addresses(parts)
 
 
@@ -717,7 +716,7 @@ def paged_attention(
                              "most new rows of any sequence)")
     else:
         raise TypeError(f"step must be a compilemask.Step or StepTensors, got {_type_name(step)}")
-    for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
+    for name in _STEP_ARRAYS:
         t = getattr(tensors, name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
             got = t.dtype if isinstance(t, torch.Tensor) else _type_name(t)
@@ -736,7 +735,7 @@ def paged_attention(
                 raise ValueError(f"step.{name} has shape {tuple(got.shape)}; expected [{what}] "
                                  f"= [{want}] (the StepTensors' num_seqs = {step.num_seqs}, "
                                  f"total_q = {step.total_q})")
-    for name in ("cu_q", "kv_len", "row_ptr", "intervals"):
+    for name in _STEP_ARRAYS:
         t = getattr(tensors, name)
         if t.device != q.device:
             raise ValueError(f"step.{name} is on {t.device} but q is on {q.device}; use "
